@@ -1,0 +1,18 @@
+"""Builds the optional C disk reader (csrc/pread_pool.c -> engram.store._pread_pool).
+
+The extension is optional: when no compiler is present the build goes on without it and the disk tier
+falls back to its pure-Python reader (it warns once at first use).
+"""
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "engram.store._pread_pool",
+            sources=["csrc/pread_pool.c"],
+            extra_compile_args=["-O2", "-pthread"],
+            extra_link_args=["-pthread"],
+            optional=True,
+        )
+    ]
+)
