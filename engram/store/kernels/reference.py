@@ -1,0 +1,51 @@
+"""Plain torch gather + dequant of packed table rows: the reference every fast kernel must match bitwise.
+
+Inputs are the raw table bytes as the store keeps them (see engram/store/format.py):
+``values`` uint8 [R, stride] (row r's first dim*itemsize bytes are its values, the rest padding) and, for
+MXFP8 rows, ``scales`` uint8 [R, dim // 32]. Works on any device, including pinned host memory read from
+the CPU.
+"""
+from __future__ import annotations
+
+import torch
+
+from engram.quant import BLOCK, scale_factors
+
+ROW_TORCH_DTYPES = {"mxfp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16,
+                    "fp32": torch.float32}
+
+
+def value_bytes(row_dtype: str, dim: int) -> int:
+    """Bytes of one row's values (without padding or scales)."""
+    return dim * ROW_TORCH_DTYPES[row_dtype].itemsize
+
+
+def decode_rows(raw: torch.Tensor, scales: torch.Tensor | None, row_dtype: str, dim: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """raw uint8 [N, >= value_bytes] + scales uint8 [N, dim/32] (mxfp8 only) -> [N, dim] ``dtype``."""
+    n = raw.shape[0]
+    vb = raw[:, : value_bytes(row_dtype, dim)].contiguous()
+    vals = vb.view(ROW_TORCH_DTYPES[row_dtype])  # [N, dim]
+    if row_dtype != "mxfp8":
+        return vals.to(dtype)
+    f = scale_factors(scales)  # [N, dim/32] fp32
+    out = vals.to(torch.float32).reshape(n, dim // BLOCK, BLOCK) * f.unsqueeze(-1)
+    return out.reshape(n, dim).to(dtype)
+
+
+def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor, row_dtype: str, dim: int,
+                out: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Rows ``ids`` (int64 [N], already range-checked) of a packed table, dequantized into ``out`` [N, dim]."""
+    ids = ids.to(values.device)
+    raw = values.index_select(0, ids)  # [N, stride] uint8
+    sc = scales.index_select(0, ids.to(scales.device)) if scales is not None else None
+    rows = decode_rows(raw, sc, row_dtype, dim, dtype)
+    if out is None:
+        return rows
+    out.copy_(rows)
+    return out
+
+
+def gather_raw(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Packed bytes of rows ``ids``: uint8 [N, stride]."""
+    return values.index_select(0, ids.to(values.device))
