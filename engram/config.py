@@ -317,7 +317,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # CPU-friendly: two layers of ~12 K rows each; compressed_vocab_size matches the built-in tokenizer.
     "tiny": dict(
         layer_ids=(1, 3), max_ngram_size=3, n_heads=4, head_dim=32, vocab_size=(1009, 1511),
-        compressed_vocab_size=2048, pad_token_id=0, hidden_size=64, hc_mult=2, rms_norm_eps=1e-6,
+        compressed_vocab_size=2901, pad_token_id=2, hidden_size=64, hc_mult=2, rms_norm_eps=1e-6,
         variant="v41", row_dtype="mxfp8",
     ),
 }
