@@ -1,0 +1,19 @@
+"""pin_tensor without CUDA hands the same tensor back; argument checks hold everywhere."""
+import pytest
+import torch
+
+from engram.store.pinning import pin_tensor, pinned_stats
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_pin_without_cuda_returns_same_tensor():
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    assert pin_tensor(t) is t
+    assert pinned_stats()["regions"] == 0
+
+
+@pytest.mark.parametrize("kw", [{"chunk_bytes": 0}, {"chunk_bytes": 1000}, {"threads": 0}])
+def test_pin_rejects_bad_arguments(kw):
+    name = next(iter(kw))
+    with pytest.raises(ValueError, match=name):
+        pin_tensor(torch.zeros(4), **kw)
