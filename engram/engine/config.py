@@ -1,0 +1,49 @@
+"""EngineConfig: the scheduler's limits and the KV memory budget, validated at construction.
+
+``kv_cache_memory`` is the byte budget for everything the engine allocates per step besides weights and
+tables: paged KV blocks, the Engram row staging buffers and the hot-row cache (see memory.py for the
+split). Errors are ValueError naming the field and value. The config knows nothing about the model;
+``max_model_len=None`` is resolved against the model when the engine starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 64  # sequences in one step, at most
+    max_num_batched_tokens: int = 2048  # tokens in one step (prefill chunks + decodes), at most
+    max_model_len: int | None = None  # prompt + output tokens per sequence; None = the model's limit
+    block_size: int = 16  # tokens per paged KV block
+    kv_cache_memory: int | None = None  # bytes for KV blocks + Engram staging + hot-row cache; None = enough
+    num_kv_blocks: int | None = None  # exact KV block count (overrides the budget; tests use it)
+    seed: int = 0  # random stream of requests without their own seed
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"engine.{name}={getattr(self, name)!r}: {why}")
+
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise bad(name, "must be an int >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise bad("max_model_len", "must be >= 1 (or None for the model's limit)")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise bad("kv_cache_memory", "must be a positive byte count (or None)")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise bad("num_kv_blocks", "must be >= 1 (or None to size from kv_cache_memory)")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise bad("max_num_batched_tokens",
+                      f"must be >= max_num_seqs={self.max_num_seqs} so every running sequence can decode")
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "EngineConfig":
+        """Build from keyword options (LLM(**engine options)); unknown keys raise, naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        return cls(**options)

@@ -1,0 +1,63 @@
+"""SamplingParams: how one request picks its tokens and when it stops, with vLLM's field names.
+
+Validated in ``__post_init__`` (ValueError naming the field and value). ``temperature == 0`` means greedy;
+``seed`` gives the request its own random stream, so its tokens do not depend on what else is batched.
+Only ``n == 1`` is supported. ``stop`` strings are matched on the detokenized text and cut from it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1  # completions per prompt (only 1 is supported)
+    temperature: float = 1.0  # 0 = greedy (argmax)
+    top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1 = all
+    seed: int | None = None  # per-request random stream (reproducible in any batch)
+    max_tokens: int | None = 16  # generated tokens at most; None = up to max_model_len
+    stop: str | list[str] | None = None  # strings that end the completion (excluded from the text)
+    stop_token_ids: list[int] | None = None  # token ids that end the completion (besides EOS)
+    ignore_eos: bool = False  # keep generating past the EOS token
+    min_tokens: int = 0  # EOS / stop_token_ids are ignored before this many tokens
+    skip_special_tokens: bool = True  # drop special tokens from the text
+    include_stop_str_in_output: bool = False  # keep the matched stop string in the text
+    stop_list: list[str] = field(init=False, repr=False)  # ``stop`` normalised to a list
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+        if self.n != 1:
+            raise bad("n", "only n=1 is supported")
+        if not self.temperature >= 0.0:
+            raise bad("temperature", "must be >= 0 (0 = greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.top_k < 0:
+            raise bad("top_k", "must be >= 1, or 0 / -1 for all tokens")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", "must be >= 1 (or None for up to max_model_len)")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "must be an int or None")
+        if self.stop is None:
+            stops: list[str] = []
+        elif isinstance(self.stop, str):
+            stops = [self.stop]
+        else:
+            stops = list(self.stop)
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise bad("stop", "stop strings must be non-empty str")
+        self.stop_list = stops
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        if any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "token ids must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

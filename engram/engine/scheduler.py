@@ -1,0 +1,102 @@
+"""Continuous batching: which sequences run this step and how many of their tokens, under three limits.
+
+Each step spends at most ``max_num_batched_tokens`` tokens over at most ``max_num_seqs`` sequences.
+Running sequences go first, oldest first (a decode costs one token, an unfinished prompt its next chunk);
+then waiting sequences are admitted in arrival order, their prompts chunked to the budget left. When KV
+blocks run out, the newest running sequence is preempted by recompute (blocks freed, put back at the front
+of the queue) and no new sequence is admitted that step. The scheduler never looks at lookup timing, so
+batch composition is a function of the requests alone.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engram.engine.block_manager import BlockManager
+from engram.engine.config import EngineConfig
+from engram.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)  # sequences computed this step, in packing order
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens of each computed this step (>= 1)
+    start_positions: list[int] = field(default_factory=list)  # each sequence's num_computed_tokens before the step
+    preempted: list[Sequence] = field(default_factory=list)  # sequences that lost their blocks this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    def samples(self) -> list[bool]:
+        """Whether each sequence reaches its last token this step (so a new token is sampled for it)."""
+        return [s0 + n == seq.num_tokens for seq, s0, n in zip(self.seqs, self.start_positions, self.num_new_tokens)]
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Sequence] = deque()  # arrival order; preempted sequences go back to the front
+        self.running: list[Sequence] = []  # admission order (oldest first)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.blocks.can_allocate(seq, n):
+                victim = self.running.pop()  # newest first; never one already scheduled (those sit before i)
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self._take(batch, seq, n)
+                budget -= n
+                i += 1
+        while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.blocks.can_allocate(seq, n):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._take(batch, seq, n)
+            budget -= n
+        return batch
+
+    def _take(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        self.blocks.allocate(seq, n)
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(n)
+        batch.start_positions.append(seq.num_computed_tokens)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished (or aborted) sequence and give its blocks back."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)

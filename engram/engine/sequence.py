@@ -1,0 +1,90 @@
+"""Sequence: one request's tokens, its KV blocks, its Engram state and its progress through the engine.
+
+``token_ids`` is prompt + generated tokens; ``num_computed_tokens`` of them have K/V in the cache. The
+Engram state is carried per sequence: ``lookback`` (the compressed ids just before the first uncomputed
+token, DEAD = -1, oldest first) and, for the paper variant, ``conv_state`` (ShortConv buffers). Preemption
+by recompute drops blocks and state; both are rebuilt from the tokens when the sequence runs again.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+import torch
+
+from engram.engine.detokenizer import IncrementalDetokenizer
+from engram.engine.outputs import RequestMetrics
+from engram.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"  # holds KV blocks; prefilling in chunks or decoding
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, seq_id: int, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 prompt_compressed: list[int], params: SamplingParams, detokenizer: IncrementalDetokenizer,
+                 initial_lookback: torch.Tensor, initial_conv_state: Any = None):
+        self.seq_id = seq_id  # engine-wide order of arrival (the scheduler's priority)
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt + generated (raw ids)
+        self.compressed_ids: list[int] = list(prompt_compressed)  # same length, compressed (DEAD = -1)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.block_table: list[int] = []  # KV block ids, in token order
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.detokenizer = detokenizer
+        self.generator: torch.Generator | None = None  # per-request stream when params.seed is set
+        self.metrics = RequestMetrics(arrival_time=time.monotonic())
+        self._initial_lookback = initial_lookback  # [W] pad ids
+        self._initial_conv_state = initial_conv_state
+        self.lookback = initial_lookback.clone()  # [W] compressed ids before token num_computed_tokens
+        self.conv_state = initial_conv_state  # paper variant: ShortConvState for this one sequence
+
+    # ----------------------------------------------------------------- views
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    # ----------------------------------------------------------------- transitions
+    def append_token(self, token_id: int, compressed_id: int) -> None:
+        self.token_ids.append(int(token_id))
+        self.compressed_ids.append(int(compressed_id))
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: K/V and Engram state are dropped and rebuilt from ``token_ids`` when rescheduled."""
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.lookback = self._initial_lookback.clone()
+        self.conv_state = self._initial_conv_state
+        self.status = SequenceStatus.WAITING
+        self.metrics.num_preemptions += 1
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.metrics.finished_time = time.monotonic()
