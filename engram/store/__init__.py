@@ -1,1 +1,15 @@
+"""Engram table store: the on-disk format and the tiers that serve rows from it.
 
+``write_table`` writes a table directory, ``open_table`` opens one on a tier ("gpu" | "host" | "disk")
+and returns a ``Table`` with ``gather`` / ``gather_raw`` / ``submit`` / ``stats``; a bad table raises
+``TableFormatError`` naming the file and byte offset. See docs/store.md.
+"""
+from __future__ import annotations
+
+from engram.store.base import LookupHandle, TableBackend, Tier
+from engram.store.format import TableFormatError, TableManifest, read_manifest, verify_table
+
+Table = TableBackend
+
+__all__ = ["LookupHandle", "Table", "TableBackend", "TableFormatError", "TableManifest", "Tier",
+           "read_manifest", "verify_table"]

@@ -1,0 +1,210 @@
+"""The one interface every table tier implements: ``Tier``, ``TableBackend`` and ``LookupHandle``.
+
+A backend serves rows of one table by id: ``gather`` returns dequantized rows [N, dim], ``gather_raw``
+the packed row bytes [N, row_bytes] (values then scale bytes, no padding: 264 B for a V4.1 MXFP8 row),
+``submit`` starts a lookup and returns a handle, ``stats`` counts the work. Ids are range-checked (an
+out-of-range id raises IndexError naming it and the table size) and N may be 0. The base class holds the
+shared path (check, dedupe, hot-row cache, decode through ``engram.store.kernels``); a tier provides
+``_fetch(ids)`` and may override ``gather`` with a fused path. Tiers know nothing about models or plans.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+from typing import Any
+
+import torch
+
+from engram.store import kernels
+from engram.store.format import TableManifest
+
+STAT_KEYS = ("lookups", "rows", "unique_rows", "hits", "misses", "evictions", "bytes_read", "read_ops")
+
+
+class Tier(str, enum.Enum):
+    """Where a table's rows live. ``gpu``: device memory (RAM without CUDA); ``host``: pinned host memory
+    (RAM without CUDA), read over PCIe; ``disk``: the table files, read on demand (scales stay in RAM)."""
+
+    GPU = "gpu"
+    HOST = "host"
+    DISK = "disk"
+
+    @classmethod
+    def parse(cls, value: "str | Tier") -> "Tier":
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"tier={value!r} is not one of {[t.value for t in cls]}") from None
+
+
+class LookupHandle:
+    """A lookup in flight. ``wait()`` returns the rows (or raises what the lookup raised), ``done()`` says
+    whether ``wait`` would return at once, ``cancel()`` drops work not yet started and returns whether it
+    did; ``wait`` on a cancelled handle raises ``concurrent.futures.CancelledError``."""
+
+    def wait(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def done(self) -> bool:
+        raise NotImplementedError
+
+    def cancel(self) -> bool:
+        raise NotImplementedError
+
+
+class CompletedLookup(LookupHandle):
+    """The handle of a lookup that ran synchronously inside ``submit`` (gpu and host tiers)."""
+
+    def __init__(self, rows: torch.Tensor | None = None, error: BaseException | None = None) -> None:
+        self._rows, self._error = rows, error
+
+    def wait(self) -> torch.Tensor:
+        if self._error is not None:
+            raise self._error
+        return self._rows
+
+    def done(self) -> bool:
+        return True
+
+    def cancel(self) -> bool:
+        return False  # already finished: nothing left to drop
+
+
+class TableBackend:
+    """Base class of the tiers. Subclasses set up storage, then implement ``_fetch``.
+
+    Attributes: ``manifest`` (TableManifest), ``rows``, ``dim``, ``row_dtype``, ``value_bytes`` (bytes of
+    one row's values), ``scale_cols`` (scale bytes per row, 0 unless mxfp8), ``row_bytes`` (value_bytes +
+    scale_cols), ``device`` (where gathered rows are returned), ``cache`` (a RowCache or None).
+    """
+
+    tier: Tier
+
+    def __init__(self, manifest: TableManifest, device: torch.device, cache: Any = None) -> None:
+        self.manifest = manifest
+        self.rows = manifest.rows
+        self.dim = manifest.dim
+        self.row_dtype = manifest.row_dtype
+        self.value_bytes = manifest.value_bytes
+        self.scale_cols = manifest.scale_cols
+        self.row_bytes = self.value_bytes + self.scale_cols
+        self.device = torch.device(device)
+        self.cache = cache
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(STAT_KEYS, 0)
+        self._closed = False
+
+    # ----------------------------------------------------------------- subclass hooks
+    def _fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Packed rows of ``ids`` (int64 [M], in range, unique) from the backing store, on ``self.device``:
+        (values uint8 [M, >= value_bytes], scales uint8 [M, scale_cols] or None). Adds bytes_read/read_ops."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- public API
+    def check_ids(self, ids: torch.Tensor | Any) -> torch.Tensor:
+        """int64 [N] view of ``ids`` (any int tensor, list or array); IndexError on an id outside [0, rows)."""
+        if self._closed:
+            raise RuntimeError(f"table {self.manifest.path} is closed")
+        if not isinstance(ids, torch.Tensor):
+            ids = torch.as_tensor(ids, dtype=torch.int64)
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
+            raise TypeError(f"row ids must be an integer tensor, got {ids.dtype}")
+        ids = ids.reshape(-1).to(torch.int64)
+        if ids.numel():
+            bad = (ids < 0) | (ids >= self.rows)
+            if bool(bad.any()):
+                pos = int(bad.nonzero()[0, 0])
+                raise IndexError(f"row id {int(ids[pos])} (position {pos}) is out of range for table "
+                                 f"{self.manifest.path} with {self.rows} rows")
+        return ids
+
+    def gather(self, ids: torch.Tensor, out: torch.Tensor | None = None,
+               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Dequantized rows [N, dim] in ``dtype`` on ``self.device`` (written into ``out`` when given)."""
+        ids = self.check_ids(ids)
+        n = ids.numel()
+        if out is not None and (tuple(out.shape) != (n, self.dim) or out.dtype != dtype):
+            raise ValueError(f"out has shape {tuple(out.shape)} {out.dtype}, expected [{n}, {self.dim}] {dtype}")
+        if n == 0:
+            self._count(lookups=1)
+            return out if out is not None else torch.empty(0, self.dim, dtype=dtype, device=self.device)
+        vals, scales, inverse = self._unique_rows(ids)
+        # vals [U, >= value_bytes] uint8, inverse [N] -> dequantized [N, dim]
+        return kernels.gather_rows(vals, scales, inverse.to(vals.device), self.row_dtype, self.dim,
+                                   out=out, dtype=dtype)
+
+    def gather_raw(self, ids: torch.Tensor) -> torch.Tensor:
+        """Packed row bytes uint8 [N, row_bytes] on ``self.device``: values, then scale bytes (mxfp8)."""
+        ids = self.check_ids(ids)
+        if ids.numel() == 0:
+            self._count(lookups=1)
+            return torch.empty(0, self.row_bytes, dtype=torch.uint8, device=self.device)
+        vals, scales, inverse = self._unique_rows(ids)
+        inverse = inverse.to(vals.device)
+        raw = vals[:, : self.value_bytes].index_select(0, inverse)  # [N, value_bytes]
+        if scales is None:
+            return raw
+        return torch.cat([raw, scales.index_select(0, inverse)], dim=1)  # [N, row_bytes]
+
+    def decode_raw(self, raw: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Rows from ``gather_raw`` bytes [N, row_bytes] -> [N, dim] ``dtype``, bitwise equal to ``gather``."""
+        if raw.dim() != 2 or raw.shape[1] != self.row_bytes or raw.dtype != torch.uint8:
+            raise ValueError(f"raw rows must be uint8 [N, {self.row_bytes}], got {raw.dtype} {tuple(raw.shape)}")
+        vals = raw[:, : self.value_bytes]
+        scales = raw[:, self.value_bytes:] if self.scale_cols else None
+        idx = torch.arange(raw.shape[0], device=raw.device)
+        return kernels.gather_rows(vals, scales, idx, self.row_dtype, self.dim, dtype=dtype)
+
+    def submit(self, ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> LookupHandle:
+        """Start a lookup; here it runs at once and the handle is complete (the disk tier runs it async)."""
+        try:
+            return CompletedLookup(self.gather(ids, dtype=dtype))
+        except Exception as e:  # surfaced by wait(), as an async tier would
+            return CompletedLookup(error=e)
+
+    def stats(self) -> dict[str, int]:
+        """Counters since open: lookups (calls), rows (ids asked), unique_rows (distinct ids per call, summed),
+        hits / misses / evictions (hot-row cache; 0 without one), bytes_read and read_ops (backing store)."""
+        with self._lock:
+            out = dict(self._counts)
+        if self.cache is not None:
+            out.update(self.cache.counters())
+        return out
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._counts = dict.fromkeys(STAT_KEYS, 0)
+        if self.cache is not None:
+            self.cache.reset_counters()
+
+    def close(self) -> None:
+        """Release storage; later calls raise RuntimeError."""
+        self._closed = True
+        self.cache = None
+
+    def __enter__(self) -> "TableBackend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(path={str(self.manifest.path)!r}, rows={self.rows}, dim={self.dim}, "
+                f"row_dtype={self.row_dtype!r}, device={self.device}, cache={self.cache!r})")
+
+    # ----------------------------------------------------------------- shared path
+    def _count(self, **add: int) -> None:
+        with self._lock:
+            for k, v in add.items():
+                self._counts[k] += int(v)
+
+    def _unique_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Dedupe ``ids`` [N] and fetch each distinct row once (through the cache when there is one):
+        (values [U, >= value_bytes], scales [U, scale_cols] | None, inverse [N] into U)."""
+        uniq, inverse = torch.unique(ids, return_inverse=True)  # [U], [N]
+        self._count(lookups=1, rows=ids.numel(), unique_rows=uniq.numel())
+        if self.cache is None:
+            vals, scales = self._fetch(uniq)
+        else:
+            vals, scales = self.cache.fetch(uniq, self._fetch)
+        return vals, scales, inverse
