@@ -1,0 +1,307 @@
+/* engram.store._pread_pool: a GIL-free batched pread reader for the disk tier.
+ *
+ * Pool(threads) starts `threads` pthreads that live as long as the pool. Pool.read(fd, offsets, size, out)
+ * reads len(offsets) blocks of `size` bytes, block i from file offset offsets[i] into out[i*size:(i+1)*size],
+ * with up to `threads` preads in flight (the queue depth). The GIL is released while the calling thread
+ * waits, so several Python threads may read at once: their jobs share the pool's threads in FIFO order.
+ * Read returns None when every block was read in full, else (index, errno, got) of the lowest failing
+ * block: errno != 0 for a failed pread (EIO, ...), errno == 0 with got < size for a short read (EOF).
+ * Python turns that into an error naming the file and offset (engram/store/reader.py).
+ *
+ * Fault injection for tests: inject_index >= 0 makes block inject_index fail as if pread had returned
+ * errno inject_errno (when non-zero) or only inject_got bytes; it runs through the same reporting path.
+ *
+ * Work distribution: a worker attaches to the oldest job with unclaimed blocks (under the pool mutex),
+ * then claims blocks one at a time with an atomic counter (no lock per read), so a job keeps `threads`
+ * reads in flight until its tail. Not fork-safe: reader.py rebuilds the pool in a forked child.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+#include <unistd.h>
+
+typedef struct Job {
+    int fd;
+    const int64_t *offsets;
+    Py_ssize_t size;
+    char *out;
+    Py_ssize_t n;
+    Py_ssize_t next;      /* next unclaimed block (atomic) */
+    Py_ssize_t done;      /* blocks finished (under pool mutex) */
+    int attached;         /* workers holding a pointer to this job (under pool mutex); it lives on the
+                             caller's stack, so the caller waits for 0 before returning */
+    int failed;           /* set once any block failed: remaining blocks are skipped (atomic) */
+    Py_ssize_t fail_index;
+    int fail_errno;
+    Py_ssize_t fail_got;
+    Py_ssize_t inject_index;
+    int inject_errno;
+    Py_ssize_t inject_got;
+    struct Job *link;     /* FIFO of jobs with unclaimed blocks */
+    pthread_cond_t cv_done;
+} Job;
+
+typedef struct {
+    PyObject_HEAD
+    int nthreads;
+    pthread_t *threads;
+    int started;          /* threads actually created */
+    pthread_mutex_t mu;
+    pthread_cond_t cv_work;
+    Job *head, *tail;
+    int stop;
+} Pool;
+
+/* Reads block i of job j in full (retrying EINTR and partial reads); returns 0 or fills *err / *got. */
+static int read_block(Job *j, Py_ssize_t i, int *err, Py_ssize_t *got) {
+    char *dst = j->out + i * j->size;
+    off_t off = (off_t)j->offsets[i];
+    Py_ssize_t have = 0;
+    if (i == j->inject_index) {
+        *err = j->inject_errno;
+        *got = j->inject_errno ? 0 : (j->inject_got < j->size ? j->inject_got : j->size - 1);
+        return -1;
+    }
+    while (have < j->size) {
+        ssize_t r = pread(j->fd, dst + have, (size_t)(j->size - have), off + have);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            *err = errno;
+            *got = have;
+            return -1;
+        }
+        if (r == 0) { /* end of file: a short read */
+            *err = 0;
+            *got = have;
+            return -1;
+        }
+        have += r;
+    }
+    return 0;
+}
+
+static void *worker(void *arg) {
+    Pool *p = (Pool *)arg;
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        while (!p->stop && p->head == NULL) pthread_cond_wait(&p->cv_work, &p->mu);
+        if (p->stop) break;
+        Job *j = p->head;
+        j->attached++;
+        pthread_mutex_unlock(&p->mu);
+
+        Py_ssize_t finished = 0, my_fail = -1, my_got = 0;
+        int my_err = 0;
+        for (;;) {
+            Py_ssize_t i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+            if (i >= j->n) break;
+            finished++;
+            if (__atomic_load_n(&j->failed, __ATOMIC_RELAXED)) continue;
+            int err;
+            Py_ssize_t got;
+            if (read_block(j, i, &err, &got) != 0) {
+                __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+                if (my_fail < 0 || i < my_fail) { my_fail = i; my_err = err; my_got = got; }
+            }
+        }
+
+        pthread_mutex_lock(&p->mu);
+        if (p->head == j) { /* every block of j is claimed: take it off the queue */
+            p->head = j->link;
+            if (p->head == NULL) p->tail = NULL;
+        }
+        if (my_fail >= 0 && (j->fail_index < 0 || my_fail < j->fail_index)) {
+            j->fail_index = my_fail;
+            j->fail_errno = my_err;
+            j->fail_got = my_got;
+        }
+        j->done += finished;
+        j->attached--;
+        if (j->done == j->n && j->attached == 0) pthread_cond_signal(&j->cv_done);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+static void pool_shutdown(Pool *p) {
+    if (p->threads == NULL) return;
+    pthread_mutex_lock(&p->mu);
+    p->stop = 1;
+    pthread_cond_broadcast(&p->cv_work);
+    pthread_mutex_unlock(&p->mu);
+    for (int t = 0; t < p->started; t++) pthread_join(p->threads[t], NULL);
+    PyMem_RawFree(p->threads);
+    p->threads = NULL;
+    p->started = 0;
+}
+
+static int Pool_init(Pool *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"threads", NULL};
+    int nthreads;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i", kwlist, &nthreads)) return -1;
+    if (nthreads < 1 || nthreads > 1024) {
+        PyErr_Format(PyExc_ValueError, "threads=%d: must be in [1, 1024]", nthreads);
+        return -1;
+    }
+    if (self->threads != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Pool is already initialised");
+        return -1;
+    }
+    pthread_mutex_init(&self->mu, NULL);
+    pthread_cond_init(&self->cv_work, NULL);
+    self->head = self->tail = NULL;
+    self->stop = 0;
+    self->nthreads = nthreads;
+    self->threads = PyMem_RawCalloc((size_t)nthreads, sizeof(pthread_t));
+    if (self->threads == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int t = 0; t < nthreads; t++) {
+        int rc = pthread_create(&self->threads[t], NULL, worker, self);
+        if (rc != 0) {
+            pool_shutdown(self);
+            errno = rc;
+            PyErr_SetFromErrno(PyExc_OSError);
+            return -1;
+        }
+        self->started++;
+    }
+    return 0;
+}
+
+static void Pool_dealloc(Pool *self) {
+    if (self->threads != NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        pool_shutdown(self);
+        Py_END_ALLOW_THREADS
+        pthread_cond_destroy(&self->cv_work);
+        pthread_mutex_destroy(&self->mu);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Pool_read(Pool *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"fd", "offsets", "size", "out", "inject_index", "inject_errno", "inject_got", NULL};
+    int fd, inject_errno = 0;
+    Py_ssize_t size, inject_index = -1, inject_got = 0;
+    Py_buffer offs, out;
+    if (self->threads == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Pool is closed");
+        return NULL;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iy*nw*|nin", kwlist, &fd, &offs, &size, &out,
+                                     &inject_index, &inject_errno, &inject_got))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = offs.len / (Py_ssize_t)sizeof(int64_t);
+    if (size < 1) {
+        PyErr_Format(PyExc_ValueError, "size=%zd: must be >= 1", size);
+        goto done;
+    }
+    if (offs.len % (Py_ssize_t)sizeof(int64_t) != 0) {
+        PyErr_Format(PyExc_ValueError, "offsets must hold int64 values, got %zd bytes", offs.len);
+        goto done;
+    }
+    if (out.len < n * size) {
+        PyErr_Format(PyExc_ValueError, "out holds %zd bytes but %zd blocks of %zd bytes need %zd",
+                     out.len, n, size, n * size);
+        goto done;
+    }
+    if (n == 0) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    Job j;
+    memset(&j, 0, sizeof j);
+    j.fd = fd;
+    j.offsets = (const int64_t *)offs.buf;
+    j.size = size;
+    j.out = (char *)out.buf;
+    j.n = n;
+    j.fail_index = -1;
+    j.inject_index = inject_index;
+    j.inject_errno = inject_errno;
+    j.inject_got = inject_got;
+    pthread_cond_init(&j.cv_done, NULL);
+
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->mu);
+    if (self->tail) self->tail->link = &j; else self->head = &j;
+    self->tail = &j;
+    if (n >= self->nthreads) {
+        pthread_cond_broadcast(&self->cv_work);
+    } else { /* wake only as many workers as there are blocks */
+        for (Py_ssize_t k = 0; k < n; k++) pthread_cond_signal(&self->cv_work);
+    }
+    while (j.done < j.n || j.attached > 0) pthread_cond_wait(&j.cv_done, &self->mu);
+    pthread_mutex_unlock(&self->mu);
+    Py_END_ALLOW_THREADS
+    pthread_cond_destroy(&j.cv_done);
+
+    if (j.fail_index < 0) {
+        result = Py_NewRef(Py_None);
+    } else {
+        result = Py_BuildValue("(nin)", j.fail_index, j.fail_errno, j.fail_got);
+    }
+done:
+    PyBuffer_Release(&offs);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyObject *Pool_close(Pool *self, PyObject *Py_UNUSED(ignored)) {
+    Py_BEGIN_ALLOW_THREADS
+    pool_shutdown(self);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *Pool_get_threads(Pool *self, void *Py_UNUSED(closure)) {
+    return PyLong_FromLong(self->nthreads);
+}
+
+static PyMethodDef Pool_methods[] = {
+    {"read", (PyCFunction)(void (*)(void))Pool_read, METH_VARARGS | METH_KEYWORDS,
+     "read(fd, offsets, size, out, inject_index=-1, inject_errno=0, inject_got=0) -> None | (index, errno, got)"},
+    {"close", (PyCFunction)Pool_close, METH_NOARGS, "Stop and join the worker threads."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Pool_getset[] = {
+    {"threads", (getter)Pool_get_threads, NULL, "number of worker threads (the queue depth)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject PoolType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "engram.store._pread_pool.Pool",
+    .tp_basicsize = sizeof(Pool),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Pool(threads): persistent pthread pread pool; read() releases the GIL.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Pool_init,
+    .tp_dealloc = (destructor)Pool_dealloc,
+    .tp_methods = Pool_methods,
+    .tp_getset = Pool_getset,
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "_pread_pool", "GIL-free batched pread reader (see csrc/pread_pool.c).", -1,
+    NULL, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__pread_pool(void) {
+    if (PyType_Ready(&PoolType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&moduledef);
+    if (m == NULL) return NULL;
+    if (PyModule_AddObjectRef(m, "Pool", (PyObject *)&PoolType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

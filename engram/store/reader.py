@@ -1,0 +1,266 @@
+"""Batched page reads from one file: ``PageReader.read(offsets, out)`` fills ``out`` with whole pages.
+
+The fast path is the C pthread pool ``engram.store._pread_pool`` (csrc/pread_pool.c), which releases the
+GIL and keeps ``queue_depth`` preads in flight; without it (no compiler at install time) a pure-Python
+thread pool returns identical bytes, with one warning per process. ``io="direct"`` opens the file with
+O_DIRECT (reads bypass the page cache; buffers must be page-aligned, see ``aligned_pages``) and
+``io="buffered"`` goes through the page cache. Any failed, short or stale read raises ``DiskReadError``
+naming the file and byte offset; only that call fails, the next one reads afresh. Tests flip the backend
+with ``set_backend("python")`` and inject faults through ``PageReader.fault_hook``.
+"""
+from __future__ import annotations
+
+import errno as errno_mod
+import itertools
+import os
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+PAGE = 4096  # read unit and O_DIRECT alignment: 4 KiB covers every logical block size in use
+IO_MODES = ("direct", "buffered")
+BACKENDS = ("auto", "c", "python")
+MAX_QUEUE_DEPTH = 1024
+
+try:
+    from engram.store import _pread_pool
+except ImportError as _e:  # built without a compiler: the Python reader takes over (warned at first use)
+    _pread_pool = None
+    _IMPORT_ERROR: str | None = str(_e)
+else:
+    _IMPORT_ERROR = None
+
+_backend = os.environ.get("ENGRAM_READER", "auto")
+_warned = False
+_pools: dict[tuple[str, int], object] = {}  # (backend, queue depth) -> pool shared by every reader
+_pools_pid = os.getpid()
+_pools_lock = threading.Lock()
+
+
+class DiskReadError(OSError):
+    """A page read failed: ``path``, byte ``offset``, ``errno`` (0 for a short or stale read)."""
+
+    def __init__(self, path: str, offset: int, err: int, detail: str):
+        super().__init__(err, f"{path}: read at byte offset {offset} failed: {detail}")
+        self.path, self.offset = path, offset
+
+
+@dataclass(frozen=True)
+class Fault:
+    """An injected failure of block ``index`` of one read: errno ``err`` != 0, else a short read of ``got``."""
+
+    index: int  # which block of the read fails
+    err: int = errno_mod.EIO  # errno to report; 0 means a short read
+    got: int = 0  # bytes the short read returned (< block size)
+
+
+def set_backend(name: str) -> str:
+    """Choose "auto" (C when built), "c" (required) or "python"; returns the previous choice."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"reader backend {name!r} is not one of {BACKENDS}")
+    if name == "c" and _pread_pool is None:
+        raise RuntimeError(f"the C reader engram.store._pread_pool is not built: {_IMPORT_ERROR}")
+    old, _backend = _backend, name
+    return old
+
+
+def active_backend() -> str:
+    """The backend reads use now: "c" or "python"."""
+    if _backend == "python" or (_backend == "auto" and _pread_pool is None):
+        return "python"
+    return "c"
+
+
+def c_available() -> bool:
+    return _pread_pool is not None
+
+
+def _warn_fallback() -> None:
+    global _warned
+    if not _warned and _backend == "auto":
+        _warned = True
+        warnings.warn(f"engram: the C disk reader is not built ({_IMPORT_ERROR}); using the slower "
+                      "pure-Python thread-pool reader (reinstall with a C compiler to build csrc/pread_pool.c)",
+                      RuntimeWarning, stacklevel=3)
+
+
+class _PythonPool:
+    """Same contract as the C Pool: ``threads`` workers each claim blocks from a shared counter."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self._ex = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="engram-pread")
+
+    def read(self, fd: int, offsets: np.ndarray, size: int, out, inject_index: int = -1,
+             inject_errno: int = 0, inject_got: int = 0):
+        n = len(offsets)
+        if n == 0:
+            return None
+        mv = memoryview(out).cast("B")
+        offs = offsets.tolist()
+        counter = itertools.count()  # next() is atomic under the GIL
+        failed: list[tuple[int, int, int]] = []
+
+        def work() -> None:
+            for i in iter(counter.__next__, None):
+                if i >= n:
+                    return
+                if failed:
+                    continue
+                if i == inject_index:
+                    failed.append((i, inject_errno, 0 if inject_errno else min(inject_got, size - 1)))
+                    continue
+                have, dst = 0, mv[i * size:(i + 1) * size]
+                while have < size:
+                    try:
+                        r = os.preadv(fd, [dst[have:]], offs[i] + have)
+                    except OSError as e:
+                        failed.append((i, e.errno or errno_mod.EIO, have))
+                        break
+                    if r == 0:
+                        failed.append((i, 0, have))
+                        break
+                    have += r
+
+        for f in [self._ex.submit(work) for _ in range(min(self.threads, n))]:
+            f.result()
+        return min(failed) if failed else None
+
+    def close(self) -> None:
+        self._ex.shutdown(wait=True)
+
+
+def _pool(queue_depth: int):
+    """The process-wide pool for this backend and depth (rebuilt in a forked child: threads do not fork)."""
+    global _pools_pid
+    kind = active_backend()
+    if kind == "python":
+        _warn_fallback()
+    with _pools_lock:
+        if os.getpid() != _pools_pid:
+            _pools.clear()
+            _pools_pid = os.getpid()
+        pool = _pools.get((kind, queue_depth))
+        if pool is None:
+            pool = _pread_pool.Pool(queue_depth) if kind == "c" else _PythonPool(queue_depth)
+            _pools[(kind, queue_depth)] = pool
+        return pool
+
+
+def aligned_pages(n: int) -> torch.Tensor:
+    """A page-aligned uint8 buffer [n, PAGE] (O_DIRECT needs the buffer address aligned too)."""
+    raw = torch.empty(n * PAGE + PAGE, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % PAGE
+    return raw[skip:skip + n * PAGE].view(n, PAGE)  # keeps `raw` alive through the view's storage
+
+
+class PageReader:
+    """Reads whole pages of one file through a shared queue_depth-wide pool.
+
+    ``fault_hook(offsets) -> Fault | None`` is called before every read (tests use it to inject EIO or a
+    short read into the real reporting path). Each read first checks that ``path`` still names the inode
+    that is open; if the file was replaced, that read raises and the reader reopens the new file.
+    """
+
+    def __init__(self, path: str | os.PathLike, io: str = "direct", queue_depth: int = 64):
+        if io not in IO_MODES:
+            raise ValueError(f"io={io!r}: must be one of {IO_MODES}")
+        if not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
+            raise ValueError(f"queue_depth={queue_depth}: must be in [1, {MAX_QUEUE_DEPTH}]")
+        self.path = os.fspath(path)
+        self.io_requested = io
+        self.queue_depth = queue_depth
+        self.fault_hook: Callable[[np.ndarray], Fault | None] | None = None
+        self._lock = threading.Lock()
+        self._fd = -1
+        self._retired: list[int] = []  # fds of replaced files, closed by close()
+        self._open()
+
+    @property
+    def io(self) -> str:
+        """The mode in effect: "buffered" when O_DIRECT was asked for but the file system refused it."""
+        return self._io
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def _open(self) -> None:
+        self._io = self.io_requested
+        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+        if self._io == "direct":
+            try:
+                fd = os.open(self.path, flags | os.O_DIRECT)
+            except OSError as e:
+                if e.errno != errno_mod.EINVAL:
+                    raise
+                warnings.warn(f"engram: {self.path}: the file system refuses O_DIRECT; reading through "
+                              "the page cache instead (io='buffered')", RuntimeWarning, stacklevel=3)
+                self._io = "buffered"
+                fd = os.open(self.path, flags)
+        else:
+            fd = os.open(self.path, flags)
+        st = os.fstat(fd)
+        if self._fd >= 0:  # a read in flight may still use the old fd: close it with the reader
+            self._retired.append(self._fd)
+        self._fd = fd
+        self._ident, self._size = (st.st_dev, st.st_ino), st.st_size
+
+    def _check_same_file(self, first_offset: int) -> None:
+        try:
+            st = os.stat(self.path)
+        except OSError as e:
+            raise DiskReadError(self.path, first_offset, e.errno or 0, f"file is gone ({e.strerror})") from e
+        if (st.st_dev, st.st_ino) != self._ident:
+            old = self._ident[1]
+            self._open()
+            raise DiskReadError(self.path, first_offset, 0,
+                                f"file was replaced under the reader (inode {old} -> {self._ident[1]}); "
+                                "this lookup is dropped, the next one reads the new file")
+
+    def read(self, offsets: np.ndarray, out: torch.Tensor, size: int = PAGE) -> None:
+        """Read ``size`` bytes at each of ``offsets`` (int64 [n]) into ``out`` (uint8, n*size bytes)."""
+        offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+        n = len(offsets)
+        if n == 0:
+            return
+        if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() < n * size:
+            raise ValueError(f"out must be a contiguous uint8 tensor of >= {n * size} bytes, got "
+                             f"{out.dtype} {tuple(out.shape)}")
+        if self._io == "direct" and (out.data_ptr() % PAGE or size % PAGE or (offsets % PAGE).any()):
+            raise ValueError(f"{self.path}: io='direct' needs page-aligned buffers, sizes and offsets "
+                             f"(buffer at {out.data_ptr():#x}, size {size}); use aligned_pages()")
+        fault = self.fault_hook(offsets) if self.fault_hook is not None else None
+        with self._lock:  # a reopen swaps the fd; reads themselves run concurrently
+            self._check_same_file(int(offsets[0]))
+            fd = self._fd
+        pool = _pool(self.queue_depth)
+        buf = out.numpy()
+        if fault is None:
+            res = pool.read(fd, offsets, size, buf)
+        else:
+            res = pool.read(fd, offsets, size, buf, inject_index=fault.index, inject_errno=fault.err,
+                            inject_got=fault.got)
+        if res is not None:
+            i, err, got = res
+            detail = (f"[Errno {err}] {os.strerror(err)}" if err else
+                      f"short read: {got} of {size} bytes (file is {self._size} bytes)")
+            raise DiskReadError(self.path, int(offsets[i]), err, detail)
+
+    def close(self) -> None:
+        for fd in self._retired + [self._fd]:
+            if fd >= 0:
+                os.close(fd)
+        self._retired, self._fd = [], -1
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
