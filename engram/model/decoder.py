@@ -1,0 +1,104 @@
+"""EngramDecoder: a plain, single-device Llama/Qwen-style decoder with Engram before chosen layers' attention.
+
+``forward(step: StepInputs, kv: KVCache) -> hidden [len(logits_indices), H]`` runs one engine step of
+packed tokens; ``compute_logits(hidden) -> [N, vocab_size]`` float32. Parameter names are the HF ones
+(``model.embed_tokens``, ``model.layers.L.self_attn.q_proj``, ..., ``lm_head``) plus
+``model.layers.L.engram.*`` (engram.module.Engram) and ``model.layers.L.{attn,mlp}_hc.*``
+(hyper-connections). The model never reads a table: each Engram layer asks ``step.engram_rows(L)``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engram.model.inputs import StepInputs
+from engram.model.kv_cache import KVCache
+from engram.model.layers.attention import Attention, AttentionMetadata
+from engram.model.layers.hyper_connections import HyperConnection
+from engram.model.layers.mlp import MLP
+from engram.model.layers.norm import RMSNorm
+from engram.model.layers.rope import RotaryEmbedding
+from engram.model.model_config import ModelConfig
+from engram.module import Engram
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id, self.hc_mult = layer_id, cfg.hc_mult
+        self.engram = Engram(cfg.engram, layer_id) if layer_id in cfg.engram_layer_ids else None
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        if cfg.hc_mult > 1:
+            self.attn_hc = HyperConnection(cfg.hc_mult, layer_id)
+            self.mlp_hc = HyperConnection(cfg.hc_mult, layer_id)
+
+    def _apply_engram(self, h: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        if step.engram_rows is None:
+            raise ValueError(f"layer {self.layer_id} is an Engram layer but the step has no engram_rows provider")
+        rows = step.engram_rows(self.layer_id)  # [T, n_cols, head_dim]
+        state = step.conv_state
+        if isinstance(state, dict):
+            state = state[self.layer_id]
+        out = self.engram(h, rows, dead_mask=step.dead_mask, state=state)  # [T, hc, H]
+        return h + out if self.engram.residual_output else out
+
+    def forward(self, h: torch.Tensor, step: StepInputs, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
+        """h [T, hc_mult, H] -> [T, hc_mult, H]."""
+        if self.engram is not None:
+            h = self._apply_engram(h, step)
+        if self.hc_mult == 1:
+            x = h[:, 0]  # [T, H]: plain residual
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv)
+            x = x + self.mlp(self.post_attention_layernorm(x))
+            return x.unsqueeze(1)
+        y = self.self_attn(self.input_layernorm(self.attn_hc.collapse(h)), cos, sin, meta, kv)  # [T, H]
+        h = self.attn_hc.expand(h, y)
+        y = self.mlp(self.post_attention_layernorm(self.mlp_hc.collapse(h)))
+        return self.mlp_hc.expand(h, y)
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class EngramDecoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderBody(cfg)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the config says so (call again after ``to_empty``)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def engram_layers(self) -> dict[int, Engram]:
+        return {l.layer_id: l.engram for l in self.model.layers if l.engram is not None}
+
+    def forward(self, step: StepInputs, kv: KVCache) -> torch.Tensor:
+        """One step of packed tokens -> final-normed hidden of the ``step.logits_indices`` rows [N, H]."""
+        cfg = self.config
+        meta = AttentionMetadata.from_step(step.cu_seqlens, step.context_lens, step.block_tables, step.slot_mapping)
+        x = self.model.embed_tokens(step.token_ids)  # [T, H]
+        cos, sin = self.rotary.cos_sin(step.positions, x.dtype)  # [T, 1, hd]
+        h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, hc, H]: every stream starts at x
+        for layer in self.model.layers:
+            h = layer(h, step, cos, sin, meta, kv)
+        h = h.index_select(0, step.logits_indices)  # [N, hc, H]
+        return self.model.norm(h.sum(dim=1) if cfg.hc_mult > 1 else h[:, 0])  # [N, H]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> float32 logits [N, vocab_size] (padded vocab rows dropped)."""
+        return self.lm_head(hidden)[:, : self.config.vocab_size].float()

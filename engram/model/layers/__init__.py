@@ -1,0 +1,1 @@
+"""Decoder building blocks: RMSNorm, RoPE, paged GQA attention, SwiGLU MLP, hyper-connections."""

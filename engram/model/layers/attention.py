@@ -1,0 +1,135 @@
+"""GQA self-attention over a paged KV cache, in plain torch (correctness first, any dtype incl. float64).
+
+A KV-source layer projects K/V for the step's tokens and writes them through ``slot_mapping``; every
+layer (source or sharer) then reads its source's cache through ``block_tables``. Decode sequences
+(one new token) are attended in one batched, padded call; longer chunks one sequence at a time with a
+causal mask offset by the tokens already cached. Head h reads KV head h // (num_heads // num_kv_heads).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engram.model.kv_cache import KVCache
+from engram.model.layers.norm import RMSNorm
+from engram.model.layers.rope import apply_rope
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step host-side view of the sequence layout, computed once per forward (one host sync)."""
+
+    starts: list[int]  # first packed token of each sequence
+    q_lens: list[int]  # new tokens of each sequence
+    context_lens: list[int]  # KV length of each sequence after this step
+    block_tables: torch.Tensor  # [S, max_blocks] (device)
+    slot_mapping: torch.Tensor  # [T] (device)
+    decode_seqs: torch.Tensor | None  # [D] sequences with exactly one new token (batched path)
+    decode_tokens: torch.Tensor | None  # [D] their packed token rows
+    decode_lens: torch.Tensor | None  # [D] their KV lengths
+    decode_max_len: int = 0  # longest KV among them (padded length of the batched call)
+
+    @classmethod
+    def from_step(cls, cu_seqlens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> "AttentionMetadata":
+        cu = cu_seqlens.tolist()
+        ctx = context_lens.tolist()
+        q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        for s, (q, c) in enumerate(zip(q_lens, ctx)):
+            if q > c:
+                raise ValueError(f"sequence {s}: {q} new tokens but context_lens={c} (must include them)")
+        dec = [s for s, q in enumerate(q_lens) if q == 1]
+        dev = block_tables.device
+        meta = cls(cu[:-1], q_lens, ctx, block_tables, slot_mapping, None, None, None)
+        if dec:
+            meta.decode_seqs = torch.tensor(dec, dtype=torch.long, device=dev)
+            meta.decode_tokens = torch.tensor([cu[s] for s in dec], dtype=torch.long, device=dev)
+            meta.decode_lens = torch.tensor([ctx[s] for s in dec], dtype=torch.long, device=dev)
+            meta.decode_max_len = max(ctx[s] for s in dec)
+        return meta
+
+
+def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[..., n_kv, L, hd] -> [..., n_kv*groups, L, hd] (query head h uses kv head h // groups)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
+
+
+def paged_attention(q: torch.Tensor, kv: KVCache, layer_id: int, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """q [T, nh, hd] -> attention output [T, nh, hd] over the cache of ``layer_id``."""
+    out = torch.empty_like(q)
+    groups = q.shape[1] // kv.n_kv_heads
+    if meta.decode_seqs is not None:
+        out[meta.decode_tokens] = _decode_batched(q, kv, layer_id, meta, scale, groups)
+    for s, (start, q_len, ctx) in enumerate(zip(meta.starts, meta.q_lens, meta.context_lens)):
+        if q_len <= 1:
+            continue
+        k, v = kv.read(layer_id, meta.block_tables[s], ctx)  # [ctx, n_kv, hd] each
+        qs = q[start:start + q_len].transpose(0, 1)  # [nh, q_len, hd]
+        ks = _expand_kv(k.transpose(0, 1), groups).to(q.dtype)  # [nh, ctx, hd]
+        vs = _expand_kv(v.transpose(0, 1), groups).to(q.dtype)
+        qpos = torch.arange(ctx - q_len, ctx, device=q.device).unsqueeze(1)  # [q_len, 1] absolute positions
+        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # [q_len, ctx] causal, offset by cache
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)  # [nh, q_len, hd]
+        out[start:start + q_len] = o.transpose(0, 1)
+    return out
+
+
+def _decode_batched(q: torch.Tensor, kv: KVCache, layer_id: int, meta: AttentionMetadata, scale: float,
+                    groups: int) -> torch.Tensor:
+    """One new token per sequence: pad every sequence's KV to the longest and attend in one call."""
+    bs = kv.block_size
+    n_blocks = -(-meta.decode_max_len // bs)
+    tables = meta.block_tables.index_select(0, meta.decode_seqs)[:, :n_blocks].clamp_min(0)  # [D, nb]; -1 -> 0, masked
+    d = tables.shape[0]
+    k = kv.k[layer_id][tables].view(d, n_blocks * bs, kv.n_kv_heads, -1)  # [D, Lpad, n_kv, hd]
+    v = kv.v[layer_id][tables].view(d, n_blocks * bs, kv.n_kv_heads, -1)
+    k = _expand_kv(k.transpose(1, 2), groups).to(q.dtype)  # [D, nh, Lpad, hd]
+    v = _expand_kv(v.transpose(1, 2), groups).to(q.dtype)
+    valid = torch.arange(n_blocks * bs, device=q.device).unsqueeze(0) < meta.decode_lens.unsqueeze(1)  # [D, Lpad]
+    qd = q.index_select(0, meta.decode_tokens).unsqueeze(2)  # [D, nh, 1, hd]
+    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=valid[:, None, None, :], scale=scale)  # [D, nh, 1, hd]
+    return o.squeeze(2)
+
+
+class Attention(nn.Module):
+    """Llama/Qwen attention block: q/k/v/o projections (+ Qwen2 q/k/v bias, + Qwen3 per-head q/k norm).
+
+    A layer that shares KV (``kv_source != layer_id``) has no k/v projections and reads the source's cache.
+    """
+
+    def __init__(self, cfg, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.kv_source = cfg.kv_source(layer_id)
+        self.owns_kv = self.kv_source == layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(h, cfg.num_heads * cfg.head_dim, bias=bias)
+        if self.owns_kv:
+            self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+            self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm and self.owns_kv else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                kv: KVCache) -> torch.Tensor:
+        """x [T, H] -> [T, H]; writes this step's K/V first when the layer owns a cache."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, nh, hd]
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = apply_rope(q, cos, sin)
+        if self.owns_kv:
+            k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, n_kv, hd]
+            v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+            if self.k_norm is not None:
+                k = self.k_norm(k)
+            kv.write(self.layer_id, meta.slot_mapping, apply_rope(k, cos, sin), v)
+        o = paged_attention(q, kv, self.kv_source, meta, self.scale)  # [T, nh, hd]
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))

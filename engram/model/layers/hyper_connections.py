@@ -1,0 +1,30 @@
+"""Static hyper-connections (Zhu et al., 2024): ``hc_mult`` residual streams around each block.
+
+The hidden state is ``h [T, hc_mult, H]``. Before a block, ``collapse`` mixes the streams into its input
+``x = sum_k in_weight[k] * h[:, k]``; after it, ``expand`` mixes the streams among themselves and adds the
+block output to each: ``h'[:, k] = sum_j res_weight[k, j] * h[:, j] + out_weight[k] * y``. Initialised to
+a plain residual on one stream (in = one-hot, res = I, out = 1); with ``hc_mult == 1`` the decoder skips
+this module entirely, so a single stream is exactly ``h + y``. The v41 Engram gate runs once per stream.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class HyperConnection(nn.Module):
+    def __init__(self, hc_mult: int, layer_id: int):
+        super().__init__()
+        self.hc_mult = hc_mult
+        self.in_weight = nn.Parameter(torch.nn.functional.one_hot(torch.tensor(layer_id % hc_mult), hc_mult).float())
+        self.res_weight = nn.Parameter(torch.eye(hc_mult))  # [hc, hc]: row k = what stream k keeps of each stream
+        self.out_weight = nn.Parameter(torch.ones(hc_mult))  # [hc]
+
+    def collapse(self, h: torch.Tensor) -> torch.Tensor:
+        """h [T, hc, H] -> block input [T, H]."""
+        return (h * self.in_weight.unsqueeze(-1)).sum(dim=1)
+
+    def expand(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """h [T, hc, H], block output y [T, H] -> new streams [T, hc, H]."""
+        mixed = torch.einsum("kj,tjd->tkd", self.res_weight, h)  # [T, hc, H]
+        return mixed + self.out_weight.view(1, -1, 1) * y.unsqueeze(1)
