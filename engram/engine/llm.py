@@ -1,0 +1,118 @@
+"""``engram.LLM``: load a model (preset or checkpoint) and generate, vLLM style.
+
+``LLM(model="tiny", tier="gpu", dtype=None, engram_config=None, **engine_options)`` loads through
+``engram.model.loader.load_model`` and builds an LLMEngine; ``generate(prompts, params)`` runs every
+request to completion and returns RequestOutputs in prompt order. ``engram_config`` takes the runtime
+keys of ``--engram-config`` (``cpu_offload: true`` means tier "host"; ``lookup_overlap`` is accepted);
+engine options are EngineConfig fields (max_num_seqs, max_num_batched_tokens, max_model_len, ...).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterable
+
+import torch
+
+from engram.engine.config import EngineConfig
+from engram.engine.engine import LLMEngine
+from engram.engine.outputs import RequestOutput
+from engram.engine.sampling_params import SamplingParams
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Runtime keys the engine itself reads from engram_config; the rest go to the loader / store.
+ENGINE_KEYS = ("cpu_offload", "lookup_overlap")
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """None -> bfloat16 on CUDA, float32 on CPU; names as in DTYPES."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: must be one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_tier(tier: str, engram_config: dict[str, Any]) -> str:
+    """``cpu_offload: true`` (vLLM's name) means tier "host" unless a tier was chosen explicitly."""
+    offload = engram_config.get("cpu_offload")
+    if offload is not None and not isinstance(offload, bool):
+        raise ValueError(f"engram_config.cpu_offload={offload!r}: must be true or false")
+    if offload and tier == "gpu":
+        return "host"
+    return tier
+
+
+class LLM:
+    def __init__(self, model: str = "tiny", tier: str = "gpu", dtype: str | torch.dtype | None = None,
+                 engram_config: dict[str, Any] | None = None, device: str | torch.device | None = None,
+                 cache_dir: str | None = None, **engine_options: Any):
+        from engram.model.loader import load_model
+
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = resolve_dtype(dtype, self.device)
+        options = dict(engram_config or {})
+        if not isinstance(options.get("lookup_overlap", False), bool):
+            raise ValueError(f"engram_config.lookup_overlap={options['lookup_overlap']!r}: must be true or false")
+        self.engram_options = options
+        self.tier = resolve_tier(tier, options)
+        store_options = {k: v for k, v in options.items() if k not in ENGINE_KEYS}
+        self.loaded = load_model(model, tier=self.tier, dtype=self.dtype, device=self.device,
+                                 engram_config=store_options, cache_dir=cache_dir)
+        ecfg = self.loaded.engram_config
+        hot_cache = int(store_options.get("cache_rows", 0)) * ecfg.row_bytes * len(ecfg.layer_ids)
+        self.engine = LLMEngine(self.loaded, EngineConfig.from_options(engine_options), self.device, self.dtype,
+                                hot_cache_bytes=hot_cache)
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.loaded.tokenizer
+
+    def generate(self, prompts: str | list[int] | Iterable[str | list[int] | dict],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt (text, token-id list, or {"prompt_token_ids": [...]}) to completion; outputs in order."""
+        items = _as_prompt_list(prompts)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(items):
+                raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(items)} prompts")
+            params = sampling_params
+        else:
+            params = [sampling_params or SamplingParams()] * len(items)
+        ids = [f"gen-{next(self._request_ids)}" for _ in items]
+        for rid, prompt, p in zip(ids, items, params):
+            self.engine.add_request(rid, prompt, p)
+        done: dict[str, RequestOutput] = {}
+        from tqdm.auto import tqdm
+
+        with tqdm(total=len(items), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[rid] for rid in ids]
+
+
+def _as_prompt_list(prompts) -> list[str | list[int]]:
+    if isinstance(prompts, str) or isinstance(prompts, dict):
+        prompts = [prompts]
+    elif isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+        prompts = [prompts]
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, dict):
+            if "prompt_token_ids" in p:
+                p = list(p["prompt_token_ids"])
+            elif "prompt" in p:
+                p = p["prompt"]
+            else:
+                raise ValueError(f"prompt {i} is a dict without 'prompt' or 'prompt_token_ids'")
+        if isinstance(p, torch.Tensor):
+            p = p.tolist()
+        if not isinstance(p, (str, list)):
+            raise ValueError(f"prompt {i} must be text or a list of token ids, got {type(p).__name__}")
+        out.append(p)
+    return out
