@@ -46,7 +46,7 @@ class PipelinePlan:
     partition: tuple[int, ...]  # layers per stage, sums to graph.num_layers
     stages: tuple[Stage, ...]  # one per stage, in order
     legal_cut_points: tuple[int, ...]  # positions p (cut before layer p) crossed by no edge
-    origin: str  # "planner", "argument" or PARTITION_ENV: where the partition came from
+    origin: str  # where the partition came from: "planner", "partition" (the argument) or PARTITION_ENV
 
     @property
     def max_stage_cost(self) -> float:
@@ -188,7 +188,8 @@ def check_partition(graph: SharingGraph, pp: int, partition: Sequence[int], orig
     for e in crossing:
         groups.setdefault((stage_of[e.source], stage_of[e.consumer]), []).append(e)
     order = [e for row in zip_longest(*(groups[k] for k in sorted(groups))) for e in row if e is not None]
-    lines = [f"pipeline partition {','.join(map(str, part))} ({origin}) separates layers that share state; "
+    where = f" (from {origin})" if origin != "partition" else ""
+    lines = [f"pipeline partition {','.join(map(str, part))}{where} separates layers that share state; "
              f"{len(crossing)} sharing edge(s) cross a stage boundary:"]
     lines += [f"  {_format_edge(e, stage_of)}" for e in order[:MAX_LISTED_EDGES]]
     if len(order) > MAX_LISTED_EDGES:
@@ -203,8 +204,7 @@ def _suggestion(graph: SharingGraph, pp: int, costs: Sequence[float]) -> str:
         return f"suggested partition: {','.join(map(str, best))}"
     fewer = len(graph.legal_cut_points()) + 1
     best = best_partition(graph, fewer, costs)
-    return (f"suggested partition: {','.join(map(str, best))} (pp={fewer}; pp={pp} needs {pp - 1} legal cut "
-            f"points, the config has {fewer - 1}: {graph.legal_cut_points()})")
+    return f"suggested partition: {','.join(map(str, best))} (pp={fewer}, the most stages the legal cuts allow)"
 
 
 def plan_pipeline(config: str | os.PathLike | dict | SharingGraph, pp: int,
@@ -227,9 +227,9 @@ def plan_pipeline(config: str | os.PathLike | dict | SharingGraph, pp: int,
     if partition is None and env.get(PARTITION_ENV, "").strip():
         partition, origin = parse_partition(env[PARTITION_ENV], PARTITION_ENV), PARTITION_ENV
     elif isinstance(partition, str):
-        partition, origin = parse_partition(partition), "argument"
+        partition, origin = parse_partition(partition), "partition"
     elif partition is not None:
-        partition, origin = tuple(int(x) for x in partition), "argument"
+        partition, origin = tuple(int(x) for x in partition), "partition"
     legal = tuple(graph.legal_cut_points())
     if partition is None:
         partition = best_partition(graph, pp, per_layer)
