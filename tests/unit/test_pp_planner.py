@@ -135,6 +135,13 @@ def test_costs_move_the_cut():
         plan_pipeline(cfg, 2, costs=[1, 1, 1], env={})
 
 
+def test_minimax_beats_the_most_even_split():
+    # The split with the smallest sum of squares (4,9 | 3,5 | 3,2: stages 13, 8, 5) is not minimax:
+    # 4 | 9,3 | 5,3,2 has a largest stage of 12.
+    p = plan_pipeline({"num_hidden_layers": 6}, 3, costs=[4, 9, 3, 5, 3, 2], env={})
+    assert p.max_stage_cost == 12.0 and p.partition == (1, 2, 3)
+
+
 def test_plan_is_a_pure_function(tmp_path):
     import json
     (tmp_path / "config.json").write_text(json.dumps(V41_FLASH))
