@@ -1,0 +1,224 @@
+"""Disk tier: value rows stay in ``values.bin`` and are read on demand; scales stay resident in RAM.
+
+A lookup dedupes its ids (base class), maps the distinct rows to the distinct 4 KiB pages that hold them,
+reads those pages in one batched call (``PageReader``: C pthread pool, ``queue_depth`` preads in flight),
+cuts the rows out and decodes them through the same kernels as every other tier, so rows are bitwise
+equal to the gpu tier's. ``submit`` runs lookups on this table's worker thread, at most ``max_inflight``
+unconsumed at a time; a read failure fails that lookup only. The tier knows nothing about models or plans.
+
+    values.bin  |<- page p (4096 B) ->|      row r lives in page r // (4096 // stride), slot r % (4096 // stride)
+                | r0 | r1 | ... | r15 |      (V4.1: 256-B rows, 16 per page: a cold row costs a whole page)
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engram.store.base import LookupHandle, TableBackend, Tier
+from engram.store.format import TableManifest, read_manifest
+from engram.store.reader import PAGE, PageReader, aligned_pages
+
+
+@dataclass(frozen=True)
+class DiskConfig:
+    """Runtime options of the disk tier."""
+
+    io: str = "direct"  # "direct" (O_DIRECT, bypass the page cache) | "buffered" (page cache)
+    queue_depth: int = 64  # preads in flight per batched read (threads of the shared pread pool)
+    max_inflight: int = 8  # submitted lookups not yet waited or cancelled; one more raises
+
+    def __post_init__(self) -> None:
+        if self.io not in ("direct", "buffered"):
+            raise ValueError(f"disk.io={self.io!r}: must be 'direct' or 'buffered'")
+        if not 1 <= self.queue_depth <= 1024:
+            raise ValueError(f"disk.queue_depth={self.queue_depth}: must be in [1, 1024]")
+        if self.max_inflight < 1:
+            raise ValueError(f"disk.max_inflight={self.max_inflight}: must be >= 1")
+
+
+class InflightLimitError(RuntimeError):
+    """More lookups submitted than ``max_inflight`` allows without waiting or cancelling."""
+
+
+class DiskLookup(LookupHandle):
+    """A lookup running (or queued) on a DiskTable's worker thread; see LookupHandle for the contract.
+
+    The handle holds its depth slot and its rows until ``wait()`` consumes them or ``cancel()`` drops them.
+    A lookup cancelled while its reads run finishes those reads in the background, then frees its rows
+    and its slot at once; ``wait`` on it raises CancelledError.
+    """
+
+    def __init__(self, table: "DiskTable", future: cf.Future, nbytes: int):
+        self._table = table
+        self._future = future
+        self._nbytes = nbytes  # bytes of the rows this lookup returns, counted while held
+        self._lock = threading.Lock()
+        self._released = False
+        self._cancelled = False
+        future.add_done_callback(self._on_done)
+
+    def _release(self) -> None:
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        self._table._release_slot(self._nbytes)
+
+    def _on_done(self, fut: cf.Future) -> None:
+        if self._cancelled:  # nobody will consume these rows: drop them (the future is their only owner)
+            self._future = None
+            self._release()
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        fut = self._future
+        if self._cancelled or fut is None:
+            raise cf.CancelledError("this lookup was cancelled")
+        try:
+            return fut.result(timeout)  # re-raises the lookup's error (e.g. DiskReadError)
+        finally:
+            if fut.done():
+                self._release()
+
+    def done(self) -> bool:
+        fut = self._future
+        return self._cancelled or fut is None or fut.done()  # a cancelled wait() raises at once
+
+    def cancel(self) -> bool:
+        """Drop the lookup; True when it had not started (no read was issued)."""
+        with self._lock:
+            if self._released and not self._cancelled:
+                return False  # already consumed by wait()
+            self._cancelled = True
+        fut = self._future
+        if fut is None:
+            return False
+        dropped = fut.cancel()
+        if dropped or fut.done():
+            self._future = None
+            self._release()
+        # A running lookup releases in _on_done; the future keeps its rows only until then.
+        return dropped
+
+
+class DiskTable(TableBackend):
+    """One table served from its files. Resident memory: the scales (``resident_bytes``) plus the cache."""
+
+    tier = Tier.DISK
+
+    def __init__(self, manifest: TableManifest, device: str | torch.device = "cpu", cache: Any = None,
+                 config: DiskConfig | None = None):
+        super().__init__(manifest, device, cache)
+        self.config = config or DiskConfig()
+        self.stride = manifest.row_stride
+        self.page = manifest.page_size
+        if self.page % PAGE:
+            raise ValueError(f"{manifest.path}: page_size={self.page} is not a multiple of the reader's {PAGE}")
+        self.reader = PageReader(manifest.values_path, io=self.config.io, queue_depth=self.config.queue_depth)
+        self.scales = self._load_scales()  # uint8 [rows, scale_cols] resident, or None
+        self._extra = {"disk_rows": 0, "inflight": 0, "inflight_bytes": 0}
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-disk")
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike, **kwargs: Any) -> "DiskTable":
+        """Open a table directory on the disk tier (``kwargs``: device, cache, config)."""
+        return cls(read_manifest(directory), **kwargs)
+
+    @property
+    def resident_bytes(self) -> int:
+        """RAM this tier keeps for the table: the scales (the memory preflight counts them)."""
+        return 0 if self.scales is None else self.scales.numel()
+
+    def _load_scales(self) -> torch.Tensor | None:
+        path = self.manifest.scales_path
+        if path is None:
+            return None
+        data = np.fromfile(path, dtype=np.uint8)  # [rows * scale_cols]; size checked by read_manifest
+        return torch.from_numpy(data).view(self.rows, self.scale_cols)
+
+    # ----------------------------------------------------------------- the backing-store read
+    def _fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids int64 [M] unique ascending -> (values uint8 [M, stride], scales uint8 [M, scale_cols] | None)."""
+        m = ids.numel()
+        if self.stride <= self.page:
+            per_page = self.page // self.stride
+            pages, slot_page = torch.unique_consecutive(ids // per_page, return_inverse=True)  # [P], [M]
+            buf = aligned_pages(pages.numel() * (self.page // PAGE))  # [P * page/PAGE, PAGE] uint8
+            self.reader.read((pages * self.page).numpy(), buf, size=self.page)
+            # [P, per_page, stride] -> the rows asked for: [M, stride]
+            vals = buf.view(pages.numel(), per_page, self.stride)[slot_page, ids % per_page]
+            n_reads, nbytes = pages.numel(), pages.numel() * self.page
+        else:  # rows over a page: each row is stride / page whole pages, one read per row
+            buf = aligned_pages(m * (self.stride // PAGE))
+            self.reader.read((ids * self.stride).numpy(), buf, size=self.stride)
+            vals = buf.view(m, self.stride)
+            n_reads, nbytes = m, m * self.stride
+        scales = self.scales.index_select(0, ids) if self.scales is not None else None  # [M, scale_cols]
+        self._count(read_ops=n_reads, bytes_read=nbytes)
+        with self._lock:
+            self._extra["disk_rows"] += m
+        if self.device.type != "cpu":
+            vals = vals.to(self.device)
+            scales = scales.to(self.device) if scales is not None else None
+        return vals, scales
+
+    # ----------------------------------------------------------------- bounded prefetch
+    def submit(self, ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> DiskLookup:
+        """Start a lookup on the worker thread; raises InflightLimitError past ``max_inflight``."""
+        ids = self.check_ids(ids)
+        nbytes = ids.numel() * self.dim * torch.empty(0, dtype=dtype).element_size()
+        with self._lock:
+            if self._extra["inflight"] >= self.config.max_inflight:
+                raise InflightLimitError(
+                    f"{self.manifest.path}: {self._extra['inflight']} lookups are already in flight "
+                    f"(max_inflight={self.config.max_inflight}); wait() or cancel() one before submitting more")
+            self._extra["inflight"] += 1
+            self._extra["inflight_bytes"] += nbytes
+        try:
+            future = self._pool.submit(self.gather, ids, None, dtype)
+        except RuntimeError:  # executor shut down by close()
+            self._release_slot(nbytes)
+            raise RuntimeError(f"table {self.manifest.path} is closed") from None
+        return DiskLookup(self, future, nbytes)
+
+    def _release_slot(self, nbytes: int) -> None:
+        with self._lock:
+            self._extra["inflight"] -= 1
+            self._extra["inflight_bytes"] -= nbytes
+
+    # ----------------------------------------------------------------- stats and lifetime
+    def stats(self) -> dict[str, Any]:
+        """Base counters plus disk_rows (rows read from disk), page_amplification (bytes read per byte of
+        row values read, 16.0 for cold 256-B rows on 4 KiB pages), inflight, inflight_bytes, io."""
+        out = super().stats()
+        with self._lock:
+            out.update(self._extra)
+        useful = out["disk_rows"] * self.value_bytes
+        out["page_amplification"] = out["bytes_read"] / useful if useful else 0.0
+        out["io"] = self.reader.io
+        return out
+
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        with self._lock:
+            self._extra["disk_rows"] = 0
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        super().close()
+        self.reader.close()
+
+
+def open_disk_table(directory: str | Path, device: str | torch.device = "cpu", cache: Any = None,
+                    io: str = "direct", queue_depth: int = 64, max_inflight: int = 8) -> DiskTable:
+    """``open_table(..., tier="disk")`` lands here: validates the options, opens the files."""
+    return DiskTable.open(directory, device=device, cache=cache,
+                          config=DiskConfig(io=io, queue_depth=queue_depth, max_inflight=max_inflight))

@@ -1,0 +1,174 @@
+"""DiskTable: rows bitwise equal to the in-memory reference, page accounting, faults isolated per lookup."""
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from engram.quant import dequantize_mxfp8, quantize_mxfp8
+from engram.store import reader as rd
+from engram.store.disk import DiskConfig, DiskTable, open_disk_table
+from engram.store.reader import DiskReadError, Fault
+from engram.store.writer import write_table
+
+BACKENDS = ["c", "python"] if rd.c_available() else ["python"]
+
+
+def make_rows(rows: int, dim: int, kind: str, seed: int = 0):
+    """(values, scales) as write_table takes them, plus the gpu-tier reference decode of every row."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, dim, generator=g) * torch.exp2(torch.randint(-6, 6, (rows, 1), generator=g).float())
+    x[3] = 0.0  # an all-zero row (scale byte 127)
+    if kind == "mxfp8":
+        vals, scales = quantize_mxfp8(x)
+        return vals, scales, lambda ids, dt: dequantize_mxfp8(vals[ids], scales[ids], dtype=dt)
+    vals = x.to({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[kind])
+    return vals, None, lambda ids, dt: vals[ids].to(dt)
+
+
+@pytest.fixture(scope="module")
+def mx_table(tmp_path_factory):
+    d = tmp_path_factory.mktemp("disk") / "mx"
+    vals, scales, ref = make_rows(3001, 256, "mxfp8")  # 256-B rows, 16 per page, a partial last page
+    write_table(d, vals, scales)
+    return d, vals, scales, ref
+
+
+def adversarial_ids(rows: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        torch.empty(0, dtype=torch.int64),
+        torch.tensor([0]),
+        torch.tensor([rows - 1, 0, rows - 1]),  # last row sits on the padded last page
+        torch.full((50,), 17),  # one row many times
+        torch.arange(15, 18),  # across a page boundary
+        torch.arange(rows - 1, -1, -7),  # descending
+        torch.arange(32, 48),  # exactly one full page
+        torch.randint(0, rows, (999,), generator=g),  # uniform, with repeats
+        torch.randint(0, 40, (300,), generator=g) * 16,  # one row per page: 16x amplification
+        torch.arange(rows),  # the whole table
+    ]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    old = rd.set_backend(request.param)
+    yield request.param
+    rd.set_backend(old)
+
+
+@pytest.mark.parametrize("io", ["direct", "buffered"])
+def test_mxfp8_rows_bitwise_equal_reference(mx_table, backend, io):
+    d, vals, scales, ref = mx_table
+    with open_disk_table(d, io=io, queue_depth=5) as t:
+        for ids in adversarial_ids(t.rows):
+            for dt in (torch.bfloat16, torch.float32):
+                got = t.gather(ids, dtype=dt)
+                want = ref(ids, dt)
+                assert got.shape == (ids.numel(), 256) and got.dtype == dt
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (ids[:8], dt)
+            raw = t.gather_raw(ids)  # [N, 256 + 8]: value bytes then scale bytes
+            assert torch.equal(raw[:, :256], vals.view(torch.uint8)[ids])
+            assert torch.equal(raw[:, 256:], scales[ids])
+
+
+@pytest.mark.parametrize("kind,dim", [("bf16", 48), ("fp16", 8), ("fp32", 1100)])
+def test_other_dtypes_and_strides(tmp_path, kind, dim):
+    """bf16 96 B -> stride 128; fp16 16 B -> 256 rows a page; fp32 4400 B -> two pages per row."""
+    vals, _, ref = make_rows(700, dim, kind, seed=dim)
+    write_table(tmp_path / "t", vals)
+    with open_disk_table(tmp_path / "t", io="direct", queue_depth=3) as t:
+        for ids in adversarial_ids(t.rows):
+            got = t.gather(ids, dtype=torch.float32)
+            assert torch.equal(got.view(torch.uint8), ref(ids, torch.float32).view(torch.uint8))
+        if t.stride > t.page:
+            t.reset_stats()
+            t.gather(torch.tensor([5, 5, 9]))
+            s = t.stats()
+            assert s["read_ops"] == 2 and s["bytes_read"] == 2 * 8192
+
+
+def test_stats_count_pages_and_amplification(mx_table):
+    d, *_ = mx_table
+    with open_disk_table(d, io="buffered") as t:
+        t.gather(torch.tensor([0, 1, 15, 16, 16, 40 * 16 + 3]))  # pages 0, 1, 40
+        s = t.stats()
+        assert (s["lookups"], s["rows"], s["unique_rows"]) == (1, 6, 5)
+        assert (s["read_ops"], s["bytes_read"], s["disk_rows"]) == (3, 3 * 4096, 5)
+        assert s["page_amplification"] == pytest.approx(3 * 4096 / (5 * 256))
+        t.gather(torch.arange(0, 64 * 16, 16))  # cold, one row per page: the worst case
+        t.reset_stats()
+        t.gather(torch.arange(0, 64 * 16, 16))
+        assert t.stats()["page_amplification"] == 16.0
+        assert t.resident_bytes == t.rows * 8 and s["io"] == "buffered"
+
+
+def test_gather_into_out_and_errors(mx_table):
+    d, _, _, ref = mx_table
+    with open_disk_table(d) as t:
+        out = torch.empty(4, 256, dtype=torch.bfloat16)
+        ids = torch.tensor([9, 2, 9, 3000])
+        assert t.gather(ids, out=out) is out
+        assert torch.equal(out.view(torch.uint8), ref(ids, torch.bfloat16).view(torch.uint8))
+        with pytest.raises(IndexError, match="row id 3001"):
+            t.gather(torch.tensor([1, 3001]))
+    with pytest.raises(RuntimeError, match="closed"):
+        t.gather(torch.tensor([1]))
+    with pytest.raises(ValueError, match="disk.queue_depth=0"):
+        DiskConfig(queue_depth=0)
+    with pytest.raises(ValueError, match="disk.io='mmap'"):
+        DiskConfig(io="mmap")
+
+
+@pytest.mark.parametrize("fault", [Fault(index=1, err=errno.EIO), Fault(index=0, err=0, got=100)])
+def test_injected_fault_fails_only_that_lookup(mx_table, backend, fault):
+    d, _, _, ref = mx_table
+    with open_disk_table(d, io="direct") as t:
+        ids = torch.tensor([5, 100, 2000])  # pages 0, 6, 125
+        armed = [fault]
+        t.reader.fault_hook = lambda offs: armed.pop() if armed else None
+        with pytest.raises(DiskReadError) as ei:
+            t.gather(ids)
+        e = ei.value
+        assert e.path == str(d / "values.bin") and e.offset == [0, 6 * 4096, 125 * 4096][fault.index]
+        assert f"byte offset {e.offset}" in str(e)
+        got = t.gather(ids)
+        assert torch.equal(got.view(torch.uint8), ref(ids, torch.bfloat16).view(torch.uint8))
+        armed.append(fault)  # the same through submit: wait() raises, the next handle is fine
+        h = t.submit(ids)
+        with pytest.raises(DiskReadError):
+            h.wait()
+        assert torch.equal(t.submit(ids).wait().view(torch.uint8), got.view(torch.uint8))
+        assert t.stats()["inflight"] == 0
+
+
+def test_truncated_file_is_a_short_read_naming_offset(tmp_path):
+    vals, scales, ref = make_rows(160, 256, "mxfp8")  # 10 pages
+    write_table(tmp_path / "t", vals, scales)
+    with open_disk_table(tmp_path / "t", io="buffered") as t:
+        os.truncate(tmp_path / "t" / "values.bin", 5 * 4096 + 512)  # page 5 now ends early
+        with pytest.raises(DiskReadError, match=r"short read: 512 of 4096") as ei:
+            t.gather(torch.tensor([1, 90, 150]))
+        assert ei.value.offset == 5 * 4096
+        ok = torch.tensor([1, 70])  # pages 0 and 4 are intact
+        assert torch.equal(t.gather(ok).view(torch.uint8), ref(ok, torch.bfloat16).view(torch.uint8))
+
+
+def test_replaced_values_file_fails_one_lookup_then_serves_new_rows(tmp_path, backend):
+    vals, scales, _ = make_rows(400, 256, "mxfp8", seed=1)
+    write_table(tmp_path / "t", vals, scales)
+    vals2, scales2, ref2 = make_rows(400, 256, "mxfp8", seed=1)
+    vals2 = (vals2.to(torch.float32) * 0.5).to(torch.float8_e4m3fn)  # new values, same scales
+    write_table(tmp_path / "t2", vals2, scales2)
+    with open_disk_table(tmp_path / "t", io="direct") as t:
+        os.replace(tmp_path / "t2" / "values.bin", tmp_path / "t" / "values.bin")
+        ids = torch.tensor([33, 7])
+        with pytest.raises(DiskReadError, match="replaced") as ei:
+            t.gather(ids)
+        assert ei.value.offset == 0 and str(tmp_path / "t" / "values.bin") in str(ei.value)
+        got = t.gather(ids)
+        want = dequantize_mxfp8(vals2[ids], scales2[ids])
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
