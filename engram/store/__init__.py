@@ -2,14 +2,18 @@
 
 ``write_table`` writes a table directory, ``open_table`` opens one on a tier ("gpu" | "host" | "disk")
 and returns a ``Table`` with ``gather`` / ``gather_raw`` / ``submit`` / ``stats``; a bad table raises
-``TableFormatError`` naming the file and byte offset. See docs/store.md.
+``TableFormatError`` (a ValueError) naming the file and byte offset. See docs/store.md.
 """
 from __future__ import annotations
 
 from engram.store.base import LookupHandle, TableBackend, Tier
+from engram.store.cache import RowCache
 from engram.store.format import TableFormatError, TableManifest, read_manifest, verify_table
+from engram.store.placement import open_table
+from engram.store.preflight import MemoryPreflightError
+from engram.store.writer import TableWriter, write_table
 
 Table = TableBackend
 
-__all__ = ["LookupHandle", "Table", "TableBackend", "TableFormatError", "TableManifest", "Tier",
-           "read_manifest", "verify_table"]
+__all__ = ["LookupHandle", "MemoryPreflightError", "RowCache", "Table", "TableBackend", "TableFormatError",
+           "TableManifest", "TableWriter", "Tier", "open_table", "read_manifest", "verify_table", "write_table"]

@@ -92,6 +92,7 @@ class TableBackend:
         self.cache = cache
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(STAT_KEYS, 0)
+        self._unique_acc: dict[torch.device, torch.Tensor] = {}  # distinct-id counts not yet read back, per device
         self._closed = False
 
     # ----------------------------------------------------------------- subclass hooks
@@ -166,6 +167,8 @@ class TableBackend:
         """Counters since open: lookups (calls), rows (ids asked), unique_rows (distinct ids per call, summed),
         hits / misses / evictions (hot-row cache; 0 without one), bytes_read and read_ops (backing store)."""
         with self._lock:
+            pending, self._unique_acc = self._unique_acc, {}
+            self._counts["unique_rows"] += sum(int(t) for t in pending.values())
             out = dict(self._counts)
         if self.cache is not None:
             out.update(self.cache.counters())
@@ -174,6 +177,7 @@ class TableBackend:
     def reset_stats(self) -> None:
         with self._lock:
             self._counts = dict.fromkeys(STAT_KEYS, 0)
+            self._unique_acc = {}
         if self.cache is not None:
             self.cache.reset_counters()
 
@@ -193,6 +197,32 @@ class TableBackend:
                 f"row_dtype={self.row_dtype!r}, device={self.device}, cache={self.cache!r})")
 
     # ----------------------------------------------------------------- shared path
+    def _gather_resident(self, values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor,
+                         out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """One fused kernel call over a table whose bytes are all addressable (values uint8 [R, stride],
+        scales [R, scale_cols]): no dedupe, no cache. Distinct ids are counted with a sort kept on the
+        ids' device, so counting never forces a host sync."""
+        ids = self.check_ids(ids)
+        n = ids.numel()
+        if out is not None and (tuple(out.shape) != (n, self.dim) or out.dtype != dtype):
+            raise ValueError(f"out has shape {tuple(out.shape)} {out.dtype}, expected [{n}, {self.dim}] {dtype}")
+        self._count(lookups=1, rows=n, bytes_read=n * (self.manifest.row_stride + self.scale_cols),
+                    read_ops=1 if n else 0)
+        if n == 0:
+            return out if out is not None else torch.empty(0, self.dim, dtype=dtype, device=self.device)
+        s = ids.sort().values
+        distinct = (s[1:] != s[:-1]).sum() + 1  # 0-dim int64 on the ids' device
+        with self._lock:
+            acc = self._unique_acc.get(distinct.device)
+            self._unique_acc[distinct.device] = distinct if acc is None else acc + distinct
+        rows = kernels.gather_rows(values, scales, ids, self.row_dtype, self.dim, out=out, dtype=dtype)
+        if rows.device != self.device:  # torch path over host memory: move the [N, dim] rows once
+            rows = rows.to(self.device)
+            if out is not None:
+                out.copy_(rows)
+                return out
+        return rows
+
     def _count(self, **add: int) -> None:
         with self._lock:
             for k, v in add.items():

@@ -1,0 +1,176 @@
+"""Vectorized hot-row cache in front of a slow tier (host, disk): set-associative, LRU or LFU with aging.
+
+Layout: ``n_sets`` sets of ``ways`` slots; a row id maps to one set through a multiplicative hash and may sit
+in any of its ways. Per slot: a tag (the row id, -1 when empty), a last-use stamp, a use count, and the row's
+packed bytes (values uint8 [slots, value_bytes], scales uint8 [slots, scale_cols])::
+
+    tags   [n_sets, ways] int64     set s = ((id * 0x9E3779B97F4A7C15) >> 32) mod n_sets
+    stamp  [n_sets, ways] int64     lookup call that last touched the slot (LRU key, LFU tie-break)
+    freq   [n_sets, ways] int64     uses since insert, halved every `capacity` lookups (LFU aging)
+    values [n_sets * ways, value_bytes] uint8     slot = set * ways + way
+
+A lookup of N distinct ids is a fixed number of tensor operations (gather the N candidate tag rows, compare,
+sort the misses by set, rank them inside their set, pick victims by key) — no Python loop per row. Rows
+touched by the current lookup are never evicted by it, and misses beyond a set's ways in one call are served
+but not cached. The cache only stores bytes it was given, so it can never change what a lookup returns.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+POLICIES = ("lru", "lfu")
+_HASH_MUL = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (Fibonacci hashing)
+SLOT_OVERHEAD_BYTES = 24  # tag + stamp + freq per slot
+
+Fetch = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
+
+
+class RowCache:
+    """Hot rows of one table, on ``device``. ``capacity_rows`` is rounded down to whole sets."""
+
+    def __init__(self, capacity_rows: int, value_bytes: int, scale_cols: int = 0, *, policy: str = "lru",
+                 ways: int = 8, device: torch.device | str = "cpu") -> None:
+        if capacity_rows < 1:
+            raise ValueError(f"cache capacity_rows={capacity_rows} must be >= 1")
+        if policy not in POLICIES:
+            raise ValueError(f"cache_policy={policy!r} must be one of {POLICIES}")
+        if ways < 1:
+            raise ValueError(f"cache ways={ways} must be >= 1")
+        if value_bytes < 1 or scale_cols < 0:
+            raise ValueError(f"value_bytes={value_bytes} / scale_cols={scale_cols} are invalid")
+        self.ways = min(ways, capacity_rows)
+        self.n_sets = capacity_rows // self.ways
+        self.capacity = self.n_sets * self.ways
+        self.policy, self.value_bytes, self.scale_cols = policy, value_bytes, scale_cols
+        self.device = torch.device(device)
+        kw = dict(dtype=torch.int64, device=self.device)
+        self.tags = torch.full((self.n_sets, self.ways), -1, **kw)
+        self.stamp = torch.zeros((self.n_sets, self.ways), **kw)
+        self.freq = torch.zeros((self.n_sets, self.ways), **kw)
+        self.values = torch.zeros((self.capacity, value_bytes), dtype=torch.uint8, device=self.device)
+        self.scales = (torch.zeros((self.capacity, scale_cols), dtype=torch.uint8, device=self.device)
+                       if scale_cols else None)
+        self.clock = 0  # lookup calls so far; stamps are 1-based so 0 means "never touched"
+        self._since_aging = 0
+        self.reset_counters()
+
+    @classmethod
+    def rows_for_bytes(cls, nbytes: int, value_bytes: int, scale_cols: int = 0) -> int:
+        """How many rows a cache of ``nbytes`` (data plus per-slot bookkeeping) holds."""
+        return int(nbytes) // (value_bytes + scale_cols + SLOT_OVERHEAD_BYTES)
+
+    @staticmethod
+    def bytes_for_rows(rows: int, value_bytes: int, scale_cols: int = 0) -> int:
+        return int(rows) * (value_bytes + scale_cols + SLOT_OVERHEAD_BYTES)
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_for_rows(self.capacity, self.value_bytes, self.scale_cols)
+
+    def counters(self) -> dict[str, int]:
+        return {"hits": self.hits, "misses": self.misses, "evictions": self.evictions}
+
+    def reset_counters(self) -> None:
+        self.hits = self.misses = self.evictions = 0
+
+    def clear(self) -> None:
+        """Forget every row (counters are kept)."""
+        self.tags.fill_(-1)
+        self.stamp.zero_()
+        self.freq.zero_()
+
+    def __len__(self) -> int:
+        """Rows currently cached."""
+        return int((self.tags >= 0).sum())
+
+    def __repr__(self) -> str:
+        return (f"RowCache(capacity={self.capacity}, sets={self.n_sets}, ways={self.ways}, policy={self.policy!r}, "
+                f"device={self.device})")
+
+    def set_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """Set index of each id: int64 [N] in [0, n_sets)."""
+        h = ((ids * _HASH_MUL) >> 32) & 0x7FFFFFFF  # int64 multiply wraps: a 64-bit Fibonacci hash
+        return h % self.n_sets
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Slot of each id (int64 [N], -1 when not cached); pure, touches nothing."""
+        ids = ids.to(self.device)
+        sets = self.set_of(ids)
+        match = self.tags.index_select(0, sets) == ids.unsqueeze(1)  # [N, ways]
+        way = match.to(torch.int8).argmax(dim=1)
+        return torch.where(match.any(dim=1), sets * self.ways + way, torch.full_like(ids, -1))
+
+    def fetch(self, ids: torch.Tensor, fetch: Fetch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows of distinct ``ids`` [U]: hits from the cache, the rest from ``fetch(miss_ids)`` (which returns
+        values uint8 [M, >= value_bytes] and scales [M, scale_cols] | None), then cached.
+        Returns (values uint8 [U, value_bytes], scales uint8 [U, scale_cols] | None) on the cache device."""
+        ids = ids.to(self.device)
+        u = ids.numel()
+        self.clock += 1
+        slots = self.lookup(ids)  # [U]
+        hit = slots >= 0
+        hit_pos = hit.nonzero().squeeze(1)  # [H] positions in ids
+        miss_pos = (~hit).nonzero().squeeze(1)  # [M]
+        hit_slots = slots.index_select(0, hit_pos)
+        vals = torch.empty((u, self.value_bytes), dtype=torch.uint8, device=self.device)
+        scales = torch.empty((u, self.scale_cols), dtype=torch.uint8, device=self.device) if self.scale_cols else None
+        vals.index_copy_(0, hit_pos, self.values.index_select(0, hit_slots))
+        if scales is not None:
+            scales.index_copy_(0, hit_pos, self.scales.index_select(0, hit_slots))
+        self.stamp.view(-1).index_fill_(0, hit_slots, self.clock)
+        self.freq.view(-1).index_add_(0, hit_slots, torch.ones_like(hit_slots))  # ids distinct: slots distinct
+        n_miss = miss_pos.numel()
+        if n_miss:
+            miss_ids = ids.index_select(0, miss_pos)
+            mv, ms = fetch(miss_ids)
+            mv = mv[:, : self.value_bytes].to(self.device)  # [M, value_bytes]
+            vals.index_copy_(0, miss_pos, mv)
+            if scales is not None:
+                ms = ms.to(self.device)
+                scales.index_copy_(0, miss_pos, ms)
+            self._insert(miss_ids, mv, ms)
+        self.hits += u - n_miss
+        self.misses += n_miss
+        self._age(u)
+        return vals, scales
+
+    def _insert(self, ids: torch.Tensor, vals: torch.Tensor, scales: torch.Tensor | None) -> None:
+        """Place distinct missed ``ids`` [M] in their sets, evicting the lowest-key way not touched this call."""
+        m = ids.numel()
+        sets = self.set_of(ids)
+        order = torch.argsort(sets, stable=True)  # [M] misses grouped by set
+        s_sorted = sets.index_select(0, order)
+        pos = torch.arange(m, device=self.device)
+        first = torch.ones(m, dtype=torch.bool, device=self.device)
+        first[1:] = s_sorted[1:] != s_sorted[:-1]
+        rank = pos - torch.cummax(torch.where(first, pos, torch.zeros_like(pos)), dim=0).values  # [M] within set
+        tags = self.tags.index_select(0, s_sorted)  # [M, ways]
+        stamp = self.stamp.index_select(0, s_sorted)
+        key = stamp if self.policy == "lru" else (self.freq.index_select(0, s_sorted) << 40) | stamp
+        key = torch.where(tags < 0, torch.full_like(key, -1), key)  # empty ways go first
+        victims = torch.argsort(key, dim=1, stable=True)  # [M, ways] eviction order of each miss's set
+        way = victims.gather(1, rank.clamp(max=self.ways - 1).unsqueeze(1)).squeeze(1)  # [M]
+        victim_stamp = stamp.gather(1, way.unsqueeze(1)).squeeze(1)
+        victim_tag = tags.gather(1, way.unsqueeze(1)).squeeze(1)
+        keep = (rank < self.ways) & (victim_stamp != self.clock)  # never evict what this call touched
+        sel = keep.nonzero().squeeze(1)
+        slot = s_sorted.index_select(0, sel) * self.ways + way.index_select(0, sel)  # [K] distinct slots
+        src = order.index_select(0, sel)  # [K] positions in ids / vals
+        self.evictions += int((victim_tag.index_select(0, sel) >= 0).sum())
+        self.tags.view(-1).index_copy_(0, slot, ids.index_select(0, src))
+        self.stamp.view(-1).index_fill_(0, slot, self.clock)
+        self.freq.view(-1).index_fill_(0, slot, 1)
+        self.values.index_copy_(0, slot, vals.index_select(0, src))
+        if self.scales is not None:
+            self.scales.index_copy_(0, slot, scales.index_select(0, src))
+
+    def _age(self, looked_up: int) -> None:
+        """LFU aging: halve every count once per ``capacity`` rows looked up, so old heat fades."""
+        if self.policy != "lfu":
+            return
+        self._since_aging += looked_up
+        if self._since_aging >= self.capacity:
+            self.freq.bitwise_right_shift_(1)
+            self._since_aging = 0

@@ -1,0 +1,189 @@
+"""Memory preflight: before a table is loaded, compare the bytes its tier needs with what the machine allows.
+
+``memory_need(manifest, tier, ...)`` splits a tier's footprint into RAM, pinned RAM and device memory
+(values, resident scales, hot-row cache, I/O buffers); ``machine_budget()`` reads available RAM (MemAvailable,
+capped by the cgroup limit) and free device memory; ``preflight`` raises ``MemoryPreflightError`` naming
+the sizes and an option that would fit (another tier, a smaller cache) instead of dying halfway through.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engram.store.cache import RowCache
+from engram.store.format import TableManifest
+
+GiB = 1 << 30
+HEADROOM_FRACTION = 0.10  # of RAM left for the process itself, the page cache and the OS
+DEVICE_HEADROOM_FRACTION = 0.05  # of free device memory left for activations, allocator slack
+
+
+class MemoryPreflightError(MemoryError):
+    """A table would not fit where it was asked to go; the message says the sizes and what would fit."""
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+@dataclass
+class MemoryNeed:
+    """Bytes one opened table takes, by kind of memory."""
+
+    ram: int = 0  # plain host memory (resident scales, caches and buffers on a CPU-only machine)
+    pinned: int = 0  # page-locked host memory (also counts against RAM)
+    device: int = 0  # device memory on the CUDA device
+    parts: dict[str, int] | None = None  # what the bytes are, for the message
+
+    @property
+    def host_total(self) -> int:
+        return self.ram + self.pinned
+
+
+@dataclass
+class MemoryBudget:
+    """Bytes the machine allows now; None = unknown (not checked)."""
+
+    ram: int | None  # available RAM, capped by the cgroup limit
+    device: int | None  # free memory on the target CUDA device (None without CUDA)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return None
+    return None if text in ("", "max") else int(text)
+
+
+def cgroup_available() -> int | None:
+    """Bytes left under this process's cgroup memory limit (v2 or v1), None when unlimited/unknown."""
+    for limit_p, usage_p in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                             ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                              "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        limit = _read_int(limit_p)
+        if limit is not None and limit < (1 << 60):
+            return max(0, limit - (_read_int(usage_p) or 0))
+    return None
+
+
+def mem_available() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes, None when unreadable."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def machine_budget(device: torch.device | None = None) -> MemoryBudget:
+    ram = [v for v in (mem_available(), cgroup_available()) if v is not None]
+    dev = None
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+        dev = torch.cuda.mem_get_info(device)[0]
+    return MemoryBudget(ram=min(ram) if ram else None, device=dev)
+
+
+def memory_need(m: TableManifest, tier: str, device: torch.device, cache_rows: int = 0,
+                queue_depth: int = 64) -> MemoryNeed:
+    """What opening ``m`` on ``tier`` with rows returned on ``device`` takes."""
+    values = m.rows * m.row_stride
+    scales = m.rows * m.scale_cols
+    cache = RowCache.bytes_for_rows(cache_rows, m.value_bytes, m.scale_cols) if cache_rows else 0
+    cuda = device.type == "cuda"
+    need = MemoryNeed(parts={})
+    if tier == "gpu":
+        need.parts = {"values": values, "scales": scales}
+        if cuda:
+            need.device = values + scales
+        else:
+            need.ram = values + scales
+    elif tier == "host":
+        need.parts = {"values": values, "scales": scales, "cache": cache}
+        if torch.cuda.is_available():
+            need.pinned = values + scales
+        else:
+            need.ram = values + scales
+        if cuda:
+            need.device = cache
+        else:
+            need.ram += cache
+    elif tier == "disk":
+        buffers = queue_depth * max(m.page_size, m.row_stride) * 2
+        need.parts = {"resident scales": scales, "cache": cache, "I/O buffers": buffers}
+        need.ram = scales + buffers
+        if cuda:
+            need.device = cache
+        else:
+            need.ram += cache
+    else:
+        raise ValueError(f"tier={tier!r} is not one of ['gpu', 'host', 'disk']")
+    return need
+
+
+def _shortfalls(need: MemoryNeed, budget: MemoryBudget) -> list[str]:
+    """Shortfalls as sentences (empty when it fits)."""
+    short = []
+    if budget.ram is not None:
+        allowed = int(budget.ram * (1 - HEADROOM_FRACTION))
+        if need.host_total > allowed:
+            kind = "RAM (pinned)" if need.pinned else "RAM"
+            short.append(f"needs {fmt_bytes(need.host_total)} of {kind} but {fmt_bytes(allowed)} is usable "
+                         f"({fmt_bytes(budget.ram)} available incl. cgroup limit, {HEADROOM_FRACTION:.0%} kept free)")
+    if budget.device is not None:
+        allowed = int(budget.device * (1 - DEVICE_HEADROOM_FRACTION))
+        if need.device > allowed:
+            short.append(f"needs {fmt_bytes(need.device)} of device memory but {fmt_bytes(allowed)} is usable "
+                         f"({fmt_bytes(budget.device)} free)")
+    return short
+
+
+def preflight(m: TableManifest, tier: str, device: torch.device, cache_rows: int = 0, queue_depth: int = 64,
+              budget: MemoryBudget | None = None) -> MemoryNeed:
+    """Raise MemoryPreflightError when ``m`` does not fit on ``tier``; return the need when it does."""
+    budget = budget if budget is not None else machine_budget(device)
+    need = memory_need(m, tier, device, cache_rows, queue_depth)
+    short = _shortfalls(need, budget)
+    if not short:
+        return need
+    parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in need.parts.items() if v)
+    msg = (f"table {m.path} ({m.rows} rows x {m.row_stride} B) does not fit on tier {tier!r}: "
+           + "; ".join(short) + f" [{parts}].")
+    return _raise_with_hint(msg, m, tier, device, cache_rows, queue_depth, budget)
+
+
+def _raise_with_hint(msg: str, m: TableManifest, tier: str, device: torch.device, cache_rows: int,
+                     queue_depth: int, budget: MemoryBudget) -> MemoryNeed:
+    def fits(t: str, rows: int) -> bool:
+        return not _shortfalls(memory_need(m, t, device, rows, queue_depth), budget)
+
+    hints = []
+    for other in ("gpu", "host", "disk"):
+        if other != tier and fits(other, cache_rows if other != "gpu" else 0):
+            hints.append(f"tier={other!r}" + (f" with cache_rows={cache_rows}" if cache_rows and other != "gpu" else ""))
+    if cache_rows and tier != "gpu" and fits(tier, 0):
+        lo, hi = 0, cache_rows - 1  # largest cache that fits on this tier: bytes grow with rows
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(tier, mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        hints.append(f"tier={tier!r} with cache_rows={lo}" if lo else f"tier={tier!r} without a cache")
+    if not hints and cache_rows:
+        hints += [f"tier={t!r} without a cache" for t in ("host", "disk") if fits(t, 0)]
+    hint = (" Would fit: " + " or ".join(hints) + ".") if hints else " No tier fits on this machine."
+    raise MemoryPreflightError(msg + hint)
+
+
+def preflight_enabled() -> bool:
+    """ENGRAM_PREFLIGHT=0 turns the check off (for machines whose limits are reported wrong)."""
+    return os.environ.get("ENGRAM_PREFLIGHT", "1") not in ("0", "false", "no")
