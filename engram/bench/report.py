@@ -71,8 +71,8 @@ def write_result(name: str, config: dict[str, Any], result: dict[str, Any], out:
     path = Path(out) if out is not None else result_path(name, results_dir, now)
     doc = {"name": name, "date": now.isoformat(timespec="seconds"), "git": git_commit(),
            "machine": machine_info(), "config": config, "result": result}
+    text = json.dumps(doc, indent=2, allow_nan=False, default=_jsonable)  # fails before anything is written
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(doc, indent=2, allow_nan=False, default=_jsonable)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text + "\n")
     tmp.replace(path)  # a reader never sees half a file
