@@ -1,0 +1,171 @@
+"""AsyncEngine: runs the engine's step loop on one background thread and bridges it to asyncio.
+
+Contract: ``generate()`` is an async iterator of RequestOutputs for one request; leaving it early (client
+gone, task cancelled) aborts the request and frees its sequence. All engine calls happen on the engine
+thread — requests and aborts reach it through a queue, outputs come back with ``call_soon_threadsafe``.
+A step that raises fails the requests it held (or all running ones when it cannot tell) and the loop goes
+on, so one bad table read never takes the server down. Admission is bounded: more than
+``max_num_seqs + max_waiting`` requests in the system raise EngineOverloaded (HTTP 503).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+log = logging.getLogger("engram.server")
+
+_ACCEPTED = object()  # first item of every stream once the engine has taken the request
+
+
+class EngineOverloaded(Exception):
+    """The waiting queue is full; retry after ``retry_after`` seconds."""
+
+    def __init__(self, retry_after: int = 1):
+        super().__init__("the server is at capacity; retry later")
+        self.retry_after = retry_after
+
+
+class EngineNotReady(Exception):
+    pass
+
+
+class RequestFailed(Exception):
+    """The engine failed this request (e.g. a table read error); the server keeps serving."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float = field(default_factory=time.monotonic)
+
+
+class AsyncEngine:
+    def __init__(self, build: Callable[[], Any], max_num_seqs: int, max_waiting: int = 256,
+                 on_step: Callable[[Any, list], None] | None = None):
+        self._build = build
+        self.capacity = max_num_seqs + max_waiting
+        self._on_step = on_step  # called on the engine thread after each step (metrics)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engram-engine", daemon=True)
+        self.llm: Any = None  # the engram.LLM built on the engine thread
+        self.engine: Any = None  # its LLMEngine (add_request / abort_request / step / has_unfinished)
+        self.ready = threading.Event()
+        self.load_error: str | None = None
+
+    # ----------------------------------------------------------------- asyncio side
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._streams)
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: Any) -> AsyncIterator[Any]:
+        """Yield RequestOutputs until the request finishes. Raises ValueError for a request the engine
+        refuses (before anything is yielded), EngineOverloaded, EngineNotReady or RequestFailed."""
+        if not self.ready.is_set():
+            raise EngineNotReady(self.load_error or "the model is still loading")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if len(self._streams) >= self.capacity:
+                raise EngineOverloaded()
+            self._streams[request_id] = stream
+        self._inbox.put(("add", request_id, prompt, params))
+        self._wake.set()
+        finished = False
+        try:
+            first = await stream.queue.get()
+            if isinstance(first, BaseException):
+                raise first
+            assert first is _ACCEPTED
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    # ----------------------------------------------------------------- engine thread
+    def _deliver(self, request_id: str, item: Any) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                _, rid, prompt, params = msg
+                if rid not in self._streams:  # the client left before the engine saw the request
+                    continue
+                try:
+                    self.engine.add_request(rid, prompt, params)
+                except ValueError as e:
+                    self._deliver(rid, e)
+                    continue
+                self._deliver(rid, _ACCEPTED)
+            else:
+                self.engine.abort_request(msg[1])
+
+    def _run(self) -> None:
+        try:
+            self.llm = self._build()
+            self.engine = self.llm.engine
+        except Exception as e:  # keep serving /health (503) with the reason
+            self.load_error = f"model failed to load: {e}"
+            log.error("%s\n%s", self.load_error, traceback.format_exc())
+            return
+        self.ready.set()
+        while not self._stop.is_set():
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:
+                self._fail_step(e)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            if self._on_step is not None:
+                self._on_step(self.engine, outputs)
+
+    def _fail_step(self, error: Exception) -> None:
+        """Fail the requests of the step that raised; the engine and the other requests go on."""
+        ids = list(getattr(error, "request_ids", None) or list(self._streams))
+        log.error("engine step failed for %d request(s): %s", len(ids), error)
+        for rid in ids:
+            self.engine.abort_request(rid)
+            self._deliver(rid, RequestFailed(f"request failed in the engine: {error}"))

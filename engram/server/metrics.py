@@ -1,0 +1,73 @@
+"""Prometheus metrics of the server, all named ``engram_*``, on a registry of their own.
+
+Request-level series (counts, TTFT/TPOT/latency histograms, token counters) are updated by the serving
+code; engine gauges and table counters come from a snapshot the engine thread takes after each step and
+are exported at scrape time, so a scrape never touches the engine.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+TABLE_COUNTERS = ("lookups", "rows", "unique_rows", "hits", "misses", "evictions", "bytes_read", "read_ops")
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, tier: str):
+        self.registry = CollectorRegistry()
+        self.model_name, self.tier = model_name, tier
+        r = self.registry
+        self.requests = Counter("engram_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
+        self.rejected = Counter("engram_requests_rejected", "Requests refused before running", ["reason"], registry=r)
+        self.prompt_tokens = Counter("engram_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("engram_generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram("engram_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("engram_time_per_output_token_seconds", "Mean time between output tokens of a request",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("engram_e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self._lock = threading.Lock()
+        self._snapshot: dict[str, Any] = {"running": 0, "waiting": 0, "kv_usage": 0.0, "tables": {}}
+        r.register(_SnapshotCollector(self))
+
+    def update_from_engine(self, engine: Any, outputs: list) -> None:
+        """Engine-thread hook: take the gauges and table counters after a step."""
+        sched = engine.scheduler
+        total = engine.memory.num_blocks
+        free = sched.blocks.num_free_blocks()
+        tables = {lid: t.stats() for lid, t in engine.executor.tables.items()}
+        snap = {"running": len(sched.running), "waiting": len(sched.waiting),
+                "kv_usage": 1.0 - free / total if total else 0.0, "tables": tables}
+        with self._lock:
+            self._snapshot = snap
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._snapshot)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _SnapshotCollector:
+    def __init__(self, metrics: ServerMetrics):
+        self.m = metrics
+
+    def collect(self):
+        snap = self.m.snapshot()
+        yield GaugeMetricFamily("engram_num_requests_running", "Sequences in the running batch", value=snap["running"])
+        yield GaugeMetricFamily("engram_num_requests_waiting", "Sequences waiting to be scheduled",
+                                value=snap["waiting"])
+        yield GaugeMetricFamily("engram_kv_cache_usage_ratio", "Fraction of KV blocks in use", value=snap["kv_usage"])
+        for key in TABLE_COUNTERS:
+            fam = CounterMetricFamily(f"engram_table_{key}", f"Engram table {key} (cumulative)",
+                                      labels=["layer", "tier"])
+            for lid, stats in snap["tables"].items():
+                fam.add_metric([str(lid), self.m.tier], float(stats.get(key, 0)))
+            yield fam
