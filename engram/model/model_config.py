@@ -43,7 +43,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
-    chat_template: str | None = None  # Jinja-free template: "{role}" / "{content}" placeholders
+    chat_template: str | None = None  # HF-style Jinja chat template (tokenizer_config.json on save/load)
     init_seed: int = 0  # seed of deterministic random weights (presets)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,247 @@
+"""load_model / save_model: a preset or an HF-style checkpoint directory -> a ready LoadedModel.
+
+A checkpoint is ``config.json`` (Llama / Qwen2 / Qwen3 fields + ``engram_*``) + ``*.safetensors`` +
+``tokenizer.json`` (+ ``tokenizer_config.json`` for the chat template). Decoder tensors use HF names,
+with or without the ``model.`` prefix; Engram tensors are ``[model.]layers.L.engram.{embed.weight,
+embed.scale, wkv.weight, wkv.scale, q_weight, k_weight}``. The tables are converted once into the cache
+directory (see tables.py) and opened on the chosen tier. Pickled weights (``.bin``/``.pt``) are refused.
+Errors name the tensor and the expected and found shapes.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engram.config import EngramConfig
+from engram.model.decoder import EngramDecoder
+from engram.model.model_config import ModelConfig
+from engram.model.presets import MODEL_PRESETS, TOKENIZER_FILE, init_random_weights, preset_config
+from engram.model.tables import (checkpoint_table_dirs, convert_checkpoint_tables, ensure_preset_tables,
+                                 open_tables)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+ENGRAM_TABLE_KEYS = ("engram.embed.weight", "engram.embed.scale")
+
+
+@dataclass
+class LoadedModel:
+    model: EngramDecoder  # on ``device`` in ``dtype``, eval mode, no grads
+    model_config: ModelConfig
+    engram_config: EngramConfig | None
+    tokenizer: Any  # tokenizers.Tokenizer
+    compressed_tokenizer: Any  # engram.tokenizer.CompressedTokenizer
+    tables: dict[int, Any]  # Engram layer id -> opened store table
+    eos_token_id: int | None
+    chat_template: str | None
+    name: str
+    table_dirs: dict[int, Path] = field(default_factory=dict)  # layer id -> table directory in the cache
+    dtype: torch.dtype = torch.float32
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """None -> bfloat16 on CUDA, float32 elsewhere; names as in DTYPES."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> EngramDecoder:
+    """An uninitialised model built on the meta device, then materialised on ``device`` in ``dtype``
+    (no float32 copy of an 8B model is ever made)."""
+    with torch.device("meta"):
+        model = EngramDecoder(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    model.tie_weights()
+    return model.eval().requires_grad_(False)
+
+
+def load_model(model: str | os.PathLike = "tiny", tier: str = "gpu", dtype: str | torch.dtype | None = None,
+               device: str | torch.device | None = None, engram_config: dict | None = None,
+               cache_dir: str | os.PathLike | None = None, progress: bool = True) -> LoadedModel:
+    """Load a preset ("tiny" | "small" | "4b-like" | "8b-like") or a checkpoint directory.
+
+    ``engram_config`` (the runtime options dict of --engram-config) is read for ``cpu_offload`` (true ->
+    tier "host"), ``table_rows`` (rows per Engram layer of 4b-like / 8b-like), ``seed`` (preset weights
+    and tables) and open_table's ``cache_rows`` / ``cache_policy`` / ``io`` / ``queue_depth``; other keys
+    belong to the engine and are ignored here.
+    """
+    opts = dict(engram_config or {})
+    if opts.get("cpu_offload"):
+        tier = "host"
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dt = resolve_dtype(dtype, dev)
+    name = os.fspath(model)
+    if name in MODEL_PRESETS:
+        return _load_preset(name, tier, dt, dev, opts, cache_dir, progress)
+    path = Path(name)
+    if path.is_file() and path.suffix in PICKLE_SUFFIXES:
+        raise ValueError(f"{path}: pickled checkpoints are not loaded (unpickling runs code); convert it to "
+                         f"safetensors (safetensors.torch.save_file) in an HF-style directory")
+    if not path.is_dir():
+        raise ValueError(f"model={name!r} is neither a preset {MODEL_PRESETS} nor a checkpoint directory")
+    return _load_checkpoint(path, tier, dt, dev, opts, cache_dir, progress)
+
+
+def _tokenizers(path: Path):
+    from tokenizers import Tokenizer
+
+    from engram.tokenizer import CompressedTokenizer
+
+    if not path.is_file():
+        raise ValueError(f"{path}: tokenizer.json not found (a checkpoint needs one)")
+    return Tokenizer.from_file(str(path)), CompressedTokenizer.from_file(path)
+
+
+def _load_preset(name, tier, dtype, device, opts, cache_dir, progress) -> LoadedModel:
+    seed = int(opts.get("seed", 0))
+    cfg = preset_config(name, table_rows=opts.get("table_rows"), seed=seed)
+    model = build_model(cfg, dtype, device)
+    init_random_weights(model, seed)
+    tok, ctok = _tokenizers(TOKENIZER_FILE)
+    dirs = ensure_preset_tables(cfg.engram, seed, cache_dir, progress=progress)
+    tables = open_tables(dirs, cfg.engram, tier, device, opts)
+    return LoadedModel(model, cfg, cfg.engram, tok, ctok, tables, cfg.eos_token_id, cfg.chat_template, name,
+                       dirs, dtype, device)
+
+
+# ----------------------------------------------------------------- checkpoints
+def _canonical(key: str) -> str:
+    """Checkpoint key -> this model's parameter name (adds the ``model.`` prefix where HF omits it)."""
+    return key if key.startswith(("model.", "lm_head.")) else f"model.{key}"
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickled = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickled:
+            raise ValueError(f"{path}: only pickled weights {pickled} found; they are not loaded (unpickling runs "
+                             f"code). Convert them to safetensors (safetensors.torch.save_file) first")
+        raise ValueError(f"{path}: no *.safetensors weights found")
+    return files
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+
+
+@torch.no_grad()
+def _load_weights(model: EngramDecoder, files: list[Path]) -> dict[str, tuple[Path, str]]:
+    """Copy every decoder/Engram tensor into ``model``; returns the table tensors (canonical name -> (file,
+    checkpoint key)) left for the table converter. Raises ValueError naming missing, unexpected or
+    mis-shaped tensors."""
+    from safetensors import safe_open
+
+    from engram.weights import convert_state_dict
+
+    cfg = model.config
+    params = dict(model.named_parameters())  # a tied lm_head is listed once (as the embedding)
+    engram_layers = model.engram_layers
+    engram_sd: dict[int, dict[str, torch.Tensor]] = {l: {} for l in engram_layers}
+    tables: dict[str, tuple[Path, str]] = {}
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                name = _canonical(key)
+                parts = name.split(".")
+                if len(parts) > 4 and parts[3] == "engram" and parts[2].isdigit():
+                    lid = int(parts[2])
+                    if lid not in engram_layers:
+                        unexpected.append(key)
+                    elif name.endswith(ENGRAM_TABLE_KEYS) or ".multi_head_embedding." in name:
+                        tables[name] = (file, key)
+                    else:
+                        engram_sd[lid][name] = f.get_tensor(key)
+                    continue
+                if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                    continue  # tied: the embedding is the head
+                if name not in params:
+                    unexpected.append(key)
+                    continue
+                p, t = params[name], f.get_tensor(key)
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"{file.name}: tensor {key!r} has shape {list(t.shape)}, expected "
+                                     f"{list(p.shape)} (from config.json)")
+                p.copy_(t.to(p.dtype))
+                loaded.add(name)
+    if unexpected:
+        raise ValueError(f"checkpoint has unexpected tensors (not in the {cfg.architecture} layout of "
+                         f"config.json): {sorted(unexpected)[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    for lid, layer in engram_layers.items():
+        converted, _ = convert_state_dict(layer, engram_sd[lid], prefix=f"model.layers.{lid}.engram.")
+        state = layer.state_dict()
+        for pname, value in converted.items():
+            state[pname].copy_(value.to(state[pname].dtype))
+            loaded.add(f"model.layers.{lid}.engram.{pname}")
+    missing = sorted(n for n in params if n not in loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    return tables
+
+
+def _load_checkpoint(path: Path, tier, dtype, device, opts, cache_dir, progress) -> LoadedModel:
+    raw = _read_json(path / "config.json")
+    if not raw:
+        raise ValueError(f"{path}: config.json not found or empty")
+    tok_cfg = _read_json(path / "tokenizer_config.json")
+    cfg = ModelConfig.from_hf_dict(raw, name=path.name).replace(chat_template=tok_cfg.get("chat_template"))
+    files = _safetensors_files(path)
+    model = build_model(cfg, dtype, device)
+    table_tensors = _load_weights(model, files)
+    tok, ctok = _tokenizers(path / "tokenizer.json")
+    tables, dirs = {}, {}
+    if cfg.engram is not None:
+        ctok.check_config(cfg.engram)
+        dirs = checkpoint_table_dirs(path, cfg.engram, cache_dir)
+        convert_checkpoint_tables(table_tensors, dirs, cfg.engram, progress=progress)
+        tables = open_tables(dirs, cfg.engram, tier, device, opts)
+    return LoadedModel(model, cfg, cfg.engram, tok, ctok, tables, cfg.eos_token_id, cfg.chat_template, cfg.name,
+                       dirs, dtype, device)
+
+
+# ----------------------------------------------------------------- save
+def save_model(directory: str | os.PathLike, loaded: LoadedModel, dtype: torch.dtype | None = None) -> Path:
+    """Write ``loaded`` as a checkpoint directory that load_model reads back: config.json, model.safetensors
+    (decoder in ``dtype`` or the model's, Engram tables as ``embed.weight`` / ``embed.scale``),
+    tokenizer.json and tokenizer_config.json. Tables are read from their store files (small models only)."""
+    from safetensors.torch import save_file
+
+    from engram.model.tables import read_table_tensors
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = loaded.model_config
+    tensors: dict[str, torch.Tensor] = {}
+    for name, p in loaded.model.named_parameters():  # tied lm_head appears once
+        t = p.detach().to("cpu")
+        tensors[name] = (t.to(dtype) if dtype is not None else t).contiguous()
+    for lid, d in loaded.table_dirs.items():
+        values, scales = read_table_tensors(d)
+        tensors[f"model.layers.{lid}.engram.embed.weight"] = values
+        if scales is not None:
+            tensors[f"model.layers.{lid}.engram.embed.scale"] = scales
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1) + "\n")
+    loaded.tokenizer.save(str(out / "tokenizer.json"))
+    tok_cfg = {"chat_template": cfg.chat_template} if cfg.chat_template else {}
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1) + "\n")
+    return out
