@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.integration.server_process import ServerProcess, metric
+from engram.server.launcher import ServerProcess, metric
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -1,4 +1,8 @@
-"""Start a real `engram serve` subprocess on 127.0.0.1 and a free port, for the server tests."""
+"""Start a real `engram serve` subprocess on 127.0.0.1 and a free port (tests and load benches use it).
+
+``ServerProcess(args, cache_dir, log_path).wait_ready()`` returns once /health answers 200; ``stop()``
+sends SIGTERM (the server drains its streams) and waits; ``metric(url, name, labels)`` reads /metrics.
+"""
 from __future__ import annotations
 
 import os
@@ -18,10 +22,12 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], cache_dir: Path, log_path: Path):
+    def __init__(self, args: list[str], cache_dir: Path | None, log_path: Path):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, ENGRAM_CACHE_DIR=str(cache_dir), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if cache_dir is not None:
+            env["ENGRAM_CACHE_DIR"] = str(cache_dir)
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "engram.cli", "serve", *args, "--port", str(self.port),

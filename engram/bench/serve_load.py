@@ -1,0 +1,144 @@
+"""`engram bench serve`: hold N concurrent streaming requests against a server for a fixed time.
+
+Starts `engram serve` on a free local port (or uses ``--url``), then runs ``--concurrency`` workers that
+each send streaming completions back to back until ``--duration`` seconds have passed. Prompts are natural
+text (sentences of Python standard-library docstrings, shuffled with a seed): repeated filler would hash
+to a handful of rows and flatter every cache. Reports errors, request and token throughput, and
+TTFT / TPOT percentiles as JSON (bench/results/) and a table.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import time
+
+import numpy as np
+
+HELP = "serving load: N concurrent streams for a fixed time; throughput, TTFT/TPOT percentiles, errors"
+
+_STDLIB_MODULES = ("argparse", "asyncio", "collections", "csv", "datetime", "decimal", "email", "functools",
+                   "heapq", "http.client", "inspect", "json", "logging", "os", "pathlib", "pickle", "random",
+                   "re", "sqlite3", "statistics", "string", "subprocess", "tarfile", "textwrap", "threading",
+                   "unittest", "urllib.parse", "uuid", "zipfile", "typing")
+
+
+def natural_prompts(count: int, seed: int = 0, min_words: int = 8, max_words: int = 60) -> list[str]:
+    """``count`` prompts cut from standard-library docstrings (deterministic for a seed)."""
+    import importlib
+    import inspect
+
+    sentences: list[str] = []
+    for name in _STDLIB_MODULES:
+        mod = importlib.import_module(name)
+        docs = [mod.__doc__ or ""] + [inspect.getdoc(obj) or "" for _, obj in inspect.getmembers(mod)
+                                      if inspect.isfunction(obj) or inspect.isclass(obj)]
+        for doc in docs:
+            for s in re.split(r"(?<=[.!?])\s+", " ".join(doc.split())):
+                if min_words <= len(s.split()) <= max_words:
+                    sentences.append(s)
+    rng = random.Random(seed)
+    rng.shuffle(sentences)
+    return [sentences[i % len(sentences)] for i in range(count)]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=None, help="an engram (or any OpenAI-compatible) server; default: start one")
+    p.add_argument("--model", default="tiny", help="model to start (and the model name sent)")
+    p.add_argument("--serve-args", default="", help="extra arguments for the started `engram serve`")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (ignore_eos, so exactly this)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="result JSON path (default: bench/results/<date>-serve-load.json)")
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+async def _worker(client, model: str, prompts: list[str], start: int, stride: int, deadline: float,
+                  max_tokens: int, stats: dict) -> None:
+    i = start
+    while time.monotonic() < deadline:
+        prompt = prompts[i % len(prompts)]
+        i += stride
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        t0 = time.monotonic()
+        times: list[float] = []
+        try:
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    stats["errors"].append(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+                    continue
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        stats["errors"].append(event["error"]["message"])
+                    elif event.get("choices") and event["choices"][0].get("text"):
+                        times.append(time.monotonic())
+        except Exception as e:  # a failed request is counted, the load goes on
+            stats["errors"].append(f"{type(e).__name__}: {e}")
+            continue
+        stats["requests"] += 1
+        stats["e2e"].append(time.monotonic() - t0)
+        if times:
+            stats["ttft"].append(times[0] - t0)
+            if len(times) > 1:
+                stats["tpot"].append((times[-1] - times[0]) / (len(times) - 1))
+        stats["tokens"] += max_tokens
+
+
+async def run_load(url: str, model: str, concurrency: int, duration: float, max_tokens: int, seed: int) -> dict:
+    import httpx
+
+    prompts = natural_prompts(max(4 * concurrency, 256), seed)
+    stats = {"requests": 0, "tokens": 0, "errors": [], "ttft": [], "tpot": [], "e2e": []}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
+        t0 = time.monotonic()
+        deadline = t0 + duration
+        await asyncio.gather(*(_worker(client, model, prompts, w, concurrency, deadline, max_tokens, stats)
+                               for w in range(concurrency)))
+        wall = time.monotonic() - t0
+    return {"wall_s": wall, "requests": stats["requests"], "errors": len(stats["errors"]),
+            "error_samples": stats["errors"][:5], "output_tokens": stats["tokens"],
+            "output_tokens_per_s": stats["tokens"] / wall, "requests_per_s": stats["requests"] / wall,
+            **{f"ttft_p{q}_s": _pct(stats["ttft"], q) for q in (50, 90, 99)},
+            **{f"tpot_p{q}_s": _pct(stats["tpot"], q) for q in (50, 90, 99)},
+            **{f"e2e_p{q}_s": _pct(stats["e2e"], q) for q in (50, 99)}}
+
+
+def run(args: argparse.Namespace) -> int:
+    import shlex
+    import tempfile
+    from pathlib import Path
+
+    from engram.bench.report import format_table, write_result
+    from engram.server.launcher import ServerProcess
+
+    server = None
+    url = args.url
+    if url is None:
+        log = Path(tempfile.mkdtemp(prefix="engram-bench-")) / "server.log"
+        server = ServerProcess([args.model, "--max-num-seqs", str(args.concurrency), *shlex.split(args.serve_args)],
+                               None, log)
+        print(f"starting engram serve {args.model} (log: {log}) ...", flush=True)
+        url = server.wait_ready().url
+    try:
+        result = asyncio.run(run_load(url, args.model, args.concurrency, args.duration, args.max_tokens, args.seed))
+    finally:
+        if server is not None:
+            server.stop()
+    config = {"url": args.url, "model": args.model, "serve_args": args.serve_args, "concurrency": args.concurrency,
+              "duration_s": args.duration, "max_tokens": args.max_tokens, "seed": args.seed}
+    path = write_result("serve-load", config, result, out=args.out)
+    print(json.dumps(result, indent=2))
+    print(format_table([{k: v for k, v in result.items() if k != "error_samples"}]))
+    print(f"result: {path}")
+    return 0 if result["errors"] == 0 else 1
