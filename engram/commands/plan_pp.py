@@ -43,7 +43,7 @@ def _plan_dict(plan: Any, allocations: list[Any]) -> dict[str, Any]:
         "num_hidden_layers": g.num_layers,
         "pp": plan.pp,
         "edges": {kind: [[e.source, e.consumer] for e in edges] for kind, edges in g.edges_by_kind().items()},
-        "engram_layers": list(g.engram_layers),
+        "inputs": {"token_ids_and_lookbacks": list(g.engram_layers)},  # Engram layers: never block a cut
         "legal_cut_points": list(plan.legal_cut_points),
         "partition": list(plan.partition),
         "partition_origin": plan.origin,

@@ -254,11 +254,11 @@ def local_allocation(plan: PipelinePlan, stage: int) -> StageAllocation:
     kv_readers, index_readers = g.consumers("kv"), g.consumers("index")
     has_index = g.v41 or g.index_sources is not None
     cand_shared = any(e.kind == "candidate" for e in g.edges)
+    for e in g.edges:
+        if e.consumer in layers and e.source not in layers:
+            raise NotImplementedError(f"stage {stage}: {e.kind} source layer {e.source} (stage "
+                                      f"{plan.stage_of(e.source)}) -> layer {e.consumer} (stage {stage})")
     kv_source = {layer: g.kv_source_of(layer) for layer in layers}
-    for layer, src in kv_source.items():
-        if src not in kv_source:
-            raise NotImplementedError(f"stage {stage}: layer {layer} reads the KV cache of layer {src}, "
-                                      f"which stage {plan.stage_of(src)} holds")
     return StageAllocation(
         stage=stage,
         layers=layers,

@@ -45,6 +45,7 @@ def test_json_plan_with_explicit_partition(config, capsys):
     assert plan["partition"] == [20, 20] and plan["partition_origin"] == "partition"
     assert plan["legal_cut_points"] == [1, 2, 8, 14, 20]
     assert plan["edges"]["index_k"] == [[20, 24], [20, 28], [20, 32], [20, 36]]
+    assert plan["inputs"] == {"token_ids_and_lookbacks": [1, 14]}
     assert [s["layers"] for s in plan["stages"]] == [[0, 20], [20, 40]]
     assert [s["kv_cache_layers"] for s in plan["stages"]] == [[2, 8, 14], [20]]
     assert [s["needs_token_ids"] for s in plan["stages"]] == [True, False]

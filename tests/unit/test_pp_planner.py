@@ -1,5 +1,6 @@
 """PP planner of engram.parallel.pp: accepted and rejected cuts on the DeepSeek-V4.1-Flash sharing config,
 the exact rejection format, partition sources, minimax optimality against brute force, local allocation."""
+import dataclasses
 import itertools
 import re
 
@@ -7,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engram.parallel.pp import (PARTITION_ENV, best_partition, crossing_edges, layer_costs, local_allocation,
-                                plan_pipeline)
+from engram.parallel.pp import (PARTITION_ENV, Stage, best_partition, crossing_edges, layer_costs,
+                                local_allocation, plan_pipeline)
 from engram.parallel.pp_graph import sharing_graph
 
 V41_FLASH = {
@@ -162,6 +163,15 @@ def test_local_allocation_lists_only_local_layers():
         assert set(a.kv_source.values()) <= set(a.layers)
     with pytest.raises(ValueError, match=r"stage=4: out of range \[0, 4\)"):
         local_allocation(p, 4)
+
+
+def test_local_allocation_refuses_a_plan_built_around_the_checks():
+    good = plan(4)
+    bad = dataclasses.replace(good, partition=(10, 10, 10, 10),
+                              stages=tuple(Stage(i, 10 * i, 10 * i + 10, 10.0) for i in range(4)))
+    assert local_allocation(bad, 0).kv_cache_layers == (2, 8)
+    with pytest.raises(NotImplementedError, match=r"stage 1: kv source layer 8 \(stage 0\) -> layer 10 \(stage 1\)"):
+        local_allocation(bad, 1)
 
 
 def test_local_allocation_for_our_decoder():
