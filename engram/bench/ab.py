@@ -122,8 +122,10 @@ class Service:
         deadline = time.monotonic() + self.ready_timeout
         while True:
             if self.proc.poll() is not None:
-                raise CommandError(f"arm {self.label}: setup `{self.cmd}` exited with {self.proc.returncode} "
-                                   f"before it was ready; output: {self._output()!r}")
+                output, code = self._output(), self.proc.returncode
+                self.stop()
+                raise CommandError(f"arm {self.label}: setup `{self.cmd}` exited with {code} "
+                                   f"before it was ready; output: {output!r}")
             if self.ready is None or subprocess.run(self.ready, shell=True, capture_output=True).returncode == 0:
                 return
             if time.monotonic() > deadline:
