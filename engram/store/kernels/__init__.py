@@ -1,11 +1,15 @@
 """Gather kernels behind one function: ``gather_rows`` / ``gather_raw``.
 
-``reference.py`` is plain torch and runs everywhere; fast CUDA paths (Triton, added by the GPU-kernels
-work) are chosen at runtime when the table lives on a CUDA device or in pinned host memory. Tests flip
-the backend with ``set_backend("torch")`` or the environment variable ``ENGRAM_KERNELS=torch``.
+``reference.py`` is plain torch and runs everywhere. With backend "auto" (default) the Triton kernels
+take over when the table lives on a CUDA device (triton_gather.py) or in pinned host memory read
+through UVA (uva.py) and triton imports; their results are bitwise equal to the reference and land on
+the GPU (ids' device, else ``out``'s, else the current one), also for a pinned host table, which is the
+point of the host tier. Tests flip the backend with ``set_backend("torch")`` or ``ENGRAM_KERNELS=torch``;
+"triton" insists on the fast path and raises where it cannot run.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -29,12 +33,61 @@ def get_backend() -> str:
     return _BACKEND
 
 
+@functools.cache
+def triton_available() -> bool:
+    """True when CUDA is up and the Triton kernels import (triton has no CPU backend)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from engram.store.kernels import triton_gather  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def fast_path(values: torch.Tensor, out: torch.Tensor | None = None) -> str | None:
+    """Which fast kernel serves this table: "hbm", "uva" or None (the torch reference)."""
+    if _BACKEND == "torch":
+        return None
+    kind = None
+    if out is None or out.is_cuda:
+        if values.is_cuda:
+            kind = "hbm"
+        elif values.device.type == "cpu" and torch.cuda.is_available() and values.is_pinned():
+            kind = "uva"
+    if kind is not None and not triton_available():
+        kind = None
+    if kind is None and _BACKEND == "triton":
+        raise RuntimeError(f"kernel backend 'triton' needs triton, CUDA, a table on a CUDA device or in pinned "
+                           f"host memory and a CUDA out; got table on {values.device} (pinned: "
+                           f"{values.device.type == 'cpu' and torch.cuda.is_available() and values.is_pinned()}), "
+                           f"out on {None if out is None else out.device}, triton usable: {triton_available()}")
+    return kind
+
+
 def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor, row_dtype: str, dim: int,
                 out: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Dequantized rows ``ids`` of a packed table (see reference.gather_rows for the contract)."""
+    kind = fast_path(values, out)
+    if kind == "hbm":
+        from engram.store.kernels import triton_gather
+        if scales is not None and not scales.is_cuda:
+            scales = scales.to(values.device)
+        return triton_gather.gather_rows(values, scales, ids.to(values.device, non_blocking=True), row_dtype,
+                                         dim, out=out, dtype=dtype)
+    if kind == "uva":
+        from engram.store.kernels import uva
+        return uva.gather_rows(values, scales, ids, row_dtype, dim, out=out, dtype=dtype)
     return reference.gather_rows(values, scales, ids, row_dtype, dim, out=out, dtype=dtype)
 
 
 def gather_raw(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Packed bytes of rows ``ids`` (uint8 [N, stride])."""
+    kind = fast_path(values)
+    if kind == "hbm":
+        from engram.store.kernels import triton_gather
+        return triton_gather.gather_raw(values, ids.to(values.device, non_blocking=True))
+    if kind == "uva":
+        from engram.store.kernels import uva
+        return uva.gather_raw(values, ids)
     return reference.gather_raw(values, ids)

@@ -1,0 +1,37 @@
+"""Tile shape and grid of a Triton gather launch, with the environment override used by sweeps.
+
+Kept apart from triton_gather.py so that it imports (and is validated) on machines without triton.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile shape and grid of one launch; defaults were picked by the sweep in engram/bench/gpu_lookup.py."""
+
+    block_r: int = 32  # ids per tile
+    num_warps: int = 4  # warps per program
+    programs_per_sm: int = 8  # persistent grid = min(tiles, SMs * this); 0 = one program per tile
+
+    def __post_init__(self) -> None:
+        if self.block_r < 1 or self.block_r & (self.block_r - 1):
+            raise ValueError(f"LaunchConfig.block_r={self.block_r} must be a power of two")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"LaunchConfig.num_warps={self.num_warps} must be 1, 2, 4, 8 or 16")
+        if self.programs_per_sm < 0:
+            raise ValueError(f"LaunchConfig.programs_per_sm={self.programs_per_sm} must be >= 0")
+
+
+def config_from_env() -> LaunchConfig:
+    """ENGRAM_GATHER_CONFIG="block_r,num_warps,programs_per_sm" overrides the default (for sweeps)."""
+    spec = os.environ.get("ENGRAM_GATHER_CONFIG")
+    if not spec:
+        return LaunchConfig()
+    try:
+        b, w, p = (int(x) for x in spec.split(","))
+    except ValueError as e:
+        raise ValueError(f"ENGRAM_GATHER_CONFIG={spec!r} must be 'block_r,num_warps,programs_per_sm'") from e
+    return LaunchConfig(b, w, p)

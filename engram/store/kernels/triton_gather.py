@@ -1,0 +1,239 @@
+"""Triton gather of packed table rows, with MXFP8 dequant fused: the fast path behind ``gather_rows``.
+
+One kernel serves the HBM table and the pinned host table (read through UVA): a persistent grid of
+programs strides over tiles of BLOCK_R ids; each tile loads its rows with 16-byte vector loads (8 when
+the row stride is not a multiple of 16), dequantizes in fp32 and stores ``dtype`` rows. Optional
+``dst`` (output row per id) and ``lead`` (skip ids whose flag is 0) let uva.py gather sorted, deduplicated
+ids and scatter them back in the same pass. Results equal reference.gather_rows bitwise: the dequant
+is exact in fp32 (value x 2**(byte-127) built from the exponent bits, byte 0 -> 0.0, 255 -> NaN) and the
+final cast rounds to nearest even, as torch does. Only CUDA; importing needs triton.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engram.store.kernels.launch_config import LaunchConfig, config_from_env
+
+ROW_KINDS = {"mxfp8": 0, "bf16": 1, "fp16": 2, "fp32": 3}
+_ROW_TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+OUT_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+CONFIG = config_from_env()
+_SM_COUNT: dict[int, int] = {}
+
+
+class HostPointer:
+    """A pinned host tensor as Triton sees an argument: its UVA address (equal to the host address for
+    memory registered as mapped on 64-bit Linux) and element dtype."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.dtype = t.dtype
+        self._t = t  # keeps the memory alive for the launch
+        self._ptr = t.data_ptr()
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+def kernel_arg(t: torch.Tensor):
+    return t if t.is_cuda else HostPointer(t)
+
+
+def _grid(n_tiles: int, device: torch.device, cfg: LaunchConfig) -> int:
+    if cfg.programs_per_sm == 0:
+        return max(1, n_tiles)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return max(1, min(n_tiles, _SM_COUNT[idx] * cfg.programs_per_sm))
+
+
+@triton.jit
+def _gather_rows_kernel(values_ptr, scales_ptr, ids_ptr, dst_ptr, lead_ptr, out_ptr, n,
+                        V_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, OUT_STRIDE: tl.constexpr,
+                        DIM: tl.constexpr, NB: tl.constexpr, ROW_KIND: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                        CAST_VIA_F32: tl.constexpr, BLOCK_R: tl.constexpr, HAS_DST: tl.constexpr,
+                        HAS_LEAD: tl.constexpr):
+    # Tiles are [BLOCK_R ids, NB blocks of 32 values, 32]; NB is DIM/32 rounded up to a power of two.
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n_tiles = tl.cdiv(n, BLOCK_R)
+    blk = tl.arange(0, NB)
+    j = tl.arange(0, 32)
+    col = blk[None, :, None] * 32 + j[None, None, :]  # [1, NB, 32] value index in the row
+    cmask = col < DIM
+    for tile in range(pid, n_tiles, nprog):
+        r = tile * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+        rmask = r < n
+        if HAS_LEAD:
+            rmask = rmask & (tl.load(lead_ptr + r, mask=rmask, other=0) != 0)
+        row = tl.load(ids_ptr + r, mask=rmask, other=0).to(tl.int64)
+        if HAS_DST:
+            dst = tl.load(dst_ptr + r, mask=rmask, other=0).to(tl.int64)
+        else:
+            dst = r.to(tl.int64)
+        m3 = rmask[:, None, None] & cmask  # [BLOCK_R, NB, 32]
+        vrow = values_ptr + row[:, None, None] * V_STRIDE  # uint8* of each row
+        if ROW_KIND == 0:
+            v = tl.load(vrow + col, mask=m3, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            sb = tl.load(scales_ptr + row[:, None] * S_STRIDE + blk[None, :],
+                         mask=rmask[:, None] & (blk[None, :] * 32 < DIM), other=127).to(tl.int32)  # [BLOCK_R, NB]
+            # 2**(b-127) is the fp32 whose exponent field is b (b=0 gives +0.0); b=255 is E8M0 NaN.
+            f = (sb << 23).to(tl.float32, bitcast=True)
+            f = tl.where(sb == 255, float("nan"), f)
+            y = v * f[:, :, None]
+        elif ROW_KIND == 1:
+            y = tl.load(vrow.to(tl.pointer_type(tl.bfloat16)) + col, mask=m3, other=0)
+        elif ROW_KIND == 2:
+            y = tl.load(vrow.to(tl.pointer_type(tl.float16)) + col, mask=m3, other=0)
+        else:
+            y = tl.load(vrow.to(tl.pointer_type(tl.float32)) + col, mask=m3, other=0)
+        if CAST_VIA_F32:
+            y = y.to(tl.float32)  # bf16 <-> fp16 goes through fp32, as torch's cast does
+        tl.store(out_ptr + dst[:, None, None] * OUT_STRIDE + col, y.to(OUT_DTYPE), mask=m3)
+
+
+@triton.jit
+def _gather_units_kernel(values_ptr, ids_ptr, dst_ptr, lead_ptr, src_pos_ptr, out_ptr, n,
+                         V_STRIDE: tl.constexpr, OUT_STRIDE: tl.constexpr, UNITS: tl.constexpr,
+                         UNITS_P2: tl.constexpr, BLOCK_R: tl.constexpr, HAS_DST: tl.constexpr,
+                         HAS_LEAD: tl.constexpr, COPY_DUPS: tl.constexpr):
+    """Raw rows of UNITS words (strides in words). With COPY_DUPS it fills the rows ``lead`` skipped:
+    out[dst[i]] = out[dst[src_pos[i]]] for every i whose lead flag is 0 (values_ptr is then out)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n_tiles = tl.cdiv(n, BLOCK_R)
+    u = tl.arange(0, UNITS_P2)
+    umask = u[None, :] < UNITS
+    for tile in range(pid, n_tiles, nprog):
+        r = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = r < n
+        if COPY_DUPS:
+            rmask = rmask & (tl.load(lead_ptr + r, mask=rmask, other=1) == 0)
+            src = tl.load(src_pos_ptr + r, mask=rmask, other=0)
+            row = tl.load(dst_ptr + src, mask=rmask, other=0).to(tl.int64)
+        else:
+            if HAS_LEAD:
+                rmask = rmask & (tl.load(lead_ptr + r, mask=rmask, other=0) != 0)
+            row = tl.load(ids_ptr + r, mask=rmask, other=0).to(tl.int64)
+        if HAS_DST:
+            dst = tl.load(dst_ptr + r, mask=rmask, other=0).to(tl.int64)
+        else:
+            dst = r.to(tl.int64)
+        m = rmask[:, None] & umask
+        w = tl.load(values_ptr + row[:, None] * V_STRIDE + u[None, :], mask=m, other=0)
+        tl.store(out_ptr + dst[:, None] * OUT_STRIDE + u[None, :], w, mask=m)
+
+
+_WORD = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _word_bytes(*byte_counts: int) -> int:
+    """Largest word (8, 4, 2, 1 bytes) dividing every count: row strides and base addresses."""
+    for w in (8, 4, 2, 1):
+        if all(c % w == 0 for c in byte_counts):
+            return w
+    return 1
+
+
+def _check_table(values: torch.Tensor, scales: torch.Tensor | None, row_dtype: str, dim: int) -> None:
+    if values.dtype != torch.uint8 or values.dim() != 2 or values.stride(1) != 1:
+        raise ValueError(f"values must be uint8 [R, stride] with unit column stride, got {values.dtype} "
+                         f"shape {tuple(values.shape)} strides {values.stride()}")
+    if row_dtype not in ROW_KINDS:
+        raise ValueError(f"row_dtype={row_dtype!r} is not one of {tuple(ROW_KINDS)}")
+    itemsize = 1 if row_dtype == "mxfp8" else _ROW_TORCH[row_dtype].itemsize
+    if dim * itemsize > values.shape[1]:
+        raise ValueError(f"dim={dim} {row_dtype} needs {dim * itemsize} B per row, values rows have {values.shape[1]}")
+    if row_dtype == "mxfp8":
+        if dim % 32:
+            raise ValueError(f"mxfp8 rows need dim % 32 == 0, got dim={dim}")
+        if scales is None or scales.dim() != 2 or scales.shape[1] < dim // 32 or scales.stride(1) != 1:
+            raise ValueError(f"mxfp8 needs scales uint8 [R, {dim // 32}] with unit column stride, got "
+                             f"{None if scales is None else (scales.dtype, tuple(scales.shape), scales.stride())}")
+    elif (values.data_ptr() | values.stride(0)) % itemsize:
+        raise ValueError(f"{row_dtype} rows must be {itemsize}-byte aligned (data_ptr 0x{values.data_ptr():x}, "
+                         f"row stride {values.stride(0)})")
+
+
+def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor, row_dtype: str, dim: int,
+                out: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16, *,
+                dst: torch.Tensor | None = None, lead: torch.Tensor | None = None,
+                cfg: LaunchConfig | None = None) -> torch.Tensor:
+    """Rows ``ids`` (int32/int64 [N] on the GPU) of ``values`` (GPU or pinned host) dequantized into
+    ``out`` [M, dim] ``dtype`` on the GPU: row ids[i] goes to out[dst[i]] (dst default: i), skipped where
+    lead[i] == 0. ``out`` defaults to a new [N, dim] tensor on ids' device."""
+    _check_table(values, scales, row_dtype, dim)
+    if not ids.is_cuda:
+        raise ValueError(f"ids must be on a CUDA device, got {ids.device}")
+    if dtype not in OUT_TL:
+        raise ValueError(f"dtype={dtype} is not one of {tuple(OUT_TL)}")
+    cfg = cfg or CONFIG
+    n = ids.shape[0]
+    if out is None:
+        out = torch.empty(n, dim, dtype=dtype, device=ids.device)  # [N, dim]
+    if out.dtype != dtype or out.dim() != 2 or out.shape[1] != dim or out.stride(1) != 1 or not out.is_cuda:
+        raise ValueError(f"out must be a CUDA {dtype} [N, {dim}] with unit column stride, got {out.dtype} "
+                         f"shape {tuple(out.shape)} on {out.device}")
+    if n == 0:
+        return out
+    sc = scales if scales is not None else values
+    grid = (_grid(triton.cdiv(n, cfg.block_r), ids.device, cfg),)
+    nb = triton.next_power_of_2(triton.cdiv(dim, 32))
+    _gather_rows_kernel[grid](
+        kernel_arg(values), kernel_arg(sc), ids, dst if dst is not None else ids, lead if lead is not None else ids,
+        out, n, V_STRIDE=values.stride(0), S_STRIDE=sc.stride(0), OUT_STRIDE=out.stride(0), DIM=dim, NB=nb,
+        ROW_KIND=ROW_KINDS[row_dtype], OUT_DTYPE=OUT_TL[dtype], BLOCK_R=cfg.block_r,
+        CAST_VIA_F32=row_dtype in ("bf16", "fp16") and dtype != torch.float32 and _ROW_TORCH[row_dtype] != dtype,
+        HAS_DST=dst is not None, HAS_LEAD=lead is not None, num_warps=cfg.num_warps)
+    return out
+
+
+def gather_raw(values: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None, *,
+               dst: torch.Tensor | None = None, lead: torch.Tensor | None = None,
+               cfg: LaunchConfig | None = None) -> torch.Tensor:
+    """Packed bytes of rows ``ids`` into ``out`` uint8 [M, stride] on the GPU (same dst/lead rules)."""
+    if values.dtype != torch.uint8 or values.dim() != 2 or values.stride(1) != 1:
+        raise ValueError(f"values must be uint8 [R, stride] with unit column stride, got {values.dtype} "
+                         f"shape {tuple(values.shape)} strides {values.stride()}")
+    if not ids.is_cuda:
+        raise ValueError(f"ids must be on a CUDA device, got {ids.device}")
+    cfg = cfg or CONFIG
+    n, width = ids.shape[0], values.shape[1]
+    if out is None:
+        out = torch.empty(n, width, dtype=torch.uint8, device=ids.device)  # [N, stride]
+    if n == 0 or width == 0:
+        return out
+    w = _word_bytes(width, values.stride(0), values.data_ptr(), out.stride(0), out.data_ptr())
+    words_in = values.view(_WORD[w]) if w > 1 else values  # [R, stride / w]
+    words_out = out.view(_WORD[w]) if w > 1 else out
+    units = width // w
+    grid = (_grid(triton.cdiv(n, cfg.block_r), ids.device, cfg),)
+    _gather_units_kernel[grid](
+        kernel_arg(words_in), ids, dst if dst is not None else ids, lead if lead is not None else ids, ids,
+        words_out, n, V_STRIDE=values.stride(0) // w, OUT_STRIDE=out.stride(0) // w, UNITS=units,
+        UNITS_P2=triton.next_power_of_2(units), BLOCK_R=cfg.block_r, HAS_DST=dst is not None,
+        HAS_LEAD=lead is not None, COPY_DUPS=False, num_warps=cfg.num_warps)
+    return out
+
+
+def copy_duplicates(out: torch.Tensor, dst: torch.Tensor, lead: torch.Tensor, src_pos: torch.Tensor,
+                    cfg: LaunchConfig | None = None) -> torch.Tensor:
+    """For every i with lead[i] == 0: out[dst[i]] = out[dst[src_pos[i]]] (rows of a CUDA ``out``)."""
+    cfg = cfg or CONFIG
+    n = dst.shape[0]
+    if n == 0:
+        return out
+    row_bytes = out.shape[1] * out.element_size()
+    w = _word_bytes(row_bytes, out.stride(0) * out.element_size(), out.data_ptr())
+    words = out.view(torch.uint8).view(_WORD[w]) if out.dtype != _WORD[w] else out  # [M, row_bytes / w]
+    units = row_bytes // w
+    grid = (_grid(triton.cdiv(n, cfg.block_r), dst.device, cfg),)
+    _gather_units_kernel[grid](
+        words, dst, dst, lead, src_pos, words, n, V_STRIDE=words.stride(0), OUT_STRIDE=words.stride(0),
+        UNITS=units, UNITS_P2=triton.next_power_of_2(units), BLOCK_R=cfg.block_r, HAS_DST=True,
+        HAS_LEAD=True, COPY_DUPS=True, num_warps=cfg.num_warps)
+    return out

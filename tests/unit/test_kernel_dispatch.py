@@ -1,0 +1,54 @@
+"""Kernel dispatch without a GPU: the reference serves every table; "triton" refuses clearly."""
+import pytest
+import torch
+
+from engram.quant import quantize_mxfp8
+from engram.store import kernels
+from engram.store.kernels.launch_config import LaunchConfig, config_from_env
+
+
+@pytest.fixture
+def backend():
+    old = kernels.get_backend()
+    yield kernels.set_backend
+    kernels.set_backend(old)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_auto_uses_reference_on_cpu(backend):
+    backend("auto")
+    x = torch.randn(10, 64)
+    vals, scales = quantize_mxfp8(x)
+    ids = torch.tensor([3, 3, 0, 9])
+    assert kernels.fast_path(vals.view(torch.uint8)) is None
+    got = kernels.gather_rows(vals.view(torch.uint8), scales, ids, "mxfp8", 64, dtype=torch.float32)
+    from engram.quant import dequantize_mxfp8
+    want = dequantize_mxfp8(vals, scales, dtype=torch.float32)[ids]
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_triton_backend_refuses_without_cuda(backend):
+    backend("triton")
+    with pytest.raises(RuntimeError, match="triton"):
+        kernels.gather_raw(torch.zeros(4, 8, dtype=torch.uint8), torch.tensor([1]))
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(ValueError, match="cuda"):
+        kernels.set_backend("cuda")
+
+
+@pytest.mark.parametrize("kw,field", [({"block_r": 24}, "block_r"), ({"num_warps": 3}, "num_warps"),
+                                      ({"programs_per_sm": -1}, "programs_per_sm")])
+def test_launch_config_validates(kw, field):
+    with pytest.raises(ValueError, match=field):
+        LaunchConfig(**kw)
+
+
+def test_launch_config_env(monkeypatch):
+    monkeypatch.setenv("ENGRAM_GATHER_CONFIG", "64,8,0")
+    assert config_from_env() == LaunchConfig(64, 8, 0)
+    monkeypatch.setenv("ENGRAM_GATHER_CONFIG", "64,8")
+    with pytest.raises(ValueError, match="ENGRAM_GATHER_CONFIG"):
+        config_from_env()
