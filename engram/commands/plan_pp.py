@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
 HELP = "check a pipeline-parallel partition against the config's cross-layer sharing, or plan one"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="config.json, or a directory holding one")
+    parser.add_argument("config", help="config.json, a directory holding one, or a model preset name (e.g. tiny)")
     parser.add_argument("--pp", type=int, required=True, help="number of pipeline stages")
     parser.add_argument("--partition", default=None,
                         help="layers per stage, e.g. 8,6,6,20 (default: $ENGRAM_PP_LAYER_PARTITION, else planned)")
@@ -84,12 +85,24 @@ def _print_plan(plan: Any, allocations: list[Any]) -> None:
         print(f"  stage {s.index}: layers {s.start}-{s.end - 1} (cost {s.cost:g}); " + "; ".join(parts))
 
 
+def _config_source(name: str) -> str | dict[str, Any]:
+    """A path as given, or the HF config of a model preset (engram.model.presets) when no such path exists."""
+    if os.path.exists(name):
+        return name
+    from engram.model.presets import MODEL_PRESETS, preset_config
+
+    if name in MODEL_PRESETS:
+        return preset_config(name).to_hf_dict()
+    raise ValueError(f"{name!r} (CONFIG): no such file or directory, and not a model preset {MODEL_PRESETS}")
+
+
 def run(args: argparse.Namespace) -> int:
     import sys
 
     from engram.parallel.pp import ENGRAM_EXTRA_COST, local_allocation, plan_pipeline
 
     try:
+        config = _config_source(args.config)
         costs = None
         if args.layer_costs is not None:
             try:
@@ -97,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
             except ValueError:
                 raise ValueError(f"--layer-costs={args.layer_costs!r}: expected comma-separated numbers") from None
         engram_cost = ENGRAM_EXTRA_COST if args.engram_cost is None else args.engram_cost
-        plan = plan_pipeline(args.config, args.pp, partition=args.partition, costs=costs, engram_cost=engram_cost)
+        plan = plan_pipeline(config, args.pp, partition=args.partition, costs=costs, engram_cost=engram_cost)
         allocations = [local_allocation(plan, s) for s in range(plan.pp)]
     except (ValueError, NotImplementedError, OSError) as e:
         if args.json:

@@ -78,7 +78,7 @@ def test_config_errors_exit_2(tmp_path, capsys, monkeypatch):
     assert main(["plan-pp", str(bad), "--pp", "2"]) == 2
     assert "kv_source_layer_ids=[8, 14, 20]: layer 2 has no preceding kv source" in capsys.readouterr().err
     assert main(["plan-pp", str(tmp_path / "missing.json"), "--pp", "2"]) == 2
-    assert "missing.json" in capsys.readouterr().err
+    assert "missing.json' (CONFIG): no such file or directory, and not a model preset" in capsys.readouterr().err
     assert main(["plan-pp", str(bad), "--pp", "2", "--layer-costs", "1,x"]) == 2
     assert "--layer-costs='1,x'" in capsys.readouterr().err
 
@@ -100,3 +100,14 @@ def test_fresh_process(config):
                           capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
     assert "partition: 20,20 (planner; largest stage cost 21)" in done.stdout
+
+
+def test_model_preset_name(capsys, monkeypatch):
+    monkeypatch.delenv(PARTITION_ENV, raising=False)
+    from engram.model.presets import preset_config
+
+    cfg = preset_config("tiny")
+    assert main(["plan-pp", "tiny", "--pp", "2", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert sum(plan["partition"]) == cfg.num_layers
+    assert plan["inputs"]["token_ids_and_lookbacks"] == list(cfg.engram_layer_ids)
