@@ -55,6 +55,7 @@ class LLMEngine:
         self._conv_layers = [lid for lid in ecfg.layer_ids if ecfg.variant == "paper"]
         self._seqs: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()
+        self.num_preemptions = 0  # sequences preempted by recompute since start
 
     # ----------------------------------------------------------------- the loop
     def step(self) -> list[RequestOutput]:
@@ -122,6 +123,7 @@ class LLMEngine:
     def _postprocess(self, batch: ScheduledBatch, plan: LookupPlan, sampled: list[Sequence],
                      tokens: list[int]) -> list[RequestOutput]:
         now = time.monotonic()
+        self.num_preemptions += len(batch.preempted)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             seq.num_computed_tokens += n
             seq.lookback = plan.next_lookback[i]  # [W]

@@ -1,0 +1,117 @@
+"""`engram generate [MODEL] --prompt ... | --prompts-file F`: offline batch generation with a throughput summary.
+
+Loads MODEL (a preset name or a checkpoint directory; default ``tiny``), runs every prompt through the
+continuous-batching engine with a progress bar, prints each completion (or JSON lines with ``--json``)
+and ends with requests, prompt/generated tokens, wall time and tokens per second.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+HELP = "generate completions for prompts offline (continuous batching) and report throughput"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default="tiny", help="preset name or checkpoint directory (default: tiny)")
+    src = parser.add_argument_group("prompts")
+    src.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
+    src.add_argument("--prompts-file", help="a file with one prompt per line (blank lines skipped)")
+    src.add_argument("--repeat", type=int, default=1, help="run every prompt this many times (load tests)")
+    load = parser.add_argument_group("model")
+    load.add_argument("--tier", choices=("gpu", "host", "disk"), default="gpu", help="where Engram tables live")
+    load.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default=None,
+                      help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    load.add_argument("--engram-config", default=None,
+                      help='JSON of runtime options, e.g. \'{"cpu_offload": true, "lookup_overlap": true}\'')
+    load.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    samp = parser.add_argument_group("sampling")
+    samp.add_argument("--max-tokens", type=int, default=32)
+    samp.add_argument("--temperature", type=float, default=0.0)
+    samp.add_argument("--top-p", type=float, default=1.0)
+    samp.add_argument("--top-k", type=int, default=0)
+    samp.add_argument("--seed", type=int, default=None)
+    samp.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    samp.add_argument("--ignore-eos", action="store_true")
+    eng = parser.add_argument_group("engine")
+    eng.add_argument("--max-num-seqs", type=int, default=64)
+    eng.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    eng.add_argument("--max-model-len", type=int, default=None)
+    eng.add_argument("--block-size", type=int, default=16)
+    eng.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for KV + Engram staging + hot-row cache")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print one JSON object per completion, then the summary")
+    out.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def parse_engram_config(text: str | None) -> dict:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--engram-config is not valid JSON ({e.msg} at char {e.pos}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--engram-config must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
+    if args.repeat < 1:
+        raise ValueError(f"--repeat={args.repeat} must be >= 1")
+    return prompts * args.repeat
+
+
+def run(args: argparse.Namespace) -> int:
+    import time
+
+    from engram.engine.llm import LLM
+    from engram.engine.sampling_params import SamplingParams
+
+    try:
+        prompts = read_prompts(args)
+        options = parse_engram_config(args.engram_config)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+        t0 = time.perf_counter()
+        llm = LLM(args.model, tier=args.tier, dtype=args.dtype, engram_config=options, device=args.device,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_model_len=args.max_model_len, block_size=args.block_size,
+                  kv_cache_memory=args.kv_cache_memory)
+    except (ValueError, OSError) as e:
+        print(f"engram generate: error: {e}", file=sys.stderr)
+        return 2
+    load_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+    gen_s = time.perf_counter() - t1
+    for out in outputs:
+        c = out.outputs[0]
+        if args.json:
+            print(json.dumps({"request_id": out.request_id, "prompt": out.prompt, "text": c.text,
+                              "token_ids": c.token_ids, "finish_reason": c.finish_reason}))
+        else:
+            print(f"--- {out.prompt!r}\n{c.text}")
+    prompt_toks = sum(len(o.prompt_token_ids) for o in outputs)
+    gen_toks = sum(len(o.outputs[0].token_ids) for o in outputs)
+    summary = {"model": args.model, "tier": llm.tier, "dtype": str(llm.dtype).removeprefix("torch."),
+               "device": str(llm.device), "requests": len(outputs), "prompt_tokens": prompt_toks,
+               "generated_tokens": gen_toks, "load_s": round(load_s, 3), "generate_s": round(gen_s, 3),
+               "output_tokens_per_s": round(gen_toks / gen_s, 2) if gen_s > 0 else None,
+               "total_tokens_per_s": round((prompt_toks + gen_toks) / gen_s, 2) if gen_s > 0 else None,
+               "kv_blocks": llm.engine.memory.num_blocks, "preemptions": llm.engine.num_preemptions}
+    if args.json:
+        print(json.dumps({"summary": summary}))
+    else:
+        print(f"\n{len(outputs)} requests, {prompt_toks} prompt + {gen_toks} generated tokens in {gen_s:.2f} s: "
+              f"{summary['output_tokens_per_s']} generated tok/s, {summary['total_tokens_per_s']} total tok/s "
+              f"({summary['device']}, {summary['dtype']}, tier {summary['tier']}; load {load_s:.2f} s, "
+              f"{summary['preemptions']} preemptions)")
+    return 0
