@@ -33,6 +33,7 @@ class DiskConfig:
     io: str = "direct"  # "direct" (O_DIRECT, bypass the page cache) | "buffered" (page cache)
     queue_depth: int = 64  # preads in flight per batched read (threads of the shared pread pool)
     max_inflight: int = 8  # submitted lookups not yet waited or cancelled; one more raises
+    chunk_pages: int = 2048  # pages per batched read call: bounds a lookup's page buffer (8 MiB)
 
     def __post_init__(self) -> None:
         if self.io not in ("direct", "buffered"):
@@ -41,6 +42,8 @@ class DiskConfig:
             raise ValueError(f"disk.queue_depth={self.queue_depth}: must be in [1, 1024]")
         if self.max_inflight < 1:
             raise ValueError(f"disk.max_inflight={self.max_inflight}: must be >= 1")
+        if self.chunk_pages < 1:
+            raise ValueError(f"disk.chunk_pages={self.chunk_pages}: must be >= 1")
 
 
 class InflightLimitError(RuntimeError):
@@ -122,6 +125,7 @@ class DiskTable(TableBackend):
             raise ValueError(f"{manifest.path}: page_size={self.page} is not a multiple of the reader's {PAGE}")
         self.reader = PageReader(manifest.values_path, io=self.config.io, queue_depth=self.config.queue_depth)
         self.scales = self._load_scales()  # uint8 [rows, scale_cols] resident, or None
+        self._cache_lock = threading.Lock()
         self._extra = {"disk_rows": 0, "inflight": 0, "inflight_bytes": 0}
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-disk")
 
@@ -143,21 +147,39 @@ class DiskTable(TableBackend):
         return torch.from_numpy(data).view(self.rows, self.scale_cols)
 
     # ----------------------------------------------------------------- the backing-store read
+    def _unique_rows(self, ids: torch.Tensor):
+        if self.cache is None:
+            return super()._unique_rows(ids)
+        with self._cache_lock:  # RowCache is not thread-safe: submit's worker and gather callers share it
+            return super()._unique_rows(ids)
+
     def _fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ids int64 [M] unique ascending -> (values uint8 [M, stride], scales uint8 [M, scale_cols] | None)."""
+        """ids int64 [M] unique ascending -> (values uint8 [M, stride], scales uint8 [M, scale_cols] | None).
+
+        Pages are read chunk_pages at a time into one reused page-aligned buffer, so a lookup holds at most
+        chunk_pages * page_size bytes of pages however many rows it asks for."""
         m = ids.numel()
+        vals = torch.empty(m, self.stride, dtype=torch.uint8)  # [M, stride]
+        chunk = self.config.chunk_pages
         if self.stride <= self.page:
             per_page = self.page // self.stride
-            pages, slot_page = torch.unique_consecutive(ids // per_page, return_inverse=True)  # [P], [M]
-            buf = aligned_pages(pages.numel() * (self.page // PAGE))  # [P * page/PAGE, PAGE] uint8
-            self.reader.read((pages * self.page).numpy(), buf, size=self.page)
-            # [P, per_page, stride] -> the rows asked for: [M, stride]
-            vals = buf.view(pages.numel(), per_page, self.stride)[slot_page, ids % per_page]
-            n_reads, nbytes = pages.numel(), pages.numel() * self.page
+            pages, row_page = torch.unique_consecutive(ids // per_page, return_inverse=True)  # [P], [M]
+            n_reads = pages.numel()
+            buf = aligned_pages(min(n_reads, chunk) * (self.page // PAGE))
+            pages_view = buf.view(-1, per_page, self.stride)  # [chunk, per_page, stride]
+            bounds = torch.searchsorted(row_page, torch.arange(0, n_reads + chunk, chunk)).tolist()
+            for k, a in enumerate(range(0, n_reads, chunk)):
+                self.reader.read((pages[a:a + chunk] * self.page).numpy(), buf, size=self.page)
+                r0, r1 = bounds[k], bounds[k + 1]  # rows on pages [a, a + chunk): ids are sorted
+                vals[r0:r1] = pages_view[row_page[r0:r1] - a, ids[r0:r1] % per_page]
+            nbytes = n_reads * self.page
         else:  # rows over a page: each row is stride / page whole pages, one read per row
-            buf = aligned_pages(m * (self.stride // PAGE))
-            self.reader.read((ids * self.stride).numpy(), buf, size=self.stride)
-            vals = buf.view(m, self.stride)
+            rows_per_chunk = max(1, chunk * self.page // self.stride)
+            buf = aligned_pages(min(m, rows_per_chunk) * (self.stride // PAGE))
+            for a in range(0, m, rows_per_chunk):
+                b = min(m, a + rows_per_chunk)
+                self.reader.read((ids[a:b] * self.stride).numpy(), buf, size=self.stride)
+                vals[a:b] = buf.view(-1, self.stride)[: b - a]
             n_reads, nbytes = m, m * self.stride
         scales = self.scales.index_select(0, ids) if self.scales is not None else None  # [M, scale_cols]
         self._count(read_ops=n_reads, bytes_read=nbytes)
@@ -218,7 +240,9 @@ class DiskTable(TableBackend):
 
 
 def open_disk_table(directory: str | Path, device: str | torch.device = "cpu", cache: Any = None,
-                    io: str = "direct", queue_depth: int = 64, max_inflight: int = 8) -> DiskTable:
-    """``open_table(..., tier="disk")`` lands here: validates the options, opens the files."""
+                    io: str = "direct", queue_depth: int = 64, max_inflight: int = 8,
+                    chunk_pages: int = 2048) -> DiskTable:
+    """A DiskTable without the placement checks of ``engram.store.open_table`` (tests, benches)."""
     return DiskTable.open(directory, device=device, cache=cache,
-                          config=DiskConfig(io=io, queue_depth=queue_depth, max_inflight=max_inflight))
+                          config=DiskConfig(io=io, queue_depth=queue_depth, max_inflight=max_inflight,
+                                            chunk_pages=chunk_pages))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engram.quant import dequantize_mxfp8, quantize_mxfp8
+from engram.store import open_table
 from engram.store import reader as rd
 from engram.store.disk import DiskConfig, DiskTable, open_disk_table
 from engram.store.reader import DiskReadError, Fault
@@ -60,10 +61,10 @@ def backend(request):
     rd.set_backend(old)
 
 
-@pytest.mark.parametrize("io", ["direct", "buffered"])
-def test_mxfp8_rows_bitwise_equal_reference(mx_table, backend, io):
+@pytest.mark.parametrize("io,chunk_pages", [("direct", 2048), ("buffered", 2048), ("buffered", 3)])
+def test_mxfp8_rows_bitwise_equal_reference(mx_table, backend, io, chunk_pages):
     d, vals, scales, ref = mx_table
-    with open_disk_table(d, io=io, queue_depth=5) as t:
+    with open_disk_table(d, io=io, queue_depth=5, chunk_pages=chunk_pages) as t:
         for ids in adversarial_ids(t.rows):
             for dt in (torch.bfloat16, torch.float32):
                 got = t.gather(ids, dtype=dt)
@@ -80,7 +81,7 @@ def test_other_dtypes_and_strides(tmp_path, kind, dim):
     """bf16 96 B -> stride 128; fp16 16 B -> 256 rows a page; fp32 4400 B -> two pages per row."""
     vals, _, ref = make_rows(700, dim, kind, seed=dim)
     write_table(tmp_path / "t", vals)
-    with open_disk_table(tmp_path / "t", io="direct", queue_depth=3) as t:
+    with open_disk_table(tmp_path / "t", io="direct", queue_depth=3, chunk_pages=5) as t:
         for ids in adversarial_ids(t.rows):
             got = t.gather(ids, dtype=torch.float32)
             assert torch.equal(got.view(torch.uint8), ref(ids, torch.float32).view(torch.uint8))
@@ -89,6 +90,27 @@ def test_other_dtypes_and_strides(tmp_path, kind, dim):
             t.gather(torch.tensor([5, 5, 9]))
             s = t.stats()
             assert s["read_ops"] == 2 and s["bytes_read"] == 2 * 8192
+
+
+@pytest.mark.parametrize("cache_rows", [0, 64, 4096])
+def test_disk_equals_gpu_tier_through_open_table(mx_table, cache_rows):
+    """The placement function's disk tier, with and without a hot-row cache (64 rows: constant evictions)."""
+    d, *_ = mx_table
+    gpu = open_table(d, tier="gpu", device="cpu")
+    disk = open_table(d, tier="disk", device="cpu", cache_rows=cache_rows, queue_depth=8)
+    assert isinstance(disk, DiskTable)
+    for _ in range(2):  # the second pass hits the cache
+        for ids in adversarial_ids(gpu.rows):
+            a, b = gpu.gather(ids), disk.gather(ids)
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            assert torch.equal(gpu.gather_raw(ids), disk.gather_raw(ids))
+    s = disk.stats()
+    if cache_rows:
+        assert s["hits"] > 0 and s["misses"] == s["disk_rows"]
+    else:
+        assert s["hits"] == 0 and s["disk_rows"] == s["unique_rows"]
+    disk.close()
+    gpu.close()
 
 
 def test_stats_count_pages_and_amplification(mx_table):
