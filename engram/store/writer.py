@@ -22,6 +22,9 @@ import torch
 from engram.store.format import (DEFAULT_CHUNK_BYTES, ITEMSIZE, MANIFEST, PAGE_SIZE, SCALE_BLOCK, SCALES_FILE,
                                  VALUES_FILE, ChunkCrc, FileEntry, TableManifest, row_stride, values_file_bytes)
 
+# append() may keep references to the arrays it was given until IN_FLIGHT more appends have returned: each
+# file's writer thread works on one buffer while at most two wait in its queue.
+IN_FLIGHT = 3
 TORCH_ROW_DTYPES = {torch.float8_e4m3fn: "mxfp8", torch.bfloat16: "bf16", torch.float16: "fp16",
                     torch.float32: "fp32"}
 
@@ -45,7 +48,7 @@ class _FileSink:
         self.crc = ChunkCrc(chunk_bytes)
         self.size = 0
         self._f = open(path, "wb", buffering=0)
-        self._q: queue.Queue = queue.Queue(maxsize=2)  # bounded: the producer runs at most 2 buffers ahead
+        self._q: queue.Queue = queue.Queue(maxsize=IN_FLIGHT - 1)  # + the one being written = IN_FLIGHT
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"engram-writer-{path.name}", daemon=True)
         self._thread.start()
@@ -89,7 +92,9 @@ class TableWriter:
 
     ``append(values, scales=None)``: values [n, dim] of the row dtype (float8_e4m3fn, bfloat16, float16,
     float32) or its raw bytes uint8 [n, value_bytes]; scales uint8 / float8_e8m0fnu [n, dim/32] for mxfp8.
-    Use as a context manager (finishes on success, removes everything on error) or call ``finish()``.
+    The arrays may be referenced until IN_FLIGHT later appends return, so a producer may reuse a ring of
+    IN_FLIGHT + 1 buffers. Use as a context manager (finishes on success, removes everything on error) or
+    call ``finish()``.
     An existing table (or empty directory) at the target is replaced only once the new one is complete.
     """
 
