@@ -22,15 +22,19 @@ _SOURCE_DIR = Path(__file__).resolve().parent
 
 
 def git_commit(cwd: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Commit of the engram source tree (``cwd`` overrides): {"commit": sha | None, "dirty": bool | None}."""
+    """Commit of the engram source tree (``cwd`` overrides): {"commit": sha | None, "dirty": bool | None}.
+
+    Outside a checkout (an installed wheel, the device machine's copy of the tree) the commit is taken
+    from the ``ENGRAM_COMMIT`` environment variable, which whoever shipped the tree sets.
+    """
     where = str(cwd or _SOURCE_DIR)
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True,
                              timeout=10, check=True).stdout.strip()
         status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
                                 capture_output=True, text=True, timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError):  # not a checkout (installed wheel) or no git binary
-        return {"commit": None, "dirty": None}
+    except (OSError, subprocess.SubprocessError):  # not a checkout, or no git binary
+        return {"commit": os.environ.get("ENGRAM_COMMIT"), "dirty": None}
     return {"commit": sha, "dirty": bool(status.strip())}
 
 

@@ -116,8 +116,9 @@ class ArmStats:
     def of(cls, x: Sequence[float]) -> ArmStats:
         a = np.asarray(x, dtype=np.float64)
         q1, med, q3 = np.quantile(a, [0.25, 0.5, 0.75])
-        return cls(n=a.size, median=float(med), mean=float(a.mean()), std=float(a.std(ddof=1)) if a.size > 1 else 0.0,
-                   min=float(a.min()), max=float(a.max()), iqr=float(q3 - q1), rel_iqr=float((q3 - q1) / med))
+        std = float(a.std(ddof=1)) if a.size > 1 else 0.0
+        return cls(n=a.size, median=float(med), mean=float(a.mean()), std=std, min=float(a.min()),
+                   max=float(a.max()), iqr=float(q3 - q1), rel_iqr=float((q3 - q1) / med))
 
 
 @dataclass
@@ -145,7 +146,8 @@ def block_means(x: Sequence[float], block_rounds: int) -> np.ndarray:
     return a.reshape(-1, block_rounds).mean(axis=1)  # [rounds] -> [blocks, block_rounds] -> [blocks]
 
 
-def compare(num: Sequence[float], den: Sequence[float], cfg: ABConfig, names: tuple[str, str] = ("B", "A")) -> Comparison:
+def compare(num: Sequence[float], den: Sequence[float], cfg: ABConfig,
+            names: tuple[str, str] = ("B", "A")) -> Comparison:
     """Paired comparison of two arms' per-round samples (same length, round order), bootstrapped over blocks."""
     if len(num) != len(den):
         raise ValueError(f"arm {names[0]} has {len(num)} rounds but arm {names[1]} has {len(den)}")
@@ -216,7 +218,8 @@ class ABResult:
     def table(self) -> str:
         from engram.bench.report import format_table
         rows = [{"arm": label, "name": self.arms[label], "n": s.n, "median": s.median, "mean": s.mean,
-                 "min": s.min, "max": s.max, "rel IQR": f"{100 * s.rel_iqr:.2f}%"} for label, s in self.stats.items()]
+                 "min": s.min, "max": s.max, "rel IQR": f"{100 * s.rel_iqr:.2f}%"}
+                for label, s in self.stats.items()]
         cmp_rows = [{"ratio": k, "estimate": f"{100 * c.estimate:+.2f}%", "CI lo": f"{100 * c.ci_lo:+.2f}%",
                      "CI hi": f"{100 * c.ci_hi:+.2f}%", "blocks": c.n_blocks} for k, c in self.comparisons.items()]
         lines = [format_table(rows), "", format_table(cmp_rows), "", f"verdict: {self.verdict}"]

@@ -6,6 +6,7 @@ used; noise comes from seeded numpy Generators, so every case is reproducible.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -151,9 +152,9 @@ def test_restart_starts_one_fresh_service_per_segment():
     assert all(len(x) == 4 for x in res.samples.values())
 
     events.clear()
-    shared = run_interleaved(Arm("a", lambda: 1.0, lambda: events.append("start a"), lambda: events.append("stop a")),
-                             Arm("b", lambda: 1.0, lambda: events.append("start b"), lambda: events.append("stop b")),
-                             ABConfig(repeats=4, warmup=2))
+    def logged(name: str) -> Arm:
+        return Arm(name, lambda: 1.0, lambda: events.append(f"start {name}"), lambda: events.append(f"stop {name}"))
+    shared = run_interleaved(logged("a"), logged("b"), ABConfig(repeats=4, warmup=2))
     assert events == ["start a", "start b", "stop b", "stop a"]
     assert [r.arm for r in shared.runs if r.round < 0] == ["A", "A", AA_LABEL, AA_LABEL, "B", "B"]
 
@@ -227,3 +228,11 @@ def test_verdict_words_follow_the_ci_not_the_estimate():
     inside = Comparison("B", "A", -0.02, -0.03, -0.005, 0.95, 10)  # excludes 0 but reaches into A/A noise
     assert verdict(inside, aa)[0].startswith("no difference detectable")
     assert verdict(inside, None)[0].startswith("B faster by 2.00 % (95 % CI 0.50…3.00 %)")
+
+
+def test_git_commit_outside_a_checkout_comes_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("ENGRAM_COMMIT", "abc123")
+    assert report.git_commit(cwd=tmp_path) == {"commit": "abc123", "dirty": None}
+    if (Path(report.__file__).resolve().parents[2] / ".git").exists():  # run from a checkout: its own HEAD
+        inside = report.git_commit()
+        assert inside["commit"] != "abc123" and len(inside["commit"]) == 40
