@@ -58,11 +58,12 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> EngramDecoder:
-    """An uninitialised model built on the meta device, then materialised on ``device`` in ``dtype``
-    (no float32 copy of an 8B model is ever made)."""
-    with torch.device("meta"):
+    """A model constructed directly on ``device`` (float32 construction, then cast to ``dtype``); its
+    values are placeholders until weights are loaded or ``init_random_weights`` runs. (Constructing on the
+    meta device instead costs seconds of torch imports on every start, more than a tiny model takes.)"""
+    with torch.device(device):
         model = EngramDecoder(cfg)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
     model.tie_weights()
     return model.eval().requires_grad_(False)
 
@@ -107,12 +108,22 @@ def _tokenizers(path: Path):
 def _load_preset(name, tier, dtype, device, opts, cache_dir, progress) -> LoadedModel:
     seed = int(opts.get("seed", 0))
     cfg = preset_config(name, table_rows=opts.get("table_rows"), seed=seed)
+    return random_model(cfg, tier, dtype, device, seed, cache_dir, opts, progress)
+
+
+def random_model(cfg: ModelConfig, tier: str = "gpu", dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", seed: int = 0, cache_dir=None, opts: dict | None = None,
+                 progress: bool = True) -> LoadedModel:
+    """Any ModelConfig with deterministic random weights and random tables (cached), built-in tokenizer."""
+    device = torch.device(device)
     model = build_model(cfg, dtype, device)
     init_random_weights(model, seed)
     tok, ctok = _tokenizers(TOKENIZER_FILE)
-    dirs = ensure_preset_tables(cfg.engram, seed, cache_dir, progress=progress)
-    tables = open_tables(dirs, cfg.engram, tier, device, opts)
-    return LoadedModel(model, cfg, cfg.engram, tok, ctok, tables, cfg.eos_token_id, cfg.chat_template, name,
+    dirs, tables = {}, {}
+    if cfg.engram is not None:
+        dirs = ensure_preset_tables(cfg.engram, seed, cache_dir, progress=progress)
+        tables = open_tables(dirs, cfg.engram, tier, device, opts)
+    return LoadedModel(model, cfg, cfg.engram, tok, ctok, tables, cfg.eos_token_id, cfg.chat_template, cfg.name,
                        dirs, dtype, device)
 
 

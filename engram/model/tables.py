@@ -86,10 +86,10 @@ def checkpoint_table_dirs(checkpoint: Path, cfg: EngramConfig, cache_dir=None) -
 def open_tables(dirs: dict[int, Path], cfg: EngramConfig, tier: str = "gpu", device=None,
                 options: dict[str, Any] | None = None) -> dict[int, Any]:
     """Open each layer's table on ``tier``, checking it against the layout's fingerprint. ``options`` may
-    carry open_table's keyword arguments (cache_rows, cache_policy, io, queue_depth)."""
+    carry open_table's keyword arguments (cache_rows, cache_bytes, cache_policy, io, queue_depth)."""
     from engram.store import open_table
 
-    kwargs = {k: v for k, v in (options or {}).items() if k in ("cache_rows", "cache_policy", "io", "queue_depth")}
+    kwargs = {k: v for k, v in (options or {}).items() if k in ("cache_rows", "cache_bytes", "cache_policy", "io", "queue_depth")}
     return {lid: open_table(d, tier=tier, device=device, expect=cfg.fingerprint(lid), **kwargs)
             for lid, d in dirs.items()}
 

@@ -16,7 +16,7 @@ class HyperConnection(nn.Module):
     def __init__(self, hc_mult: int, layer_id: int):
         super().__init__()
         self.hc_mult = hc_mult
-        self.in_weight = nn.Parameter(torch.nn.functional.one_hot(torch.tensor(layer_id % hc_mult), hc_mult).float())
+        self.in_weight = nn.Parameter(torch.eye(hc_mult)[layer_id % hc_mult].clone())  # [hc] one-hot
         self.res_weight = nn.Parameter(torch.eye(hc_mult))  # [hc, hc]: row k = what stream k keeps of each stream
         self.out_weight = nn.Parameter(torch.ones(hc_mult))  # [hc]
 
