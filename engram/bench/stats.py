@@ -233,6 +233,9 @@ def analyze(samples: dict[str, Sequence[float]], cfg: ABConfig, arms: dict[str, 
     for label in ("A", "B"):
         if label not in samples:
             raise ValueError(f"samples lack arm {label!r} (have {sorted(samples)})")
+    for label, x in samples.items():
+        if len(x) != cfg.repeats:
+            raise ValueError(f"arm {label} has {len(x)} samples but ABConfig.repeats={cfg.repeats}")
     ab = compare(samples["B"], samples["A"], cfg, ("B", "A"))
     comparisons = {"B/A": ab}
     aa = None

@@ -174,6 +174,10 @@ def test_failing_arm_names_itself_and_stops_services():
 def test_bad_samples_and_config_raise_naming_the_field():
     with pytest.raises(ValueError, match="arm B: samples must be finite and > 0"):
         compare([1.0, 0.0], [1.0, 1.0], ABConfig(repeats=2))
+    with pytest.raises(ValueError, match=r"arm A' has 8 samples but ABConfig.repeats=10"):
+        analyze({"A": [1.0] * 10, "A'": [1.0] * 8, "B": [1.0] * 10}, ABConfig(repeats=10))
+    with pytest.raises(ValueError, match="samples lack arm 'B'"):
+        analyze({"A": [1.0] * 2}, ABConfig(repeats=2))
     with pytest.raises(ValueError, match="arm B has 3 rounds but arm A has 2"):
         compare([1.0, 1.0, 1.0], [1.0, 1.0], ABConfig(repeats=2))
     for kwargs, field in (({"order": "aabb"}, "order"), ({"repeats": 5}, "repeats=5"),
