@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = "Benchmarks: A/B harness, table lookups, serving load, generation (JSON results + tables)."
+HELP = "benchmarks: A/B harness, table lookups, serving load, generation (JSON results + tables)."
 
 BENCHES = {
     "ab": "engram.bench.ab",

@@ -124,3 +124,21 @@ def test_parse_sample_and_json_paths():
         parse_sample("\n", None)
     with pytest.raises(ValueError, match="not finite"):
         parse_sample("nan", None)
+
+
+def test_bench_dispatcher_skips_missing_modules_only(monkeypatch):
+    import argparse
+
+    from engram.commands import bench
+
+    monkeypatch.setattr(bench, "BENCHES", {"ab": "engram.bench.ab", "nope": "engram.bench.not_built_yet"})
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["ab", "--a", "echo 1", "--b", "echo 2"])
+    assert args._bench_run.__module__ == "engram.bench.ab"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["nope"])
+    # a bench whose import fails on something else (a missing dependency) is not hidden
+    monkeypatch.setattr(bench, "BENCHES", {"broken": "engram.no_such_package.bench"})
+    with pytest.raises(ModuleNotFoundError):
+        bench.add_arguments(argparse.ArgumentParser())
