@@ -1,0 +1,189 @@
+"""Engine correctness on the tiny model in float64 on CPU: batch composition never changes greedy tokens.
+
+One request alone == the same request among 16 concurrent mixed-length requests == prefill chunks of 1, 7
+and 64 tokens == a run that is preempted and resumed; the Engram row ids used at every step equal those
+of hashing the whole sequence at once (plans are recorded by a SyncLookupExecutor subclass). The paper
+variant's conv state is checked across chunks and preemption the same way.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from engram.engine.config import EngineConfig
+from engram.engine.engine import LLMEngine
+from engram.engine.lookup import LookupPlan, StagedRows, SyncLookupExecutor
+from engram.engine.sampling_params import SamplingParams
+from engram.model.loader import LoadedModel, build_model, load_model
+from engram.model.presets import TOKENIZER_FILE, init_random_weights, preset_config
+from engram.model.tables import ensure_preset_tables, open_tables
+from engram.tokenizer import CompressedTokenizer
+
+CPU = torch.device("cpu")
+F64 = torch.float64
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matmuls on a shared 2-core box: more threads only spin against each other.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def tiny(one_thread) -> LoadedModel:
+    return load_model("tiny", dtype=F64, device=CPU, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_paper(one_thread) -> LoadedModel:
+    """The tiny decoder with paper-variant Engram layers (ShortConv state per sequence)."""
+    base = preset_config("tiny")
+    ecfg = base.engram.replace(variant="paper", row_dtype="fp32")
+    cfg = base.replace(engram=ecfg)
+    model = build_model(cfg, F64, CPU)
+    init_random_weights(model, 0)
+    tables = open_tables(ensure_preset_tables(ecfg, 0, progress=False), ecfg, "gpu", CPU)
+    return LoadedModel(model, cfg, ecfg, Tokenizer.from_file(str(TOKENIZER_FILE)),
+                       CompressedTokenizer.from_file(TOKENIZER_FILE), tables, cfg.eos_token_id, None, "tiny-paper",
+                       dtype=F64, device=CPU)
+
+
+class RecordingExecutor(SyncLookupExecutor):
+    """The real executor, also keeping every plan it executed (the swap point the overlap issue uses)."""
+
+    def __init__(self, base: SyncLookupExecutor):
+        super().__init__(base.tables, base.cfg, base.dtype, base.device)
+        self.plans: list[LookupPlan] = []
+
+    def submit(self, plan: LookupPlan) -> StagedRows:
+        self.plans.append(plan)
+        return super().submit(plan)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Mixed lengths, 2..150 tokens of the 4096-id vocab (specials 0-2 avoided)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [2, 150, 9, 33, 1 + 63, 5, 97, 17, 3, 120, 48, 7, 70, 26, 11, 88][:n]
+    return [torch.randint(3, 4096, (length,), generator=g).tolist() for length in lengths]
+
+
+def run(loaded: LoadedModel, reqs: list[list[int]], params=GREEDY, record: bool = False, **cfg):
+    engine = LLMEngine(loaded, EngineConfig(**cfg), CPU, F64)
+    if record:
+        engine.executor = RecordingExecutor(engine.executor)
+    seq_ids = {}
+    for i, ids in enumerate(reqs):
+        engine.add_request(f"r{i}", ids, params[i] if isinstance(params, list) else params)
+        seq_ids[f"r{i}"] = engine._seqs[f"r{i}"].seq_id
+    out = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = o.outputs[0].token_ids
+    assert engine.scheduler.blocks.num_free_blocks == engine.memory.num_blocks  # every block came back
+    return [out[f"r{i}"] for i in range(len(reqs))], engine, seq_ids
+
+
+@pytest.fixture(scope="module")
+def alone(tiny):
+    return [run(tiny, [p], max_num_seqs=1, max_num_batched_tokens=256)[0][0] for p in prompts(16)]
+
+
+def test_16_concurrent_mixed_lengths_equal_alone(tiny, alone):
+    got, engine, _ = run(tiny, prompts(16), max_num_seqs=16, max_num_batched_tokens=64)
+    assert got == alone
+    assert all(len(t) == GREEDY.max_tokens for t in got)
+    assert len(set(map(tuple, got))) > 8  # the requests really differ
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_prefill_chunk_size_does_not_change_tokens(tiny, alone, chunk):
+    reqs = prompts(16)[:4]
+    got, _, _ = run(tiny, reqs, max_num_seqs=min(chunk, 4), max_num_batched_tokens=chunk)
+    assert got == alone[:4]
+
+
+def test_preempted_and_resumed_equals_alone(tiny, alone):
+    # 24 blocks of 8 tokens: enough for one 200-token sequence, far too few for all 16 at once.
+    got, engine, _ = run(tiny, prompts(16), max_num_seqs=16, max_num_batched_tokens=64, block_size=8,
+                         num_kv_blocks=24, max_model_len=192)
+    assert engine.num_preemptions > 0
+    assert got == alone
+
+
+def test_seeded_sampling_is_the_same_alone_batched_and_preempted(tiny):
+    reqs = prompts(6, seed=1)
+    params = [SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=100 + i, max_tokens=10, ignore_eos=True)
+              for i in range(6)]
+    solo = [run(tiny, [p], [q], max_num_seqs=1)[0][0] for p, q in zip(reqs, params)]
+    batched, _, _ = run(tiny, reqs, params, max_num_seqs=6, max_num_batched_tokens=32)
+    squeezed, engine, _ = run(tiny, reqs, params, max_num_seqs=6, max_num_batched_tokens=32, block_size=8,
+                              num_kv_blocks=20, max_model_len=160)
+    assert engine.num_preemptions > 0
+    assert batched == solo and squeezed == solo
+
+
+def full_sequence_rows(engine: LLMEngine, token_ids: list[int]) -> dict[int, torch.Tensor]:
+    comp = torch.tensor(engine.ctok.compress(token_ids, engine.ecfg.dead_token_ids)).unsqueeze(0)  # [1, L]
+    return {lid: engine.hasher.hash(comp, lid)[0] for lid in engine.ecfg.layer_ids}  # {layer: [L, n_cols]}
+
+
+def check_plans_against_full_hash(engine: LLMEngine, seq_ids: dict[str, int], prompt_ids: list[list[int]],
+                                  outputs: list[list[int]]) -> int:
+    """Every (sequence, position) row id of every recorded plan equals the whole-sequence hash; returns
+    how many positions were hashed more than once (recomputed after preemption)."""
+    full = {seq_ids[f"r{i}"]: full_sequence_rows(engine, p + o) for i, (p, o) in enumerate(zip(prompt_ids, outputs))}
+    seen: dict[tuple[int, int], int] = {}
+    for plan in engine.executor.plans:
+        cu = plan.cu_seqlens.tolist()
+        for s, sid in enumerate(plan.seq_ids):
+            pos = plan.positions[cu[s]:cu[s + 1]]
+            for lid, lk in plan.layers.items():
+                step_rows = lk.row_ids[cu[s]:cu[s + 1]]  # [n, n_cols]
+                assert torch.equal(step_rows, full[sid][lid][pos]), f"seq {sid} layer {lid} positions {pos.tolist()}"
+                flat = lk.unique_ids[lk.inverse].reshape(lk.row_ids.shape)
+                assert torch.equal(flat, lk.row_ids)
+            for p in pos.tolist():
+                seen[(sid, p)] = seen.get((sid, p), 0) + 1
+    # every token that was ever computed appears: prompt + all outputs except the last sampled one
+    for i, (p, o) in enumerate(zip(prompt_ids, outputs)):
+        sid = seq_ids[f"r{i}"]
+        assert all((sid, q) in seen for q in range(len(p) + len(o) - 1))
+    return sum(1 for v in seen.values() if v > 1)
+
+
+def test_row_ids_at_every_step_equal_hashing_the_full_sequence(tiny):
+    reqs = prompts(16)
+    got, engine, seq_ids = run(tiny, reqs, record=True, max_num_seqs=16, max_num_batched_tokens=48,
+                               block_size=8, num_kv_blocks=24, max_model_len=192)
+    assert engine.num_preemptions > 0
+    assert check_plans_against_full_hash(engine, seq_ids, reqs, got) > 0  # recomputed positions were checked too
+
+
+def test_dead_tokens_break_ngrams_across_chunks_and_steps(tiny):
+    dead = 777
+    ecfg = tiny.engram_config.replace(dead_token_ids=(dead,))
+    loaded = dataclasses.replace(tiny, engram_config=ecfg)
+    reqs = [p[:10] + [dead] * 3 + p[10:] for p in prompts(6, seed=2)]
+    got, engine, seq_ids = run(loaded, reqs, record=True, max_num_seqs=6, max_num_batched_tokens=7)
+    assert check_plans_against_full_hash(engine, seq_ids, reqs, got) == 0
+    assert any(bool((plan.compressed_ids == -1).any()) for plan in engine.executor.plans)
+    solo = [run(loaded, [p], max_num_seqs=1, max_num_batched_tokens=256)[0][0] for p in reqs]
+    assert got == solo
+
+
+def test_paper_variant_conv_state_survives_chunks_and_preemption(tiny_paper):
+    reqs = prompts(8, seed=3)
+    solo = [run(tiny_paper, [p], max_num_seqs=1, max_num_batched_tokens=256)[0][0] for p in reqs]
+    chunked, _, _ = run(tiny_paper, reqs, max_num_seqs=8, max_num_batched_tokens=8)
+    squeezed, engine, _ = run(tiny_paper, reqs, max_num_seqs=8, max_num_batched_tokens=32, block_size=8,
+                              num_kv_blocks=24, max_model_len=192)
+    assert engine.num_preemptions > 0
+    assert chunked == solo and squeezed == solo
