@@ -156,3 +156,20 @@ def test_paper_demo_preset_builds():
     layer = Engram(cfg, 15)
     assert layer.value_proj.in_features == 2 * 512 and layer.short_conv.dilation == 3
     assert layer.new_state(2).conv.shape == (2, 9, 4 * 1024)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_packed_decode_matches_cpu_float64():
+    """The CUDA path skips the host-side cu_seqlens checks and sizes repeat_interleave without a sync."""
+    cfg = make_cfg(4)
+    layer = make_layer(cfg)
+    hidden, rows = make_inputs(cfg, 19)
+    cu = torch.tensor([0, 5, 5, 6, 19])
+    cpu_state = ShortConvState.zeros(4, cfg, dtype=torch.float64).with_cu_seqlens(cu)
+    cpu_state.conv.copy_(torch.randn_like(cpu_state.conv))
+    gpu_state = ShortConvState(cpu_state.conv.cuda(), cu.cuda())
+    want = layer(hidden, rows, state=cpu_state)
+    got = layer.cuda()(hidden.cuda(), rows.cuda(), state=gpu_state)
+    torch.testing.assert_close(got.cpu(), want, **TOL64)
+    torch.testing.assert_close(gpu_state.conv.cpu(), cpu_state.conv, **TOL64)

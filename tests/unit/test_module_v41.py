@@ -167,3 +167,15 @@ def test_bad_inputs_raise_naming_the_layer():
         Engram(cfg, 2)
     with pytest.raises(ValueError, match="keeps no conv state"):
         layer.new_state(1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_within_stated_tolerance():
+    cfg = make_cfg(4)
+    layer = make_layer(cfg)
+    hidden, rows = make_inputs(cfg, 16, torch.bfloat16)
+    ref = reference_v41(layer, hidden, rows)
+    out = layer.to(device="cuda", dtype=torch.bfloat16)(hidden.cuda(), rows.cuda())
+    assert out.dtype == torch.bfloat16 and out.is_cuda
+    assert (out.double().cpu() - ref).abs().max().item() <= 3e-2
