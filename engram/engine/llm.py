@@ -18,21 +18,8 @@ from engram.engine.engine import LLMEngine
 from engram.engine.outputs import RequestOutput
 from engram.engine.sampling_params import SamplingParams
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-          "float16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Runtime keys the engine itself reads from engram_config; the rest go to the loader / store.
 ENGINE_KEYS = ("cpu_offload", "lookup_overlap")
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """None -> bfloat16 on CUDA, float32 on CPU; names as in DTYPES."""
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r}: must be one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
 
 
 def resolve_tier(tier: str, engram_config: dict[str, Any]) -> str:
@@ -49,8 +36,9 @@ class LLM:
     def __init__(self, model: str = "tiny", tier: str = "gpu", dtype: str | torch.dtype | None = None,
                  engram_config: dict[str, Any] | None = None, device: str | torch.device | None = None,
                  cache_dir: str | None = None, **engine_options: Any):
-        from engram.model.loader import load_model
+        from engram.model.loader import load_model, resolve_dtype
 
+        engine_config = EngineConfig.from_options(engine_options)  # bad options fail before loading
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         options = dict(engram_config or {})
@@ -63,7 +51,7 @@ class LLM:
                                  engram_config=store_options, cache_dir=cache_dir)
         ecfg = self.loaded.engram_config
         hot_cache = int(store_options.get("cache_rows", 0)) * ecfg.row_bytes * len(ecfg.layer_ids)
-        self.engine = LLMEngine(self.loaded, EngineConfig.from_options(engine_options), self.device, self.dtype,
+        self.engine = LLMEngine(self.loaded, engine_config, self.device, self.dtype,
                                 hot_cache_bytes=hot_cache)
         self._request_ids = itertools.count()
 

@@ -1,0 +1,198 @@
+"""Engine API on the tiny model: stop conditions, ignore_eos, streaming deltas, abort, limits and clear
+errors at start, ``engram.LLM.generate`` with text and token ids, and the ``engram generate`` command."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import engram
+from engram.engine.config import EngineConfig
+from engram.engine.engine import LLMEngine
+from engram.engine.sampling_params import SamplingParams
+from engram.model.loader import LoadedModel, load_model
+
+CPU = torch.device("cpu")
+PROMPT = "The table store serves rows"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def tiny(one_thread) -> LoadedModel:
+    return load_model("tiny", dtype=torch.float32, device=CPU, progress=False)
+
+
+def engine_for(loaded: LoadedModel, **cfg) -> LLMEngine:
+    return LLMEngine(loaded, EngineConfig(**cfg), CPU, loaded.dtype)
+
+
+def drain(engine: LLMEngine) -> dict[str, list]:
+    """Run to completion; every RequestOutput of every step, per request."""
+    seen: dict[str, list] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+    return seen
+
+
+def complete(loaded, prompt, params, **cfg):
+    engine = engine_for(loaded, **cfg)
+    engine.add_request("x", prompt, params)
+    return drain(engine)["x"][-1].outputs[0]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """Greedy 24 tokens of PROMPT, ignoring EOS."""
+    return complete(tiny, PROMPT, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+
+
+def test_streaming_deltas_add_up_and_max_tokens_gives_length(tiny, reference):
+    engine = engine_for(tiny)
+    engine.add_request("s", PROMPT, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    outs = drain(engine)["s"]
+    assert len(outs) == 24 and [o.finished for o in outs] == [False] * 23 + [True]
+    final = outs[-1].outputs[0]
+    assert final.finish_reason == "length" and final.token_ids == reference.token_ids
+    assert "".join(o.outputs[0].delta_text for o in outs) == final.text == reference.text
+    assert sum((o.outputs[0].delta_token_ids for o in outs), []) == final.token_ids
+    assert outs[-1].prompt == PROMPT and outs[-1].prompt_token_ids == tiny.tokenizer.encode(PROMPT).ids
+    m = outs[-1].metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+
+
+def test_eos_stops_unless_ignore_eos(tiny, reference):
+    toks = reference.token_ids
+    k = next(i for i in range(5, len(toks)) if toks[i] not in toks[:i])  # first occurrence at position k
+    as_eos = dataclasses.replace(tiny, eos_token_id=toks[k])
+    stopped = complete(as_eos, PROMPT, SamplingParams(temperature=0.0, max_tokens=24))
+    assert stopped.token_ids == toks[: k + 1] and stopped.finish_reason == "stop" and stopped.stop_reason is None
+    ignored = complete(as_eos, PROMPT, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    assert ignored.token_ids == toks and ignored.finish_reason == "length"
+    late = complete(as_eos, PROMPT, SamplingParams(temperature=0.0, max_tokens=24, min_tokens=k + 1))
+    assert late.token_ids[:k] == toks[:k] and toks[k] not in late.token_ids[: k + 1]
+
+
+def test_stop_token_ids(tiny, reference):
+    toks = reference.token_ids
+    k = next(i for i in range(3, len(toks)) if toks[i] not in toks[:i])
+    out = complete(tiny, PROMPT, SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[toks[k]]))
+    assert out.token_ids == toks[: k + 1] and out.finish_reason == "stop" and out.stop_reason == toks[k]
+
+
+def test_stop_string_cuts_text_and_never_streams(tiny, reference):
+    text = reference.text
+    start = len(text) // 2
+    stop = text[start:start + 3]
+    assert stop.strip()
+    cut = text.index(stop)
+    engine = engine_for(tiny)
+    engine.add_request("s", PROMPT, SamplingParams(temperature=0.0, max_tokens=24, stop=[stop, "never-seen"]))
+    outs = drain(engine)["s"]
+    final = outs[-1].outputs[0]
+    assert final.finish_reason == "stop" and final.stop_reason == stop
+    assert final.text == text[:cut]
+    assert "".join(o.outputs[0].delta_text for o in outs) == text[:cut]
+    assert final.token_ids == reference.token_ids[: len(final.token_ids)] and len(final.token_ids) < 24
+
+
+def test_max_model_len_ends_generation_and_rejects_long_prompts(tiny):
+    ids = tiny.tokenizer.encode(PROMPT).ids
+    out = complete(tiny, ids, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True),
+                   max_model_len=len(ids) + 5)
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    engine = engine_for(tiny, max_model_len=len(ids))
+    with pytest.raises(ValueError, match=f"prompt of {len(ids)} tokens .* max_model_len={len(ids)}"):
+        engine.add_request("long", ids)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("bad", [5, 99999])
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        engine_for(tiny, max_model_len=10**6)
+
+
+def test_memory_budget_too_small_fails_at_start(tiny):
+    with pytest.raises(ValueError, match=r"KV memory too small: engine.kv_cache_memory=3000000 bytes minus "
+                                         r"Engram staging \d+ .*max_model_len=2048 needs 128 blocks"):
+        engine_for(tiny, kv_cache_memory=3_000_000)
+    with pytest.raises(ValueError, match="num_kv_blocks=3.*needs 4 blocks"):
+        engine_for(tiny, num_kv_blocks=3, max_model_len=64)
+    fits = engine_for(tiny, kv_cache_memory=16_000_000, max_model_len=512)
+    m = fits.memory
+    assert m.num_blocks * m.bytes_per_block + m.staging_bytes <= 16_000_000 < (m.num_blocks + 1) * m.bytes_per_block + m.staging_bytes
+
+
+def test_abort_frees_blocks_and_silences_the_request(tiny):
+    engine = engine_for(tiny, max_num_batched_tokens=64)
+    for rid in ("a", "b", "c"):
+        engine.add_request(rid, PROMPT + " " + rid, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    engine.step()
+    engine.step()
+    held = len(engine._seqs["b"].block_table)
+    free = engine.scheduler.blocks.num_free_blocks
+    assert engine.abort_request("b") and not engine.abort_request("b") and not engine.abort_request("zzz")
+    assert engine.scheduler.blocks.num_free_blocks == free + held
+    rest = drain(engine)
+    assert set(rest) == {"a", "c"} and all(len(v[-1].outputs[0].token_ids) == 8 for v in rest.values())
+    assert engine.scheduler.blocks.num_free_blocks == engine.memory.num_blocks
+    engine.add_request("x", PROMPT)
+    with pytest.raises(ValueError, match="already running"):
+        engine.add_request("x", PROMPT)
+
+
+@pytest.fixture(scope="module")
+def llm(one_thread):
+    return engram.LLM(model="tiny", engram_config={"lookup_overlap": False}, max_num_seqs=8)
+
+
+def test_llm_generate_text_and_token_ids_in_order(llm):
+    params = engram.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ids = llm.get_tokenizer().encode("Hello there").ids
+    outs = llm.generate(["Hello there", "A longer prompt about tables", ids, {"prompt_token_ids": ids}], params,
+                        use_tqdm=False)
+    assert [o.prompt for o in outs[:2]] == ["Hello there", "A longer prompt about tables"]
+    assert outs[0].outputs[0].token_ids == outs[2].outputs[0].token_ids == outs[3].outputs[0].token_ids
+    assert outs[0].prompt == "Hello there" and outs[2].prompt is None
+    assert all(len(o.outputs[0].token_ids) == 6 and o.finished for o in outs)
+    single = llm.generate("Hello there", params, use_tqdm=False)
+    assert single[0].outputs[0].text == outs[0].outputs[0].text
+    assert llm.dtype == torch.float32 and llm.tier == "gpu"
+    with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
+        llm.generate(["x"], [params, params], use_tqdm=False)
+
+
+def test_llm_options_are_validated():
+    with pytest.raises(ValueError, match="unknown engine option"):
+        engram.LLM(model="tiny", max_num_seq=4)
+    with pytest.raises(ValueError, match="engram_config.lookup_overlap"):
+        engram.LLM(model="tiny", engram_config={"lookup_overlap": "yes"})
+    with pytest.raises(ValueError, match="dtype='float8'"):
+        engram.LLM(model="tiny", dtype="float8")
+
+
+def test_cli_generate_prints_completions_and_throughput(tmp_path, capsys, one_thread):
+    from engram.cli import main
+
+    f = tmp_path / "prompts.txt"
+    f.write_text("First prompt\n\nSecond prompt\n", encoding="utf-8")
+    rc = main(["generate", "tiny", "--prompt", "Hello", "--prompts-file", str(f), "--max-tokens", "5",
+               "--ignore-eos", "--json", "--no-progress", "--engram-config", '{"cpu_offload": true}'])
+    assert rc == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [x["prompt"] for x in lines[:-1]] == ["Hello", "First prompt", "Second prompt"]
+    assert all(len(x["token_ids"]) == 5 and x["finish_reason"] == "length" for x in lines[:-1])
+    summary = lines[-1]["summary"]
+    assert summary["tier"] == "host" and summary["requests"] == 3 and summary["generated_tokens"] == 15
+    assert summary["output_tokens_per_s"] > 0
+    assert main(["generate", "tiny", "--no-progress"]) == 2
+    assert "no prompts" in capsys.readouterr().err
+    assert main(["generate", "tiny", "--prompt", "x", "--engram-config", "{bad"]) == 2
+    assert "--engram-config is not valid JSON" in capsys.readouterr().err
