@@ -160,7 +160,10 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out.request_id, out)
             if self._on_step is not None:
-                self._on_step(self.engine, outputs)
+                try:
+                    self._on_step(self.engine, outputs)
+                except Exception:  # metrics must never stop the engine
+                    log.exception("on_step hook failed")
 
     def _fail_step(self, error: Exception) -> None:
         """Fail the requests of the step that raised; the engine and the other requests go on."""

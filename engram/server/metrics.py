@@ -40,7 +40,7 @@ class ServerMetrics:
         """Engine-thread hook: take the gauges and table counters after a step."""
         sched = engine.scheduler
         total = engine.memory.num_blocks
-        free = sched.blocks.num_free_blocks()
+        free = sched.blocks.num_free_blocks
         tables = {lid: t.stats() for lid, t in engine.executor.tables.items()}
         snap = {"running": len(sched.running), "waiting": len(sched.waiting),
                 "kv_usage": 1.0 - free / total if total else 0.0, "tables": tables}
