@@ -156,7 +156,8 @@ def test_paper_variant_loads_demo_names():
     sd[prefix + "multi_head_embedding.offsets"] = torch.zeros(4, dtype=torch.long)
     layer = Engram(cfg, 15)
     skipped = load_engram_weights(layer, sd, prefix=prefix)
-    assert sorted(skipped) == [prefix + "multi_head_embedding.embedding.weight", prefix + "multi_head_embedding.offsets"]
+    assert sorted(skipped) == [prefix + "multi_head_embedding.embedding.weight",
+                               prefix + "multi_head_embedding.offsets"]
     for name, value in layer.state_dict().items():
         assert torch.equal(value, src.state_dict()[name].to(torch.bfloat16).float()), name
 
