@@ -41,14 +41,22 @@ def prefill_logits(loaded, token_ids: list[int], block_size: int = 16) -> torch.
     model, device = loaded.model, loaded.device
     n_blocks = -(-len(token_ids) // block_size)
     kv = KVCache.for_model(model.config, n_blocks, block_size, loaded.dtype, device)
-    fields = _engram_fields(loaded, token_ids, [], device)
+    fields = _engram_fields(loaded, token_ids, [], device, new_conv_states(loaded))
     step = make_step_inputs([token_ids], [0], [list(range(n_blocks))], block_size, fields.pop("engram_rows"),
                             device=device, logits_indices=torch.arange(len(token_ids), device=device), **fields)
     return model.compute_logits(model(step, kv))
 
 
-def _engram_fields(loaded, new_ids: list[int], past_ids: list[int], device) -> dict:
-    """engram_rows / dead_mask of a single-sequence step whose earlier tokens were ``past_ids``."""
+def new_conv_states(loaded) -> dict | None:
+    """Fresh single-sequence ShortConv states of a paper-variant model ({layer_id: state}); None for v41."""
+    layers = loaded.model.engram_layers
+    if not layers or not next(iter(layers.values())).has_state:
+        return None
+    return {lid: layer.new_state(1, dtype=loaded.dtype, device=loaded.device) for lid, layer in layers.items()}
+
+
+def _engram_fields(loaded, new_ids: list[int], past_ids: list[int], device, conv_state=None) -> dict:
+    """engram_rows / dead_mask / conv_state of a single-sequence step whose earlier tokens were ``past_ids``."""
     ecfg = loaded.engram_config
     if ecfg is None:
         return {"engram_rows": None}
@@ -62,7 +70,7 @@ def _engram_fields(loaded, new_ids: list[int], past_ids: list[int], device) -> d
     cu = torch.tensor([0, len(new_ids)], dtype=torch.long)
     rows = StepRows(loaded.tables, hasher, comp.to(device), cu.to(device), lookback.to(device), loaded.dtype)
     dead_mask = (comp == -1).to(device) if dead else None
-    return {"engram_rows": rows, "dead_mask": dead_mask}
+    return {"engram_rows": rows, "dead_mask": dead_mask, "conv_state": conv_state}
 
 
 @torch.no_grad()
@@ -75,9 +83,9 @@ def greedy_generate(loaded, prompt_ids: list[int], max_new_tokens: int, block_si
     kv = KVCache.for_model(model.config, n_blocks, block_size, loaded.dtype, device)
     table = [list(range(n_blocks))]
     seq, new, out = list(prompt_ids), list(prompt_ids), []
-    past = 0
+    past, states = 0, new_conv_states(loaded)  # paper variant: conv history carried across steps
     for _ in range(max_new_tokens):
-        fields = _engram_fields(loaded, new, seq[:past], device)
+        fields = _engram_fields(loaded, new, seq[:past], device, states)
         step = make_step_inputs([new], [past], table, block_size, fields.pop("engram_rows"), device=device, **fields)
         tok = int(model.compute_logits(model(step, kv)).argmax(-1)[0])
         past = len(seq)

@@ -16,7 +16,7 @@ from engram.model.inputs import StepInputs, make_step_inputs
 from engram.model.kv_cache import KVCache
 from engram.model.loader import random_model
 from engram.model.presets import preset_config
-from engram.model.reference import _engram_fields, prefill_logits
+from engram.model.reference import _engram_fields, greedy_generate, prefill_logits
 
 F64 = torch.float64
 
@@ -219,3 +219,24 @@ def test_padding_slots_and_errors(cache_dir):
     assert torch.equal(kv.k[0].view(-1, 2, 16)[3], torch.ones(2, 16, dtype=F64))
     assert torch.equal(kv.k[0].view(-1, 2, 16)[:3], before.view(-1, 2, 16)[:3])
     assert kv.bytes_per_block() == 2 * 4 * 4 * 2 * 16 * 8
+
+
+def _variant_cfg(variant: str):
+    cfg = _cfg(2)
+    if variant == "paper":  # the demo's fusion (ShortConv with a decode state), float rows
+        cfg = cfg.replace(engram=cfg.engram.replace(variant="paper", row_dtype="fp32"))
+    return cfg
+
+
+@pytest.mark.parametrize("variant", ["v41", "paper"])
+def test_incremental_decode_equals_full_recompute(cache_dir, variant):
+    """Prefill + one decode step per token (carrying KV, lookback and, for paper, the conv state) picks the
+    same tokens as recomputing every prefix from scratch, and the prefill matches the reference."""
+    loaded = _load(_variant_cfg(variant), cache_dir)
+    ids = _ids(loaded)
+    torch.testing.assert_close(prefill_logits(loaded, ids).double(), reference_forward(loaded, ids).float().double(),
+                               rtol=0, atol=1e-5)
+    prompt = ids[:6]
+    out = greedy_generate(loaded, prompt, 8, stop_at_eos=False)
+    full = prefill_logits(loaded, prompt + out[:-1])  # [len(prompt) + 7, vocab]
+    assert full[len(prompt) - 1:].argmax(-1).tolist() == out
