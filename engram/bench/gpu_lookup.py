@@ -20,15 +20,19 @@ HELP = "GPU gather kernels (HBM and pinned-host UVA) vs copy/PCIe limits, 1K..4M
 ROW_IN = 264  # bytes read per V4.1 row: 256 fp8 values + 8 scale bytes
 DIM = 256
 SIZES = [1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22]
-SWEEP = [(16, 4, 8), (32, 4, 8), (32, 4, 16), (64, 8, 8), (32, 8, 4), (32, 4, 0), (8, 4, 0)]
+SWEEP = [(16, 4, 0), (32, 4, 0), (64, 4, 0), (32, 8, 0), (64, 8, 0), (32, 4, 4), (32, 4, 8), (64, 4, 4)]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hbm-gib", type=float, default=8.0, help="HBM table size (GiB of 256-B value rows)")
     p.add_argument("--host-gib", type=float, default=32.0, help="pinned host table size for the UVA runs")
-    p.add_argument("--pin-gib", type=float, nargs="*", default=[8.0], help="extra tables timed from RAM to first lookup")
+    p.add_argument("--pin-gib", type=float, default=8.0, help="table size of the pin part")
     p.add_argument("--rep-ms", type=int, default=150, help="do_bench repetition time per point")
-    p.add_argument("--sweep", action="store_true", help="also sweep launch configs at 256K and 4M rows")
+    p.add_argument("--parts", default="hbm,overhead,pin,uva",
+                   help="comma list of: hbm, sweep (launch configs), overhead (host µs per call), pin (pinning "
+                        "methods: time and UVA speed), uva (main host table, all sizes)")
+    p.add_argument("--pin-methods", default="register-4k,register-thp,alloc,torch",
+                   help="pinning variants for the pin part (torch = torch.empty(pin_memory=True))")
     p.add_argument("--out", default=None, help="JSON path (default: bench/results/<date>-gpu-lookup.json)")
 
 
@@ -119,7 +123,7 @@ def hbm(args, lim: dict) -> dict:
         0, ids), rows, args.rep_ms, SIZES, ["uniform"], lim, DIM)
     res["torch_reference_bf16"] = gather_points("hbm-torch-reference", lambda ids: lambda: reference.gather_rows(
         values, scales, ids, "mxfp8", DIM), rows, args.rep_ms, [1 << 10, 1 << 18, 1 << 22], ["uniform"], lim, 2 * DIM)
-    if args.sweep:
+    if "sweep" in args.parts:
         sweep = []
         for b, w, p in SWEEP:
             cfg = LaunchConfig(b, w, p)
@@ -129,33 +133,40 @@ def hbm(args, lim: dict) -> dict:
             sweep.append({"block_r": b, "num_warps": w, "programs_per_sm": p, "points": pts})
         res["sweep"] = sweep
     # Small batches as the engine issues them: replay of a captured graph (no Python launch cost).
-    ids = uniform_ids(1 << 10, rows, torch.Generator(device="cuda").manual_seed(3))
-    out = torch.empty(1 << 10, DIM, dtype=torch.bfloat16, device="cuda")
-    triton_gather.gather_rows(values, scales, ids, "mxfp8", DIM, out=out)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    res["graph_us"] = {}
+    for n in (1 << 10, 1 << 12, 1 << 14):
+        ids = uniform_ids(n, rows, torch.Generator(device="cuda").manual_seed(3))
+        out = torch.empty(n, DIM, dtype=torch.bfloat16, device="cuda")
         triton_gather.gather_rows(values, scales, ids, "mxfp8", DIM, out=out)
-    res["graph_1k_us"] = _bench(graph.replay, args.rep_ms)
-    t0 = time.perf_counter()
-    for _ in range(200):
-        triton_gather.gather_rows(values, scales, ids, "mxfp8", DIM, out=out)
-    torch.cuda.synchronize()
-    res["host_launch_1k_us"] = (time.perf_counter() - t0) / 200 * 1e6
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            triton_gather.gather_rows(values, scales, ids, "mxfp8", DIM, out=out)
+        res["graph_us"][n] = round(_bench(graph.replay, args.rep_ms), 2)
+    res["graph_1k_us"] = res["graph_us"][1 << 10]
     del values, scales
     torch.cuda.empty_cache()
     return res
 
 
-def host_table(gib: float, huge_pages: bool = True) -> tuple[dict, torch.Tensor, torch.Tensor]:
-    """A RAM table of ``gib`` GiB pinned with pin_tensor: seconds to pin and to the first lookup."""
-    from engram.store.kernels import uva
+def _pin(src: torch.Tensor, variant: str) -> torch.Tensor:
     from engram.store.pinning import pin_tensor
+    if variant == "torch":  # the caching host allocator (cudaHostAlloc, size rounded up to a power of two)
+        dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+        return dst.copy_(src)
+    if variant.startswith("register"):
+        return pin_tensor(src, method="register", huge_pages=variant.endswith("thp"))
+    return pin_tensor(src, method=variant)
+
+
+def host_table(gib: float, variant: str = "alloc") -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """A RAM table of ``gib`` GiB, pinned: seconds to pin and to the first lookup (kernel compiled before)."""
+    from engram.store.kernels import uva
     rows = int(gib * (1 << 30)) // DIM
     src = random_fill_(torch.empty(rows, DIM, dtype=torch.uint8))  # pageable [R, 256]
     src_s = torch.randint(100, 140, (rows, DIM // 32), dtype=torch.uint8)
     t0 = time.perf_counter()
-    values = pin_tensor(src, huge_pages=huge_pages)
-    scales = pin_tensor(src_s, huge_pages=huge_pages)
+    values = _pin(src, variant)
+    scales = _pin(src_s, variant)
     t1 = time.perf_counter()
     ids = torch.randint(0, rows, (1024,), device="cuda")
     uva.gather_rows(values, scales, ids, "mxfp8", DIM)
@@ -163,9 +174,8 @@ def host_table(gib: float, huge_pages: bool = True) -> tuple[dict, torch.Tensor,
     t2 = time.perf_counter()
     del src, src_s
     gc.collect()
-    thp = _anon_huge_kib()
-    return ({"GiB": gib, "rows": rows, "huge_pages": huge_pages, "pin_s": round(t1 - t0, 3),
-             "first_lookup_s": round(t2 - t1, 4), "AnonHugePages_kiB": thp}, values, scales)
+    return ({"GiB": gib, "rows": rows, "pin": variant, "pin_s": round(t1 - t0, 3),
+             "first_lookup_s": round(t2 - t1, 4), "AnonHugePages_kiB": _anon_huge_kib()}, values, scales)
 
 
 def _anon_huge_kib() -> int | None:
@@ -178,23 +188,37 @@ def _anon_huge_kib() -> int | None:
     return None
 
 
+def pin_part(args, lim: dict) -> list:
+    """Each pinning variant on one table size: pin time, then unsorted / sorted UVA gathers."""
+    from engram.store.kernels import uva
+    out = []
+    for variant in args.pin_methods.split(","):
+        info, v, s = host_table(args.pin_gib, variant)
+        print(json.dumps(info), flush=True)
+        rows = v.shape[0]
+        for sort in (False, True):
+            info[f"sort={sort}"] = gather_points(f"uva-{variant}-sort={sort}", lambda ids: lambda: uva.gather_rows(
+                v, s, ids, "mxfp8", DIM, sort=sort), rows, args.rep_ms, [1 << 10, 1 << 14, 1 << 18, 1 << 22],
+                ["uniform"], lim, 2 * DIM)
+        if variant == "alloc":  # scales kept in HBM: one host read per row instead of two
+            sd = s.cuda()
+            info["scales_in_hbm"] = gather_points("uva-alloc-scales-hbm", lambda ids: lambda: uva.gather_rows(
+                v, sd, ids, "mxfp8", DIM, sort=None), rows, args.rep_ms, [1 << 10, 1 << 14, 1 << 18, 1 << 22],
+                ["uniform"], lim, 2 * DIM)
+            del sd
+        out.append(info)
+        del v, s
+        gc.collect()
+    return out
+
+
 def uva_runs(args, lim: dict) -> dict:
     from engram.store.kernels import uva
-    res: dict = {"pin": []}
+    res: dict = {}
     try:
         res["thp_setting"] = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
     except OSError:
         res["thp_setting"] = None
-    for gib in args.pin_gib:  # smaller tables, plain pages vs huge pages: pin time and random-read speed
-        for hp in (False, True):
-            info, v, s = host_table(gib, huge_pages=hp)
-            rows = v.shape[0]
-            info["points"] = gather_points(f"uva-{gib:g}G-{'thp' if hp else '4k'}", lambda ids: lambda: uva.gather_rows(
-                v, s, ids, "mxfp8", DIM), rows, args.rep_ms, [1 << 14, 1 << 18, 1 << 22], ["uniform"], lim, 2 * DIM)
-            res["pin"].append(info)
-            print(json.dumps({k: x for k, x in info.items() if k != "points"}), flush=True)
-            del v, s
-            gc.collect()
     info, values, scales = host_table(args.host_gib)
     res["main_table"] = info
     print(json.dumps(info), flush=True)
@@ -205,14 +229,45 @@ def uva_runs(args, lim: dict) -> dict:
         values, scales, ids, "mxfp8", DIM, sort=False), rows, args.rep_ms, [1 << 14, 1 << 16, 1 << 18, 1 << 22],
         ["uniform"], lim, 2 * DIM)
     res["sorted"] = gather_points("uva-sorted", lambda ids: lambda: uva.gather_rows(
-        values, scales, ids, "mxfp8", DIM, sort=True), rows, args.rep_ms, [1 << 10, 1 << 12, 1 << 14],
-        ["uniform"], lim, 2 * DIM)
+        values, scales, ids, "mxfp8", DIM, sort=True), rows, args.rep_ms, [1 << 14, 1 << 16, 1 << 18], ["uniform"],
+        lim, 2 * DIM)
     g = torch.Generator(device="cuda").manual_seed(5)
     sort_cost = {}
     for n in (1 << 14, 1 << 18, 1 << 22):
         ids = uniform_ids(n, rows, g)
         sort_cost[n] = round(_bench(lambda: uva.sort_plan(ids, rows), args.rep_ms), 2)
     res["sort_plan_us"] = sort_cost
+    return res
+
+
+def overhead() -> dict:
+    """Host µs per call (no sync inside the loop): what Python + the Triton launcher cost per batch."""
+    from engram.store import kernels
+    from engram.store.kernels import triton_gather, uva
+    rows = 1 << 20
+    v = torch.randint(0, 256, (rows, DIM), dtype=torch.uint8, device="cuda")
+    s = torch.randint(100, 140, (rows, DIM // 32), dtype=torch.uint8, device="cuda")
+    ids = torch.randint(0, rows, (1024,), device="cuda")
+    ids64k = torch.randint(0, rows, (1 << 16,), device="cuda")
+    out = torch.empty(1024, DIM, dtype=torch.bfloat16, device="cuda")
+    calls = {
+        "triton_gather.gather_rows": lambda: triton_gather.gather_rows(v, s, ids, "mxfp8", DIM, out=out),
+        "kernels.gather_rows (dispatch)": lambda: kernels.gather_rows(v, s, ids, "mxfp8", DIM, out=out),
+        "uva.sort_plan 64K": lambda: uva.sort_plan(ids64k, rows),
+        "uva.gather_rows sorted 64K (HBM table)": lambda: uva.gather_rows(v, s, ids64k, "mxfp8", DIM, sort=True),
+        "torch index_select 1K": lambda: v.index_select(0, ids),
+    }
+    res = {}
+    for name, fn in calls.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(300):
+            fn()
+        res[name] = round((time.perf_counter() - t0) / 300 * 1e6, 2)
+        torch.cuda.synchronize()
+        print(name, res[name], "us/call", flush=True)
     return res
 
 
@@ -225,15 +280,25 @@ def run(args: argparse.Namespace) -> int:
         return 2
     lim = limits(args.rep_ms)
     print(json.dumps(lim), flush=True)
-    result = {"limits": lim, "hbm": hbm(args, lim)}
-    result["uva"] = uva_runs(args, lim)
+    result: dict = {"limits": lim}
+    args.parts = args.parts.split(",")
+    if "overhead" in args.parts:
+        result["overhead_us_per_call"] = overhead()
+    if "hbm" in args.parts:
+        result["hbm"] = hbm(args, lim)
+    if "pin" in args.parts:
+        result["pin"] = pin_part(args, lim)
+    if "uva" in args.parts:
+        result["uva"] = uva_runs(args, lim)
     config = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     config["commit"] = os.environ.get("ENGRAM_COMMIT")  # the device copy has no .git: the caller names it
     path = write_result("gpu-lookup", config, result, out=args.out)
-    rows = [p for key in ("triton_bf16",) for p in result["hbm"][key]] + result["uva"]["auto"]
+    rows = result.get("hbm", {}).get("triton_bf16", []) + result.get("uva", {}).get("auto", [])
+    for info in result.get("pin", []):
+        rows += [p for k, pts in info.items() if k.startswith(("sort=", "scales")) for p in pts]
     print(format_table(rows, ["path", "dist", "rows", "us", "Mrows_per_s", "GBps_rows_read", "of_copy_limit",
                               "of_h2d_limit"]))
-    print(f"limits: {lim}; graph 1K: {result['hbm']['graph_1k_us']:.2f} us; json: {path}")
+    print(f"limits: {lim}; graph 1K: {result.get('hbm', {}).get('graph_1k_us')} us; json: {path}")
     return 0
 
 

@@ -24,16 +24,18 @@ def backend():
     kernels.set_backend(old)
 
 
-def test_pin_tensor_copies_registers_and_frees():
+@pytest.mark.parametrize("method", ["alloc", "register"])
+def test_pin_tensor_copies_pins_and_frees(method):
     before = pinned_stats()
     t = torch.randn(3000, 77, dtype=torch.float64)  # 1.8 MB, not a multiple of any page
-    p = pin_tensor(t, chunk_bytes=1 << 20, threads=3)  # two chunks registered from two threads
+    p = pin_tensor(t, method=method, chunk_bytes=1 << 20, threads=3)  # copied in two chunks by two threads
     assert p.is_pinned() and p.dtype == t.dtype and p.shape == t.shape
     assert torch.equal(p.view(torch.uint8), t.view(torch.uint8))
-    assert p.data_ptr() % (2 << 20) == 0, "pinned region should start on a huge-page boundary"
+    if method == "register":
+        assert p.data_ptr() % (2 << 20) == 0, "registered region should start on a huge-page boundary"
     assert pinned_stats()["pinned_bytes"] - before["pinned_bytes"] == t.numel() * 8
     assert pin_tensor(p) is p  # already pinned
-    gpu = p.cuda(non_blocking=True)
+    gpu = p.cuda(non_blocking=True)  # one async copy across the whole region (both chunks)
     torch.cuda.synchronize()
     assert torch.equal(gpu.cpu(), t)
     row = p[5:6]  # a view keeps the registration alive

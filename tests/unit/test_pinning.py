@@ -12,7 +12,7 @@ def test_pin_without_cuda_returns_same_tensor():
     assert pinned_stats()["regions"] == 0
 
 
-@pytest.mark.parametrize("kw", [{"chunk_bytes": 0}, {"chunk_bytes": 1000}, {"threads": 0}])
+@pytest.mark.parametrize("kw", [{"chunk_bytes": 0}, {"chunk_bytes": 1000}, {"threads": 0}, {"method": "mlock"}])
 def test_pin_rejects_bad_arguments(kw):
     name = next(iter(kw))
     with pytest.raises(ValueError, match=name):

@@ -18,7 +18,7 @@ from engram.store.kernels.launch_config import LaunchConfig, config_from_env
 
 ROW_KINDS = {"mxfp8": 0, "bf16": 1, "fp16": 2, "fp32": 3}
 _ROW_TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-OUT_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+OUT_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 CONFIG = config_from_env()
@@ -54,23 +54,30 @@ def _grid(n_tiles: int, device: torch.device, cfg: LaunchConfig) -> int:
 @triton.jit
 def _gather_rows_kernel(values_ptr, scales_ptr, ids_ptr, dst_ptr, lead_ptr, out_ptr, n,
                         V_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, OUT_STRIDE: tl.constexpr,
-                        DIM: tl.constexpr, NB: tl.constexpr, ROW_KIND: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                        CAST_VIA_F32: tl.constexpr, BLOCK_R: tl.constexpr, HAS_DST: tl.constexpr,
-                        HAS_LEAD: tl.constexpr):
+                        DIM: tl.constexpr, NB: tl.constexpr, ROW_KIND: tl.constexpr, OUT_KIND: tl.constexpr,
+                        CAST_VIA_F32: tl.constexpr, SCALE_U64: tl.constexpr, BLOCK_R: tl.constexpr,
+                        HAS_DST: tl.constexpr, HAS_LEAD: tl.constexpr):
     # Tiles are [BLOCK_R ids, NB blocks of 32 values, 32]; NB is DIM/32 rounded up to a power of two.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n_tiles = tl.cdiv(n, BLOCK_R)
+    ar = tl.arange(0, BLOCK_R)
     blk = tl.arange(0, NB)
     j = tl.arange(0, 32)
     col = blk[None, :, None] * 32 + j[None, None, :]  # [1, NB, 32] value index in the row
     cmask = col < DIM
+    r = pid * BLOCK_R + ar  # [BLOCK_R] positions of this program's first tile
+    rmask = r < n
+    if HAS_LEAD:
+        rmask = rmask & (tl.load(lead_ptr + r, mask=rmask, other=0) != 0)
+    row = tl.load(ids_ptr + r, mask=rmask, other=0).to(tl.int64)
     for tile in range(pid, n_tiles, nprog):
-        r = tile * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
-        rmask = r < n
+        # The next tile's ids load while this tile's rows are in flight (one dependent latency fewer).
+        r_n = (tile + nprog) * BLOCK_R + ar
+        rmask_n = r_n < n
         if HAS_LEAD:
-            rmask = rmask & (tl.load(lead_ptr + r, mask=rmask, other=0) != 0)
-        row = tl.load(ids_ptr + r, mask=rmask, other=0).to(tl.int64)
+            rmask_n = rmask_n & (tl.load(lead_ptr + r_n, mask=rmask_n, other=0) != 0)
+        row_n = tl.load(ids_ptr + r_n, mask=rmask_n, other=0).to(tl.int64)
         if HAS_DST:
             dst = tl.load(dst_ptr + r, mask=rmask, other=0).to(tl.int64)
         else:
@@ -79,8 +86,12 @@ def _gather_rows_kernel(values_ptr, scales_ptr, ids_ptr, dst_ptr, lead_ptr, out_
         vrow = values_ptr + row[:, None, None] * V_STRIDE  # uint8* of each row
         if ROW_KIND == 0:
             v = tl.load(vrow + col, mask=m3, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            sb = tl.load(scales_ptr + row[:, None] * S_STRIDE + blk[None, :],
-                         mask=rmask[:, None] & (blk[None, :] * 32 < DIM), other=127).to(tl.int32)  # [BLOCK_R, NB]
+            if SCALE_U64:  # the 8 scale bytes of a 256-value row as one 8-byte load
+                w = tl.load((scales_ptr + row * S_STRIDE).to(tl.pointer_type(tl.int64)), mask=rmask, other=0)
+                sb = ((w[:, None] >> (blk[None, :] * 8).to(tl.int64)) & 0xFF).to(tl.int32)  # [BLOCK_R, NB]
+            else:
+                sb = tl.load(scales_ptr + row[:, None] * S_STRIDE + blk[None, :],
+                             mask=rmask[:, None] & (blk[None, :] * 32 < DIM), other=127).to(tl.int32)
             # 2**(b-127) is the fp32 whose exponent field is b (b=0 gives +0.0); b=255 is E8M0 NaN.
             f = (sb << 23).to(tl.float32, bitcast=True)
             f = tl.where(sb == 255, float("nan"), f)
@@ -93,7 +104,16 @@ def _gather_rows_kernel(values_ptr, scales_ptr, ids_ptr, dst_ptr, lead_ptr, out_
             y = tl.load(vrow.to(tl.pointer_type(tl.float32)) + col, mask=m3, other=0)
         if CAST_VIA_F32:
             y = y.to(tl.float32)  # bf16 <-> fp16 goes through fp32, as torch's cast does
-        tl.store(out_ptr + dst[:, None, None] * OUT_STRIDE + col, y.to(OUT_DTYPE), mask=m3)
+        optr = out_ptr + dst[:, None, None] * OUT_STRIDE + col
+        if OUT_KIND == 0:
+            tl.store(optr, y.to(tl.bfloat16), mask=m3)
+        elif OUT_KIND == 1:
+            tl.store(optr, y.to(tl.float16), mask=m3)
+        else:
+            tl.store(optr, y.to(tl.float32), mask=m3)
+        r = r_n
+        rmask = rmask_n
+        row = row_n
 
 
 @triton.jit
@@ -169,8 +189,8 @@ def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Te
     _check_table(values, scales, row_dtype, dim)
     if not ids.is_cuda:
         raise ValueError(f"ids must be on a CUDA device, got {ids.device}")
-    if dtype not in OUT_TL:
-        raise ValueError(f"dtype={dtype} is not one of {tuple(OUT_TL)}")
+    if dtype not in OUT_KINDS:
+        raise ValueError(f"dtype={dtype} is not one of {tuple(OUT_KINDS)}")
     cfg = cfg or CONFIG
     n = ids.shape[0]
     if out is None:
@@ -186,7 +206,8 @@ def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Te
     _gather_rows_kernel[grid](
         kernel_arg(values), kernel_arg(sc), ids, dst if dst is not None else ids, lead if lead is not None else ids,
         out, n, V_STRIDE=values.stride(0), S_STRIDE=sc.stride(0), OUT_STRIDE=out.stride(0), DIM=dim, NB=nb,
-        ROW_KIND=ROW_KINDS[row_dtype], OUT_DTYPE=OUT_TL[dtype], BLOCK_R=cfg.block_r,
+        ROW_KIND=ROW_KINDS[row_dtype], OUT_KIND=OUT_KINDS[dtype], BLOCK_R=cfg.block_r,
+        SCALE_U64=row_dtype == "mxfp8" and nb == 8 and dim == 256 and (sc.data_ptr() | sc.stride(0)) % 8 == 0,
         CAST_VIA_F32=row_dtype in ("bf16", "fp16") and dtype != torch.float32 and _ROW_TORCH[row_dtype] != dtype,
         HAS_DST=dst is not None, HAS_LEAD=lead is not None, num_warps=cfg.num_warps)
     return out
