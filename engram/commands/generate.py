@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--engram-config", default=None,
                       help='JSON of runtime options, e.g. \'{"cpu_offload": true, "lookup_overlap": true}\'')
     load.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    load.add_argument("--threads", type=int, default=None,
+                      help="CPU threads for torch (small models on a busy CPU run fastest with 1)")
     samp = parser.add_argument_group("sampling")
     samp.add_argument("--max-tokens", type=int, default=32)
     samp.add_argument("--temperature", type=float, default=0.0)
@@ -72,9 +74,16 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     import time
 
+    import torch
+
     from engram.engine.llm import LLM
     from engram.engine.sampling_params import SamplingParams
 
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"engram generate: error: --threads={args.threads} must be >= 1", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
     try:
         prompts = read_prompts(args)
         options = parse_engram_config(args.engram_config)
