@@ -40,19 +40,22 @@ class LLMEngine:
                              f"max_position_embeddings={mcfg.max_position_embeddings}")
         self.tokenizer, self.ctok = loaded.tokenizer, loaded.compressed_tokenizer
         self.eos_token_id = loaded.eos_token_id
-        self.hasher = NgramHasher(ecfg, pad_id=int(self.ctok.compress([ecfg.pad_token_id])[0]))
+        # A model without Engram layers (a plain checkpoint) runs with empty plans.
+        self.hasher = NgramHasher(ecfg, pad_id=int(self.ctok.compress([ecfg.pad_token_id])[0])) if ecfg else None
+        self._dead_ids = ecfg.dead_token_ids if ecfg else ()
         bs = config.block_size
         bytes_per_block = KVCache.for_model(mcfg, 1, bs, dtype, "meta").bytes_per_block()
         self.memory = plan_memory(config, self.max_model_len, bytes_per_block,
-                                  staging_bytes(ecfg, config.max_num_batched_tokens, dtype), hot_cache_bytes,
+                                  staging_bytes(ecfg, config.max_num_batched_tokens, dtype) if ecfg else 0,
+                                  hot_cache_bytes,
                                   self.device)
         self.kv = KVCache.for_model(mcfg, self.memory.num_blocks, bs, dtype, self.device)
         self.scheduler = Scheduler(config, BlockManager(self.memory.num_blocks, bs))
         self.planner = LookupPlanner(ecfg, self.hasher)
         self.executor = SyncLookupExecutor(loaded.tables, ecfg, dtype, self.device)
-        self.runner = ModelRunner(loaded.model, self.kv, bs, self.device, bool(ecfg.dead_token_ids))
+        self.runner = ModelRunner(loaded.model, self.kv, bs, self.device, bool(self._dead_ids))
         self.sampler = Sampler(self.eos_token_id, seed=config.seed)
-        self._conv_layers = [lid for lid in ecfg.layer_ids if ecfg.variant == "paper"]
+        self._conv_layers = list(ecfg.layer_ids) if ecfg and ecfg.variant == "paper" else []
         self._seqs: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()
         self.num_preemptions = 0  # sequences preempted by recompute since start
@@ -92,7 +95,7 @@ class LLMEngine:
         conv = ({lid: ShortConvState.zeros(1, self.ecfg, self.dtype, self.device) for lid in self._conv_layers}
                 or None)
         seq = Sequence(next(self._seq_ids), request_id, text, ids, self._compress(ids), params, detok,
-                       self.hasher.initial_lookback(1)[0], conv)
+                       self._initial_lookback(), conv)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -113,7 +116,10 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- helpers
     def _compress(self, ids: list[int]) -> list[int]:
-        return self.ctok.compress(ids, self.ecfg.dead_token_ids)
+        return self.ctok.compress(ids, self._dead_ids)
+
+    def _initial_lookback(self) -> torch.Tensor:
+        return self.hasher.initial_lookback(1)[0] if self.hasher else torch.empty(0, dtype=torch.long)  # [W]
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.params.seed is not None and seq.generator is None:

@@ -50,7 +50,7 @@ class LLM:
         self.loaded = load_model(model, tier=self.tier, dtype=self.dtype, device=self.device,
                                  engram_config=store_options, cache_dir=cache_dir)
         ecfg = self.loaded.engram_config
-        hot_cache = int(store_options.get("cache_rows", 0)) * ecfg.row_bytes * len(ecfg.layer_ids)
+        hot_cache = int(store_options.get("cache_rows", 0)) * ecfg.row_bytes * len(ecfg.layer_ids) if ecfg else 0
         self.engine = LLMEngine(self.loaded, engine_config, self.device, self.dtype,
                                 hot_cache_bytes=hot_cache)
         self._request_ids = itertools.count()
@@ -70,8 +70,13 @@ class LLM:
         else:
             params = [sampling_params or SamplingParams()] * len(items)
         ids = [f"gen-{next(self._request_ids)}" for _ in items]
-        for rid, prompt, p in zip(ids, items, params):
-            self.engine.add_request(rid, prompt, p)
+        try:
+            for rid, prompt, p in zip(ids, items, params):
+                self.engine.add_request(rid, prompt, p)
+        except Exception:  # a bad prompt: nothing of this call stays queued
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
         done: dict[str, RequestOutput] = {}
         from tqdm.auto import tqdm
 

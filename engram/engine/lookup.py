@@ -46,7 +46,7 @@ class LookupPlan:
 class LookupPlanner:
     """Hashes a packed step into a LookupPlan (CPU int64; the plan is small next to the rows)."""
 
-    def __init__(self, cfg: EngramConfig, hasher: NgramHasher):
+    def __init__(self, cfg: EngramConfig | None, hasher: NgramHasher | None):
         self.cfg = cfg
         self.hasher = hasher
         self._ids = itertools.count()
@@ -54,6 +54,8 @@ class LookupPlanner:
     def plan(self, seq_ids: list[int], compressed_ids: torch.Tensor, cu_seqlens: torch.Tensor,
              positions: torch.Tensor, lookback: torch.Tensor) -> LookupPlan:
         """compressed_ids [T], cu_seqlens [S+1], positions [T], lookback [S, max_ngram-1] -> LookupPlan."""
+        if self.hasher is None:  # no Engram layers: an empty plan
+            return LookupPlan(next(self._ids), tuple(seq_ids), cu_seqlens, positions, compressed_ids, {}, lookback)
         rows = self.hasher.hash_packed_all(compressed_ids, cu_seqlens, lookback)  # {layer: [T, n_cols]}
         layers = {}
         for lid, r in rows.items():
@@ -82,8 +84,8 @@ class StagedRows:
 class SyncLookupExecutor:
     """Executes a plan before the model runs: every layer's unique rows are submitted, then waited for."""
 
-    def __init__(self, tables: dict, cfg: EngramConfig, dtype: torch.dtype, device: torch.device):
-        missing = [lid for lid in cfg.layer_ids if lid not in tables]
+    def __init__(self, tables: dict, cfg: EngramConfig | None, dtype: torch.dtype, device: torch.device):
+        missing = [lid for lid in (cfg.layer_ids if cfg else ()) if lid not in tables]
         if missing:
             raise ValueError(f"no table for Engram layer(s) {missing} (tables cover {sorted(tables)})")
         self.tables = tables

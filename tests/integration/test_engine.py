@@ -187,3 +187,15 @@ def test_paper_variant_conv_state_survives_chunks_and_preemption(tiny_paper):
                               num_kv_blocks=24, max_model_len=192)
     assert engine.num_preemptions > 0
     assert chunked == solo and squeezed == solo
+
+
+def test_model_without_engram_layers_runs_with_empty_plans(tiny):
+    cfg = tiny.model_config.replace(engram=None)
+    model = build_model(cfg, F64, CPU)
+    init_random_weights(model, 0)
+    plain = dataclasses.replace(tiny, model=model, model_config=cfg, engram_config=None, tables={})
+    reqs = prompts(5, seed=4)
+    solo = [run(plain, [p], max_num_seqs=1)[0][0] for p in reqs]
+    got, engine, _ = run(plain, reqs, record=True, max_num_seqs=5, max_num_batched_tokens=16)
+    assert got == solo and all(plan.layers == {} for plan in engine.executor.plans)
+    assert engine.memory.staging_bytes == 0

@@ -167,6 +167,9 @@ def test_llm_generate_text_and_token_ids_in_order(llm):
     assert llm.dtype == torch.float32 and llm.tier == "gpu"
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
         llm.generate(["x"], [params, params], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt of 3000 tokens"):
+        llm.generate(["fine", [5] * 3000], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished()  # the good prompt of the failed call was dropped too
 
 
 def test_llm_options_are_validated():
