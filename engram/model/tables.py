@@ -39,7 +39,9 @@ def _digest(obj: Any) -> str:
 
 def preset_table_dirs(cfg: EngramConfig, seed: int, cache_dir=None) -> dict[int, Path]:
     """Where the random tables of this layout and seed live (one directory per Engram layer)."""
-    key = _digest({"layout": cfg.to_dict(), "seed": seed, "generator": GENERATOR_VERSION})
+    # Only what decides the bytes: each layer's fingerprint (primes, rows, dims), row dtype, seed.
+    layout = {"fingerprints": [cfg.fingerprint(l) for l in cfg.layer_ids], "row_dtype": cfg.row_dtype}
+    key = _digest({"layout": layout, "seed": seed, "generator": GENERATOR_VERSION})
     root = cache_root(cache_dir) / "tables" / f"random-{key}"
     return {lid: root / f"layer{lid}" for lid in cfg.layer_ids}
 
