@@ -32,7 +32,9 @@ device-test:
 	@if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/engram-site .whl/*.whl; fi
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
 	PYTHONPATH=/tmp/engram-site python3 -m pytest -o addopts="" -p no:cacheprovider -m "not slow" -q \
-		tests/gpu tests/parity tests/unit/test_hashing.py $(PYTEST_ARGS)
+		tests/gpu tests/parity $(PYTEST_ARGS)
+	PYTHONPATH=/tmp/engram-site python3 -m pytest -o addopts="" -p no:cacheprovider -m "gpu and not slow" -q \
+		tests/unit tests/integration $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info engram/store/_pread_pool*.so
