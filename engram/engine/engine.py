@@ -65,14 +65,18 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        packed = pack(batch)
-        plan = self.planner.plan(packed.seq_ids, packed.compressed_ids, packed.cu_seqlens, packed.positions,
-                                 packed.lookback)  # row ids of every Engram layer, deduped
-        staged = self.executor.submit(plan)
-        logits = self.runner.run(packed, plan, staged, batch.seqs)  # [N, vocab] float32
-        sampled = [batch.seqs[i] for i in packed.sample_rows]
-        tokens = self.sampler(logits, [SampleRequest(s.params, s.num_output_tokens, self._generator(s))
-                                       for s in sampled])
+        try:
+            packed = pack(batch)
+            plan = self.planner.plan(packed.seq_ids, packed.compressed_ids, packed.cu_seqlens, packed.positions,
+                                     packed.lookback)  # row ids of every Engram layer, deduped
+            staged = self.executor.submit(plan)
+            logits = self.runner.run(packed, plan, staged, batch.seqs)  # [N, vocab] float32
+            sampled = [batch.seqs[i] for i in packed.sample_rows]
+            tokens = self.sampler(logits, [SampleRequest(s.params, s.num_output_tokens, self._generator(s))
+                                           for s in sampled])
+        except Exception as e:  # nothing was committed: the step can be retried or its requests aborted
+            e.request_ids = [s.request_id for s in batch.seqs]  # the server fails only these requests
+            raise
         return self._postprocess(batch, plan, sampled, tokens.tolist())
 
     # ----------------------------------------------------------------- requests

@@ -11,6 +11,7 @@ import torch
 import engram
 from engram.engine.config import EngineConfig
 from engram.engine.engine import LLMEngine
+from engram.engine.lookup import SyncLookupExecutor
 from engram.engine.sampling_params import SamplingParams
 from engram.model.loader import LoadedModel, load_model
 
@@ -199,3 +200,29 @@ def test_cli_generate_prints_completions_and_throughput(tmp_path, capsys, one_th
     assert "no prompts" in capsys.readouterr().err
     assert main(["generate", "tiny", "--prompt", "x", "--engram-config", "{bad"]) == 2
     assert "--engram-config is not valid JSON" in capsys.readouterr().err
+
+
+class FailingOnce(SyncLookupExecutor):
+    """The real executor, except that its first plan fails like a table read error would."""
+
+    def __init__(self, base: SyncLookupExecutor):
+        super().__init__(base.tables, base.cfg, base.dtype, base.device)
+        self.failed = False
+
+    def submit(self, plan):
+        if not self.failed:
+            self.failed = True
+            raise OSError("pread failed at offset 4096 of values.bin")
+        return super().submit(plan)
+
+
+def test_failed_step_names_its_requests_and_can_be_retried(tiny, reference):
+    engine = engine_for(tiny)
+    engine.executor = FailingOnce(engine.executor)
+    engine.add_request("a", PROMPT, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    with pytest.raises(OSError, match="offset 4096") as err:
+        engine.step()
+    assert err.value.request_ids == ["a"]
+    out = drain(engine)["a"][-1].outputs[0]  # nothing was committed by the failed step
+    assert out.token_ids == reference.token_ids
+    assert engine.scheduler.blocks.num_free_blocks == engine.memory.num_blocks
