@@ -40,7 +40,7 @@ def test_unknown_backend_is_rejected():
 
 
 @pytest.mark.parametrize("kw,field", [({"block_r": 24}, "block_r"), ({"num_warps": 3}, "num_warps"),
-                                      ({"programs_per_sm": -1}, "programs_per_sm")])
+                                      ({"programs_per_sm": -2}, "programs_per_sm")])
 def test_launch_config_validates(kw, field):
     with pytest.raises(ValueError, match=field):
         LaunchConfig(**kw)
@@ -48,7 +48,9 @@ def test_launch_config_validates(kw, field):
 
 def test_launch_config_env(monkeypatch):
     monkeypatch.setenv("ENGRAM_GATHER_CONFIG", "64,8,0")
-    assert config_from_env() == LaunchConfig(64, 8, 0)
+    assert config_from_env() == LaunchConfig(64, 8, 0, True)
+    monkeypatch.setenv("ENGRAM_GATHER_CONFIG", "16,4,-1,0")
+    assert config_from_env() == LaunchConfig(16, 4, -1, False)
     monkeypatch.setenv("ENGRAM_GATHER_CONFIG", "64,8")
     with pytest.raises(ValueError, match="ENGRAM_GATHER_CONFIG"):
         config_from_env()

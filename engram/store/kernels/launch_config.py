@@ -14,24 +14,31 @@ class LaunchConfig:
 
     block_r: int = 32  # ids per tile
     num_warps: int = 4  # warps per program
-    programs_per_sm: int = 8  # persistent grid = min(tiles, SMs * this); 0 = one program per tile
+    # persistent grid = min(tiles, SMs * this); -1 = as many programs as fit on an SM at once (from the
+    # compiled kernel's registers, so there is never a second wave); 0 = one program per tile
+    programs_per_sm: int = -1
+    stream: bool = True  # table rows evict-first, output stores streaming (.cs): a gather is used once
 
     def __post_init__(self) -> None:
         if self.block_r < 1 or self.block_r & (self.block_r - 1):
             raise ValueError(f"LaunchConfig.block_r={self.block_r} must be a power of two")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"LaunchConfig.num_warps={self.num_warps} must be 1, 2, 4, 8 or 16")
-        if self.programs_per_sm < 0:
-            raise ValueError(f"LaunchConfig.programs_per_sm={self.programs_per_sm} must be >= 0")
+        if self.programs_per_sm < -1:
+            raise ValueError(f"LaunchConfig.programs_per_sm={self.programs_per_sm} must be >= -1")
 
 
 def config_from_env() -> LaunchConfig:
-    """ENGRAM_GATHER_CONFIG="block_r,num_warps,programs_per_sm" overrides the default (for sweeps)."""
+    """ENGRAM_GATHER_CONFIG="block_r,num_warps,programs_per_sm[,stream]" overrides the default (sweeps)."""
     spec = os.environ.get("ENGRAM_GATHER_CONFIG")
     if not spec:
         return LaunchConfig()
+    parts = spec.split(",")
     try:
-        b, w, p = (int(x) for x in spec.split(","))
+        if len(parts) not in (3, 4):
+            raise ValueError(spec)
+        b, w, p = (int(x) for x in parts[:3])
+        stream = bool(int(parts[3])) if len(parts) == 4 else True
     except ValueError as e:
-        raise ValueError(f"ENGRAM_GATHER_CONFIG={spec!r} must be 'block_r,num_warps,programs_per_sm'") from e
-    return LaunchConfig(b, w, p)
+        raise ValueError(f"ENGRAM_GATHER_CONFIG={spec!r} must be 'block_r,num_warps,programs_per_sm[,0|1]'") from e
+    return LaunchConfig(b, w, p, stream)

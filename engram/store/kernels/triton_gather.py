@@ -3,9 +3,9 @@
 One kernel serves the HBM table and the pinned host table (read through UVA): a persistent grid of
 programs strides over tiles of BLOCK_R ids; each tile loads its rows with 16-byte vector loads (8 when
 the row stride is not a multiple of 16), dequantizes in fp32 and stores ``dtype`` rows. Optional
-``dst`` (output row per id) and ``lead`` (skip ids whose flag is 0) let uva.py gather sorted, deduplicated
-ids and scatter them back in the same pass. Results equal reference.gather_rows bitwise: the dequant
-is exact in fp32 (value x 2**(byte-127) built from the exponent bits, byte 0 -> 0.0, 255 -> NaN) and the
+``dst`` (output row per id) and ``runs`` (first position of each run of equal sorted ids; the others
+are skipped) let uva.py gather sorted, deduplicated ids and scatter them back in the same pass. Results
+equal reference.gather_rows bitwise: the dequant is exact in fp32 (value x 2**(byte-127) built from the exponent bits, byte 0 -> 0.0, 255 -> NaN) and the
 final cast rounds to nearest even, as torch does. Only CUDA; importing needs triton.
 """
 from __future__ import annotations
@@ -42,21 +42,55 @@ def kernel_arg(t: torch.Tensor):
     return t if t.is_cuda else HostPointer(t)
 
 
-def _grid(n_tiles: int, device: torch.device, cfg: LaunchConfig) -> int:
+_RESIDENT: dict[tuple, int] = {}  # programs of one compiled kernel that fit on an SM at once
+_FIRST_GUESS = 4
+
+
+def _resident_programs(compiled, num_warps: int) -> int:
+    """Programs per SM allowed by the compiled kernel's registers and shared memory (Hopper limits:
+    64 K registers allocated per warp in units of 256, 64 warps, 32 blocks, 227 KiB shared memory)."""
+    try:
+        regs = max(int(compiled.n_regs), 1)
+        shared = int(getattr(compiled.metadata, "shared", 0))
+    except (AttributeError, TypeError):  # a Triton without these fields: stay with the first guess
+        return _FIRST_GUESS
+    per_warp = -(-regs * 32 // 256) * 256
+    fit = min((65536 // per_warp) // num_warps, 64 // num_warps, 32, (227 << 10) // shared if shared else 32)
+    return max(1, fit)
+
+
+def _launch(kernel, n_tiles: int, device: torch.device, cfg: LaunchConfig, args: tuple, consts: dict) -> None:
+    """Launch ``kernel`` over ``n_tiles`` tiles: one program per tile, or a persistent grid of SMs x
+    programs_per_sm (-1: the resident count measured from the compiled kernel on its first launch)."""
     if cfg.programs_per_sm == 0:
-        return max(1, n_tiles)
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return max(1, min(n_tiles, _SM_COUNT[idx] * cfg.programs_per_sm))
+        programs = n_tiles
+    else:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in _SM_COUNT:
+            _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+        key = (kernel.fn.__name__, cfg.num_warps, tuple(sorted(consts.items())))
+        per_sm = cfg.programs_per_sm if cfg.programs_per_sm > 0 else _RESIDENT.get(key, _FIRST_GUESS)
+        programs = min(n_tiles, _SM_COUNT[idx] * per_sm)
+    compiled = kernel[(max(1, programs),)](*args, **consts, num_warps=cfg.num_warps)
+    if cfg.programs_per_sm == -1 and key not in _RESIDENT:
+        _RESIDENT[key] = _resident_programs(compiled, cfg.num_warps)
 
 
 @triton.jit
-def _gather_rows_kernel(values_ptr, scales_ptr, ids_ptr, dst_ptr, lead_ptr, out_ptr, n,
+def _tile_rows(ids_ptr, runs_ptr, r, n, HAS_RUNS: tl.constexpr):
+    """Table rows of positions r (int64), -1 past the end or (HAS_RUNS) where r is not first of its run."""
+    m = r < n
+    if HAS_RUNS:
+        m = m & (tl.load(runs_ptr + r, mask=m, other=0) == r)
+    return tl.where(m, tl.load(ids_ptr + r, mask=m, other=0).to(tl.int64), -1)
+
+
+@triton.jit
+def _gather_rows_kernel(values_ptr, scales_ptr, ids_ptr, dst_ptr, runs_ptr, out_ptr, n,
                         V_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, OUT_STRIDE: tl.constexpr,
                         DIM: tl.constexpr, NB: tl.constexpr, ROW_KIND: tl.constexpr, OUT_KIND: tl.constexpr,
                         CAST_VIA_F32: tl.constexpr, SCALE_U64: tl.constexpr, BLOCK_R: tl.constexpr,
-                        HAS_DST: tl.constexpr, HAS_LEAD: tl.constexpr):
+                        HAS_DST: tl.constexpr, HAS_RUNS: tl.constexpr, STREAM: tl.constexpr):
     # Tiles are [BLOCK_R ids, NB blocks of 32 values, 32]; NB is DIM/32 rounded up to a power of two.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -66,26 +100,22 @@ def _gather_rows_kernel(values_ptr, scales_ptr, ids_ptr, dst_ptr, lead_ptr, out_
     j = tl.arange(0, 32)
     col = blk[None, :, None] * 32 + j[None, None, :]  # [1, NB, 32] value index in the row
     cmask = col < DIM
-    r = pid * BLOCK_R + ar  # [BLOCK_R] positions of this program's first tile
-    rmask = r < n
-    if HAS_LEAD:
-        rmask = rmask & (tl.load(lead_ptr + r, mask=rmask, other=0) != 0)
-    row = tl.load(ids_ptr + r, mask=rmask, other=0).to(tl.int64)
+    row = _tile_rows(ids_ptr, runs_ptr, pid * BLOCK_R + ar, n, HAS_RUNS)  # [BLOCK_R] int64, -1 = skip
     for tile in range(pid, n_tiles, nprog):
         # The next tile's ids load while this tile's rows are in flight (one dependent latency fewer).
-        r_n = (tile + nprog) * BLOCK_R + ar
-        rmask_n = r_n < n
-        if HAS_LEAD:
-            rmask_n = rmask_n & (tl.load(lead_ptr + r_n, mask=rmask_n, other=0) != 0)
-        row_n = tl.load(ids_ptr + r_n, mask=rmask_n, other=0).to(tl.int64)
+        row_n = _tile_rows(ids_ptr, runs_ptr, (tile + nprog) * BLOCK_R + ar, n, HAS_RUNS)
+        r = tile * BLOCK_R + ar
+        in_range = r < n
+        rmask = in_range & (row >= 0)
         if HAS_DST:
-            dst = tl.load(dst_ptr + r, mask=rmask, other=0).to(tl.int64)
+            dst = tl.load(dst_ptr + r, mask=in_range, other=0).to(tl.int64)
         else:
             dst = r.to(tl.int64)
         m3 = rmask[:, None, None] & cmask  # [BLOCK_R, NB, 32]
         vrow = values_ptr + row[:, None, None] * V_STRIDE  # uint8* of each row
         if ROW_KIND == 0:
-            v = tl.load(vrow + col, mask=m3, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            v = tl.load(vrow + col, mask=m3, other=0, eviction_policy="evict_first" if STREAM else "")
+            v = v.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             if SCALE_U64:  # the 8 scale bytes of a 256-value row as one 8-byte load
                 w = tl.load((scales_ptr + row * S_STRIDE).to(tl.pointer_type(tl.int64)), mask=rmask, other=0)
                 sb = ((w[:, None] >> (blk[None, :] * 8).to(tl.int64)) & 0xFF).to(tl.int32)  # [BLOCK_R, NB]
@@ -97,32 +127,33 @@ def _gather_rows_kernel(values_ptr, scales_ptr, ids_ptr, dst_ptr, lead_ptr, out_
             f = tl.where(sb == 255, float("nan"), f)
             y = v * f[:, :, None]
         elif ROW_KIND == 1:
-            y = tl.load(vrow.to(tl.pointer_type(tl.bfloat16)) + col, mask=m3, other=0)
+            y = tl.load(vrow.to(tl.pointer_type(tl.bfloat16)) + col, mask=m3, other=0,
+                        eviction_policy="evict_first" if STREAM else "")
         elif ROW_KIND == 2:
-            y = tl.load(vrow.to(tl.pointer_type(tl.float16)) + col, mask=m3, other=0)
+            y = tl.load(vrow.to(tl.pointer_type(tl.float16)) + col, mask=m3, other=0,
+                        eviction_policy="evict_first" if STREAM else "")
         else:
-            y = tl.load(vrow.to(tl.pointer_type(tl.float32)) + col, mask=m3, other=0)
+            y = tl.load(vrow.to(tl.pointer_type(tl.float32)) + col, mask=m3, other=0,
+                        eviction_policy="evict_first" if STREAM else "")
         if CAST_VIA_F32:
             y = y.to(tl.float32)  # bf16 <-> fp16 goes through fp32, as torch's cast does
         optr = out_ptr + dst[:, None, None] * OUT_STRIDE + col
         if OUT_KIND == 0:
-            tl.store(optr, y.to(tl.bfloat16), mask=m3)
+            tl.store(optr, y.to(tl.bfloat16), mask=m3, cache_modifier=".cs" if STREAM else "")
         elif OUT_KIND == 1:
-            tl.store(optr, y.to(tl.float16), mask=m3)
+            tl.store(optr, y.to(tl.float16), mask=m3, cache_modifier=".cs" if STREAM else "")
         else:
-            tl.store(optr, y.to(tl.float32), mask=m3)
-        r = r_n
-        rmask = rmask_n
+            tl.store(optr, y.to(tl.float32), mask=m3, cache_modifier=".cs" if STREAM else "")
         row = row_n
 
 
 @triton.jit
-def _gather_units_kernel(values_ptr, ids_ptr, dst_ptr, lead_ptr, src_pos_ptr, out_ptr, n,
+def _gather_units_kernel(values_ptr, ids_ptr, dst_ptr, runs_ptr, out_ptr, n,
                          V_STRIDE: tl.constexpr, OUT_STRIDE: tl.constexpr, UNITS: tl.constexpr,
                          UNITS_P2: tl.constexpr, BLOCK_R: tl.constexpr, HAS_DST: tl.constexpr,
-                         HAS_LEAD: tl.constexpr, COPY_DUPS: tl.constexpr):
-    """Raw rows of UNITS words (strides in words). With COPY_DUPS it fills the rows ``lead`` skipped:
-    out[dst[i]] = out[dst[src_pos[i]]] for every i whose lead flag is 0 (values_ptr is then out)."""
+                         HAS_RUNS: tl.constexpr, COPY_DUPS: tl.constexpr):
+    """Raw rows of UNITS words (strides in words). With COPY_DUPS it fills the rows a runs-gather skipped:
+    out[dst[i]] = out[dst[runs[i]]] for every i with runs[i] != i (values_ptr is then out)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n_tiles = tl.cdiv(n, BLOCK_R)
@@ -132,12 +163,12 @@ def _gather_units_kernel(values_ptr, ids_ptr, dst_ptr, lead_ptr, src_pos_ptr, ou
         r = tile * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = r < n
         if COPY_DUPS:
-            rmask = rmask & (tl.load(lead_ptr + r, mask=rmask, other=1) == 0)
-            src = tl.load(src_pos_ptr + r, mask=rmask, other=0)
+            src = tl.load(runs_ptr + r, mask=rmask, other=0)
+            rmask = rmask & (src != r)
             row = tl.load(dst_ptr + src, mask=rmask, other=0).to(tl.int64)
         else:
-            if HAS_LEAD:
-                rmask = rmask & (tl.load(lead_ptr + r, mask=rmask, other=0) != 0)
+            if HAS_RUNS:
+                rmask = rmask & (tl.load(runs_ptr + r, mask=rmask, other=0) == r)
             row = tl.load(ids_ptr + r, mask=rmask, other=0).to(tl.int64)
         if HAS_DST:
             dst = tl.load(dst_ptr + r, mask=rmask, other=0).to(tl.int64)
@@ -181,11 +212,12 @@ def _check_table(values: torch.Tensor, scales: torch.Tensor | None, row_dtype: s
 
 def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor, row_dtype: str, dim: int,
                 out: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16, *,
-                dst: torch.Tensor | None = None, lead: torch.Tensor | None = None,
+                dst: torch.Tensor | None = None, runs: torch.Tensor | None = None,
                 cfg: LaunchConfig | None = None) -> torch.Tensor:
     """Rows ``ids`` (int32/int64 [N] on the GPU) of ``values`` (GPU or pinned host) dequantized into
     ``out`` [M, dim] ``dtype`` on the GPU: row ids[i] goes to out[dst[i]] (dst default: i), skipped where
-    lead[i] == 0. ``out`` defaults to a new [N, dim] tensor on ids' device."""
+    runs[i] != i (runs: int64 [N], first position of i's run of equal sorted ids; see copy_duplicates).
+    ``out`` defaults to a new [N, dim] tensor on ids' device."""
     _check_table(values, scales, row_dtype, dim)
     if not ids.is_cuda:
         raise ValueError(f"ids must be on a CUDA device, got {ids.device}")
@@ -201,22 +233,23 @@ def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Te
     if n == 0:
         return out
     sc = scales if scales is not None else values
-    grid = (_grid(triton.cdiv(n, cfg.block_r), ids.device, cfg),)
     nb = triton.next_power_of_2(triton.cdiv(dim, 32))
-    _gather_rows_kernel[grid](
-        kernel_arg(values), kernel_arg(sc), ids, dst if dst is not None else ids, lead if lead is not None else ids,
-        out, n, V_STRIDE=values.stride(0), S_STRIDE=sc.stride(0), OUT_STRIDE=out.stride(0), DIM=dim, NB=nb,
+    consts = dict(
+        V_STRIDE=values.stride(0), S_STRIDE=sc.stride(0), OUT_STRIDE=out.stride(0), DIM=dim, NB=nb,
         ROW_KIND=ROW_KINDS[row_dtype], OUT_KIND=OUT_KINDS[dtype], BLOCK_R=cfg.block_r,
         SCALE_U64=row_dtype == "mxfp8" and nb == 8 and dim == 256 and (sc.data_ptr() | sc.stride(0)) % 8 == 0,
         CAST_VIA_F32=row_dtype in ("bf16", "fp16") and dtype != torch.float32 and _ROW_TORCH[row_dtype] != dtype,
-        HAS_DST=dst is not None, HAS_LEAD=lead is not None, num_warps=cfg.num_warps)
+        HAS_DST=dst is not None, HAS_RUNS=runs is not None, STREAM=cfg.stream)
+    args = (kernel_arg(values), kernel_arg(sc), ids, dst if dst is not None else ids,
+            runs if runs is not None else ids, out, n)
+    _launch(_gather_rows_kernel, triton.cdiv(n, cfg.block_r), ids.device, cfg, args, consts)
     return out
 
 
 def gather_raw(values: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None, *,
-               dst: torch.Tensor | None = None, lead: torch.Tensor | None = None,
+               dst: torch.Tensor | None = None, runs: torch.Tensor | None = None,
                cfg: LaunchConfig | None = None) -> torch.Tensor:
-    """Packed bytes of rows ``ids`` into ``out`` uint8 [M, stride] on the GPU (same dst/lead rules)."""
+    """Packed bytes of rows ``ids`` into ``out`` uint8 [M, stride] on the GPU (same dst/runs rules)."""
     if values.dtype != torch.uint8 or values.dim() != 2 or values.stride(1) != 1:
         raise ValueError(f"values must be uint8 [R, stride] with unit column stride, got {values.dtype} "
                          f"shape {tuple(values.shape)} strides {values.stride()}")
@@ -232,18 +265,19 @@ def gather_raw(values: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None
     words_in = values.view(_WORD[w]) if w > 1 else values  # [R, stride / w]
     words_out = out.view(_WORD[w]) if w > 1 else out
     units = width // w
-    grid = (_grid(triton.cdiv(n, cfg.block_r), ids.device, cfg),)
-    _gather_units_kernel[grid](
-        kernel_arg(words_in), ids, dst if dst is not None else ids, lead if lead is not None else ids, ids,
-        words_out, n, V_STRIDE=values.stride(0) // w, OUT_STRIDE=out.stride(0) // w, UNITS=units,
-        UNITS_P2=triton.next_power_of_2(units), BLOCK_R=cfg.block_r, HAS_DST=dst is not None,
-        HAS_LEAD=lead is not None, COPY_DUPS=False, num_warps=cfg.num_warps)
+    consts = dict(V_STRIDE=values.stride(0) // w, OUT_STRIDE=out.stride(0) // w, UNITS=units,
+                  UNITS_P2=triton.next_power_of_2(units), BLOCK_R=cfg.block_r, HAS_DST=dst is not None,
+                  HAS_RUNS=runs is not None, COPY_DUPS=False)
+    args = (kernel_arg(words_in), ids, dst if dst is not None else ids, runs if runs is not None else ids,
+            words_out, n)
+    _launch(_gather_units_kernel, triton.cdiv(n, cfg.block_r), ids.device, cfg, args, consts)
     return out
 
 
-def copy_duplicates(out: torch.Tensor, dst: torch.Tensor, lead: torch.Tensor, src_pos: torch.Tensor,
+def copy_duplicates(out: torch.Tensor, dst: torch.Tensor, runs: torch.Tensor,
                     cfg: LaunchConfig | None = None) -> torch.Tensor:
-    """For every i with lead[i] == 0: out[dst[i]] = out[dst[src_pos[i]]] (rows of a CUDA ``out``)."""
+    """For every i with runs[i] != i: out[dst[i]] = out[dst[runs[i]]] (rows of a CUDA ``out``): fills the
+    positions a runs-gather skipped from the first of their run, an HBM-only pass."""
     cfg = cfg or CONFIG
     n = dst.shape[0]
     if n == 0:
@@ -252,9 +286,9 @@ def copy_duplicates(out: torch.Tensor, dst: torch.Tensor, lead: torch.Tensor, sr
     w = _word_bytes(row_bytes, out.stride(0) * out.element_size(), out.data_ptr())
     words = out.view(torch.uint8).view(_WORD[w]) if out.dtype != _WORD[w] else out  # [M, row_bytes / w]
     units = row_bytes // w
-    grid = (_grid(triton.cdiv(n, cfg.block_r), dst.device, cfg),)
-    _gather_units_kernel[grid](
-        words, dst, dst, lead, src_pos, words, n, V_STRIDE=words.stride(0), OUT_STRIDE=words.stride(0),
-        UNITS=units, UNITS_P2=triton.next_power_of_2(units), BLOCK_R=cfg.block_r, HAS_DST=True,
-        HAS_LEAD=True, COPY_DUPS=True, num_warps=cfg.num_warps)
+    consts = dict(V_STRIDE=words.stride(0), OUT_STRIDE=words.stride(0), UNITS=units,
+                  UNITS_P2=triton.next_power_of_2(units), BLOCK_R=cfg.block_r, HAS_DST=True, HAS_RUNS=True,
+                  COPY_DUPS=True)
+    _launch(_gather_units_kernel, triton.cdiv(n, cfg.block_r), dst.device, cfg, (words, dst, dst, runs, words, n),
+            consts)
     return out
