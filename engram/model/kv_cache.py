@@ -39,11 +39,13 @@ class KVCache:
         if layer_id not in self.k:
             raise KeyError(f"layer {layer_id} owns no KV cache (cache layers: {self.layers})")
 
-    def write(self, layer_id: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [T, n_kv, hd] at flat slots ``slot_mapping`` [T]; slots < 0 (padding) are skipped."""
+    def write(self, layer_id: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              keep: torch.Tensor | None = None) -> None:
+        """Store k, v [T, n_kv, hd] at flat slots ``slot_mapping`` [T]. ``keep`` (LongTensor of token rows)
+        restricts the write to those rows, e.g. the ones whose slot is >= 0; None writes every row (no
+        host sync, so every slot must then be valid)."""
         self._check(layer_id)
-        keep = slot_mapping >= 0
-        if not bool(keep.all()):
+        if keep is not None:
             slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
         flat = (-1, self.n_kv_heads, self.head_dim)
         self.k[layer_id].view(flat).index_copy_(0, slot_mapping, k.to(self.dtype))  # [NB*BS, n_kv, hd]

@@ -4,8 +4,9 @@
 hc_mult 2), ``4b-like`` / ``8b-like`` (Qwen3-4B / Qwen3-8B dense shapes with Engram at [1, 15] and
 V4.1-shaped tables: 24 columns x 256 values, MXFP8). All use the built-in tokenizer; the large presets
 keep Qwen3's 151936-row embedding and LM head (padded vocab) so their compute is that of the real shape.
-Weights are a pure function of (preset, seed, device type): each parameter draws from its own generator
-seeded by the seed and the parameter's name, so construction order never changes a value.
+Weights are a pure function of the preset and seed (and, for 4b-like / 8b-like, which are drawn on the
+target device, of the device type): each parameter draws from its own generator seeded by the seed and
+the parameter's name, so construction order never changes a value.
 """
 from __future__ import annotations
 
@@ -79,6 +80,9 @@ def preset_config(name: str, table_rows: int | None = None, seed: int = 0) -> Mo
     raise ValueError(f"unknown model preset {name!r}; known: {MODEL_PRESETS} (or a checkpoint directory)")
 
 
+HOST_INIT_MAX_PARAMS = 500_000_000  # up to this size weights are drawn on the CPU (same on every device)
+
+
 def _param_generator(seed: int, name: str, device: torch.device) -> torch.Generator:
     g = torch.Generator(device=device)
     g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
@@ -86,17 +90,21 @@ def _param_generator(seed: int, name: str, device: torch.device) -> torch.Genera
 
 
 @torch.no_grad()
-def init_random_weights(model: nn.Module, seed: int) -> None:
+def init_random_weights(model: nn.Module, seed: int, on_device: bool | None = None) -> None:
     """Fill every parameter deterministically (see module docstring). Norm weights are 1, biases 0,
     linear weights N(0, 0.02) (output projections scaled by 1/sqrt(2 * layers); Engram projections scaled
     so their output has the embedding's scale), Engram gate weights 1 + N(0, 0.1), hyper-connections near
-    a plain residual, anything else N(0, 0.02)."""
+    a plain residual, anything else N(0, 0.02). Values are drawn on the CPU (identical whatever the
+    model's device) unless ``on_device`` or, by default, the model has more than HOST_INIT_MAX_PARAMS
+    parameters (4b-like / 8b-like: drawing billions of values on the CPU would take minutes)."""
     from engram.model.layers.hyper_connections import HyperConnection
     from engram.module import Engram
 
     cfg = model.config
     out_std = 0.02 / (2 * cfg.num_layers) ** 0.5
     engram_std = 0.02 / (cfg.engram.n_cols * cfg.engram.head_dim) ** 0.5 if cfg.engram is not None else 0.02
+    if on_device is None:
+        on_device = sum(p.numel() for p in model.parameters()) > HOST_INIT_MAX_PARAMS
     seen: set[int] = set()
     for mname, mod in model.named_modules():
         in_engram = ".engram" in f".{mname}"
@@ -105,10 +113,11 @@ def init_random_weights(model: nn.Module, seed: int) -> None:
                 continue
             seen.add(id(p))
             name = f"{mname}.{pname}"
-            g = _param_generator(seed, name, p.device)
+            gen_device = p.device if on_device else torch.device("cpu")
+            g = _param_generator(seed, name, gen_device)
 
             def normal(std: float, mean: float = 0.0) -> None:
-                p.copy_(torch.empty(p.shape, dtype=torch.float32, device=p.device).normal_(mean, std, generator=g))
+                p.copy_(torch.empty(p.shape, dtype=torch.float32, device=gen_device).normal_(mean, std, generator=g))
 
             if pname == "bias":
                 p.zero_()

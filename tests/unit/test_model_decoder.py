@@ -14,6 +14,7 @@ import torch
 from engram.config import EngramConfig
 from engram.model.inputs import StepInputs, make_step_inputs
 from engram.model.kv_cache import KVCache
+from engram.model.layers.attention import AttentionMetadata
 from engram.model.loader import random_model
 from engram.model.presets import preset_config
 from engram.model.reference import _engram_fields, greedy_generate, prefill_logits
@@ -215,7 +216,9 @@ def test_padding_slots_and_errors(cache_dir):
         loaded.model(step, KVCache.for_model(loaded.model_config, 2, 4, F64))
     kv = KVCache.for_model(loaded.model_config, 2, 4, F64)
     before = kv.k[0].clone()
-    kv.write(0, torch.tensor([-1, 3]), torch.ones(2, 2, 16, dtype=F64), torch.ones(2, 2, 16, dtype=F64))
+    slots = torch.tensor([-1, 3])
+    meta = AttentionMetadata.from_step(torch.tensor([0, 2]), torch.tensor([2]), torch.tensor([[0]]), slots)
+    kv.write(0, slots, torch.ones(2, 2, 16, dtype=F64), torch.ones(2, 2, 16, dtype=F64), keep=meta.write_keep)
     assert torch.equal(kv.k[0].view(-1, 2, 16)[3], torch.ones(2, 16, dtype=F64))
     assert torch.equal(kv.k[0].view(-1, 2, 16)[:3], before.view(-1, 2, 16)[:3])
     assert kv.bytes_per_block() == 2 * 4 * 4 * 2 * 16 * 8

@@ -3,7 +3,7 @@
 A KV-source layer projects K/V for the step's tokens and writes them through ``slot_mapping``; every
 layer (source or sharer) then reads its source's cache through ``block_tables``. Decode sequences
 (one new token) are attended in one batched, padded call; longer chunks one sequence at a time with a
-causal mask offset by the tokens already cached. Head h reads KV head h // (num_heads // num_kv_heads).
+causal mask offset by the tokens already cached. Head h reads KV head h // (num_heads // num_kv_heads) (SDPA's enable_gqa, no K/V copies).
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ class AttentionMetadata:
     context_lens: list[int]  # KV length of each sequence after this step
     block_tables: torch.Tensor  # [S, max_blocks] (device)
     slot_mapping: torch.Tensor  # [T] (device)
+    write_keep: torch.Tensor | None  # [T'] token rows with a slot >= 0; None: all (the usual case)
     decode_seqs: torch.Tensor | None  # [D] sequences with exactly one new token (batched path)
     decode_tokens: torch.Tensor | None  # [D] their packed token rows
     decode_lens: torch.Tensor | None  # [D] their KV lengths
@@ -37,24 +38,21 @@ class AttentionMetadata:
                   slot_mapping: torch.Tensor) -> "AttentionMetadata":
         cu = cu_seqlens.tolist()
         ctx = context_lens.tolist()
+        padded = bool((slot_mapping < 0).any())  # host syncs happen here, once per step, not per layer
+        keep = torch.nonzero(slot_mapping >= 0).squeeze(1) if padded else None
         q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
         for s, (q, c) in enumerate(zip(q_lens, ctx)):
             if q > c:
                 raise ValueError(f"sequence {s}: {q} new tokens but context_lens={c} (must include them)")
         dec = [s for s, q in enumerate(q_lens) if q == 1]
         dev = block_tables.device
-        meta = cls(cu[:-1], q_lens, ctx, block_tables, slot_mapping, None, None, None)
+        meta = cls(cu[:-1], q_lens, ctx, block_tables, slot_mapping, keep, None, None, None)
         if dec:
             meta.decode_seqs = torch.tensor(dec, dtype=torch.long, device=dev)
             meta.decode_tokens = torch.tensor([cu[s] for s in dec], dtype=torch.long, device=dev)
             meta.decode_lens = torch.tensor([ctx[s] for s in dec], dtype=torch.long, device=dev)
             meta.decode_max_len = max(ctx[s] for s in dec)
         return meta
-
-
-def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[..., n_kv, L, hd] -> [..., n_kv*groups, L, hd] (query head h uses kv head h // groups)."""
-    return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
 
 
 def paged_attention(q: torch.Tensor, kv: KVCache, layer_id: int, meta: AttentionMetadata,
@@ -69,11 +67,12 @@ def paged_attention(q: torch.Tensor, kv: KVCache, layer_id: int, meta: Attention
             continue
         k, v = kv.read(layer_id, meta.block_tables[s], ctx)  # [ctx, n_kv, hd] each
         qs = q[start:start + q_len].transpose(0, 1)  # [nh, q_len, hd]
-        ks = _expand_kv(k.transpose(0, 1), groups).to(q.dtype)  # [nh, ctx, hd]
-        vs = _expand_kv(v.transpose(0, 1), groups).to(q.dtype)
+        ks = k.transpose(0, 1).to(q.dtype)  # [n_kv, ctx, hd]
+        vs = v.transpose(0, 1).to(q.dtype)
         qpos = torch.arange(ctx - q_len, ctx, device=q.device).unsqueeze(1)  # [q_len, 1] absolute positions
         mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # [q_len, ctx] causal, offset by cache
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)  # [nh, q_len, hd]
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
+                                           enable_gqa=groups > 1)  # [nh, q_len, hd]
         out[start:start + q_len] = o.transpose(0, 1)
     return out
 
@@ -87,11 +86,12 @@ def _decode_batched(q: torch.Tensor, kv: KVCache, layer_id: int, meta: Attention
     d = tables.shape[0]
     k = kv.k[layer_id][tables].view(d, n_blocks * bs, kv.n_kv_heads, -1)  # [D, Lpad, n_kv, hd]
     v = kv.v[layer_id][tables].view(d, n_blocks * bs, kv.n_kv_heads, -1)
-    k = _expand_kv(k.transpose(1, 2), groups).to(q.dtype)  # [D, nh, Lpad, hd]
-    v = _expand_kv(v.transpose(1, 2), groups).to(q.dtype)
+    k = k.transpose(1, 2).to(q.dtype)  # [D, n_kv, Lpad, hd]
+    v = v.transpose(1, 2).to(q.dtype)
     valid = torch.arange(n_blocks * bs, device=q.device).unsqueeze(0) < meta.decode_lens.unsqueeze(1)  # [D, Lpad]
     qd = q.index_select(0, meta.decode_tokens).unsqueeze(2)  # [D, nh, 1, hd]
-    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=valid[:, None, None, :], scale=scale)  # [D, nh, 1, hd]
+    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=valid[:, None, None, :], scale=scale,
+                                       enable_gqa=groups > 1)  # [D, nh, 1, hd]
     return o.squeeze(2)
 
 
@@ -130,6 +130,6 @@ class Attention(nn.Module):
             v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
             if self.k_norm is not None:
                 k = self.k_norm(k)
-            kv.write(self.layer_id, meta.slot_mapping, apply_rope(k, cos, sin), v)
+            kv.write(self.layer_id, meta.slot_mapping, apply_rope(k, cos, sin), v, keep=meta.write_keep)
         o = paged_attention(q, kv, self.kv_source, meta, self.scale)  # [T, nh, hd]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
