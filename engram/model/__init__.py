@@ -1,1 +1,1 @@
-
+"""The reference decoder, its presets, loader and built-in tokenizer (see docs/model.md)."""

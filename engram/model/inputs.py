@@ -38,7 +38,8 @@ class StepInputs:
             raise ValueError(f"step.cu_seqlens has shape {tuple(self.cu_seqlens.shape)}, expected ({s + 1},) "
                              f"for {s} sequences")
         if self.block_tables.dim() != 2 or self.block_tables.shape[0] != s:
-            raise ValueError(f"step.block_tables has shape {tuple(self.block_tables.shape)}, expected ({s}, max_blocks)")
+            raise ValueError(f"step.block_tables has shape {tuple(self.block_tables.shape)}, "
+                             f"expected ({s}, max_blocks)")
         if self.dead_mask is not None and self.dead_mask.shape != (t,):
             raise ValueError(f"step.dead_mask has shape {tuple(self.dead_mask.shape)}, expected ({t},)")
 

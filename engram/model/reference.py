@@ -41,7 +41,7 @@ def prefill_logits(loaded, token_ids: list[int], block_size: int = 16) -> torch.
     model, device = loaded.model, loaded.device
     n_blocks = -(-len(token_ids) // block_size)
     kv = KVCache.for_model(model.config, n_blocks, block_size, loaded.dtype, device)
-    fields = _engram_fields(loaded, token_ids, [], device, new_conv_states(loaded))
+    fields = engram_fields(loaded, token_ids, [], device, new_conv_states(loaded))
     step = make_step_inputs([token_ids], [0], [list(range(n_blocks))], block_size, fields.pop("engram_rows"),
                             device=device, logits_indices=torch.arange(len(token_ids), device=device), **fields)
     return model.compute_logits(model(step, kv))
@@ -55,7 +55,7 @@ def new_conv_states(loaded) -> dict | None:
     return {lid: layer.new_state(1, dtype=loaded.dtype, device=loaded.device) for lid, layer in layers.items()}
 
 
-def _engram_fields(loaded, new_ids: list[int], past_ids: list[int], device, conv_state=None) -> dict:
+def engram_fields(loaded, new_ids: list[int], past_ids: list[int], device, conv_state=None) -> dict:
     """engram_rows / dead_mask / conv_state of a single-sequence step whose earlier tokens were ``past_ids``."""
     ecfg = loaded.engram_config
     if ecfg is None:
@@ -85,7 +85,7 @@ def greedy_generate(loaded, prompt_ids: list[int], max_new_tokens: int, block_si
     seq, new, out = list(prompt_ids), list(prompt_ids), []
     past, states = 0, new_conv_states(loaded)  # paper variant: conv history carried across steps
     for _ in range(max_new_tokens):
-        fields = _engram_fields(loaded, new, seq[:past], device, states)
+        fields = engram_fields(loaded, new, seq[:past], device, states)
         step = make_step_inputs([new], [past], table, block_size, fields.pop("engram_rows"), device=device, **fields)
         tok = int(model.compute_logits(model(step, kv)).argmax(-1)[0])
         past = len(seq)

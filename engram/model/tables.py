@@ -22,6 +22,7 @@ from engram.store.format import MANIFEST
 
 GENERATOR_VERSION = 1  # bump when generate_random_table changes what it writes
 CHUNK_ROWS = 1 << 16
+OPEN_OPTIONS = ("cache_rows", "cache_bytes", "cache_policy", "io", "queue_depth")  # passed to open_table
 _ROW_TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -91,7 +92,7 @@ def open_tables(dirs: dict[int, Path], cfg: EngramConfig, tier: str = "gpu", dev
     carry open_table's keyword arguments (cache_rows, cache_bytes, cache_policy, io, queue_depth)."""
     from engram.store import open_table
 
-    kwargs = {k: v for k, v in (options or {}).items() if k in ("cache_rows", "cache_bytes", "cache_policy", "io", "queue_depth")}
+    kwargs = {k: v for k, v in (options or {}).items() if k in OPEN_OPTIONS}
     return {lid: open_table(d, tier=tier, device=device, expect=cfg.fingerprint(lid), **kwargs)
             for lid, d in dirs.items()}
 
@@ -100,7 +101,10 @@ _TABLE_DTYPES = {"mxfp8": (torch.float8_e4m3fn, torch.uint8), "bf16": (torch.bfl
                  "fp32": (torch.float32,)}
 
 
-def _layer_table_keys(tensors: dict[str, tuple[Path, str]], lid: int) -> tuple[tuple[Path, str], tuple[Path, str] | None]:
+TensorRef = tuple[Path, str]  # (safetensors file, key in it)
+
+
+def _layer_table_keys(tensors: dict[str, TensorRef], lid: int) -> tuple[TensorRef, TensorRef | None]:
     base = f"model.layers.{lid}.engram."
     for wkey, skey in (("embed.weight", "embed.scale"), ("multi_head_embedding.embedding.weight", None)):
         if base + wkey in tensors:

@@ -17,7 +17,7 @@ from engram.model.kv_cache import KVCache
 from engram.model.layers.attention import AttentionMetadata
 from engram.model.loader import random_model
 from engram.model.presets import preset_config
-from engram.model.reference import _engram_fields, greedy_generate, prefill_logits
+from engram.model.reference import engram_fields, greedy_generate, prefill_logits
 
 F64 = torch.float64
 
@@ -55,7 +55,7 @@ def reference_forward(loaded, ids: list[int]) -> torch.Tensor:
     m, cfg = loaded.model, loaded.model_config
     t = len(ids)
     pos = torch.arange(t)
-    fields = _engram_fields(loaded, ids, [], "cpu")
+    fields = engram_fields(loaded, ids, [], "cpu")
     h = m.model.embed_tokens.weight[torch.tensor(ids)].unsqueeze(1).repeat(1, cfg.hc_mult, 1)  # [T, hc, H]
     causal = torch.tril(torch.ones(t, t, dtype=torch.bool))
     kv_by_layer = {}
@@ -91,7 +91,8 @@ def reference_forward(loaded, ids: list[int]) -> torch.Tensor:
             x = x + y
         mlp = layer.mlp
         xn = _rms(x, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
-        y = (torch.nn.functional.silu(xn @ mlp.gate_proj.weight.T) * (xn @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
+        gate, up = xn @ mlp.gate_proj.weight.T, xn @ mlp.up_proj.weight.T
+        y = (torch.nn.functional.silu(gate) * up) @ mlp.down_proj.weight.T
         h = layer.mlp_hc.expand(h, y) if cfg.hc_mult > 1 else (x + y).unsqueeze(1)
     final = h.sum(1) if cfg.hc_mult > 1 else h[:, 0]
     return (_rms(final, m.model.norm.weight, cfg.rms_norm_eps) @ m.lm_head.weight.T)[:, : cfg.vocab_size]
@@ -123,7 +124,7 @@ def test_kv_sharing_layers_read_their_source(cache_dir):
     kv = KVCache.for_model(cfg, 8, 4, F64)
     assert sorted(kv.k) == [0, 2]
     # Poison the source's cache after prefill: the sharer (layer 1) must see it on the next decode step.
-    fields = _engram_fields(loaded, ids, [], "cpu")
+    fields = engram_fields(loaded, ids, [], "cpu")
     step = make_step_inputs([ids], [0], [list(range(8))], 4, fields.pop("engram_rows"), **fields)
     loaded.model(step, kv)
     seen = {}
@@ -132,7 +133,7 @@ def test_kv_sharing_layers_read_their_source(cache_dir):
 
     def decode():
         seen.clear()
-        f = _engram_fields(loaded, nxt, ids, "cpu")
+        f = engram_fields(loaded, nxt, ids, "cpu")
         s = make_step_inputs([nxt], [len(ids)], [list(range(8))], 4, f.pop("engram_rows"), **f)
         cache = KVCache.for_model(cfg, 8, 4, F64)
         for lid in cache.k:
@@ -163,7 +164,7 @@ def test_chunked_and_batched_match_whole_prefill(cache_dir):
     # step 1: a's first 5 tokens alone; step 2: a's next 7 + all of b packed; then decode a's rest with b idle
     plan = [([a[:5]], [0], [ta], [a]), ([a[5:12], b], [5, 0], [ta, tb], [a, b])]
     for chunks, past, tables, seqs in plan:
-        f = [_engram_fields(loaded, c, s[:p], "cpu") for c, p, s in zip(chunks, past, seqs)]
+        f = [engram_fields(loaded, c, s[:p], "cpu") for c, p, s in zip(chunks, past, seqs)]
         rows = [x["engram_rows"] for x in f]
 
         def provider(lid, rows=rows):
@@ -176,7 +177,7 @@ def test_chunked_and_batched_match_whole_prefill(cache_dir):
         if len(chunks) == 2:
             torch.testing.assert_close(logits[len(chunks[0]):].double(), want_b.double(), rtol=0, atol=1e-5)
     for p in range(12, len(a)):
-        f = _engram_fields(loaded, [a[p]], a[:p], "cpu")
+        f = engram_fields(loaded, [a[p]], a[:p], "cpu")
         step = make_step_inputs([[a[p]]], [p], [ta], 4, f.pop("engram_rows"), **f)
         got_a.append(model.compute_logits(model(step, kv)))
     torch.testing.assert_close(torch.cat(got_a).double(), want_a.double(), rtol=0, atol=1e-5)
@@ -205,7 +206,7 @@ def test_hc_identity_equals_plain_residual(cache_dir):
 def test_padding_slots_and_errors(cache_dir):
     loaded = _load(_cfg(2), cache_dir)
     ids = _ids(loaded)[:6]
-    f = _engram_fields(loaded, ids, [], "cpu")
+    f = engram_fields(loaded, ids, [], "cpu")
     with pytest.raises(ValueError, match="positions"):
         StepInputs(
             token_ids=torch.tensor(ids), positions=torch.arange(5), cu_seqlens=torch.tensor([0, 6]),

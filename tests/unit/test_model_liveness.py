@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engram.model.loader import load_model
-from engram.model.reference import _engram_fields, prefill_logits
+from engram.model.reference import engram_fields, prefill_logits
 from engram.store import open_table, write_table
 from engram.model.tables import read_table_tensors
 
@@ -20,7 +20,7 @@ def test_perturbed_row_changes_logits_from_its_first_use(tmp_path, dtype):
     loaded = load_model("tiny", tier="host", dtype=dtype, device="cpu", cache_dir=tmp_path / "cache", progress=False)
     ids = loaded.tokenizer.encode(TEXT).ids
     layer = loaded.engram_config.layer_ids[-1]
-    row_ids = _engram_fields(loaded, ids, [], "cpu")["engram_rows"].row_ids[layer]  # [T, n_cols]
+    row_ids = engram_fields(loaded, ids, [], "cpu")["engram_rows"].row_ids[layer]  # [T, n_cols]
     p = len(ids) // 2
     target = int(row_ids[p, -1])  # an order-3 row first used at a middle position
     first = int(torch.nonzero((row_ids == target).any(dim=1))[0])
@@ -47,7 +47,7 @@ def test_dead_tokens_zero_the_gate(tmp_path):
     ids = loaded.tokenizer.encode(TEXT).ids
     dead = ids[5]
     loaded.engram_config = loaded.engram_config.replace(dead_token_ids=(dead,))
-    fields = _engram_fields(loaded, ids, [], "cpu")
+    fields = engram_fields(loaded, ids, [], "cpu")
     assert bool(fields["dead_mask"][5]) and int(fields["dead_mask"].sum()) == ids.count(dead)
     base = prefill_logits(loaded, ids)
     for lid in list(loaded.tables):

@@ -3,7 +3,8 @@
 A KV-source layer projects K/V for the step's tokens and writes them through ``slot_mapping``; every
 layer (source or sharer) then reads its source's cache through ``block_tables``. Decode sequences
 (one new token) are attended in one batched, padded call; longer chunks one sequence at a time with a
-causal mask offset by the tokens already cached. Head h reads KV head h // (num_heads // num_kv_heads) (SDPA's enable_gqa, no K/V copies).
+causal mask offset by the tokens already cached. Head h reads KV head h // (num_heads // num_kv_heads)
+(SDPA's enable_gqa: no K/V copies).
 """
 from __future__ import annotations
 
