@@ -146,3 +146,10 @@ def test_float64_and_cpu_offload_option(cache_dir):
     assert loaded.model.lm_head.weight.dtype == torch.float64
     assert all(t.__class__.__name__ == "HostTable" for t in loaded.tables.values())
     assert prefill_logits(loaded, _ids(loaded)).dtype == torch.float32
+
+
+def test_small_preset_runs_on_cpu(cache_dir):
+    loaded = load_model("small", tier="host", device="cpu", cache_dir=cache_dir, progress=False)
+    assert sorted(loaded.tables) == [1, 6] and loaded.model_config.hc_mult == 2
+    logits = prefill_logits(loaded, _ids(loaded)[:8])
+    assert logits.shape == (8, 4096) and bool(torch.isfinite(logits).all())
