@@ -70,9 +70,12 @@ def paged_attention(q: torch.Tensor, kv: KVCache, layer_id: int, meta: Attention
         qs = q[start:start + q_len].transpose(0, 1)  # [nh, q_len, hd]
         ks = k.transpose(0, 1).to(q.dtype)  # [n_kv, ctx, hd]
         vs = v.transpose(0, 1).to(q.dtype)
-        qpos = torch.arange(ctx - q_len, ctx, device=q.device).unsqueeze(1)  # [q_len, 1] absolute positions
-        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # [q_len, ctx] causal, offset by cache
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
+        if q_len == ctx:  # fresh prefill: plain causal, which lets SDPA pick its flash kernel
+            mask = None
+        else:
+            qpos = torch.arange(ctx - q_len, ctx, device=q.device).unsqueeze(1)  # [q_len, 1] absolute positions
+            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # [q_len, ctx] causal, offset by cache
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
                                            enable_gqa=groups > 1)  # [nh, q_len, hd]
         out[start:start + q_len] = o.transpose(0, 1)
     return out
