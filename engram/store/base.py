@@ -90,7 +90,8 @@ class TableBackend:
         self.row_bytes = self.value_bytes + self.scale_cols
         self.device = torch.device(device)
         self.cache = cache
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # counters
+        self._cache_mutex = threading.RLock()  # cache lookups + inserts (re-entrant: subclasses may hold it)
         self._counts = dict.fromkeys(STAT_KEYS, 0)
         self._unique_acc: dict[torch.device, torch.Tensor] = {}  # distinct-id counts not yet read back, per device
         self._closed = False
@@ -236,5 +237,6 @@ class TableBackend:
         if self.cache is None:
             vals, scales = self._fetch(uniq)
         else:
-            vals, scales = self.cache.fetch(uniq, self._fetch)
+            with self._cache_mutex:  # the cache's tag/stamp update is one critical section
+                vals, scales = self.cache.fetch(uniq, self._fetch)
         return vals, scales, inverse
