@@ -163,7 +163,7 @@ def _pin(src: torch.Tensor, variant: str) -> torch.Tensor:
     return pin_tensor(src, method=variant)
 
 
-def host_table(gib: float, variant: str = "alloc") -> tuple[dict, torch.Tensor, torch.Tensor]:
+def host_table(gib: float, variant: str = "register-thp") -> tuple[dict, torch.Tensor, torch.Tensor]:
     """A RAM table of ``gib`` GiB, pinned: seconds to pin and to the first lookup (kernel compiled before)."""
     from engram.store.kernels import uva
     rows = int(gib * (1 << 30)) // DIM

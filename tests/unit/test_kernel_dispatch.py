@@ -48,9 +48,9 @@ def test_launch_config_validates(kw, field):
 
 def test_launch_config_env(monkeypatch):
     monkeypatch.setenv("ENGRAM_GATHER_CONFIG", "64,8,0")
-    assert config_from_env() == LaunchConfig(64, 8, 0, True)
-    monkeypatch.setenv("ENGRAM_GATHER_CONFIG", "16,4,-1,0")
-    assert config_from_env() == LaunchConfig(16, 4, -1, False)
+    assert config_from_env() == LaunchConfig(64, 8, 0, False)
+    monkeypatch.setenv("ENGRAM_GATHER_CONFIG", "16,4,-1,1")
+    assert config_from_env() == LaunchConfig(16, 4, -1, True)
     monkeypatch.setenv("ENGRAM_GATHER_CONFIG", "64,8")
     with pytest.raises(ValueError, match="ENGRAM_GATHER_CONFIG"):
         config_from_env()

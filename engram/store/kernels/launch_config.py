@@ -10,14 +10,17 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Tile shape and grid of one launch; defaults were picked by the sweep in engram/bench/gpu_lookup.py."""
+    """Tile shape and grid of one launch. Defaults are the HBM winner of the sweep in
+    engram/bench/gpu_lookup.py on the H200 (bench/results/2026-11-29-gpu-lookup-3.json): one program per
+    tile beat every persistent grid (0.82 vs <= 0.71 of the copy limit at 4 M rows), and the streaming
+    cache hints cost 6-8 %. uva.UVA_CONFIG holds the host-table winner."""
 
     block_r: int = 32  # ids per tile
     num_warps: int = 4  # warps per program
     # persistent grid = min(tiles, SMs * this); -1 = as many programs as fit on an SM at once (from the
     # compiled kernel's registers, so there is never a second wave); 0 = one program per tile
-    programs_per_sm: int = -1
-    stream: bool = True  # table rows evict-first, output stores streaming (.cs): a gather is used once
+    programs_per_sm: int = 0
+    stream: bool = False  # table rows evict-first, output stores streaming (.cs)
 
     def __post_init__(self) -> None:
         if self.block_r < 1 or self.block_r & (self.block_r - 1):
@@ -38,7 +41,7 @@ def config_from_env() -> LaunchConfig:
         if len(parts) not in (3, 4):
             raise ValueError(spec)
         b, w, p = (int(x) for x in parts[:3])
-        stream = bool(int(parts[3])) if len(parts) == 4 else True
+        stream = bool(int(parts[3])) if len(parts) == 4 else False
     except ValueError as e:
         raise ValueError(f"ENGRAM_GATHER_CONFIG={spec!r} must be 'block_r,num_warps,programs_per_sm[,0|1]'") from e
     return LaunchConfig(b, w, p, stream)

@@ -1,12 +1,14 @@
 """Triton gather of packed table rows, with MXFP8 dequant fused: the fast path behind ``gather_rows``.
 
-One kernel serves the HBM table and the pinned host table (read through UVA): a persistent grid of
-programs strides over tiles of BLOCK_R ids; each tile loads its rows with 16-byte vector loads (8 when
-the row stride is not a multiple of 16), dequantizes in fp32 and stores ``dtype`` rows. Optional
+One kernel serves the HBM table and the pinned host table (read through UVA): programs stride over tiles
+of BLOCK_R ids (a persistent grid, or one program per tile, which measured faster; see LaunchConfig);
+each tile loads its rows with 16-byte vector loads (8 when the row stride is not a multiple of 16),
+prefetches the next tile's ids, dequantizes in fp32 and stores ``dtype`` rows. Optional
 ``dst`` (output row per id) and ``runs`` (first position of each run of equal sorted ids; the others
 are skipped) let uva.py gather sorted, deduplicated ids and scatter them back in the same pass. Results
-equal reference.gather_rows bitwise: the dequant is exact in fp32 (value x 2**(byte-127) built from the exponent bits, byte 0 -> 0.0, 255 -> NaN) and the
-final cast rounds to nearest even, as torch does. Only CUDA; importing needs triton.
+equal reference.gather_rows bitwise: the dequant is exact in fp32 (value x 2**(byte-127) built from the
+exponent bits, byte 0 -> 0.0, 255 -> NaN) and the final cast rounds to nearest even, as torch does.
+Only CUDA; importing needs triton.
 """
 from __future__ import annotations
 

@@ -15,8 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from engram.store.kernels import triton_gather
+from engram.store.kernels.launch_config import LaunchConfig
 
 SORT_MIN_ROWS = int(os.environ.get("ENGRAM_UVA_SORT_MIN_ROWS", "16384"))
+# Sorted 4 M rows from a 32 GiB pinned table (bench/results/2026-11-29-gpu-lookup-3.json): 16-row tiles
+# 35 GB/s, 32-row 23 GB/s, 64-row 22 GB/s, 64-row persistent 20 GB/s.
+UVA_CONFIG = LaunchConfig(block_r=16, num_warps=4, programs_per_sm=0, stream=True)
 
 
 @dataclass
@@ -60,10 +64,10 @@ def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Te
     if out is None:
         out = torch.empty(n, dim, dtype=dtype, device=device)  # [N, dim]
     if n == 0 or not _use_sort(n, sort):
-        return triton_gather.gather_rows(values, scales, ids, row_dtype, dim, out=out, dtype=dtype)
+        return triton_gather.gather_rows(values, scales, ids, row_dtype, dim, out=out, dtype=dtype, cfg=UVA_CONFIG)
     plan = sort_plan(ids, values.shape[0])
     triton_gather.gather_rows(values, scales, plan.sorted_ids, row_dtype, dim, out=out, dtype=dtype,
-                              dst=plan.perm, runs=plan.runs)
+                              dst=plan.perm, runs=plan.runs, cfg=UVA_CONFIG)
     return triton_gather.copy_duplicates(out, plan.perm, plan.runs)
 
 
@@ -73,8 +77,8 @@ def gather_raw(values: torch.Tensor, ids: torch.Tensor, *, sort: bool | None = N
     ids = ids.to(device, non_blocking=True)  # [N]
     n = ids.shape[0]
     if n == 0 or not _use_sort(n, sort):
-        return triton_gather.gather_raw(values, ids)
+        return triton_gather.gather_raw(values, ids, cfg=UVA_CONFIG)
     out = torch.empty(n, values.shape[1], dtype=torch.uint8, device=device)  # [N, stride]
     plan = sort_plan(ids, values.shape[0])
-    triton_gather.gather_raw(values, plan.sorted_ids, out, dst=plan.perm, runs=plan.runs)
+    triton_gather.gather_raw(values, plan.sorted_ids, out, dst=plan.perm, runs=plan.runs, cfg=UVA_CONFIG)
     return triton_gather.copy_duplicates(out, plan.perm, plan.runs)
