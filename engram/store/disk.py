@@ -125,7 +125,6 @@ class DiskTable(TableBackend):
             raise ValueError(f"{manifest.path}: page_size={self.page} is not a multiple of the reader's {PAGE}")
         self.reader = PageReader(manifest.values_path, io=self.config.io, queue_depth=self.config.queue_depth)
         self.scales = self._load_scales()  # uint8 [rows, scale_cols] resident, or None
-        self._cache_lock = threading.Lock()
         self._extra = {"disk_rows": 0, "inflight": 0, "inflight_bytes": 0}
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-disk")
 
@@ -147,12 +146,6 @@ class DiskTable(TableBackend):
         return torch.from_numpy(data).view(self.rows, self.scale_cols)
 
     # ----------------------------------------------------------------- the backing-store read
-    def _unique_rows(self, ids: torch.Tensor):
-        if self.cache is None:
-            return super()._unique_rows(ids)
-        with self._cache_lock:  # RowCache is not thread-safe: submit's worker and gather callers share it
-            return super()._unique_rows(ids)
-
     def _fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids int64 [M] unique ascending -> (values uint8 [M, stride], scales uint8 [M, scale_cols] | None).
 
@@ -166,12 +159,14 @@ class DiskTable(TableBackend):
             pages, row_page = torch.unique_consecutive(ids // per_page, return_inverse=True)  # [P], [M]
             n_reads = pages.numel()
             buf = aligned_pages(min(n_reads, chunk) * (self.page // PAGE))
-            pages_view = buf.view(-1, per_page, self.stride)  # [chunk, per_page, stride]
+            slots = buf.view(-1, self.stride)  # [chunk * per_page, stride]: every row slot of the chunk
+            # slot of each row inside its chunk's buffer (ids are sorted, so chunks hold contiguous row ranges)
+            slot = (row_page % chunk) * per_page + ids % per_page  # [M]
             bounds = torch.searchsorted(row_page, torch.arange(0, n_reads + chunk, chunk)).tolist()
             for k, a in enumerate(range(0, n_reads, chunk)):
                 self.reader.read((pages[a:a + chunk] * self.page).numpy(), buf, size=self.page)
-                r0, r1 = bounds[k], bounds[k + 1]  # rows on pages [a, a + chunk): ids are sorted
-                vals[r0:r1] = pages_view[row_page[r0:r1] - a, ids[r0:r1] % per_page]
+                r0, r1 = bounds[k], bounds[k + 1]  # rows on pages [a, a + chunk)
+                torch.index_select(slots, 0, slot[r0:r1], out=vals[r0:r1])  # memcpy per row
             nbytes = n_reads * self.page
         else:  # rows over a page: each row is stride / page whole pages, one read per row
             rows_per_chunk = max(1, chunk * self.page // self.stride)

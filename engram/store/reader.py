@@ -206,6 +206,8 @@ class PageReader:
                 fd = os.open(self.path, flags)
         else:
             fd = os.open(self.path, flags)
+        if self._io == "buffered" and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: lookups are random pages
         st = os.fstat(fd)
         if self._fd >= 0:  # a read in flight may still use the old fd: close it with the reader
             self._retired.append(self._fd)
@@ -223,6 +225,11 @@ class PageReader:
             raise DiskReadError(self.path, first_offset, 0,
                                 f"file was replaced under the reader (inode {old} -> {self._ident[1]}); "
                                 "this lookup is dropped, the next one reads the new file")
+
+    def drop_cache(self) -> None:
+        """Evict this file's pages from the page cache (benchmarks of cold buffered reads)."""
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def read(self, offsets: np.ndarray, out: torch.Tensor, size: int = PAGE) -> None:
         """Read ``size`` bytes at each of ``offsets`` (int64 [n]) into ``out`` (uint8, n*size bytes)."""
