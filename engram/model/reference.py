@@ -24,8 +24,11 @@ class StepRows:
 
     def __call__(self, layer_id: int) -> torch.Tensor:
         ids = self.row_ids[layer_id]  # [T, n_cols]
-        rows = self.tables[layer_id].gather(ids.reshape(-1), dtype=self.dtype)  # [T*n_cols, D]
-        return rows.view(ids.shape[0], ids.shape[1], -1)  # [T, n_cols, D]
+        # float64 models gather float32 and widen: exact for every row dtype, and not every gather kernel
+        # (the Triton one) emits float64.
+        wide = self.dtype == torch.float64
+        rows = self.tables[layer_id].gather(ids.reshape(-1), dtype=torch.float32 if wide else self.dtype)
+        return rows.to(self.dtype).view(ids.shape[0], ids.shape[1], -1)  # [T*n_cols, D] -> [T, n_cols, D]
 
 
 def hasher_for(loaded) -> NgramHasher:
