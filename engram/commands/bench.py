@@ -14,6 +14,7 @@ HELP = "benchmarks: A/B harness, table lookups, serving load, generation (JSON r
 BENCHES = {
     "ab": "engram.bench.ab",
     "lookup": "engram.bench.lookup",
+    "gpu-lookup": "engram.bench.gpu_lookup",
     "serve": "engram.bench.serve_load",
     "generate": "engram.bench.generate",
 }
