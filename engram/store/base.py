@@ -79,6 +79,7 @@ class TableBackend:
     """
 
     tier: Tier
+    host_backed = True  # the rows live host-side (RAM, pinned, disk): _fetch takes CPU ids
 
     def __init__(self, manifest: TableManifest, device: torch.device, cache: Any = None) -> None:
         self.manifest = manifest
@@ -98,7 +99,8 @@ class TableBackend:
 
     # ----------------------------------------------------------------- subclass hooks
     def _fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Packed rows of ``ids`` (int64 [M], in range, unique) from the backing store, on ``self.device``:
+        """Packed rows of ``ids`` (int64 [M], in range, distinct, ascending; on the CPU when the tier is
+        ``host_backed`` or the call comes through the cache) from the backing store, preferably on ``self.device``:
         (values uint8 [M, >= value_bytes], scales uint8 [M, scale_cols] or None). Adds bytes_read/read_ops."""
         raise NotImplementedError
 
@@ -113,9 +115,9 @@ class TableBackend:
             raise TypeError(f"row ids must be an integer tensor, got {ids.dtype}")
         ids = ids.reshape(-1).to(torch.int64)
         if ids.numel():
-            bad = (ids < 0) | (ids >= self.rows)
-            if bool(bad.any()):
-                pos = int(bad.nonzero()[0, 0])
+            lo, hi = torch.aminmax(ids)  # one reduction, one sync: the common path is a clean batch
+            if int(lo) < 0 or int(hi) >= self.rows:
+                pos = int(((ids < 0) | (ids >= self.rows)).nonzero()[0, 0])
                 raise IndexError(f"row id {int(ids[pos])} (position {pos}) is out of range for table "
                                  f"{self.manifest.path} with {self.rows} rows")
         return ids
@@ -235,7 +237,7 @@ class TableBackend:
         uniq, inverse = torch.unique(ids, return_inverse=True)  # [U], [N]
         self._count(lookups=1, rows=ids.numel(), unique_rows=uniq.numel())
         if self.cache is None:
-            vals, scales = self._fetch(uniq)
+            vals, scales = self._fetch(uniq.cpu() if self.host_backed else uniq)
         else:
             with self._cache_mutex:  # the cache's tag/stamp update is one critical section
                 vals, scales = self.cache.fetch(uniq, self._fetch)

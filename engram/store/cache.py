@@ -103,8 +103,9 @@ class RowCache:
         return torch.where(match.any(dim=1), sets * self.ways + way, torch.full_like(ids, -1))
 
     def fetch(self, ids: torch.Tensor, fetch: Fetch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows of distinct ``ids`` [U]: hits from the cache, the rest from ``fetch(miss_ids)`` (which returns
-        values uint8 [M, >= value_bytes] and scales [M, scale_cols] | None), then cached.
+        """Rows of distinct ``ids`` [U]: hits from the cache, the rest from ``fetch(miss_ids)`` (miss ids on the
+        CPU; it returns values uint8 [M, >= value_bytes] and scales [M, scale_cols] | None on any device),
+        then cached.
         Returns (values uint8 [U, value_bytes], scales uint8 [U, scale_cols] | None) on the cache device."""
         ids = ids.to(self.device)
         u = ids.numel()
@@ -124,7 +125,7 @@ class RowCache:
         n_miss = miss_pos.numel()
         if n_miss:
             miss_ids = ids.index_select(0, miss_pos)
-            mv, ms = fetch(miss_ids)
+            mv, ms = fetch(miss_ids.cpu())  # backing tiers (host RAM, disk) index with CPU ids
             mv = mv[:, : self.value_bytes].to(self.device)  # [M, value_bytes]
             vals.index_copy_(0, miss_pos, mv)
             if scales is not None:

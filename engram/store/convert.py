@@ -9,6 +9,8 @@ random tables of any size from (rows, dim, seed): valid E4M3 bytes (no NaN encod
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures as cf
 import os
 import re
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from engram.store.writer import IN_FLIGHT, TableWriter
 V41_NAME = re.compile(r"^(?:model\.)?layers\.(\d+)\.engram\.embed\.(weight|scale)$")
 FLOAT_ROW_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 CHUNK_TARGET_BYTES = 64 << 20  # values bytes generated / copied per step
+RANDOM_CHUNK_BYTES = 16 << 20  # value bytes per random chunk (each has its own seeded generator)
 RANDOM_SCALE_LO = 118  # random scale bytes are in [118, 125]: factors 2**-9 .. 2**-2
 
 
@@ -161,55 +164,62 @@ def convert_safetensors(sources: Iterable[str | os.PathLike], out_dir: str | os.
     return out
 
 
-class _RandomMxfp8:
-    """Random MXFP8 rows into a ring of reused buffers (fresh 64 MiB buffers would cost a page fault per
-    4 KiB every chunk); the ring is one longer than what TableWriter may still hold (IN_FLIGHT)."""
-
-    def __init__(self, max_rows: int, dim: int) -> None:
-        self.dim = dim
-        self.ring = [(torch.empty(max_rows * dim // 8, dtype=torch.int64),
-                      torch.empty(max_rows * dim // SCALE_BLOCK // 8 + 1, dtype=torch.int64))
-                     for _ in range(IN_FLIGHT + 1)]
-        self.tmp = torch.empty(max_rows * dim // 8, dtype=torch.int64)
-        self.turn = 0
-
-    def __call__(self, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """n rows: (uint8 [n, dim] E4M3 bytes without NaN encodings, uint8 [n, dim/32] scale bytes)."""
-        words, sw = self.ring[self.turn % len(self.ring)]
-        self.turn += 1
-        words, sw, t = words[: n * self.dim // 8], sw[: n * self.dim // SCALE_BLOCK // 8 + 1], self.tmp[: n * self.dim // 8]
-        words.random_(-(1 << 63), None, generator=gen)  # every bit uniform
-        # Byte b is a NaN encoding when b & 0x7f == 0x7f: adding 1 to its low 7 bits then carries into bit 7.
-        torch.bitwise_and(words, 0x7F7F7F7F7F7F7F7F, out=t).add_(0x0101010101010101)
-        t.bitwise_and_(0x8080808080808080 - (1 << 64)).bitwise_right_shift_(7)
-        words.bitwise_xor_(t)  # NaN bytes become 0x7e / 0xfe (the top byte of a word: 0x80 / 0x00)
-        sw.random_(0, 1 << 62, generator=gen).bitwise_and_(0x0707070707070707)
-        sw.add_(RANDOM_SCALE_LO * 0x0101010101010101)  # every byte in [118, 125]
-        scales = sw.view(torch.uint8)[: n * self.dim // SCALE_BLOCK].view(n, self.dim // SCALE_BLOCK)
-        return words.view(torch.uint8).view(n, self.dim), scales
+def _random_mxfp8(n: int, dim: int, gen: torch.Generator, buf: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """n random MXFP8 rows written into ``buf`` = (words, scale words, scratch) int64 buffers:
+    (uint8 [n, dim] E4M3 bytes without NaN encodings, uint8 [n, dim/32] scale bytes in [118, 125])."""
+    words, sw, t = buf[0][: n * dim // 8], buf[1][: n * dim // SCALE_BLOCK // 8 + 1], buf[2][: n * dim // 8]
+    words.random_(-(1 << 63), None, generator=gen)  # every bit uniform
+    # Byte b is a NaN encoding when b & 0x7f == 0x7f: adding 1 to its low 7 bits then carries into bit 7.
+    torch.bitwise_and(words, 0x7F7F7F7F7F7F7F7F, out=t).add_(0x0101010101010101)
+    t.bitwise_and_(0x8080808080808080 - (1 << 64)).bitwise_right_shift_(7)
+    words.bitwise_xor_(t)  # NaN bytes become 0x7e / 0xfe (the top byte of a word: 0x80 / 0x00)
+    sw.random_(0, 1 << 62, generator=gen).bitwise_and_(0x0707070707070707)
+    sw.add_(RANDOM_SCALE_LO * 0x0101010101010101)  # every byte in [118, 125]
+    scales = sw.view(torch.uint8)[: n * dim // SCALE_BLOCK].view(n, dim // SCALE_BLOCK)
+    return words.view(torch.uint8).view(n, dim), scales
 
 
 def convert_random(out: str | os.PathLike, rows: int, dim: int, seed: int = 0, row_dtype: str = "mxfp8", *,
                    layer_id: int | None = None, config: Any = None, progress: bool = True,
-                   chunk_bytes: int | None = None) -> TableManifest:
-    """A synthetic table; the bytes depend only on (rows, dim, seed, row_dtype)."""
+                   chunk_bytes: int | None = None, workers: int | None = None) -> TableManifest:
+    """A synthetic table; the bytes depend only on (rows, dim, seed, row_dtype), not on ``workers``.
+
+    Chunks of RANDOM_CHUNK_BYTES have their own generator (seeded from seed and the chunk index), so
+    ``workers`` threads generate ahead while the writer checksums and writes in order. MXFP8 chunks go
+    into a ring of reused buffers (fresh ones would page-fault every chunk); a slot is reused only once
+    the writer is done with it (IN_FLIGHT + workers + 1 slots)."""
     if row_dtype == "mxfp8" and dim % SCALE_BLOCK:
         raise ValueError(f"dim={dim} must be a multiple of {SCALE_BLOCK} for mxfp8 rows")
     itemsize = {"mxfp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}.get(row_dtype)
     if itemsize is None:
         raise ValueError(f"row_dtype={row_dtype!r} must be one of mxfp8, bf16, fp16, fp32")
-    step = _chunk_rows(dim * itemsize)
+    step = max(1, RANDOM_CHUNK_BYTES // (dim * itemsize))
+    starts = list(range(0, rows, step))
+    workers = max(1, min(workers or min(4, os.cpu_count() or 1), len(starts)))
+    ring = []
+    if row_dtype == "mxfp8":
+        words = min(rows, step) * dim // 8
+        ring = [(torch.empty(words, dtype=torch.int64), torch.empty(words // 4 + 1, dtype=torch.int64),
+                 torch.empty(words, dtype=torch.int64)) for _ in range(IN_FLIGHT + workers + 1)]
+    float_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(row_dtype)
+
+    def make(k: int):
+        n = min(rows, starts[k] + step) - starts[k]
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + k) % (1 << 63))  # chunk k's own stream
+        if row_dtype == "mxfp8":
+            return _random_mxfp8(n, dim, gen, ring[k % len(ring)])
+        return (torch.randn(n, dim, generator=gen).mul_(0.05).to(float_dtype),)
+
     meta = {"source": "random", "seed": seed}
     kw: dict[str, Any] = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
-    gen_mxfp8 = _RandomMxfp8(min(rows, step), dim) if row_dtype == "mxfp8" else None
     with TableWriter(out, rows, dim, row_dtype, layer_id=layer_id, fingerprint=_fingerprint(config, layer_id, rows, dim),
-                     meta=meta, progress=progress, desc=Path(out).name, **kw) as w:
-        for i, a in enumerate(range(0, rows, step)):
-            n = min(rows, a + step) - a
-            gen = torch.Generator().manual_seed((seed * 1_000_003 + i) % (1 << 63))  # per-chunk stream
-            if row_dtype == "mxfp8":
-                w.append(*gen_mxfp8(n, gen))
-            else:
-                x = torch.randn(n, dim, generator=gen).mul_(0.05)
-                w.append(x.to({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[row_dtype]))
+                     meta=meta, progress=progress, desc=Path(out).name, **kw) as w, \
+            cf.ThreadPoolExecutor(workers, thread_name_prefix="engram-random") as pool:
+        pending: collections.deque = collections.deque()
+        nxt = 0
+        for _ in starts:
+            while nxt < len(starts) and len(pending) < workers:  # at most `workers` chunks generated ahead
+                pending.append(pool.submit(make, nxt))
+                nxt += 1
+            w.append(*pending.popleft().result())
         return w.finish()

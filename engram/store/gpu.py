@@ -24,6 +24,7 @@ class GpuTable(TableBackend):
     """A table resident on ``device`` (default: the current CUDA device, else the CPU)."""
 
     tier = Tier.GPU
+    host_backed = False
 
     def __init__(self, manifest: TableManifest, device: torch.device | str | None = None, *, verify: bool = True,
                  progress: bool = False) -> None:
