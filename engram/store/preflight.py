@@ -166,20 +166,16 @@ def _raise_with_hint(msg: str, m: TableManifest, tier: str, device: torch.device
         return not _shortfalls(memory_need(m, t, device, rows, queue_depth), budget)
 
     hints = []
-    for other in ("gpu", "host", "disk"):
-        if other != tier and fits(other, cache_rows if other != "gpu" else 0):
-            hints.append(f"tier={other!r}" + (f" with cache_rows={cache_rows}" if cache_rows and other != "gpu" else ""))
-    if cache_rows and tier != "gpu" and fits(tier, 0):
-        lo, hi = 0, cache_rows - 1  # largest cache that fits on this tier: bytes grow with rows
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if fits(tier, mid):
-                lo = mid
-            else:
-                hi = mid - 1
-        hints.append(f"tier={tier!r} with cache_rows={lo}" if lo else f"tier={tier!r} without a cache")
-    if not hints and cache_rows:
-        hints += [f"tier={t!r} without a cache" for t in ("host", "disk") if fits(t, 0)]
+    for t in ("gpu", "host", "disk"):  # the asked tier with a smaller cache, or another tier
+        rows = 0 if t == "gpu" else cache_rows
+        if t != tier and fits(t, rows):
+            hints.append(f"tier={t!r}" + (f" with cache_rows={rows}" if rows else ""))
+        elif rows and fits(t, 0):
+            lo, hi = 0, rows - 1  # the largest cache that fits: bytes grow with rows
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(t, mid) else (lo, mid - 1)
+            hints.append(f"tier={t!r} with cache_rows={lo}" if lo else f"tier={t!r} without a cache")
     hint = (" Would fit: " + " or ".join(hints) + ".") if hints else " No tier fits on this machine."
     raise MemoryPreflightError(msg + hint)
 
