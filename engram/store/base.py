@@ -133,8 +133,11 @@ class TableBackend:
             self._count(lookups=1)
             return out if out is not None else torch.empty(0, self.dim, dtype=dtype, device=self.device)
         vals, scales, inverse = self._unique_rows(ids)
+        if vals.device != self.device:  # a backing tier that returned host bytes: move the packed rows once
+            vals = vals.to(self.device)
+            scales = scales.to(self.device) if scales is not None else None
         # vals [U, >= value_bytes] uint8, inverse [N] -> dequantized [N, dim]
-        return kernels.gather_rows(vals, scales, inverse.to(vals.device), self.row_dtype, self.dim,
+        return kernels.gather_rows(vals, scales, inverse.to(self.device), self.row_dtype, self.dim,
                                    out=out, dtype=dtype)
 
     def gather_raw(self, ids: torch.Tensor) -> torch.Tensor:
@@ -144,7 +147,10 @@ class TableBackend:
             self._count(lookups=1)
             return torch.empty(0, self.row_bytes, dtype=torch.uint8, device=self.device)
         vals, scales, inverse = self._unique_rows(ids)
-        inverse = inverse.to(vals.device)
+        if vals.device != self.device:
+            vals = vals.to(self.device)
+            scales = scales.to(self.device) if scales is not None else None
+        inverse = inverse.to(self.device)
         raw = vals[:, : self.value_bytes].index_select(0, inverse)  # [N, value_bytes]
         if scales is None:
             return raw
