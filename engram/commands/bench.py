@@ -7,7 +7,6 @@ bench reports through engram.bench.report (JSON + table) and compares through en
 from __future__ import annotations
 
 import argparse
-import importlib
 
 HELP = "benchmarks: A/B harness, table lookups, serving load, generation (JSON results + tables)."
 
@@ -21,19 +20,10 @@ BENCHES = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    for name, module_name in BENCHES.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:  # a bench whose module is not in this build yet
-            if e.name != module_name:
-                raise
-            continue
-        p = sub.add_parser(name, help=module.HELP, description=module.HELP,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(p)
-        p.set_defaults(_bench_run=module.run)
+    from engram.cli import add_subcommands
+
+    add_subcommands(parser, BENCHES, "bench", "BENCH")
 
 
 def run(args: argparse.Namespace) -> int:
-    return int(args._bench_run(args) or 0)
+    raise AssertionError("unreachable: argparse dispatches to the chosen bench's run")

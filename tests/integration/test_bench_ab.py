@@ -135,7 +135,7 @@ def test_bench_dispatcher_skips_missing_modules_only(monkeypatch):
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = parser.parse_args(["ab", "--a", "echo 1", "--b", "echo 2"])
-    assert args._bench_run.__module__ == "engram.bench.ab"
+    assert args._run.__module__ == "engram.bench.ab"
     with pytest.raises(SystemExit):
         parser.parse_args(["nope"])
     # a bench whose import fails on something else (a missing dependency) is not hidden
