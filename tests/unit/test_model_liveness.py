@@ -29,9 +29,9 @@ def test_perturbed_row_changes_logits_from_its_first_use(tmp_path, dtype):
 
     values, scales = read_table_tensors(loaded.table_dirs[layer])
     values = values.clone()
-    values[target] = (values[target].float() * -2 + 1).to(values.dtype)  # a different row, same format
+    values[target] = (-values[target].float()).to(values.dtype)  # negated: a different row, still finite
     new_dir = tmp_path / "perturbed"
-    write_table(new_dir, values, scales, meta={"layer_id": layer,
+    write_table(new_dir, values, scales.view(torch.uint8), meta={"layer_id": layer,
                                                "fingerprint": loaded.engram_config.fingerprint(layer)})
     loaded.tables[layer] = open_table(new_dir, tier="host", device="cpu")
     after = prefill_logits(loaded, ids)
@@ -54,9 +54,9 @@ def test_dead_tokens_zero_the_gate(tmp_path):
         values, scales = read_table_tensors(loaded.table_dirs[lid])
         rows = fields["engram_rows"].row_ids[lid][5]  # the DEAD position's rows
         values = values.clone()
-        values[rows] = (values[rows].float() * -2 + 1).to(values.dtype)  # non-zero: only the gate can hide it
+        values[rows] = (-values[rows].float()).to(values.dtype)  # still non-zero: only the gate can hide it
         d = tmp_path / f"perturbed{lid}"
-        write_table(d, values, scales, meta={"layer_id": lid})
+        write_table(d, values, scales.view(torch.uint8), meta={"layer_id": lid})
         loaded.tables[lid] = open_table(d, tier="host", device="cpu")
     after = prefill_logits(loaded, ids)
     # rows of position 5 may be shared with later positions, so only position 5 itself is compared
