@@ -29,9 +29,13 @@ from engram.model.kv_cache import KVCache
 from engram.short_conv import ShortConvState
 
 
+def hot_cache_bytes(tables: dict) -> int:
+    """Bytes of the hot-row caches the tables opened with (they count against the KV budget)."""
+    return sum(t.cache.nbytes for t in tables.values() if getattr(t, "cache", None) is not None)
+
+
 class LLMEngine:
-    def __init__(self, loaded, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                 hot_cache_bytes: int = 0):
+    def __init__(self, loaded, config: EngineConfig, device: torch.device, dtype: torch.dtype):
         mcfg, ecfg = loaded.model_config, loaded.engram_config
         self.config, self.device, self.dtype, self.ecfg = config, torch.device(device), dtype, ecfg
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
@@ -47,7 +51,7 @@ class LLMEngine:
         bytes_per_block = KVCache.for_model(mcfg, 1, bs, dtype, "meta").bytes_per_block()
         self.memory = plan_memory(config, self.max_model_len, bytes_per_block,
                                   staging_bytes(ecfg, config.max_num_batched_tokens, dtype) if ecfg else 0,
-                                  hot_cache_bytes,
+                                  hot_cache_bytes(loaded.tables),
                                   self.device)
         self.kv = KVCache.for_model(mcfg, self.memory.num_blocks, bs, dtype, self.device)
         self.scheduler = Scheduler(config, BlockManager(self.memory.num_blocks, bs))

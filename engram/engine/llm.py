@@ -49,10 +49,7 @@ class LLM:
         store_options = {k: v for k, v in options.items() if k not in ENGINE_KEYS}
         self.loaded = load_model(model, tier=self.tier, dtype=self.dtype, device=self.device,
                                  engram_config=store_options, cache_dir=cache_dir)
-        ecfg = self.loaded.engram_config
-        hot_cache = int(store_options.get("cache_rows", 0)) * ecfg.row_bytes * len(ecfg.layer_ids) if ecfg else 0
-        self.engine = LLMEngine(self.loaded, engine_config, self.device, self.dtype,
-                                hot_cache_bytes=hot_cache)
+        self.engine = LLMEngine(self.loaded, engine_config, self.device, self.dtype)
         self._request_ids = itertools.count()
 
     def get_tokenizer(self):

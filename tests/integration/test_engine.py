@@ -61,10 +61,13 @@ class RecordingExecutor(SyncLookupExecutor):
     def __init__(self, base: SyncLookupExecutor):
         super().__init__(base.tables, base.cfg, base.dtype, base.device)
         self.plans: list[LookupPlan] = []
+        self.staged: list[StagedRows] = []
 
     def submit(self, plan: LookupPlan) -> StagedRows:
         self.plans.append(plan)
-        return super().submit(plan)
+        staged = super().submit(plan)
+        self.staged.append(staged)
+        return staged
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -199,3 +202,18 @@ def test_model_without_engram_layers_runs_with_empty_plans(tiny):
     got, engine, _ = run(plain, reqs, record=True, max_num_seqs=5, max_num_batched_tokens=16)
     assert got == solo and all(plan.layers == {} for plan in engine.executor.plans)
     assert engine.memory.staging_bytes == 0
+
+
+@pytest.mark.parametrize("tier,options", [("host", {}), ("disk", {"io": "buffered", "cache_rows": 300})])
+def test_same_batches_on_another_tier_give_bitwise_equal_rows_and_tokens(tiny, tier, options):
+    other = dataclasses.replace(tiny, tables=open_tables(tiny.table_dirs, tiny.engram_config, tier, CPU, options))
+    reqs = prompts(8, seed=5)
+    cfg = dict(max_num_seqs=8, max_num_batched_tokens=32)
+    ref, ref_engine, _ = run(tiny, reqs, record=True, **cfg)
+    got, engine, _ = run(other, reqs, record=True, **cfg)
+    assert got == ref
+    assert len(engine.executor.staged) == len(ref_engine.executor.staged)
+    for a, b, plan in zip(ref_engine.executor.staged, engine.executor.staged, engine.executor.plans):
+        for lid in tiny.engram_config.layer_ids:
+            ra, rb = a.rows(lid, a.plan_id), b.rows(lid, b.plan_id)  # [T, n_cols, D] float64
+            assert torch.equal(ra.view(torch.uint8), rb.view(torch.uint8))

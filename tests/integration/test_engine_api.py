@@ -226,3 +226,27 @@ def test_failed_step_names_its_requests_and_can_be_retried(tiny, reference):
     out = drain(engine)["a"][-1].outputs[0]  # nothing was committed by the failed step
     assert out.token_ids == reference.token_ids
     assert engine.scheduler.blocks.num_free_blocks == engine.memory.num_blocks
+
+
+def test_kv_budget_counts_hot_row_cache_and_only_kv_source_layers(tiny, one_thread):
+    budget = dict(kv_cache_memory=24_000_000, max_model_len=256)
+    plain = engram.LLM(model="tiny", tier="disk", engram_config={"io": "buffered"}, **budget)
+    cached = engram.LLM(model="tiny", tier="disk", engram_config={"io": "buffered", "cache_rows": 20_000}, **budget)
+    caches = [t.cache for t in cached.loaded.tables.values()]
+    assert all(c is not None and c.capacity > 0 for c in caches)
+    plain, cached = plain.engine.memory, cached.engine.memory
+    assert cached.cache_bytes == sum(c.nbytes for c in caches) > 0 and plain.cache_bytes == 0
+    assert cached.num_blocks == (24_000_000 - cached.staging_bytes - cached.cache_bytes) // cached.bytes_per_block
+    assert cached.num_blocks < plain.num_blocks
+    from engram.model.loader import build_model
+    from engram.model.presets import init_random_weights
+
+    cfg = tiny.model_config.replace(kv_source_layer_ids=(0, 2))  # layers 1 and 3 read 0 and 2
+    model = build_model(cfg, torch.float32, CPU)
+    init_random_weights(model, 0)
+    shared = dataclasses.replace(tiny, model=model, model_config=cfg)
+    engine = engine_for(shared, **budget)
+    full = engine_for(tiny, **budget)
+    assert engine.kv.layers == (0, 2) and engine.memory.bytes_per_block * 2 == full.memory.bytes_per_block
+    out = complete(shared, PROMPT, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), **budget)
+    assert len(out.token_ids) == 6
