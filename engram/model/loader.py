@@ -154,10 +154,9 @@ def _read_json(path: Path) -> dict:
 
 
 @torch.no_grad()
-def _load_weights(model: EngramDecoder, files: list[Path]) -> dict[str, tuple[Path, str]]:
-    """Copy every decoder/Engram tensor into ``model``; returns the table tensors (canonical name -> (file,
-    checkpoint key)) left for the table converter. Raises ValueError naming missing, unexpected or
-    mis-shaped tensors."""
+def _load_weights(model: EngramDecoder, files: list[Path]) -> None:
+    """Copy every decoder/Engram tensor into ``model``, skipping the tables (the store's converter reads
+    those). Raises ValueError naming missing, unexpected or mis-shaped tensors."""
     from safetensors import safe_open
 
     from engram.weights import convert_state_dict
@@ -166,7 +165,6 @@ def _load_weights(model: EngramDecoder, files: list[Path]) -> dict[str, tuple[Pa
     params = dict(model.named_parameters())  # a tied lm_head is listed once (as the embedding)
     engram_layers = model.engram_layers
     engram_sd: dict[int, dict[str, torch.Tensor]] = {l: {} for l in engram_layers}
-    tables: dict[str, tuple[Path, str]] = {}
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file in files:
@@ -178,9 +176,7 @@ def _load_weights(model: EngramDecoder, files: list[Path]) -> dict[str, tuple[Pa
                     lid = int(parts[2])
                     if lid not in engram_layers:
                         unexpected.append(key)
-                    elif name.endswith(ENGRAM_TABLE_KEYS) or ".multi_head_embedding." in name:
-                        tables[name] = (file, key)
-                    else:
+                    elif not name.endswith(ENGRAM_TABLE_KEYS):
                         engram_sd[lid][name] = f.get_tensor(key)
                     continue
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -206,7 +202,6 @@ def _load_weights(model: EngramDecoder, files: list[Path]) -> dict[str, tuple[Pa
     missing = sorted(n for n in params if n not in loaded)
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    return tables
 
 
 def _load_checkpoint(path: Path, tier, dtype, device, opts, cache_dir, progress) -> LoadedModel:
@@ -217,13 +212,13 @@ def _load_checkpoint(path: Path, tier, dtype, device, opts, cache_dir, progress)
     cfg = ModelConfig.from_hf_dict(raw, name=path.name).replace(chat_template=tok_cfg.get("chat_template"))
     files = _safetensors_files(path)
     model = build_model(cfg, dtype, device)
-    table_tensors = _load_weights(model, files)
+    _load_weights(model, files)
     tok, ctok = _tokenizers(path / "tokenizer.json")
     tables, dirs = {}, {}
     if cfg.engram is not None:
         ctok.check_config(cfg.engram)
         dirs = checkpoint_table_dirs(path, cfg.engram, cache_dir)
-        convert_checkpoint_tables(table_tensors, dirs, cfg.engram, progress=progress)
+        convert_checkpoint_tables(path, dirs, cfg.engram, progress=progress)
         tables = open_tables(dirs, cfg.engram, tier, device, opts)
     return LoadedModel(model, cfg, cfg.engram, tok, ctok, tables, cfg.eos_token_id, cfg.chat_template, cfg.name,
                        dirs, dtype, device)

@@ -93,7 +93,7 @@ def _param_generator(seed: int, name: str, device: torch.device) -> torch.Genera
 def init_random_weights(model: nn.Module, seed: int, on_device: bool | None = None) -> None:
     """Fill every parameter deterministically (see module docstring). Norm weights are 1, biases 0,
     linear weights N(0, 0.02) (output projections scaled by 1/sqrt(2 * layers); Engram projections scaled
-    so their output has the embedding's scale), Engram gate weights 1 + N(0, 0.1), hyper-connections near
+    so that, over the random preset tables, their output is about N(0, 0.08)), Engram gate weights 1 + N(0, 0.1), hyper-connections near
     a plain residual, anything else N(0, 0.02). Values are drawn on the CPU (identical whatever the
     model's device) unless ``on_device`` or, by default, the model has more than HOST_INIT_MAX_PARAMS
     parameters (4b-like / 8b-like: drawing billions of values on the CPU would take minutes)."""
@@ -132,7 +132,7 @@ def init_random_weights(model: nn.Module, seed: int, on_device: bool | None = No
                 else:
                     normal(0.1, 1.0 / cfg.hc_mult if pname == "in_weight" else 1.0)
             elif isinstance(mod, nn.Linear) and in_engram:
-                normal(engram_std * 4)  # v ~ N(0, 0.08) for N(0, 1) table rows
+                normal(engram_std * 0.4)  # v ~ N(0, 0.08) for the store's random rows (RMS ~ 11)
             elif isinstance(mod, nn.Linear) and mname.endswith(("o_proj", "down_proj")):
                 normal(out_std)
             else:

@@ -103,9 +103,13 @@ def test_hf_names_without_model_prefix_and_fp8_wkv(tiny, checkpoint, tmp_path, c
     (lambda sd: {**sd, "model.layers.0.extra.weight": torch.zeros(2)}, "unexpected tensors.*model.layers.0.extra"),
     (lambda sd: {**sd, "model.layers.1.engram.k_weight": torch.zeros(2, 63)}, r"k_weight has shape \(2, 63\)"),
     (lambda sd: {k: v for k, v in sd.items() if k != "model.layers.3.engram.embed.weight"},
-     "no table for Engram layer 3.*layers.3.engram.embed.weight"),
+     "layer 3 has an engram.embed.scale but no engram.embed.weight"),
+    (lambda sd: {k: v for k, v in sd.items() if not k.startswith("model.layers.3.engram.embed")},
+     r"layers \[3\] have no engram.embed tensors"),
     (lambda sd: {**sd, "model.layers.1.engram.embed.scale": sd["model.layers.1.engram.embed.scale"][:-1]},
-     r"'model.layers.1.engram.embed.scale' has shape \[10169, 1\], expected \[10170, 1\]"),
+     r"model.layers.1.engram.embed.scale is F8_E8M0 \[10169, 1\], expected F8_E8M0 \[10170, 1\]"),
+    (lambda sd: {**sd, "model.layers.1.engram.embed.weight": sd["model.layers.1.engram.embed.weight"][:-1]},
+     r"layer 1: tensor is \[10169, 32\] but the config's layout needs \[10170, 32\]"),
 ])
 def test_bad_checkpoints_name_the_tensor(checkpoint, tmp_path, edit, message):
     bad = _rewrite(checkpoint, tmp_path / "bad", edit)
