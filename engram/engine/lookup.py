@@ -91,13 +91,17 @@ class SyncLookupExecutor:
         self.tables = tables
         self.cfg = cfg
         self.dtype = dtype
+        # Tables serve at most float32 on CUDA (the Triton gather); every table value is exact in float32,
+        # so float64 models read float32 rows and widen them.
+        self.fetch_dtype = torch.float32 if dtype == torch.float64 else dtype
         self.device = torch.device(device)
 
     def submit(self, plan: LookupPlan) -> StagedRows:
-        handles = {lid: self.tables[lid].submit(lk.unique_ids, dtype=self.dtype) for lid, lk in plan.layers.items()}
+        handles = {lid: self.tables[lid].submit(lk.unique_ids, dtype=self.fetch_dtype)
+                   for lid, lk in plan.layers.items()}
         rows = {}
         for lid, lk in plan.layers.items():
-            unique_rows = handles[lid].wait().to(self.device)  # [U, head_dim]
+            unique_rows = handles[lid].wait().to(self.device, self.dtype)  # [U, head_dim]
             t = lk.row_ids.shape[0]
             inverse = lk.inverse.to(self.device)
             rows[lid] = unique_rows.index_select(0, inverse).reshape(t, self.cfg.n_cols, -1)  # [T, n_cols, D]

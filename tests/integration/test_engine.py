@@ -78,7 +78,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def run(loaded: LoadedModel, reqs: list[list[int]], params=GREEDY, record: bool = False, **cfg):
-    engine = LLMEngine(loaded, EngineConfig(**cfg), CPU, F64)
+    engine = LLMEngine(loaded, EngineConfig(**cfg), loaded.device, loaded.dtype)
     if record:
         engine.executor = RecordingExecutor(engine.executor)
     seq_ids = {}
