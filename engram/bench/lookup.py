@@ -38,8 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default=".", help="where --random-rows builds its table: the disk under test")
     p.add_argument("--keep-table", action="store_true", help="keep the --random-rows table")
     p.add_argument("--tier", default="disk", choices=("gpu", "host", "disk"))
-    p.add_argument("--op", default="gather", choices=("gather", "gather_raw"),
-                   help="gather: dequantized bf16 rows (the full path); gather_raw: packed row bytes")
+    p.add_argument("--ops", default="gather_raw,gather",
+                   help="gather_raw: packed row bytes (the tier's own work); gather: + dequantize to bf16")
     p.add_argument("--batch-sizes", default="48,1024,16384", help="ids per lookup (48 = one V4.1 token's rows)")
     p.add_argument("--dists", default="uniform,zipf", help="id distributions: uniform, zipf")
     p.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent over a random permutation of rows")
@@ -208,19 +208,16 @@ def run_group(cells: list[Cell], seconds: float, rounds: int) -> None:
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (io, queue depth): raw read ops/s vs the table's at its largest uniform cold batch."""
+    """Per (io, queue depth, op): raw read ops/s vs the table's at its largest uniform batch without cache."""
     out = []
-    raws = [r for r in rows if r["mode"] == "raw"]
-    for raw in raws:
+    for raw in (r for r in rows if r["mode"] == "raw"):
         same = [r for r in rows if r["mode"] != "raw" and r["io"] == raw["io"] and r["dist"] == "uniform"
                 and r["queue_depth"] == raw["queue_depth"] and r["cache_rows"] == 0]
-        if not same:
-            continue
-        best = max(same, key=lambda r: r["batch"])
-        out.append(dict(io=raw["io"], queue_depth=raw["queue_depth"], op=best["mode"],
-                        raw_ops_per_s=raw["read_ops_per_s"],
-                        table_ops_per_s=best["read_ops_per_s"], table_batch=best["batch"],
-                        reader_over_raw=best["read_ops_per_s"] / raw["read_ops_per_s"]))
+        for op in dict.fromkeys(r["mode"] for r in same):
+            best = max((r for r in same if r["mode"] == op), key=lambda r: r["batch"])
+            out.append(dict(io=raw["io"], queue_depth=raw["queue_depth"], op=op, raw_ops_per_s=raw["read_ops_per_s"],
+                            table_ops_per_s=best["read_ops_per_s"], table_batch=best["batch"],
+                            reader_over_raw=best["read_ops_per_s"] / raw["read_ops_per_s"]))
     return out
 
 
@@ -255,10 +252,12 @@ def run(args: argparse.Namespace) -> int:
                 opts = dict(io=group["io"], queue_depth=group["queue_depth"]) if disk else {}
                 t = open_table(path, tier=args.tier, device=device, cache_rows=cache_rows, **opts)
                 tables.append(t)
-                for dist in _words(args.dists):
-                    for batch in _ints(args.batch_sizes):
-                        src = IdSource(t.rows, dist, args.zipf_s, args.seed + batch)
-                        cells.append(table_cell(t, args.op, args.tier, group, dist, batch, cache_rows, src, sync, cold))
+                for op in _words(args.ops):
+                    for dist in _words(args.dists):
+                        for batch in _ints(args.batch_sizes):
+                            src = IdSource(t.rows, dist, args.zipf_s, args.seed + batch)
+                            cells.append(table_cell(t, op, args.tier, group, dist, batch, cache_rows, src, sync,
+                                                    cold))
             for cell in cells:  # warm-up: pools, allocator, first touch (not recorded)
                 cell.step()
             run_group(cells, args.seconds, args.rounds)

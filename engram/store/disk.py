@@ -16,11 +16,12 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from engram.store import kernels
 from engram.store.base import LookupHandle, TableBackend, Tier
 from engram.store.format import TableManifest, read_manifest
 from engram.store.reader import PAGE, PageReader, aligned_pages
@@ -126,7 +127,8 @@ class DiskTable(TableBackend):
         self.reader = PageReader(manifest.values_path, io=self.config.io, queue_depth=self.config.queue_depth)
         self.scales = self._load_scales()  # uint8 [rows, scale_cols] resident, or None
         self._extra = {"disk_rows": 0, "inflight": 0, "inflight_bytes": 0}
-        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-disk")
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-disk")  # submit()
+        self._io = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-disk-io")  # next chunk
 
     @classmethod
     def open(cls, directory: str | os.PathLike, **kwargs: Any) -> "DiskTable":
@@ -146,40 +148,85 @@ class DiskTable(TableBackend):
         return torch.from_numpy(data).view(self.rows, self.scale_cols)
 
     # ----------------------------------------------------------------- the backing-store read
-    def _fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ids int64 [M] unique ascending -> (values uint8 [M, stride], scales uint8 [M, scale_cols] | None).
+    def gather(self, ids: torch.Tensor, out: torch.Tensor | None = None,
+               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Rows [N, dim] as the base class returns them; on CPU without a cache, each chunk of rows is
+        decoded while the next chunk's pages are read (same kernels, so bitwise equal to the base path)."""
+        ids = self.check_ids(ids)
+        n = ids.numel()
+        if self.cache is not None or self.device.type != "cpu" or n == 0 or (
+                out is not None and (tuple(out.shape) != (n, self.dim) or out.dtype != dtype)):
+            return super().gather(ids, out=out, dtype=dtype)  # also validates out and counts empty lookups
+        uniq, inverse = torch.unique(ids, return_inverse=True)  # [U], [N]
+        self._count(lookups=1, rows=n, unique_rows=uniq.numel())
+        rows = torch.empty(uniq.numel(), self.dim, dtype=dtype)  # [U, dim], filled chunk by chunk
 
-        Pages are read chunk_pages at a time into one reused page-aligned buffer, so a lookup holds at most
-        chunk_pages * page_size bytes of pages however many rows it asks for."""
-        m = ids.numel()
-        vals = torch.empty(m, self.stride, dtype=torch.uint8)  # [M, stride]
+        def decode(r0: int, r1: int, vals: torch.Tensor, scales: torch.Tensor | None) -> None:
+            kernels.gather_rows(vals, scales, torch.arange(r1 - r0), self.row_dtype, self.dim, out=rows[r0:r1],
+                                dtype=dtype)
+
+        self._fetch(uniq, on_rows=decode)
+        return torch.index_select(rows, 0, inverse, out=out) if out is not None else rows.index_select(0, inverse)
+
+    def _plan(self, ids: torch.Tensor) -> tuple[list[tuple[np.ndarray, int, int, torch.Tensor | None]], int, int]:
+        """Read plan for unique ascending ``ids``: chunks of (file offsets int64 [k], first row, end row, slot
+        of each row in the chunk's buffer or None when rows are whole reads), read size, buffer pages."""
         chunk = self.config.chunk_pages
+        m = ids.numel()
         if self.stride <= self.page:
             per_page = self.page // self.stride
             pages, row_page = torch.unique_consecutive(ids // per_page, return_inverse=True)  # [P], [M]
-            n_reads = pages.numel()
-            buf = aligned_pages(min(n_reads, chunk) * (self.page // PAGE))
-            slots = buf.view(-1, self.stride)  # [chunk * per_page, stride]: every row slot of the chunk
-            # slot of each row inside its chunk's buffer (ids are sorted, so chunks hold contiguous row ranges)
+            n = pages.numel()
+            # slot of each row inside its chunk's buffer [chunk * per_page, stride] (ids sorted: chunks hold
+            # contiguous row ranges)
             slot = (row_page % chunk) * per_page + ids % per_page  # [M]
-            bounds = torch.searchsorted(row_page, torch.arange(0, n_reads + chunk, chunk)).tolist()
-            for k, a in enumerate(range(0, n_reads, chunk)):
-                self.reader.read((pages[a:a + chunk] * self.page).numpy(), buf, size=self.page)
-                r0, r1 = bounds[k], bounds[k + 1]  # rows on pages [a, a + chunk)
-                torch.index_select(slots, 0, slot[r0:r1], out=vals[r0:r1])  # memcpy per row
-            nbytes = n_reads * self.page
-        else:  # rows over a page: each row is stride / page whole pages, one read per row
-            rows_per_chunk = max(1, chunk * self.page // self.stride)
-            buf = aligned_pages(min(m, rows_per_chunk) * (self.stride // PAGE))
-            for a in range(0, m, rows_per_chunk):
-                b = min(m, a + rows_per_chunk)
-                self.reader.read((ids[a:b] * self.stride).numpy(), buf, size=self.stride)
-                vals[a:b] = buf.view(-1, self.stride)[: b - a]
-            n_reads, nbytes = m, m * self.stride
+            bounds = torch.searchsorted(row_page, torch.arange(0, n + chunk, chunk)).tolist()
+            offsets = (pages * self.page).numpy()
+            plan = [(offsets[a:a + chunk], bounds[k], bounds[k + 1], slot[bounds[k]:bounds[k + 1]])
+                    for k, a in enumerate(range(0, n, chunk))]
+            return plan, self.page, min(n, chunk) * (self.page // PAGE)
+        per_chunk = max(1, chunk * self.page // self.stride)  # rows over a page: one read of stride B per row
+        offsets = (ids * self.stride).numpy()
+        plan = [(offsets[a:a + per_chunk], a, min(m, a + per_chunk), None) for a in range(0, m, per_chunk)]
+        return plan, self.stride, min(m, per_chunk) * (self.stride // PAGE)
+
+    def _fetch(self, ids: torch.Tensor, on_rows: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids int64 [M] unique ascending -> (values uint8 [M, stride], scales uint8 [M, scale_cols] | None).
+
+        Pages are read chunk_pages at a time into two page-aligned buffers: while the I/O thread reads chunk
+        k+1, this thread cuts chunk k's rows out and hands them to ``on_rows(r0, r1, vals, scales)``. A lookup
+        holds at most 2 * chunk_pages * page_size bytes of pages however many rows it asks for."""
+        plan, size, buf_pages = self._plan(ids)
+        vals = torch.empty(ids.numel(), self.stride, dtype=torch.uint8)  # [M, stride]
         scales = self.scales.index_select(0, ids) if self.scales is not None else None  # [M, scale_cols]
-        self._count(read_ops=n_reads, bytes_read=nbytes)
+        bufs = [aligned_pages(buf_pages) for _ in range(min(2, len(plan)))]
+        pending: cf.Future | None = None
+        try:
+            if len(plan) > 1:
+                pending = self._io.submit(self.reader.read, plan[0][0], bufs[0], size)
+            for k, (offsets, r0, r1, slot) in enumerate(plan):
+                buf = bufs[k % 2]
+                if pending is None:
+                    self.reader.read(offsets, buf, size)
+                else:
+                    pending.result()  # chunk k is in buf (or its read error is raised here)
+                    pending = None
+                    if k + 1 < len(plan):
+                        pending = self._io.submit(self.reader.read, plan[k + 1][0], bufs[(k + 1) % 2], size)
+                src = buf.view(-1, self.stride)  # [buffer rows, stride]
+                if slot is not None:
+                    torch.index_select(src, 0, slot, out=vals[r0:r1])  # memcpy per row
+                else:
+                    vals[r0:r1] = src[: r1 - r0]
+                if on_rows is not None:
+                    on_rows(r0, r1, vals[r0:r1], scales[r0:r1] if scales is not None else None)
+        finally:
+            if pending is not None:  # never leave while a read still writes into bufs
+                cf.wait([pending])
+        n_reads = sum(len(p[0]) for p in plan)
+        self._count(read_ops=n_reads, bytes_read=n_reads * size)
         with self._lock:
-            self._extra["disk_rows"] += m
+            self._extra["disk_rows"] += ids.numel()
         if self.device.type != "cpu":
             vals = vals.to(self.device)
             scales = scales.to(self.device) if scales is not None else None
@@ -230,6 +277,7 @@ class DiskTable(TableBackend):
         if self._closed:
             return
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._io.shutdown(wait=True)
         super().close()
         self.reader.close()
 

@@ -167,6 +167,28 @@ def test_injected_fault_fails_only_that_lookup(mx_table, backend, fault):
         assert t.stats()["inflight"] == 0
 
 
+@pytest.mark.parametrize("failing_call", [0, 1, 3])
+def test_fault_in_a_pipelined_chunk_fails_that_lookup_only(mx_table, backend, failing_call):
+    """chunk_pages=2: the lookup reads 4 chunks, each while the previous one is decoded."""
+    d, _, _, ref = mx_table
+    with open_disk_table(d, io="buffered", chunk_pages=2) as t:
+        ids = torch.tensor([0, 16, 40, 70, 100, 130, 2000, 2999])  # pages 0 1 2 4 | 6 8 125 187
+        calls = []
+
+        def hook(offs):
+            calls.append(offs.copy())
+            return Fault(index=1, err=errno.EIO) if len(calls) == failing_call + 1 else None
+
+        t.reader.fault_hook = hook
+        with pytest.raises(DiskReadError) as ei:
+            t.gather(ids)
+        assert ei.value.offset == calls[failing_call][1]
+        t.reader.fault_hook = None
+        for _ in range(2):
+            got = t.gather(ids, dtype=torch.float32)
+            assert torch.equal(got.view(torch.uint8), ref(ids, torch.float32).view(torch.uint8))
+
+
 def test_truncated_file_is_a_short_read_naming_offset(tmp_path):
     vals, scales, ref = make_rows(160, 256, "mxfp8")  # 10 pages
     write_table(tmp_path / "t", vals, scales)

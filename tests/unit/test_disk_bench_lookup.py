@@ -18,7 +18,7 @@ def run_bench(tmp_path, *extra):
 
 def test_disk_bench_reports_raw_and_table_cells(tmp_path, capsys):
     doc = run_bench(tmp_path, "--tier", "disk", "--io", "direct,buffered", "--queue-depths", "2",
-                    "--cache-rows", "0,512", "--raw-pages", "32")
+                    "--cache-rows", "0,512", "--raw-pages", "32", "--ops", "gather")
     cells = doc["result"]["cells"]
     raw = [c for c in cells if c["mode"] == "raw"]
     table = [c for c in cells if c["mode"] == "gather"]
@@ -32,15 +32,22 @@ def test_disk_bench_reports_raw_and_table_cells(tmp_path, capsys):
         else:
             assert 0.0 <= c["hit_rate"] <= 1.0
     summary = doc["result"]["summary"]
-    assert {s["io"] for s in summary} == {"direct", "buffered"}
+    assert {(s["io"], s["op"]) for s in summary} == {("direct", "gather"), ("buffered", "gather")}
     assert all(s["reader_over_raw"] > 0 and s["table_batch"] == 200 for s in summary)
     assert doc["config"]["reader_backend"] in ("c", "python") and doc["config"]["table_rows"] == 3000
     assert "reader_over_raw" in capsys.readouterr().out
     assert not any(p.name.startswith(".engram-bench") for p in tmp_path.iterdir())  # table deleted
 
 
+def test_disk_bench_both_ops_summarized(tmp_path):
+    doc = run_bench(tmp_path, "--tier", "disk", "--io", "buffered", "--queue-depths", "4", "--dists", "uniform",
+                    "--raw-pages", "32")
+    assert [c["mode"] for c in doc["result"]["cells"]] == ["raw", "gather_raw", "gather_raw", "gather", "gather"]
+    assert [s["op"] for s in doc["result"]["summary"]] == ["gather_raw", "gather"]
+
+
 def test_gpu_tier_bench_runs_without_disk_columns(tmp_path):
-    doc = run_bench(tmp_path, "--tier", "gpu", "--dists", "uniform", "--op", "gather_raw")
+    doc = run_bench(tmp_path, "--tier", "gpu", "--dists", "uniform", "--ops", "gather_raw")
     cells = doc["result"]["cells"]
     assert len(cells) == 2 and all(c["mode"] == "gather_raw" and "read_ops_per_s" not in c for c in cells)
     assert doc["result"]["summary"] == []
