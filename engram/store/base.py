@@ -80,6 +80,9 @@ class TableBackend:
 
     tier: Tier
     host_backed = True  # the rows live host-side (RAM, pinned, disk): _fetch takes CPU ids
+    # Resident lookups (gpu, uncached host) do not dedupe; counting their distinct ids costs a device sort
+    # per call. Engines whose plans are already deduped set this False (unique_rows then stays 0 there).
+    count_unique = True
 
     def __init__(self, manifest: TableManifest, device: torch.device, cache: Any = None) -> None:
         self.manifest = manifest
@@ -115,8 +118,8 @@ class TableBackend:
             raise TypeError(f"row ids must be an integer tensor, got {ids.dtype}")
         ids = ids.reshape(-1).to(torch.int64)
         if ids.numel():
-            lo, hi = torch.aminmax(ids)  # one reduction, one sync: the common path is a clean batch
-            if int(lo) < 0 or int(hi) >= self.rows:
+            lo, hi = torch.aminmax(ids)  # one reduction and one sync on the common (clean) path
+            if bool((lo < 0) | (hi >= self.rows)):
                 pos = int(((ids < 0) | (ids >= self.rows)).nonzero()[0, 0])
                 raise IndexError(f"row id {int(ids[pos])} (position {pos}) is out of range for table "
                                  f"{self.manifest.path} with {self.rows} rows")
@@ -173,7 +176,8 @@ class TableBackend:
             return CompletedLookup(error=e)
 
     def stats(self) -> dict[str, int]:
-        """Counters since open: lookups (calls), rows (ids asked), unique_rows (distinct ids per call, summed),
+        """Counters since open: lookups (calls), rows (ids asked), unique_rows (distinct ids per call, summed;
+        see ``count_unique``),
         hits / misses / evictions (hot-row cache; 0 without one), bytes_read and read_ops (backing store)."""
         with self._lock:
             pending, self._unique_acc = self._unique_acc, {}
@@ -219,11 +223,12 @@ class TableBackend:
                     read_ops=1 if n else 0)
         if n == 0:
             return out if out is not None else torch.empty(0, self.dim, dtype=dtype, device=self.device)
-        s = ids.sort().values
-        distinct = (s[1:] != s[:-1]).sum() + 1  # 0-dim int64 on the ids' device
-        with self._lock:
-            acc = self._unique_acc.get(distinct.device)
-            self._unique_acc[distinct.device] = distinct if acc is None else acc + distinct
+        if self.count_unique:
+            s = ids.sort().values
+            distinct = (s[1:] != s[:-1]).sum() + 1  # 0-dim int64 on the ids' device
+            with self._lock:
+                acc = self._unique_acc.get(distinct.device)
+                self._unique_acc[distinct.device] = distinct if acc is None else acc + distinct
         rows = kernels.gather_rows(values, scales, ids, self.row_dtype, self.dim, out=out, dtype=dtype)
         if rows.device != self.device:  # torch path over host memory: move the [N, dim] rows once
             rows = rows.to(self.device)

@@ -24,14 +24,16 @@ IO_MODES = ("direct", "buffered")
 def open_table(directory: str | os.PathLike, tier: str | Tier = "gpu", device: torch.device | str | None = None,
                cache_rows: int = 0, cache_policy: str = "lru", io: str = "direct", queue_depth: int = 64,
                expect: dict[str, Any] | None = None, *, cache_bytes: int | None = None, cache_ways: int = 8,
-               verify: bool = True, progress: bool = False, check_memory: bool = True) -> TableBackend:
+               verify: bool = True, progress: bool = False, check_memory: bool = True,
+               count_unique: bool = True) -> TableBackend:
     """Open a table directory on ``tier`` ("gpu" | "host" | "disk"); rows are returned on ``device``
     (default: the current CUDA device, else the CPU).
 
     cache_rows / cache_bytes: hot-row cache in front of host or disk (capacity in rows, or in bytes
     including bookkeeping); cache_policy "lru" | "lfu". io / queue_depth: disk tier reads. expect: the
     layout fingerprint the table must have been built for. verify: CRC-check chunks while loading (gpu,
-    host). check_memory: run the memory preflight (also off with ENGRAM_PREFLIGHT=0).
+    host). check_memory: run the memory preflight (also off with ENGRAM_PREFLIGHT=0). count_unique: count
+    distinct ids on the resident paths (a device sort per lookup; see TableBackend.count_unique).
     """
     tier = Tier.parse(tier)
     if cache_policy not in POLICIES:
@@ -57,9 +59,12 @@ def open_table(directory: str | os.PathLike, tier: str | Tier = "gpu", device: t
                       device=dev) if cache_rows else None)
     if tier is Tier.GPU:
         from engram.store.gpu import GpuTable
-        return GpuTable(m, dev, verify=verify, progress=progress)
-    if tier is Tier.HOST:
+        table: TableBackend = GpuTable(m, dev, verify=verify, progress=progress)
+    elif tier is Tier.HOST:
         from engram.store.host import HostTable
-        return HostTable(m, dev, cache, verify=verify, progress=progress)
-    from engram.store.disk import DiskConfig, DiskTable  # the disk tier's reader is optional C code
-    return DiskTable(m, device=dev, cache=cache, config=DiskConfig(io=io, queue_depth=queue_depth))
+        table = HostTable(m, dev, cache, verify=verify, progress=progress)
+    else:
+        from engram.store.disk import DiskConfig, DiskTable  # the disk tier's reader is optional C code
+        table = DiskTable(m, device=dev, cache=cache, config=DiskConfig(io=io, queue_depth=queue_depth))
+    table.count_unique = count_unique
+    return table

@@ -30,8 +30,8 @@ def test_needs_per_tier(manifest):
     assert memory_need(manifest, "gpu", CPU).ram == v + s
     need = memory_need(manifest, "gpu", CUDA)
     assert (need.ram, need.device) == (0, v + s)
-    host = memory_need(manifest, "host", CPU, cache_rows=1000)
-    assert host.ram == v + s + 1000 * (256 + 8 + 24)
+    host = memory_need(manifest, "host", CPU, cache_rows=1000)  # pinned when CUDA exists, plain RAM otherwise
+    assert host.host_total == v + s + 1000 * (256 + 8 + 24) and host.pinned == (v + s) * torch.cuda.is_available()
     disk = memory_need(manifest, "disk", CUDA, cache_rows=1 << 20, queue_depth=64)
     assert disk.ram == s + 64 * 4096 * 2 and disk.device == (1 << 20) * 288
     with pytest.raises(ValueError, match="tier="):

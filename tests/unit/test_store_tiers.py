@@ -174,3 +174,13 @@ def test_concurrent_gathers_are_consistent(tables):
             outs = list(pool.map(lambda ids: (ids, t.gather(ids, dtype=torch.float32)), batches))
         for ids, got in outs:
             assert torch.equal(_bits(got), _bits(ref[ids]))
+
+
+@pytest.mark.parametrize("tier", ["gpu", "host"], ids=["gpu-tier", "host-tier"])
+def test_count_unique_off_skips_only_that_counter(tables, tier):
+    path, ref = tables["mxfp8"]
+    with open_table(path, tier, device="cpu", count_unique=False) as t:
+        ids = torch.tensor([1, 1, 2])
+        assert torch.equal(_bits(t.gather(ids, dtype=torch.float32)), _bits(ref[ids]))
+        st = t.stats()
+        assert (st["lookups"], st["rows"], st["unique_rows"]) == (1, 3, 0)
