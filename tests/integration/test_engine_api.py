@@ -165,7 +165,7 @@ def test_llm_generate_text_and_token_ids_in_order(llm):
     assert all(len(o.outputs[0].token_ids) == 6 and o.finished for o in outs)
     single = llm.generate("Hello there", params, use_tqdm=False)
     assert single[0].outputs[0].text == outs[0].outputs[0].text
-    assert llm.dtype == torch.float32 and llm.tier == "gpu"
+    assert llm.dtype == (torch.bfloat16 if torch.cuda.is_available() else torch.float32) and llm.tier == "gpu"
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
         llm.generate(["x"], [params, params], use_tqdm=False)
     with pytest.raises(ValueError, match="prompt of 3000 tokens"):
