@@ -25,6 +25,7 @@ from engram.store.format import (DEFAULT_CHUNK_BYTES, ITEMSIZE, MANIFEST, PAGE_S
 # append() may keep references to the arrays it was given until IN_FLIGHT more appends have returned: each
 # file's writer thread works on one buffer while at most two wait in its queue.
 IN_FLIGHT = 3
+FLUSH_BYTES = 256 << 20  # a data file starts background writeback every this many bytes
 TORCH_ROW_DTYPES = {torch.float8_e4m3fn: "mxfp8", torch.bfloat16: "bf16", torch.float16: "fp16",
                     torch.float32: "fp32"}
 
@@ -41,42 +42,77 @@ def as_bytes(x: torch.Tensor | np.ndarray, width: int, what: str) -> np.ndarray:
 
 
 class _FileSink:
-    """A data file written by a background thread: CRC per chunk, then write; errors resurface on put/close."""
+    """A data file fed by one producer: a CRC thread and a write thread work on each buffer in parallel, and
+    every FLUSH_BYTES the writer starts a background fdatasync so the final fsync finds little left.
+    Errors resurface on the next put or on close."""
 
-    def __init__(self, path: Path, chunk_bytes: int) -> None:
+    def __init__(self, path: Path, chunk_bytes: int, sync: bool = True) -> None:
         self.path = path
         self.crc = ChunkCrc(chunk_bytes)
         self.size = 0
         self._f = open(path, "wb", buffering=0)
-        self._q: queue.Queue = queue.Queue(maxsize=IN_FLIGHT - 1)  # + the one being written = IN_FLIGHT
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"engram-writer-{path.name}", daemon=True)
-        self._thread.start()
+        self._queues = [queue.Queue(maxsize=IN_FLIGHT - 1) for _ in range(2)]  # + one in hand = IN_FLIGHT
+        self._threads = [threading.Thread(target=self._loop, args=(q, work), daemon=True,
+                                          name=f"engram-{what}-{path.name}")
+                         for q, work, what in zip(self._queues, (self._write, self._checksum), ("write", "crc"))]
+        self._sync = sync
+        self._flush_wanted = threading.Event()
+        self._written = 0
+        self._flusher = threading.Thread(target=self._flush_loop, daemon=True, name=f"engram-flush-{path.name}")
+        self._closing = False
+        for t in (*self._threads, self._flusher):
+            t.start()
 
-    def _run(self) -> None:
+    def _loop(self, q: queue.Queue, work) -> None:
         while True:
-            buf = self._q.get()
+            buf = q.get()
             if buf is None:
                 return
-            if self._error is not None:
-                continue
+            if self._error is None:
+                try:
+                    work(memoryview(buf).cast("B"))
+                except BaseException as e:  # noqa: BLE001 - handed back to the producer thread
+                    self._error = e
+
+    def _checksum(self, mv: memoryview) -> None:
+        self.crc.update(mv)
+
+    def _write(self, mv: memoryview) -> None:
+        before = self._written // FLUSH_BYTES
+        while mv:
+            n = self._f.write(mv)
+            mv = mv[n:]
+            self._written += n
+        if self._sync and self._written // FLUSH_BYTES != before:
+            self._flush_wanted.set()
+
+    def _flush_loop(self) -> None:
+        while True:
+            self._flush_wanted.wait()
+            self._flush_wanted.clear()
+            if self._closing:
+                return
             try:
-                mv = memoryview(buf).cast("B")
-                self.crc.update(mv)
-                while mv:
-                    mv = mv[self._f.write(mv):]
-            except BaseException as e:  # noqa: BLE001 - handed back to the producer thread
-                self._error = e
+                os.fdatasync(self._f.fileno())  # writeback overlaps the next buffers' production
+            except OSError as e:
+                self._error = self._error or e
 
     def put(self, buf: np.ndarray) -> None:
         if self._error is not None:
             raise self._error
         self.size += buf.nbytes
-        self._q.put(buf)
+        for q in self._queues:
+            q.put(buf)
 
     def close(self, sync: bool = True) -> list[int]:
-        self._q.put(None)
-        self._thread.join()
+        for q in self._queues:
+            q.put(None)
+        for t in self._threads:
+            t.join()
+        self._closing = True
+        self._flush_wanted.set()
+        self._flusher.join()
         try:
             if self._error is None and sync:
                 os.fsync(self._f.fileno())
@@ -122,8 +158,8 @@ class TableWriter:
         self.target.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = self.target.parent / f".{self.target.name}.partial-{os.getpid()}-{time.monotonic_ns()}"
         self.tmp.mkdir()
-        self._values = _FileSink(self.tmp / VALUES_FILE, chunk_bytes)
-        self._scales = _FileSink(self.tmp / SCALES_FILE, chunk_bytes) if self.scale_cols else None
+        self._values = _FileSink(self.tmp / VALUES_FILE, chunk_bytes, sync)
+        self._scales = _FileSink(self.tmp / SCALES_FILE, chunk_bytes, sync) if self.scale_cols else None
         self._bar = None
         if progress:
             from tqdm import tqdm
