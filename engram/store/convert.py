@@ -138,7 +138,10 @@ def convert_tensor(weight: _Source, out: str | os.PathLike, *, scale: _Source | 
                 for a in range(0, rows, step):
                     b = min(rows, a + step)
                     chunk = wsl[a:b]  # [b-a, dim] bf16 / fp16 / fp32
-                    w.append(*quantize_mxfp8(chunk)) if row_dtype == "mxfp8" else w.append(chunk)
+                    if row_dtype == "mxfp8":
+                        w.append(*quantize_mxfp8(chunk))  # per-row blocks: chunking cannot change the bytes
+                    else:
+                        w.append(chunk)
             return w.finish()
 
 
