@@ -10,24 +10,17 @@ import argparse
 import json
 import sys
 
+from engram.commands.options import add_engine_arguments, add_model_arguments, build_llm
+
 HELP = "generate completions for prompts offline (continuous batching) and report throughput"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default="tiny", help="preset name or checkpoint directory (default: tiny)")
+    add_model_arguments(parser)
     src = parser.add_argument_group("prompts")
     src.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
     src.add_argument("--prompts-file", help="a file with one prompt per line (blank lines skipped)")
     src.add_argument("--repeat", type=int, default=1, help="run every prompt this many times (load tests)")
-    load = parser.add_argument_group("model")
-    load.add_argument("--tier", choices=("gpu", "host", "disk"), default="gpu", help="where Engram tables live")
-    load.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default=None,
-                      help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    load.add_argument("--engram-config", default=None,
-                      help='JSON of runtime options, e.g. \'{"cpu_offload": true, "lookup_overlap": true}\'')
-    load.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    load.add_argument("--threads", type=int, default=None,
-                      help="CPU threads for torch (small models on a busy CPU run fastest with 1)")
     samp = parser.add_argument_group("sampling")
     samp.add_argument("--max-tokens", type=int, default=32)
     samp.add_argument("--temperature", type=float, default=0.0)
@@ -36,27 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     samp.add_argument("--seed", type=int, default=None)
     samp.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     samp.add_argument("--ignore-eos", action="store_true")
-    eng = parser.add_argument_group("engine")
-    eng.add_argument("--max-num-seqs", type=int, default=64)
-    eng.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    eng.add_argument("--max-model-len", type=int, default=None)
-    eng.add_argument("--block-size", type=int, default=16)
-    eng.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for KV + Engram staging + hot-row cache")
+    add_engine_arguments(parser)
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object per completion, then the summary")
     out.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-
-
-def parse_engram_config(text: str | None) -> dict:
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--engram-config is not valid JSON ({e.msg} at char {e.pos}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"--engram-config must be a JSON object, got {type(value).__name__}")
-    return value
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -74,26 +50,14 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     import time
 
-    import torch
-
-    from engram.engine.llm import LLM
     from engram.engine.sampling_params import SamplingParams
 
-    if args.threads is not None:
-        if args.threads < 1:
-            print(f"engram generate: error: --threads={args.threads} must be >= 1", file=sys.stderr)
-            return 2
-        torch.set_num_threads(args.threads)
     try:
         prompts = read_prompts(args)
-        options = parse_engram_config(args.engram_config)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
         t0 = time.perf_counter()
-        llm = LLM(args.model, tier=args.tier, dtype=args.dtype, engram_config=options, device=args.device,
-                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_model_len=args.max_model_len, block_size=args.block_size,
-                  kv_cache_memory=args.kv_cache_memory)
+        llm = build_llm(args)
     except (ValueError, OSError) as e:
         print(f"engram generate: error: {e}", file=sys.stderr)
         return 2

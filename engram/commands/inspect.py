@@ -100,15 +100,13 @@ def run(args: argparse.Namespace) -> int:
     from engram.config import EngramConfig
 
     if args.verify:
-        from engram.store.format import TableFormatError, verify_table
+        from engram.store.format import verify_table
 
-        try:
-            report = verify_table(args.verify)
-        except TableFormatError as e:
-            print(f"FAILED: {e}", file=sys.stderr)
-            return 1
-        print(json.dumps(report, indent=2, default=str))
-        return 0
+        report = verify_table(args.verify, progress=not args.json)
+        print(json.dumps(report.to_dict(), indent=2))
+        for err in report.errors:
+            print(f"FAILED: {err}", file=sys.stderr)
+        return 0 if report.ok else 1
     try:
         cfg = EngramConfig.from_hf_config(args.config) if args.config else \
             EngramConfig.preset(args.preset or ("tiny" if args.text and not args.tokenizer else "deepseek-v4.1-flash"))

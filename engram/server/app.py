@@ -6,7 +6,6 @@ Bad requests get OpenAI-style error bodies with 400/404/422, never a 500.
 """
 from __future__ import annotations
 
-import json
 from contextlib import asynccontextmanager
 from typing import Any, Callable
 
@@ -82,16 +81,3 @@ def build_app(build_llm: Callable[[], Any], model_name: str, tier: str, max_num_
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
-
-
-def parse_engram_config(text: str | None) -> dict[str, Any]:
-    """The --engram-config JSON object (ValueError naming the problem)."""
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--engram-config is not valid JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise ValueError(f"--engram-config must be a JSON object, got {type(value).__name__}")
-    return value

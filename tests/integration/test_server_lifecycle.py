@@ -28,7 +28,7 @@ def _stream_body(max_tokens):
 
 
 def test_full_queue_answers_503_with_retry_after(cache_dir, tmp_path):
-    s = ServerProcess(["tiny", "--max-num-seqs", "1", "--max-waiting", "0"], cache_dir, tmp_path / "log").wait_ready()
+    s = ServerProcess(["tiny", "--threads", "1", "--max-num-seqs", "1", "--max-waiting", "0"], cache_dir, tmp_path / "log").wait_ready()
 
     async def burst():
         body = {"model": "tiny", "prompt": "Streams that outlive", "max_tokens": 1500, "ignore_eos": True}
@@ -48,7 +48,7 @@ def test_full_queue_answers_503_with_retry_after(cache_dir, tmp_path):
 
 
 def test_table_read_error_fails_only_that_step_and_server_keeps_serving(cache_dir, tmp_path):
-    s = ServerProcess(["tiny", "--tier", "disk", "--engram-config", '{"io": "buffered"}'], cache_dir,
+    s = ServerProcess(["tiny", "--threads", "1", "--tier", "disk", "--engram-config", '{"io": "buffered"}'], cache_dir,
                       tmp_path / "log").wait_ready()
     try:
         body = {"model": "tiny", "prompt": "Disk rows", "max_tokens": 4, "temperature": 0}
@@ -76,7 +76,7 @@ def test_table_read_error_fails_only_that_step_and_server_keeps_serving(cache_di
 
 
 def test_sigterm_drains_in_flight_streams_then_exits(cache_dir, tmp_path):
-    s = ServerProcess(["tiny"], cache_dir, tmp_path / "log").wait_ready()
+    s = ServerProcess(["tiny", "--threads", "1"], cache_dir, tmp_path / "log").wait_ready()
     events: list = []
 
     def consume(started: threading.Event):

@@ -26,3 +26,23 @@ def test_inspect_text_row_ids_match_hasher(capsys):
 def test_inspect_refuses_mismatched_tokenizer(capsys):
     assert main(["inspect", "--preset", "deepseek-v4.1-flash", "--text", "hi"]) == 2
     assert "silently rehashed" in capsys.readouterr().err
+
+
+def test_inspect_verify_good_and_corrupt_tables(tmp_path, capsys):
+    import torch
+
+    from engram.quant import quantize_mxfp8
+    from engram.store import write_table
+
+    v, s = quantize_mxfp8(torch.randn(300, 64))
+    d = tmp_path / "t"
+    write_table(d, v, s)
+    assert main(["inspect", "--verify", str(d), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    values = d / "values.bin"
+    data = bytearray(values.read_bytes())
+    data[5000] ^= 0xFF
+    values.write_bytes(bytes(data))
+    assert main(["inspect", "--verify", str(d), "--json"]) == 1
+    out = capsys.readouterr()
+    assert json.loads(out.out)["ok"] is False and "values.bin: byte 0: checksum mismatch" in out.err

@@ -1,0 +1,66 @@
+"""Options shared by `serve`, `generate` and the benches that load a model: one definition, one parser.
+
+``add_model_arguments`` (MODEL, --tier, --dtype, --engram-config, --device, --threads),
+``add_engine_arguments`` (the EngineConfig limits) and ``build_llm(args)``, which turns them into an
+``engram.LLM`` (ValueError for a bad value, naming the option).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("model", nargs="?", default="tiny",
+                   help="preset (tiny, small, 4b-like, 8b-like) or checkpoint directory (default: tiny)")
+    g.add_argument("--tier", choices=("gpu", "host", "disk"), default="gpu",
+                   help="where Engram tables live (gpu: device memory, or RAM without CUDA)")
+    g.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default=None,
+                   help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--engram-config", default=None, metavar="JSON",
+                   help='runtime options, e.g. \'{"cpu_offload": true}\' (= tier host), cache_rows, cache_policy, '
+                        'io, queue_depth, lookup_overlap')
+    g.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (small models on a busy CPU run fastest with 1)")
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, max_num_seqs: int = 64) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="sequences per step, at most")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step, at most")
+    g.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per sequence")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per paged KV block")
+    g.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="bytes for KV blocks + Engram staging + hot-row cache (default: sized to the machine)")
+
+
+def parse_engram_config(text: str | None) -> dict[str, Any]:
+    """The --engram-config JSON object."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--engram-config is not valid JSON ({e.msg} at char {e.pos}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--engram-config must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def build_llm(args: argparse.Namespace):
+    """An engram.LLM as the command line says (loads the model)."""
+    import torch
+
+    from engram.engine.llm import LLM
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads={args.threads} must be >= 1")
+        torch.set_num_threads(args.threads)
+    return LLM(args.model, tier=args.tier, dtype=args.dtype, engram_config=parse_engram_config(args.engram_config),
+               device=args.device, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+               block_size=args.block_size, kv_cache_memory=args.kv_cache_memory)
