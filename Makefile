@@ -34,7 +34,7 @@ device-test:
 	PYTHONPATH=/tmp/engram-site python3 -m pytest -o addopts="" -p no:cacheprovider -m "not slow" -q \
 		tests/gpu tests/parity $(PYTEST_ARGS)
 	PYTHONPATH=/tmp/engram-site python3 -m pytest -o addopts="" -p no:cacheprovider -m "gpu and not slow" -q \
-		tests/unit tests/integration $(PYTEST_ARGS)
+		$(shell grep -l "mark.gpu" tests/unit/*.py tests/integration/*.py) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info engram/store/_pread_pool*.so
