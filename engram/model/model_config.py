@@ -36,7 +36,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096  # longest sequence the engine may schedule
     tie_word_embeddings: bool = False  # LM head shares the embedding matrix
     qk_norm: bool = False  # Qwen3: RMSNorm over each q/k head before RoPE
-    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    attention_bias: bool = False  # bias on q/k/v (Qwen2: always, o_proj never; Llama/Qwen3: on o_proj too)
     hc_mult: int = 1  # hyper-connection residual streams; 1 = plain residual
     kv_source_layer_ids: tuple[int, ...] | None = None  # layers owning a KV cache; None = every layer
     engram: EngramConfig | None = None  # Engram layout (applied before each Engram layer's attention)
@@ -160,6 +160,11 @@ class ModelConfig:
         if isinstance(eos, list):
             eos = eos[0] if eos else None
         padded = int(need("vocab_size"))
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers v5 / v4 spelling
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise NotImplementedError(f"config.json RoPE type {rope_type!r} is not supported (only plain RoPE)")
+        theta = hf.get("rope_theta") or rope.get("rope_theta") or 10000.0
         engram = EngramConfig.from_hf_config(hf) if "engram_layer_ids" in hf else None
         src = hf.get("kv_source_layer_ids")
         return cls(
@@ -167,7 +172,7 @@ class ModelConfig:
             padded_vocab_size=padded, hidden_size=hidden, num_layers=int(need("num_hidden_layers")),
             num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads", heads)),
             head_dim=int(hf.get("head_dim") or hidden // heads), intermediate_size=int(need("intermediate_size")),
-            rope_theta=float(hf.get("rope_theta", 10000.0)), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), qk_norm=arch == "qwen3",
             attention_bias=bool(hf.get("attention_bias", arch == "qwen2")), hc_mult=int(hf.get("hc_mult", 1)),

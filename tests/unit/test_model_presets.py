@@ -88,6 +88,14 @@ def test_model_config_hf_round_trip_and_kv_sources():
     qwen2 = ModelConfig.from_hf_dict({"model_type": "qwen2", "vocab_size": 10, "hidden_size": 8,
                                       "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 16})
     assert qwen2.attention_bias and not qwen2.qk_norm and qwen2.engram is None and qwen2.head_dim == 4
+    v5 = ModelConfig.from_hf_dict({"model_type": "qwen3", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+                                   "num_attention_heads": 2, "intermediate_size": 16,
+                                   "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}})
+    assert v5.rope_theta == 1e6 and v5.qk_norm
+    with pytest.raises(NotImplementedError, match="RoPE type 'llama3'"):
+        ModelConfig.from_hf_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+                                  "num_attention_heads": 2, "intermediate_size": 16,
+                                  "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
 
 
 def test_builtin_tokenizer_matches_tiny_layout():

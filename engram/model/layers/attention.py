@@ -117,7 +117,8 @@ class Attention(nn.Module):
         if self.owns_kv:
             self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
             self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=False)
+        o_bias = bias and cfg.architecture != "qwen2"  # HF: Llama/Qwen3 bias o_proj too, Qwen2 never does
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm and self.owns_kv else None
 
