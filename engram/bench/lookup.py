@@ -255,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
                 for op in _words(args.ops):
                     for dist in _words(args.dists):
                         for batch in _ints(args.batch_sizes):
-                            src = IdSource(t.rows, dist, args.zipf_s, args.seed + batch)
+                            src = IdSource(t.rows, dist, args.zipf_s, args.seed + len(cells))  # own ids per cell
                             cells.append(table_cell(t, op, args.tier, group, dist, batch, cache_rows, src, sync,
                                                     cold))
             for cell in cells:  # warm-up: pools, allocator, first touch (not recorded)
