@@ -118,12 +118,15 @@ class AsyncEngine:
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> bool:
+        """Hand queued adds and aborts to the engine; True if there were any."""
+        seen = False
         while True:
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return seen
+            seen = True
             if msg[0] == "add":
                 _, rid, prompt, params = msg
                 if rid not in self._streams:  # the client left before the engine saw the request
@@ -147,7 +150,8 @@ class AsyncEngine:
             return
         self.ready.set()
         while not self._stop.is_set():
-            self._drain_inbox()
+            if self._drain_inbox() and not self.engine.has_unfinished():
+                self._report([])  # an abort may have emptied the engine: the gauges must say so
             if not self.engine.has_unfinished():
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -159,11 +163,14 @@ class AsyncEngine:
                 continue
             for out in outputs:
                 self._deliver(out.request_id, out)
-            if self._on_step is not None:
-                try:
-                    self._on_step(self.engine, outputs)
-                except Exception:  # metrics must never stop the engine
-                    log.exception("on_step hook failed")
+            self._report(outputs)
+
+    def _report(self, outputs: list) -> None:
+        if self._on_step is not None:
+            try:
+                self._on_step(self.engine, outputs)
+            except Exception:  # metrics must never stop the engine
+                log.exception("on_step hook failed")
 
     def _fail_step(self, error: Exception) -> None:
         """Fail the requests of the step that raised; the engine and the other requests go on."""
@@ -172,3 +179,4 @@ class AsyncEngine:
         for rid in ids:
             self.engine.abort_request(rid)
             self._deliver(rid, RequestFailed(f"request failed in the engine: {error}"))
+        self._report([])
