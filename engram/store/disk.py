@@ -128,7 +128,7 @@ class DiskTable(TableBackend):
         self.scales = self._load_scales()  # uint8 [rows, scale_cols] resident, or None
         self._extra = {"disk_rows": 0, "inflight": 0, "inflight_bytes": 0}
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-disk")  # submit()
-        self._io = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-disk-io")  # next chunk
+        self._io = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="engram-disk-io")  # 2 chunks queued
 
     @classmethod
     def open(cls, directory: str | os.PathLike, **kwargs: Any) -> "DiskTable":
@@ -193,36 +193,41 @@ class DiskTable(TableBackend):
     def _fetch(self, ids: torch.Tensor, on_rows: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids int64 [M] unique ascending -> (values uint8 [M, stride], scales uint8 [M, scale_cols] | None).
 
-        Pages are read chunk_pages at a time into two page-aligned buffers: while the I/O thread reads chunk
-        k+1, this thread cuts chunk k's rows out and hands them to ``on_rows(r0, r1, vals, scales)``. A lookup
-        holds at most 2 * chunk_pages * page_size bytes of pages however many rows it asks for."""
+        Pages are read chunk_pages at a time into two page-aligned buffers, two chunks queued in the pread
+        pool at once: while chunk k+1 is read, this thread cuts chunk k's rows out, queues chunk k+2 into the
+        freed buffer and hands the rows to ``on_rows(r0, r1, vals, scales)``. A lookup holds at most
+        2 * chunk_pages * page_size bytes of pages however many rows it asks for."""
         plan, size, buf_pages = self._plan(ids)
         vals = torch.empty(ids.numel(), self.stride, dtype=torch.uint8)  # [M, stride]
         scales = self.scales.index_select(0, ids) if self.scales is not None else None  # [M, scale_cols]
         bufs = [aligned_pages(buf_pages) for _ in range(min(2, len(plan)))]
-        pending: cf.Future | None = None
+        pending: dict[int, cf.Future] = {}
+
+        def start(k: int) -> None:  # chunk k reads into bufs[k % 2] on an I/O thread
+            pending[k] = self._io.submit(self.reader.read, plan[k][0], bufs[k % 2], size)
+
         try:
             if len(plan) > 1:
-                pending = self._io.submit(self.reader.read, plan[0][0], bufs[0], size)
+                start(0)
+                start(1)  # two jobs queued in the pread pool: its threads go from one to the next undrained
             for k, (offsets, r0, r1, slot) in enumerate(plan):
                 buf = bufs[k % 2]
-                if pending is None:
+                fut = pending.pop(k, None)
+                if fut is not None:
+                    fut.result()  # chunk k is in buf (or its read error is raised here)
+                else:  # a single chunk: read it on this thread
                     self.reader.read(offsets, buf, size)
-                else:
-                    pending.result()  # chunk k is in buf (or its read error is raised here)
-                    pending = None
-                    if k + 1 < len(plan):
-                        pending = self._io.submit(self.reader.read, plan[k + 1][0], bufs[(k + 1) % 2], size)
                 src = buf.view(-1, self.stride)  # [buffer rows, stride]
                 if slot is not None:
                     torch.index_select(src, 0, slot, out=vals[r0:r1])  # memcpy per row
                 else:
                     vals[r0:r1] = src[: r1 - r0]
+                if k + 2 < len(plan):
+                    start(k + 2)  # buf is free again
                 if on_rows is not None:
                     on_rows(r0, r1, vals[r0:r1], scales[r0:r1] if scales is not None else None)
         finally:
-            if pending is not None:  # never leave while a read still writes into bufs
-                cf.wait([pending])
+            cf.wait(list(pending.values()))  # never leave while a read still writes into bufs
         n_reads = sum(len(p[0]) for p in plan)
         self._count(read_ops=n_reads, bytes_read=n_reads * size)
         with self._lock:
