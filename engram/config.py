@@ -48,6 +48,24 @@ def is_prime(n: int) -> bool:
     return True
 
 
+def read_config_json(source: str | os.PathLike | dict) -> dict[str, Any]:
+    """A HF-style config as a dict: the dict itself, a config.json path, or a directory holding one.
+    ValueError names the file for invalid JSON or a non-object."""
+    if isinstance(source, dict):
+        return source
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path, encoding="utf-8") as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object, found {type(raw).__name__}")
+    return raw
+
+
 @dataclass(frozen=True)
 class EngramConfig:
     """Engram memory layout of one model.
@@ -230,14 +248,7 @@ class EngramConfig:
     def from_hf_config(cls, source: str | os.PathLike | dict) -> "EngramConfig":
         """Read ``engram_*`` fields from a HF config.json (path, directory or dict), flat or under
         ``text_config``. Raises ValueError naming the missing field."""
-        if isinstance(source, dict):
-            raw = source
-        else:
-            path = os.fspath(source)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
+        raw = read_config_json(source)
         hf = dict(raw.get("text_config") or {}) if "engram_layer_ids" not in raw else dict(raw)
         if "engram_layer_ids" not in hf:
             raise ValueError("config has no engram_layer_ids (looked at the top level and under text_config)")

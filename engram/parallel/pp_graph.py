@@ -9,10 +9,11 @@ Bad fields raise ValueError naming the field and value. This module knows nothin
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from engram.config import read_config_json
 
 EDGE_KINDS = ("kv", "index", "index_k", "candidate")  # display and sort order of edge kinds
 
@@ -85,19 +86,7 @@ class SharingGraph:
 def load_hf_config(source: str | os.PathLike | dict) -> dict[str, Any]:
     """The model fields of a config: a dict, a config.json path or a directory holding one. Fields are
     taken from the top level, or from ``text_config`` when the top level has no ``num_hidden_layers``."""
-    if isinstance(source, dict):
-        raw = source
-    else:
-        path = os.fspath(source)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        try:
-            with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"{path}: expected a JSON object, found {type(raw).__name__}")
+    raw = read_config_json(source)
     if "num_hidden_layers" not in raw and isinstance(raw.get("text_config"), dict):
         return dict(raw["text_config"])
     return dict(raw)

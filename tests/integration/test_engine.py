@@ -27,22 +27,13 @@ F64 = torch.float64
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls on a shared 2-core box: more threads only spin against each other.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
-def tiny(one_thread) -> LoadedModel:
+def tiny() -> LoadedModel:
     return load_model("tiny", dtype=F64, device=CPU, progress=False)
 
 
 @pytest.fixture(scope="module")
-def tiny_paper(one_thread) -> LoadedModel:
+def tiny_paper() -> LoadedModel:
     """The tiny decoder with paper-variant Engram layers (ShortConv state per sequence)."""
     base = preset_config("tiny")
     ecfg = base.engram.replace(variant="paper", row_dtype="fp32")

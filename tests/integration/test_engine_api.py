@@ -19,16 +19,8 @@ CPU = torch.device("cpu")
 PROMPT = "The table store serves rows"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
-def tiny(one_thread) -> LoadedModel:
+def tiny() -> LoadedModel:
     return load_model("tiny", dtype=torch.float32, device=CPU, progress=False)
 
 
@@ -150,7 +142,7 @@ def test_abort_frees_blocks_and_silences_the_request(tiny):
 
 
 @pytest.fixture(scope="module")
-def llm(one_thread):
+def llm():
     return engram.LLM(model="tiny", engram_config={"lookup_overlap": False}, max_num_seqs=8)
 
 
@@ -182,7 +174,7 @@ def test_llm_options_are_validated():
         engram.LLM(model="tiny", dtype="float8")
 
 
-def test_cli_generate_prints_completions_and_throughput(tmp_path, capsys, one_thread):
+def test_cli_generate_prints_completions_and_throughput(tmp_path, capsys):
     from engram.cli import main
 
     f = tmp_path / "prompts.txt"
@@ -228,7 +220,7 @@ def test_failed_step_names_its_requests_and_can_be_retried(tiny, reference):
     assert engine.scheduler.blocks.num_free_blocks == engine.memory.num_blocks
 
 
-def test_kv_budget_counts_hot_row_cache_and_only_kv_source_layers(tiny, one_thread):
+def test_kv_budget_counts_hot_row_cache_and_only_kv_source_layers(tiny):
     budget = dict(kv_cache_memory=24_000_000, max_model_len=256)
     plain = engram.LLM(model="tiny", tier="disk", engram_config={"io": "buffered"}, **budget)
     cached = engram.LLM(model="tiny", tier="disk", engram_config={"io": "buffered", "cache_rows": 20_000}, **budget)

@@ -5,17 +5,9 @@ import json
 import pytest
 
 from engram.parallel.pp_graph import SharingEdge, load_hf_config, sharing_graph
+from tests.pp_configs import V41_FLASH as V41_FLASH_BASE
 
-# DeepSeek-V4.1-Flash sharing fields (40 decoder layers; one extra ratio for the MTP layer).
-V41_FLASH = {
-    "num_hidden_layers": 40,
-    "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [1],
-    "kv_source_layer_ids": [2, 8, 14, 20],
-    "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
-    "candidate_source_layer_id": 20,
-    "candidate_topk_blocks": 2048,
-    "engram_layer_ids": [1, 14],
-}
+V41_FLASH = {**V41_FLASH_BASE, "compress_ratios": V41_FLASH_BASE["compress_ratios"] + [1]}  # + the MTP layer's ratio
 
 
 def v41(**changes):

@@ -11,16 +11,8 @@ from hypothesis import strategies as st
 from engram.parallel.pp import (PARTITION_ENV, Stage, best_partition, crossing_edges, layer_costs,
                                 local_allocation, plan_pipeline)
 from engram.parallel.pp_graph import sharing_graph
+from tests.pp_configs import V41_FLASH
 
-V41_FLASH = {
-    "num_hidden_layers": 40,
-    "compress_ratios": [0, 0] + [2] * 18 + [1] * 20,
-    "kv_source_layer_ids": [2, 8, 14, 20],
-    "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
-    "candidate_source_layer_id": 20,
-    "candidate_topk_blocks": 2048,
-    "engram_layer_ids": [1, 14],
-}
 EDGE_LINE = re.compile(r"^  (kv|index|index_k|candidate) source layer (\d+) \(stage (\d+)\) -> layer (\d+) \(stage (\d+)\)$")
 
 
