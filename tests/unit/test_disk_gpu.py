@@ -1,0 +1,32 @@
+"""Disk tier returning rows on CUDA: bitwise equal to the gpu tier, with and without a device-side cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engram.quant import quantize_mxfp8
+from engram.store import open_table
+from engram.store.writer import write_table
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run with make device-test)")]
+
+
+@pytest.mark.parametrize("cache_rows", [0, 128])
+def test_disk_rows_on_cuda_equal_gpu_tier(tmp_path, cache_rows):
+    g = torch.Generator().manual_seed(0)
+    vals, scales = quantize_mxfp8(torch.randn(5000, 256, generator=g))
+    write_table(tmp_path / "t", vals, scales)
+    gpu = open_table(tmp_path / "t", tier="gpu", device="cuda")
+    disk = open_table(tmp_path / "t", tier="disk", device="cuda", cache_rows=cache_rows, queue_depth=16)
+    batches = [torch.randint(0, 5000, (n,), generator=g) for n in (0, 1, 48, 3000)] + [torch.arange(5000)]
+    for ids in batches * 2:
+        for dt in (torch.bfloat16, torch.float32):
+            a, b = gpu.gather(ids.cuda(), dtype=dt), disk.gather(ids, dtype=dt)
+            assert b.device.type == "cuda" and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        assert torch.equal(gpu.gather_raw(ids.cuda()), disk.gather_raw(ids))
+    h = disk.submit(batches[3])
+    assert torch.equal(h.wait().view(torch.uint8), gpu.gather(batches[3].cuda()).view(torch.uint8))
+    assert (disk.stats()["hits"] > 0) == bool(cache_rows)
+    disk.close()
+    gpu.close()
