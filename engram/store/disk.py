@@ -1,9 +1,9 @@
 """Disk tier: value rows stay in ``values.bin`` and are read on demand; scales stay resident in RAM.
 
-A lookup dedupes its ids (base class), maps the distinct rows to the distinct 4 KiB pages that hold them,
-reads those pages in one batched call (``PageReader``: C pthread pool, ``queue_depth`` preads in flight),
-cuts the rows out and decodes them through the same kernels as every other tier, so rows are bitwise
-equal to the gpu tier's. ``submit`` runs lookups on this table's worker thread, at most ``max_inflight``
+A lookup dedupes its ids, maps the distinct rows to the distinct 4 KiB pages that hold them, reads those
+pages in batched calls of ``chunk_pages`` (``PageReader``: C pthread pool, ``queue_depth`` preads in
+flight, two chunks queued), cuts the rows out and decodes them through the same kernels as every other
+tier, so rows are bitwise equal to the gpu tier's. ``submit`` runs lookups on this table's worker thread, at most ``max_inflight``
 unconsumed at a time; a read failure fails that lookup only. The tier knows nothing about models or plans.
 
     values.bin  |<- page p (4096 B) ->|      row r lives in page r // (4096 // stride), slot r % (4096 // stride)
