@@ -117,7 +117,10 @@ def memory_need(m: TableManifest, tier: str, device: torch.device, cache_rows: i
         else:
             need.ram += cache
     elif tier == "disk":
-        buffers = queue_depth * max(m.page_size, m.row_stride) * 2
+        from engram.store.disk import DiskConfig
+
+        # a lookup in progress holds two chunks of page buffers (one being read while the other decodes)
+        buffers = 2 * DiskConfig().chunk_pages * max(m.page_size, m.row_stride)
         need.parts = {"resident scales": scales, "cache": cache, "I/O buffers": buffers}
         need.ram = scales + buffers
         if cuda:

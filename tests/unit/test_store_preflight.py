@@ -33,7 +33,7 @@ def test_needs_per_tier(manifest):
     host = memory_need(manifest, "host", CPU, cache_rows=1000)  # pinned when CUDA exists, plain RAM otherwise
     assert host.host_total == v + s + 1000 * (256 + 8 + 24) and host.pinned == (v + s) * torch.cuda.is_available()
     disk = memory_need(manifest, "disk", CUDA, cache_rows=1 << 20, queue_depth=64)
-    assert disk.ram == s + 64 * 4096 * 2 and disk.device == (1 << 20) * 288
+    assert disk.ram == s + 2 * 2048 * 4096 and disk.device == (1 << 20) * 288
     with pytest.raises(ValueError, match="tier="):
         memory_need(manifest, "tape", CPU)
 
@@ -54,7 +54,7 @@ def test_refusal_suggests_the_largest_cache_that_fits(manifest):
     msg = str(e.value)
     assert "cache 18.00 GiB" in msg
     rows = int(msg.split("tier='disk' with cache_rows=")[1].split(".")[0].split(" ")[0])
-    usable = int(16 * GiB * 0.9) - (8 << 30) - 64 * 4096 * 2
+    usable = int(16 * GiB * 0.9) - (8 << 30) - 2 * 2048 * 4096  # two chunks of page buffers
     assert rows == usable // 288  # exactly the largest cache that fits
     preflight(manifest, "disk", CPU, cache_rows=rows, budget=budget)
     with pytest.raises(MemoryPreflightError):
