@@ -20,6 +20,8 @@ from engram.engine.sampling_params import SamplingParams
 
 # Runtime keys the engine itself reads from engram_config; the rest go to the loader / store.
 ENGINE_KEYS = ("cpu_offload", "lookup_overlap")
+# Keys the loader reads: preset table size and seed; the rest are open_table's options.
+LOADER_KEYS = ("table_rows", "seed")
 
 
 def resolve_tier(tier: str, engram_config: dict[str, Any]) -> str:
@@ -42,6 +44,12 @@ class LLM:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         options = dict(engram_config or {})
+        from engram.model.tables import OPEN_OPTIONS
+
+        known = set(ENGINE_KEYS) | set(LOADER_KEYS) | set(OPEN_OPTIONS)
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"engram_config has unknown key(s) {unknown}; known keys: {sorted(known)}")
         if not isinstance(options.get("lookup_overlap", False), bool):
             raise ValueError(f"engram_config.lookup_overlap={options['lookup_overlap']!r}: must be true or false")
         self.engram_options = options

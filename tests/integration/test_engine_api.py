@@ -242,3 +242,10 @@ def test_kv_budget_counts_hot_row_cache_and_only_kv_source_layers(tiny):
     assert engine.kv.layers == (0, 2) and engine.memory.bytes_per_block * 2 == full.memory.bytes_per_block
     out = complete(shared, PROMPT, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), **budget)
     assert len(out.token_ids) == 6
+
+
+def test_unknown_engram_config_key_is_refused_before_loading():
+    import engram
+
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['cache_row'\]"):
+        engram.LLM(model="tiny", engram_config={"cache_row": 10})
