@@ -40,8 +40,10 @@ def run(args: argparse.Namespace) -> int:
 
     from engram.server.app import build_app
 
+    from engram.engine.llm import check_engram_options
+
     try:
-        parse_engram_config(args.engram_config)  # a bad option fails now, not on the engine thread
+        check_engram_options(parse_engram_config(args.engram_config))  # fail now, not on the engine thread
     except ValueError as e:
         print(f"engram serve: error: {e}", file=sys.stderr)
         return 2

@@ -24,12 +24,24 @@ ENGINE_KEYS = ("cpu_offload", "lookup_overlap")
 LOADER_KEYS = ("table_rows", "seed")
 
 
+def check_engram_options(engram_config: dict[str, Any] | None) -> dict[str, Any]:
+    """A copy of the runtime options; ValueError for an unknown key or a bad value, before anything loads."""
+    from engram.model.tables import OPEN_OPTIONS
+
+    options = dict(engram_config or {})
+    known = set(ENGINE_KEYS) | set(LOADER_KEYS) | set(OPEN_OPTIONS)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"engram_config has unknown key(s) {unknown}; known keys: {sorted(known)}")
+    for key in ("lookup_overlap", "cpu_offload"):
+        if not isinstance(options.get(key, False), bool):
+            raise ValueError(f"engram_config.{key}={options[key]!r}: must be true or false")
+    return options
+
+
 def resolve_tier(tier: str, engram_config: dict[str, Any]) -> str:
     """``cpu_offload: true`` (vLLM's name) means tier "host" unless a tier was chosen explicitly."""
-    offload = engram_config.get("cpu_offload")
-    if offload is not None and not isinstance(offload, bool):
-        raise ValueError(f"engram_config.cpu_offload={offload!r}: must be true or false")
-    if offload and tier == "gpu":
+    if engram_config.get("cpu_offload") and tier == "gpu":
         return "host"
     return tier
 
@@ -43,15 +55,7 @@ class LLM:
         engine_config = EngineConfig.from_options(engine_options)  # bad options fail before loading
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
-        options = dict(engram_config or {})
-        from engram.model.tables import OPEN_OPTIONS
-
-        known = set(ENGINE_KEYS) | set(LOADER_KEYS) | set(OPEN_OPTIONS)
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(f"engram_config has unknown key(s) {unknown}; known keys: {sorted(known)}")
-        if not isinstance(options.get("lookup_overlap", False), bool):
-            raise ValueError(f"engram_config.lookup_overlap={options['lookup_overlap']!r}: must be true or false")
+        options = check_engram_options(engram_config)
         self.engram_options = options
         self.tier = resolve_tier(tier, options)
         store_options = {k: v for k, v in options.items() if k not in ENGINE_KEYS}
