@@ -15,7 +15,6 @@ BENCHES = {
     "lookup": "engram.bench.lookup",
     "gpu-lookup": "engram.bench.gpu_lookup",
     "serve": "engram.bench.serve_load",
-    "generate": "engram.bench.generate",
 }
 
 
