@@ -48,22 +48,26 @@ def is_prime(n: int) -> bool:
     return True
 
 
+def parse_json_object(text: str, where: str) -> dict[str, Any]:
+    """``text`` as a JSON object; ValueError naming ``where`` (a file or an option) and the position."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected a JSON object, found {type(raw).__name__}")
+    return raw
+
+
 def read_config_json(source: str | os.PathLike | dict) -> dict[str, Any]:
-    """A HF-style config as a dict: the dict itself, a config.json path, or a directory holding one.
-    ValueError names the file for invalid JSON or a non-object."""
+    """A HF-style config as a dict: the dict itself, a config.json path, or a directory holding one."""
     if isinstance(source, dict):
         return source
     path = os.fspath(source)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     with open(path, encoding="utf-8") as f:
-        try:
-            raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a JSON object, found {type(raw).__name__}")
-    return raw
+        return parse_json_object(f.read(), path)
 
 
 @dataclass(frozen=True)

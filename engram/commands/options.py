@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 
@@ -38,16 +37,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_num_seqs: int = 64) -> 
 
 
 def parse_engram_config(text: str | None) -> dict[str, Any]:
-    """The --engram-config JSON object."""
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--engram-config is not valid JSON ({e.msg} at char {e.pos}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"--engram-config must be a JSON object, got {type(value).__name__}")
-    return value
+    """The --engram-config JSON object ({} when not given)."""
+    from engram.config import parse_json_object
+
+    return parse_json_object(text, "--engram-config") if text else {}
 
 
 def build_llm(args: argparse.Namespace):

@@ -191,7 +191,7 @@ def test_cli_generate_prints_completions_and_throughput(tmp_path, capsys):
     assert main(["generate", "tiny", "--no-progress"]) == 2
     assert "no prompts" in capsys.readouterr().err
     assert main(["generate", "tiny", "--prompt", "x", "--engram-config", "{bad"]) == 2
-    assert "--engram-config is not valid JSON" in capsys.readouterr().err
+    assert "--engram-config: not valid JSON" in capsys.readouterr().err
 
 
 class FailingOnce(SyncLookupExecutor):
