@@ -66,7 +66,8 @@ def _report(manifests, seconds: float) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engram.store.convert import _Source, convert_random, convert_safetensors, convert_tensor, layer_dir, shard_paths
+    from engram.store.convert import (convert_random, convert_safetensors, convert_tensor, find_tensor, layer_dir,
+                                      shard_paths)
     from engram.store.format import TableFormatError
 
     progress = not args.no_progress
@@ -91,15 +92,7 @@ def run(args: argparse.Namespace) -> int:
             if not args.sources:
                 raise ValueError("give safetensors files or directories (SRC), or --random")
             if args.tensor:
-                from safetensors import safe_open
-                src = None
-                for path in shard_paths(args.sources):
-                    with safe_open(str(path), framework="pt") as f:
-                        if args.tensor in f.keys():
-                            src = _Source(path, args.tensor)
-                            break
-                if src is None:
-                    raise ValueError(f"tensor {args.tensor!r} is in none of {args.sources}")
+                src = find_tensor(shard_paths(args.sources), args.tensor)
                 out = [convert_tensor(src, args.out, layer_id=args.layer, quantize=args.quantize, config=cfg,
                                       progress=progress)]
             else:

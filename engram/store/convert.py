@@ -20,11 +20,12 @@ from typing import Any, Iterable
 import torch
 
 from engram.quant import quantize_mxfp8
-from engram.store.format import SCALE_BLOCK, TableManifest
+from engram.store.format import ITEMSIZE, SCALE_BLOCK, TableManifest
+from engram.store.kernels.reference import ROW_TORCH_DTYPES
 from engram.store.writer import IN_FLIGHT, TableWriter
 
 V41_NAME = re.compile(r"^(?:model\.)?layers\.(\d+)\.engram\.embed\.(weight|scale)$")
-FLOAT_ROW_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+SAFETENSORS_FLOAT_ROW_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}  # safetensors dtype -> row dtype
 CHUNK_TARGET_BYTES = 64 << 20  # values bytes generated / copied per step
 RANDOM_CHUNK_BYTES = 16 << 20  # value bytes per random chunk (each has its own seeded generator)
 RANDOM_SCALE_LO = 118  # random scale bytes are in [118, 125]: factors 2**-9 .. 2**-2
@@ -78,6 +79,17 @@ def find_engram_tensors(shards: list[Path]) -> dict[int, dict[str, _Source]]:
     return found
 
 
+def find_tensor(shards: list[Path], name: str) -> _Source:
+    """The first shard holding a tensor called ``name``; ValueError when none does."""
+    from safetensors import safe_open
+
+    for path in shards:
+        with safe_open(str(path), framework="pt") as f:
+            if name in f.keys():
+                return _Source(path, name)
+    raise ValueError(f"tensor {name!r} is in none of {[str(p) for p in shards]}")
+
+
 def _chunk_rows(row_bytes: int) -> int:
     return max(1, CHUNK_TARGET_BYTES // max(1, row_bytes))
 
@@ -112,11 +124,11 @@ def convert_tensor(weight: _Source, out: str | os.PathLike, *, scale: _Source | 
         if fp8 and scale is None:
             raise ValueError(f"{weight.path}:{weight.name} is F8_E4M3 but has no scale tensor "
                              f"({weight.name.rsplit('.', 1)[0]}.scale)")
-        if not fp8 and wdtype not in ("BF16", "F16", "F32"):
+        if not fp8 and wdtype not in SAFETENSORS_FLOAT_ROW_DTYPES:
             raise ValueError(f"{weight.path}:{weight.name} has dtype {wdtype}; expected F8_E4M3, BF16, F16 or F32")
         if quantize not in (None, "mxfp8"):
             raise ValueError(f"quantize={quantize!r} must be None or 'mxfp8'")
-        row_dtype = "mxfp8" if (fp8 or quantize == "mxfp8") else {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}[wdtype]
+        row_dtype = "mxfp8" if (fp8 or quantize == "mxfp8") else SAFETENSORS_FLOAT_ROW_DTYPES[wdtype]
         meta = {"source": f"{weight.path.name}:{weight.name}", "source_dtype": wdtype}
         if quantize and not fp8:
             meta["quantized"] = "mxfp8"
@@ -193,10 +205,9 @@ def convert_random(out: str | os.PathLike, rows: int, dim: int, seed: int = 0, r
     the writer is done with it (IN_FLIGHT + workers + 1 slots)."""
     if row_dtype == "mxfp8" and dim % SCALE_BLOCK:
         raise ValueError(f"dim={dim} must be a multiple of {SCALE_BLOCK} for mxfp8 rows")
-    itemsize = {"mxfp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}.get(row_dtype)
-    if itemsize is None:
+    if row_dtype not in ITEMSIZE:
         raise ValueError(f"row_dtype={row_dtype!r} must be one of mxfp8, bf16, fp16, fp32")
-    step = max(1, RANDOM_CHUNK_BYTES // (dim * itemsize))
+    step = max(1, RANDOM_CHUNK_BYTES // (dim * ITEMSIZE[row_dtype]))
     starts = list(range(0, rows, step))
     workers = max(1, min(workers or min(4, os.cpu_count() or 1), len(starts)))
     ring = []
@@ -204,14 +215,13 @@ def convert_random(out: str | os.PathLike, rows: int, dim: int, seed: int = 0, r
         words = min(rows, step) * dim // 8
         ring = [(torch.empty(words, dtype=torch.int64), torch.empty(words // 4 + 1, dtype=torch.int64),
                  torch.empty(words, dtype=torch.int64)) for _ in range(IN_FLIGHT + workers + 1)]
-    float_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(row_dtype)
 
     def make(k: int):
         n = min(rows, starts[k] + step) - starts[k]
         gen = torch.Generator().manual_seed((seed * 1_000_003 + k) % (1 << 63))  # chunk k's own stream
         if row_dtype == "mxfp8":
             return _random_mxfp8(n, dim, gen, ring[k % len(ring)])
-        return (torch.randn(n, dim, generator=gen).mul_(0.05).to(float_dtype),)
+        return (torch.randn(n, dim, generator=gen).mul_(0.05).to(ROW_TORCH_DTYPES[row_dtype]),)
 
     meta = {"source": "random", "seed": seed}
     kw: dict[str, Any] = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}

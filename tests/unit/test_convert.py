@@ -129,7 +129,7 @@ def test_cli_random_per_layer_and_single(tmp_path, capsys):
     assert '"rows": 1000' in capsys.readouterr().out
 
 
-def test_cli_safetensors_and_tensor(tmp_path, v41_checkpoint):
+def test_cli_safetensors_and_tensor(tmp_path, v41_checkpoint, capsys):
     ck, layers = v41_checkpoint
     assert main(["convert", str(ck), "--out", str(tmp_path / "o"), "--layers", "4", "--no-progress"]) == 0
     assert read_manifest(tmp_path / "o" / "layer_4").rows == CFG.table_rows(4)
@@ -139,6 +139,9 @@ def test_cli_safetensors_and_tensor(tmp_path, v41_checkpoint):
                  "--out", str(tmp_path / "one"), "--no-progress"]) == 0
     m = read_manifest(tmp_path / "one")
     assert (m.row_dtype, m.layer_id) == ("fp32", 2)
+    assert main(["convert", str(tmp_path / "x.safetensors"), "--tensor", "no.such", "--out", str(tmp_path / "two"),
+                 "--no-progress"]) == 2
+    assert "tensor 'no.such' is in none of" in capsys.readouterr().err and not (tmp_path / "two").exists()
 
 
 def test_cli_errors_and_help(tmp_path, capsys):
