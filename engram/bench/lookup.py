@@ -61,21 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_random_table(rows: int, dim: int, workdir: str) -> Path:
-    """A random MXFP8 table of ``rows`` x ``dim`` in a fresh directory under ``workdir``, streamed."""
-    import numpy as np
-
-    from engram.store.writer import TableWriter
+    """A random MXFP8 table of ``rows`` x ``dim`` (``convert_random``, seed 0) in a fresh directory under
+    ``workdir``."""
+    from engram.store.convert import convert_random
 
     root = Path(tempfile.mkdtemp(prefix=".engram-bench-lookup-", dir=workdir))
-    rng = np.random.default_rng(0)
-    with TableWriter(root / "table", rows, dim, "mxfp8", meta={"source": "engram bench lookup --random-rows"},
-                     sync=False) as w:
-        step = max(1, (64 << 20) // dim)
-        for a in range(0, rows, step):
-            n = min(step, rows - a)
-            vals = rng.integers(0, 256, size=(n, dim), dtype=np.uint8) & 0xF7  # no E4M3 NaN (0x7f / 0xff)
-            scales = rng.integers(120, 135, size=(n, dim // 32), dtype=np.uint8)
-            w.append(vals, scales)
+    convert_random(root / "table", rows, dim, seed=0, progress=False)
     return root / "table"
 
 
