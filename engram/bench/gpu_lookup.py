@@ -236,17 +236,16 @@ def uva_runs(args, lim: dict) -> dict:
     res["sorted"] = gather_points("uva-sorted", lambda ids: lambda: uva.gather_rows(
         values, scales, ids, "mxfp8", DIM, sort=True), rows, args.rep_ms, [1 << 14, 1 << 16, 1 << 18], ["uniform"],
         lim, 2 * DIM)
-    if "sweep" in args.parts:  # launch configs for the sorted host path
-        from engram.store.kernels import triton_gather
+    if "sweep" in args.parts:  # launch configs for the sorted host path: uva passes uva.UVA_CONFIG to every launch
         from engram.store.kernels.launch_config import LaunchConfig
-        chosen, res["sweep"] = triton_gather.CONFIG, []
+        chosen, res["sweep"] = uva.UVA_CONFIG, []
         for b, w, p, st in [(32, 4, 0, True), (64, 8, 0, True), (16, 4, 0, True), (64, 8, -1, True)]:
-            triton_gather.CONFIG = LaunchConfig(b, w, p, st)
-            res["sweep"].append({"config": triton_gather.CONFIG.__dict__, "points": gather_points(
+            uva.UVA_CONFIG = LaunchConfig(b, w, p, st)
+            res["sweep"].append({"config": uva.UVA_CONFIG.__dict__, "points": gather_points(
                 f"uva-sorted-{b}x{w}w-{p}pps", lambda ids: lambda: uva.gather_rows(values, scales, ids, "mxfp8", DIM,
                                                                                   sort=True),
                 rows, args.rep_ms, [1 << 18, 1 << 22], ["uniform"], lim, 2 * DIM)})
-        triton_gather.CONFIG = chosen
+        uva.UVA_CONFIG = chosen
     g = torch.Generator(device="cuda").manual_seed(5)
     sort_cost = {}
     for n in (1 << 14, 1 << 18, 1 << 22):
