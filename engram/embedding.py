@@ -13,8 +13,6 @@ from torch import nn
 from engram.config import EngramConfig
 from engram.quant import quantize_mxfp8
 
-_STORE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
 
 class EngramEmbedding(nn.Module):
     """Trainable table of one Engram layer: ``weight`` [table_rows, head_dim] (float32 unless ``dtype``).
@@ -56,7 +54,9 @@ class EngramEmbedding(nn.Module):
 
         MXFP8 gives float8_e4m3fn values and uint8 scales [R, D/32]; other dtypes give (values, None).
         """
+        from engram.store.kernels.reference import ROW_TORCH_DTYPES
+
         w = self.embedding.weight.detach()
         if self.cfg.row_dtype == "mxfp8":
             return quantize_mxfp8(w)
-        return w.to(_STORE_DTYPES[self.cfg.row_dtype]).clone(), None
+        return w.to(ROW_TORCH_DTYPES[self.cfg.row_dtype]).clone(), None

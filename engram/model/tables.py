@@ -20,11 +20,12 @@ import torch
 
 from engram.config import EngramConfig
 from engram.store.convert import convert_random, convert_safetensors, layer_dir
-from engram.store.format import MANIFEST
+from engram.store.format import MANIFEST, read_manifest
+from engram.store.kernels.reference import ROW_TORCH_DTYPES
+from engram.store.load import load_table
 
 GENERATOR_VERSION = 2  # bump when generate_random_table changes what it writes
 OPEN_OPTIONS = ("cache_rows", "cache_bytes", "cache_policy", "io", "queue_depth")  # passed to open_table
-_ROW_TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -99,17 +100,9 @@ def convert_checkpoint_tables(checkpoint: Path, dirs: dict[int, Path], cfg: Engr
 
 def read_table_tensors(directory: Path) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A whole table back as checkpoint tensors: values [rows, dim] in the row dtype (float8_e4m3fn for
-    MXFP8) and scales float8_e8m0fnu [rows, dim/32] (None for other dtypes). Reads the files in RAM."""
-    import numpy as np
-
-    from engram.store.format import read_manifest
-
+    MXFP8) and scales float8_e8m0fnu [rows, dim/32] (None for other dtypes). Reads the files into RAM
+    (store's ``load_table``, CRC-checked)."""
     m = read_manifest(directory)
-    raw = np.fromfile(m.values_path, dtype=np.uint8)[: m.rows * m.row_stride].reshape(m.rows, m.row_stride)
-    vals = torch.from_numpy(np.ascontiguousarray(raw[:, : m.value_bytes]))  # [rows, value_bytes] uint8
-    torch_dtype = torch.float8_e4m3fn if m.row_dtype == "mxfp8" else _ROW_TORCH[m.row_dtype]
-    values = vals.view(torch_dtype)  # [rows, dim]
-    if not m.scale_cols:
-        return values, None
-    sc = np.fromfile(m.scales_path, dtype=np.uint8)[: m.rows * m.scale_cols].reshape(m.rows, m.scale_cols)
-    return values, torch.from_numpy(sc.copy()).view(torch.float8_e8m0fnu)
+    raw, scales = load_table(m)  # uint8 [rows, row_stride], uint8 [rows, scale_cols] | None
+    values = raw[:, : m.value_bytes].contiguous().view(ROW_TORCH_DTYPES[m.row_dtype])  # [rows, dim]
+    return values, None if scales is None else scales.view(torch.float8_e8m0fnu)

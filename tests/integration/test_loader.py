@@ -9,6 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from engram.model.loader import load_model, save_model
 from engram.model.reference import greedy_generate, prefill_logits
+from engram.model.tables import read_table_tensors
+from engram.store import write_table
 from engram.store.format import MANIFEST
 
 PROMPT = "Return the number of items in a container."
@@ -157,3 +159,20 @@ def test_small_preset_runs_on_cpu(cache_dir):
     assert sorted(loaded.tables) == [1, 6] and loaded.model_config.hc_mult == 2
     logits = prefill_logits(loaded, _ids(loaded)[:8])
     assert logits.shape == (8, 4096) and bool(torch.isfinite(logits).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+def test_read_table_tensors_returns_what_was_written(tmp_path, dtype):
+    """save_model's table reader gives back the written values (and E8M0 scales) bitwise, for every row dtype;
+    48 rows of 40 dims: fp32 rows (160 B) are padded to a 256 B stride that must be cut off."""
+    g = torch.Generator().manual_seed(0)
+    dim = 64 if dtype == torch.float8_e4m3fn else 40
+    values = (torch.randn(48, dim, generator=g) * 4).to(dtype)
+    scales = torch.randint(110, 130, (48, dim // 32), generator=g, dtype=torch.uint8) if dtype.itemsize == 1 else None
+    write_table(tmp_path / "t", values, scales)
+    got_v, got_s = read_table_tensors(tmp_path / "t")
+    assert got_v.dtype == dtype and torch.equal(got_v.view(torch.uint8), values.view(torch.uint8))
+    if scales is None:
+        assert got_s is None
+    else:
+        assert got_s.dtype == torch.float8_e8m0fnu and torch.equal(got_s.view(torch.uint8), scales)
