@@ -24,7 +24,7 @@ import torch
 from engram.store import kernels
 from engram.store.base import LookupHandle, TableBackend, Tier
 from engram.store.format import TableManifest, read_manifest
-from engram.store.reader import PAGE, PageReader, aligned_pages
+from engram.store.reader import IO_MODES, MAX_QUEUE_DEPTH, PAGE, PageReader, aligned_pages
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,10 @@ class DiskConfig:
     chunk_pages: int = 2048  # pages per batched read call: bounds a lookup's page buffer (8 MiB)
 
     def __post_init__(self) -> None:
-        if self.io not in ("direct", "buffered"):
-            raise ValueError(f"disk.io={self.io!r}: must be 'direct' or 'buffered'")
-        if not 1 <= self.queue_depth <= 1024:
-            raise ValueError(f"disk.queue_depth={self.queue_depth}: must be in [1, 1024]")
+        if self.io not in IO_MODES:
+            raise ValueError(f"disk.io={self.io!r}: must be one of {IO_MODES}")
+        if not 1 <= self.queue_depth <= MAX_QUEUE_DEPTH:
+            raise ValueError(f"disk.queue_depth={self.queue_depth}: must be in [1, {MAX_QUEUE_DEPTH}]")
         if self.max_inflight < 1:
             raise ValueError(f"disk.max_inflight={self.max_inflight}: must be >= 1")
         if self.chunk_pages < 1:
@@ -241,7 +241,7 @@ class DiskTable(TableBackend):
     def submit(self, ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> DiskLookup:
         """Start a lookup on the worker thread; raises InflightLimitError past ``max_inflight``."""
         ids = self.check_ids(ids)
-        nbytes = ids.numel() * self.dim * torch.empty(0, dtype=dtype).element_size()
+        nbytes = ids.numel() * self.dim * dtype.itemsize
         with self._lock:
             if self._extra["inflight"] >= self.config.max_inflight:
                 raise InflightLimitError(

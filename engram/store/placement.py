@@ -17,8 +17,7 @@ from engram.store.cache import POLICIES, RowCache
 from engram.store.format import check_fingerprint, read_manifest
 from engram.store.gpu import default_device
 from engram.store.preflight import preflight, preflight_enabled
-
-IO_MODES = ("direct", "buffered")
+from engram.store.reader import IO_MODES
 
 
 def open_table(directory: str | os.PathLike, tier: str | Tier = "gpu", device: torch.device | str | None = None,
@@ -64,7 +63,7 @@ def open_table(directory: str | os.PathLike, tier: str | Tier = "gpu", device: t
         from engram.store.host import HostTable
         table = HostTable(m, dev, cache, verify=verify, progress=progress)
     else:
-        from engram.store.disk import DiskConfig, DiskTable  # the disk tier's reader is optional C code
+        from engram.store.disk import DiskConfig, DiskTable
         table = DiskTable(m, device=dev, cache=cache, config=DiskConfig(io=io, queue_depth=queue_depth))
     table.count_unique = count_unique
     return table
