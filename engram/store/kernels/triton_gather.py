@@ -17,9 +17,9 @@ import triton
 import triton.language as tl
 
 from engram.store.kernels.launch_config import LaunchConfig, config_from_env
+from engram.store.kernels.reference import ROW_TORCH_DTYPES
 
 ROW_KINDS = {"mxfp8": 0, "bf16": 1, "fp16": 2, "fp32": 3}
-_ROW_TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 OUT_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
@@ -192,13 +192,17 @@ def _word_bytes(*byte_counts: int) -> int:
     return 1
 
 
-def _check_table(values: torch.Tensor, scales: torch.Tensor | None, row_dtype: str, dim: int) -> None:
+def _check_values(values: torch.Tensor) -> None:
     if values.dtype != torch.uint8 or values.dim() != 2 or values.stride(1) != 1:
         raise ValueError(f"values must be uint8 [R, stride] with unit column stride, got {values.dtype} "
                          f"shape {tuple(values.shape)} strides {values.stride()}")
+
+
+def _check_table(values: torch.Tensor, scales: torch.Tensor | None, row_dtype: str, dim: int) -> None:
+    _check_values(values)
     if row_dtype not in ROW_KINDS:
         raise ValueError(f"row_dtype={row_dtype!r} is not one of {tuple(ROW_KINDS)}")
-    itemsize = 1 if row_dtype == "mxfp8" else _ROW_TORCH[row_dtype].itemsize
+    itemsize = ROW_TORCH_DTYPES[row_dtype].itemsize
     if dim * itemsize > values.shape[1]:
         raise ValueError(f"dim={dim} {row_dtype} needs {dim * itemsize} B per row, values rows have {values.shape[1]}")
     if row_dtype == "mxfp8":
@@ -240,7 +244,7 @@ def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Te
         V_STRIDE=values.stride(0), S_STRIDE=sc.stride(0), OUT_STRIDE=out.stride(0), DIM=dim, NB=nb,
         ROW_KIND=ROW_KINDS[row_dtype], OUT_KIND=OUT_KINDS[dtype], BLOCK_R=cfg.block_r,
         SCALE_U64=row_dtype == "mxfp8" and nb == 8 and dim == 256 and (sc.data_ptr() | sc.stride(0)) % 8 == 0,
-        CAST_VIA_F32=row_dtype in ("bf16", "fp16") and dtype != torch.float32 and _ROW_TORCH[row_dtype] != dtype,
+        CAST_VIA_F32=row_dtype in ("bf16", "fp16") and dtype != torch.float32 and ROW_TORCH_DTYPES[row_dtype] != dtype,
         HAS_DST=dst is not None, HAS_RUNS=runs is not None, STREAM=cfg.stream)
     args = (kernel_arg(values), kernel_arg(sc), ids, dst if dst is not None else ids,
             runs if runs is not None else ids, out, n)
@@ -252,9 +256,7 @@ def gather_raw(values: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None
                dst: torch.Tensor | None = None, runs: torch.Tensor | None = None,
                cfg: LaunchConfig | None = None) -> torch.Tensor:
     """Packed bytes of rows ``ids`` into ``out`` uint8 [M, stride] on the GPU (same dst/runs rules)."""
-    if values.dtype != torch.uint8 or values.dim() != 2 or values.stride(1) != 1:
-        raise ValueError(f"values must be uint8 [R, stride] with unit column stride, got {values.dtype} "
-                         f"shape {tuple(values.shape)} strides {values.stride()}")
+    _check_values(values)
     if not ids.is_cuda:
         raise ValueError(f"ids must be on a CUDA device, got {ids.device}")
     cfg = cfg or CONFIG
