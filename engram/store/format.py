@@ -211,6 +211,11 @@ def check_file_size(path: Path, expected: int) -> None:
         raise TableFormatError(path, expected, f"too long: {actual} bytes, the manifest says {expected}")
 
 
+def checksum_error(path: Path, index: int, offset: int, nbytes: int) -> TableFormatError:
+    """The error for chunk ``index`` (``nbytes`` at byte ``offset`` of ``path``) failing its CRC32."""
+    return TableFormatError(path, offset, f"checksum mismatch in chunk {index} (bytes {offset}..{offset + nbytes - 1})")
+
+
 def check_fingerprint(m: TableManifest, expect: dict[str, Any]) -> None:
     """Refuse a table built for another layout: every key of ``expect`` (EngramConfig.fingerprint) must
     match the manifest's fingerprint. A table without one (e.g. synthetic) must match rows, dim and layer."""
@@ -323,8 +328,7 @@ def verify_table(directory: str | os.PathLike, progress: bool = False) -> Verify
         for i, (off, data) in enumerate(iter_chunks(path, m.chunk_bytes, entry.bytes)):
             if zlib.crc32(data) != entry.crc32[i]:
                 info["bad_chunks"].append(i)
-                report.errors.append(TableFormatError(path, off, f"checksum mismatch in chunk {i} "
-                                                                 f"(bytes {off}..{off + len(data) - 1})"))
+                report.errors.append(checksum_error(path, i, off, len(data)))
             report.bytes_checked += len(data)
             if bar is not None:
                 bar.update(len(data))

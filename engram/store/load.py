@@ -12,7 +12,8 @@ import zlib
 import numpy as np
 import torch
 
-from engram.store.format import TableFormatError, TableManifest, check_file_size
+from engram.store.format import TableFormatError, TableManifest, check_file_size, checksum_error
+from engram.store.pinning import pin_tensor
 
 
 def _bar(progress: bool, total: int, desc: str):
@@ -20,14 +21,6 @@ def _bar(progress: bool, total: int, desc: str):
         return None
     from tqdm import tqdm
     return tqdm(total=total, unit="B", unit_scale=True, desc=desc)
-
-
-def _pin(t: torch.Tensor) -> torch.Tensor:
-    try:
-        from engram.store.pinning import pin_tensor
-    except ImportError:  # pinning helper not in this build: torch's allocator pins too, only slower
-        return t.pin_memory()
-    return pin_tensor(t)
 
 
 def load_file(m: TableManifest, kind: str, target: str | torch.device = "ram", verify: bool = True,
@@ -42,9 +35,11 @@ def load_file(m: TableManifest, kind: str, target: str | torch.device = "ram", v
         # Source is the page cache (a copy-on-write map), so the pinned copy is the only resident one.
         src = np.memmap(path, dtype=np.uint8, mode="c", shape=(entry.bytes,))
         if verify:
-            _verify_chunks(path, entry.bytes, m.chunk_bytes, entry.crc32, lambda a, b: src[a:b], bar)
-        out = _pin(torch.from_numpy(src))
+            _verify_chunks(path, src, m.chunk_bytes, entry.crc32, bar)
+        out = pin_tensor(torch.from_numpy(src))
         del src
+        if bar is not None:
+            bar.close()
         return out
     out = torch.empty(entry.bytes, dtype=torch.uint8, device=dev)
     host = out if dev.type == "cpu" else torch.empty(min(m.chunk_bytes, entry.bytes), dtype=torch.uint8,
@@ -61,7 +56,7 @@ def load_file(m: TableManifest, kind: str, target: str | torch.device = "ram", v
                     raise TableFormatError(path, off + got, f"truncated while loading (expected {entry.bytes} bytes)")
                 got += r
             if verify and zlib.crc32(mv) != entry.crc32[i]:
-                raise TableFormatError(path, off, f"checksum mismatch in chunk {i} (bytes {off}..{off + n - 1})")
+                raise checksum_error(path, i, off, n)
             if dev.type != "cpu":
                 out[off:off + n].copy_(buf)  # synchronous: the bounce buffer is reused next chunk
             if bar is not None:
@@ -71,11 +66,12 @@ def load_file(m: TableManifest, kind: str, target: str | torch.device = "ram", v
     return out
 
 
-def _verify_chunks(path, size: int, chunk_bytes: int, crcs: list[int], view, bar) -> None:
-    for i, off in enumerate(range(0, size, chunk_bytes)):
-        n = min(chunk_bytes, size - off)
-        if zlib.crc32(view(off, off + n)) != crcs[i]:
-            raise TableFormatError(path, off, f"checksum mismatch in chunk {i} (bytes {off}..{off + n - 1})")
+def _verify_chunks(path, data: np.ndarray, chunk_bytes: int, crcs: list[int], bar) -> None:
+    """CRC-check every chunk of ``data`` (the file's bytes, uint8 [size]) against the manifest's ``crcs``."""
+    for i, off in enumerate(range(0, data.size, chunk_bytes)):
+        n = min(chunk_bytes, data.size - off)
+        if zlib.crc32(data[off:off + n]) != crcs[i]:
+            raise checksum_error(path, i, off, n)
         if bar is not None:
             bar.update(n)
 
