@@ -99,16 +99,17 @@ def test_gather_rows_bitwise(where, row_dtype, dim, stride, packed, out_dtype):
 
 
 @pytest.mark.parametrize("row_dtype,dim,stride,packed", [TABLES[0], TABLES[3], TABLES[7]])
-def test_gather_rows_into_strided_out_writes_every_element(where, row_dtype, dim, stride, packed):
+@pytest.mark.parametrize("id_set", ["random_1000", "zipf_20000"])  # zipf: UVA's sorted path + copy_duplicates
+def test_gather_rows_into_strided_out_writes_every_element(where, row_dtype, dim, stride, packed, id_set):
     values, scales = make_table(row_dtype, dim, stride, packed, seed=3)
-    ids = id_sets(ROWS)["random_1000"]
+    ids = id_sets(ROWS)[id_set]
     want = reference.gather_rows(values.cuda(), scales.cuda() if scales is not None else None, ids.cuda(),
                                  row_dtype, dim, dtype=torch.float32)
     big = torch.full((ids.shape[0], dim + 9), float("nan"), device="cuda")  # poisoned, rows wider than dim
     out = big[:, 3:3 + dim]
     got = kernels.gather_rows(where(values), where(scales), ids, row_dtype, dim, out=out, dtype=torch.float32)
     assert got.data_ptr() == out.data_ptr()
-    assert_bitwise(got, want, f"{row_dtype} into strided out")
+    assert_bitwise(got, want, f"{row_dtype} into strided out, ids {id_set}")
     assert torch.isnan(big[:, :3]).all() and torch.isnan(big[:, 3 + dim:]).all(), "wrote outside out"
 
 
