@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -329,7 +329,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         compressed_vocab_size=129280, pad_token_id=2, hidden_size=1024, hc_mult=4, rms_norm_eps=1e-5,
         variant="paper", row_dtype="fp32", kernel_size=4,
     ),
-    # CPU-friendly: two layers of ~12 K rows each; compressed_vocab_size matches the built-in tokenizer.
+    # CPU-friendly: two layers of ~10 K rows each; compressed_vocab_size matches the built-in tokenizer.
     "tiny": dict(
         layer_ids=(1, 3), max_ngram_size=3, n_heads=4, head_dim=32, vocab_size=(1009, 1511),
         compressed_vocab_size=2901, pad_token_id=2, hidden_size=64, hc_mult=2, rms_norm_eps=1e-6,
