@@ -17,3 +17,11 @@ def test_pin_rejects_bad_arguments(kw):
     name = next(iter(kw))
     with pytest.raises(ValueError, match=name):
         pin_tensor(torch.zeros(4), **kw)
+
+
+def test_copy_chunks_copies_every_byte_with_a_short_last_chunk():
+    from engram.store.pinning import _copy_chunks
+    src = torch.randint(0, 256, (3 * 4096 + 123,), dtype=torch.uint8)  # 3 full chunks and a short one
+    dst = torch.zeros_like(src)
+    _copy_chunks(dst, src, chunk_bytes=4096, threads=3)
+    assert torch.equal(dst, src)
