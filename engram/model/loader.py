@@ -17,17 +17,18 @@ from typing import Any
 
 import torch
 
-from engram.config import EngramConfig
+from engram.config import EngramConfig, parse_json_object
 from engram.model.decoder import EngramDecoder
 from engram.model.model_config import ModelConfig
 from engram.model.presets import MODEL_PRESETS, TOKENIZER_FILE, init_random_weights, preset_config
 from engram.model.tables import (checkpoint_table_dirs, convert_checkpoint_tables, ensure_preset_tables,
                                  open_tables)
+from engram.weights import V41_TABLE_KEYS
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-ENGRAM_TABLE_KEYS = ("engram.embed.weight", "engram.embed.scale")
+ENGRAM_TABLE_KEYS = tuple(f"engram.{k}" for k in V41_TABLE_KEYS)  # converted into the store, not loaded
 
 
 @dataclass
@@ -146,11 +147,10 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return {}
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    return parse_json_object(text, str(path))
 
 
 @torch.no_grad()
@@ -159,7 +159,7 @@ def _load_weights(model: EngramDecoder, files: list[Path]) -> None:
     those). Raises ValueError naming missing, unexpected or mis-shaped tensors."""
     from safetensors import safe_open
 
-    from engram.weights import convert_state_dict
+    from engram.weights import load_engram_weights
 
     cfg = model.config
     params = dict(model.named_parameters())  # a tied lm_head is listed once (as the embedding)
@@ -194,11 +194,9 @@ def _load_weights(model: EngramDecoder, files: list[Path]) -> None:
         raise ValueError(f"checkpoint has unexpected tensors (not in the {cfg.architecture} layout of "
                          f"config.json): {sorted(unexpected)[:8]}{' ...' if len(unexpected) > 8 else ''}")
     for lid, layer in engram_layers.items():
-        converted, _ = convert_state_dict(layer, engram_sd[lid], prefix=f"model.layers.{lid}.engram.")
-        state = layer.state_dict()
-        for pname, value in converted.items():
-            state[pname].copy_(value.to(state[pname].dtype))
-            loaded.add(f"model.layers.{lid}.engram.{pname}")
+        prefix = f"model.layers.{lid}.engram."
+        load_engram_weights(layer, engram_sd[lid], prefix=prefix)  # every parameter, or ValueError
+        loaded.update(prefix + pname for pname, _ in layer.named_parameters())
     missing = sorted(n for n in params if n not in loaded)
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")

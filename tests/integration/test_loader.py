@@ -138,6 +138,13 @@ def test_config_and_option_errors(checkpoint, tmp_path):
     (d / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="'num_hidden_layers' is required"):
         load_model(d, device="cpu", cache_dir=tmp_path / "cache", progress=False)
+    (d / "config.json").write_text("{\"hidden_size\": 64,")
+    with pytest.raises(ValueError, match="config.json: not valid JSON at line 1"):
+        load_model(d, device="cpu", cache_dir=tmp_path / "cache", progress=False)
+    (d / "config.json").write_text(json.dumps(raw | {"num_hidden_layers": 4}))
+    (d / "tokenizer_config.json").write_text("[]")
+    with pytest.raises(ValueError, match="tokenizer_config.json: expected a JSON object, found list"):
+        load_model(d, device="cpu", cache_dir=tmp_path / "cache", progress=False)
     with pytest.raises(ValueError, match="neither a preset"):
         load_model(tmp_path / "nope", device="cpu")
     with pytest.raises(ValueError, match="dtype='int8'"):
