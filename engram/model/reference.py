@@ -58,15 +58,18 @@ def new_conv_states(loaded) -> dict | None:
     return {lid: layer.new_state(1, dtype=loaded.dtype, device=loaded.device) for lid, layer in layers.items()}
 
 
-def engram_fields(loaded, new_ids: list[int], past_ids: list[int], device, conv_state=None) -> dict:
-    """engram_rows / dead_mask / conv_state of a single-sequence step whose earlier tokens were ``past_ids``."""
+def engram_fields(loaded, new_ids: list[int], past_ids: list[int], device, conv_state=None,
+                  hasher: NgramHasher | None = None) -> dict:
+    """engram_rows / dead_mask / conv_state of a single-sequence step whose earlier tokens were ``past_ids``
+    (only the last max_ngram_size - 1 are read). ``hasher``: ``hasher_for(loaded)``, made here if None."""
     ecfg = loaded.engram_config
     if ecfg is None:
         return {"engram_rows": None}
-    hasher = hasher_for(loaded)
+    hasher = hasher or hasher_for(loaded)
     dead = ecfg.dead_token_ids
-    comp_past = loaded.compressed_tokenizer.compress(torch.tensor(past_ids, dtype=torch.long), dead)
     window = ecfg.max_ngram_size - 1
+    recent = past_ids[len(past_ids) - window:] if len(past_ids) > window else past_ids  # compress is per token
+    comp_past = loaded.compressed_tokenizer.compress(torch.tensor(recent, dtype=torch.long), dead)
     lookback = torch.cat([hasher.initial_lookback(1)[0], comp_past.to(torch.long)])[-window:].unsqueeze(0)
     ids = torch.tensor(new_ids, dtype=torch.long)
     comp = loaded.compressed_tokenizer.compress(ids, dead).to(torch.long)
@@ -87,8 +90,9 @@ def greedy_generate(loaded, prompt_ids: list[int], max_new_tokens: int, block_si
     table = [list(range(n_blocks))]
     seq, new, out = list(prompt_ids), list(prompt_ids), []
     past, states = 0, new_conv_states(loaded)  # paper variant: conv history carried across steps
+    hasher = hasher_for(loaded) if loaded.engram_config is not None else None  # one per sequence, not per step
     for _ in range(max_new_tokens):
-        fields = engram_fields(loaded, new, seq[:past], device, states)
+        fields = engram_fields(loaded, new, seq[:past], device, states, hasher)
         step = make_step_inputs([new], [past], table, block_size, fields.pop("engram_rows"), device=device, **fields)
         tok = int(model.compute_logits(model(step, kv)).argmax(-1)[0])
         past = len(seq)
