@@ -103,8 +103,9 @@ class TableBackend:
     # ----------------------------------------------------------------- subclass hooks
     def _fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Packed rows of ``ids`` (int64 [M], in range, distinct, ascending; on the CPU when the tier is
-        ``host_backed`` or the call comes through the cache) from the backing store, preferably on ``self.device``:
-        (values uint8 [M, >= value_bytes], scales uint8 [M, scale_cols] or None). Adds bytes_read/read_ops."""
+        ``host_backed`` or the call comes through the cache) from the backing store, on the store's device (the
+        caller moves them to ``self.device``, the cache after dropping stride padding): (values uint8
+        [M, >= value_bytes], scales uint8 [M, scale_cols] or None). Adds bytes_read/read_ops."""
         raise NotImplementedError
 
     # ----------------------------------------------------------------- public API
@@ -129,19 +130,8 @@ class TableBackend:
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """Dequantized rows [N, dim] in ``dtype`` on ``self.device`` (written into ``out`` when given)."""
         ids = self.check_ids(ids)
-        n = ids.numel()
-        if out is not None and (tuple(out.shape) != (n, self.dim) or out.dtype != dtype):
-            raise ValueError(f"out has shape {tuple(out.shape)} {out.dtype}, expected [{n}, {self.dim}] {dtype}")
-        if n == 0:
-            self._count(lookups=1)
-            return out if out is not None else torch.empty(0, self.dim, dtype=dtype, device=self.device)
-        vals, scales, inverse = self._unique_rows(ids)
-        if vals.device != self.device:  # a backing tier that returned host bytes: move the packed rows once
-            vals = vals.to(self.device)
-            scales = scales.to(self.device) if scales is not None else None
-        # vals [U, >= value_bytes] uint8, inverse [N] -> dequantized [N, dim]
-        return kernels.gather_rows(vals, scales, inverse.to(self.device), self.row_dtype, self.dim,
-                                   out=out, dtype=dtype)
+        self._check_out(out, ids.numel(), dtype)
+        return self._gather_deduped(ids, out, dtype)
 
     def gather_raw(self, ids: torch.Tensor) -> torch.Tensor:
         """Packed row bytes uint8 [N, row_bytes] on ``self.device``: values, then scale bytes (mxfp8)."""
@@ -150,10 +140,6 @@ class TableBackend:
             self._count(lookups=1)
             return torch.empty(0, self.row_bytes, dtype=torch.uint8, device=self.device)
         vals, scales, inverse = self._unique_rows(ids)
-        if vals.device != self.device:
-            vals = vals.to(self.device)
-            scales = scales.to(self.device) if scales is not None else None
-        inverse = inverse.to(self.device)
         raw = vals[:, : self.value_bytes].index_select(0, inverse)  # [N, value_bytes]
         if scales is None:
             return raw
@@ -217,8 +203,7 @@ class TableBackend:
         ids' device, so counting never forces a host sync."""
         ids = self.check_ids(ids)
         n = ids.numel()
-        if out is not None and (tuple(out.shape) != (n, self.dim) or out.dtype != dtype):
-            raise ValueError(f"out has shape {tuple(out.shape)} {out.dtype}, expected [{n}, {self.dim}] {dtype}")
+        self._check_out(out, n, dtype)
         self._count(lookups=1, rows=n, bytes_read=n * (self.manifest.row_stride + self.scale_cols),
                     read_ops=1 if n else 0)
         if n == 0:
@@ -237,6 +222,19 @@ class TableBackend:
                 return out
         return rows
 
+    def _check_out(self, out: torch.Tensor | None, n: int, dtype: torch.dtype) -> None:
+        if out is not None and (tuple(out.shape) != (n, self.dim) or out.dtype != dtype):
+            raise ValueError(f"out has shape {tuple(out.shape)} {out.dtype}, expected [{n}, {self.dim}] {dtype}")
+
+    def _gather_deduped(self, ids: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """``gather`` after the id and ``out`` checks: dedupe, fetch (through the cache), decode, expand."""
+        if ids.numel() == 0:
+            self._count(lookups=1)
+            return out if out is not None else torch.empty(0, self.dim, dtype=dtype, device=self.device)
+        vals, scales, inverse = self._unique_rows(ids)
+        # vals [U, >= value_bytes] uint8, inverse [N] -> dequantized [N, dim]
+        return kernels.gather_rows(vals, scales, inverse, self.row_dtype, self.dim, out=out, dtype=dtype)
+
     def _count(self, **add: int) -> None:
         with self._lock:
             for k, v in add.items():
@@ -244,7 +242,7 @@ class TableBackend:
 
     def _unique_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Dedupe ``ids`` [N] and fetch each distinct row once (through the cache when there is one):
-        (values [U, >= value_bytes], scales [U, scale_cols] | None, inverse [N] into U)."""
+        (values [U, >= value_bytes], scales [U, scale_cols] | None, inverse [N] into U), all on ``self.device``."""
         uniq, inverse = torch.unique(ids, return_inverse=True)  # [U], [N]
         self._count(lookups=1, rows=ids.numel(), unique_rows=uniq.numel())
         if self.cache is None:
@@ -252,4 +250,7 @@ class TableBackend:
         else:
             with self._cache_mutex:  # the cache's tag/stamp update is one critical section
                 vals, scales = self.cache.fetch(uniq, self._fetch)
-        return vals, scales, inverse
+        if vals.device != self.device:  # a backing tier that returned host bytes: move the packed rows once
+            vals = vals.to(self.device)
+            scales = scales.to(self.device) if scales is not None else None
+        return vals, scales, inverse.to(self.device)

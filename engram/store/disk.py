@@ -154,9 +154,9 @@ class DiskTable(TableBackend):
         decoded while the next chunk's pages are read (same kernels, so bitwise equal to the base path)."""
         ids = self.check_ids(ids)
         n = ids.numel()
-        if self.cache is not None or self.device.type != "cpu" or n == 0 or (
-                out is not None and (tuple(out.shape) != (n, self.dim) or out.dtype != dtype)):
-            return super().gather(ids, out=out, dtype=dtype)  # also validates out and counts empty lookups
+        self._check_out(out, n, dtype)
+        if self.cache is not None or self.device.type != "cpu" or n == 0:
+            return self._gather_deduped(ids, out, dtype)
         uniq, inverse = torch.unique(ids, return_inverse=True)  # [U], [N]
         self._count(lookups=1, rows=n, unique_rows=uniq.numel())
         rows = torch.empty(uniq.numel(), self.dim, dtype=dtype)  # [U, dim], filled chunk by chunk
@@ -232,10 +232,7 @@ class DiskTable(TableBackend):
         self._count(read_ops=n_reads, bytes_read=n_reads * size)
         with self._lock:
             self._extra["disk_rows"] += ids.numel()
-        if self.device.type != "cpu":
-            vals = vals.to(self.device)
-            scales = scales.to(self.device) if scales is not None else None
-        return vals, scales
+        return vals, scales  # host memory: the caller moves them to self.device
 
     # ----------------------------------------------------------------- bounded prefetch
     def submit(self, ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> DiskLookup:

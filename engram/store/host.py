@@ -32,8 +32,6 @@ class HostTable(TableBackend):
     def gather(self, ids: torch.Tensor, out: torch.Tensor | None = None,
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         if self.cache is None:
-            if not isinstance(ids, torch.Tensor):
-                ids = torch.as_tensor(ids, dtype=torch.int64)
             return self._gather_resident(self.values, self.scales, ids, out, dtype)
         return super().gather(ids, out=out, dtype=dtype)
 
@@ -42,10 +40,7 @@ class HostTable(TableBackend):
         self._count(bytes_read=ids.numel() * (self.manifest.row_stride + self.scale_cols), read_ops=1)
         vals = self.values.index_select(0, ids)  # [M, row_stride] on the host
         scales = self.scales.index_select(0, ids) if self.scales is not None else None
-        if self.device.type != "cpu":  # packed bytes cross PCIe, dequantized on the device afterwards
-            vals = vals.to(self.device)
-            scales = scales.to(self.device) if scales is not None else None
-        return vals, scales
+        return vals, scales  # packed bytes: the caller moves them across PCIe, then dequantizes on the device
 
     def close(self) -> None:
         super().close()
