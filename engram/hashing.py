@@ -47,11 +47,15 @@ class NgramHasher:
         return torch.full((num_seqs, self.window), self.pad_id, dtype=torch.int64, device=device)
 
     # ----------------------------------------------------------------- core
-    def _hash_windows(self, windows: torch.Tensor, layer_id: int) -> torch.Tensor:
-        """windows [..., max_ngram] compressed ids, slot s = position p - s (DEAD = -1) -> [..., n_cols]."""
-        mult, primes, offsets = self._layer_consts(layer_id, windows.device)
-        dead = (windows == DEAD).to(torch.int8).cummax(dim=-1).values.bool()  # sticky: slot s is dead if any slot <= s is
-        ids = torch.where(dead, torch.full_like(windows, self.pad_id), windows)
+    def _undead(self, windows: torch.Tensor) -> torch.Tensor:
+        """windows [..., max_ngram] compressed ids, slot s = position p - s (DEAD = -1) -> the ids each slot
+        hashes: pad from the first DEAD slot on (sticky). The same for every layer."""
+        dead = (windows == DEAD).to(torch.int8).cummax(dim=-1).values.bool()  # slot s is dead if any slot <= s is
+        return torch.where(dead, self.pad_id, windows)
+
+    def _hash_ids(self, ids: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """``_undead`` windows [..., max_ngram] -> row ids [..., n_cols] of one layer."""
+        mult, primes, offsets = self._layer_consts(layer_id, ids.device)
         terms = ids * mult  # [..., max_ngram]; fits int64 by the multiplier bound
         cols = []
         acc = terms[..., 0]
@@ -74,23 +78,40 @@ class NgramHasher:
         # windows[b, p, s] = id at position p - s
         idx = torch.arange(t, device=x.device).unsqueeze(1) + self.window - torch.arange(self.window + 1, device=x.device)
         windows = ext[:, idx]  # [B, T, max_ngram]
-        return self._hash_windows(windows, layer_id)
+        return self._hash_ids(self._undead(windows), layer_id)
 
     def hash_packed(self, ids: torch.Tensor, cu_seqlens: torch.Tensor, lookback: torch.Tensor,
                     layer_id: int) -> torch.Tensor:
         """Packed form for the engine: ids [T] (all sequences' new tokens back to back), cu_seqlens [S+1],
         lookback [S, max_ngram-1] (each sequence's ids before this chunk) -> row ids [T, n_cols]."""
         windows = self.packed_windows(ids, cu_seqlens, lookback)
-        return self._hash_windows(windows, layer_id)
+        return self._hash_ids(self._undead(windows), layer_id)
 
     def hash_packed_all(self, ids: torch.Tensor, cu_seqlens: torch.Tensor,
                         lookback: torch.Tensor) -> dict[int, torch.Tensor]:
-        """``hash_packed`` for every Engram layer: {layer_id: [T, n_cols]} (windows built once)."""
-        windows = self.packed_windows(ids, cu_seqlens, lookback)
-        return {lid: self._hash_windows(windows, lid) for lid in self.cfg.layer_ids}
+        """``hash_packed`` for every Engram layer: {layer_id: [T, n_cols]} (windows built and undead once)."""
+        clean = self._undead(self.packed_windows(ids, cu_seqlens, lookback))  # [T, max_ngram]
+        return {lid: self._hash_ids(clean, lid) for lid in self.cfg.layer_ids}
 
     def packed_windows(self, ids: torch.Tensor, cu_seqlens: torch.Tensor, lookback: torch.Tensor) -> torch.Tensor:
         """[T, max_ngram] windows of a packed batch: slot s holds the id at position p - s of its sequence."""
+        ext, tok_pos = self._packed_ext(ids, cu_seqlens, lookback)
+        return ext[tok_pos.unsqueeze(1) - torch.arange(self.window + 1, device=ids.device)]  # [T, max_ngram]
+
+    def next_lookback(self, lookback: torch.Tensor, ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Lookbacks after appending each sequence's packed ``ids`` chunk: [S, max_ngram-1]."""
+        ext, _ = self._packed_ext(ids, cu_seqlens, lookback)
+        cu = cu_seqlens.to(ids.device, torch.int64)
+        w = self.window
+        # the last W entries of each sequence's [lookback | tokens] segment, which ends at cu[s+1] + W*(s+1);
+        # a zero-length chunk leaves exactly its old lookback there
+        first = cu[1:] + w * torch.arange(cu.numel() - 1, device=ids.device)  # [S]
+        return ext[first.unsqueeze(1) + torch.arange(w, device=ids.device)]  # [S, W]
+
+    def _packed_ext(self, ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                    lookback: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each sequence [its lookback (W) | its new tokens] back to back -> (ext [T + W*S], tok_pos [T]):
+        token j of the packed batch sits at ext[tok_pos[j]] = ext[j + W*(seq + 1)]."""
         if ids.dim() != 1:
             raise ValueError(f"hash_packed() expects packed [T] ids, got shape {tuple(ids.shape)}")
         device = ids.device
@@ -102,24 +123,13 @@ class NgramHasher:
             raise ValueError(f"cu_seqlens must start at 0 and end at T={t}, got {cu.tolist()}")
         w = self.window
         lens = cu[1:] - cu[:-1]  # [S]
-        seq_of_tok = torch.repeat_interleave(torch.arange(s, device=device), lens)  # [T]
-        # ext = for each sequence [its lookback (W) | its tokens]; token j of the batch sits at j + W*(seq+1)
+        seq_of_tok = torch.repeat_interleave(torch.arange(s, device=device), lens, output_size=t)  # [T]
         ext = torch.empty(t + w * s, dtype=torch.int64, device=device)
         tok_pos = torch.arange(t, device=device) + w * (seq_of_tok + 1)
         ext[tok_pos] = ids.to(torch.int64)
         lb_pos = (cu[:-1] + w * torch.arange(s, device=device)).unsqueeze(1) + torch.arange(w, device=device)
         ext[lb_pos.reshape(-1)] = lookback.to(device, torch.int64).reshape(-1)
-        return ext[tok_pos.unsqueeze(1) - torch.arange(w + 1, device=device)]  # [T, max_ngram]
-
-    def next_lookback(self, lookback: torch.Tensor, ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """Lookbacks after appending each sequence's packed ``ids`` chunk: [S, max_ngram-1]."""
-        windows = self.packed_windows(ids, cu_seqlens, lookback)  # [T, W+1]
-        cu = cu_seqlens.to(ids.device, torch.int64)
-        lens = cu[1:] - cu[:-1]
-        last = (cu[1:] - 1).clamp(min=0)
-        # window of the last token, slots 0..W-1 reversed = the W most recent ids, oldest first
-        new = windows[last, : self.window].flip(-1) if ids.numel() else lookback.to(ids.device)
-        return torch.where((lens > 0).unsqueeze(1), new, lookback.to(ids.device, torch.int64))
+        return ext, tok_pos
 
     def _check_lookback(self, lookback: torch.Tensor, num_seqs: int) -> None:
         if tuple(lookback.shape) != (num_seqs, self.window):
