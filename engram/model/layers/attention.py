@@ -37,9 +37,10 @@ class AttentionMetadata:
     @classmethod
     def from_step(cls, cu_seqlens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                   slot_mapping: torch.Tensor) -> "AttentionMetadata":
-        cu = cu_seqlens.tolist()
-        ctx = context_lens.tolist()
-        padded = bool((slot_mapping < 0).any())  # host syncs happen here, once per step, not per layer
+        s = context_lens.shape[0]
+        # One host sync per step (not per layer): offsets, KV lengths and "any slot < 0" in one copy.
+        host = torch.cat([cu_seqlens.long(), context_lens.long(), (slot_mapping < 0).any().long().view(1)]).tolist()
+        cu, ctx, padded = host[: s + 1], host[s + 1: 2 * s + 1], bool(host[-1])
         keep = torch.nonzero(slot_mapping >= 0).squeeze(1) if padded else None
         q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
         for s, (q, c) in enumerate(zip(q_lens, ctx)):
