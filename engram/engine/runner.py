@@ -46,10 +46,8 @@ def pack(batch: ScheduledBatch) -> PackedBatch:
     lens = torch.tensor(batch.num_new_tokens, dtype=torch.long)
     cu = torch.zeros(len(seqs) + 1, dtype=torch.long)
     torch.cumsum(lens, 0, out=cu[1:])
-    max_blocks = max(len(s.block_table) for s in seqs)
-    tables = torch.full((len(seqs), max_blocks), -1, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
+    width = max(len(s.block_table) for s in seqs)
+    tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]  # one tensor build, not S
     return PackedBatch(
         seq_ids=[s.seq_id for s in seqs],
         token_ids=torch.tensor(toks, dtype=torch.long),
@@ -58,7 +56,7 @@ def pack(batch: ScheduledBatch) -> PackedBatch:
         cu_seqlens=cu,
         context_lens=torch.tensor(batch.start_positions, dtype=torch.long) + lens,
         lookback=torch.stack([s.lookback for s in seqs]),  # [S, W]
-        block_tables=tables,
+        block_tables=torch.tensor(tables, dtype=torch.long),  # [S, width]
         sample_rows=[i for i, sample in enumerate(batch.samples()) if sample],
     )
 
@@ -82,11 +80,12 @@ class ModelRunner:
     def run(self, packed: PackedBatch, plan: LookupPlan, staged: StagedRows, seqs) -> torch.Tensor:
         """One forward over the packed step -> float32 logits [len(packed.sample_rows), vocab]."""
         dev = self.device
-        conv = self._gather_conv_state(seqs, packed.cu_seqlens)
+        cu_seqlens = packed.cu_seqlens.to(dev)  # [S+1], shared by attention and the conv states
+        conv = self._gather_conv_state(seqs, cu_seqlens)
         inputs = StepInputs(
             token_ids=packed.token_ids.to(dev),
             positions=packed.positions.to(dev),
-            cu_seqlens=packed.cu_seqlens.to(dev),
+            cu_seqlens=cu_seqlens,
             context_lens=packed.context_lens.to(dev),
             block_tables=packed.block_tables.to(dev),
             slot_mapping=self.slot_mapping(packed).to(dev),
@@ -105,7 +104,7 @@ class ModelRunner:
         """Paper variant: each Engram layer's per-sequence conv states stacked in packing order."""
         if seqs[0].conv_state is None:
             return None
-        return {lid: ShortConvState.stack([s.conv_state[lid] for s in seqs], cu_seqlens.to(self.device))
+        return {lid: ShortConvState.stack([s.conv_state[lid] for s in seqs], cu_seqlens)
                 for lid in seqs[0].conv_state}
 
     @staticmethod
