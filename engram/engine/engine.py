@@ -170,9 +170,9 @@ class LLMEngine:
     def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
         done = seq.is_finished
         completion = CompletionOutput(index=0, text=seq.detokenizer.visible_text(done),
-                                      token_ids=list(seq.output_token_ids), finish_reason=seq.finish_reason,
+                                      token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
                                       stop_reason=seq.stop_reason, delta_text=seq.detokenizer.take_delta(done),
                                       delta_token_ids=new_tokens)
         return RequestOutput(request_id=seq.request_id, prompt=seq.prompt,
-                             prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens], outputs=[completion],
+                             prompt_token_ids=seq.prompt_token_ids, outputs=[completion],
                              finished=done, metrics=seq.metrics)

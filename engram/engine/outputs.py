@@ -39,7 +39,7 @@ class RequestMetrics:
 class RequestOutput:
     request_id: str
     prompt: str | None  # the prompt text (None when the request came as token ids)
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # the request's prompt (one list, shared by all of its outputs)
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None

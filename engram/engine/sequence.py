@@ -32,6 +32,7 @@ class Sequence:
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)  # every RequestOutput shares this list
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + generated (raw ids)
         self.compressed_ids: list[int] = list(prompt_compressed)  # same length, compressed (DEAD = -1)
         self.num_prompt_tokens = len(prompt_token_ids)
