@@ -163,14 +163,11 @@ class ShortConv(nn.Module):
         super().__init__()
         self.hc_mult, self.hidden_size = cfg.hc_mult, cfg.hidden_size
         self.kernel_size, self.dilation = cfg.kernel_size, cfg.max_ngram_size
+        self.history_len = history_len(cfg)  # conv inputs a sequence's state keeps
         channels = cfg.hc_mult * cfg.hidden_size
         self.conv = nn.Conv1d(channels, channels, kernel_size=cfg.kernel_size, groups=channels, bias=False,
                               dilation=cfg.max_ngram_size)
         self.norms = nn.ModuleList(nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps) for _ in range(cfg.hc_mult))
-
-    @property
-    def history_len(self) -> int:
-        return (self.kernel_size - 1) * self.dilation
 
     def forward(self, x: torch.Tensor, state: ShortConvState | None = None) -> torch.Tensor:
         """x [T, hc_mult, H] -> [T, hc_mult, H]. ``state`` None: x is one whole sequence from its start;
