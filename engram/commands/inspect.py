@@ -31,14 +31,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    raise AssertionError
-
-
 def layout_report(cfg) -> dict:
     layers = []
     for lid in cfg.layer_ids:
@@ -74,14 +66,16 @@ def text_report(cfg, tokenizer_path: Path, text: str) -> dict:
 
 
 def _print_layout(r: dict) -> None:
+    from engram.store.preflight import fmt_bytes
+
     print(f"variant {r['variant']}: orders {r['orders']} x {r['heads_per_order']} heads = {r['n_cols']} columns, "
           f"rows of {r['head_dim']} {r['row_dtype']} ({r['row_bytes']} B)")
     print(f"compressed vocab {r['compressed_vocab_size']}, pad token {r['pad_token_id']}")
     print(f"{'layer':>5} {'rows':>14} {'prime range':>25} {'bytes':>12}")
     for l in r["layers"]:
         print(f"{l['layer_id']:>5} {l['rows']:>14,} {l['prime_min']:>12,}..{l['prime_max']:<12,} "
-              f"{_fmt_bytes(l['bytes']):>12}")
-    print(f"{'total':>5} {r['total_rows']:>14,} {'':>25} {_fmt_bytes(r['total_bytes']):>12}")
+              f"{fmt_bytes(l['bytes']):>12}")
+    print(f"{'total':>5} {r['total_rows']:>14,} {'':>25} {fmt_bytes(r['total_bytes']):>12}")
     print(f"row bytes fetched per token: {r['bytes_per_token']:,}")
 
 
