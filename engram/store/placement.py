@@ -53,7 +53,7 @@ def open_table(directory: str | os.PathLike, tier: str | Tier = "gpu", device: t
                          "caches go in front of tier='host' or 'disk'")
     dev = default_device(device)
     if check_memory and preflight_enabled():
-        preflight(m, tier.value, dev, cache_rows, queue_depth)
+        preflight(m, tier.value, dev, cache_rows)
     cache = (RowCache(min(cache_rows, m.rows), m.value_bytes, m.scale_cols, policy=cache_policy, ways=cache_ways,
                       device=dev) if cache_rows else None)
     if tier is Tier.GPU:

@@ -92,8 +92,7 @@ def machine_budget(device: torch.device | None = None) -> MemoryBudget:
     return MemoryBudget(ram=min(ram) if ram else None, device=dev)
 
 
-def memory_need(m: TableManifest, tier: str, device: torch.device, cache_rows: int = 0,
-                queue_depth: int = 64) -> MemoryNeed:
+def memory_need(m: TableManifest, tier: str, device: torch.device, cache_rows: int = 0) -> MemoryNeed:
     """What opening ``m`` on ``tier`` with rows returned on ``device`` takes."""
     values = m.rows * m.row_stride
     scales = m.rows * m.scale_cols
@@ -149,24 +148,24 @@ def _shortfalls(need: MemoryNeed, budget: MemoryBudget) -> list[str]:
     return short
 
 
-def preflight(m: TableManifest, tier: str, device: torch.device, cache_rows: int = 0, queue_depth: int = 64,
+def preflight(m: TableManifest, tier: str, device: torch.device, cache_rows: int = 0,
               budget: MemoryBudget | None = None) -> MemoryNeed:
     """Raise MemoryPreflightError when ``m`` does not fit on ``tier``; return the need when it does."""
     budget = budget if budget is not None else machine_budget(device)
-    need = memory_need(m, tier, device, cache_rows, queue_depth)
+    need = memory_need(m, tier, device, cache_rows)
     short = _shortfalls(need, budget)
     if not short:
         return need
     parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in need.parts.items() if v)
     msg = (f"table {m.path} ({m.rows} rows x {m.row_stride} B) does not fit on tier {tier!r}: "
            + "; ".join(short) + f" [{parts}].")
-    return _raise_with_hint(msg, m, tier, device, cache_rows, queue_depth, budget)
+    return _raise_with_hint(msg, m, tier, device, cache_rows, budget)
 
 
 def _raise_with_hint(msg: str, m: TableManifest, tier: str, device: torch.device, cache_rows: int,
-                     queue_depth: int, budget: MemoryBudget) -> MemoryNeed:
+                     budget: MemoryBudget) -> MemoryNeed:
     def fits(t: str, rows: int) -> bool:
-        return not _shortfalls(memory_need(m, t, device, rows, queue_depth), budget)
+        return not _shortfalls(memory_need(m, t, device, rows), budget)
 
     hints = []
     for t in ("gpu", "host", "disk"):  # the asked tier with a smaller cache, or another tier

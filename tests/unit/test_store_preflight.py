@@ -32,7 +32,7 @@ def test_needs_per_tier(manifest):
     assert (need.ram, need.device) == (0, v + s)
     host = memory_need(manifest, "host", CPU, cache_rows=1000)  # pinned when CUDA exists, plain RAM otherwise
     assert host.host_total == v + s + 1000 * (256 + 8 + 24) and host.pinned == (v + s) * torch.cuda.is_available()
-    disk = memory_need(manifest, "disk", CUDA, cache_rows=1 << 20, queue_depth=64)
+    disk = memory_need(manifest, "disk", CUDA, cache_rows=1 << 20)
     assert disk.ram == s + 2 * 2048 * 4096 and disk.device == (1 << 20) * 288
     with pytest.raises(ValueError, match="tier="):
         memory_need(manifest, "tape", CPU)
