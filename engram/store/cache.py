@@ -69,11 +69,17 @@ class RowCache:
     def nbytes(self) -> int:
         return self.bytes_for_rows(self.capacity, self.value_bytes, self.scale_cols)
 
+    @property
+    def evictions(self) -> int:
+        """Cached rows replaced by others; counted on the cache's device and read back only here."""
+        return int(self._evictions)
+
     def counters(self) -> dict[str, int]:
         return {"hits": self.hits, "misses": self.misses, "evictions": self.evictions}
 
     def reset_counters(self) -> None:
-        self.hits = self.misses = self.evictions = 0
+        self.hits = self.misses = 0
+        self._evictions = torch.zeros((), dtype=torch.int64, device=self.device)  # 0-dim, no sync per lookup
 
     def clear(self) -> None:
         """Forget every row (counters are kept)."""
@@ -159,7 +165,7 @@ class RowCache:
         sel = keep.nonzero().squeeze(1)
         slot = s_sorted.index_select(0, sel) * self.ways + way.index_select(0, sel)  # [K] distinct slots
         src = order.index_select(0, sel)  # [K] positions in ids / vals
-        self.evictions += int((victim_tag.index_select(0, sel) >= 0).sum())
+        self._evictions += (victim_tag.index_select(0, sel) >= 0).sum()
         self.tags.view(-1).index_copy_(0, slot, ids.index_select(0, src))
         self.stamp.view(-1).index_fill_(0, slot, self.clock)
         self.freq.view(-1).index_fill_(0, slot, 1)
