@@ -37,10 +37,10 @@ class AttentionMetadata:
     @classmethod
     def from_step(cls, cu_seqlens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                   slot_mapping: torch.Tensor) -> "AttentionMetadata":
-        s = context_lens.shape[0]
+        n = context_lens.shape[0]
         # One host sync per step (not per layer): offsets, KV lengths and "any slot < 0" in one copy.
         host = torch.cat([cu_seqlens.long(), context_lens.long(), (slot_mapping < 0).any().long().view(1)]).tolist()
-        cu, ctx, padded = host[: s + 1], host[s + 1: 2 * s + 1], bool(host[-1])
+        cu, ctx, padded = host[: n + 1], host[n + 1: 2 * n + 1], bool(host[-1])
         keep = torch.nonzero(slot_mapping >= 0).squeeze(1) if padded else None
         q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
         for s, (q, c) in enumerate(zip(q_lens, ctx)):
@@ -50,9 +50,8 @@ class AttentionMetadata:
         dev = block_tables.device
         meta = cls(cu[:-1], q_lens, ctx, block_tables, slot_mapping, keep, None, None, None)
         if dec:
-            meta.decode_seqs = torch.tensor(dec, dtype=torch.long, device=dev)
-            meta.decode_tokens = torch.tensor([cu[s] for s in dec], dtype=torch.long, device=dev)
-            meta.decode_lens = torch.tensor([ctx[s] for s in dec], dtype=torch.long, device=dev)
+            rows = torch.tensor([dec, [cu[s] for s in dec], [ctx[s] for s in dec]], dtype=torch.long, device=dev)
+            meta.decode_seqs, meta.decode_tokens, meta.decode_lens = rows.unbind(0)  # [3, D]: one copy to device
             meta.decode_max_len = max(ctx[s] for s in dec)
         return meta
 
