@@ -208,7 +208,7 @@ def run(args) -> int:
         return 2
     arm_a = _arm("A", args.a, args.a_setup, args.a_ready, args)
     arm_b = _arm("B", args.b, args.b_setup, args.b_ready, args)
-    total = len(stats.schedule(["A", "A'", "B"] if cfg.aa else ["A", "B"], cfg.repeats, cfg.order))
+    total = len(stats.arm_labels(cfg.aa)) * cfg.repeats
 
     def progress(r: Run) -> None:
         if not args.quiet:

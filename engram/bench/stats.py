@@ -78,6 +78,11 @@ def timed(fn: Callable[[], object]) -> Callable[[], float]:
     return measure
 
 
+def arm_labels(aa: bool) -> list[str]:
+    """The labels of a run in round order: A, the A/A control A' (when ``aa``), B."""
+    return ["A", AA_LABEL, "B"] if aa else ["A", "B"]
+
+
 def schedule(labels: Sequence[str], repeats: int, order: str) -> list[tuple[str, int]]:
     """Run order as (label, round) pairs: "abba" reverses every odd round, "abab" never does."""
     if order not in ORDERS:
@@ -257,7 +262,7 @@ def run_interleaved(a: Arm, b: Arm, cfg: ABConfig,
     share A's service); with restart only one service is up at a time, and it is started fresh (then
     warmed up) at every change of label in the run order.
     """
-    labels = ["A", AA_LABEL, "B"] if cfg.aa else ["A", "B"]
+    labels = arm_labels(cfg.aa)
     arm_of = {"A": a, AA_LABEL: a, "B": b}
     runs: list[Run] = []
     samples: dict[str, list[float]] = {label: [] for label in labels}
