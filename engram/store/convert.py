@@ -20,7 +20,7 @@ from typing import Any, Iterable
 import torch
 
 from engram.quant import quantize_mxfp8
-from engram.store.format import ITEMSIZE, SCALE_BLOCK, TableManifest
+from engram.store.format import DEFAULT_CHUNK_BYTES, ITEMSIZE, SCALE_BLOCK, TableManifest
 from engram.store.kernels.reference import ROW_TORCH_DTYPES
 from engram.store.writer import IN_FLIGHT, TableWriter
 
@@ -132,11 +132,10 @@ def convert_tensor(weight: _Source, out: str | os.PathLike, *, scale: _Source | 
         meta = {"source": f"{weight.path.name}:{weight.name}", "source_dtype": wdtype}
         if quantize and not fp8:
             meta["quantized"] = "mxfp8"
-        kw: dict[str, Any] = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
         step = _chunk_rows(dim * (1 if fp8 else 4))
         with TableWriter(out, rows, dim, row_dtype, layer_id=layer_id,
                          fingerprint=_fingerprint(config, layer_id, rows, dim), meta=meta, progress=progress,
-                         desc=Path(out).name, **kw) as w:
+                         desc=Path(out).name, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES) as w:
             if fp8:
                 with safe_open(str(scale.path), framework="pt") as fs:
                     ssl = fs.get_slice(scale.name)
@@ -224,9 +223,9 @@ def convert_random(out: str | os.PathLike, rows: int, dim: int, seed: int = 0, r
         return (torch.randn(n, dim, generator=gen).mul_(0.05).to(ROW_TORCH_DTYPES[row_dtype]),)
 
     meta = {"source": "random", "seed": seed}
-    kw: dict[str, Any] = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
     with TableWriter(out, rows, dim, row_dtype, layer_id=layer_id, fingerprint=_fingerprint(config, layer_id, rows, dim),
-                     meta=meta, progress=progress, desc=Path(out).name, **kw) as w, \
+                     meta=meta, progress=progress, desc=Path(out).name,
+                     chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES) as w, \
             cf.ThreadPoolExecutor(workers, thread_name_prefix="engram-random") as pool:
         pending: collections.deque = collections.deque()
         nxt = 0

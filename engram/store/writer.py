@@ -21,13 +21,13 @@ import torch
 
 from engram.store.format import (DEFAULT_CHUNK_BYTES, ITEMSIZE, MANIFEST, PAGE_SIZE, SCALE_BLOCK, SCALES_FILE,
                                  VALUES_FILE, ChunkCrc, FileEntry, TableManifest, row_stride, values_file_bytes)
+from engram.store.kernels.reference import ROW_TORCH_DTYPES
 
 # append() may keep references to the arrays it was given until IN_FLIGHT more appends have returned: each
 # file's writer thread works on one buffer while at most two wait in its queue.
 IN_FLIGHT = 3
 FLUSH_BYTES = 256 << 20  # a data file starts background writeback every this many bytes
-TORCH_ROW_DTYPES = {torch.float8_e4m3fn: "mxfp8", torch.bfloat16: "bf16", torch.float16: "fp16",
-                    torch.float32: "fp32"}
+TORCH_ROW_DTYPES = {dt: name for name, dt in ROW_TORCH_DTYPES.items()}  # torch dtype -> row dtype
 
 
 def as_bytes(x: torch.Tensor | np.ndarray, width: int, what: str) -> np.ndarray:
