@@ -42,7 +42,7 @@ class EngramEmbedding(nn.Module):
             raise ValueError(f"EngramEmbedding layer {self.layer_id}: row_ids has shape {tuple(row_ids.shape)}, "
                              f"expected [..., n_cols={self.cfg.n_cols}]")
         if self.check_bounds and row_ids.numel():
-            lo, hi = int(row_ids.min()), int(row_ids.max())
+            lo, hi = torch.stack([row_ids.min(), row_ids.max()]).tolist()  # one host sync
             if lo < 0 or hi >= self.num_rows:
                 raise ValueError(f"EngramEmbedding layer {self.layer_id}: row ids span [{lo}, {hi}] but the "
                                  f"table has {self.num_rows} rows")
