@@ -43,6 +43,13 @@ def test_byte_zero_dequantizes_to_exact_zero_and_accepts_e8m0_dtype():
     assert dequantize_mxfp8(v, s2, torch.float32)[0, 0].item() == 8.0
 
 
+def test_byte_255_is_e8m0_nan():
+    v = torch.full((1, 32), 1.0).to(torch.float8_e4m3fn)
+    s = torch.tensor([[255]], dtype=torch.uint8)
+    assert bool(torch.isnan(dequantize_mxfp8(v, s, torch.float32)).all())
+    assert bool(torch.isnan(dequantize_mxfp8(v, s.view(torch.float8_e8m0fnu), torch.bfloat16)).all())
+
+
 def test_error_bound_for_widely_varying_magnitudes():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(512, 256, generator=g) * torch.exp(torch.randn(512, 8, 1, generator=g) * 8).repeat_interleave(32, 1).reshape(512, 256)
