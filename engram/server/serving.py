@@ -107,7 +107,7 @@ class OpenAIServing:
     async def _stream(self, gen: AsyncIterator, first, kind: str, rid: str, echo: str, include_usage: bool,
                       arrival: float, ttft: float) -> AsyncIterator[str]:
         created = now()
-        out = first
+        out, failed = first, False
         try:
             if kind == "chat.completion":
                 yield _sse(self._chunk(kind, rid, created, {"role": "assistant", "content": ""}, None))
@@ -129,11 +129,12 @@ class OpenAIServing:
                             "choices": [], "usage": _usage(out)})
             yield "data: [DONE]\n\n"
         except RequestFailed as e:
+            failed = True  # counted here as an error, not again as an abort below
             self.metrics.requests.labels("error").inc()
             yield _sse(error_body(str(e), "InternalServerError", 500))
             yield "data: [DONE]\n\n"
         finally:
-            if not out.finished:
+            if not out.finished and not failed:
                 self.metrics.requests.labels("abort").inc()
             await gen.aclose()  # a disconnect lands here: the request is aborted
 

@@ -7,12 +7,13 @@ import json
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from engram.server.launcher import ServerProcess
+from engram.server.launcher import ServerProcess, metric
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -71,6 +72,29 @@ def test_table_read_error_fails_only_that_step_and_server_keeps_serving(cache_di
                     f.write(data)
         again = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
         assert again.status_code == 200 and again.json()["choices"][0]["text"] == good.json()["choices"][0]["text"]
+
+        # a stream already running when the table goes bad ends with an error event; counted once, as an error
+        errors = metric(s.url, "engram_requests_total", 'finish_reason="error"')
+        aborts = metric(s.url, "engram_requests_total", 'finish_reason="abort"')
+        with httpx.stream("POST", s.url + "/v1/completions", json=_stream_body(1500), timeout=60) as r:
+            lines = (line[6:] for line in r.iter_lines() if line.startswith("data: "))
+            assert "choices" in json.loads(next(lines))
+            for p in values:
+                os.truncate(p, 0)
+            try:
+                rest = list(lines)
+            finally:
+                for p, data in saved.items():
+                    with open(p, "r+b") as f:
+                        f.write(data)
+        assert rest[-1] == "[DONE]" and "values.bin" in json.loads(rest[-2])["error"]["message"]
+        deadline = time.monotonic() + 30
+        while metric(s.url, "engram_requests_total", 'finish_reason="error"') == errors and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)  # an abort counted on top would land right after the error
+        assert metric(s.url, "engram_requests_total", 'finish_reason="error"') == errors + 1
+        assert metric(s.url, "engram_requests_total", 'finish_reason="abort"') == aborts
+        assert httpx.post(s.url + "/v1/completions", json=body, timeout=60).status_code == 200
     finally:
         s.stop()
 
