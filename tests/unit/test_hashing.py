@@ -130,3 +130,4 @@ def test_cuda_matches_cpu():
     lb = torch.randint(0, 99092, (3, 3))
     flat = ids.reshape(-1)
     assert torch.equal(h.hash_packed(flat, cu, lb, 14), h.hash_packed(flat.cuda(), cu.cuda(), lb.cuda(), 14).cpu())
+    assert torch.equal(h.next_lookback(lb, flat, cu), h.next_lookback(lb.cuda(), flat.cuda(), cu.cuda()).cpu())
