@@ -5,7 +5,8 @@ the packed row bytes [N, row_bytes] (values then scale bytes, no padding: 264 B 
 ``submit`` starts a lookup and returns a handle, ``stats`` counts the work. Ids are range-checked (an
 out-of-range id raises IndexError naming it and the table size) and N may be 0. The base class holds the
 shared path (check, dedupe, hot-row cache, decode through ``engram.store.kernels``); a tier provides
-``_fetch(ids)`` and may override ``gather`` with a fused path. Tiers know nothing about models or plans.
+``_fetch(ids)`` and may override ``gather`` with a fused path (``ResidentTable``: gpu and host, whose bytes
+are all in memory). Tiers know nothing about models or plans.
 """
 from __future__ import annotations
 
@@ -196,32 +197,6 @@ class TableBackend:
                 f"row_dtype={self.row_dtype!r}, device={self.device}, cache={self.cache!r})")
 
     # ----------------------------------------------------------------- shared path
-    def _gather_resident(self, values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor,
-                         out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """One fused kernel call over a table whose bytes are all addressable (values uint8 [R, stride],
-        scales [R, scale_cols]): no dedupe, no cache. Distinct ids are counted with a sort kept on the
-        ids' device, so counting never forces a host sync."""
-        ids = self.check_ids(ids)
-        n = ids.numel()
-        self._check_out(out, n, dtype)
-        self._count(lookups=1, rows=n, bytes_read=n * (self.manifest.row_stride + self.scale_cols),
-                    read_ops=1 if n else 0)
-        if n == 0:
-            return out if out is not None else torch.empty(0, self.dim, dtype=dtype, device=self.device)
-        if self.count_unique:
-            s = ids.sort().values
-            distinct = (s[1:] != s[:-1]).sum() + 1  # 0-dim int64 on the ids' device
-            with self._lock:
-                acc = self._unique_acc.get(distinct.device)
-                self._unique_acc[distinct.device] = distinct if acc is None else acc + distinct
-        rows = kernels.gather_rows(values, scales, ids, self.row_dtype, self.dim, out=out, dtype=dtype)
-        if rows.device != self.device:  # torch path over host memory: move the [N, dim] rows once
-            rows = rows.to(self.device)
-            if out is not None:
-                out.copy_(rows)
-                return out
-        return rows
-
     def _check_out(self, out: torch.Tensor | None, n: int, dtype: torch.dtype) -> None:
         if out is not None and (tuple(out.shape) != (n, self.dim) or out.dtype != dtype):
             raise ValueError(f"out has shape {tuple(out.shape)} {out.dtype}, expected [{n}, {self.dim}] {dtype}")
@@ -254,3 +229,46 @@ class TableBackend:
             vals = vals.to(self.device)
             scales = scales.to(self.device) if scales is not None else None
         return vals, scales, inverse.to(self.device)
+
+
+class ResidentTable(TableBackend):
+    """A tier whose bytes are all addressable tensors (gpu, host): ``values`` uint8 [rows, row_stride] and
+    ``scales`` uint8 [rows, scale_cols] | None, set by the subclass. Uncached lookups are one fused kernel call
+    (``_gather_resident``); ``_fetch`` serves the cache and ``gather_raw``."""
+
+    values: torch.Tensor
+    scales: torch.Tensor | None
+
+    def _gather_resident(self, ids: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """One fused kernel call over the whole table: no dedupe, no cache. Distinct ids are counted with a
+        sort kept on the ids' device, so counting never forces a host sync."""
+        ids = self.check_ids(ids)
+        n = ids.numel()
+        self._check_out(out, n, dtype)
+        self._count(lookups=1, rows=n, bytes_read=n * (self.manifest.row_stride + self.scale_cols),
+                    read_ops=1 if n else 0)
+        if n == 0:
+            return out if out is not None else torch.empty(0, self.dim, dtype=dtype, device=self.device)
+        if self.count_unique:
+            s = ids.sort().values
+            distinct = (s[1:] != s[:-1]).sum() + 1  # 0-dim int64 on the ids' device
+            with self._lock:
+                acc = self._unique_acc.get(distinct.device)
+                self._unique_acc[distinct.device] = distinct if acc is None else acc + distinct
+        rows = kernels.gather_rows(self.values, self.scales, ids, self.row_dtype, self.dim, out=out, dtype=dtype)
+        if rows.device != self.device:  # torch path over host memory: move the [N, dim] rows once
+            rows = rows.to(self.device)
+            if out is not None:
+                out.copy_(rows)
+                return out
+        return rows
+
+    def _fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ids = ids.to(self.values.device)
+        self._count(bytes_read=ids.numel() * (self.manifest.row_stride + self.scale_cols), read_ops=1)
+        scales = self.scales.index_select(0, ids) if self.scales is not None else None
+        return self.values.index_select(0, ids), scales  # [M, row_stride], [M, scale_cols], where the table is
+
+    def close(self) -> None:
+        super().close()
+        self.values = self.scales = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engram.store.base import TableBackend, Tier
+from engram.store.base import ResidentTable, Tier
 from engram.store.format import TableManifest
 from engram.store.load import load_table
 
@@ -20,7 +20,7 @@ def default_device(device: torch.device | str | None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-class GpuTable(TableBackend):
+class GpuTable(ResidentTable):
     """A table resident on ``device`` (default: the current CUDA device, else the CPU)."""
 
     tier = Tier.GPU
@@ -37,14 +37,4 @@ class GpuTable(TableBackend):
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor):
             ids = torch.as_tensor(ids, dtype=torch.int64)
-        return self._gather_resident(self.values, self.scales, ids.to(self.device), out, dtype)
-
-    def _fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        ids = ids.to(self.device)
-        self._count(bytes_read=ids.numel() * (self.manifest.row_stride + self.scale_cols), read_ops=1)
-        scales = self.scales.index_select(0, ids) if self.scales is not None else None
-        return self.values.index_select(0, ids), scales  # [M, row_stride], [M, scale_cols]
-
-    def close(self) -> None:
-        super().close()
-        self.values = self.scales = None
+        return self._gather_resident(ids.to(self.device), out, dtype)

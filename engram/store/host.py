@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from engram.store.base import TableBackend, Tier
+from engram.store.base import ResidentTable, Tier
 from engram.store.cache import RowCache
 from engram.store.format import TableManifest
 from engram.store.gpu import default_device
 from engram.store.load import load_table
 
 
-class HostTable(TableBackend):
+class HostTable(ResidentTable):
     """A table in (pinned) host memory serving rows to ``device`` (default: CUDA device, else the CPU)."""
 
     tier = Tier.HOST
@@ -32,16 +32,5 @@ class HostTable(TableBackend):
     def gather(self, ids: torch.Tensor, out: torch.Tensor | None = None,
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         if self.cache is None:
-            return self._gather_resident(self.values, self.scales, ids, out, dtype)
-        return super().gather(ids, out=out, dtype=dtype)
-
-    def _fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        ids = ids.to("cpu")
-        self._count(bytes_read=ids.numel() * (self.manifest.row_stride + self.scale_cols), read_ops=1)
-        vals = self.values.index_select(0, ids)  # [M, row_stride] on the host
-        scales = self.scales.index_select(0, ids) if self.scales is not None else None
-        return vals, scales  # packed bytes: the caller moves them across PCIe, then dequantizes on the device
-
-    def close(self) -> None:
-        super().close()
-        self.values = self.scales = None
+            return self._gather_resident(ids, out, dtype)
+        return super().gather(ids, out=out, dtype=dtype)  # packed misses cross PCIe, decoded on the device
