@@ -215,11 +215,16 @@ class TableBackend:
             for k, v in add.items():
                 self._counts[k] += int(v)
 
+    def _dedupe(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Distinct ``ids`` ascending [U] and the position of each id among them [N]; counts the lookup."""
+        uniq, inverse = torch.unique(ids, return_inverse=True)
+        self._count(lookups=1, rows=ids.numel(), unique_rows=uniq.numel())
+        return uniq, inverse
+
     def _unique_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Dedupe ``ids`` [N] and fetch each distinct row once (through the cache when there is one):
         (values [U, >= value_bytes], scales [U, scale_cols] | None, inverse [N] into U), all on ``self.device``."""
-        uniq, inverse = torch.unique(ids, return_inverse=True)  # [U], [N]
-        self._count(lookups=1, rows=ids.numel(), unique_rows=uniq.numel())
+        uniq, inverse = self._dedupe(ids)
         if self.cache is None:
             vals, scales = self._fetch(uniq.cpu() if self.host_backed else uniq)
         else:

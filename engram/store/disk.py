@@ -3,8 +3,9 @@
 A lookup dedupes its ids, maps the distinct rows to the distinct 4 KiB pages that hold them, reads those
 pages in batched calls of ``chunk_pages`` (``PageReader``: C pthread pool, ``queue_depth`` preads in
 flight, two chunks queued), cuts the rows out and decodes them through the same kernels as every other
-tier, so rows are bitwise equal to the gpu tier's. ``submit`` runs lookups on this table's worker thread, at most ``max_inflight``
-unconsumed at a time; a read failure fails that lookup only. The tier knows nothing about models or plans.
+tier, so rows are bitwise equal to the gpu tier's. ``submit`` runs lookups on this table's worker thread,
+at most ``max_inflight`` unconsumed at a time; a read failure fails that lookup only. The tier knows nothing
+about models or plans.
 
     values.bin  |<- page p (4096 B) ->|      row r lives in page r // (4096 // stride), slot r % (4096 // stride)
                 | r0 | r1 | ... | r15 |      (V4.1: 256-B rows, 16 per page: a cold row costs a whole page)
@@ -157,8 +158,7 @@ class DiskTable(TableBackend):
         self._check_out(out, n, dtype)
         if self.cache is not None or self.device.type != "cpu" or n == 0:
             return self._gather_deduped(ids, out, dtype)
-        uniq, inverse = torch.unique(ids, return_inverse=True)  # [U], [N]
-        self._count(lookups=1, rows=n, unique_rows=uniq.numel())
+        uniq, inverse = self._dedupe(ids)  # [U], [N]
         rows = torch.empty(uniq.numel(), self.dim, dtype=dtype)  # [U, dim], filled chunk by chunk
 
         def decode(r0: int, r1: int, vals: torch.Tensor, scales: torch.Tensor | None) -> None:
