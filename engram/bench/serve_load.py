@@ -29,12 +29,15 @@ def natural_prompts(count: int, seed: int = 0, min_words: int = 8, max_words: in
     """``count`` prompts cut from standard-library docstrings (deterministic for a seed)."""
     import importlib
     import inspect
+    import warnings
 
     sentences: list[str] = []
     for name in _STDLIB_MODULES:
         mod = importlib.import_module(name)
-        docs = [mod.__doc__ or ""] + [inspect.getdoc(obj) or "" for _, obj in inspect.getmembers(mod)
-                                      if inspect.isfunction(obj) or inspect.isclass(obj)]
+        with warnings.catch_warnings():  # typing's deprecated typing.io / typing.re warn when read
+            warnings.simplefilter("ignore", DeprecationWarning)
+            docs = [mod.__doc__ or ""] + [inspect.getdoc(obj) or "" for _, obj in inspect.getmembers(mod)
+                                          if inspect.isfunction(obj) or inspect.isclass(obj)]
         for doc in docs:
             for s in re.split(r"(?<=[.!?])\s+", " ".join(doc.split())):
                 if min_words <= len(s.split()) <= max_words:
@@ -66,22 +69,29 @@ async def _worker(client, model: str, prompts: list[str], start: int, stride: in
         prompt = prompts[i % len(prompts)]
         i += stride
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True}
+                "stream": True, "stream_options": {"include_usage": True}}
         t0 = time.monotonic()
         times: list[float] = []
+        tokens = max_tokens  # what ignore_eos asks for; the usage chunk, when the server sends one, says exactly
         try:
             async with client.stream("POST", "/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     stats["errors"].append(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
                     continue
+                failed = False
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     event = json.loads(line[6:])
-                    if "error" in event:
+                    if "error" in event:  # the stream failed part way: an error, not a finished request
                         stats["errors"].append(event["error"]["message"])
+                        failed = True
+                    elif event.get("usage"):
+                        tokens = event["usage"]["completion_tokens"]
                     elif event.get("choices") and event["choices"][0].get("text"):
                         times.append(time.monotonic())
+                if failed:
+                    continue
         except Exception as e:  # a failed request is counted, the load goes on
             stats["errors"].append(f"{type(e).__name__}: {e}")
             continue
@@ -91,7 +101,7 @@ async def _worker(client, model: str, prompts: list[str], start: int, stride: in
             stats["ttft"].append(times[0] - t0)
             if len(times) > 1:
                 stats["tpot"].append((times[-1] - times[0]) / (len(times) - 1))
-        stats["tokens"] += max_tokens
+        stats["tokens"] += tokens
 
 
 async def run_load(url: str, model: str, concurrency: int, duration: float, max_tokens: int, seed: int) -> dict:
