@@ -37,3 +37,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:  # the marker, not a parameter id that says "gpu"
             item.add_marker(skip)
+
+
+@pytest.fixture
+def backend():
+    """``engram.store.kernels.set_backend``, with the old backend restored after the test."""
+    from engram.store import kernels
+
+    old = kernels.get_backend()
+    yield kernels.set_backend
+    kernels.set_backend(old)

@@ -23,17 +23,15 @@ from engram.store.convert import convert_random, convert_safetensors, layer_dir
 from engram.store.format import MANIFEST, read_manifest
 from engram.store.kernels.reference import ROW_TORCH_DTYPES
 from engram.store.load import load_table
+from engram.tokenizer import cache_root as tokenizer_cache_root
 
 GENERATOR_VERSION = 2  # bump when generate_random_table changes what it writes
 OPEN_OPTIONS = ("cache_rows", "cache_bytes", "cache_policy", "io", "queue_depth")  # passed to open_table
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """``cache_dir``, else $ENGRAM_CACHE_DIR, else ~/.cache/engram."""
-    if cache_dir is not None:
-        return Path(cache_dir)
-    env = os.environ.get("ENGRAM_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "engram"
+    """``cache_dir``, else the project's cache root ($ENGRAM_CACHE_DIR, else ~/.cache/engram)."""
+    return Path(cache_dir) if cache_dir is not None else tokenizer_cache_root()
 
 
 def _digest(obj: Any) -> str:

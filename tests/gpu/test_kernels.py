@@ -17,13 +17,6 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (make device-test)")]
 
 
-@pytest.fixture
-def backend():
-    old = kernels.get_backend()
-    yield kernels.set_backend
-    kernels.set_backend(old)
-
-
 @pytest.mark.parametrize("method", ["alloc", "register"])
 def test_pin_tensor_copies_pins_and_frees(method):
     before = pinned_stats()

@@ -7,13 +7,6 @@ from engram.store import kernels
 from engram.store.kernels.launch_config import LaunchConfig, config_from_env
 
 
-@pytest.fixture
-def backend():
-    old = kernels.get_backend()
-    yield kernels.set_backend
-    kernels.set_backend(old)
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
 def test_auto_uses_reference_on_cpu(backend):
     backend("auto")
