@@ -25,6 +25,7 @@ import torch
 from engram.store import kernels
 from engram.store.base import LookupHandle, TableBackend, Tier
 from engram.store.format import TableManifest, read_manifest
+from engram.store.load import load_file
 from engram.store.reader import IO_MODES, MAX_QUEUE_DEPTH, PAGE, PageReader, aligned_pages
 
 
@@ -118,7 +119,7 @@ class DiskTable(TableBackend):
     tier = Tier.DISK
 
     def __init__(self, manifest: TableManifest, device: str | torch.device = "cpu", cache: Any = None,
-                 config: DiskConfig | None = None):
+                 config: DiskConfig | None = None, *, verify: bool = True):
         super().__init__(manifest, device, cache)
         self.config = config or DiskConfig()
         self.stride = manifest.row_stride
@@ -126,27 +127,22 @@ class DiskTable(TableBackend):
         if self.page % PAGE:
             raise ValueError(f"{manifest.path}: page_size={self.page} is not a multiple of the reader's {PAGE}")
         self.reader = PageReader(manifest.values_path, io=self.config.io, queue_depth=self.config.queue_depth)
-        self.scales = self._load_scales()  # uint8 [rows, scale_cols] resident, or None
+        # uint8 [rows, scale_cols] resident (CRC-checked while read, like the gpu/host tiers' loads), or None
+        self.scales = (load_file(manifest, "scales", "ram", verify).view(self.rows, self.scale_cols)
+                       if "scales" in manifest.files else None)
         self._extra = {"disk_rows": 0, "inflight": 0, "inflight_bytes": 0}
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-disk")  # submit()
         self._io = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="engram-disk-io")  # 2 chunks queued
 
     @classmethod
     def open(cls, directory: str | os.PathLike, **kwargs: Any) -> "DiskTable":
-        """Open a table directory on the disk tier (``kwargs``: device, cache, config)."""
+        """Open a table directory on the disk tier (``kwargs``: device, cache, config, verify)."""
         return cls(read_manifest(directory), **kwargs)
 
     @property
     def resident_bytes(self) -> int:
         """RAM this tier keeps for the table: the scales (the memory preflight counts them)."""
         return 0 if self.scales is None else self.scales.numel()
-
-    def _load_scales(self) -> torch.Tensor | None:
-        path = self.manifest.scales_path
-        if path is None:
-            return None
-        data = np.fromfile(path, dtype=np.uint8)  # [rows * scale_cols]; size checked by read_manifest
-        return torch.from_numpy(data).view(self.rows, self.scale_cols)
 
     # ----------------------------------------------------------------- the backing-store read
     def gather(self, ids: torch.Tensor, out: torch.Tensor | None = None,

@@ -3,7 +3,8 @@
 Order of checks, cheapest first: the manifest and file sizes (TableFormatError naming file and offset),
 the expected layout (``expect``, an EngramConfig.fingerprint), the memory preflight (MemoryPreflightError
 with the sizes and an option that fits), then the tier loads (gpu/host verify every chunk's CRC32 while
-reading; the disk tier reads on demand and ``verify_table`` checks its files in full).
+reading; the disk tier checks the scales it keeps resident, reads values on demand, and ``verify_table``
+checks its files in full).
 """
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ def open_table(directory: str | os.PathLike, tier: str | Tier = "gpu", device: t
     cache_rows / cache_bytes: hot-row cache in front of host or disk (capacity in rows, or in bytes
     including bookkeeping); cache_policy "lru" | "lfu". io / queue_depth: disk tier reads. expect: the
     layout fingerprint the table must have been built for. verify: CRC-check chunks while loading (gpu,
-    host). check_memory: run the memory preflight (also off with ENGRAM_PREFLIGHT=0). count_unique: count
-    distinct ids on the resident paths (a device sort per lookup; see TableBackend.count_unique).
+    host; the disk tier's resident scales). check_memory: run the memory preflight (also off with
+    ENGRAM_PREFLIGHT=0). count_unique: count distinct ids on the resident paths (a device sort per lookup;
+    see TableBackend.count_unique).
     """
     tier = Tier.parse(tier)
     if cache_policy not in POLICIES:
@@ -64,6 +66,7 @@ def open_table(directory: str | os.PathLike, tier: str | Tier = "gpu", device: t
         table = HostTable(m, dev, cache, verify=verify, progress=progress)
     else:
         from engram.store.disk import DiskConfig, DiskTable
-        table = DiskTable(m, device=dev, cache=cache, config=DiskConfig(io=io, queue_depth=queue_depth))
+        table = DiskTable(m, device=dev, cache=cache, config=DiskConfig(io=io, queue_depth=queue_depth),
+                          verify=verify)
     table.count_unique = count_unique
     return table

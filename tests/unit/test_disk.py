@@ -12,6 +12,7 @@ from engram.quant import dequantize_mxfp8, quantize_mxfp8
 from engram.store import open_table
 from engram.store import reader as rd
 from engram.store.disk import DiskConfig, DiskTable, open_disk_table
+from engram.store.format import TableFormatError
 from engram.store.reader import DiskReadError, Fault
 from engram.store.writer import write_table
 
@@ -216,3 +217,19 @@ def test_replaced_values_file_fails_one_lookup_then_serves_new_rows(tmp_path, ba
         got = t.gather(ids)
         want = dequantize_mxfp8(vals2[ids], scales2[ids])
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_corrupt_resident_scales_refused_at_open(tmp_path):
+    """The disk tier keeps scales.bin in RAM: it is CRC-checked while read, like the gpu/host tiers' loads."""
+    vals, scales, _ = make_rows(160, 256, "mxfp8")
+    write_table(tmp_path / "t", vals, scales)
+    with open(tmp_path / "t" / "scales.bin", "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(TableFormatError, match=r"scales.bin: byte 0: checksum mismatch in chunk 0"):
+        open_table(tmp_path / "t", tier="disk", device="cpu")
+    with open_table(tmp_path / "t", tier="disk", device="cpu", verify=False) as t:  # opt-out, as for gpu/host
+        assert t.gather(torch.tensor([0])).shape == (1, 256)
+
