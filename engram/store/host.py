@@ -27,7 +27,6 @@ class HostTable(ResidentTable):
         super().__init__(manifest, default_device(device), cache)
         self.values, self.scales = load_table(manifest, "pinned", verify=verify, progress=progress)
         # values uint8 [rows, row_stride], scales uint8 [rows, scale_cols] | None, both in host memory
-        self.pinned = self.values.is_pinned() if torch.cuda.is_available() else False
 
     def gather(self, ids: torch.Tensor, out: torch.Tensor | None = None,
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
