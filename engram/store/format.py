@@ -102,10 +102,6 @@ class TableManifest:
     def values_path(self) -> Path:
         return self.path / self.files["values"].name
 
-    @property
-    def scales_path(self) -> Path | None:
-        return self.path / self.files["scales"].name if "scales" in self.files else None
-
     def to_json(self) -> str:
         doc = {
             "format": FORMAT_NAME, "format_version": self.format_version, "layer_id": self.layer_id,
