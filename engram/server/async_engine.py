@@ -118,6 +118,17 @@ class AsyncEngine:
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
+    def _deliver_step(self, outputs: list) -> None:
+        """A step's outputs, one wake-up per event loop (not one per request: each wake-up is a syscall and
+        takes the GIL from this thread)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _drain_inbox(self) -> bool:
         """Hand queued adds and aborts to the engine; True if there were any."""
         seen = False
@@ -161,8 +172,7 @@ class AsyncEngine:
             except Exception as e:
                 self._fail_step(e)
                 continue
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._deliver_step(outputs)
             self._report(outputs)
 
     def _report(self, outputs: list) -> None:
@@ -180,3 +190,8 @@ class AsyncEngine:
             self.engine.abort_request(rid)
             self._deliver(rid, RequestFailed(f"request failed in the engine: {error}"))
         self._report([])
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
