@@ -78,23 +78,23 @@ class LLM:
             params = sampling_params
         else:
             params = [sampling_params or SamplingParams()] * len(items)
+        from tqdm.auto import tqdm
+
         ids = [f"gen-{next(self._request_ids)}" for _ in items]
+        done: dict[str, RequestOutput] = {}
         try:
             for rid, prompt, p in zip(ids, items, params):
                 self.engine.add_request(rid, prompt, p)
-        except Exception:  # a bad prompt: nothing of this call stays queued
+            with tqdm(total=len(items), desc="generate", unit="req", disable=not use_tqdm) as bar:
+                while self.engine.has_unfinished():
+                    for out in self.engine.step():
+                        if out.finished:
+                            done[out.request_id] = out
+                            bar.update(1)
+        except BaseException:  # a bad prompt, a failed step, Ctrl-C: nothing of this call stays queued
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        done: dict[str, RequestOutput] = {}
-        from tqdm.auto import tqdm
-
-        with tqdm(total=len(items), desc="generate", unit="req", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
         return [done[rid] for rid in ids]
 
 

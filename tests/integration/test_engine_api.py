@@ -220,6 +220,22 @@ def test_failed_step_names_its_requests_and_can_be_retried(tiny, reference):
     assert engine.scheduler.blocks.num_free_blocks == engine.memory.num_blocks
 
 
+def test_llm_generate_drops_its_requests_when_a_step_fails(llm):
+    params = engram.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    ref = llm.generate(["Hello there"], params, use_tqdm=False)[0].outputs[0].token_ids
+    real = llm.engine.executor
+    llm.engine.executor = FailingOnce(real)
+    try:
+        with pytest.raises(OSError, match="offset 4096"):
+            llm.generate(["Hello there", "Another one"], params, use_tqdm=False)
+        assert not llm.engine.has_unfinished()  # nothing left to run inside the next call
+        assert llm.engine.scheduler.blocks.num_free_blocks == llm.engine.memory.num_blocks
+        outs = llm.generate(["Hello there"], params, use_tqdm=False)
+        assert len(outs) == 1 and outs[0].outputs[0].token_ids == ref
+    finally:
+        llm.engine.executor = real
+
+
 def test_kv_budget_counts_hot_row_cache_and_only_kv_source_layers(tiny):
     budget = dict(kv_cache_memory=24_000_000, max_model_len=256)
     plain = engram.LLM(model="tiny", tier="disk", engram_config={"io": "buffered"}, **budget)
