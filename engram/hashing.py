@@ -90,8 +90,16 @@ class NgramHasher:
     def hash_packed_all(self, ids: torch.Tensor, cu_seqlens: torch.Tensor,
                         lookback: torch.Tensor) -> dict[int, torch.Tensor]:
         """``hash_packed`` for every Engram layer: {layer_id: [T, n_cols]} (windows built and undead once)."""
-        clean = self._undead(self.packed_windows(ids, cu_seqlens, lookback))  # [T, max_ngram]
-        return {lid: self._hash_ids(clean, lid) for lid in self.cfg.layer_ids}
+        return self.hash_step(ids, cu_seqlens, lookback)[0]
+
+    def hash_step(self, ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                  lookback: torch.Tensor) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """One engine step: (``hash_packed_all``, ``next_lookback``) from a single packed buffer."""
+        ext, tok_pos = self._packed_ext(ids, cu_seqlens, lookback)
+        windows = ext[tok_pos.unsqueeze(1) - torch.arange(self.window + 1, device=ids.device)]  # [T, max_ngram]
+        clean = self._undead(windows)
+        rows = {lid: self._hash_ids(clean, lid) for lid in self.cfg.layer_ids}
+        return rows, self._lookback_from_ext(ext, cu_seqlens.to(ids.device, torch.int64))
 
     def packed_windows(self, ids: torch.Tensor, cu_seqlens: torch.Tensor, lookback: torch.Tensor) -> torch.Tensor:
         """[T, max_ngram] windows of a packed batch: slot s holds the id at position p - s of its sequence."""
@@ -101,12 +109,14 @@ class NgramHasher:
     def next_lookback(self, lookback: torch.Tensor, ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Lookbacks after appending each sequence's packed ``ids`` chunk: [S, max_ngram-1]."""
         ext, _ = self._packed_ext(ids, cu_seqlens, lookback)
-        cu = cu_seqlens.to(ids.device, torch.int64)
+        return self._lookback_from_ext(ext, cu_seqlens.to(ids.device, torch.int64))
+
+    def _lookback_from_ext(self, ext: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+        """The last W entries of each sequence's [lookback | tokens] segment of ``ext`` (it ends at
+        cu[s+1] + W*(s+1)); a zero-length chunk leaves exactly its old lookback there -> [S, W]."""
         w = self.window
-        # the last W entries of each sequence's [lookback | tokens] segment, which ends at cu[s+1] + W*(s+1);
-        # a zero-length chunk leaves exactly its old lookback there
-        first = cu[1:] + w * torch.arange(cu.numel() - 1, device=ids.device)  # [S]
-        return ext[first.unsqueeze(1) + torch.arange(w, device=ids.device)]  # [S, W]
+        first = cu[1:] + w * torch.arange(cu.numel() - 1, device=ext.device)  # [S]
+        return ext[first.unsqueeze(1) + torch.arange(w, device=ext.device)]  # [S, W]
 
     def _packed_ext(self, ids: torch.Tensor, cu_seqlens: torch.Tensor,
                     lookback: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

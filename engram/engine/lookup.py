@@ -56,14 +56,14 @@ class LookupPlanner:
         """compressed_ids [T], cu_seqlens [S+1], positions [T], lookback [S, max_ngram-1] -> LookupPlan."""
         if self.hasher is None:  # no Engram layers: an empty plan
             return LookupPlan(next(self._ids), tuple(seq_ids), cu_seqlens, positions, compressed_ids, {}, lookback)
-        rows = self.hasher.hash_packed_all(compressed_ids, cu_seqlens, lookback)  # {layer: [T, n_cols]}
+        rows, next_lookback = self.hasher.hash_step(compressed_ids, cu_seqlens, lookback)  # {layer: [T, n_cols]}
         layers = {}
         for lid, r in rows.items():
             unique, inverse = torch.unique(r.reshape(-1), sorted=True, return_inverse=True)  # [U], [T*n_cols]
             layers[lid] = LayerLookup(row_ids=r, unique_ids=unique, inverse=inverse)
         return LookupPlan(plan_id=next(self._ids), seq_ids=tuple(seq_ids), cu_seqlens=cu_seqlens,
                           positions=positions, compressed_ids=compressed_ids, layers=layers,
-                          next_lookback=self.hasher.next_lookback(lookback, compressed_ids, cu_seqlens))
+                          next_lookback=next_lookback)
 
 
 class StagedRows:

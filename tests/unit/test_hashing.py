@@ -85,6 +85,8 @@ def test_packed_equals_batched_and_lookbacks_carry_dead():
     assert lb3.tolist() == [[DEAD, 4], [9, 5], [7, 7]]
     all_layers = h.hash_packed_all(ids, cu, lb)
     assert torch.equal(all_layers[3], packed) and set(all_layers) == {1, 3}
+    step_rows, step_lb = h.hash_step(ids, cu, lb)  # the engine's one-buffer form agrees with both
+    assert all(torch.equal(step_rows[l], all_layers[l]) for l in (1, 3)) and torch.equal(step_lb, lb2)
 
 
 @settings(max_examples=60, deadline=None)
