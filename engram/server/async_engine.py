@@ -144,8 +144,13 @@ class AsyncEngine:
                     continue
                 try:
                     self.engine.add_request(rid, prompt, params)
-                except ValueError as e:
+                except ValueError as e:  # a bad request: 400
                     self._deliver(rid, e)
+                    continue
+                except Exception as e:  # anything else fails this request only, never the engine thread
+                    log.exception("add_request failed for %s", rid)
+                    self.engine.abort_request(rid)
+                    self._deliver(rid, RequestFailed(f"request failed in the engine: {e}"))
                     continue
                 self._deliver(rid, _ACCEPTED)
             else:
