@@ -20,8 +20,10 @@ HELP = "GPU gather kernels (HBM and pinned-host UVA) vs copy/PCIe limits, 1K..4M
 ROW_IN = 264  # bytes read per V4.1 row: 256 fp8 values + 8 scale bytes
 DIM = 256
 SIZES = [1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22]
-SWEEP = [(32, 4, -1, True), (32, 4, -1, False), (16, 4, -1, True), (64, 8, -1, True), (32, 4, 0, True),
-         (32, 4, 0, False), (16, 4, 0, True)]
+# (block_r, num_warps, programs_per_sm, stream). Run 3 found one program per tile ahead of every persistent
+# grid (bench/results/2026-11-29-gpu-lookup-3.json); this sweep varies the tile around that winner.
+SWEEP = [(32, 4, 0, False), (16, 2, 0, False), (16, 4, 0, False), (32, 8, 0, False), (64, 4, 0, False),
+         (64, 8, 0, False), (128, 8, 0, False), (32, 4, 0, True)]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,7 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rep-ms", type=int, default=150, help="do_bench repetition time per point")
     p.add_argument("--parts", default="hbm,overhead,pin,uva",
                    help="comma list of: hbm, sweep (launch configs), overhead (host µs per call), pin (pinning "
-                        "methods: time and UVA speed), uva (main host table, all sizes)")
+                        "methods: time and UVA speed), uva (main host table, all sizes), probe (where UVA time "
+                        "goes: engram.bench.uva_probe)")
+    p.add_argument("--cpu-threads", type=int, default=16, help="threads of the probe's CPU-gather route")
     p.add_argument("--pin-methods", default="register-4k,register-thp,alloc,torch",
                    help="pinning variants for the pin part (torch = torch.empty(pin_memory=True))")
     p.add_argument("--out", default=None, help="JSON path (default: bench/results/<date>-gpu-lookup.json)")
@@ -83,8 +87,19 @@ def limits(rep_ms: int) -> dict:
     h2d = _bench(lambda: a.copy_(h, non_blocking=True), rep_ms)
     x = torch.empty(1, device="cuda")
     noop = _bench(lambda: _noop[(1,)](x), rep_ms)
+    # The dequant gather reads 1 byte per value and writes 2: an elementwise uint8 -> bf16 cast has the same
+    # read:write mix with perfectly sequential access, the ceiling for that mix.
+    w = torch.empty(a.numel(), dtype=torch.bfloat16, device="cuda")
+    widen = _bench(lambda: w.copy_(a), rep_ms)
+    # Copies of the bytes a 256 K / 4 M-row dequant gather moves (776 B per row read + written): the
+    # copy ceiling at that transfer size, launch ramp included.
+    same = {}
+    for n in (1 << 18, 1 << 22):
+        half = n * (ROW_IN + 2 * DIM) // 2
+        same[n] = 2 * half / _bench(lambda: b[:half].copy_(a[:half]), rep_ms) / 1e3
     return {"copy_GBps_read_plus_written": 2 * a.numel() / d2d / 1e3, "h2d_GBps": a.numel() / h2d / 1e3,
-            "empty_launch_us": noop}
+            "empty_launch_us": noop, "widen_u8_bf16_GBps_read_plus_written": 3 * a.numel() / widen / 1e3,
+            "copy_GBps_same_bytes_as_256k_rows": same[1 << 18], "copy_GBps_same_bytes_as_4m_rows": same[1 << 22]}
 
 
 def gather_points(name: str, fn_of_ids, rows: int, rep_ms: int, sizes, dists, lim: dict, out_bytes: int) -> list:
@@ -255,6 +270,26 @@ def uva_runs(args, lim: dict) -> dict:
     return res
 
 
+def probe_part(args, lim: dict) -> dict:
+    """engram.bench.uva_probe on a ``--host-gib`` table (windows, graphs) and a ``--pin-gib`` one (layouts,
+    CPU route)."""
+    from engram.bench import uva_probe
+    res: dict = {}
+    info, values, scales = host_table(args.host_gib)
+    res["main_table"] = info
+    res["window"] = uva_probe.window(_bench, values, args.rep_ms)
+    res["graph"] = uva_probe.graph(_bench, values, scales, args.rep_ms)
+    del values, scales
+    gc.collect()
+    info, values, scales = host_table(args.pin_gib)
+    res["layout_table"] = info
+    res["layout"] = uva_probe.layout(_bench, values, scales, args.rep_ms, lim)
+    gc.collect()
+    packed, _, _ = uva_probe.packed_copy(values, scales, 272)
+    res["cpu_route"] = uva_probe.cpu_route(packed, args.cpu_threads)
+    return res
+
+
 def overhead() -> dict:
     """Host µs per call (no sync inside the loop): what Python + the Triton launcher cost per batch."""
     from engram.store import kernels
@@ -305,6 +340,8 @@ def run(args: argparse.Namespace) -> int:
         result["pin"] = pin_part(args, lim)
     if "uva" in args.parts:
         result["uva"] = uva_runs(args, lim)
+    if "probe" in args.parts:
+        result["probe"] = probe_part(args, lim)
     config = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     config["commit"] = os.environ.get("ENGRAM_COMMIT")  # the device copy has no .git: the caller names it
     path = write_result("gpu-lookup", config, result, out=args.out)

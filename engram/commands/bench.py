@@ -15,6 +15,7 @@ BENCHES = {
     "lookup": "engram.bench.lookup",
     "gpu-lookup": "engram.bench.gpu_lookup",
     "serve": "engram.bench.serve_load",
+    "table-open": "engram.bench.table_open",
 }
 
 
