@@ -5,6 +5,11 @@ Without a cache a lookup is one ``engram.store.kernels.gather_rows`` call over t
 kernel of the GPU-kernels work reads pinned memory from the device; the torch reference gathers on the
 CPU and copies the [N, dim] rows over). With ``cache`` (a RowCache on ``device``) distinct ids are looked
 up first and only the misses cross PCIe, as packed bytes, before one dequantize on ``device``.
+
+Host layout of an MXFP8 table (``layout``): "packed" (default) keeps each row's value and scale bytes
+side by side in one buffer (engram.store.load.load_packed), so a UVA read of a row touches one host page
+where "split" (the files' own layout, values and scales in two buffers) touches two; tables without
+scales have a single buffer and ignore ``layout``.
 """
 from __future__ import annotations
 
@@ -14,19 +19,32 @@ from engram.store.base import ResidentTable, Tier
 from engram.store.cache import RowCache
 from engram.store.format import TableManifest
 from engram.store.gpu import default_device
-from engram.store.load import load_table
+from engram.store.load import LAYOUTS, LOAD_THREADS, load_table
 
 
 class HostTable(ResidentTable):
-    """A table in (pinned) host memory serving rows to ``device`` (default: CUDA device, else the CPU)."""
+    """A table in (pinned) host memory serving rows to ``device`` (default: CUDA device, else the CPU).
+
+    ``layout`` "packed": ``values`` = packed[:, :value_bytes] and ``scales`` = packed[:, value_bytes:
+    value_bytes + scale_cols], strided views (row stride S = value_bytes + scale_cols rounded up to 16,
+    272 B for V4.1; unit column stride) of one buffer uint8 [rows, S]. "split": ``values`` uint8 [rows,
+    row_stride] and ``scales`` uint8 [rows, scale_cols], two buffers. ``load_threads`` workers read and
+    CRC-check the files (``verify``) into that memory in one pass."""
 
     tier = Tier.HOST
 
     def __init__(self, manifest: TableManifest, device: torch.device | str | None = None,
-                 cache: RowCache | None = None, *, verify: bool = True, progress: bool = False) -> None:
+                 cache: RowCache | None = None, *, verify: bool = True, progress: bool = False,
+                 layout: str = "packed", load_threads: int = LOAD_THREADS) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+        if load_threads < 1:
+            raise ValueError(f"load_threads={load_threads} must be >= 1")
         super().__init__(manifest, default_device(device), cache)
-        self.values, self.scales = load_table(manifest, "pinned", verify=verify, progress=progress)
-        # values uint8 [rows, row_stride], scales uint8 [rows, scale_cols] | None, both in host memory
+        self.layout = layout if self.scale_cols else "split"  # one buffer either way without scales
+        self.values, self.scales = load_table(manifest, "pinned", verify=verify, progress=progress, layout=layout,
+                                              threads=load_threads)
+        # values uint8 [rows, >= value_bytes], scales uint8 [rows, scale_cols] | None, both in host memory
 
     def gather(self, ids: torch.Tensor, out: torch.Tensor | None = None,
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -1,19 +1,36 @@
 """Read a table's files into memory (RAM, pinned RAM or device memory), checking CRCs on the way.
 
-``load_file(manifest, kind, target)`` streams one data file in checksum-sized chunks: every chunk is
-CRC-checked (TableFormatError naming the file and the chunk's byte offset on a mismatch) and copied to
-its place, so no second full copy of the table is ever held. Targets: "ram" (plain host memory), "pinned"
-(page-locked through engram.store.pinning when CUDA exists, else RAM), or a CUDA device.
+``load_file(manifest, kind, target)`` loads one data file; ``load_table`` a whole table, in the "split"
+layout (the files' own layouts) or, for MXFP8 tables in host memory, "packed" (each row's value and scale
+bytes side by side, see ``load_packed``). Host targets ("ram"; "pinned": page-locked through
+engram.store.pinning when CUDA exists, else RAM) are filled in ONE parallel pass: worker threads each take
+checksum chunks, pread them from the page cache straight into the destination (or into a small per-thread
+buffer when rows are rearranged), CRC them and move on, so no second full copy of the table is ever held;
+a CUDA target streams chunks through a pinned bounce buffer. A bad chunk raises TableFormatError naming
+the file and the chunk's byte offset, and nothing loaded so far is kept (nor pinned).
 """
 from __future__ import annotations
 
+import os
+import threading
 import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
-import numpy as np
 import torch
 
 from engram.store.format import TableFormatError, TableManifest, check_file_size, checksum_error
-from engram.store.pinning import pin_tensor
+from engram.store.pinning import pinned_empty_filled
+
+LOAD_THREADS = 8
+LAYOUTS = ("split", "packed")
+PACKED_ALIGN = 16  # packed rows start on 16 B: 16-byte vector loads, and an 8-aligned scale view for V4.1
+_PIECE = 4 << 20  # a chunk is read, CRC'd and placed in pieces that stay in cache between the three steps
+
+
+def packed_row_bytes(value_bytes: int, scale_cols: int) -> int:
+    """Bytes per row of the packed layout: values + scale bytes rounded up to 16 (V4.1: 256 + 8 -> 272)."""
+    return -(-(value_bytes + scale_cols) // PACKED_ALIGN) * PACKED_ALIGN
 
 
 def _bar(progress: bool, total: int, desc: str):
@@ -23,64 +40,219 @@ def _bar(progress: bool, total: int, desc: str):
     return tqdm(total=total, unit="B", unit_scale=True, desc=desc)
 
 
-def load_file(m: TableManifest, kind: str, target: str | torch.device = "ram", verify: bool = True,
-              progress: bool = False) -> torch.Tensor:
-    """Whole data file ``kind`` ("values" | "scales") as uint8 [file bytes] on ``target``."""
-    entry = m.files[kind]
-    path = m.path / entry.name
-    check_file_size(path, entry.bytes)
-    dev = torch.device(target) if target not in ("ram", "pinned") else torch.device("cpu")
-    bar = _bar(progress, entry.bytes, f"load {m.path.name}/{entry.name}")
-    if target == "pinned" and torch.cuda.is_available():
-        # Source is the page cache (a copy-on-write map), so the pinned copy is the only resident one.
-        src = np.memmap(path, dtype=np.uint8, mode="c", shape=(entry.bytes,))
-        if verify:
-            _verify_chunks(path, src, m.chunk_bytes, entry.crc32, bar)
-        out = pin_tensor(torch.from_numpy(src))
-        del src
-        if bar is not None:
-            bar.close()
-        return out
-    out = torch.empty(entry.bytes, dtype=torch.uint8, device=dev)
-    host = out if dev.type == "cpu" else torch.empty(min(m.chunk_bytes, entry.bytes), dtype=torch.uint8,
-                                                     pin_memory=True)
-    with open(path, "rb", buffering=0) as f:
-        for i, off in enumerate(range(0, entry.bytes, m.chunk_bytes)):
-            n = min(m.chunk_bytes, entry.bytes - off)
-            buf = host[off:off + n] if dev.type == "cpu" else host[:n]
-            mv = memoryview(buf.numpy()).cast("B")
-            got = 0
-            while got < n:
-                r = f.readinto(mv[got:])
-                if not r:
-                    raise TableFormatError(path, off + got, f"truncated while loading (expected {entry.bytes} bytes)")
-                got += r
-            if verify and zlib.crc32(mv) != entry.crc32[i]:
-                raise checksum_error(path, i, off, n)
-            if dev.type != "cpu":
-                out[off:off + n].copy_(buf)  # synchronous: the bounce buffer is reused next chunk
+def _pread_into(fd: int, buf: torch.Tensor, off: int, path, size: int) -> None:
+    """Fill ``buf`` (uint8 [n], contiguous CPU) with the file's bytes [off, off + n); os.preadv drops the GIL."""
+    mv = memoryview(buf.numpy()).cast("B")
+    got = 0
+    while got < len(mv):
+        r = os.preadv(fd, [mv[got:]], off + got)
+        if not r:
+            raise TableFormatError(path, off + got, f"truncated while loading (expected {size} bytes)")
+        got += r
+
+
+def _scatter_rows(dst: torch.Tensor, piece: torch.Tensor, start: int, fstride: int) -> None:
+    """Place ``piece`` (uint8, the file's bytes [start, start + len)) into ``dst`` [rows, width]: the file
+    holds row r's ``width`` used bytes at r * fstride (fstride >= width; bytes past them and rows past
+    ``rows`` are file padding). Only the first and last row touched can be cut by the piece's ends."""
+    rows, width = dst.shape
+    end = start + piece.numel()
+    first, last = start // fstride, min(rows - 1, (end - 1) // fstride)
+    full_lo = -(-start // fstride)  # first row whose bytes start inside the piece
+    full_hi = min(rows, (end - width) // fstride + 1) if end >= width else 0  # rows whose used bytes end by `end`
+    if full_lo < full_hi:
+        n = full_hi - full_lo
+        src = piece.as_strided((n, width), (fstride, 1), piece.storage_offset() + full_lo * fstride - start)
+        dst[full_lo:full_hi].copy_(src)  # [n, width] from rows fstride bytes apart
+    for r in {first, last}:
+        if r > last or full_lo <= r < full_hi:
+            continue
+        lo, hi = max(start, r * fstride), min(end, r * fstride + width)
+        if lo < hi:
+            dst[r, lo - r * fstride:hi - r * fstride].copy_(piece[lo - start:hi - start])
+
+
+class _FileFill:
+    """The chunks of one data file and where their bytes go: a flat image of the file (``flat`` uint8
+    [file bytes]) or rows rearranged into ``rows_dst`` [rows, width] (``fstride`` file bytes apart), whose
+    ``pad`` columns (uint8 [rows, k], may be empty) are zeroed as each row's first byte is placed."""
+
+    def __init__(self, m: TableManifest, kind: str, flat: torch.Tensor | None = None,
+                 rows_dst: torch.Tensor | None = None, fstride: int = 0, pad: torch.Tensor | None = None) -> None:
+        self.entry = m.files[kind]
+        self.path = m.path / self.entry.name
+        self.chunk_bytes = m.chunk_bytes
+        self.flat, self.rows_dst, self.fstride, self.pad = flat, rows_dst, fstride, pad
+
+    def chunks(self) -> list[tuple[int, int, int]]:
+        """(index, offset, bytes) of every checksum chunk."""
+        size, cb = self.entry.bytes, self.chunk_bytes
+        return [(i, off, min(cb, size - off)) for i, off in enumerate(range(0, size, cb))]
+
+    def run_chunk(self, fd: int, i: int, off: int, n: int, verify: bool, bounce: Callable[[], torch.Tensor],
+                  bar) -> None:
+        crc = 0
+        for p in range(off, off + n, _PIECE):
+            k = min(_PIECE, off + n - p)
+            buf = self.flat[p:p + k] if self.flat is not None else bounce()[:k]
+            _pread_into(fd, buf, p, self.path, self.entry.bytes)
+            if verify:
+                crc = zlib.crc32(memoryview(buf.numpy()), crc)  # releases the GIL on big buffers
+            if self.rows_dst is not None:
+                _scatter_rows(self.rows_dst, buf, p, self.fstride)
             if bar is not None:
-                bar.update(n)
-    if bar is not None:
-        bar.close()
+                bar.update(k)
+        if verify and crc != self.entry.crc32[i]:
+            raise checksum_error(self.path, i, off, n)
+        if self.pad is not None and self.pad.shape[1]:
+            rows = self.pad.shape[0]
+            self.pad[min(rows, -(-off // self.fstride)):min(rows, -(-(off + n) // self.fstride))].zero_()
+
+
+def _fill(fills: list[_FileFill], verify: bool, threads: int, bar) -> None:
+    """Run every chunk of ``fills`` on ``threads`` workers. After a failure the chunks not yet started are
+    skipped and the error of the first failing chunk (file order) is raised; chunks start in that order, so
+    it is the first bad chunk of the table."""
+    local = threading.local()
+    stop = threading.Event()
+    fds = {}
+
+    def bounce() -> torch.Tensor:
+        if not hasattr(local, "buf"):
+            local.buf = torch.empty(_PIECE, dtype=torch.uint8)  # per worker, reused for every piece
+        return local.buf
+
+    def job(f: _FileFill, i: int, off: int, n: int) -> None:
+        if stop.is_set():
+            return
+        try:
+            f.run_chunk(fds[f.path], i, off, n, verify, bounce, bar)
+        except BaseException:
+            stop.set()
+            raise
+
+    try:
+        for f in fills:
+            check_file_size(f.path, f.entry.bytes)
+            fds[f.path] = os.open(f.path, os.O_RDONLY)
+        jobs = [(f, *c) for f in fills for c in f.chunks()]
+        with ThreadPoolExecutor(max_workers=max(1, min(threads, len(jobs)))) as pool:
+            futures = [pool.submit(job, *j) for j in jobs]
+        for fut in futures:
+            fut.result()
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _host_buffer(nbytes: int, target: str, fill: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    """uint8 [nbytes] in RAM or pinned memory, written by ``fill`` before it is pinned."""
+    if target == "pinned":
+        return pinned_empty_filled(nbytes, fill)
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    fill(out)
     return out
 
 
-def _verify_chunks(path, data: np.ndarray, chunk_bytes: int, crcs: list[int], bar) -> None:
-    """CRC-check every chunk of ``data`` (the file's bytes, uint8 [size]) against the manifest's ``crcs``."""
-    for i, off in enumerate(range(0, data.size, chunk_bytes)):
-        n = min(chunk_bytes, data.size - off)
-        if zlib.crc32(data[off:off + n]) != crcs[i]:
-            raise checksum_error(path, i, off, n)
+def _check_threads(threads: int) -> None:
+    if threads < 1:
+        raise ValueError(f"threads={threads} must be >= 1")
+
+
+def load_file(m: TableManifest, kind: str, target: str | torch.device = "ram", verify: bool = True,
+              progress: bool = False, threads: int = LOAD_THREADS) -> torch.Tensor:
+    """Whole data file ``kind`` ("values" | "scales") as uint8 [file bytes] on ``target``; host targets are
+    read by ``threads`` workers."""
+    _check_threads(threads)
+    entry = m.files[kind]
+    path = m.path / entry.name
+    check_file_size(path, entry.bytes)
+    bar = _bar(progress, entry.bytes, f"load {m.path.name}/{entry.name}")
+    try:
+        if target in ("ram", "pinned"):
+            return _host_buffer(entry.bytes, target,
+                                lambda dst: _fill([_FileFill(m, kind, flat=dst)], verify, threads, bar))
+        return _load_to_device(m, kind, torch.device(target), verify, bar)
+    finally:
         if bar is not None:
-            bar.update(n)
+            bar.close()
+
+
+def _load_to_device(m: TableManifest, kind: str, dev: torch.device, verify: bool, bar) -> torch.Tensor:
+    """One data file into device memory, chunk by chunk through a pinned bounce buffer."""
+    entry = m.files[kind]
+    path = m.path / entry.name
+    out = torch.empty(entry.bytes, dtype=torch.uint8, device=dev)
+    host = torch.empty(min(m.chunk_bytes, entry.bytes), dtype=torch.uint8, pin_memory=dev.type == "cuda")
+    with open(path, "rb", buffering=0) as f:
+        for i, off in enumerate(range(0, entry.bytes, m.chunk_bytes)):
+            n = min(m.chunk_bytes, entry.bytes - off)
+            _pread_into(f.fileno(), host[:n], off, path, entry.bytes)
+            if verify and zlib.crc32(memoryview(host[:n].numpy())) != entry.crc32[i]:
+                raise checksum_error(path, i, off, n)
+            out[off:off + n].copy_(host[:n])  # synchronous: the bounce buffer is reused next chunk
+            if bar is not None:
+                bar.update(n)
+    return out
+
+
+def fill_packed(m: TableManifest, dst: torch.Tensor, verify: bool = True, threads: int = LOAD_THREADS,
+                bar=None) -> None:
+    """Write the packed layout of MXFP8 table ``m`` into ``dst`` (uint8 host memory of rows * S bytes, any
+    prior contents; see ``load_packed``) with ``threads`` workers, CRC-checking every chunk of both files."""
+    _check_threads(threads)
+    vb, sc = m.value_bytes, m.scale_cols
+    stride = packed_row_bytes(vb, sc)
+    if dst.dtype != torch.uint8 or dst.device.type != "cpu" or dst.numel() != m.rows * stride:
+        raise ValueError(f"dst must be uint8 host memory of {m.rows} x {stride} bytes, got {dst.dtype} "
+                         f"{tuple(dst.shape)} on {dst.device}")
+    packed = dst.view(m.rows, stride)  # [rows, S]
+    _fill([_FileFill(m, "values", rows_dst=packed[:, :vb], fstride=m.row_stride, pad=packed[:, vb + sc:]),
+           _FileFill(m, "scales", rows_dst=packed[:, vb:vb + sc], fstride=sc)], verify, threads, bar)
+
+
+def load_packed(m: TableManifest, target: str = "pinned", verify: bool = True, progress: bool = False,
+                threads: int = LOAD_THREADS) -> torch.Tensor:
+    """An MXFP8 table as ONE host buffer uint8 [rows, S], S = ``packed_row_bytes`` (272 for V4.1)::
+
+        row r: | value bytes (value_bytes) | scale bytes (scale_cols) | zeros to S |
+               0                          value_bytes               +scale_cols  S
+
+    A row's values and scales then share one 4 KiB page (or 2 MiB huge page) far more often than two,
+    which is what a UVA gather pays for. Both files are read in one parallel verified pass
+    (``fill_packed``) into the buffer, pinned when ``target`` is "pinned" and CUDA exists, RAM otherwise."""
+    if not m.scale_cols:
+        raise ValueError(f"layout='packed' needs an mxfp8 table with scales; {m.path} is {m.row_dtype}")
+    if target not in ("ram", "pinned"):
+        raise ValueError(f"target={target!r}: the packed layout is built in host memory ('ram' or 'pinned')")
+    _check_threads(threads)
+    stride = packed_row_bytes(m.value_bytes, m.scale_cols)
+    bar = _bar(progress, sum(m.files[k].bytes for k in ("values", "scales")), f"load {m.path.name} (packed)")
+    try:
+        return _host_buffer(m.rows * stride, target,
+                            lambda dst: fill_packed(m, dst, verify, threads, bar)).view(m.rows, stride)
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def load_table(m: TableManifest, target: str | torch.device = "ram", verify: bool = True,
-               progress: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(values uint8 [rows, row_stride], scales uint8 [rows, scale_cols] | None) on ``target``."""
-    values = load_file(m, "values", target, verify, progress)[: m.rows * m.row_stride].view(m.rows, m.row_stride)
+               progress: bool = False, layout: str = "split",
+               threads: int = LOAD_THREADS) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(values uint8 [rows, >= value_bytes], scales uint8 [rows, scale_cols] | None) on ``target``.
+    "split": values [rows, row_stride] and scales [rows, scale_cols], one buffer per file. "packed" (MXFP8
+    tables in host memory): views of one ``load_packed`` buffer, values = packed[:, :value_bytes] and scales
+    = packed[:, value_bytes:value_bytes + scale_cols] (row stride S, unit column stride); a table without
+    scales has one buffer either way, so it loads "split"."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+    if layout == "packed" and m.scale_cols:
+        packed = load_packed(m, target, verify, progress, threads)  # [rows, S]
+        vb = m.value_bytes
+        return packed[:, :vb], packed[:, vb:vb + m.scale_cols]
+    values = load_file(m, "values", target, verify, progress, threads)
+    values = values[: m.rows * m.row_stride].view(m.rows, m.row_stride)
     scales = None
     if "scales" in m.files:
-        scales = load_file(m, "scales", target, verify, progress).view(m.rows, m.scale_cols)
+        scales = load_file(m, "scales", target, verify, progress, threads).view(m.rows, m.scale_cols)
     return values, scales

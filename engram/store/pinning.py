@@ -5,7 +5,10 @@ and ``t`` itself otherwise (or when it is already pinned or on a device). By def
 fresh 2 MiB-aligned anonymous mapping advised for transparent huge pages, written by several threads,
 then registered with ONE ``cudaHostRegister`` (mapped + portable, so kernels read it through UVA; a copy
 may not span two registrations, so the table is never registered in pieces); it is unregistered when the
-last tensor viewing it is freed. Measured on the H200 machine (docs/benchmarks.md): 8 GiB pin in 0.64 s
+last tensor viewing it is freed. ``pinned_empty_filled(nbytes, fill)`` is the same with the caller
+writing the bytes (the table loader CRC-checks and copies file chunks from its own threads): the fill
+completes before the one registration, and a fill that raises leaves nothing registered or mapped.
+Measured on the H200 machine (docs/benchmarks.md): 8 GiB pin in 0.64 s
 this way, 2.1 s without huge pages, 4.1 s with cuMemHostAlloc (``method="alloc"``), 5.1 s with
 ``torch.empty(pin_memory=True)``, which also rounds sizes up to a power of two; UVA gathers ran at the
 same speed from all four.
@@ -15,8 +18,10 @@ from __future__ import annotations
 import ctypes
 import mmap
 import threading
+import traceback
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
@@ -78,9 +83,10 @@ def _copy_chunks(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int, threads
         list(pool.map(lambda s: dst[s[0]:s[0] + s[1]].copy_(src[s[0]:s[0] + s[1]]), spans))
 
 
-def _pin_register(src: torch.Tensor, huge_pages: bool, chunk_bytes: int, threads: int) -> torch.Tensor:
-    nbytes = src.numel()
-    # Over-allocate one huge page so the region can start on a 2 MiB boundary (THP backs aligned spans only).
+def _map_region(nbytes: int, huge_pages: bool) -> tuple[mmap.mmap, memoryview, memoryview]:
+    """A fresh anonymous mapping with a 2 MiB-aligned window of ``nbytes`` (advised for transparent huge
+    pages when asked): (the map, a view of all of it, the aligned window)."""
+    # Over-allocate one huge page so the window can start on a 2 MiB boundary (THP backs aligned spans only).
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     view = memoryview(region)
     base_unaligned = torch.frombuffer(view, dtype=torch.uint8, count=1).data_ptr()
@@ -90,32 +96,98 @@ def _pin_register(src: torch.Tensor, huge_pages: bool, chunk_bytes: int, threads
             region.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
         except OSError:  # THP disabled on this kernel: plain pages still work, only slower
             pass
-    window = view[start:start + nbytes]
+    return region, view, view[start:start + nbytes]
+
+
+def _unmap(region: mmap.mmap, *views: memoryview) -> None:
+    """Unmap now if nothing else views the map; otherwise it goes with its last view."""
+    try:
+        for v in views:
+            v.release()
+        region.close()
+    except BufferError:
+        pass
+
+
+def _drop_fill_frames(err: BaseException) -> None:
+    """Clear the locals of the frames ``err`` passed through (the fill's workers hold views of the
+    destination there), so a failed fill frees its mapping now instead of when the error is collected."""
+    while err is not None:
+        traceback.clear_frames(err.__traceback__)  # executing frames are skipped
+        err = err.__cause__ or err.__context__
+
+
+def _filled_mapping(nbytes: int, fill: Callable[[torch.Tensor], None], huge_pages: bool,
+                    register: bool) -> torch.Tensor:
+    region, view, window = _map_region(nbytes, huge_pages)
     dst = torch.frombuffer(window, dtype=torch.uint8)  # [nbytes], keeps `window` (and the map) alive
-    _copy_chunks(dst, src, chunk_bytes, threads)
-    # One registration for the whole table: a copy (cudaMemcpy) may not span two registered ranges.
-    err = torch.cuda.cudart().cudaHostRegister(dst.data_ptr(), nbytes, _REGISTER_FLAGS)
-    _check(err, f"cudaHostRegister(ptr=0x{dst.data_ptr():x}, bytes={nbytes})")
+    try:
+        fill(dst)
+    except BaseException as e:
+        del dst
+        _drop_fill_frames(e)
+        _unmap(region, window, view)
+        raise
+    if not register:
+        view.release()
+        return dst
+    # One registration for the whole table, after the fill: a copy (cudaMemcpy) may not span two registered
+    # ranges, and a fill that fails leaves nothing registered.
+    ptr = dst.data_ptr()
+    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _REGISTER_FLAGS)
+    if int(getattr(err, "value", err)) != 0:
+        del dst
+        _unmap(region, window, view)
+        _check(err, f"cudaHostRegister(ptr=0x{ptr:x}, bytes={nbytes})")
     _count(nbytes, 1)
-    weakref.finalize(window, _unregister, dst.data_ptr(), region, nbytes)
+    weakref.finalize(window, _unregister, ptr, region, nbytes)
     view.release()
     return dst
 
 
-def _pin_alloc(src: torch.Tensor, chunk_bytes: int, threads: int) -> torch.Tensor:
-    nbytes = src.numel()
+def _filled_alloc(nbytes: int, fill: Callable[[torch.Tensor], None]) -> torch.Tensor:
     torch.cuda.init()
     torch.cuda.current_stream().synchronize()  # makes the primary context current on this thread
     ptr = ctypes.c_void_p()
     err = _cuda_driver().cuMemHostAlloc(ctypes.byref(ptr), nbytes, _ALLOC_FLAGS)
     if err != 0:
         raise RuntimeError(f"cuMemHostAlloc(bytes={nbytes}) failed with CUDA driver error {err}")
-    arr = (ctypes.c_uint8 * nbytes).from_address(ptr.value)
-    dst = torch.frombuffer(arr, dtype=torch.uint8)  # [nbytes], keeps `arr` alive
     _count(nbytes, 1)
+    arr = (ctypes.c_uint8 * nbytes).from_address(ptr.value)
+    # The finalizer frees the block when the last tensor viewing `arr` goes, also after a failed fill.
     weakref.finalize(arr, _free_host, ptr.value, nbytes)
-    _copy_chunks(dst, src, chunk_bytes, threads)
+    dst = torch.frombuffer(arr, dtype=torch.uint8)  # [nbytes], keeps `arr` alive
+    del arr
+    try:
+        fill(dst)
+    except BaseException as e:
+        del dst
+        _drop_fill_frames(e)
+        raise
     return dst
+
+
+def pinned_empty_filled(nbytes: int, fill: Callable[[torch.Tensor], None], *, method: str = "register",
+                        huge_pages: bool = True) -> torch.Tensor:
+    """A host tensor uint8 [nbytes] written by ``fill(dst)``, then page-locked when CUDA is available.
+
+    "register" (default): a fresh 2 MiB-aligned anonymous mapping (MADV_HUGEPAGE when ``huge_pages``),
+    filled, then registered with ONE cudaHostRegister; without CUDA the same mapping, filled and returned
+    unregistered (plain RAM). "alloc": cuMemHostAlloc, then the fill (plain mapping without CUDA). If
+    ``fill`` raises, nothing is registered, the memory is freed and the error propagates. ``fill`` may use
+    threads (it owns ``dst`` until it returns)."""
+    if method not in PIN_METHODS:
+        raise ValueError(f"method={method!r} is not one of {PIN_METHODS}")
+    if nbytes < 0:
+        raise ValueError(f"nbytes={nbytes} must be >= 0")
+    if nbytes == 0:
+        dst = torch.empty(0, dtype=torch.uint8)
+        fill(dst)
+        return dst
+    cuda = torch.cuda.is_available()
+    if method == "alloc" and cuda:
+        return _filled_alloc(nbytes, fill)
+    return _filled_mapping(nbytes, fill, huge_pages, register=cuda)
 
 
 def pin_tensor(t: torch.Tensor, *, method: str = "register", huge_pages: bool = True, chunk_bytes: int = 1 << 30,
@@ -132,8 +204,6 @@ def pin_tensor(t: torch.Tensor, *, method: str = "register", huge_pages: bool = 
     if not torch.cuda.is_available() or t.device.type != "cpu" or t.numel() == 0 or t.is_pinned():
         return t
     src = t.contiguous().reshape(-1).view(torch.uint8)  # [nbytes] raw bytes, any dtype
-    if method == "alloc":
-        dst = _pin_alloc(src, chunk_bytes, threads)
-    else:
-        dst = _pin_register(src, huge_pages, chunk_bytes, threads)
+    dst = pinned_empty_filled(src.numel(), lambda d: _copy_chunks(d, src, chunk_bytes, threads), method=method,
+                              huge_pages=huge_pages)
     return dst.view(t.dtype).reshape(t.shape)
