@@ -36,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "methods: time and UVA speed), uva (main host table, all sizes), probe (where UVA time "
                         "goes: engram.bench.uva_probe)")
     p.add_argument("--cpu-threads", type=int, default=16, help="threads of the probe's CPU-gather route")
+    p.add_argument("--probe", default="window,graph,layout,cpu,vmm", help="sub-parts of the probe part")
     p.add_argument("--pin-methods", default="register-4k,register-thp,alloc,torch",
                    help="pinning variants for the pin part (torch = torch.empty(pin_memory=True))")
     p.add_argument("--out", default=None, help="JSON path (default: bench/results/<date>-gpu-lookup.json)")
@@ -87,19 +88,22 @@ def limits(rep_ms: int) -> dict:
     h2d = _bench(lambda: a.copy_(h, non_blocking=True), rep_ms)
     x = torch.empty(1, device="cuda")
     noop = _bench(lambda: _noop[(1,)](x), rep_ms)
-    # The dequant gather reads 1 byte per value and writes 2: an elementwise uint8 -> bf16 cast has the same
-    # read:write mix with perfectly sequential access, the ceiling for that mix.
+    # The dequant gather reads 1 byte per value and writes 2. A Triton stream with that mix (uint8 in, bf16
+    # out, consecutive) is the ceiling for it; a copy of the bytes a 256 K-row gather moves (776 B per row
+    # read + written) is the copy ceiling at that size, launch ramp included.
+    @triton.jit
+    def _widen(src, dst, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        tl.store(dst + offs, tl.load(src + offs, mask=m, other=0).to(tl.float32).to(tl.bfloat16), mask=m)
+
     w = torch.empty(a.numel(), dtype=torch.bfloat16, device="cuda")
-    widen = _bench(lambda: w.copy_(a), rep_ms)
-    # Copies of the bytes a 256 K / 4 M-row dequant gather moves (776 B per row read + written): the
-    # copy ceiling at that transfer size, launch ramp included.
-    same = {}
-    for n in (1 << 18, 1 << 22):
-        half = n * (ROW_IN + 2 * DIM) // 2
-        same[n] = 2 * half / _bench(lambda: b[:half].copy_(a[:half]), rep_ms) / 1e3
+    widen = _bench(lambda: _widen[(triton.cdiv(a.numel(), 4096),)](a, w, a.numel(), BLOCK=4096), rep_ms)
+    half = (1 << 18) * (ROW_IN + 2 * DIM) // 2
+    same = 2 * half / _bench(lambda: b[:half].copy_(a[:half]), rep_ms) / 1e3
     return {"copy_GBps_read_plus_written": 2 * a.numel() / d2d / 1e3, "h2d_GBps": a.numel() / h2d / 1e3,
             "empty_launch_us": noop, "widen_u8_bf16_GBps_read_plus_written": 3 * a.numel() / widen / 1e3,
-            "copy_GBps_same_bytes_as_256k_rows": same[1 << 18], "copy_GBps_same_bytes_as_4m_rows": same[1 << 22]}
+            "copy_GBps_same_bytes_as_256k_rows": same}
 
 
 def gather_points(name: str, fn_of_ids, rows: int, rep_ms: int, sizes, dists, lim: dict, out_bytes: int) -> list:
@@ -148,6 +152,15 @@ def hbm(args, lim: dict) -> dict:
         values, scales, ids, "mxfp8", DIM), rows, args.rep_ms, SIZES, ["uniform", "zipf"], lim, 2 * DIM)
     res["triton_raw"] = gather_points("hbm-triton-raw", lambda ids: lambda: triton_gather.gather_raw(values, ids),
                                       rows, args.rep_ms, SIZES, ["uniform"], lim, DIM)
+    # The same kernel over consecutive rows: the gather's access pattern taken out of the measurement.
+    for n in (1 << 18, 1 << 22):
+        seq = torch.arange(n, device="cuda")
+        us = _bench(lambda: triton_gather.gather_rows(values, scales, seq, "mxfp8", DIM), args.rep_ms)
+        moved = n * (ROW_IN + 2 * DIM) / us / 1e3
+        res[f"consecutive_{n}"] = {"us": round(us, 2), "GBps_read_plus_written": round(moved, 1),
+                                   "of_copy_limit": round(moved / lim["copy_GBps_read_plus_written"], 3),
+                                   "of_widen_limit": round(moved / lim["widen_u8_bf16_GBps_read_plus_written"], 3)}
+        print(json.dumps({f"consecutive_{n}": res[f"consecutive_{n}"]}), flush=True)
     res["torch_index_select_raw"] = gather_points("hbm-torch-index_select", lambda ids: lambda: values.index_select(
         0, ids), rows, args.rep_ms, [1 << 10, 1 << 18, 1 << 22], ["uniform"], lim, DIM)
     res["torch_reference_bf16"] = gather_points("hbm-torch-reference", lambda ids: lambda: reference.gather_rows(
@@ -271,22 +284,40 @@ def uva_runs(args, lim: dict) -> dict:
 
 
 def probe_part(args, lim: dict) -> dict:
-    """engram.bench.uva_probe on a ``--host-gib`` table (windows, graphs) and a ``--pin-gib`` one (layouts,
-    CPU route)."""
+    """engram.bench.uva_probe on a ``--host-gib`` table: the ``--probe`` sub-parts (window, graph, layout, cpu,
+    vmm; vmm runs in a child process)."""
+    import subprocess
+    import sys
+
     from engram.bench import uva_probe
+    subs = set(args.probe.split(","))
     res: dict = {}
     info, values, scales = host_table(args.host_gib)
     res["main_table"] = info
-    res["window"] = uva_probe.window(_bench, values, args.rep_ms)
-    res["graph"] = uva_probe.graph(_bench, values, scales, args.rep_ms)
-    del values, scales
+    if "window" in subs:
+        res["window"] = uva_probe.window(_bench, values, args.rep_ms)
+    layouts = {"split": (values, scales)}
+    if subs & {"graph", "layout", "cpu"}:
+        packed, v, s = uva_probe.packed_copy(values, scales, 272)
+        layouts["packed272"] = (v, s)
+    if "graph" in subs:
+        res["graph"] = [p for name, (v, s) in layouts.items() for p in uva_probe.graph(_bench, v, s, args.rep_ms, name)]
+    if "layout" in subs:
+        res["layout"] = uva_probe.layout(_bench, layouts, args.rep_ms, lim)
+    del values, scales, layouts
     gc.collect()
-    info, values, scales = host_table(args.pin_gib)
-    res["layout_table"] = info
-    res["layout"] = uva_probe.layout(_bench, values, scales, args.rep_ms, lim)
-    gc.collect()
-    packed, _, _ = uva_probe.packed_copy(values, scales, 272)
-    res["cpu_route"] = uva_probe.cpu_route(packed, args.cpu_threads)
+    if "cpu" in subs:
+        res["cpu_route"] = uva_probe.cpu_route(packed, args.cpu_threads)
+    if subs & {"graph", "layout", "cpu"}:
+        del packed, v, s
+        gc.collect()
+    if "vmm" in subs:
+        proc = subprocess.run([sys.executable, "-m", "engram.bench.uva_probe", str(args.host_gib), str(args.rep_ms)],
+                              capture_output=True, text=True)
+        print(proc.stdout[-4000:], proc.stderr[-2000:], flush=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VMM_RESULT ")]
+        res["vmm"] = json.loads(lines[-1].split(" ", 1)[1]) if lines else {"rc": proc.returncode,
+                                                                              "stderr": proc.stderr[-1500:]}
     return res
 
 

@@ -16,6 +16,7 @@ GPU only; called by ``engram.bench.gpu_lookup`` (part ``probe``), which owns the
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import time
 
@@ -79,7 +80,7 @@ def packed_copy(values: torch.Tensor, scales: torch.Tensor, stride: int) -> tupl
     scales view). Filled row block by row block through the GPU (the bench's tables are random anyway)."""
     from engram.store.pinning import pin_tensor
     rows, vb, sc = values.shape[0], values.shape[1], scales.shape[1]
-    buf = pin_tensor(torch.zeros(rows, stride, dtype=torch.uint8))  # [R, stride]
+    buf = pin_tensor(torch.empty(rows, stride, dtype=torch.uint8))  # [R, stride]; padding is never read
     step = 1 << 22
     for r in range(0, rows, step):
         blk = torch.cat([values[r:r + step].cuda(), scales[r:r + step].cuda()], dim=1)  # [b, vb + sc]
@@ -88,21 +89,18 @@ def packed_copy(values: torch.Tensor, scales: torch.Tensor, stride: int) -> tupl
     return buf, buf[:, :vb], buf[:, vb:vb + sc]
 
 
-def layout(bench, values: torch.Tensor, scales: torch.Tensor, rep_ms: int, lim: dict,
-           sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 22)) -> list[dict]:
-    """uva.gather_rows (dequant to bf16, shipped sort policy) from split vs packed host layouts."""
+def layout(bench, layouts: dict, rep_ms: int, lim: dict, sizes=(1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 22)) -> list[dict]:
+    """uva.gather_rows (dequant to bf16, shipped sort policy) per host layout ({name: (values, scales)});
+    every layout must gather the same bytes."""
     from engram.store.kernels import uva
+    values, scales = next(iter(layouts.values()))
     dim = values.shape[1]
     out = []
-    layouts = [("split", values, scales, None)]
-    for stride in (272, 264):
-        buf, v, s = packed_copy(values, scales, stride)
-        layouts.append((f"packed{stride}", v, s, buf))
     g = torch.Generator(device="cuda").manual_seed(12)
-    id_sets = {n: torch.randint(0, values.shape[0], (n,), generator=g, device="cuda") for n in sizes}
-    for n, ids in id_sets.items():
+    for n in sizes:
+        ids = torch.randint(0, values.shape[0], (n,), generator=g, device="cuda")
         ref = None
-        for name, v, s, _ in layouts:
+        for name, (v, s) in layouts.items():
             res = uva.gather_rows(v, s, ids, "mxfp8", dim)
             if ref is None:
                 ref = res
@@ -110,14 +108,14 @@ def layout(bench, values: torch.Tensor, scales: torch.Tensor, rep_ms: int, lim: 
                 raise AssertionError(f"layout {name} gathered different bytes at {n} rows")
             us = bench(lambda: uva.gather_rows(v, s, ids, "mxfp8", dim), rep_ms)
             gbps = n * (dim + scales.shape[1]) / us / 1e3
-            out.append({"part": "layout", "layout": name, "rows": n, "us": round(us, 2), "GBps_rows_read": round(gbps, 2),
-                        "of_h2d_limit": round(gbps / lim["h2d_GBps"], 3)})
+            out.append({"part": "layout", "layout": name, "rows": n, "us": round(us, 2),
+                        "GBps_rows_read": round(gbps, 2), "of_h2d_limit": round(gbps / lim["h2d_GBps"], 3)})
             print(json.dumps(out[-1]), flush=True)
-    del layouts
     return out
 
 
-def graph(bench, values: torch.Tensor, scales: torch.Tensor, rep_ms: int, sizes=(1 << 10, 1 << 14)) -> list[dict]:
+def graph(bench, values: torch.Tensor, scales: torch.Tensor, rep_ms: int, layout: str = "split",
+          sizes=(1 << 10, 1 << 14)) -> list[dict]:
     """GPU time of uva.gather_rows (captured graph, replayed) vs the direct call at small batch sizes."""
     from engram.store.kernels import uva
     dim = values.shape[1]
@@ -126,7 +124,7 @@ def graph(bench, values: torch.Tensor, scales: torch.Tensor, rep_ms: int, sizes=
         ids = torch.randint(0, values.shape[0], (n,), device="cuda")
         dst = torch.empty(n, dim, dtype=torch.bfloat16, device="cuda")
         direct = bench(lambda: uva.gather_rows(values, scales, ids, "mxfp8", dim, out=dst), rep_ms)
-        row = {"part": "graph", "rows": n, "sorted": n >= uva.SORT_MIN_ROWS, "us_direct": round(direct, 2)}
+        row = {"part": "graph", "layout": layout, "rows": n, "sorted": n >= uva.SORT_MIN_ROWS, "us_direct": round(direct, 2)}
         try:
             uva.gather_rows(values, scales, ids, "mxfp8", dim, out=dst)
             torch.cuda.synchronize()
@@ -169,3 +167,132 @@ def cpu_route(packed: torch.Tensor, threads: int, sizes=(1 << 10, 1 << 14, 1 << 
     finally:
         torch.set_num_threads(old)
     return out
+
+
+class _Prop(ctypes.Structure):  # CUmemAllocationProp
+    _fields_ = [("type", ctypes.c_int), ("handle_types", ctypes.c_int), ("loc_type", ctypes.c_int),
+                ("loc_id", ctypes.c_int), ("win32", ctypes.c_void_p), ("compression", ctypes.c_ubyte),
+                ("rdma", ctypes.c_ubyte), ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+
+class _Access(ctypes.Structure):  # CUmemAccessDesc
+    _fields_ = [("loc_type", ctypes.c_int), ("loc_id", ctypes.c_int), ("flags", ctypes.c_int)]
+
+
+def vmm_host_table(nbytes: int, cpu_access: bool) -> tuple[int, int, object]:
+    """Pinned host memory from the CUDA virtual memory API (cuMemCreate, location HOST_NUMA 0), mapped for
+    device 0 (and the CPU when ``cpu_access``): (device address, mapped bytes, release callable)."""
+    cu = ctypes.CDLL("libcuda.so.1")
+    torch.cuda.init()
+    torch.cuda.current_stream().synchronize()
+    prop = _Prop(type=1, handle_types=0, loc_type=3, loc_id=0)  # PINNED, HOST_NUMA node 0
+    gran = ctypes.c_size_t()
+    err = cu.cuMemGetAllocationGranularity(ctypes.byref(gran), ctypes.byref(prop), 1)  # RECOMMENDED
+    if err:
+        raise RuntimeError(f"cuMemGetAllocationGranularity: CUDA error {err}")
+    size = -(-nbytes // gran.value) * gran.value
+    handle = ctypes.c_ulonglong()
+    err = cu.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop), ctypes.c_ulonglong(0))
+    if err:
+        raise RuntimeError(f"cuMemCreate(HOST_NUMA, {size} B, granularity {gran.value}): CUDA error {err}")
+    ptr = ctypes.c_ulonglong()
+    err = cu.cuMemAddressReserve(ctypes.byref(ptr), ctypes.c_size_t(size), ctypes.c_size_t(gran.value),
+                                 ctypes.c_ulonglong(0), ctypes.c_ulonglong(0))
+    if err:
+        raise RuntimeError(f"cuMemAddressReserve: CUDA error {err}")
+    err = cu.cuMemMap(ptr, ctypes.c_size_t(size), ctypes.c_size_t(0), handle, ctypes.c_ulonglong(0))
+    if err:
+        raise RuntimeError(f"cuMemMap: CUDA error {err}")
+    desc = (_Access * 2)(_Access(1, torch.cuda.current_device(), 3), _Access(3, 0, 3))  # device, host: RW
+    err = cu.cuMemSetAccess(ptr, ctypes.c_size_t(size), desc, ctypes.c_size_t(2 if cpu_access else 1))
+    cpu_err = None
+    if err and cpu_access:  # no CPU mapping on this driver: keep the device one
+        cpu_err, cpu_access = err, False
+        err = cu.cuMemSetAccess(ptr, ctypes.c_size_t(size), desc, ctypes.c_size_t(1))
+    if err:
+        raise RuntimeError(f"cuMemSetAccess(device): CUDA error {err}")
+
+    def release() -> None:
+        cu.cuMemUnmap(ptr, ctypes.c_size_t(size))
+        cu.cuMemRelease(handle)
+        cu.cuMemAddressFree(ptr, ctypes.c_size_t(size))
+    return ptr.value, size, {"granularity": gran.value, "release": release, "cpu_access": cpu_access,
+                             "cpu_access_error": cpu_err}
+
+
+class _DevicePointer:
+    """A raw address as Triton sees a tensor argument."""
+
+    def __init__(self, ptr: int, dtype: torch.dtype) -> None:
+        self._ptr, self.dtype = ptr, dtype
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+def vmm_window(bench, gib: float, rep_ms: int, sizes=(1 << 14, 1 << 18)) -> list[dict]:
+    """The ``window`` sweep (flushed, random and sorted) over a cuMemCreate host table of ``gib`` GiB, filled
+    from the GPU with cuMemcpy. Says whether the mapping's page size, not the host memory, sets the cost."""
+    from engram.store.kernels import triton_gather
+    from engram.store.kernels.uva import UVA_CONFIG
+    cu = ctypes.CDLL("libcuda.so.1")
+    stride = 256
+    rows = int(gib * (1 << 30)) // stride
+    t0 = time.perf_counter()
+    ptr, size, info = vmm_host_table(rows * stride, cpu_access=True)
+    alloc_s = time.perf_counter() - t0
+    chunk = torch.randint(0, 256, (1 << 30,), dtype=torch.uint8, device="cuda")
+    for off in range(0, rows * stride, chunk.numel()):
+        n = min(chunk.numel(), rows * stride - off)
+        err = cu.cuMemcpy(ctypes.c_ulonglong(ptr + off), ctypes.c_ulonglong(chunk.data_ptr()), ctypes.c_size_t(n))
+        if err:
+            raise RuntimeError(f"cuMemcpy into the VMM host table at {off}: CUDA error {err}")
+    torch.cuda.synchronize()
+    out = [{"part": "vmm", "GiB": gib, "granularity": info["granularity"], "alloc_map_s": round(alloc_s, 3),
+            "fill_s": round(time.perf_counter() - t0 - alloc_s, 3), "cpu_access": info["cpu_access"],
+            "cpu_access_error": info["cpu_access_error"]}]
+    print(json.dumps(out[-1]), flush=True)
+    if info["cpu_access"]:
+        cpu = torch.frombuffer((ctypes.c_uint8 * 4096).from_address(ptr), dtype=torch.uint8)
+        out[0]["cpu_first_page_equals_gpu"] = bool(torch.equal(cpu, chunk[:4096].cpu()))
+    table = _DevicePointer(ptr, torch.uint8)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for n in sizes:
+        for w_bytes in sorted({min(w, rows * stride) for w in (256 << 20, 2 << 30, 8 << 30, rows * stride)}):
+            ids = torch.randint(0, w_bytes // stride, (n,), generator=g, device="cuda")
+            for order in ("random", "sorted"):
+                x = ids if order == "random" else ids.sort().values
+                dst = torch.empty(n, stride, dtype=torch.uint8, device="cuda")
+                fn = lambda: _raw_gather(triton_gather, table, rows, stride, x, dst, UVA_CONFIG)  # noqa: E731
+                us = bench(fn, rep_ms)
+                out.append({"part": "vmm_window", "rows": n, "window_MiB": round(w_bytes / 2**20, 1), "order": order,
+                            "us": round(us, 2), "us_warm": round(_time_noflush(fn), 2),
+                            "ns_per_row": round(us * 1e3 / n, 1), "GBps": round(n * stride / us / 1e3, 2)})
+                print(json.dumps(out[-1]), flush=True)
+    ids = torch.arange(1 << 22, device="cuda")
+    dst = torch.empty(1 << 22, stride, dtype=torch.uint8, device="cuda")
+    us = bench(lambda: _raw_gather(triton_gather, table, rows, stride, ids, dst, UVA_CONFIG), rep_ms)
+    out.append({"part": "vmm_dense", "rows": 1 << 22, "us": round(us, 2), "GBps": round((1 << 22) * stride / us / 1e3, 2)})
+    print(json.dumps(out[-1]), flush=True)
+    info["release"]()
+    return out
+
+
+def _raw_gather(triton_gather, table, rows: int, stride: int, ids, dst, cfg) -> None:
+    """triton_gather's raw-row kernel over a bare address (8-byte words, as gather_raw picks for 256-B rows)."""
+    import triton
+    units = stride // 8
+    consts = dict(V_STRIDE=units, OUT_STRIDE=units, UNITS=units, UNITS_P2=triton.next_power_of_2(units),
+                  BLOCK_R=cfg.block_r, HAS_DST=False, HAS_RUNS=False, COPY_DUPS=False)
+    words = _DevicePointer(table.data_ptr(), torch.int64)
+    triton_gather._launch(triton_gather._gather_units_kernel, triton.cdiv(ids.shape[0], cfg.block_r), ids.device,
+                          cfg, (words, ids, ids, ids, dst.view(torch.int64), ids.shape[0]), consts)
+
+
+if __name__ == "__main__":  # the VMM probe runs in its own process: a failed CPU mapping cannot take the bench down
+    import sys
+
+    import triton.testing
+    gib, rep = float(sys.argv[1]), int(sys.argv[2])
+    res = vmm_window(lambda fn, r: triton.testing.do_bench(fn, warmup=25, rep=r, return_mode="median") * 1e3, gib, rep)
+    print("VMM_RESULT " + json.dumps(res), flush=True)
