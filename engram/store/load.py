@@ -17,6 +17,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+import numpy as np
 import torch
 
 from engram.store.format import TableFormatError, TableManifest, check_file_size, checksum_error
@@ -51,25 +52,26 @@ def _pread_into(fd: int, buf: torch.Tensor, off: int, path, size: int) -> None:
         got += r
 
 
-def _scatter_rows(dst: torch.Tensor, piece: torch.Tensor, start: int, fstride: int) -> None:
+def _scatter_rows(dst: np.ndarray, piece: np.ndarray, start: int, fstride: int) -> None:
     """Place ``piece`` (uint8, the file's bytes [start, start + len)) into ``dst`` [rows, width]: the file
     holds row r's ``width`` used bytes at r * fstride (fstride >= width; bytes past them and rows past
-    ``rows`` are file padding). Only the first and last row touched can be cut by the piece's ends."""
+    ``rows`` are file padding). Only the first and last row touched can be cut by the piece's ends.
+    numpy copies: one thread each, GIL released (torch's would start an OpenMP team inside every worker)."""
     rows, width = dst.shape
-    end = start + piece.numel()
+    end = start + piece.size
     first, last = start // fstride, min(rows - 1, (end - 1) // fstride)
     full_lo = -(-start // fstride)  # first row whose bytes start inside the piece
     full_hi = min(rows, (end - width) // fstride + 1) if end >= width else 0  # rows whose used bytes end by `end`
     if full_lo < full_hi:
         n = full_hi - full_lo
-        src = piece.as_strided((n, width), (fstride, 1), piece.storage_offset() + full_lo * fstride - start)
-        dst[full_lo:full_hi].copy_(src)  # [n, width] from rows fstride bytes apart
+        src = np.lib.stride_tricks.as_strided(piece[full_lo * fstride - start:], (n, width), (fstride, 1))
+        dst[full_lo:full_hi] = src  # [n, width] from rows fstride bytes apart
     for r in {first, last}:
         if r > last or full_lo <= r < full_hi:
             continue
         lo, hi = max(start, r * fstride), min(end, r * fstride + width)
         if lo < hi:
-            dst[r, lo - r * fstride:hi - r * fstride].copy_(piece[lo - start:hi - start])
+            dst[r, lo - r * fstride:hi - r * fstride] = piece[lo - start:hi - start]
 
 
 class _FileFill:
@@ -82,7 +84,9 @@ class _FileFill:
         self.entry = m.files[kind]
         self.path = m.path / self.entry.name
         self.chunk_bytes = m.chunk_bytes
-        self.flat, self.rows_dst, self.fstride, self.pad = flat, rows_dst, fstride, pad
+        self.flat, self.fstride = flat, fstride
+        self.pad = pad.numpy() if pad is not None else None  # [rows, k] view
+        self.rows_dst = rows_dst.numpy() if rows_dst is not None else None  # [rows, width] view, numpy copies
 
     def chunks(self) -> list[tuple[int, int, int]]:
         """(index, offset, bytes) of every checksum chunk."""
@@ -99,14 +103,14 @@ class _FileFill:
             if verify:
                 crc = zlib.crc32(memoryview(buf.numpy()), crc)  # releases the GIL on big buffers
             if self.rows_dst is not None:
-                _scatter_rows(self.rows_dst, buf, p, self.fstride)
+                _scatter_rows(self.rows_dst, buf.numpy(), p, self.fstride)
             if bar is not None:
                 bar.update(k)
         if verify and crc != self.entry.crc32[i]:
             raise checksum_error(self.path, i, off, n)
         if self.pad is not None and self.pad.shape[1]:
             rows = self.pad.shape[0]
-            self.pad[min(rows, -(-off // self.fstride)):min(rows, -(-(off + n) // self.fstride))].zero_()
+            self.pad[min(rows, -(-off // self.fstride)):min(rows, -(-(off + n) // self.fstride))] = 0
 
 
 def _fill(fills: list[_FileFill], verify: bool, threads: int, bar) -> None:
@@ -254,5 +258,9 @@ def load_table(m: TableManifest, target: str | torch.device = "ram", verify: boo
     values = values[: m.rows * m.row_stride].view(m.rows, m.row_stride)
     scales = None
     if "scales" in m.files:
-        scales = load_file(m, "scales", target, verify, progress, threads).view(m.rows, m.scale_cols)
+        try:
+            scales = load_file(m, "scales", target, verify, progress, threads).view(m.rows, m.scale_cols)
+        except BaseException:
+            del values  # a bad scales file frees (unpins) the values now, not when the error is collected
+            raise
     return values, scales

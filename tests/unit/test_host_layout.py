@@ -162,7 +162,10 @@ def test_packed_pinned_uva_gather_equals_split(tables, name):
     from engram.store import kernels
     from engram.store.pinning import pinned_stats
 
+    import gc
+
     m = tables[name]
+    gc.collect()  # earlier tests' tables (and errors holding them) go first
     before = pinned_stats()
     packed, split = HostTable(m, layout="packed"), HostTable(m, layout="split")
     assert packed.values.is_pinned() and packed.scales.is_pinned()
@@ -175,6 +178,5 @@ def test_packed_pinned_uva_gather_equals_split(tables, name):
     packed.close()
     split.close()
     del packed, split
-    import gc
     gc.collect()
     assert pinned_stats() == before

@@ -107,6 +107,7 @@ def test_filled_pinned_and_freed(method):
 @needs_cuda
 def test_pinned_load_registers_and_a_bad_chunk_pins_nothing(tmp_path):
     m = _table(tmp_path / "t", rows=3001, dim=256)
+    gc.collect()
     before = pinned_stats()
     got = load.load_file(m, "values", "pinned", threads=4)
     assert got.is_pinned() and pinned_stats()["regions"] == before["regions"] + 1
@@ -118,5 +119,10 @@ def test_pinned_load_registers_and_a_bad_chunk_pins_nothing(tmp_path):
         f.write(b"\xff\x00")
     with pytest.raises(TableFormatError, match=r"values.bin: byte 24576: checksum mismatch"):
         load.load_file(m, "values", "pinned", threads=4)
-    gc.collect()
     assert pinned_stats() == before
+    m = _table(tmp_path / "u", rows=3001, dim=256)
+    with open(m.path / "scales.bin", "r+b") as f:  # split layout: values pin fine, then the scales fail
+        f.write(b"\xff")
+    with pytest.raises(TableFormatError, match=r"scales.bin: byte 0: checksum mismatch"):
+        load.load_table(m, "pinned", verify=True, layout="split", threads=4)
+    assert pinned_stats() == before, "the values pinned before the bad scales chunk must be freed at once"
