@@ -3,7 +3,7 @@
 Measures, on one CUDA device: the copy limits (device-to-device, counting bytes read + written; pinned
 host-to-device), an empty Triton launch, the Triton gather of MXFP8 V4.1 rows (264 B in, 512 B bf16 out)
 from an HBM table and from a pinned host table, uniform and Zipf ids, beside torch baselines, a small
-launch-config sweep, the sorted/unsorted and huge-page ablations of the UVA path, and the time to pin
+launch-config sweep, the host tier's routes (direct / sorted UVA, CPU-staged) and pinning ablations, and the time to pin
 8 GB and 32 GB tables. Prints a table and writes every number as JSON (``--out``). GPU only.
 Run: ``python -m engram.bench.gpu_lookup --out bench/results/<date>-gpu-lookup.json``.
 """
@@ -36,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "methods: time and UVA speed), uva (main host table, all sizes), probe (where UVA time "
                         "goes: engram.bench.uva_probe)")
     p.add_argument("--cpu-threads", type=int, default=16, help="threads of the probe's CPU-gather route")
+    p.add_argument("--host-layout", default="packed", choices=("packed", "split"),
+                   help="layout of the uva part's host table (packed: the host tier's default)")
     p.add_argument("--probe", default="window,graph,layout,cpu,vmm", help="sub-parts of the probe part")
     p.add_argument("--pin-methods", default="register-4k,register-thp,alloc,torch",
                    help="pinning variants for the pin part (torch = torch.empty(pin_memory=True))")
@@ -191,24 +193,61 @@ def _pin(src: torch.Tensor, variant: str) -> torch.Tensor:
     return pin_tensor(src, method=variant)
 
 
-def host_table(gib: float, variant: str = "register-thp") -> tuple[dict, torch.Tensor, torch.Tensor]:
-    """A RAM table of ``gib`` GiB, pinned: seconds to pin and to the first lookup (kernel compiled before)."""
+def host_table(gib: float, variant: str = "register-thp", layout: str = "split") -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """A pinned table of ``gib`` GiB of values: seconds to pin and to the first lookup (kernel compiled
+    before). ``layout`` "split": values [R, 256] and scales [R, 8] apart; "packed": one [R, 272] buffer of
+    values, scales, padding (the host tier's layout), returned as the two views."""
     from engram.store.kernels import uva
     rows = int(gib * (1 << 30)) // DIM
-    src = random_fill_(torch.empty(rows, DIM, dtype=torch.uint8))  # pageable [R, 256]
-    src_s = torch.randint(100, 140, (rows, DIM // 32), dtype=torch.uint8)
     t0 = time.perf_counter()
-    values = _pin(src, variant)
-    scales = _pin(src_s, variant)
-    t1 = time.perf_counter()
+    if layout == "packed":
+        buf = _pin(torch.empty(rows, 272, dtype=torch.uint8), variant)  # [R, 272]
+        t1 = time.perf_counter()
+        random_fill_(buf)  # random scale bytes too: NaN / inf rows cost the same time
+        values, scales = buf[:, :DIM], buf[:, DIM:DIM + DIM // 32]
+    else:
+        src = random_fill_(torch.empty(rows, DIM, dtype=torch.uint8))  # pageable [R, 256]
+        src_s = torch.randint(100, 140, (rows, DIM // 32), dtype=torch.uint8)
+        t0 = time.perf_counter()
+        values = _pin(src, variant)
+        scales = _pin(src_s, variant)
+        t1 = time.perf_counter()
+        del src, src_s
     ids = torch.randint(0, rows, (1024,), device="cuda")
+    t2 = time.perf_counter()
     uva.gather_rows(values, scales, ids, "mxfp8", DIM)
     torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    del src, src_s
+    t3 = time.perf_counter()
     gc.collect()
-    return ({"GiB": gib, "rows": rows, "pin": variant, "pin_s": round(t1 - t0, 3),
-             "first_lookup_s": round(t2 - t1, 4), "AnonHugePages_kiB": _anon_huge_kib()}, values, scales)
+    return ({"GiB": gib, "rows": rows, "pin": variant, "layout": layout, "pin_s": round(t1 - t0, 3),
+             "first_lookup_s": round(t3 - t2, 4), "AnonHugePages_kiB": _anon_huge_kib()}, values, scales)
+
+
+def wall_points(name: str, fn_of_ids, rows: int, sizes, lim: dict, budget_s: float = 0.4) -> list:
+    """Caller-visible time per call (host launch, CPU work and GPU work; synchronized, L2 flushed before
+    each call, outside the timing): median over up to 25 calls within ``budget_s`` per point."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(2)
+    pts = []
+    for n in sizes:
+        ids = uniform_ids(n, rows, g)
+        fn = fn_of_ids(ids)
+        fn()
+        times: list[float] = []
+        end = time.perf_counter() + budget_s
+        while len(times) < 3 or (len(times) < 25 and time.perf_counter() < end):
+            flush.zero_()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        us = sorted(times)[len(times) // 2] * 1e6
+        gbps = n * ROW_IN / us / 1e3
+        pts.append({"path": name, "dist": "uniform", "rows": n, "calls": len(times), "us": round(us, 2),
+                    "GBps_rows_read": round(gbps, 2), "of_h2d_limit": round(gbps / lim["h2d_GBps"], 3)})
+        print(json.dumps(pts[-1]), flush=True)
+    return pts
 
 
 def _anon_huge_kib() -> int | None:
@@ -229,14 +268,14 @@ def pin_part(args, lim: dict) -> list:
         info, v, s = host_table(args.pin_gib, variant)
         print(json.dumps(info), flush=True)
         rows = v.shape[0]
-        for sort in (False, True):
-            info[f"sort={sort}"] = gather_points(f"uva-{variant}-sort={sort}", lambda ids: lambda: uva.gather_rows(
-                v, s, ids, "mxfp8", DIM, sort=sort), rows, args.rep_ms, [1 << 10, 1 << 14, 1 << 18, 1 << 22],
+        for route in ("direct", "sorted"):
+            info[f"route={route}"] = gather_points(f"uva-{variant}-{route}", lambda ids: lambda: uva.gather_rows(
+                v, s, ids, "mxfp8", DIM, route=route), rows, args.rep_ms, [1 << 10, 1 << 14, 1 << 18, 1 << 22],
                 ["uniform"], lim, 2 * DIM)
         if variant == "alloc":  # scales kept in HBM: one host read per row instead of two
             sd = s.cuda()
             info["scales_in_hbm"] = gather_points("uva-alloc-scales-hbm", lambda ids: lambda: uva.gather_rows(
-                v, sd, ids, "mxfp8", DIM, sort=None), rows, args.rep_ms, [1 << 10, 1 << 14, 1 << 18, 1 << 22],
+                v, sd, ids, "mxfp8", DIM, route="sorted"), rows, args.rep_ms, [1 << 10, 1 << 14, 1 << 18, 1 << 22],
                 ["uniform"], lim, 2 * DIM)
             del sd
         out.append(info)
@@ -246,24 +285,28 @@ def pin_part(args, lim: dict) -> list:
 
 
 def uva_runs(args, lim: dict) -> dict:
+    """The host tier's gather on a ``--host-gib`` table in ``--host-layout``: the shipped route choice (GPU
+    time, uniform and Zipf), then every route timed as a caller sees it (wall clock)."""
     from engram.store.kernels import uva
     res: dict = {}
     try:
         res["thp_setting"] = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
     except OSError:
         res["thp_setting"] = None
-    info, values, scales = host_table(args.host_gib)
+    info, values, scales = host_table(args.host_gib, layout=args.host_layout)
     res["main_table"] = info
+    res["staged_min_rows"] = uva.STAGED_MIN_ROWS
     print(json.dumps(info), flush=True)
     rows = values.shape[0]
     res["auto"] = gather_points("uva-auto", lambda ids: lambda: uva.gather_rows(values, scales, ids, "mxfp8", DIM),
                                 rows, args.rep_ms, SIZES, ["uniform", "zipf"], lim, 2 * DIM)
-    res["unsorted"] = gather_points("uva-unsorted", lambda ids: lambda: uva.gather_rows(
-        values, scales, ids, "mxfp8", DIM, sort=False), rows, args.rep_ms, [1 << 14, 1 << 16, 1 << 18, 1 << 22],
-        ["uniform"], lim, 2 * DIM)
-    res["sorted"] = gather_points("uva-sorted", lambda ids: lambda: uva.gather_rows(
-        values, scales, ids, "mxfp8", DIM, sort=True), rows, args.rep_ms, [1 << 14, 1 << 16, 1 << 18], ["uniform"],
-        lim, 2 * DIM)
+    res["routes"] = {}
+    for route in ("direct", "sorted", "staged"):
+        res["routes"][route] = wall_points(f"host-{route}-wall", lambda ids: lambda: uva.gather_rows(
+            values, scales, ids, "mxfp8", DIM, route=route), rows, SIZES, lim)
+    res["routes"]["staged_cpu_ids"] = wall_points("host-staged-cpu-ids-wall", lambda ids: (
+        lambda c: lambda: uva.gather_rows(values, scales, c, "mxfp8", DIM, route="staged"))(ids.cpu()), rows,
+        SIZES, lim)
     if "sweep" in args.parts:  # launch configs for the sorted host path: uva passes uva.UVA_CONFIG to every launch
         from engram.store.kernels.launch_config import LaunchConfig
         chosen, res["sweep"] = uva.UVA_CONFIG, []
@@ -271,7 +314,7 @@ def uva_runs(args, lim: dict) -> dict:
             uva.UVA_CONFIG = LaunchConfig(b, w, p, st)
             res["sweep"].append({"config": uva.UVA_CONFIG.__dict__, "points": gather_points(
                 f"uva-sorted-{b}x{w}w-{p}pps", lambda ids: lambda: uva.gather_rows(values, scales, ids, "mxfp8", DIM,
-                                                                                  sort=True),
+                                                                                  route="sorted"),
                 rows, args.rep_ms, [1 << 18, 1 << 22], ["uniform"], lim, 2 * DIM)})
         uva.UVA_CONFIG = chosen
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -335,7 +378,7 @@ def overhead() -> dict:
         "triton_gather.gather_rows": lambda: triton_gather.gather_rows(v, s, ids, "mxfp8", DIM, out=out),
         "kernels.gather_rows (dispatch)": lambda: kernels.gather_rows(v, s, ids, "mxfp8", DIM, out=out),
         "uva.sort_plan 64K": lambda: uva.sort_plan(ids64k, rows),
-        "uva.gather_rows sorted 64K (HBM table)": lambda: uva.gather_rows(v, s, ids64k, "mxfp8", DIM, sort=True),
+        "uva.gather_rows sorted 64K (HBM table)": lambda: uva.gather_rows(v, s, ids64k, "mxfp8", DIM, route="sorted"),
         "torch index_select 1K": lambda: v.index_select(0, ids),
     }
     res = {}
@@ -378,7 +421,9 @@ def run(args: argparse.Namespace) -> int:
     path = write_result("gpu-lookup", config, result, out=args.out)
     rows = result.get("hbm", {}).get("triton_bf16", []) + result.get("uva", {}).get("auto", [])
     for info in result.get("pin", []):
-        rows += [p for k, pts in info.items() if k.startswith(("sort=", "scales")) for p in pts]
+        rows += [p for k, pts in info.items() if k.startswith(("route=", "scales")) for p in pts]
+    for pts in result.get("uva", {}).get("routes", {}).values():
+        rows += pts
     print(format_table(rows, ["path", "dist", "rows", "us", "Mrows_per_s", "GBps_rows_read", "of_copy_limit",
                               "of_h2d_limit"]))
     print(f"limits: {lim}; graph 1K: {result.get('hbm', {}).get('graph_1k_us')} us; json: {path}")

@@ -90,7 +90,7 @@ def packed_copy(values: torch.Tensor, scales: torch.Tensor, stride: int) -> tupl
 
 
 def layout(bench, layouts: dict, rep_ms: int, lim: dict, sizes=(1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 22)) -> list[dict]:
-    """uva.gather_rows (dequant to bf16, shipped sort policy) per host layout ({name: (values, scales)});
+    """uva.gather_rows (dequant to bf16, route as shipped) per host layout ({name: (values, scales)});
     every layout must gather the same bytes."""
     from engram.store.kernels import uva
     values, scales = next(iter(layouts.values()))
@@ -124,7 +124,7 @@ def graph(bench, values: torch.Tensor, scales: torch.Tensor, rep_ms: int, layout
         ids = torch.randint(0, values.shape[0], (n,), device="cuda")
         dst = torch.empty(n, dim, dtype=torch.bfloat16, device="cuda")
         direct = bench(lambda: uva.gather_rows(values, scales, ids, "mxfp8", dim, out=dst), rep_ms)
-        row = {"part": "graph", "layout": layout, "rows": n, "sorted": n >= uva.SORT_MIN_ROWS, "us_direct": round(direct, 2)}
+        row = {"part": "graph", "layout": layout, "rows": n, "route": uva.route_for(n), "us_direct": round(direct, 2)}
         try:
             uva.gather_rows(values, scales, ids, "mxfp8", dim, out=dst)
             torch.cuda.synchronize()

@@ -62,7 +62,7 @@ def id_sets(n_rows: int, seed: int = 1) -> dict[str, torch.Tensor]:
         "edges": torch.tensor([0, n_rows - 1, 0, n_rows - 1, n_rows // 2]),
         "random_1000": torch.randint(0, n_rows, (1000,), generator=g),
         "all_same_77": torch.full((77,), 5, dtype=torch.int64),
-        # heavy-tailed (Zipf-like, exponent 1.2): a few ids repeat thousands of times; 20000 >= SORT_MIN_ROWS
+        # heavy-tailed (Zipf-like, exponent 1.2): a few ids repeat thousands of times; 20000 >= STAGED_MIN_ROWS
         "zipf_20000": (torch.rand(20000, generator=g, dtype=torch.float64) ** (-1 / 1.2) - 1).long().clamp(max=n_rows - 1),
         "perm_odd": torch.randperm(n_rows, generator=g)[: n_rows - 2],
     }
@@ -99,7 +99,7 @@ def test_gather_rows_bitwise(where, row_dtype, dim, stride, packed, out_dtype):
 
 
 @pytest.mark.parametrize("row_dtype,dim,stride,packed", [TABLES[0], TABLES[3], TABLES[7]])
-@pytest.mark.parametrize("id_set", ["random_1000", "zipf_20000"])  # zipf: UVA's sorted path + copy_duplicates
+@pytest.mark.parametrize("id_set", ["random_1000", "zipf_20000"])  # zipf: the host tier's staged route
 def test_gather_rows_into_strided_out_writes_every_element(where, row_dtype, dim, stride, packed, id_set):
     values, scales = make_table(row_dtype, dim, stride, packed, seed=3)
     ids = id_sets(ROWS)[id_set]
@@ -122,14 +122,48 @@ def test_gather_raw_bitwise(where, stride):
         assert_bitwise(got, want.cuda(), f"raw stride={stride}, ids {name}")
 
 
-def test_uva_sorted_and_direct_paths_agree():
-    from engram.store.kernels import uva
+@pytest.mark.parametrize("layout", ["split", "packed"])
+def test_host_routes_agree(layout):
+    """direct, sorted and staged (CPU gather + pipelined copies, tiny chunks) give the same bytes; staged
+    also with ids on the CPU and into a strided out."""
+    from engram.store.kernels import staged, uva
     from engram.store.pinning import pin_tensor
-    values, scales = make_table("mxfp8", 256, 256, False, seed=9)
-    pv, ps = pin_tensor(values), pin_tensor(scales)
+    if layout == "split":
+        values, scales = make_table("mxfp8", 256, 256, False, seed=9)
+        pv, ps = pin_tensor(values), pin_tensor(scales)
+    else:  # the host tier's packed rows: values, then scales, then padding to 272 B
+        values, scales = make_table("mxfp8", 256, 272, True, seed=9)
+        buf = pin_tensor(values)
+        pv, ps = buf[:, :256], buf[:, 256:264]
+        assert len(staged.row_sources(pv, ps)) == 1, "packed views should be gathered as one window"
     for name, ids in id_sets(ROWS, seed=4).items():
         ids = ids.cuda()
-        a = uva.gather_rows(pv, ps, ids, "mxfp8", 256, sort=True)
-        b = uva.gather_rows(pv, ps, ids, "mxfp8", 256, sort=False)
-        assert_bitwise(a, b, f"sorted vs direct, ids {name}")
-        assert_bitwise(uva.gather_raw(pv, ids, sort=True), uva.gather_raw(pv, ids, sort=False), f"raw {name}")
+        want = uva.gather_rows(pv, ps, ids, "mxfp8", 256, route="direct")
+        assert_bitwise(uva.gather_rows(pv, ps, ids, "mxfp8", 256, route="sorted"), want, f"sorted, ids {name}")
+        assert_bitwise(uva.gather_rows(pv, ps, ids, "mxfp8", 256, route="staged"), want, f"staged, ids {name}")
+        got = staged.gather_rows(pv, ps, ids.cpu(), "mxfp8", 256, chunk_rows=7)  # many chunks in flight
+        assert got.is_cuda
+        assert_bitwise(got, want, f"staged 7-row chunks, cpu ids {name}")
+        raw = uva.gather_raw(pv, ids, route="direct")
+        for route in ("sorted", "staged"):
+            assert_bitwise(uva.gather_raw(pv, ids, route=route), raw, f"raw {route} {name}")
+    ids = id_sets(ROWS)["zipf_20000"]
+    big = torch.full((ids.shape[0], 256 + 5), float("nan"), device="cuda")
+    got = uva.gather_rows(pv, ps, ids, "mxfp8", 256, out=big[:, 2:258], dtype=torch.float32, route="staged")
+    assert_bitwise(got, uva.gather_rows(pv, ps, ids.cuda(), "mxfp8", 256, dtype=torch.float32, route="direct"),
+                   "staged into a strided out")
+    assert torch.isnan(big[:, :2]).all() and torch.isnan(big[:, 258:]).all(), "wrote outside out"
+
+
+def test_staged_buffer_is_not_overwritten_before_its_copies_ran():
+    """Back-to-back staged gathers reuse one pinned buffer: each must see its own rows."""
+    from engram.store.kernels import staged
+    from engram.store.pinning import pin_tensor
+    values, scales = make_table("mxfp8", 256, 256, False, seed=11)
+    pv, ps = pin_tensor(values), pin_tensor(scales)
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, ROWS, (5000,), generator=g) for _ in range(6)]
+    outs = [staged.gather_rows(pv, ps, b, "mxfp8", 256, chunk_rows=512) for b in batches]
+    for b, got in zip(batches, outs):
+        want = reference.gather_rows(values.cuda(), scales.cuda(), b.cuda(), "mxfp8", 256)
+        assert_bitwise(got, want, "staged batch")

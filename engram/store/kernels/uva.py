@@ -1,11 +1,15 @@
-"""Gather from a pinned host table straight into GPU memory (UVA): the fast path of the ``host`` tier.
+"""Gather from a pinned host table into GPU memory: the fast paths of the ``host`` tier.
 
-Random rows over a table of many gigabytes thrash the GPU's translation of host addresses (FACTS.md:
-8 GB/s random vs 52 GB/s sorted at 4 M rows), so batches of at least ``SORT_MIN_ROWS`` ids are sorted
-first: the kernel walks the sorted ids (neighbouring reads share pages), reads each distinct row once
-(``runs`` gives the first index of each run of equal ids) and stores it straight at its caller's position
-(``dst`` = the sort permutation); a second, HBM-only pass copies the row to the run's other positions.
-Smaller batches are gathered as they come, one launch. Nothing here synchronizes with the host.
+Three routes, picked per batch by ``route_for`` (or forced with ``route=``, as benchmarks do):
+- "direct": one Triton kernel reads the rows through UVA as the ids come (one launch, no host sync);
+- "sorted": the ids are sorted first so that neighbouring reads share host pages; the kernel reads each
+  distinct row once (``runs``: first index of each run of equal ids) and stores it at its caller's
+  position (``dst`` = the sort permutation); a second, HBM-only pass fills the run's other positions;
+- "staged": CPU threads gather the rows into pinned staging and the copy engine moves them (staged.py).
+On the device machine a UVA read of a random row pays a host-side address translation that grows with
+the span of host memory a batch touches (docs/benchmarks.md, "where the time goes"), so batches of
+``STAGED_MIN_ROWS`` ids or more take the staged route and smaller ones go direct. All routes return the
+same bytes.
 """
 from __future__ import annotations
 
@@ -14,10 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engram.store.kernels import triton_gather
+from engram.store.kernels import staged
 from engram.store.kernels.launch_config import LaunchConfig
 
-SORT_MIN_ROWS = int(os.environ.get("ENGRAM_UVA_SORT_MIN_ROWS", "16384"))
+ROUTES = ("direct", "sorted", "staged")
+STAGED_MIN_ROWS = int(os.environ.get("ENGRAM_STAGED_MIN_ROWS", "4096"))
 # Sorted 4 M rows from a 32 GiB pinned table (bench/results/2026-11-29-gpu-lookup-3.json): 16-row tiles
 # 35 GB/s, 32-row 23 GB/s, 64-row 22 GB/s, 64-row persistent 20 GB/s.
 UVA_CONFIG = LaunchConfig(block_r=16, num_warps=4, programs_per_sm=0, stream=True)
@@ -49,21 +54,32 @@ def _device_for(ids: torch.Tensor, out: torch.Tensor | None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _use_sort(n: int, sort: bool | None) -> bool:
-    return n >= SORT_MIN_ROWS if sort is None else sort
+def route_for(n: int, route: str | None = None) -> str:
+    """The route for a batch of ``n`` ids: ``route`` when given (checked), else direct below
+    STAGED_MIN_ROWS and staged from there."""
+    if route is None:
+        return "direct" if n < STAGED_MIN_ROWS else "staged"
+    if route not in ROUTES:
+        raise ValueError(f"route={route!r} is not one of {ROUTES}")
+    return route
 
 
 def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor, row_dtype: str, dim: int,
                 out: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16, *,
-                sort: bool | None = None) -> torch.Tensor:
+                route: str | None = None) -> torch.Tensor:
     """Rows ``ids`` of a pinned host (or device) table, dequantized into a GPU ``out`` [N, dim] ``dtype``.
-    ``sort``: None = sort batches of SORT_MIN_ROWS ids or more; True / False forces it (benchmarks)."""
+    ``route``: None = ``route_for``'s choice; "direct", "sorted" or "staged" forces one (a device table
+    has no staged route)."""
+    from engram.store.kernels import triton_gather  # needs triton; route_for and sort_plan do not
     device = _device_for(ids, out)
-    ids = ids.to(device, non_blocking=True)  # [N]
     n = ids.shape[0]
+    kind = route_for(n, route)
+    if kind == "staged" and values.device.type == "cpu" and n:
+        return staged.gather_rows(values, scales, ids, row_dtype, dim, out=out, dtype=dtype, device=device)
+    ids = ids.to(device, non_blocking=True)  # [N]
     if out is None:
         out = torch.empty(n, dim, dtype=dtype, device=device)  # [N, dim]
-    if n == 0 or not _use_sort(n, sort):
+    if n == 0 or kind != "sorted":
         return triton_gather.gather_rows(values, scales, ids, row_dtype, dim, out=out, dtype=dtype, cfg=UVA_CONFIG)
     plan = sort_plan(ids, values.shape[0])
     triton_gather.gather_rows(values, scales, plan.sorted_ids, row_dtype, dim, out=out, dtype=dtype,
@@ -71,14 +87,18 @@ def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Te
     return triton_gather.copy_duplicates(out, plan.perm, plan.runs)
 
 
-def gather_raw(values: torch.Tensor, ids: torch.Tensor, *, sort: bool | None = None) -> torch.Tensor:
-    """Packed bytes (uint8 [N, stride], on the GPU) of rows ``ids`` of a pinned host (or device) table."""
+def gather_raw(values: torch.Tensor, ids: torch.Tensor, *, route: str | None = None) -> torch.Tensor:
+    """Packed bytes (uint8 [N, width], on the GPU) of rows ``ids`` of a pinned host (or device) table."""
+    from engram.store.kernels import triton_gather
     device = _device_for(ids, None)
-    ids = ids.to(device, non_blocking=True)  # [N]
     n = ids.shape[0]
-    if n == 0 or not _use_sort(n, sort):
+    kind = route_for(n, route)
+    if kind == "staged" and values.device.type == "cpu" and n:
+        return staged.stage_rows([values], ids.reshape(-1), device)[0]
+    ids = ids.to(device, non_blocking=True)  # [N]
+    if n == 0 or kind != "sorted":
         return triton_gather.gather_raw(values, ids, cfg=UVA_CONFIG)
-    out = torch.empty(n, values.shape[1], dtype=torch.uint8, device=device)  # [N, stride]
+    out = torch.empty(n, values.shape[1], dtype=torch.uint8, device=device)  # [N, width]
     plan = sort_plan(ids, values.shape[0])
     triton_gather.gather_raw(values, plan.sorted_ids, out, dst=plan.perm, runs=plan.runs, cfg=UVA_CONFIG)
     return triton_gather.copy_duplicates(out, plan.perm, plan.runs)
