@@ -77,7 +77,7 @@ def _scatter_rows(dst: np.ndarray, piece: np.ndarray, start: int, fstride: int) 
 class _FileFill:
     """The chunks of one data file and where their bytes go: a flat image of the file (``flat`` uint8
     [file bytes]) or rows rearranged into ``rows_dst`` [rows, width] (``fstride`` file bytes apart), whose
-    ``pad`` columns (uint8 [rows, k], may be empty) are zeroed as each row's first byte is placed."""
+    ``pad`` columns (uint8 [rows, k], may be empty) are zeroed by the chunk holding the row's first byte."""
 
     def __init__(self, m: TableManifest, kind: str, flat: torch.Tensor | None = None,
                  rows_dst: torch.Tensor | None = None, fstride: int = 0, pad: torch.Tensor | None = None) -> None:
