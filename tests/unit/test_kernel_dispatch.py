@@ -54,10 +54,14 @@ def test_staged_row_sources_gather_packed_rows_as_one_window():
     buf = torch.arange(5 * 272, dtype=torch.int64).remainder(251).to(torch.uint8).view(5, 272)  # packed rows
     values, scales = buf[:, :256], buf[:, 256:264]
     (window,) = staged.row_sources(values, scales)
-    assert window.shape == (5, 264) and window.stride() == (272, 1)
+    assert window.shape == (5, 272) and window.is_contiguous()  # whole rows: one memcpy each
     ids = torch.tensor([4, 0, 4])
     got = torch.index_select(window, 0, ids)
-    assert torch.equal(got, torch.cat([values[ids], scales[ids]], dim=1))
+    assert torch.equal(got[:, :264], torch.cat([values[ids], scales[ids]], dim=1))
+    short = torch.zeros(5 * 272 - 8, dtype=torch.uint8)  # the last row's padding is not in the storage
+    v, s = short.as_strided((5, 256), (272, 1)), short.as_strided((5, 8), (272, 1), 256)
+    (window,) = staged.row_sources(v, s)
+    assert window.shape == (5, 264) and window.stride() == (272, 1)
     split_v, split_s = buf[:, :256].contiguous(), buf[:, 256:264].contiguous()
     assert len(staged.row_sources(split_v, split_s)) == 2  # separate buffers: two gathers
     assert len(staged.row_sources(buf[:, :256], buf[:, 257:265])) == 2  # not right after the values
@@ -68,6 +72,7 @@ def test_uva_route_choice():
     from engram.store.kernels import uva
     assert uva.route_for(uva.STAGED_MIN_ROWS - 1) == "direct"
     assert uva.route_for(uva.STAGED_MIN_ROWS) == "staged"
+    assert uva.route_for(uva.SORTED_MIN_ROWS) == "sorted"
     assert uva.route_for(10, "sorted") == "sorted"
     with pytest.raises(ValueError, match="route='fast'"):
         uva.route_for(10, "fast")

@@ -21,12 +21,17 @@ CHUNK_ROWS = int(os.environ.get("ENGRAM_STAGED_CHUNK_ROWS", "16384"))
 
 
 def row_sources(values: torch.Tensor, scales: torch.Tensor | None) -> list[torch.Tensor]:
-    """The 2-D tensors a row gather copies from: one [R, value_bytes + scale_cols] window when ``scales``
-    sit in the same rows right after the values (the host tier's packed layout), else values [and scales]."""
+    """The 2-D tensors a row gather copies from. When ``scales`` sit in the same rows right after the values
+    (the host tier's packed layout), one source: the whole rows of the underlying buffer, [R, row stride]
+    and contiguous where the storage holds every row's padding (so ``index_select`` copies each row with one
+    memcpy), else [R, value_bytes + scale_cols]. Otherwise values [and scales]."""
     if (scales is not None and scales.stride(0) == values.stride(0) and scales.stride(1) == 1
             and values.stride(1) == 1 and scales.shape[0] == values.shape[0]
             and scales.data_ptr() == values.data_ptr() + values.shape[1]):
-        return [values.as_strided((values.shape[0], values.shape[1] + scales.shape[1]), (values.stride(0), 1))]
+        rows, stride = values.shape[0], values.stride(0)
+        storage_end = values.untyped_storage().nbytes() - values.storage_offset() * values.element_size()
+        width = stride if rows * stride <= storage_end else values.shape[1] + scales.shape[1]
+        return [values.as_strided((rows, width), (stride, 1))]
     return [values] if scales is None else [values, scales]
 
 
@@ -108,8 +113,9 @@ def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Te
         return out
     sources = row_sources(values, scales)
     staged = stage_rows(sources, ids.reshape(-1), device, chunk_rows)
-    if len(sources) == 1 and scales is not None:  # packed window: split it back into values | scales
-        vals, scl = staged[0][:, :values.shape[1]], staged[0][:, values.shape[1]:]
+    if len(sources) == 1 and scales is not None:  # packed rows: split them back into values | scales
+        vb = values.shape[1]
+        vals, scl = staged[0][:, :vb], staged[0][:, vb:vb + scales.shape[1]]
     else:
         vals, scl = staged[0], (staged[1] if scales is not None else None)
     from engram.store import kernels  # the HBM fast path (or the torch reference) over the staged rows

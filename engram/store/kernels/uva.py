@@ -7,9 +7,9 @@ Three routes, picked per batch by ``route_for`` (or forced with ``route=``, as b
   position (``dst`` = the sort permutation); a second, HBM-only pass fills the run's other positions;
 - "staged": CPU threads gather the rows into pinned staging and the copy engine moves them (staged.py).
 On the device machine a UVA read of a random row pays a host-side address translation that grows with
-the span of host memory a batch touches (docs/benchmarks.md, "where the time goes"), so batches of
-``STAGED_MIN_ROWS`` ids or more take the staged route and smaller ones go direct. All routes return the
-same bytes.
+the span of host memory a batch touches (docs/benchmarks.md, "where the time goes"): small batches go
+direct, mid-size ones (``STAGED_MIN_ROWS``) staged, big ones (``SORTED_MIN_ROWS``, dense enough that
+sorted ids share pages) sorted. All routes return the same bytes.
 """
 from __future__ import annotations
 
@@ -22,7 +22,10 @@ from engram.store.kernels import staged
 from engram.store.kernels.launch_config import LaunchConfig
 
 ROUTES = ("direct", "sorted", "staged")
-STAGED_MIN_ROWS = int(os.environ.get("ENGRAM_STAGED_MIN_ROWS", "4096"))
+# Route thresholds from the wall-clock series of bench/results/2026-11-29-gpu-lookup-6.json (32 GiB packed
+# table): direct is fastest up to 16 K ids, staged from 64 K to 256 K, sorted from 1 M.
+STAGED_MIN_ROWS = int(os.environ.get("ENGRAM_STAGED_MIN_ROWS", "32768"))
+SORTED_MIN_ROWS = int(os.environ.get("ENGRAM_SORTED_MIN_ROWS", "524288"))
 # Sorted 4 M rows from a 32 GiB pinned table (bench/results/2026-11-29-gpu-lookup-3.json): 16-row tiles
 # 35 GB/s, 32-row 23 GB/s, 64-row 22 GB/s, 64-row persistent 20 GB/s.
 UVA_CONFIG = LaunchConfig(block_r=16, num_warps=4, programs_per_sm=0, stream=True)
@@ -56,9 +59,9 @@ def _device_for(ids: torch.Tensor, out: torch.Tensor | None) -> torch.device:
 
 def route_for(n: int, route: str | None = None) -> str:
     """The route for a batch of ``n`` ids: ``route`` when given (checked), else direct below
-    STAGED_MIN_ROWS and staged from there."""
+    STAGED_MIN_ROWS, staged below SORTED_MIN_ROWS, sorted from there."""
     if route is None:
-        return "direct" if n < STAGED_MIN_ROWS else "staged"
+        return "direct" if n < STAGED_MIN_ROWS else "staged" if n < SORTED_MIN_ROWS else "sorted"
     if route not in ROUTES:
         raise ValueError(f"route={route!r} is not one of {ROUTES}")
     return route
