@@ -92,8 +92,10 @@ def machine_budget(device: torch.device | None = None) -> MemoryBudget:
     return MemoryBudget(ram=min(ram) if ram else None, device=dev)
 
 
-def memory_need(m: TableManifest, tier: str, device: torch.device, cache_rows: int = 0) -> MemoryNeed:
-    """What opening ``m`` on ``tier`` with rows returned on ``device`` takes."""
+def memory_need(m: TableManifest, tier: str, device: torch.device, cache_rows: int = 0,
+                host_layout: str = "packed") -> MemoryNeed:
+    """What opening ``m`` on ``tier`` with rows returned on ``device`` takes (``host_layout``: the host
+    tier's row layout, see engram.store.host)."""
     values = m.rows * m.row_stride
     scales = m.rows * m.scale_cols
     cache = RowCache.bytes_for_rows(cache_rows, m.value_bytes, m.scale_cols) if cache_rows else 0
@@ -106,11 +108,17 @@ def memory_need(m: TableManifest, tier: str, device: torch.device, cache_rows: i
         else:
             need.ram = values + scales
     elif tier == "host":
-        need.parts = {"values": values, "scales": scales, "cache": cache}
-        if torch.cuda.is_available():
-            need.pinned = values + scales
+        if host_layout == "packed" and m.scale_cols:  # one buffer of rows padded to 16 B (load.py)
+            from engram.store.load import packed_row_bytes
+            rows_bytes = m.rows * packed_row_bytes(m.value_bytes, m.scale_cols)
+            need.parts = {"packed rows": rows_bytes, "cache": cache}
         else:
-            need.ram = values + scales
+            rows_bytes = values + scales
+            need.parts = {"values": values, "scales": scales, "cache": cache}
+        if torch.cuda.is_available():
+            need.pinned = rows_bytes
+        else:
+            need.ram = rows_bytes
         if cuda:
             need.device = cache
         else:
@@ -149,23 +157,23 @@ def _shortfalls(need: MemoryNeed, budget: MemoryBudget) -> list[str]:
 
 
 def preflight(m: TableManifest, tier: str, device: torch.device, cache_rows: int = 0,
-              budget: MemoryBudget | None = None) -> MemoryNeed:
+              budget: MemoryBudget | None = None, host_layout: str = "packed") -> MemoryNeed:
     """Raise MemoryPreflightError when ``m`` does not fit on ``tier``; return the need when it does."""
     budget = budget if budget is not None else machine_budget(device)
-    need = memory_need(m, tier, device, cache_rows)
+    need = memory_need(m, tier, device, cache_rows, host_layout)
     short = _shortfalls(need, budget)
     if not short:
         return need
     parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in need.parts.items() if v)
     msg = (f"table {m.path} ({m.rows} rows x {m.row_stride} B) does not fit on tier {tier!r}: "
            + "; ".join(short) + f" [{parts}].")
-    return _raise_with_hint(msg, m, tier, device, cache_rows, budget)
+    return _raise_with_hint(msg, m, tier, device, cache_rows, budget, host_layout)
 
 
 def _raise_with_hint(msg: str, m: TableManifest, tier: str, device: torch.device, cache_rows: int,
-                     budget: MemoryBudget) -> MemoryNeed:
+                     budget: MemoryBudget, host_layout: str) -> MemoryNeed:
     def fits(t: str, rows: int) -> bool:
-        return not _shortfalls(memory_need(m, t, device, rows), budget)
+        return not _shortfalls(memory_need(m, t, device, rows, host_layout), budget)
 
     hints = []
     for t in ("gpu", "host", "disk"):  # the asked tier with a smaller cache, or another tier

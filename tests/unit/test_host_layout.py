@@ -153,6 +153,15 @@ def test_bad_arguments_name_the_field(tables):
         load.load_packed(m, "cpu")
     with pytest.raises(ValueError, match="dst must be uint8 host memory of 1000 x 112 bytes"):
         load.fill_packed(m, torch.zeros(ROWS * 111, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="host_layout='rows'"):
+        open_table(m.path, "host", device="cpu", host_layout="rows")
+
+
+@pytest.mark.parametrize("layout", ["packed", "split"])
+def test_open_table_passes_the_host_layout(tables, layout):
+    t = open_table(tables["mx256"].path, "host", device="cpu", host_layout=layout)
+    assert t.layout == layout
+    assert (t.values.stride(0) == 272) == (layout == "packed")
 
 
 @pytest.mark.gpu

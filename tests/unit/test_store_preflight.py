@@ -30,8 +30,12 @@ def test_needs_per_tier(manifest):
     assert memory_need(manifest, "gpu", CPU).ram == v + s
     need = memory_need(manifest, "gpu", CUDA)
     assert (need.ram, need.device) == (0, v + s)
-    host = memory_need(manifest, "host", CPU, cache_rows=1000)  # pinned when CUDA exists, plain RAM otherwise
-    assert host.host_total == v + s + 1000 * (256 + 8 + 24) and host.pinned == (v + s) * torch.cuda.is_available()
+    split = memory_need(manifest, "host", CPU, cache_rows=1000, host_layout="split")  # pinned with CUDA, else RAM
+    assert split.host_total == v + s + 1000 * (256 + 8 + 24) and split.pinned == (v + s) * torch.cuda.is_available()
+    packed = memory_need(manifest, "host", CPU, cache_rows=1000)  # the default: one 272-B row per id
+    p = (1 << 30) * 272
+    assert packed.host_total == p + 1000 * (256 + 8 + 24) and packed.pinned == p * torch.cuda.is_available()
+    assert packed.parts["packed rows"] == p
     disk = memory_need(manifest, "disk", CUDA, cache_rows=1 << 20)
     assert disk.ram == s + 2 * 2048 * 4096 and disk.device == (1 << 20) * 288
     with pytest.raises(ValueError, match="tier="):
