@@ -6,7 +6,7 @@ bytes side by side, see ``load_packed``). Host targets ("ram"; "pinned": page-lo
 engram.store.pinning when CUDA exists, else RAM) are filled in ONE parallel pass: worker threads each take
 checksum chunks, pread them from the page cache straight into the destination (or into a small per-thread
 buffer when rows are rearranged), CRC them and move on, so no second full copy of the table is ever held;
-a CUDA target streams chunks through a pinned bounce buffer. A bad chunk raises TableFormatError naming
+a device target is read the same way into two pinned windows whose copies overlap the next window's reads. A bad chunk raises TableFormatError naming
 the file and the chunk's byte offset, and nothing loaded so far is kept (nor pinned).
 """
 from __future__ import annotations
@@ -176,27 +176,63 @@ def load_file(m: TableManifest, kind: str, target: str | torch.device = "ram", v
         if target in ("ram", "pinned"):
             return _host_buffer(entry.bytes, target,
                                 lambda dst: _fill([_FileFill(m, kind, flat=dst)], verify, threads, bar))
-        return _load_to_device(m, kind, torch.device(target), verify, bar)
+        return _load_to_device(m, kind, torch.device(target), verify, bar, threads)
     finally:
         if bar is not None:
             bar.close()
 
 
-def _load_to_device(m: TableManifest, kind: str, dev: torch.device, verify: bool, bar) -> torch.Tensor:
-    """One data file into device memory, chunk by chunk through a pinned bounce buffer."""
+DEVICE_WINDOW = 256 << 20  # bytes of a file read (in parallel) into one pinned window before its copy
+
+
+def _load_to_device(m: TableManifest, kind: str, dev: torch.device, verify: bool, bar,
+                    threads: int = LOAD_THREADS) -> torch.Tensor:
+    """One data file into device memory through two pinned windows: ``threads`` workers pread and CRC the
+    checksum chunks of one window while the other window's host-to-device copy runs."""
     entry = m.files[kind]
     path = m.path / entry.name
     out = torch.empty(entry.bytes, dtype=torch.uint8, device=dev)
-    host = torch.empty(min(m.chunk_bytes, entry.bytes), dtype=torch.uint8, pin_memory=dev.type == "cuda")
-    with open(path, "rb", buffering=0) as f:
-        for i, off in enumerate(range(0, entry.bytes, m.chunk_bytes)):
-            n = min(m.chunk_bytes, entry.bytes - off)
-            _pread_into(f.fileno(), host[:n], off, path, entry.bytes)
-            if verify and zlib.crc32(memoryview(host[:n].numpy())) != entry.crc32[i]:
-                raise checksum_error(path, i, off, n)
-            out[off:off + n].copy_(host[:n])  # synchronous: the bounce buffer is reused next chunk
-            if bar is not None:
-                bar.update(n)
+    span = max(m.chunk_bytes, DEVICE_WINDOW // m.chunk_bytes * m.chunk_bytes)  # whole chunks per window
+    cuda = dev.type == "cuda"
+    windows = [torch.empty(min(span, entry.bytes), dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+    copied = [None, None]  # the event after each window's last copy
+    stream = torch.cuda.Stream(dev) if cuda else None
+
+    def chunk(fd: int, host: torch.Tensor, w0: int, i: int) -> None:
+        off = i * m.chunk_bytes
+        n = min(m.chunk_bytes, entry.bytes - off)
+        buf = host[off - w0:off - w0 + n]
+        _pread_into(fd, buf, off, path, entry.bytes)
+        if verify and zlib.crc32(memoryview(buf.numpy())) != entry.crc32[i]:
+            raise checksum_error(path, i, off, n)
+        if bar is not None:
+            bar.update(n)
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            for k, w0 in enumerate(range(0, entry.bytes, span)):
+                w1 = min(entry.bytes, w0 + span)
+                host = windows[k % 2]
+                if copied[k % 2] is not None:
+                    copied[k % 2].synchronize()  # its previous copy has read it
+                first, last = w0 // m.chunk_bytes, (w1 - 1) // m.chunk_bytes
+                list(pool.map(lambda i: chunk(fd, host, w0, i), range(first, last + 1)))
+                if not cuda:
+                    out[w0:w1].copy_(host[:w1 - w0])
+                    continue
+                with torch.cuda.stream(stream):
+                    out[w0:w1].copy_(host[:w1 - w0], non_blocking=True)
+                    copied[k % 2] = torch.cuda.Event()
+                    copied[k % 2].record(stream)
+        if cuda:
+            torch.cuda.current_stream(dev).wait_stream(stream)  # `out` is ready for the caller's stream
+    except BaseException:
+        if cuda:
+            stream.synchronize()  # no copy may still write into `out` once it is freed
+        raise
+    finally:
+        os.close(fd)
     return out
 
 

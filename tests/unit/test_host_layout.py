@@ -189,3 +189,18 @@ def test_packed_pinned_uva_gather_equals_split(tables, name):
     del packed, split
     gc.collect()
     assert pinned_stats() == before
+
+
+def test_device_load_reads_windows_in_parallel_and_checks_every_chunk(tmp_path, monkeypatch):
+    """load_file into a device (here the CPU device, the same windowed code path as CUDA): bytes equal the
+    file across several windows and thread counts; a bad chunk in a later window names file and offset."""
+    m = _write(tmp_path / "t", "mxfp8", 96, seed=2, rows=5000)  # values: 157 chunks of 4096 B
+    monkeypatch.setattr(load, "DEVICE_WINDOW", 3 * CHUNK + 1)  # 3 chunks per window, 53 windows
+    want = torch.from_numpy(__import__("numpy").fromfile(m.path / m.files["values"].name, dtype="uint8"))
+    for threads in (1, 3):
+        got = load.load_file(m, "values", torch.device("cpu"), threads=threads)
+        assert torch.equal(got, want)
+    name = m.files["values"].name
+    _corrupt(m.path / name, 40 * CHUNK + 5)
+    with pytest.raises(TableFormatError, match=rf"{name}: byte {40 * CHUNK}: checksum mismatch"):
+        load.load_file(m, "values", torch.device("cpu"), threads=3)
