@@ -1,8 +1,8 @@
 """The ``gpu`` tier: the whole table (values and scales) resident in device memory, or in RAM without CUDA.
 
 Lookups are one fused gather + dequantize over the resident bytes (``engram.store.kernels.gather_rows``);
-there is no cache (nothing is faster than the table itself). Loading streams the files chunk by chunk
-through a pinned bounce buffer and checks every chunk's CRC32.
+there is no cache (nothing is faster than the table itself). Loading reads the files in 256 MiB pinned
+windows (parallel workers check every chunk's CRC32) while the previous window is copied to the device.
 """
 from __future__ import annotations
 

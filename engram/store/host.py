@@ -1,9 +1,9 @@
 """The ``host`` tier: the table in pinned host memory when CUDA exists (plain RAM otherwise), rows
 returned on ``device``.
 
-Without a cache a lookup is one ``engram.store.kernels.gather_rows`` call over the host bytes (the UVA
-kernel of the GPU-kernels work reads pinned memory from the device; the torch reference gathers on the
-CPU and copies the [N, dim] rows over). With ``cache`` (a RowCache on ``device``) distinct ids are looked
+Without a cache a lookup is one ``engram.store.kernels.gather_rows`` call over the host bytes: with CUDA
+one of the routes of engram.store.kernels.uva (UVA kernel, CPU-staged copies or sorted UVA, by batch
+size); without, the torch reference gathers on the CPU. With ``cache`` (a RowCache on ``device``) distinct ids are looked
 up first and only the misses cross PCIe, as packed bytes, before one dequantize on ``device``.
 
 Host layout of an MXFP8 table (``layout``): "packed" (default) keeps each row's value and scale bytes
