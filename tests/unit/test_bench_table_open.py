@@ -1,0 +1,27 @@
+"""`engram bench table-open` on the CPU: real tables written to disk, opened per tier and page-cache state."""
+import json
+
+from engram.cli import main
+
+
+def test_table_open_bench_writes_every_cell(tmp_path, capsys):
+    out = tmp_path / "open.json"
+    rc = main(["bench", "table-open", "--gib", "0.004", "--tiers", "host,gpu", "--workdir", str(tmp_path),
+               "--out", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    points = doc["result"]["points"]
+    assert [(p["tier"], p["cache"]) for p in points] == [("host", "cold"), ("host", "warm"), ("gpu", "cold"),
+                                                          ("gpu", "warm")]
+    for p in points:
+        assert p["rows"] == int(0.004 * (1 << 30)) // 256
+        assert 0 < p["open_s"] <= p["open_to_rows_s"] and p["GBps"] > 0
+        assert p["rows"] * (256 + 8) <= p["table_bytes"] < p["rows"] * (256 + 8) + (64 << 10)  # + file padding
+    assert not [f for f in tmp_path.iterdir() if f.name.startswith(".engram-bench-open-")], "table not removed"
+    assert "open_to_rows_s" in capsys.readouterr().out
+
+
+def test_table_open_bench_rejects_unknown_tier(tmp_path):
+    import pytest
+    with pytest.raises(SystemExit, match="--tiers: 'disk'"):
+        main(["bench", "table-open", "--gib", "0.001", "--tiers", "disk", "--workdir", str(tmp_path)])
