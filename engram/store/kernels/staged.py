@@ -66,6 +66,15 @@ def _stager(device: torch.device) -> _Stager:
         return _STAGERS[device]
 
 
+def device_for(ids: torch.Tensor, out: torch.Tensor | None) -> torch.device:
+    """Where gathered rows go: ids' CUDA device, else out's, else the current CUDA device."""
+    if ids.is_cuda:
+        return ids.device
+    if out is not None and out.is_cuda:
+        return out.device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def stage_rows(sources: list[torch.Tensor], ids: torch.Tensor, device: torch.device,
                chunk_rows: int = CHUNK_ROWS) -> list[torch.Tensor]:
     """Rows ``ids`` of each source (CPU [R, w_j]) as uint8 [N, w_j] tensors on ``device``; the current stream
@@ -104,8 +113,7 @@ def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Te
     """Rows ``ids`` of a pinned host table dequantized into ``out`` [N, dim] ``dtype`` on the GPU (``device``:
     out's, else ids' if on CUDA, else the current one), through CPU gather + pipelined copies."""
     if device is None:
-        device = out.device if out is not None else (ids.device if ids.is_cuda else
-                                                      torch.device("cuda", torch.cuda.current_device()))
+        device = out.device if out is not None else device_for(ids, None)
     n = ids.numel()
     if out is None:
         out = torch.empty(n, dim, dtype=dtype, device=device)  # [N, dim]

@@ -49,14 +49,6 @@ def sort_plan(ids: torch.Tensor, table_rows: int) -> SortPlan:
     return SortPlan(sorted_ids, perm, runs)
 
 
-def _device_for(ids: torch.Tensor, out: torch.Tensor | None) -> torch.device:
-    if ids.is_cuda:
-        return ids.device
-    if out is not None and out.is_cuda:
-        return out.device
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def route_for(n: int, route: str | None = None) -> str:
     """The route for a batch of ``n`` ids: ``route`` when given (checked), else direct below
     STAGED_MIN_ROWS, staged below SORTED_MIN_ROWS, sorted from there."""
@@ -74,7 +66,7 @@ def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Te
     ``route``: None = ``route_for``'s choice; "direct", "sorted" or "staged" forces one (a device table
     has no staged route)."""
     from engram.store.kernels import triton_gather  # needs triton; route_for and sort_plan do not
-    device = _device_for(ids, out)
+    device = staged.device_for(ids, out)
     n = ids.shape[0]
     kind = route_for(n, route)
     if kind == "staged" and values.device.type == "cpu" and n:
@@ -93,7 +85,7 @@ def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Te
 def gather_raw(values: torch.Tensor, ids: torch.Tensor, *, route: str | None = None) -> torch.Tensor:
     """Packed bytes (uint8 [N, width], on the GPU) of rows ``ids`` of a pinned host (or device) table."""
     from engram.store.kernels import triton_gather
-    device = _device_for(ids, None)
+    device = staged.device_for(ids, None)
     n = ids.shape[0]
     kind = route_for(n, route)
     if kind == "staged" and values.device.type == "cpu" and n:
