@@ -216,7 +216,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from engram.bench.report import format_table, write_result
+    from engram.bench.report import args_config, format_table, write_result
     from engram.store import open_table
 
     if bool(args.table) == bool(args.random_rows):
@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(rows) if disk else []
     from engram.store import reader as rd
 
-    config = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    config = args_config(args)
     config.update(reader_backend=rd.active_backend(), table_rows=manifest.rows, row_dtype=manifest.row_dtype,
                   row_stride=manifest.row_stride, values_bytes=manifest.files["values"].bytes,
                   loadavg_before=load_before, loadavg_after=os.getloadavg(),

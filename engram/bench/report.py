@@ -68,6 +68,12 @@ def result_path(name: str, results_dir: str | os.PathLike = RESULTS_DIR, now: _d
     return path
 
 
+def args_config(args: Any) -> dict[str, Any]:
+    """A bench's argparse namespace as the ``config`` of its result: every option, without the CLI's private
+    or callable entries (the dispatcher's handler)."""
+    return {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}
+
+
 def write_result(name: str, config: dict[str, Any], result: dict[str, Any], out: str | os.PathLike | None = None,
                  results_dir: str | os.PathLike = RESULTS_DIR) -> Path:
     """Write one run as JSON (to ``out`` if given, else a fresh file under ``results_dir``); return its path."""

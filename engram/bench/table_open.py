@@ -70,7 +70,7 @@ def open_once(directory: Path, tier: str, cache: str, device) -> dict:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from engram.bench.report import format_table, write_result
+    from engram.bench.report import args_config, format_table, write_result
     from engram.store.convert import convert_random
     sizes = [float(x) for x in args.gib.split(",") if x.strip()]
     tiers = [x.strip() for x in args.tiers.split(",") if x.strip()]
@@ -99,9 +99,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if not args.keep:
                 shutil.rmtree(root, ignore_errors=True)
-    config = {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}
-    config["commit"] = os.environ.get("ENGRAM_COMMIT")
-    path = write_result("table-open", config, {"points": results}, out=args.out)
+    path = write_result("table-open", args_config(args), {"points": results}, out=args.out)
     print(format_table(results, ["tier", "cache", "table_GiB", "open_s", "first_lookup_s", "open_to_rows_s", "GBps"]))
     print(f"json: {path}")
     return 0

@@ -220,27 +220,18 @@ def vmm_host_table(nbytes: int, cpu_access: bool) -> tuple[int, int, object]:
                              "cpu_access_error": cpu_err}
 
 
-class _DevicePointer:
-    """A raw address as Triton sees a tensor argument."""
-
-    def __init__(self, ptr: int, dtype: torch.dtype) -> None:
-        self._ptr, self.dtype = ptr, dtype
-
-    def data_ptr(self) -> int:
-        return self._ptr
-
-
-def vmm_window(bench, gib: float, rep_ms: int, sizes=(1 << 14, 1 << 18)) -> list[dict]:
-    """The ``window`` sweep (flushed, random and sorted) over a cuMemCreate host table of ``gib`` GiB, filled
-    from the GPU with cuMemcpy. Says whether the mapping's page size, not the host memory, sets the cost."""
-    from engram.store.kernels import triton_gather
-    from engram.store.kernels.uva import UVA_CONFIG
+def vmm_window(bench, gib: float, rep_ms: int) -> list[dict]:
+    """``window`` over a cuMemCreate host table of ``gib`` GiB (filled from the GPU with cuMemcpy, read through
+    its CPU mapping as a tensor): says whether the mapping's page size, not the host memory, sets the cost."""
     cu = ctypes.CDLL("libcuda.so.1")
     stride = 256
     rows = int(gib * (1 << 30)) // stride
     t0 = time.perf_counter()
     ptr, size, info = vmm_host_table(rows * stride, cpu_access=True)
     alloc_s = time.perf_counter() - t0
+    if not info["cpu_access"]:
+        info["release"]()
+        raise RuntimeError(f"cuMemSetAccess gave no CPU mapping (CUDA error {info['cpu_access_error']})")
     chunk = torch.randint(0, 256, (1 << 30,), dtype=torch.uint8, device="cuda")
     for off in range(0, rows * stride, chunk.numel()):
         n = min(chunk.numel(), rows * stride - off)
@@ -248,45 +239,16 @@ def vmm_window(bench, gib: float, rep_ms: int, sizes=(1 << 14, 1 << 18)) -> list
         if err:
             raise RuntimeError(f"cuMemcpy into the VMM host table at {off}: CUDA error {err}")
     torch.cuda.synchronize()
+    values = torch.frombuffer((ctypes.c_uint8 * (rows * stride)).from_address(ptr), dtype=torch.uint8)
+    values = values.view(rows, stride)  # [R, 256] over the mapping: triton_gather reads it through UVA
     out = [{"part": "vmm", "GiB": gib, "granularity": info["granularity"], "alloc_map_s": round(alloc_s, 3),
-            "fill_s": round(time.perf_counter() - t0 - alloc_s, 3), "cpu_access": info["cpu_access"],
-            "cpu_access_error": info["cpu_access_error"]}]
+            "fill_s": round(time.perf_counter() - t0 - alloc_s, 3),
+            "cpu_first_page_equals_gpu": bool(torch.equal(values[:16].reshape(-1), chunk[:4096].cpu()))}]
     print(json.dumps(out[-1]), flush=True)
-    if info["cpu_access"]:
-        cpu = torch.frombuffer((ctypes.c_uint8 * 4096).from_address(ptr), dtype=torch.uint8)
-        out[0]["cpu_first_page_equals_gpu"] = bool(torch.equal(cpu, chunk[:4096].cpu()))
-    table = _DevicePointer(ptr, torch.uint8)
-    g = torch.Generator(device="cuda").manual_seed(11)
-    for n in sizes:
-        for w_bytes in sorted({min(w, rows * stride) for w in (256 << 20, 2 << 30, 8 << 30, rows * stride)}):
-            ids = torch.randint(0, w_bytes // stride, (n,), generator=g, device="cuda")
-            for order in ("random", "sorted"):
-                x = ids if order == "random" else ids.sort().values
-                dst = torch.empty(n, stride, dtype=torch.uint8, device="cuda")
-                fn = lambda: _raw_gather(triton_gather, table, rows, stride, x, dst, UVA_CONFIG)  # noqa: E731
-                us = bench(fn, rep_ms)
-                out.append({"part": "vmm_window", "rows": n, "window_MiB": round(w_bytes / 2**20, 1), "order": order,
-                            "us": round(us, 2), "us_warm": round(_time_noflush(fn), 2),
-                            "ns_per_row": round(us * 1e3 / n, 1), "GBps": round(n * stride / us / 1e3, 2)})
-                print(json.dumps(out[-1]), flush=True)
-    ids = torch.arange(1 << 22, device="cuda")
-    dst = torch.empty(1 << 22, stride, dtype=torch.uint8, device="cuda")
-    us = bench(lambda: _raw_gather(triton_gather, table, rows, stride, ids, dst, UVA_CONFIG), rep_ms)
-    out.append({"part": "vmm_dense", "rows": 1 << 22, "us": round(us, 2), "GBps": round((1 << 22) * stride / us / 1e3, 2)})
-    print(json.dumps(out[-1]), flush=True)
+    out += [dict(p, part="vmm_" + p["part"]) for p in window(bench, values, rep_ms)]
+    del values
     info["release"]()
     return out
-
-
-def _raw_gather(triton_gather, table, rows: int, stride: int, ids, dst, cfg) -> None:
-    """triton_gather's raw-row kernel over a bare address (8-byte words, as gather_raw picks for 256-B rows)."""
-    import triton
-    units = stride // 8
-    consts = dict(V_STRIDE=units, OUT_STRIDE=units, UNITS=units, UNITS_P2=triton.next_power_of_2(units),
-                  BLOCK_R=cfg.block_r, HAS_DST=False, HAS_RUNS=False, COPY_DUPS=False)
-    words = _DevicePointer(table.data_ptr(), torch.int64)
-    triton_gather._launch(triton_gather._gather_units_kernel, triton.cdiv(ids.shape[0], cfg.block_r), ids.device,
-                          cfg, (words, ids, ids, ids, dst.view(torch.int64), ids.shape[0]), consts)
 
 
 if __name__ == "__main__":  # the VMM probe runs in its own process: a failed CPU mapping cannot take the bench down

@@ -32,7 +32,7 @@ class EngineOverloaded(Exception):
 
 
 class EngineNotReady(Exception):
-    pass
+    """The engine is still loading (or failed to): requests get 503 until it is up."""
 
 
 class RequestFailed(Exception):

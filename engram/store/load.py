@@ -76,29 +76,32 @@ def _scatter_rows(dst: np.ndarray, piece: np.ndarray, start: int, fstride: int) 
 
 class _FileFill:
     """The chunks of one data file and where their bytes go: a flat image of the file (``flat`` uint8
-    [file bytes]) or rows rearranged into ``rows_dst`` [rows, width] (``fstride`` file bytes apart), whose
-    ``pad`` columns (uint8 [rows, k], may be empty) are zeroed by the chunk holding the row's first byte."""
+    [file bytes], or of the file's bytes from ``base`` on) or rows rearranged into ``rows_dst`` [rows,
+    width] (``fstride`` file bytes apart), whose ``pad`` columns (uint8 [rows, k], may be empty) are zeroed
+    by the chunk holding the row's first byte. ``only``: the range of chunk indices to run (default all)."""
 
     def __init__(self, m: TableManifest, kind: str, flat: torch.Tensor | None = None,
-                 rows_dst: torch.Tensor | None = None, fstride: int = 0, pad: torch.Tensor | None = None) -> None:
+                 rows_dst: torch.Tensor | None = None, fstride: int = 0, pad: torch.Tensor | None = None,
+                 base: int = 0, only: range | None = None) -> None:
         self.entry = m.files[kind]
         self.path = m.path / self.entry.name
         self.chunk_bytes = m.chunk_bytes
-        self.flat, self.fstride = flat, fstride
+        self.flat, self.fstride, self.base, self.only = flat, fstride, base, only
         self.pad = pad.numpy() if pad is not None else None  # [rows, k] view
         self.rows_dst = rows_dst.numpy() if rows_dst is not None else None  # [rows, width] view, numpy copies
 
     def chunks(self) -> list[tuple[int, int, int]]:
-        """(index, offset, bytes) of every checksum chunk."""
+        """(index, offset, bytes) of every checksum chunk to run."""
         size, cb = self.entry.bytes, self.chunk_bytes
-        return [(i, off, min(cb, size - off)) for i, off in enumerate(range(0, size, cb))]
+        idx = self.only if self.only is not None else range(-(-size // cb))
+        return [(i, i * cb, min(cb, size - i * cb)) for i in idx]
 
     def run_chunk(self, fd: int, i: int, off: int, n: int, verify: bool, bounce: Callable[[], torch.Tensor],
                   bar) -> None:
         crc = 0
         for p in range(off, off + n, _PIECE):
             k = min(_PIECE, off + n - p)
-            buf = self.flat[p:p + k] if self.flat is not None else bounce()[:k]
+            buf = self.flat[p - self.base:p - self.base + k] if self.flat is not None else bounce()[:k]
             _pread_into(fd, buf, p, self.path, self.entry.bytes)
             if verify:
                 crc = zlib.crc32(memoryview(buf.numpy()), crc)  # releases the GIL on big buffers
@@ -187,52 +190,35 @@ DEVICE_WINDOW = 256 << 20  # bytes of a file read (in parallel) into one pinned 
 
 def _load_to_device(m: TableManifest, kind: str, dev: torch.device, verify: bool, bar,
                     threads: int = LOAD_THREADS) -> torch.Tensor:
-    """One data file into device memory through two pinned windows: ``threads`` workers pread and CRC the
-    checksum chunks of one window while the other window's host-to-device copy runs."""
-    entry = m.files[kind]
-    path = m.path / entry.name
-    out = torch.empty(entry.bytes, dtype=torch.uint8, device=dev)
-    span = max(m.chunk_bytes, DEVICE_WINDOW // m.chunk_bytes * m.chunk_bytes)  # whole chunks per window
+    """One data file into device memory through two pinned windows: ``threads`` workers read and CRC the
+    checksum chunks of one window (``_fill``) while the other window's host-to-device copy runs."""
+    size, cb = m.files[kind].bytes, m.chunk_bytes
+    out = torch.empty(size, dtype=torch.uint8, device=dev)
+    span = max(cb, DEVICE_WINDOW // cb * cb)  # whole chunks per window
     cuda = dev.type == "cuda"
-    windows = [torch.empty(min(span, entry.bytes), dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+    windows = [torch.empty(min(span, size), dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
     copied = [None, None]  # the event after each window's last copy
     stream = torch.cuda.Stream(dev) if cuda else None
-
-    def chunk(fd: int, host: torch.Tensor, w0: int, i: int) -> None:
-        off = i * m.chunk_bytes
-        n = min(m.chunk_bytes, entry.bytes - off)
-        buf = host[off - w0:off - w0 + n]
-        _pread_into(fd, buf, off, path, entry.bytes)
-        if verify and zlib.crc32(memoryview(buf.numpy())) != entry.crc32[i]:
-            raise checksum_error(path, i, off, n)
-        if bar is not None:
-            bar.update(n)
-
-    fd = os.open(path, os.O_RDONLY)
     try:
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            for k, w0 in enumerate(range(0, entry.bytes, span)):
-                w1 = min(entry.bytes, w0 + span)
-                host = windows[k % 2]
-                if copied[k % 2] is not None:
-                    copied[k % 2].synchronize()  # its previous copy has read it
-                first, last = w0 // m.chunk_bytes, (w1 - 1) // m.chunk_bytes
-                list(pool.map(lambda i: chunk(fd, host, w0, i), range(first, last + 1)))
-                if not cuda:
-                    out[w0:w1].copy_(host[:w1 - w0])
-                    continue
-                with torch.cuda.stream(stream):
-                    out[w0:w1].copy_(host[:w1 - w0], non_blocking=True)
-                    copied[k % 2] = torch.cuda.Event()
-                    copied[k % 2].record(stream)
+        for k, w0 in enumerate(range(0, size, span)):
+            w1 = min(size, w0 + span)
+            host = windows[k % 2]
+            if copied[k % 2] is not None:
+                copied[k % 2].synchronize()  # its previous copy has read it
+            _fill([_FileFill(m, kind, flat=host, base=w0, only=range(w0 // cb, -(-w1 // cb)))], verify, threads, bar)
+            if not cuda:
+                out[w0:w1].copy_(host[:w1 - w0])
+                continue
+            with torch.cuda.stream(stream):
+                out[w0:w1].copy_(host[:w1 - w0], non_blocking=True)
+                copied[k % 2] = torch.cuda.Event()
+                copied[k % 2].record(stream)
         if cuda:
             torch.cuda.current_stream(dev).wait_stream(stream)  # `out` is ready for the caller's stream
     except BaseException:
         if cuda:
             stream.synchronize()  # no copy may still write into `out` once it is freed
         raise
-    finally:
-        os.close(fd)
     return out
 
 
