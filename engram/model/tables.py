@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -23,10 +23,10 @@ from engram.store.convert import convert_random, convert_safetensors, layer_dir
 from engram.store.format import MANIFEST, read_manifest
 from engram.store.kernels.reference import ROW_TORCH_DTYPES
 from engram.store.load import load_table
+from engram.store.options import StoreOptions
 from engram.tokenizer import cache_root as tokenizer_cache_root
 
 GENERATOR_VERSION = 2  # bump when generate_random_table changes what it writes
-OPEN_OPTIONS = ("cache_rows", "cache_bytes", "cache_policy", "io", "queue_depth")  # passed to open_table
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -75,13 +75,15 @@ def checkpoint_table_dirs(checkpoint: Path, cfg: EngramConfig, cache_dir=None) -
 
 
 def open_tables(dirs: dict[int, Path], cfg: EngramConfig, tier: str = "gpu", device=None,
-                options: dict[str, Any] | None = None) -> dict[int, Any]:
-    """Open each layer's table on ``tier``, checking it against the layout's fingerprint. ``options`` may
-    carry open_table's keyword arguments (cache_rows, cache_bytes, cache_policy, io, queue_depth)."""
+                options: StoreOptions | Mapping[str, Any] | None = None) -> dict[int, Any]:
+    """Open each layer's table on ``tier`` with the same ``options``, checking it against the layout's
+    fingerprint. ``options``: a StoreOptions, or a mapping of StoreOptions.KEYS validated by
+    ``StoreOptions.from_dict`` (an unknown key raises ValueError listing the known ones) before any table
+    opens; None means the defaults."""
     from engram.store import open_table
 
-    kwargs = {k: v for k, v in (options or {}).items() if k in OPEN_OPTIONS}
-    return {lid: open_table(d, tier=tier, device=device, expect=cfg.fingerprint(lid), **kwargs)
+    opts = options if isinstance(options, StoreOptions) else StoreOptions.from_dict(options)
+    return {lid: open_table(d, tier=tier, device=device, expect=cfg.fingerprint(lid), options=opts)
             for lid, d in dirs.items()}
 
 

@@ -2,8 +2,9 @@
 
 A backend serves rows of one table by id: ``gather`` returns dequantized rows [N, dim], ``gather_raw``
 the packed row bytes [N, row_bytes] (values then scale bytes, no padding: 264 B for a V4.1 MXFP8 row),
-``submit`` starts a lookup and returns a handle, ``stats`` counts the work. Ids are range-checked (an
-out-of-range id raises IndexError naming it and the table size) and N may be 0. The base class holds the
+``submit`` starts a lookup and returns a handle, ``stats`` counts the work. Ids arriving on the CPU are
+range-checked there (an out-of-range id raises IndexError naming it and the table size); ids arriving on a
+GPU are trusted unless ``StoreOptions.check_device_ids`` (engram/store/ids.py says why); N may be 0. The base class holds the
 shared path (check, dedupe, hot-row cache, decode through ``engram.store.kernels``); a tier provides
 ``_fetch(ids)`` and may override ``gather`` with a fused path (``ResidentTable``: gpu and host, whose bytes
 are all in memory). Tiers know nothing about models or plans.
@@ -18,6 +19,8 @@ import torch
 
 from engram.store import kernels
 from engram.store.format import TableManifest
+from engram.store.ids import as_ids, check_range
+from engram.store.options import StoreOptions
 
 STAT_KEYS = ("lookups", "rows", "unique_rows", "hits", "misses", "evictions", "bytes_read", "read_ops")
 
@@ -76,16 +79,19 @@ class TableBackend:
 
     Attributes: ``manifest`` (TableManifest), ``rows``, ``dim``, ``row_dtype``, ``value_bytes`` (bytes of
     one row's values), ``scale_cols`` (scale bytes per row, 0 unless mxfp8), ``row_bytes`` (value_bytes +
-    scale_cols), ``device`` (where gathered rows are returned), ``cache`` (a RowCache or None).
+    scale_cols), ``device`` (where gathered rows are returned), ``cache`` (a RowCache or None), ``options``
+    (the StoreOptions it was opened with) and ``count_unique``: whether the resident lookups (gpu, uncached
+    host), which do not dedupe, count their distinct ids for ``unique_rows`` (a device sort per call; off
+    by default, ``StoreOptions.count_unique`` turns it on; unique_rows then stays 0 there).
     """
 
     tier: Tier
     host_backed = True  # the rows live host-side (RAM, pinned, disk): _fetch takes CPU ids
-    # Resident lookups (gpu, uncached host) do not dedupe; counting their distinct ids costs a device sort
-    # per call. Engines whose plans are already deduped set this False (unique_rows then stays 0 there).
-    count_unique = True
 
-    def __init__(self, manifest: TableManifest, device: torch.device, cache: Any = None) -> None:
+    def __init__(self, manifest: TableManifest, device: torch.device, cache: Any = None,
+                 options: StoreOptions | None = None) -> None:
+        self.options = options if options is not None else StoreOptions()
+        self.count_unique = self.options.count_unique
         self.manifest = manifest
         self.rows = manifest.rows
         self.dim = manifest.dim
@@ -111,20 +117,14 @@ class TableBackend:
 
     # ----------------------------------------------------------------- public API
     def check_ids(self, ids: torch.Tensor | Any) -> torch.Tensor:
-        """int64 [N] view of ``ids`` (any int tensor, list or array); IndexError on an id outside [0, rows)."""
+        """int64 [N] view of ``ids`` (any int tensor, list or array) where they are. Ids on the CPU: IndexError
+        on an id outside [0, rows) (checked on the CPU, no device work). Ids on a GPU are not checked (their
+        producer guarantees the range; checking would sync the host) unless ``options.check_device_ids``."""
         if self._closed:
             raise RuntimeError(f"table {self.manifest.path} is closed")
-        if not isinstance(ids, torch.Tensor):
-            ids = torch.as_tensor(ids, dtype=torch.int64)
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
-            raise TypeError(f"row ids must be an integer tensor, got {ids.dtype}")
-        ids = ids.reshape(-1).to(torch.int64)
-        if ids.numel():
-            lo, hi = torch.aminmax(ids)  # one reduction and one sync on the common (clean) path
-            if bool((lo < 0) | (hi >= self.rows)):
-                pos = int(((ids < 0) | (ids >= self.rows)).nonzero()[0, 0])
-                raise IndexError(f"row id {int(ids[pos])} (position {pos}) is out of range for table "
-                                 f"{self.manifest.path} with {self.rows} rows")
+        ids = as_ids(ids)
+        if ids.device.type == "cpu" or self.options.check_device_ids:
+            check_range(ids, self.rows, self.manifest.path)
         return ids
 
     def gather(self, ids: torch.Tensor, out: torch.Tensor | None = None,
@@ -244,9 +244,14 @@ class ResidentTable(TableBackend):
     values: torch.Tensor
     scales: torch.Tensor | None
 
+    def _kernel_gather(self, ids: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` (checked, int64 [N >= 1], on the CPU or a GPU) dequantized by one kernel call over the
+        resident bytes, written into ``out`` when given; the tier decides where the ids go (no host sync)."""
+        raise NotImplementedError
+
     def _gather_resident(self, ids: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """One fused kernel call over the whole table: no dedupe, no cache. Distinct ids are counted with a
-        sort kept on the ids' device, so counting never forces a host sync."""
+        """One fused kernel call over the whole table: no dedupe, no cache, no host sync (ids as
+        ``check_ids`` says). Distinct ids are counted (``count_unique``) with a sort kept on the ids' device."""
         ids = self.check_ids(ids)
         n = ids.numel()
         self._check_out(out, n, dtype)
@@ -260,7 +265,7 @@ class ResidentTable(TableBackend):
             with self._lock:
                 acc = self._unique_acc.get(distinct.device)
                 self._unique_acc[distinct.device] = distinct if acc is None else acc + distinct
-        rows = kernels.gather_rows(self.values, self.scales, ids, self.row_dtype, self.dim, out=out, dtype=dtype)
+        rows = self._kernel_gather(ids, out, dtype)
         if rows.device != self.device:  # torch path over host memory: move the [N, dim] rows once
             rows = rows.to(self.device)
             if out is not None:

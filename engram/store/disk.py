@@ -15,7 +15,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,27 +25,8 @@ from engram.store import kernels
 from engram.store.base import LookupHandle, TableBackend, Tier
 from engram.store.format import TableManifest, read_manifest
 from engram.store.load import load_file
-from engram.store.reader import IO_MODES, MAX_QUEUE_DEPTH, PAGE, PageReader, aligned_pages
-
-
-@dataclass(frozen=True)
-class DiskConfig:
-    """Runtime options of the disk tier."""
-
-    io: str = "direct"  # "direct" (O_DIRECT, bypass the page cache) | "buffered" (page cache)
-    queue_depth: int = 64  # preads in flight per batched read (threads of the shared pread pool)
-    max_inflight: int = 8  # submitted lookups not yet waited or cancelled; one more raises
-    chunk_pages: int = 2048  # pages per batched read call: bounds a lookup's page buffer (8 MiB)
-
-    def __post_init__(self) -> None:
-        if self.io not in IO_MODES:
-            raise ValueError(f"disk.io={self.io!r}: must be one of {IO_MODES}")
-        if not 1 <= self.queue_depth <= MAX_QUEUE_DEPTH:
-            raise ValueError(f"disk.queue_depth={self.queue_depth}: must be in [1, {MAX_QUEUE_DEPTH}]")
-        if self.max_inflight < 1:
-            raise ValueError(f"disk.max_inflight={self.max_inflight}: must be >= 1")
-        if self.chunk_pages < 1:
-            raise ValueError(f"disk.chunk_pages={self.chunk_pages}: must be >= 1")
+from engram.store.options import StoreOptions
+from engram.store.reader import PAGE, PageReader, aligned_pages
 
 
 class InflightLimitError(RuntimeError):
@@ -119,16 +99,15 @@ class DiskTable(TableBackend):
     tier = Tier.DISK
 
     def __init__(self, manifest: TableManifest, device: str | torch.device = "cpu", cache: Any = None,
-                 config: DiskConfig | None = None, *, verify: bool = True):
-        super().__init__(manifest, device, cache)
-        self.config = config or DiskConfig()
+                 options: StoreOptions | None = None):
+        super().__init__(manifest, device, cache, options)
         self.stride = manifest.row_stride
         self.page = manifest.page_size
         if self.page % PAGE:
             raise ValueError(f"{manifest.path}: page_size={self.page} is not a multiple of the reader's {PAGE}")
-        self.reader = PageReader(manifest.values_path, io=self.config.io, queue_depth=self.config.queue_depth)
+        self.reader = PageReader(manifest.values_path, io=self.options.io, queue_depth=self.options.queue_depth)
         # uint8 [rows, scale_cols] resident (CRC-checked while read, like the gpu/host tiers' loads), or None
-        self.scales = (load_file(manifest, "scales", "ram", verify).view(self.rows, self.scale_cols)
+        self.scales = (load_file(manifest, "scales", "ram", self.options.verify).view(self.rows, self.scale_cols)
                        if "scales" in manifest.files else None)
         self._extra = {"disk_rows": 0, "inflight": 0, "inflight_bytes": 0}
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-disk")  # submit()
@@ -136,13 +115,20 @@ class DiskTable(TableBackend):
 
     @classmethod
     def open(cls, directory: str | os.PathLike, **kwargs: Any) -> "DiskTable":
-        """Open a table directory on the disk tier (``kwargs``: device, cache, config, verify)."""
+        """Open a table directory on the disk tier (``kwargs``: device, cache, options)."""
         return cls(read_manifest(directory), **kwargs)
 
     @property
     def resident_bytes(self) -> int:
         """RAM this tier keeps for the table: the scales (the memory preflight counts them)."""
         return 0 if self.scales is None else self.scales.numel()
+
+    def check_ids(self, ids: torch.Tensor | Any) -> torch.Tensor:
+        """As TableBackend.check_ids, after moving GPU ids to the CPU, where this tier plans its reads (the
+        copy's sync adds nothing to a lookup that waits for the disk), so every id is range-checked."""
+        if isinstance(ids, torch.Tensor) and ids.device.type != "cpu":
+            ids = ids.cpu()
+        return super().check_ids(ids)
 
     # ----------------------------------------------------------------- the backing-store read
     def gather(self, ids: torch.Tensor, out: torch.Tensor | None = None,
@@ -167,7 +153,7 @@ class DiskTable(TableBackend):
     def _plan(self, ids: torch.Tensor) -> tuple[list[tuple[np.ndarray, int, int, torch.Tensor | None]], int, int]:
         """Read plan for unique ascending ``ids``: chunks of (file offsets int64 [k], first row, end row, slot
         of each row in the chunk's buffer or None when rows are whole reads), read size, buffer pages."""
-        chunk = self.config.chunk_pages
+        chunk = self.options.chunk_pages
         m = ids.numel()
         if self.stride <= self.page:
             per_page = self.page // self.stride
@@ -236,10 +222,10 @@ class DiskTable(TableBackend):
         ids = self.check_ids(ids)
         nbytes = ids.numel() * self.dim * dtype.itemsize
         with self._lock:
-            if self._extra["inflight"] >= self.config.max_inflight:
+            if self._extra["inflight"] >= self.options.max_inflight:
                 raise InflightLimitError(
                     f"{self.manifest.path}: {self._extra['inflight']} lookups are already in flight "
-                    f"(max_inflight={self.config.max_inflight}); wait() or cancel() one before submitting more")
+                    f"(max_inflight={self.options.max_inflight}); wait() or cancel() one before submitting more")
             self._extra["inflight"] += 1
             self._extra["inflight_bytes"] += nbytes
         try:
@@ -281,9 +267,7 @@ class DiskTable(TableBackend):
 
 
 def open_disk_table(directory: str | Path, device: str | torch.device = "cpu", cache: Any = None,
-                    io: str = "direct", queue_depth: int = 64, max_inflight: int = 8,
-                    chunk_pages: int = 2048) -> DiskTable:
-    """A DiskTable without the placement checks of ``engram.store.open_table`` (tests, benches)."""
-    return DiskTable.open(directory, device=device, cache=cache,
-                          config=DiskConfig(io=io, queue_depth=queue_depth, max_inflight=max_inflight,
-                                            chunk_pages=chunk_pages))
+                    **options: Any) -> DiskTable:
+    """A DiskTable without the placement checks of ``engram.store.open_table`` (tests, benches);
+    ``options``: StoreOptions fields (io, queue_depth, max_inflight, chunk_pages, ...)."""
+    return DiskTable.open(directory, device=device, cache=cache, options=StoreOptions.from_dict(options))

@@ -1,23 +1,30 @@
 """The ``gpu`` tier: the whole table (values and scales) resident in device memory, or in RAM without CUDA.
 
 Lookups are one fused gather + dequantize over the resident bytes (``engram.store.kernels.gather_rows``);
-there is no cache (nothing is faster than the table itself). Loading reads the files in 256 MiB pinned
-windows (parallel workers check every chunk's CRC32) while the previous window is copied to the device.
+there is no cache (nothing is faster than the table itself). Ids from the CPU are range-checked there and
+copied from pinned memory without blocking; ids already on the device are used as they are (see
+engram/store/ids.py), so a lookup never makes the host wait for the GPU. Loading reads the files in 256 MiB
+pinned windows (parallel workers check every chunk's CRC32) while the previous window is copied to the device.
 """
 from __future__ import annotations
 
 import torch
 
+from engram.store import kernels
 from engram.store.base import ResidentTable, Tier
 from engram.store.format import TableManifest
+from engram.store.ids import to_device
 from engram.store.load import load_table
+from engram.store.options import StoreOptions
 
 
 def default_device(device: torch.device | str | None) -> torch.device:
-    """``device`` when given, else the current CUDA device when there is one, else the CPU."""
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    """``device`` when given (a CUDA device without an index gets the current one), else the current CUDA
+    device when there is one, else the CPU."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 class GpuTable(ResidentTable):
@@ -26,15 +33,18 @@ class GpuTable(ResidentTable):
     tier = Tier.GPU
     host_backed = False
 
-    def __init__(self, manifest: TableManifest, device: torch.device | str | None = None, *, verify: bool = True,
-                 progress: bool = False) -> None:
-        super().__init__(manifest, default_device(device))
+    def __init__(self, manifest: TableManifest, device: torch.device | str | None = None,
+                 options: StoreOptions | None = None, *, progress: bool = False) -> None:
+        super().__init__(manifest, default_device(device), options=options)
         target = self.device if self.device.type != "cpu" else "ram"
-        self.values, self.scales = load_table(manifest, target, verify=verify, progress=progress)
+        self.values, self.scales = load_table(manifest, target, verify=self.options.verify, progress=progress,
+                                              threads=self.options.load_threads)
         # values uint8 [rows, row_stride], scales uint8 [rows, scale_cols] | None, both on self.device
 
     def gather(self, ids: torch.Tensor, out: torch.Tensor | None = None,
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        if not isinstance(ids, torch.Tensor):
-            ids = torch.as_tensor(ids, dtype=torch.int64)
-        return self._gather_resident(ids.to(self.device), out, dtype)
+        return self._gather_resident(ids, out, dtype)
+
+    def _kernel_gather(self, ids: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        return kernels.gather_rows(self.values, self.scales, to_device(ids, self.device), self.row_dtype, self.dim,
+                                   out=out, dtype=dtype)

@@ -7,7 +7,6 @@ the sizes and an option that would fit (another tier, a smaller cache) instead o
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,9 +92,9 @@ def machine_budget(device: torch.device | None = None) -> MemoryBudget:
 
 
 def memory_need(m: TableManifest, tier: str, device: torch.device, cache_rows: int = 0,
-                host_layout: str = "packed") -> MemoryNeed:
+                host_layout: str = "packed", chunk_pages: int = 2048) -> MemoryNeed:
     """What opening ``m`` on ``tier`` with rows returned on ``device`` takes (``host_layout``: the host
-    tier's row layout, see engram.store.host)."""
+    tier's row layout, see engram.store.host; ``chunk_pages``: the disk tier's pages per batched read)."""
     values = m.rows * m.row_stride
     scales = m.rows * m.scale_cols
     cache = RowCache.bytes_for_rows(cache_rows, m.value_bytes, m.scale_cols) if cache_rows else 0
@@ -124,12 +123,11 @@ def memory_need(m: TableManifest, tier: str, device: torch.device, cache_rows: i
         else:
             need.ram += cache
     elif tier == "disk":
-        from engram.store.disk import DiskConfig
-
         # a lookup in progress holds two chunks of page buffers (one being read while the other decodes)
-        buffers = 2 * DiskConfig().chunk_pages * max(m.page_size, m.row_stride)
-        need.parts = {"resident scales": scales, "cache": cache, "I/O buffers": buffers}
-        need.ram = scales + buffers
+        buffers = 2 * chunk_pages * max(m.page_size, m.row_stride)
+        page_crcs = m.files["page_crc"].bytes if "page_crc" in m.files else 0
+        need.parts = {"resident scales": scales, "page checksums": page_crcs, "cache": cache, "I/O buffers": buffers}
+        need.ram = scales + page_crcs + buffers
         if cuda:
             need.device = cache
         else:
@@ -157,23 +155,23 @@ def _shortfalls(need: MemoryNeed, budget: MemoryBudget) -> list[str]:
 
 
 def preflight(m: TableManifest, tier: str, device: torch.device, cache_rows: int = 0,
-              budget: MemoryBudget | None = None, host_layout: str = "packed") -> MemoryNeed:
+              budget: MemoryBudget | None = None, host_layout: str = "packed", chunk_pages: int = 2048) -> MemoryNeed:
     """Raise MemoryPreflightError when ``m`` does not fit on ``tier``; return the need when it does."""
     budget = budget if budget is not None else machine_budget(device)
-    need = memory_need(m, tier, device, cache_rows, host_layout)
+    need = memory_need(m, tier, device, cache_rows, host_layout, chunk_pages)
     short = _shortfalls(need, budget)
     if not short:
         return need
     parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in need.parts.items() if v)
     msg = (f"table {m.path} ({m.rows} rows x {m.row_stride} B) does not fit on tier {tier!r}: "
            + "; ".join(short) + f" [{parts}].")
-    return _raise_with_hint(msg, m, tier, device, cache_rows, budget, host_layout)
+    return _raise_with_hint(msg, m, tier, device, cache_rows, budget, host_layout, chunk_pages)
 
 
 def _raise_with_hint(msg: str, m: TableManifest, tier: str, device: torch.device, cache_rows: int,
-                     budget: MemoryBudget, host_layout: str) -> MemoryNeed:
+                     budget: MemoryBudget, host_layout: str, chunk_pages: int) -> MemoryNeed:
     def fits(t: str, rows: int) -> bool:
-        return not _shortfalls(memory_need(m, t, device, rows, host_layout), budget)
+        return not _shortfalls(memory_need(m, t, device, rows, host_layout, chunk_pages), budget)
 
     hints = []
     for t in ("gpu", "host", "disk"):  # the asked tier with a smaller cache, or another tier
@@ -189,7 +187,3 @@ def _raise_with_hint(msg: str, m: TableManifest, tier: str, device: torch.device
     hint = (" Would fit: " + " or ".join(hints) + ".") if hints else " No tier fits on this machine."
     raise MemoryPreflightError(msg + hint)
 
-
-def preflight_enabled() -> bool:
-    """ENGRAM_PREFLIGHT=0 turns the check off (for machines whose limits are reported wrong)."""
-    return os.environ.get("ENGRAM_PREFLIGHT", "1") not in ("0", "false", "no")

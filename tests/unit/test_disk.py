@@ -11,7 +11,8 @@ import torch
 from engram.quant import dequantize_mxfp8, quantize_mxfp8
 from engram.store import open_table
 from engram.store import reader as rd
-from engram.store.disk import DiskConfig, DiskTable, open_disk_table
+from engram.store.disk import DiskTable, open_disk_table
+from engram.store.options import StoreOptions
 from engram.store.format import TableFormatError
 from engram.store.reader import DiskReadError, Fault
 from engram.store.writer import write_table
@@ -140,10 +141,10 @@ def test_gather_into_out_and_errors(mx_table):
             t.gather(torch.tensor([1, 3001]))
     with pytest.raises(RuntimeError, match="closed"):
         t.gather(torch.tensor([1]))
-    with pytest.raises(ValueError, match="disk.queue_depth=0"):
-        DiskConfig(queue_depth=0)
-    with pytest.raises(ValueError, match="disk.io='mmap'"):
-        DiskConfig(io="mmap")
+    with pytest.raises(ValueError, match="engram_config.queue_depth=0"):
+        StoreOptions(queue_depth=0)
+    with pytest.raises(ValueError, match="engram_config.io='mmap'"):
+        open_disk_table(d, io="mmap")
 
 
 @pytest.mark.parametrize("fault", [Fault(index=1, err=errno.EIO), Fault(index=0, err=0, got=100)])

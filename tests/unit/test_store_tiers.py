@@ -133,7 +133,8 @@ def test_out_buffer_submit_and_stats(tables, setup):
         t.gather(torch.zeros(0, dtype=torch.int64))
         st = t.stats()
         assert set(STAT_KEYS) <= set(st)
-        assert (st["lookups"], st["rows"], st["unique_rows"]) == (2, 3, 2)
+        resident = t.tier is Tier.GPU or t.cache is None  # no dedupe: distinct ids counted only on request
+        assert (st["lookups"], st["rows"], st["unique_rows"]) == (2, 3, 0 if resident else 2)
         assert st["bytes_read"] > 0 and st["read_ops"] >= 1
         if "cache_rows" in kw:
             assert st["hits"] + st["misses"] == 2
@@ -177,10 +178,12 @@ def test_concurrent_gathers_are_consistent(tables):
 
 
 @pytest.mark.parametrize("tier", ["gpu", "host"], ids=["gpu-tier", "host-tier"])
-def test_count_unique_off_skips_only_that_counter(tables, tier):
+@pytest.mark.parametrize("count_unique", [None, False, True])
+def test_count_unique_is_off_unless_asked(tables, tier, count_unique):
     path, ref = tables["mxfp8"]
-    with open_table(path, tier, device="cpu", count_unique=False) as t:
+    kw = {} if count_unique is None else {"count_unique": count_unique}
+    with open_table(path, tier, device="cpu", **kw) as t:
         ids = torch.tensor([1, 1, 2])
         assert torch.equal(_bits(t.gather(ids, dtype=torch.float32)), _bits(ref[ids]))
         st = t.stats()
-        assert (st["lookups"], st["rows"], st["unique_rows"]) == (1, 3, 0)
+        assert (st["lookups"], st["rows"], st["unique_rows"]) == (1, 3, 2 if count_unique else 0)

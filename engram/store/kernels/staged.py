@@ -8,16 +8,17 @@ contiguous buffer at the PCIe rate. So: CPU threads ``index_select`` chunk after
 pinned buffer; each chunk's host-to-device copy is queued on a side stream as soon as it is gathered, so
 copies overlap the next chunk's gather; the GPU then dequantizes the staged packed rows with the HBM
 kernel (rows in id order, bitwise equal to every other route). The call waits for the gather (CPU
-work) but not for the copies or the dequant: the caller's stream is ordered after them.
+work) but never for the GPU: the copies and the dequant are queued, and the caller's stream is ordered
+after them. Each call's staging comes from torch's caching pinned-memory allocator, which hands a block
+out again only once the copies that read it have run (it polls their events, it never waits on them).
 """
 from __future__ import annotations
 
-import os
 import threading
 
 import torch
 
-CHUNK_ROWS = int(os.environ.get("ENGRAM_STAGED_CHUNK_ROWS", "16384"))
+CHUNK_ROWS = 16384  # rows per pipelined copy (StoreOptions.staged_chunk_rows sets a table's)
 
 
 def row_sources(values: torch.Tensor, scales: torch.Tensor | None) -> list[torch.Tensor]:
@@ -35,35 +36,15 @@ def row_sources(values: torch.Tensor, scales: torch.Tensor | None) -> list[torch
     return [values] if scales is None else [values, scales]
 
 
-class _Stager:
-    """Per device: a pinned staging buffer reused across calls, the side stream of its copies, and the event
-    after the last copy (the buffer is not rewritten before that copy has read it)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
-        self.buf: torch.Tensor | None = None
-        self.done: torch.cuda.Event | None = None
-        self.lock = threading.Lock()
-
-    def buffer(self, nbytes: int) -> torch.Tensor:
-        if self.done is not None:
-            self.done.synchronize()
-        if self.buf is None or self.buf.numel() < nbytes:
-            self.buf = None
-            self.buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)  # [bytes]
-        return self.buf[:nbytes]
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # per device: the side stream of the staged copies
+_STREAMS_LOCK = threading.Lock()
 
 
-_STAGERS: dict[torch.device, _Stager] = {}
-_STAGERS_LOCK = threading.Lock()
-
-
-def _stager(device: torch.device) -> _Stager:
-    with _STAGERS_LOCK:
-        if device not in _STAGERS:
-            _STAGERS[device] = _Stager(device)
-        return _STAGERS[device]
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    with _STREAMS_LOCK:
+        if device not in _STREAMS:
+            _STREAMS[device] = torch.cuda.Stream(device)
+        return _STREAMS[device]
 
 
 def device_for(ids: torch.Tensor, out: torch.Tensor | None) -> torch.device:
@@ -78,32 +59,30 @@ def device_for(ids: torch.Tensor, out: torch.Tensor | None) -> torch.device:
 def stage_rows(sources: list[torch.Tensor], ids: torch.Tensor, device: torch.device,
                chunk_rows: int = CHUNK_ROWS) -> list[torch.Tensor]:
     """Rows ``ids`` of each source (CPU [R, w_j]) as uint8 [N, w_j] tensors on ``device``; the current stream
-    of ``device`` is ordered after their copies."""
+    of ``device`` is ordered after their copies. No host sync when ``ids`` are on the CPU (on the GPU they
+    are copied back first, which syncs)."""
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows={chunk_rows} must be >= 1")
-    idx = ids.to("cpu", torch.int64)  # [N]; syncs when ids are on the GPU
+    idx = ids.to("cpu", torch.int64)  # [N]
     n = idx.numel()
     widths = [s.shape[1] for s in sources]
     dev = [torch.empty(n, w, dtype=torch.uint8, device=device) for w in widths]  # [N, w_j] each
-    st = _stager(device)
-    with st.lock:
-        flat = st.buffer(n * sum(widths))
-        host, off = [], 0
-        for w in widths:
-            host.append(flat[off:off + n * w].view(n, w))  # [N, w_j] pinned, contiguous
-            off += n * w
-        current = torch.cuda.current_stream(device)
-        st.stream.wait_stream(current)  # `dev` was allocated on the current stream
-        for c0 in range(0, n, chunk_rows):
-            c1 = min(n, c0 + chunk_rows)
-            for src, h in zip(sources, host):
-                torch.index_select(src, 0, idx[c0:c1], out=h[c0:c1])
-            with torch.cuda.stream(st.stream):
-                for h, d in zip(host, dev):
-                    d[c0:c1].copy_(h[c0:c1], non_blocking=True)
-        st.done = torch.cuda.Event()
-        st.done.record(st.stream)
-        current.wait_event(st.done)
+    flat = torch.empty(n * sum(widths), dtype=torch.uint8, pin_memory=True)  # this call's staging
+    host, off = [], 0
+    for w in widths:
+        host.append(flat[off:off + n * w].view(n, w))  # [N, w_j] pinned, contiguous
+        off += n * w
+    stream = _copy_stream(device)
+    current = torch.cuda.current_stream(device)
+    stream.wait_stream(current)  # `dev` was allocated on the current stream
+    for c0 in range(0, n, chunk_rows):
+        c1 = min(n, c0 + chunk_rows)
+        for src, h in zip(sources, host):
+            torch.index_select(src, 0, idx[c0:c1], out=h[c0:c1])
+        with torch.cuda.stream(stream):
+            for h, d in zip(host, dev):
+                d[c0:c1].copy_(h[c0:c1], non_blocking=True)  # recorded: `flat` is reused only after it ran
+    current.wait_stream(stream)  # `dev` is freed on the current stream: after the copies into it
     return dev
 
 

@@ -1,0 +1,45 @@
+"""Row ids on their way into a lookup: their form, their range check, their copy to the device.
+
+The contract every tier follows (see TableBackend.check_ids): ids that arrive on the CPU are
+range-checked on the CPU (a reduction over host memory, no device work) and reach the GPU through pinned
+memory with ``non_blocking=True``, so the check and the copy never make the host wait for the GPU. Ids that
+arrive already on a GPU are trusted: their producer (the engine's hashing, which yields ids below each
+table's size) guarantees the range, and checking them would need a device reduction read back by the host,
+a sync per lookup. ``StoreOptions.check_device_ids`` turns that check on for debugging.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def as_ids(ids: torch.Tensor | Any) -> torch.Tensor:
+    """int64 [N] view of ``ids`` (any integer tensor on any device, list or array); TypeError otherwise."""
+    if not isinstance(ids, torch.Tensor):
+        ids = torch.as_tensor(ids, dtype=torch.int64)
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
+        raise TypeError(f"row ids must be an integer tensor, got {ids.dtype}")
+    return ids.reshape(-1).to(torch.int64)
+
+
+def check_range(ids: torch.Tensor, rows: int, what: Any) -> None:
+    """IndexError naming the first id outside [0, rows), its position and ``what`` (the table). On the CPU
+    this never touches the GPU; on a GPU the clean path costs one reduction and one sync."""
+    if ids.numel() == 0:
+        return
+    lo, hi = torch.aminmax(ids)
+    if bool((lo < 0) | (hi >= rows)):
+        pos = int(((ids < 0) | (ids >= rows)).nonzero()[0, 0])
+        raise IndexError(f"row id {int(ids[pos])} (position {pos}) is out of range for table {what} with "
+                         f"{rows} rows")
+
+
+def to_device(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``ids`` on ``device`` without a host sync: CPU ids go through pinned memory (torch's caching host
+    allocator, which reuses a block only after its copy ran) with ``non_blocking=True``."""
+    if ids.device == device or device.type == "cpu":
+        return ids.to(device)
+    if ids.device.type == "cpu" and not ids.is_pinned():
+        ids = ids.pin_memory()
+    return ids.to(device, non_blocking=True)
