@@ -13,15 +13,21 @@ hashing the whole sequence.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engram.config import EngramConfig
+
+if TYPE_CHECKING:
+    from engram.tokenizer import CompressedTokenizer
 
 DEAD = -1
 
 
 class NgramHasher:
-    """Row ids for every Engram layer of ``cfg``. ``pad_id`` is the *compressed* pad id."""
+    """Row ids for every Engram layer of ``cfg``. ``pad_id`` is the *compressed* pad id; ``from_tokenizer``
+    derives it from ``cfg.pad_token_id`` and the model's compressed tokenizer."""
 
     def __init__(self, cfg: EngramConfig, pad_id: int):
         if not 0 <= pad_id < cfg.compressed_vocab_size:
@@ -30,6 +36,19 @@ class NgramHasher:
         self.pad_id = int(pad_id)
         self.window = cfg.max_ngram_size - 1  # lookback length
         self._consts: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def from_tokenizer(cls, cfg: EngramConfig, compressed_tokenizer: "CompressedTokenizer") -> "NgramHasher":
+        """The hasher of ``cfg`` for text compressed by ``compressed_tokenizer``. The one place of the
+        compressed-pad-id rule: ``pad_id = compress([cfg.pad_token_id])[0]`` (the raw pad id's compressed id;
+        never DEAD, whatever ``cfg.dead_token_ids`` holds). ValueError when the tokenizer's compressed size is
+        not ``cfg.compressed_vocab_size`` (``CompressedTokenizer.check_config``: every row id would move) or
+        ``cfg.pad_token_id`` is not one of its raw ids."""
+        compressed_tokenizer.check_config(cfg)
+        if not cfg.pad_token_id < compressed_tokenizer.vocab_size:
+            raise ValueError(f"engram.pad_token_id={cfg.pad_token_id}: outside the tokenizer's "
+                             f"{compressed_tokenizer.vocab_size} raw ids")
+        return cls(cfg, pad_id=int(compressed_tokenizer.compress([cfg.pad_token_id])[0]))
 
     # ----------------------------------------------------------------- constants per layer and device
     def _layer_consts(self, layer_id: int, device: torch.device):

@@ -120,6 +120,41 @@ def test_bad_shapes():
         NgramHasher(EngramConfig.preset("tiny"), pad_id=10**6)
 
 
+def test_from_tokenizer_compresses_the_raw_pad_id():
+    from engram.tokenizer import CompressedTokenizer
+
+    # raw ids 0..5 -> compressed 0, 1, 1, 2, 0, 3: the raw pad id 2 is compressed id 1, and stays 1 even
+    # when it is a DEAD token (the pad is never DEAD)
+    ct = CompressedTokenizer(np.array([0, 1, 1, 2, 0, 3]))
+    cfg = EngramConfig.preset("tiny").replace(compressed_vocab_size=4, pad_token_id=2, vocab_size=(11, 13))
+    h = NgramHasher.from_tokenizer(cfg, ct)
+    assert h.pad_id == 1 and h.pad_id != cfg.pad_token_id
+    ids = torch.tensor([[3, 0, 2]])
+    assert torch.equal(h.hash(ids, 1), NgramHasher(cfg, pad_id=1).hash(ids, 1))
+    assert NgramHasher.from_tokenizer(cfg.replace(dead_token_ids=(2,)), ct).pad_id == 1
+    assert NgramHasher.from_tokenizer(cfg.replace(pad_token_id=5), ct).pad_id == 3
+
+
+def test_from_tokenizer_refuses_a_mismatched_tokenizer():
+    from engram.tokenizer import CompressedTokenizer
+
+    ct = CompressedTokenizer(np.array([0, 1, 1, 2, 0, 3]))
+    cfg = EngramConfig.preset("tiny").replace(compressed_vocab_size=4, vocab_size=(11, 13))
+    with pytest.raises(ValueError, match="compressed tokenizer has 4 ids but engram.compressed_vocab_size=5"):
+        NgramHasher.from_tokenizer(cfg.replace(compressed_vocab_size=5), ct)
+    with pytest.raises(ValueError, match=r"^engram.pad_token_id=6: outside the tokenizer's 6 raw ids$"):
+        NgramHasher.from_tokenizer(cfg.replace(pad_token_id=6), ct)
+
+
+def test_from_tokenizer_of_the_builtin_tokenizer():
+    from engram.model.presets import PAD, TOKENIZER_FILE
+    from engram.tokenizer import CompressedTokenizer
+
+    ct = CompressedTokenizer.from_file(TOKENIZER_FILE)
+    h = NgramHasher.from_tokenizer(EngramConfig.preset("tiny"), ct)
+    assert h.pad_id == ct.compress(PAD) and h.cfg == EngramConfig.preset("tiny")
+
+
 @pytest.mark.gpu
 def test_cuda_matches_cpu():
     cfg = EngramConfig.preset("deepseek-v4.1-flash")
