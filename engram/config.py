@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from engram.configs import shipped_config_path
+
 VARIANTS = ("v41", "paper")
 ROW_DTYPES = ("mxfp8", "bf16", "fp16", "fp32")
 MXFP8_BLOCK = 32
@@ -68,6 +70,26 @@ def read_config_json(source: str | os.PathLike | dict) -> dict[str, Any]:
         path = os.path.join(path, "config.json")
     with open(path, encoding="utf-8") as f:
         return parse_json_object(f.read(), path)
+
+
+def hf_text_config(source: str | os.PathLike | dict) -> dict[str, Any]:
+    """The text model's fields of a HF-style config (a dict, a config.json path or a directory holding one).
+
+    The one rule every reader uses (EngramConfig, ModelConfig, the PP sharing graph): the top-level fields,
+    overridden by the fields under ``text_config`` when the config has one. Multimodal configs such as
+    DeepSeek-V4.1's keep the decoder's and Engram's fields (num_hidden_layers, hidden_size, engram_*) under
+    ``text_config`` while wrapper fields (image_token_id, tie_word_embeddings, ...) may sit at the top level;
+    both are read, and where a field is in both places the text model's wins. A flat config is read as it
+    is. The result is a new dict without a ``text_config`` key; ValueError when ``text_config`` is present
+    but not a JSON object.
+    """
+    raw = read_config_json(source)
+    text = raw.get("text_config")
+    if text is not None and not isinstance(text, dict):
+        raise ValueError(f"text_config={text!r}: must be a JSON object (the text model's fields)")
+    out = {k: v for k, v in raw.items() if k != "text_config"}
+    out.update(text or {})
+    return out
 
 
 @dataclass(frozen=True)
@@ -250,47 +272,10 @@ class EngramConfig:
 
     @classmethod
     def from_hf_config(cls, source: str | os.PathLike | dict) -> "EngramConfig":
-        """Read ``engram_*`` fields from a HF config.json (path, directory or dict), flat or under
-        ``text_config``. Raises ValueError naming the missing field."""
-        raw = read_config_json(source)
-        hf = dict(raw.get("text_config") or {}) if "engram_layer_ids" not in raw else dict(raw)
-        if "engram_layer_ids" not in hf:
-            raise ValueError("config has no engram_layer_ids (looked at the top level and under text_config)")
-
-        def need(key: str) -> Any:
-            if key not in hf:
-                raise ValueError(f"config field {key!r} is required for an Engram model")
-            return hf[key]
-
-        if "engram_pad_token_id" in hf:
-            pad = hf["engram_pad_token_id"]
-        elif "engram_pad_id" in hf:
-            pad = hf["engram_pad_id"]
-        else:
-            raise ValueError("config field 'engram_pad_token_id' (or 'engram_pad_id') is required")
-        vocab = need("engram_vocab_size")
-        dead = hf.get("engram_dead_token_ids")
-        if dead is None and hf.get("image_token_id") is not None:
-            dead = [hf["image_token_id"]]
-        kwargs: dict[str, Any] = dict(
-            layer_ids=tuple(need("engram_layer_ids")),
-            max_ngram_size=int(need("engram_max_ngram_size")),
-            n_heads=int(need("engram_n_heads")),
-            head_dim=int(need("engram_head_dim")),
-            vocab_size=tuple(vocab) if isinstance(vocab, list) else int(vocab),
-            compressed_vocab_size=int(need("engram_compressed_vocab_size")),
-            pad_token_id=int(pad),
-            hidden_size=int(need("hidden_size")),
-            hc_mult=int(hf.get("hc_mult", 1)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            seed=int(hf.get("engram_seed", 0)),
-            num_embeddings=hf.get("engram_num_embeddings"),
-            variant=hf.get("engram_variant", "v41"),
-            row_dtype=hf.get("engram_row_dtype", "mxfp8" if hf.get("engram_variant", "v41") == "v41" else "fp32"),
-            dead_token_ids=tuple(dead or ()),
-            kernel_size=int(hf.get("engram_kernel_size", 4)),
-        )
-        return cls(**kwargs)
+        """Read the ``engram_*`` fields (plus hidden_size, hc_mult, rms_norm_eps, image_token_id) of a HF
+        config.json (path, directory or dict), flat or under ``text_config`` (``hf_text_config``'s rule).
+        Raises ValueError naming the missing field."""
+        return cls(**_engram_kwargs(hf_text_config(source)))
 
     def to_hf_fields(self) -> dict[str, Any]:
         """The ``engram_*`` fields (plus hidden_size, hc_mult, rms_norm_eps) for a config.json."""
@@ -316,19 +301,60 @@ class EngramConfig:
         return out
 
 
+def _engram_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
+    """EngramConfig keyword arguments from a config's text fields (``hf_text_config``); ValueError naming a
+    missing field. ``engram_pad_id`` is accepted for ``engram_pad_token_id``; ``image_token_id`` becomes the
+    DEAD token when no ``engram_dead_token_ids`` are given."""
+    if "engram_layer_ids" not in hf:
+        raise ValueError("config has no engram_layer_ids (looked at the top level and under text_config)")
+
+    def need(key: str) -> Any:
+        if key not in hf:
+            raise ValueError(f"config field {key!r} is required for an Engram model")
+        return hf[key]
+
+    if "engram_pad_token_id" in hf:
+        pad = hf["engram_pad_token_id"]
+    elif "engram_pad_id" in hf:
+        pad = hf["engram_pad_id"]
+    else:
+        raise ValueError("config field 'engram_pad_token_id' (or 'engram_pad_id') is required")
+    vocab = need("engram_vocab_size")
+    dead = hf.get("engram_dead_token_ids")
+    if dead is None and hf.get("image_token_id") is not None:
+        dead = [hf["image_token_id"]]
+    variant = hf.get("engram_variant", "v41")
+    return dict(
+        layer_ids=tuple(need("engram_layer_ids")),
+        max_ngram_size=int(need("engram_max_ngram_size")),
+        n_heads=int(need("engram_n_heads")),
+        head_dim=int(need("engram_head_dim")),
+        vocab_size=tuple(vocab) if isinstance(vocab, list) else int(vocab),
+        compressed_vocab_size=int(need("engram_compressed_vocab_size")),
+        pad_token_id=int(pad),
+        hidden_size=int(need("hidden_size")),
+        hc_mult=int(hf.get("hc_mult", 1)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        seed=int(hf.get("engram_seed", 0)),
+        num_embeddings=hf.get("engram_num_embeddings"),
+        variant=variant,
+        row_dtype=hf.get("engram_row_dtype", "mxfp8" if variant == "v41" else "fp32"),
+        dead_token_ids=tuple(dead or ()),
+        kernel_size=int(hf.get("engram_kernel_size", 4)),
+    )
+
+
+def _shipped(name: str) -> dict[str, Any]:
+    """EngramConfig keyword arguments of a layout shipped as engram/configs/<name>.json."""
+    return _engram_kwargs(hf_text_config(shipped_config_path(name)))
+
+
 PRESETS: dict[str, dict[str, Any]] = {
-    # DeepSeek-V4.1-Flash, as published in its checkpoint config (FACTS.md).
-    "deepseek-v4.1-flash": dict(
-        layer_ids=(1, 14), max_ngram_size=4, n_heads=8, head_dim=256, vocab_size=16_000_000,
-        compressed_vocab_size=99092, pad_token_id=2, hidden_size=5120, hc_mult=4, rms_norm_eps=1e-20,
-        num_embeddings=(384006168, 384016682), variant="v41", row_dtype="mxfp8", dead_token_ids=(129264,),
-    ),
-    # DeepSeek's reference demo of the paper (arXiv 2601.07372): n_embed_per_ngram 512 over 8 heads.
-    "paper-demo": dict(
-        layer_ids=(1, 15), max_ngram_size=3, n_heads=8, head_dim=512 // 8, vocab_size=(129280 * 5, 129280 * 5),
-        compressed_vocab_size=129280, pad_token_id=2, hidden_size=1024, hc_mult=4, rms_norm_eps=1e-5,
-        variant="paper", row_dtype="fp32", kernel_size=4,
-    ),
+    # DeepSeek-V4.1-Flash, as published in its checkpoint config (engram/configs/deepseek-v4.1-flash.json).
+    "deepseek-v4.1-flash": _shipped("deepseek-v4.1-flash"),
+    # DeepSeek's reference demo of the paper (arXiv 2601.07372): n_embed_per_ngram 512 over 8 heads
+    # (engram/configs/paper-demo.json).
+    "paper-demo": _shipped("paper-demo"),
     # CPU-friendly: two layers of ~10 K rows each; compressed_vocab_size matches the built-in tokenizer.
     "tiny": dict(
         layer_ids=(1, 3), max_ngram_size=3, n_heads=4, head_dim=32, vocab_size=(1009, 1511),

@@ -1,12 +1,8 @@
 """Shared test configs for the pipeline planner."""
+import json
 
-# DeepSeek-V4.1-Flash sharing fields (40 decoder layers), as published.
-V41_FLASH = {
-    "num_hidden_layers": 40,
-    "compress_ratios": [0, 0] + [2] * 18 + [1] * 20,
-    "kv_source_layer_ids": [2, 8, 14, 20],
-    "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
-    "candidate_source_layer_id": 20,
-    "candidate_topk_blocks": 2048,
-    "engram_layer_ids": [1, 14],
-}
+from engram.configs import shipped_config_path
+
+# DeepSeek-V4.1-Flash (40 decoder layers): the shipped layout file, whose published numbers
+# tests/unit/test_configs.py pins field by field.
+V41_FLASH = json.loads(shipped_config_path("deepseek-v4.1-flash").read_text(encoding="utf-8"))

@@ -1,8 +1,13 @@
 """`engram inspect`: show an Engram layout, the row ids of a text, or verify a table directory.
 
+--preset takes every config name any command takes (engram.configs: the shipped deepseek-v4.1-flash and
+paper-demo layouts, the model presets tiny, small, 4b-like, 8b-like); --config a config.json, a directory
+holding one, or such a name.
+
 Examples:
   engram inspect --preset deepseek-v4.1-flash
   engram inspect --preset tiny --text "Hello world"            (built-in tokenizer)
+  engram inspect --preset 4b-like --json
   engram inspect --config path/to/config.json --tokenizer path/to/tokenizer.json --text "..." --json
   engram inspect --verify ~/.cache/engram/tables/tiny/layer1
 
@@ -22,8 +27,10 @@ BUILTIN_TOKENIZER = Path(__file__).resolve().parents[1] / "model" / "assets" / "
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", default=None, help="Engram preset: deepseek-v4.1-flash (default), paper-demo, tiny")
-    src.add_argument("--config", default=None, help="HF config.json (or its directory) with engram_* fields")
+    src.add_argument("--preset", default=None,
+                     help="config name: deepseek-v4.1-flash (default), paper-demo, tiny, small, 4b-like, 8b-like")
+    src.add_argument("--config", default=None,
+                     help="HF config.json with engram_* fields, a directory holding one, or a config name")
     p.add_argument("--text", default=None, help="text whose compressed ids and row ids to print")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer.json for --text (default: the built-in tokenizer, which matches 'tiny')")
@@ -55,11 +62,10 @@ def text_report(cfg, tokenizer_path: Path, text: str) -> dict:
 
     tok = Tokenizer.from_file(str(tokenizer_path))
     ctok = CompressedTokenizer.from_file(tokenizer_path)
-    ctok.check_config(cfg)
+    hasher = NgramHasher.from_tokenizer(cfg, ctok)  # refuses a tokenizer of another compressed size
     enc = tok.encode(text, add_special_tokens=False)
     ids = torch.tensor(enc.ids, dtype=torch.int64)
     comp = ctok.compress(ids, cfg.dead_token_ids)
-    hasher = NgramHasher(cfg, pad_id=ctok.compress(cfg.pad_token_id))
     rows = {lid: hasher.hash(comp[None], lid)[0].tolist() for lid in cfg.layer_ids}
     return {"tokens": enc.tokens, "ids": enc.ids, "compressed_ids": comp.tolist(),
             "compressed_pad_id": hasher.pad_id, "rows": rows}
@@ -92,6 +98,7 @@ def _print_text(r: dict, cfg) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from engram.config import EngramConfig
+    from engram.configs import named_config, resolve_config
 
     if args.verify:
         from engram.store.format import verify_table
@@ -102,8 +109,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"FAILED: {err}", file=sys.stderr)
         return 0 if report.ok else 1
     try:
-        cfg = EngramConfig.from_hf_config(args.config) if args.config else \
-            EngramConfig.preset(args.preset or ("tiny" if args.text and not args.tokenizer else "deepseek-v4.1-flash"))
+        if args.config:
+            raw = resolve_config(args.config, "--config")
+        else:
+            raw = named_config(args.preset or ("tiny" if args.text and not args.tokenizer else "deepseek-v4.1-flash"))
+        cfg = EngramConfig.from_hf_config(raw)
         out = {"layout": layout_report(cfg)}
         if args.text is not None:
             tokenizer = Path(args.tokenizer) if args.tokenizer else BUILTIN_TOKENIZER

@@ -1,5 +1,8 @@
 """`engram plan-pp CONFIG --pp N [--partition a,b,...] [--json]`: check or plan a pipeline-parallel split.
 
+CONFIG is a config.json, a directory holding one, or any config name another command takes (engram.configs:
+the shipped deepseek-v4.1-flash and paper-demo layouts, the model presets tiny, small, 4b-like, 8b-like).
+
 Prints the config's sharing edges by kind, the Engram input dependencies, the legal cut points and the
 chosen partition with each stage's local caches (exit 0), or the error (exit 2). The partition comes from
 --partition, else ENGRAM_PP_LAYER_PARTITION, else the planner.
@@ -8,14 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Any
 
 HELP = "check a pipeline-parallel partition against the config's cross-layer sharing, or plan one"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="config.json, a directory holding one, or a model preset name (e.g. tiny)")
+    parser.add_argument("config", help="config.json, a directory holding one, or a config name: deepseek-v4.1-flash, "
+                                       "paper-demo, tiny, small, 4b-like, 8b-like")
     parser.add_argument("--pp", type=int, required=True, help="number of pipeline stages")
     parser.add_argument("--partition", default=None,
                         help="layers per stage, e.g. 8,6,6,20 (default: $ENGRAM_PP_LAYER_PARTITION, else planned)")
@@ -85,24 +88,14 @@ def _print_plan(plan: Any, allocations: list[Any]) -> None:
         print(f"  stage {s.index}: layers {s.start}-{s.end - 1} (cost {s.cost:g}); " + "; ".join(parts))
 
 
-def _config_source(name: str) -> str | dict[str, Any]:
-    """A path as given, or the HF config of a model preset (engram.model.presets) when no such path exists."""
-    if os.path.exists(name):
-        return name
-    from engram.model.presets import MODEL_PRESETS, preset_config
-
-    if name in MODEL_PRESETS:
-        return preset_config(name).to_hf_dict()
-    raise ValueError(f"{name!r} (CONFIG): no such file or directory, and not a model preset {MODEL_PRESETS}")
-
-
 def run(args: argparse.Namespace) -> int:
     import sys
 
+    from engram.configs import resolve_config
     from engram.parallel.pp import ENGRAM_EXTRA_COST, local_allocation, plan_pipeline
 
     try:
-        config = _config_source(args.config)
+        config = resolve_config(args.config, "CONFIG")
         costs = None
         if args.layer_costs is not None:
             try:

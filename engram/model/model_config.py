@@ -2,8 +2,13 @@
 
 It reads and writes the HF ``config.json`` fields of those families (``model_type`` llama | qwen2 |
 qwen3) and the ``engram_*`` fields of EngramConfig, plus two of ours: ``hc_mult`` (hyper-connection
-streams) and ``kv_source_layer_ids`` (cross-layer KV sharing). Validation is in ``__post_init__``;
-errors are ValueError naming the field and value. It knows nothing about weights or devices.
+streams) and ``kv_source_layer_ids`` (cross-layer KV sharing). A config.json is read with
+``engram.config.hf_text_config`` (top level overridden by ``text_config``), like every other reader.
+``kv_source_layer_ids`` is validated by ``engram.parallel.sharing_fields.source_layer_ids``, the rule and
+messages of the PP planner, so ``engram plan-pp`` and ``load_model`` accept and refuse the same layouts;
+DeepSeek-V4.1 attention fields (``compress_ratios``, index and candidate sharing) are refused, since this
+decoder does not implement them. Validation is in ``__post_init__``; errors are ValueError naming the
+field and value. It knows nothing about weights or devices.
 """
 from __future__ import annotations
 
@@ -11,7 +16,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from engram.config import EngramConfig
+from engram.config import EngramConfig, hf_text_config
+from engram.parallel.sharing_fields import field_error, source_layer_ids, v41_attention_field
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -38,7 +44,7 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each q/k head before RoPE
     attention_bias: bool = False  # bias on q/k/v (Qwen2: always, o_proj never; Llama/Qwen3: on o_proj too)
     hc_mult: int = 1  # hyper-connection residual streams; 1 = plain residual
-    kv_source_layer_ids: tuple[int, ...] | None = None  # layers owning a KV cache; None = every layer
+    kv_source_layer_ids: tuple[int, ...] | None = None  # layers owning a KV cache (0 first); None = every layer
     engram: EngramConfig | None = None  # Engram layout (applied before each Engram layer's attention)
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -49,8 +55,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.padded_vocab_size is None:
             object.__setattr__(self, "padded_vocab_size", self.vocab_size)
-        if self.kv_source_layer_ids is not None:
-            object.__setattr__(self, "kv_source_layer_ids", tuple(int(i) for i in self.kv_source_layer_ids))
+        if isinstance(self.kv_source_layer_ids, list):
+            object.__setattr__(self, "kv_source_layer_ids", tuple(self.kv_source_layer_ids))
         self._validate()
 
     def _validate(self) -> None:
@@ -71,12 +77,8 @@ class ModelConfig:
             raise bad("head_dim", "must be even (RoPE rotates two halves)")
         if not self.rope_theta > 0:
             raise bad("rope_theta", "must be > 0")
-        src = self.kv_source_layer_ids
-        if src is not None:
-            if not src or src[0] != 0:
-                raise bad("kv_source_layer_ids", "must start with layer 0 (every layer reads an earlier source)")
-            if list(src) != sorted(set(src)) or src[-1] >= self.num_layers:
-                raise bad("kv_source_layer_ids", f"must be unique, ascending and < num_layers={self.num_layers}")
+        # the planner's rule and message; every layer takes part in sharing here, so layer 0 is a source
+        source_layer_ids(self.kv_source_layer_ids, "kv_source_layer_ids", "kv", self.num_layers)
         e = self.engram
         if e is not None:
             if e.hidden_size != self.hidden_size:
@@ -144,11 +146,16 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], name: str = "checkpoint") -> "ModelConfig":
-        """Build from a config.json dict (flat or with ``text_config``). Raises ValueError naming a missing field."""
-        hf = dict(raw.get("text_config") or raw)
+        """Build from a config.json dict, read by ``hf_text_config`` (top level overridden by ``text_config``).
+        Raises ValueError naming a missing field, an unsupported model_type or a DeepSeek-V4.1 attention field."""
+        hf = hf_text_config(raw)
         arch = hf.get("model_type", "llama")
         if arch not in ARCHITECTURES:
             raise ValueError(f"config.json model_type={arch!r} is not supported; known: {ARCHITECTURES}")
+        v41 = v41_attention_field(hf)
+        if v41 is not None:
+            raise field_error(v41, hf[v41], "DeepSeek-V4.1 attention (compressed KV, indexer, candidate blocks) "
+                                            "is not implemented by the runtime decoder; `engram plan-pp` plans it")
 
         def need(key: str) -> Any:
             if key not in hf:
@@ -176,6 +183,6 @@ class ModelConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), qk_norm=arch == "qwen3",
             attention_bias=bool(hf.get("attention_bias", arch == "qwen2")), hc_mult=int(hf.get("hc_mult", 1)),
-            kv_source_layer_ids=tuple(src) if src is not None else None, engram=engram,
+            kv_source_layer_ids=src, engram=engram,
             bos_token_id=hf.get("bos_token_id"), eos_token_id=eos, pad_token_id=hf.get("pad_token_id"),
         )

@@ -1,11 +1,13 @@
 """Cross-layer sharing graph of a decoder, read from its HF-style config before anything is allocated.
 
-``sharing_graph(config)`` turns a config.json (path, directory or dict, flat or under ``text_config``) into
+``sharing_graph(config)`` turns a config.json (path, directory or dict) into
 the edges a pipeline cut must not separate: ``kv`` and ``index`` (a layer reads the nearest earlier
 source's cache / top-k selection), ``index_k`` (an index source that is not a KV source reads its KV
 source) and ``candidate`` (every index source after the candidate source reads its candidate blocks).
 Engram layers are inputs, not edges: the stage holding one needs the step's token ids and lookbacks.
-Bad fields raise ValueError naming the field and value. This module knows nothing about stages or costs.
+Fields are read with ``engram.config.hf_text_config`` (top level overridden by ``text_config``) and the
+per-field rules of ``sharing_fields`` (shared with the runtime's ModelConfig); bad fields raise ValueError
+naming the field and value. This module knows nothing about stages or costs.
 """
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from engram.config import read_config_json
+from engram.config import hf_text_config
+from engram.parallel.sharing_fields import (compress_ratios, field_error, is_int, num_hidden_layers,
+                                            source_layer_ids)
 
 EDGE_KINDS = ("kv", "index", "index_k", "candidate")  # display and sort order of edge kinds
 
@@ -83,81 +87,21 @@ class SharingGraph:
 
 
 # --------------------------------------------------------------------------------------------- reading
-def load_hf_config(source: str | os.PathLike | dict) -> dict[str, Any]:
-    """The model fields of a config: a dict, a config.json path or a directory holding one. Fields are
-    taken from the top level, or from ``text_config`` when the top level has no ``num_hidden_layers``."""
-    raw = read_config_json(source)
-    if "num_hidden_layers" not in raw and isinstance(raw.get("text_config"), dict):
-        return dict(raw["text_config"])
-    return dict(raw)
-
-
-def _bad(name: str, value: Any, why: str) -> ValueError:
-    return ValueError(f"{name}={value!r}: {why}")
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _num_layers(hf: dict[str, Any]) -> int:
-    if "num_hidden_layers" not in hf:
-        raise ValueError("config field 'num_hidden_layers' is required (looked at the top level and under text_config)")
-    n = hf["num_hidden_layers"]
-    if not _is_int(n) or n < 1:
-        raise _bad("num_hidden_layers", n, "must be an int >= 1")
-    return n
-
-
-def _compress_ratios(hf: dict[str, Any], n: int) -> tuple[int, ...] | None:
-    ratios = hf.get("compress_ratios")
-    if ratios is None:
-        return None
-    if not isinstance(ratios, (list, tuple)) or not all(_is_int(r) and r >= 0 for r in ratios):
-        raise _bad("compress_ratios", ratios, "must be a list of ints >= 0 (0 = sliding window only)")
-    if len(ratios) < n:
-        raise _bad("compress_ratios", ratios, f"has {len(ratios)} entries but num_hidden_layers={n}")
-    return tuple(ratios[:n])  # extra entries belong to MTP layers, which are not pipeline stages
-
-
-def _source_list(hf: dict[str, Any], name: str, n: int, ratios: tuple[int, ...] | None) -> tuple[int, ...] | None:
-    ids = hf.get(name)
-    if ids is None:
-        return None
-    if not isinstance(ids, (list, tuple)):
-        raise _bad(name, ids, "must be a list of layer ids")
-    for x in ids:
-        if not _is_int(x):
-            raise _bad(name, ids, f"entry {x!r} is not an int")
-    ids = list(ids)
-    dup = sorted({x for x in ids if ids.count(x) > 1})
-    if dup:
-        raise _bad(name, ids, f"layer {dup[0]} is listed more than once")
-    if ids != sorted(ids):
-        raise _bad(name, ids, "must be sorted ascending")
-    for x in ids:
-        if not 0 <= x < n:
-            raise _bad(name, ids, f"layer {x} is out of range [0, {n}) (num_hidden_layers={n})")
-        if ratios is not None and ratios[x] == 0:
-            raise _bad(name, ids, f"layer {x} is uncompressed (compress_ratios[{x}]=0) and cannot be a source")
-    return tuple(ids)
-
-
 def _engram_layers(hf: dict[str, Any], n: int) -> tuple[int, ...]:
     ids = hf.get("engram_layer_ids")
     if ids is None:
         return ()
-    if not isinstance(ids, (list, tuple)) or not all(_is_int(x) for x in ids):
-        raise _bad("engram_layer_ids", ids, "must be a list of ints")
+    if not isinstance(ids, (list, tuple)) or not all(is_int(x) for x in ids):
+        raise field_error("engram_layer_ids", ids, "must be a list of ints")
     for x in ids:
         if not 0 <= x < n:
-            raise _bad("engram_layer_ids", ids, f"layer {x} is out of range [0, {n}) (num_hidden_layers={n})")
+            raise field_error("engram_layer_ids", ids, f"layer {x} is out of range [0, {n}) (num_hidden_layers={n})")
     return tuple(sorted(set(ids)))
 
 
-def _nearest_edges(kind: str, field_name: str, sources: tuple[int, ...], n: int,
-                   ratios: tuple[int, ...] | None) -> list[SharingEdge]:
-    """Every compressed layer reads the nearest source at or before it; no edge when it is its own."""
+def _nearest_edges(kind: str, sources: tuple[int, ...], n: int, ratios: tuple[int, ...] | None) -> list[SharingEdge]:
+    """Every participating layer reads the nearest source at or before it; no edge when it is its own.
+    ``sources`` passed ``source_layer_ids``, so every participating layer has one."""
     edges, current = [], None
     src = set(sources)
     for layer in range(n):
@@ -165,47 +109,44 @@ def _nearest_edges(kind: str, field_name: str, sources: tuple[int, ...], n: int,
             continue
         if layer in src:
             current = layer
-            continue
-        if current is None:
-            where = f" (compress_ratios[{layer}]={ratios[layer]})" if ratios is not None else ""
-            raise _bad(field_name, list(sources), f"layer {layer} has no preceding {kind} source{where}")
-        edges.append(SharingEdge(kind, current, layer))
+        else:
+            edges.append(SharingEdge(kind, current, layer))
     return edges
 
 
 def sharing_graph(config: str | os.PathLike | dict) -> SharingGraph:
     """Build and validate the sharing graph of a config (see the module docstring for the edge kinds)."""
-    hf = load_hf_config(config)
-    n = _num_layers(hf)
-    ratios = _compress_ratios(hf, n)
-    kv = _source_list(hf, "kv_source_layer_ids", n, ratios)
-    index = _source_list(hf, "index_source_layer_ids", n, ratios)
+    hf = hf_text_config(config)
+    n = num_hidden_layers(hf)
+    ratios = compress_ratios(hf, n)
+    kv = source_layer_ids(hf.get("kv_source_layer_ids"), "kv_source_layer_ids", "kv", n, ratios)
+    index = source_layer_ids(hf.get("index_source_layer_ids"), "index_source_layer_ids", "index", n, ratios)
     if kv is not None and index is not None:
         missing = [x for x in kv if x not in index]
         if missing:
-            raise _bad("kv_source_layer_ids", list(kv),
-                       f"kv source layer {missing[0]} is not an index source (index_source_layer_ids={list(index)})")
+            raise field_error("kv_source_layer_ids", list(kv),
+                              f"kv source layer {missing[0]} is not an index source (index_source_layer_ids={list(index)})")
 
     cand = hf.get("candidate_source_layer_id")
     cand = -1 if cand is None else cand
-    if not _is_int(cand) or cand < -1:
-        raise _bad("candidate_source_layer_id", cand, "must be an int layer id, or -1 for none")
+    if not is_int(cand) or cand < -1:
+        raise field_error("candidate_source_layer_id", cand, "must be an int layer id, or -1 for none")
     topk = hf.get("candidate_topk_blocks")
     topk = 0 if topk is None else topk
-    if not _is_int(topk) or topk < 0:
-        raise _bad("candidate_topk_blocks", topk, "must be an int >= 0")
+    if not is_int(topk) or topk < 0:
+        raise field_error("candidate_topk_blocks", topk, "must be an int >= 0")
     if cand >= 0:
         if cand >= n:
-            raise _bad("candidate_source_layer_id", cand, f"is out of range [0, {n}) (num_hidden_layers={n})")
+            raise field_error("candidate_source_layer_id", cand, f"is out of range [0, {n}) (num_hidden_layers={n})")
         if index is None or cand not in index:
-            raise _bad("candidate_source_layer_id", cand,
-                       f"is not an index source (index_source_layer_ids={None if index is None else list(index)})")
+            raise field_error("candidate_source_layer_id", cand,
+                              f"is not an index source (index_source_layer_ids={None if index is None else list(index)})")
 
     edges: list[SharingEdge] = []
     if kv is not None:
-        edges += _nearest_edges("kv", "kv_source_layer_ids", kv, n, ratios)
+        edges += _nearest_edges("kv", kv, n, ratios)
     if index is not None:
-        edges += _nearest_edges("index", "index_source_layer_ids", index, n, ratios)
+        edges += _nearest_edges("index", index, n, ratios)
         if kv is not None:
             kv_set = set(kv)
             for i in index:

@@ -1,7 +1,12 @@
+"""`engram inspect`: layouts of every config name, the row ids of a text, table verification."""
 import json
 
+import pytest
+
 from engram.cli import main
-from engram.config import EngramConfig
+from engram.commands.inspect import layout_report
+from engram.config import PRESETS, EngramConfig
+from engram.configs import config_names, named_config, shipped_config_path
 from engram.hashing import NgramHasher
 
 
@@ -21,6 +26,34 @@ def test_inspect_text_row_ids_match_hasher(capsys):
     assert r["rows"]["1"] == rows and len(rows) == len(r["tokens"])
     assert main(["inspect", "--preset", "tiny", "--text", "Hello"]) == 0
     assert "2-gram x4 | 3-gram x4" in capsys.readouterr().out
+
+
+def test_inspect_text_pad_id_is_the_hashers(capsys):
+    from engram.model.presets import TOKENIZER_FILE
+    from engram.tokenizer import CompressedTokenizer
+
+    assert main(["inspect", "--preset", "tiny", "--text", "a b", "--json"]) == 0
+    pad = json.loads(capsys.readouterr().out)["text"]["compressed_pad_id"]
+    assert pad == NgramHasher.from_tokenizer(EngramConfig.preset("tiny"), CompressedTokenizer.from_file(TOKENIZER_FILE)).pad_id
+
+
+@pytest.mark.parametrize("name", config_names())
+def test_inspect_takes_every_config_name(name, capsys):
+    expect = EngramConfig.from_hf_config(named_config(name))
+    if name in PRESETS:
+        assert expect == EngramConfig.preset(name)
+    for flag in ("--preset", "--config"):
+        assert main(["inspect", flag, name, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["layout"] == layout_report(expect)
+
+
+def test_inspect_config_file_and_unknown_names(capsys):
+    assert main(["inspect", "--config", str(shipped_config_path("deepseek-v4.1-flash")), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"] == layout_report(EngramConfig.preset("deepseek-v4.1-flash"))
+    assert main(["inspect", "--preset", "huge"]) == 2
+    assert "config name 'huge' is unknown; known: ['4b-like', '8b-like', 'deepseek-v4.1-flash'," in capsys.readouterr().err
+    assert main(["inspect", "--config", "huge.json"]) == 2
+    assert "--config='huge.json': no such file or directory, and not a config name" in capsys.readouterr().err
 
 
 def test_inspect_refuses_mismatched_tokenizer(capsys):

@@ -68,8 +68,10 @@ def test_weights_are_deterministic_per_seed():
 @pytest.mark.parametrize("change, message", [
     (dict(num_kv_heads=3), "model.num_kv_heads=3: must divide num_heads=4"),
     (dict(head_dim=15), "model.head_dim=15: must be even"),
-    (dict(kv_source_layer_ids=(1, 2)), "must start with layer 0"),
-    (dict(kv_source_layer_ids=(0, 7)), "< num_layers=4"),
+    (dict(kv_source_layer_ids=(1, 2)), r"^kv_source_layer_ids=\[1, 2\]: layer 0 has no preceding kv source$"),
+    (dict(kv_source_layer_ids=(0, 7)), r"kv_source_layer_ids=\[0, 7\]: layer 7 is out of range \[0, 4\)"),
+    (dict(kv_source_layer_ids=(0, 2.0)), r"kv_source_layer_ids=\[0, 2.0\]: entry 2.0 is not an int"),
+    (dict(kv_source_layer_ids=(0, True)), r"kv_source_layer_ids=\[0, True\]: entry True is not an int"),
     (dict(hc_mult=1), "engram.hc_mult=2 != hc_mult=1"),
     (dict(eos_token_id=5000), "model.eos_token_id=5000: must be in \\[0, vocab_size=4096\\)"),
     (dict(architecture="gpt2"), "model.architecture='gpt2'"),

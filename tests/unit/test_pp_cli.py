@@ -7,9 +7,10 @@ import sys
 import pytest
 
 from engram.cli import main
+from engram.config import PRESETS, EngramConfig
+from engram.configs import config_names, named_config
 from engram.parallel.pp import PARTITION_ENV
 from tests.pp_configs import V41_FLASH
-
 
 
 @pytest.fixture
@@ -70,7 +71,8 @@ def test_config_errors_exit_2(tmp_path, capsys, monkeypatch):
     assert main(["plan-pp", str(bad), "--pp", "2"]) == 2
     assert "kv_source_layer_ids=[8, 14, 20]: layer 2 has no preceding kv source" in capsys.readouterr().err
     assert main(["plan-pp", str(tmp_path / "missing.json"), "--pp", "2"]) == 2
-    assert "missing.json' (CONFIG): no such file or directory, and not a model preset" in capsys.readouterr().err
+    assert "CONFIG='" in (err := capsys.readouterr().err)
+    assert "missing.json': no such file or directory, and not a config name ['4b-like', '8b-like'," in err
     assert main(["plan-pp", str(bad), "--pp", "2", "--layer-costs", "1,x"]) == 2
     assert "--layer-costs='1,x'" in capsys.readouterr().err
 
@@ -92,6 +94,19 @@ def test_fresh_process(config):
                           capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
     assert "partition: 20,20 (planner; largest stage cost 21)" in done.stdout
+
+
+@pytest.mark.parametrize("name", config_names())
+def test_every_config_name(name, capsys, monkeypatch):
+    """Every name another command takes (Engram presets, model presets) plans, from its layer count."""
+    monkeypatch.delenv(PARTITION_ENV, raising=False)
+    assert main(["plan-pp", name, "--pp", "2", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    raw = named_config(name)
+    assert plan["num_hidden_layers"] == raw["num_hidden_layers"] and sum(plan["partition"]) == raw["num_hidden_layers"]
+    assert plan["inputs"]["token_ids_and_lookbacks"] == raw["engram_layer_ids"]
+    if name in PRESETS:
+        assert plan["inputs"]["token_ids_and_lookbacks"] == list(EngramConfig.preset(name).layer_ids)
 
 
 def test_model_preset_name(capsys, monkeypatch):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from engram.parallel.pp_graph import SharingEdge, load_hf_config, sharing_graph
+from engram.parallel.pp_graph import SharingEdge, sharing_graph
 from tests.pp_configs import V41_FLASH as V41_FLASH_BASE
 
 V41_FLASH = {**V41_FLASH_BASE, "compress_ratios": V41_FLASH_BASE["compress_ratios"] + [1]}  # + the MTP layer's ratio
@@ -72,7 +72,6 @@ def test_config_read_from_file_directory_and_text_config(tmp_path):
     from_dir = sharing_graph(tmp_path)
     from_file = sharing_graph(tmp_path / "config.json")
     assert from_dir == from_file == sharing_graph(V41_FLASH)
-    assert load_hf_config({"text_config": {"num_hidden_layers": 3}}) == {"num_hidden_layers": 3}
 
 
 def test_bad_json_names_the_file(tmp_path):
