@@ -1,31 +1,89 @@
-"""FastAPI routes of `engram serve` (routes only; the logic is in serving.py).
+"""FastAPI routes of `engram serve` (routes and error mapping only; the logic is in serving.py).
 
 /health answers 200 only once the model is loaded (503 while loading or after a failed load);
-/v1/models, /v1/completions, /v1/chat/completions follow the OpenAI API; /metrics is Prometheus text.
-Bad requests get OpenAI-style error bodies with 400/404/422, never a 500.
+/v1/models, /v1/models/{id}, /v1/completions, /v1/chat/completions follow the OpenAI API; /metrics is
+Prometheus text. A request body over ``max_request_bytes`` gets 413 before it is parsed (BodyLimit). Bad
+requests get OpenAI-style error bodies with 400/404/413, never a 500, and every refusal (4xx, and 503 when
+loading or full) is counted once in ``engram_requests_rejected_total{reason}``.
 """
 from __future__ import annotations
 
+import json
 from contextlib import asynccontextmanager
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engram.server import DEFAULT_MAX_REQUEST_BYTES
 from engram.server.async_engine import AsyncEngine
 from engram.server.metrics import ServerMetrics
 from engram.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
-from engram.server.serving import ApiError, OpenAIServing
+from engram.server.serving import REJECT_REASONS, ApiError, OpenAIServing
+
+
+def error_response(body: dict, status: int, headers: dict[str, str] | None = None) -> Response:
+    """A JSON error response. ASCII-escaped, so that anything a client sent and the message repeats (a lone
+    surrogate in a field name, say) can never make the error itself fail to encode."""
+    return Response(json.dumps(body, ensure_ascii=True), status_code=status, headers=headers,
+                    media_type="application/json")
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes is refused with 413 (``on_reject()`` is called)
+    before anything parses it. A Content-Length over the limit is refused without reading the body; a body
+    without one is read up to the limit and refused as soon as it passes it. A body within the limit is
+    handed on in one piece; later receive() calls (disconnects) go to the client as before."""
+
+    def __init__(self, app: Callable, limit: int, on_reject: Callable[[], None]):
+        self.app, self.limit, self.on_reject = app, limit, on_reject
+
+    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: let the app see it
+                first = message
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._refuse(scope, receive, send)
+            if not message.get("more_body", False):
+                first = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                break
+        pending = [first]
+
+        async def replay() -> dict:
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: dict, receive: Callable, send: Callable) -> None:
+        self.on_reject()
+        body = error_body(f"the request body is larger than this server's limit of {self.limit} bytes "
+                          "(--max-request-bytes)", code=413, param=None)
+        await error_response(body, 413, {"Connection": "close"})(scope, receive, send)
 
 
 def build_app(build_llm: Callable[[], Any], model_name: str, tier: str, max_num_seqs: int,
-              max_waiting: int = 256) -> FastAPI:
+              max_waiting: int = 256, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              on_load_error: Callable[[str], None] | None = None) -> FastAPI:
     """``build_llm`` runs on the engine thread and returns an ``engram.LLM`` (the model loads there, so
-    /health can answer 503 meanwhile)."""
+    /health can answer 503 meanwhile); if it raises, ``on_load_error(reason)`` is called on that thread
+    (`engram serve` stops the server and exits non-zero)."""
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes={max_request_bytes} must be >= 1")
     metrics = ServerMetrics(model_name, tier)
-    engine = AsyncEngine(build_llm, max_num_seqs, max_waiting, on_step=metrics.update_from_engine)
+    engine = AsyncEngine(build_llm, max_num_seqs, max_waiting, on_step=metrics.update_from_engine,
+                         on_load_error=on_load_error)
     serving = OpenAIServing(engine, model_name, metrics)
 
     @asynccontextmanager
@@ -33,40 +91,55 @@ def build_app(build_llm: Callable[[], Any], model_name: str, tier: str, max_num_
         engine.start()
         yield
         engine.shutdown()
+        serving.close()
 
     app = FastAPI(title="engram", lifespan=lifespan)
     app.state.engine, app.state.serving, app.state.metrics = engine, serving, metrics
+    app.add_middleware(BodyLimit, limit=max_request_bytes,
+                       on_reject=lambda: metrics.rejected.labels(reason="too_large").inc())
+
+    def refuse(status: int, body: dict, reason: str | None, headers: dict[str, str] | None = None) -> Response:
+        if reason is not None:
+            metrics.rejected.labels(reason=reason).inc()
+        return error_response(body, status, headers)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError):
-        return JSONResponse(e.body, status_code=e.status, headers=e.headers)
+        return refuse(e.status, e.body, e.reason, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError):
         errors = e.errors()
         if any(err.get("type") == "json_invalid" for err in errors):
-            return JSONResponse(error_body("the request body is not valid JSON"), status_code=400)
-        first = errors[0] if errors else {}
-        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        msg = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body')}: {err.get('msg')}"
-                        for err in errors)
-        return JSONResponse(error_body(msg, param=loc or None), status_code=400)
+            return refuse(400, error_body("the request body is not valid JSON"), "invalid")
+        unknown = [err for err in errors if err.get("type") == "extra_forbidden"]
+        if unknown:
+            where = [_where(err) for err in unknown]
+            msg = "; ".join(f"{w}: unknown field, not supported by this server" for w in where)
+            return refuse(400, error_body(msg, param=where[0]), "unsupported")
+        msg, param = _summary(errors)
+        return refuse(400, error_body(msg, param=param), "invalid")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException):
-        return JSONResponse(error_body(str(e.detail), "NotFoundError" if e.status_code == 404 else
-                                       "invalid_request_error", e.status_code), status_code=e.status_code)
+        return refuse(e.status_code, error_body(str(e.detail), "NotFoundError" if e.status_code == 404 else
+                                                "invalid_request_error", e.status_code),
+                      REJECT_REASONS.get(e.status_code, "invalid") if 400 <= e.status_code < 500 else None)
 
     @app.get("/health")
     async def health():
         if engine.ready.is_set():
             return Response(status_code=200)
-        return JSONResponse({"status": "error" if engine.load_error else "loading", "detail": engine.load_error},
-                            status_code=503)
+        return error_response({"status": "error" if engine.load_error else "loading", "detail": engine.load_error},
+                              503)
 
     @app.get("/v1/models")
     async def models():
         return serving.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        return serving.model(model_id)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
@@ -81,3 +154,25 @@ def build_app(build_llm: Callable[[], Any], model_name: str, tier: str, max_num_
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+_UNION_TAGS = ("str", "int", "float", "bool", "none")  # pydantic's names of union members in error paths
+
+
+def _where(err: dict) -> str:
+    """The dotted field path of a pydantic error, without FastAPI's leading "body" and without the union
+    member names pydantic puts in it ("prompt.list[int]" -> "prompt"); "request body" for the body itself."""
+    parts = [str(x) for x in err.get("loc", ())
+             if x != "body" and not (isinstance(x, str) and ("[" in x or x in _UNION_TAGS))]
+    return ".".join(parts) or "request body"
+
+
+def _summary(errors: list[dict]) -> tuple[str, str | None]:
+    """One message for pydantic's errors and the first field it names. Where a field of a union type fails a
+    check of ours (a value error: a lone surrogate, too many stop strings), that is the message, not the
+    other union members' type mismatches."""
+    items = [(_where(err), str(err.get("msg", "")).removeprefix("Value error, "), err.get("type")) for err in errors]
+    checked = {w for w, _, kind in items if kind == "value_error"}
+    kept = list(dict.fromkeys(f"{w}: {m}" for w, m, kind in items if kind == "value_error" or w not in checked))
+    first = next((w for w, _, kind in items if kind == "value_error" or w not in checked), None)
+    return "; ".join(kept), None if first == "request body" else first

@@ -5,7 +5,8 @@ gone, task cancelled) aborts the request and frees its sequence. All engine call
 thread — requests and aborts reach it through a queue, outputs come back with ``call_soon_threadsafe``.
 A step that raises fails the requests it held (or all running ones when it cannot tell) and the loop goes
 on, so one bad table read never takes the server down. Admission is bounded: more than
-``max_num_seqs + max_waiting`` requests in the system raise EngineOverloaded (HTTP 503).
+``max_num_seqs + max_waiting`` requests in the system raise EngineOverloaded (HTTP 503). A model that fails
+to load sets ``load_error`` and calls ``on_load_error(reason)`` on the engine thread (the server exits on it).
 """
 from __future__ import annotations
 
@@ -48,8 +49,10 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(self, build: Callable[[], Any], max_num_seqs: int, max_waiting: int = 256,
-                 on_step: Callable[[Any, list], None] | None = None):
+                 on_step: Callable[[Any, list], None] | None = None,
+                 on_load_error: Callable[[str], None] | None = None):
         self._build = build
+        self._on_load_error = on_load_error
         self.capacity = max_num_seqs + max_waiting
         self._on_step = on_step  # called on the engine thread after each step (metrics)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -60,6 +63,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engram-engine", daemon=True)
         self.llm: Any = None  # the engram.LLM built on the engine thread
         self.engine: Any = None  # its LLMEngine (add_request / abort_request / step / has_unfinished)
+        self.max_model_len: int | None = None  # prompt + output tokens per sequence, once loaded
         self.ready = threading.Event()
         self.load_error: str | None = None
 
@@ -160,9 +164,12 @@ class AsyncEngine:
         try:
             self.llm = self._build()
             self.engine = self.llm.engine
-        except Exception as e:  # keep serving /health (503) with the reason
+            self.max_model_len = self.engine.max_model_len
+        except Exception as e:  # /health says "error" with the reason until the owner stops the server
             self.load_error = f"model failed to load: {e}"
             log.error("%s\n%s", self.load_error, traceback.format_exc())
+            if self._on_load_error is not None:
+                self._on_load_error(self.load_error)
             return
         self.ready.set()
         while not self._stop.is_set():
@@ -188,13 +195,17 @@ class AsyncEngine:
                 log.exception("on_step hook failed")
 
     def _fail_step(self, error: Exception) -> None:
-        """Fail the requests of the step that raised; the engine and the other requests go on."""
+        """Fail the requests of the step that raised (``error.request_ids``, or every request when it does not
+        say) and deliver the outputs of the ones that advanced anyway (``error.outputs``, when the engine
+        isolated the failure); the engine and the other requests go on."""
         ids = list(getattr(error, "request_ids", None) or list(self._streams))
         log.error("engine step failed for %d request(s): %s", len(ids), error)
         for rid in ids:
             self.engine.abort_request(rid)
             self._deliver(rid, RequestFailed(f"request failed in the engine: {error}"))
-        self._report([])
+        outputs = list(getattr(error, "outputs", None) or [])
+        self._deliver_step(outputs)
+        self._report(outputs)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:

@@ -1,14 +1,21 @@
-"""OpenAI completions and chat completions on top of AsyncEngine: request -> SamplingParams -> engine ->
-JSON body or an SSE stream that ends with ``data: [DONE]``.
+"""OpenAI completions and chat completions on top of AsyncEngine: request -> checks -> token ids ->
+SamplingParams -> engine -> JSON body or an SSE stream that ends with ``data: [DONE]``.
 
-Errors are raised as ApiError (status + OpenAI error body); app.py turns them into responses. A client
-that disconnects, streaming or not, cancels its request (the engine frees the sequence).
+Everything a request can get wrong is refused here, before the engine sees it: an unimplemented OpenAI
+field (``protocol.unsupported_field``), a prompt that cannot fit ``max_model_len`` (by its length in
+characters, before tokenizing, where the tokenizer allows a bound; then by its token count),
+``stop_token_ids`` outside the vocabulary. Chat templates render and prompts tokenize in a worker thread
+(tokenization releases the GIL), so the engine thread only ever receives token ids and a long prompt
+never stalls the requests already running. Errors are raised as ApiError (status, OpenAI error body and
+the ``engram_requests_rejected_total`` reason); app.py turns them into responses. A client that
+disconnects, streaming or not, cancels its request (the engine frees the sequence).
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
@@ -17,54 +24,124 @@ from starlette.responses import StreamingResponse
 from engram.server.async_engine import AsyncEngine, EngineNotReady, EngineOverloaded, RequestFailed
 from engram.server.chat import render_chat
 from engram.server.metrics import ServerMetrics
-from engram.server.protocol import ChatCompletionRequest, CompletionRequest, error_body, new_id, now
+from engram.server.prompt import chars_per_token_bound, encode, too_long
+from engram.server.protocol import (ChatCompletionRequest, CompletionRequest, error_body, new_id, now,
+                                    unsupported_field)
+
+# The ``engram_requests_rejected_total`` reason of each refused status (ApiError's default).
+REJECT_REASONS = {400: "invalid", 404: "not_found", 405: "invalid", 413: "too_large", 422: "invalid",
+                  503: "not_ready"}
+TOKENIZE_THREADS = 2  # worker threads rendering chat templates and tokenizing prompts
 
 
 class ApiError(Exception):
+    """An HTTP error with OpenAI's body. ``reason`` labels ``engram_requests_rejected_total`` (default from
+    the status, see REJECT_REASONS; None: not a rejection, e.g. a 500 the engine raised)."""
+
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, reason: str | None = "default"):
         super().__init__(message)
         self.status, self.body, self.headers = status, error_body(message, type_, status, param), headers or {}
+        self.reason = REJECT_REASONS.get(status) if reason == "default" else reason
 
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics):
         self.engine, self.model_name, self.metrics = engine, model_name, metrics
+        self._pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="engram-tokenize")
+        self._bound: int | None = None  # chars_per_token_bound of the loaded tokenizer
+        self._bound_known = False
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ----------------------------------------------------------------- endpoints
     async def completions(self, req: CompletionRequest, raw: Request) -> Any:
-        self._check_model(req.model)
+        self._check_request(req)
+        loaded = self._loaded()
         prompt = req.prompt
+        if isinstance(prompt, str):
+            ids = await self._tokenize(loaded, prompt, "prompt")
+        else:
+            ids = prompt
+            self._check_length(len(ids), "prompt")
         echo = prompt if req.echo and isinstance(prompt, str) else ""
-        return await self._run(req, prompt, raw, "text_completion", new_id("cmpl"), echo)
+        return await self._run(req, ids, raw, "text_completion", new_id("cmpl"), echo)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Any:
-        self._check_model(req.model)
+        self._check_request(req)
+        loaded = self._loaded()
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        if not self.engine.ready.is_set():
-            raise ApiError(503, "the model is still loading", "ServiceUnavailableError", headers={"Retry-After": "5"})
-        loaded = self.engine.llm.loaded
+        render = lambda: render_chat(messages, loaded.chat_template, req.add_generation_prompt,  # noqa: E731
+                                     _token_text(loaded.tokenizer, loaded.model_config.bos_token_id),
+                                     _token_text(loaded.tokenizer, loaded.eos_token_id))
         try:
-            prompt = render_chat(messages, loaded.chat_template, req.add_generation_prompt,
-                                 _token_text(loaded.tokenizer, loaded.model_config.bos_token_id),
-                                 _token_text(loaded.tokenizer, loaded.eos_token_id))
+            prompt = await asyncio.get_running_loop().run_in_executor(self._pool, render)
         except ValueError as e:
             raise ApiError(400, str(e), param="messages")
-        return await self._run(req, prompt, raw, "chat.completion", new_id("chatcmpl"), "")
+        ids = await self._tokenize(loaded, prompt, "messages")
+        return await self._run(req, ids, raw, "chat.completion", new_id("chatcmpl"), "")
 
     def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": now(),
-                                            "owned_by": "engram", "root": self.model_name}]}
+        return {"object": "list", "data": [self.model_card()]}
 
-    # ----------------------------------------------------------------- shared path
+    def model(self, model_id: str) -> dict[str, Any]:
+        """GET /v1/models/{model_id}: the served model's card; 404 for any other id."""
+        self._check_model(model_id)
+        return self.model_card()
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": now(), "owned_by": "engram",
+                "root": self.model_name}
+
+    # ----------------------------------------------------------------- checks
+    def _check_request(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        self._check_model(req.model)
+        found = unsupported_field(req)
+        if found is not None:
+            raise ApiError(400, found[1], param=found[0], reason="unsupported")
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise ApiError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
                            "NotFoundError", "model")
 
+    def _loaded(self):
+        """The LoadedModel, or a 503 while it loads."""
+        if not self.engine.ready.is_set():
+            raise ApiError(503, self.engine.load_error or "the model is still loading", "ServiceUnavailableError",
+                           headers={"Retry-After": "5"})
+        loaded = self.engine.llm.loaded
+        if not self._bound_known:
+            self._bound, self._bound_known = chars_per_token_bound(loaded.tokenizer), True
+        return loaded
+
+    def _check_chars(self, num_chars: int, param: str) -> None:
+        why = too_long(num_chars, self._bound, self.engine.max_model_len)
+        if why is not None:
+            raise ApiError(400, why, param=param)
+
+    def _check_length(self, num_tokens: int, param: str) -> None:
+        limit = self.engine.max_model_len
+        if num_tokens >= limit:
+            raise ApiError(400, f"the prompt has {num_tokens} tokens, which leaves no room to generate under "
+                                f"max_model_len={limit}", param=param)
+
+    async def _tokenize(self, loaded, text: str, param: str) -> list[int]:
+        """Token ids of ``text`` from a worker thread, after the length bound and before the token count check."""
+        self._check_chars(len(text), param)
+        ids = await asyncio.get_running_loop().run_in_executor(self._pool, encode, loaded.tokenizer, text)
+        self._check_length(len(ids), param)
+        return ids
+
     def _params(self, req: CompletionRequest | ChatCompletionRequest):
         from engram.engine.sampling_params import SamplingParams
 
+        vocab = self.engine.llm.loaded.tokenizer.get_vocab_size()
+        for i, t in enumerate(req.stop_token_ids or []):
+            if t >= vocab:
+                raise ApiError(400, f"stop_token_ids[{i}]={t} is outside the vocabulary [0, {vocab})",
+                               param="stop_token_ids")
         try:
             return SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                                   top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
@@ -73,25 +150,26 @@ class OpenAIServing:
         except ValueError as e:
             raise ApiError(400, str(e))
 
-    async def _run(self, req, prompt, raw: Request, kind: str, rid: str, echo: str) -> Any:
+    # ----------------------------------------------------------------- shared path
+    async def _run(self, req, prompt: list[int], raw: Request, kind: str, rid: str, echo: str) -> Any:
         params = self._params(req)
         arrival = time.monotonic()
         gen = self.engine.generate(rid, prompt, params)
         try:
             first = await gen.__anext__()  # the engine accepted the request and produced a first token
         except StopAsyncIteration:
-            raise ApiError(500, "the engine finished the request without output", "InternalServerError")
+            raise ApiError(500, "the engine finished the request without output", "InternalServerError",
+                           reason=None)
         except ValueError as e:
-            self.metrics.rejected.labels("invalid").inc()
             raise ApiError(400, str(e), param="prompt")
         except EngineOverloaded as e:
-            self.metrics.rejected.labels("overloaded").inc()
-            raise ApiError(503, str(e), "ServiceUnavailableError", headers={"Retry-After": str(e.retry_after)})
+            raise ApiError(503, str(e), "ServiceUnavailableError", headers={"Retry-After": str(e.retry_after)},
+                           reason="overloaded")
         except EngineNotReady as e:
             raise ApiError(503, str(e), "ServiceUnavailableError", headers={"Retry-After": "5"})
         except RequestFailed as e:
             self.metrics.requests.labels("error").inc()
-            raise ApiError(500, str(e), "InternalServerError")
+            raise ApiError(500, str(e), "InternalServerError", reason=None)
         ttft = time.monotonic() - arrival
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
