@@ -74,12 +74,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"--- {out.prompt!r}\n{c.text}")
     prompt_toks = sum(len(o.prompt_token_ids) for o in outputs)
     gen_toks = sum(len(o.outputs[0].token_ids) for o in outputs)
+    stats = llm.engine.stats()
     summary = {"model": args.model, "tier": llm.tier, "dtype": str(llm.dtype).removeprefix("torch."),
                "device": str(llm.device), "requests": len(outputs), "prompt_tokens": prompt_toks,
                "generated_tokens": gen_toks, "load_s": round(load_s, 3), "generate_s": round(gen_s, 3),
                "output_tokens_per_s": round(gen_toks / gen_s, 2) if gen_s > 0 else None,
                "total_tokens_per_s": round((prompt_toks + gen_toks) / gen_s, 2) if gen_s > 0 else None,
-               "kv_blocks": llm.engine.memory.num_blocks, "preemptions": llm.engine.num_preemptions}
+               "kv_blocks": stats["kv_blocks_total"], "preemptions": stats["preemptions"]}
     if args.json:
         print(json.dumps({"summary": summary}))
     else:

@@ -20,6 +20,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for KV blocks + Engram staging + hot-row cache; None = enough
     num_kv_blocks: int | None = None  # exact KV block count (overrides the budget; tests use it)
     seed: int = 0  # random stream of requests without their own seed
+    gpu_memory_utilization: float = 0.9  # share of the device the process may fill (KV sized from a profile)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -35,6 +36,8 @@ class EngineConfig:
             raise bad("kv_cache_memory", "must be a positive byte count (or None)")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise bad("num_kv_blocks", "must be >= 1 (or None to size from kv_cache_memory)")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise bad("gpu_memory_utilization", "must be in (0, 1]")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise bad("max_num_batched_tokens",
                       f"must be >= max_num_seqs={self.max_num_seqs} so every running sequence can decode")

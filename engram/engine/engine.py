@@ -1,43 +1,52 @@
-"""LLMEngine: the step loop (schedule -> plan lookups -> run -> sample -> postprocess) and the request API.
+"""LLMEngine (CPU side): the step loop and the request API. Everything on a device lives in the Workers.
 
-``add_request`` tokenizes and queues; ``step`` advances every scheduled sequence by one chunk or one token
-and returns a RequestOutput (with the step's delta) for each sequence that produced a token;
-``abort_request`` drops a request and frees its blocks. Each stage is a separate object talking through
-dataclasses (ScheduledBatch, PackedBatch, LookupPlan, StagedRows), so the lookup executor can be swapped
-(``engine.executor``) without touching the runner. All per-sequence state lives on the Sequence.
+``step`` = schedule → pack + plan lookups → ``executor.execute(StepDescription)`` → postprocess. The
+engine owns the scheduler, the sequences, lookup planning (row ids are hashed here, on the CPU, where the
+ids already are), the detokenizers and the outputs; the executor's Workers own model, KV cache, tables,
+lookups and sampler (engine/worker.py). ``add_request`` tokenizes and queues; ``abort_request`` drops a
+request; ``stats()`` is the one snapshot that metrics read. A failed step commits nothing; when it held
+several requests the engine re-runs it in halves to find the request(s) that fail, so the others go on
+(``StepError`` then carries the outputs of the rest and the failing request ids).
 """
 from __future__ import annotations
 
 import itertools
 import time
+from typing import Any
 
 import torch
 
 from engram.engine.block_manager import BlockManager
 from engram.engine.config import EngineConfig
 from engram.engine.detokenizer import IncrementalDetokenizer
-from engram.engine.lookup import LookupPlan, LookupPlanner, SyncLookupExecutor, staging_bytes
-from engram.engine.memory import plan_memory
+from engram.engine.executor import Executor, UniProcExecutor
 from engram.engine.outputs import CompletionOutput, RequestOutput
-from engram.engine.runner import ModelRunner, pack
-from engram.engine.sampler import SampleRequest, Sampler
+from engram.engine.packing import describe, pack
+from engram.engine.planner import LookupPlan, LookupPlanner
 from engram.engine.sampling_params import SamplingParams
 from engram.engine.scheduler import ScheduledBatch, Scheduler
 from engram.engine.sequence import Sequence
+from engram.engine.step import StepResult
+from engram.engine.worker import Worker
 from engram.hashing import NgramHasher
-from engram.model.kv_cache import KVCache
-from engram.short_conv import ShortConvState
 
 
-def hot_cache_bytes(tables: dict) -> int:
-    """Bytes of the hot-row caches the tables opened with (they count against the KV budget)."""
-    return sum(t.cache.nbytes for t in tables.values() if getattr(t, "cache", None) is not None)
+class StepError(RuntimeError):
+    """Some requests of a step failed; the rest of the step ran. ``request_ids``: the failed requests
+    (still queued, nothing of the failed step committed: abort them, or step again to retry);
+    ``outputs``: the RequestOutputs of the requests that advanced; ``__cause__``: the first failure."""
+
+    def __init__(self, error: BaseException, request_ids: list[str], outputs: list[RequestOutput]):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.request_ids = request_ids
+        self.outputs = outputs
 
 
 class LLMEngine:
-    def __init__(self, loaded, config: EngineConfig, device: torch.device, dtype: torch.dtype):
+    def __init__(self, loaded, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                 executor: Executor | None = None):
         mcfg, ecfg = loaded.model_config, loaded.engram_config
-        self.config, self.device, self.dtype, self.ecfg = config, torch.device(device), dtype, ecfg
+        self.config, self.ecfg = config, ecfg
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
         if self.max_model_len > mcfg.max_position_embeddings:
             raise ValueError(f"engine.max_model_len={self.max_model_len} exceeds the model's "
@@ -45,43 +54,58 @@ class LLMEngine:
         self.tokenizer, self.ctok = loaded.tokenizer, loaded.compressed_tokenizer
         self.eos_token_id = loaded.eos_token_id
         # A model without Engram layers (a plain checkpoint) runs with empty plans.
-        self.hasher = NgramHasher(ecfg, pad_id=int(self.ctok.compress([ecfg.pad_token_id])[0])) if ecfg else None
+        self.hasher = NgramHasher.from_tokenizer(ecfg, self.ctok) if ecfg else None
         self._dead_ids = ecfg.dead_token_ids if ecfg else ()
-        bs = config.block_size
-        bytes_per_block = KVCache.for_model(mcfg, 1, bs, dtype, "meta").bytes_per_block()
-        self.memory = plan_memory(config, self.max_model_len, bytes_per_block,
-                                  staging_bytes(ecfg, config.max_num_batched_tokens, dtype) if ecfg else 0,
-                                  hot_cache_bytes(loaded.tables),
-                                  self.device)
-        self.kv = KVCache.for_model(mcfg, self.memory.num_blocks, bs, dtype, self.device)
-        self.scheduler = Scheduler(config, BlockManager(self.memory.num_blocks, bs))
-        self.planner = LookupPlanner(ecfg, self.hasher)
-        self.executor = SyncLookupExecutor(loaded.tables, ecfg, dtype, self.device)
-        self.runner = ModelRunner(loaded.model, self.kv, bs, self.device, bool(self._dead_ids))
-        self.sampler = Sampler(self.eos_token_id, seed=config.seed)
-        self._conv_layers = list(ecfg.layer_ids) if ecfg and ecfg.variant == "paper" else []
+        self.executor = executor or UniProcExecutor(Worker(loaded, config, self.max_model_len, device, dtype))
+        self.scheduler = Scheduler(config, BlockManager(self.executor.num_kv_blocks, config.block_size))
+        self.planner = LookupPlanner(self.hasher)
         self._seqs: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()
+        self._step_ids = itertools.count()
+        self._finished_seq_ids: list[int] = []  # told to the Workers with the next step (they free state)
         self.num_preemptions = 0  # sequences preempted by recompute since start
+        self.num_steps = 0
 
     # ----------------------------------------------------------------- the loop
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        self.num_preemptions += len(batch.preempted)
         if batch.is_empty:
             return []
         try:
-            packed = pack(batch)
-            plan = self.planner.plan(packed.seq_ids, packed.compressed_ids, packed.cu_seqlens, packed.positions,
-                                     packed.lookback)  # row ids of every Engram layer, deduped
-            staged = self.executor.submit(plan)
-            logits = self.runner.run(packed, plan, staged, batch.seqs)  # [N, vocab] float32
-            sampled = [batch.seqs[i] for i in packed.sample_rows]
-            tokens = self.sampler(logits, [SampleRequest(s.params, s.num_output_tokens, self._generator(s))
-                                           for s in sampled])
-        except Exception as e:  # nothing was committed: the step can be retried or its requests aborted
-            e.request_ids = [s.request_id for s in batch.seqs]  # the server fails only these requests
-            raise
-        return self._postprocess(batch, plan, sampled, tokens.tolist())
+            return self._run(batch)
+        except Exception as e:  # nothing was committed: find who fails, run the others
+            if len(batch.seqs) == 1:
+                e.request_ids = [batch.seqs[0].request_id]  # the caller fails (or retries) only this one
+                raise
+            failed: list[str] = []
+            outputs = self._run_isolating(batch, failed)
+            if failed:
+                raise StepError(e, failed, outputs) from e
+            return outputs  # the failure did not repeat: every request advanced
+
+    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        packed = pack(batch)
+        plan = self.planner.plan(packed.compressed_ids, packed.cu_seqlens, packed.lookback)  # row ids per layer
+        step = describe(next(self._step_ids), batch, packed, plan, self.config.block_size, self.eos_token_id,
+                        bool(self._dead_ids), self._finished_seq_ids)
+        result = self.executor.execute(step)
+        self._finished_seq_ids = []
+        self.num_steps += 1
+        return self._postprocess(batch, plan, result)
+
+    def _run_isolating(self, batch: ScheduledBatch, failed: list[str]) -> list[RequestOutput]:
+        """Re-run a failed batch in halves (each a step of its own); a single sequence that still fails is
+        left uncommitted and its request id goes to ``failed``."""
+        if len(batch.seqs) == 1:
+            try:
+                return self._run(batch)
+            except Exception:
+                failed.append(batch.seqs[0].request_id)
+                return []
+        half = len(batch.seqs) // 2
+        return (self._run_isolating(_sub_batch(batch, 0, half), failed)
+                + self._run_isolating(_sub_batch(batch, half, len(batch.seqs)), failed))
 
     # ----------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
@@ -92,18 +116,17 @@ class LLMEngine:
         if not ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         vocab = self.tokenizer.get_vocab_size()
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"request {request_id!r}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        for name, toks in (("token id", ids), ("forced_token_ids", params.forced_token_ids or [])):
+            bad = [t for t in toks if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"request {request_id!r}: {name} {bad[0]} is outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens leaves no room to generate "
                              f"under max_model_len={self.max_model_len}")
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_list, params.skip_special_tokens,
                                        params.include_stop_str_in_output)
-        conv = ({lid: ShortConvState.zeros(1, self.ecfg, self.dtype, self.device) for lid in self._conv_layers}
-                or None)
         seq = Sequence(next(self._seq_ids), request_id, text, ids, self._compress(ids), params, detok,
-                       self._initial_lookback(), conv)
+                       self._initial_lookback())
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -113,7 +136,7 @@ class LLMEngine:
         if seq is None:
             return False
         seq.finish("abort")
-        self.scheduler.finish(seq)
+        self._retire(seq)
         return True
 
     def has_unfinished(self) -> bool:
@@ -122,6 +145,18 @@ class LLMEngine:
     def num_unfinished(self) -> int:
         return self.scheduler.num_unfinished()
 
+    def stats(self) -> dict[str, Any]:
+        """One snapshot for metrics and benchmarks: queue sizes, KV usage, preemptions, steps, and the
+        Workers' counters (``tables``: Engram layer id -> table counters)."""
+        blocks = self.scheduler.blocks
+        total = self.executor.num_kv_blocks
+        worker = self.executor.stats()
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "kv_blocks_total": total, "kv_blocks_free": blocks.num_free_blocks,
+                "kv_usage": 1.0 - blocks.num_free_blocks / total if total else 0.0,
+                "preemptions": self.num_preemptions, "steps": self.num_steps, "tables": worker["tables"],
+                "kv_bytes": worker["kv_bytes"]}
+
     # ----------------------------------------------------------------- helpers
     def _compress(self, ids: list[int]) -> list[int]:
         return self.ctok.compress(ids, self._dead_ids)
@@ -129,30 +164,30 @@ class LLMEngine:
     def _initial_lookback(self) -> torch.Tensor:
         return self.hasher.initial_lookback(1)[0] if self.hasher else torch.empty(0, dtype=torch.long)  # [W]
 
-    def _generator(self, seq: Sequence) -> torch.Generator | None:
-        if seq.params.seed is not None and seq.generator is None:
-            seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
-        return seq.generator
+    def _retire(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self._finished_seq_ids.append(seq.seq_id)
 
-    def _postprocess(self, batch: ScheduledBatch, plan: LookupPlan, sampled: list[Sequence],
-                     tokens: list[int]) -> list[RequestOutput]:
+    def _postprocess(self, batch: ScheduledBatch, plan: LookupPlan, result: StepResult) -> list[RequestOutput]:
         now = time.monotonic()
-        self.num_preemptions += len(batch.preempted)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             seq.num_computed_tokens += n
             seq.lookback = plan.next_lookback[i]  # [W]
             seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
-        compressed = self._compress(tokens)
+        sampled = [batch.seqs[i] for i in batch.sample_indices()]
+        compressed = self._compress(result.token_ids)
         outputs = []
-        for seq, tok, ctok in zip(sampled, tokens, compressed):
+        for seq, tok, ctok, lp in zip(sampled, result.token_ids, compressed, result.logprobs or [None] * len(sampled)):
             seq.append_token(tok, ctok)
             seq.detokenizer.add_token(tok)
+            if lp is not None:
+                seq.logprobs.append(lp)
             seq.metrics.first_token_time = seq.metrics.first_token_time or now
             self._check_stop(seq, tok)
             outputs.append(self._output(seq, [tok]))
             if seq.is_finished:
-                self.scheduler.finish(seq)
                 del self._seqs[seq.request_id]
+                self._retire(seq)
         return outputs
 
     def _check_stop(self, seq: Sequence, tok: int) -> None:
@@ -172,7 +207,13 @@ class LLMEngine:
         completion = CompletionOutput(index=0, text=seq.detokenizer.visible_text(done),
                                       token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
                                       stop_reason=seq.stop_reason, delta_text=seq.detokenizer.take_delta(done),
-                                      delta_token_ids=new_tokens)
+                                      delta_token_ids=new_tokens,
+                                      logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None)
         return RequestOutput(request_id=seq.request_id, prompt=seq.prompt,
                              prompt_token_ids=seq.prompt_token_ids, outputs=[completion],
                              finished=done, metrics=seq.metrics)
+
+
+def _sub_batch(batch: ScheduledBatch, lo: int, hi: int) -> ScheduledBatch:
+    """Sequences lo:hi of a scheduled batch as a batch of their own (their KV blocks are already allocated)."""
+    return ScheduledBatch(batch.seqs[lo:hi], batch.num_new_tokens[lo:hi], batch.start_positions[lo:hi])

@@ -3,7 +3,7 @@
 ``LLM(model="tiny", tier="gpu", dtype=None, engram_config=None, **engine_options)`` loads through
 ``engram.model.loader.load_model`` and builds an LLMEngine; ``generate(prompts, params)`` runs every
 request to completion and returns RequestOutputs in prompt order. ``engram_config`` takes the runtime
-keys of ``--engram-config`` (``cpu_offload: true`` means tier "host"; ``lookup_overlap`` is accepted);
+keys of ``--engram-config`` (engine/options.py: ``cpu_offload: true`` means tier "host", table options);
 engine options are EngineConfig fields (max_num_seqs, max_num_batched_tokens, max_model_len, ...).
 """
 from __future__ import annotations
@@ -15,36 +15,9 @@ import torch
 
 from engram.engine.config import EngineConfig
 from engram.engine.engine import LLMEngine
+from engram.engine.options import RuntimeOptions
 from engram.engine.outputs import RequestOutput
 from engram.engine.sampling_params import SamplingParams
-
-# Runtime keys the engine itself reads from engram_config; the rest go to the loader / store.
-ENGINE_KEYS = ("cpu_offload", "lookup_overlap")
-# Keys the loader reads: preset table size and seed; the rest are open_table's options.
-LOADER_KEYS = ("table_rows", "seed")
-
-
-def check_engram_options(engram_config: dict[str, Any] | None) -> dict[str, Any]:
-    """A copy of the runtime options; ValueError for an unknown key or a bad value, before anything loads."""
-    from engram.model.tables import OPEN_OPTIONS
-
-    options = dict(engram_config or {})
-    known = set(ENGINE_KEYS) | set(LOADER_KEYS) | set(OPEN_OPTIONS)
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ValueError(f"engram_config has unknown key(s) {unknown}; known keys: {sorted(known)}")
-    for key in ("lookup_overlap", "cpu_offload"):
-        if not isinstance(options.get(key, False), bool):
-            raise ValueError(f"engram_config.{key}={options[key]!r}: must be true or false")
-    return options
-
-
-def resolve_tier(tier: str, engram_config: dict[str, Any]) -> str:
-    """``cpu_offload: true`` (vLLM's name) means tier "host" unless a tier was chosen explicitly."""
-    if engram_config.get("cpu_offload") and tier == "gpu":
-        return "host"
-    return tier
-
 
 class LLM:
     def __init__(self, model: str = "tiny", tier: str = "gpu", dtype: str | torch.dtype | None = None,
@@ -55,12 +28,10 @@ class LLM:
         engine_config = EngineConfig.from_options(engine_options)  # bad options fail before loading
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
-        options = check_engram_options(engram_config)
-        self.engram_options = options
-        self.tier = resolve_tier(tier, options)
-        store_options = {k: v for k, v in options.items() if k not in ENGINE_KEYS}
+        self.options = RuntimeOptions.from_dict(engram_config)  # bad keys fail before loading
+        self.tier = self.options.tier(tier)
         self.loaded = load_model(model, tier=self.tier, dtype=self.dtype, device=self.device,
-                                 engram_config=store_options, cache_dir=cache_dir)
+                                 engram_config=self.options, cache_dir=cache_dir)
         self.engine = LLMEngine(self.loaded, engine_config, self.device, self.dtype)
         self._request_ids = itertools.count()
 

@@ -1,88 +1,38 @@
-"""Lookup plan and its executor: what Engram rows a step needs, and fetching them from the store.
+"""Lookup execution (worker side): a step's planned Engram row ids -> rows staged for the model.
 
-At step start ``LookupPlanner.plan`` hashes the step's packed compressed ids (with each sequence's
-lookback) into a ``LookupPlan``: per Engram layer the row ids [T, n_cols] and their deduplicated form
-(sorted unique ids + inverse), tagged with a plan id. An executor turns a plan into ``StagedRows``;
-``SyncLookupExecutor`` does it at once through ``table.submit(...).wait()``. Plan and executor are
-separate so an overlapping executor can replace this one without touching the runner. Staged rows carry
-their plan id and refuse to serve another plan (stale-row rejection).
+``LookupExecutor.submit(step)`` hands every Engram layer's planned row ids (CPU int64, from the
+StepDescription) to that layer's table (``table.submit``; the store checks CPU ids on the CPU and copies
+them from pinned memory, deduplicating only where its tier gains from it) and returns ``StagedRows``:
+per layer [T, n_cols, head_dim] on the Worker's device, tagged with the step id. The model asks for a
+layer's rows with the id of the step it is running; rows staged for another step are refused
+(stale-row rejection). This executor waits for every layer before the model runs; an overlapping one
+(lookup stream, events per layer) replaces it behind the same ``submit``.
 """
 from __future__ import annotations
-
-import itertools
-from dataclasses import dataclass
 
 import torch
 
 from engram.config import EngramConfig
-from engram.hashing import NgramHasher
-
-
-@dataclass(frozen=True)
-class LayerLookup:
-    row_ids: torch.Tensor  # [T, n_cols] int64 global row ids of this layer's table
-    unique_ids: torch.Tensor  # [U] int64 sorted distinct row ids (what the store reads)
-    inverse: torch.Tensor  # [T * n_cols] int64: row_ids.flatten() == unique_ids[inverse]
-
-
-@dataclass(frozen=True)
-class LookupPlan:
-    plan_id: int  # unique per engine; staged rows must carry the same id to be consumed
-    seq_ids: tuple[int, ...]  # engine sequence id of each packed sequence
-    cu_seqlens: torch.Tensor  # [S+1] int64 token offsets of each sequence in the packed step
-    positions: torch.Tensor  # [T] int64 position of each token in its sequence
-    compressed_ids: torch.Tensor  # [T] int64 compressed ids of the step (DEAD = -1)
-    layers: dict[int, LayerLookup]  # Engram layer id -> its lookups
-    next_lookback: torch.Tensor  # [S, max_ngram-1] each sequence's lookback after this step
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.positions.numel())
-
-    def num_unique_rows(self) -> int:
-        return sum(int(lk.unique_ids.numel()) for lk in self.layers.values())
-
-
-class LookupPlanner:
-    """Hashes a packed step into a LookupPlan (CPU int64; the plan is small next to the rows)."""
-
-    def __init__(self, cfg: EngramConfig | None, hasher: NgramHasher | None):
-        self.cfg = cfg
-        self.hasher = hasher
-        self._ids = itertools.count()
-
-    def plan(self, seq_ids: list[int], compressed_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-             positions: torch.Tensor, lookback: torch.Tensor) -> LookupPlan:
-        """compressed_ids [T], cu_seqlens [S+1], positions [T], lookback [S, max_ngram-1] -> LookupPlan."""
-        if self.hasher is None:  # no Engram layers: an empty plan
-            return LookupPlan(next(self._ids), tuple(seq_ids), cu_seqlens, positions, compressed_ids, {}, lookback)
-        rows, next_lookback = self.hasher.hash_step(compressed_ids, cu_seqlens, lookback)  # {layer: [T, n_cols]}
-        layers = {}
-        for lid, r in rows.items():
-            unique, inverse = torch.unique(r.reshape(-1), sorted=True, return_inverse=True)  # [U], [T*n_cols]
-            layers[lid] = LayerLookup(row_ids=r, unique_ids=unique, inverse=inverse)
-        return LookupPlan(plan_id=next(self._ids), seq_ids=tuple(seq_ids), cu_seqlens=cu_seqlens,
-                          positions=positions, compressed_ids=compressed_ids, layers=layers,
-                          next_lookback=next_lookback)
+from engram.engine.step import StepDescription
 
 
 class StagedRows:
-    """Rows of one plan, per layer [T, n_cols, head_dim]; ``rows(layer_id, plan_id)`` checks the plan."""
+    """Rows of one step, per layer [T, n_cols, head_dim]; ``rows(layer_id, step_id)`` checks the step."""
 
-    def __init__(self, plan_id: int, rows: dict[int, torch.Tensor]):
-        self.plan_id = plan_id
+    def __init__(self, step_id: int, rows: dict[int, torch.Tensor]):
+        self.step_id = step_id
         self._rows = rows
 
-    def rows(self, layer_id: int, plan_id: int) -> torch.Tensor:
-        if plan_id != self.plan_id:
-            raise RuntimeError(f"stale Engram rows: staged for plan {self.plan_id}, consumed by plan {plan_id}")
+    def rows(self, layer_id: int, step_id: int) -> torch.Tensor:
+        if step_id != self.step_id:
+            raise RuntimeError(f"stale Engram rows: staged for step {self.step_id}, consumed by step {step_id}")
         if layer_id not in self._rows:
-            raise KeyError(f"no staged rows for Engram layer {layer_id} (plan {self.plan_id} has {sorted(self._rows)})")
+            raise KeyError(f"no staged rows for Engram layer {layer_id} (step {self.step_id} has {sorted(self._rows)})")
         return self._rows[layer_id]
 
 
-class SyncLookupExecutor:
-    """Executes a plan before the model runs: every layer's unique rows are submitted, then waited for."""
+class LookupExecutor:
+    """Submits every layer's lookup of a step, then waits for all of them, before the model runs."""
 
     def __init__(self, tables: dict, cfg: EngramConfig | None, dtype: torch.dtype, device: torch.device):
         missing = [lid for lid in (cfg.layer_ids if cfg else ()) if lid not in tables]
@@ -96,19 +46,22 @@ class SyncLookupExecutor:
         self.fetch_dtype = torch.float32 if dtype == torch.float64 else dtype
         self.device = torch.device(device)
 
-    def submit(self, plan: LookupPlan) -> StagedRows:
-        handles = {lid: self.tables[lid].submit(lk.unique_ids, dtype=self.fetch_dtype)
-                   for lid, lk in plan.layers.items()}
+    def submit(self, step: StepDescription) -> StagedRows:
+        handles = {lid: self.tables[lid].submit(ids.reshape(-1), dtype=self.fetch_dtype)
+                   for lid, ids in step.engram_row_ids.items()}  # [T * n_cols] each, CPU int64
         rows = {}
-        for lid, lk in plan.layers.items():
-            unique_rows = handles[lid].wait().to(self.device, self.dtype)  # [U, head_dim]
-            t = lk.row_ids.shape[0]
-            inverse = lk.inverse.to(self.device)
-            rows[lid] = unique_rows.index_select(0, inverse).reshape(t, self.cfg.n_cols, -1)  # [T, n_cols, D]
-        return StagedRows(plan.plan_id, rows)
+        for lid, ids in step.engram_row_ids.items():
+            flat = handles[lid].wait()  # [T * n_cols, head_dim]
+            rows[lid] = flat.to(self.device, self.dtype).reshape(ids.shape[0], ids.shape[1], -1)  # [T, n_cols, D]
+        return StagedRows(step.step_id, rows)
+
+    def stats(self) -> dict[int, dict[str, int]]:
+        """Each table's counters (lookups, rows, hits, misses, bytes_read, ...), by Engram layer id."""
+        return {lid: t.stats() for lid, t in self.tables.items()}
 
 
 def staging_bytes(cfg: EngramConfig, max_tokens: int, dtype: torch.dtype) -> int:
-    """Peak bytes of one step's staged rows: per layer the unique rows and the expanded [T, n_cols, D]."""
+    """Peak bytes of one step's staged rows: per layer the gathered [T * n_cols, D] rows and their reshape
+    into the model's dtype (a float64 model widens float32 rows)."""
     per_layer = 2 * max_tokens * cfg.n_cols * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
     return per_layer * len(cfg.layer_ids)

@@ -1,8 +1,13 @@
-"""KV memory planning: how many paged KV blocks fit the engine's byte budget, decided once at start.
+"""KV memory planning: how many paged KV blocks a Worker allocates, decided once at start.
 
-The budget (``EngineConfig.kv_cache_memory``) pays first for the Engram staging buffers of a full step
-and the tables' hot-row caches; what is left becomes KV blocks. Too little for one ``max_model_len``
-sequence is a ValueError at start that prints every term, never a failure mid-run.
+Three ways, first that applies: ``num_kv_blocks`` (exact); ``kv_cache_memory`` (an explicit byte budget
+that pays first for the Engram staging buffers of a full step and the tables' hot-row caches, the rest
+becomes KV blocks); on CUDA, a profiled warm-up forward at the largest step (``profile_peak_bytes``: one
+step of ``max_num_batched_tokens`` tokens over ``max_num_seqs`` sequences, lookups and sampling included)
+gives the peak a step adds, and the KV cache gets ``gpu_memory_utilization`` of the device minus what is
+in use after loading (weights, tables, hot-row caches, the CUDA context: counted once, as measured) minus
+that peak. On the CPU without a budget, room for ``max_num_seqs`` full sequences. Too little for one
+``max_model_len`` sequence is a ValueError at start that prints every term, never a failure mid-run.
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engram.engine.config import EngineConfig
+from engram.engine.step import SampleSpec, StepDescription
 
 
 @dataclass(frozen=True)
@@ -19,7 +25,8 @@ class MemoryPlan:
     bytes_per_block: int  # K and V of block_size tokens over every KV-source layer
     staging_bytes: int  # Engram rows of one full step (all layers)
     cache_bytes: int  # hot-row caches of the tables
-    budget_bytes: int | None  # the configured budget (None: sized to fit max_num_seqs full sequences)
+    budget_bytes: int | None  # the configured budget (None: profiled on CUDA, max_num_seqs sequences on CPU)
+    step_peak_bytes: int | None = None  # profiled peak of the largest step (CUDA without a budget)
 
     @property
     def kv_bytes(self) -> int:
@@ -27,7 +34,8 @@ class MemoryPlan:
 
 
 def plan_memory(cfg: EngineConfig, max_model_len: int, bytes_per_block: int, staging_bytes: int,
-                cache_bytes: int, device: torch.device) -> MemoryPlan:
+                cache_bytes: int, device: torch.device, step_peak_bytes: int | None = None) -> MemoryPlan:
+    """``step_peak_bytes``: what the profiled warm-up step added at its peak (CUDA, no explicit budget)."""
     per_seq = -(-max_model_len // cfg.block_size)  # blocks one full-length sequence needs
     if cfg.num_kv_blocks is not None:
         num_blocks = cfg.num_kv_blocks
@@ -38,16 +46,68 @@ def plan_memory(cfg: EngineConfig, max_model_len: int, bytes_per_block: int, sta
         what = (f"engine.kv_cache_memory={cfg.kv_cache_memory} bytes minus Engram staging {staging_bytes} and "
                 f"hot-row cache {cache_bytes} leaves {max(left, 0)} bytes = {num_blocks} KV blocks of "
                 f"{bytes_per_block} bytes")
+    elif step_peak_bytes is not None:
+        free, total = torch.cuda.mem_get_info(device)
+        left = int(total * cfg.gpu_memory_utilization) - (total - free) - step_peak_bytes
+        num_blocks = min(cfg.max_num_seqs * per_seq, max(0, left // bytes_per_block))
+        what = (f"engine.gpu_memory_utilization={cfg.gpu_memory_utilization} of {total} bytes minus {total - free} "
+                f"in use after loading minus a step's profiled peak of {step_peak_bytes} leaves {max(left, 0)} bytes")
     else:
         num_blocks = cfg.max_num_seqs * per_seq
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            fit = (int(free * 0.9) - staging_bytes - cache_bytes) // bytes_per_block
-            num_blocks = min(num_blocks, max(0, fit))
-        what = f"the device has room for {num_blocks} KV blocks of {bytes_per_block} bytes"
+        what = f"room for max_num_seqs={cfg.max_num_seqs} sequences is {num_blocks} KV blocks"
     if num_blocks < per_seq:
         raise ValueError(f"KV memory too small: {what}, but one sequence of max_model_len={max_model_len} "
                          f"needs {per_seq} blocks of block_size={cfg.block_size} tokens; raise the budget or "
                          f"lower max_model_len")
     return MemoryPlan(num_blocks=int(num_blocks), bytes_per_block=bytes_per_block, staging_bytes=staging_bytes,
-                      cache_bytes=cache_bytes, budget_bytes=cfg.kv_cache_memory)
+                      cache_bytes=cache_bytes, budget_bytes=cfg.kv_cache_memory, step_peak_bytes=step_peak_bytes)
+
+
+def warmup_step(cfg: EngineConfig, ecfg, block_size: int) -> StepDescription:
+    """The largest step the scheduler can build: ``max_num_batched_tokens`` prompt tokens spread over
+    ``max_num_seqs`` fresh sequences (blocks numbered from 0), every sequence sampling greedily, Engram row 0
+    for every lookup."""
+    t = cfg.max_num_batched_tokens
+    s = min(cfg.max_num_seqs, t)
+    lens = [t // s + (1 if i < t % s else 0) for i in range(s)]
+    positions = torch.cat([torch.arange(n) for n in lens])  # [T]
+    cu = torch.zeros(s + 1, dtype=torch.long)
+    torch.cumsum(torch.tensor(lens), 0, out=cu[1:])
+    per_seq = [-(-n // block_size) for n in lens]
+    first = [sum(per_seq[:i]) for i in range(s)]
+    width = max(per_seq)
+    tables = torch.tensor([[f + j if j < n else -1 for j in range(width)] for f, n in zip(first, per_seq)])
+    seq_of_tok = torch.repeat_interleave(torch.arange(s), torch.tensor(lens))
+    slots = tables[seq_of_tok, positions // block_size] * block_size + positions % block_size
+    greedy = SampleSpec(0.0, 1.0, 0, None, (), -1, 0)
+    return StepDescription(
+        step_id=-1, seq_ids=list(range(-s, 0)), start_positions=[0] * s, num_new_tokens=lens,
+        token_ids=torch.zeros(t, dtype=torch.long), positions=positions, cu_seqlens=cu,
+        context_lens=torch.tensor(lens), block_tables=tables, slot_mapping=slots, dead_mask=None,
+        engram_row_ids={lid: torch.zeros(t, ecfg.n_cols, dtype=torch.long) for lid in ecfg.layer_ids} if ecfg else {},
+        sample_rows=list(range(s)), samples=[greedy] * s)
+
+
+def profile_peak_bytes(worker, bytes_per_block: int) -> int:
+    """Run ``warmup_step`` on the worker's model, lookups and sampler over a scratch KV cache; returns the
+    peak CUDA bytes the step allocated beyond what existed before it (scratch KV excluded). Table counters
+    are reset afterwards, so the warm-up is invisible to statistics."""
+    from engram.engine.runner import ModelRunner
+    from engram.model.kv_cache import KVCache
+
+    step = warmup_step(worker.config, worker.ecfg, worker.config.block_size)
+    blocks = int(step.block_tables.max()) + 1
+    kv = KVCache.for_model(worker.model_config, blocks, worker.config.block_size, worker.dtype, worker.device)
+    runner = ModelRunner(worker.model, kv, worker.device, worker.dtype, worker.ecfg)
+    torch.cuda.synchronize(worker.device)
+    torch.cuda.reset_peak_memory_stats(worker.device)
+    base = torch.cuda.memory_allocated(worker.device)
+    logits = runner.run(step, worker.lookup.submit(step))
+    worker.sampler(logits, step.samples, [None] * len(step.samples))
+    torch.cuda.synchronize(worker.device)
+    peak = torch.cuda.max_memory_allocated(worker.device) - base
+    del kv, runner, logits
+    for table in worker.tables.values():
+        table.reset_stats()
+    torch.cuda.empty_cache()
+    return int(peak)

@@ -1,114 +1,72 @@
-"""Model runner: packs a scheduled batch into StepInputs, runs the model on its KV cache, returns logits.
+"""Model runner (worker side): one StepDescription -> float32 logits of the sequences that sample.
 
-``pack`` turns a ScheduledBatch into a ``PackedBatch`` (CPU tensors: raw and compressed ids, positions,
-per-sequence offsets, lookbacks) that both the lookup planner and ``run`` read. ``run`` moves it to the
-device, hands the model an ``engram_rows`` callable that serves the step's staged rows (checking they
-were staged for this plan), gathers and scatters the paper variant's per-sequence conv state, and
-returns float32 logits of the sequences that sample this step. It knows nothing about scheduling.
+``run`` uploads the step's CPU tensors to the device (pinned, non-blocking), builds the attention layout
+from the description's host numbers (no read-back), hands the model an ``engram_rows`` callable that serves
+the step's staged rows (checking they were staged for this step) and returns logits [N, vocab]. The paper
+variant's per-sequence conv state is kept here, keyed by sequence id: a sequence starting at position 0
+(new, or recomputed after preemption) starts from zeros; ``free`` drops finished sequences' state.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from engram.engine.lookup import LookupPlan, StagedRows
-from engram.engine.scheduler import ScheduledBatch
+from engram.config import EngramConfig
+from engram.engine.lookup import StagedRows
+from engram.engine.step import StepDescription
 from engram.model.inputs import StepInputs
+from engram.model.layers.attention import HostLayout
 from engram.short_conv import ShortConvState
-
-
-@dataclass
-class PackedBatch:
-    seq_ids: list[int]  # engine sequence id of each packed sequence
-    token_ids: torch.Tensor  # [T] int64 raw ids of the step's new tokens, sequence after sequence
-    compressed_ids: torch.Tensor  # [T] int64 compressed ids (DEAD = -1)
-    positions: torch.Tensor  # [T] int64 position of each token in its sequence
-    cu_seqlens: torch.Tensor  # [S+1] int64 token offsets
-    context_lens: torch.Tensor  # [S] int64 KV length of each sequence after the step
-    lookback: torch.Tensor  # [S, max_ngram-1] int64 each sequence's lookback before the step
-    block_tables: torch.Tensor  # [S, max_blocks] int64, -1 padded
-    sample_rows: list[int]  # indices (into the S sequences) that sample a token this step
-
-    @property
-    def logits_indices(self) -> torch.Tensor:
-        """[N] token row of each sampling sequence's last new token."""
-        return (self.cu_seqlens[1:] - 1)[self.sample_rows]
-
-
-def pack(batch: ScheduledBatch) -> PackedBatch:
-    seqs = batch.seqs
-    toks, comp, pos = [], [], []
-    for seq, s0, n in zip(seqs, batch.start_positions, batch.num_new_tokens):
-        toks.extend(seq.token_ids[s0:s0 + n])
-        comp.extend(seq.compressed_ids[s0:s0 + n])
-        pos.extend(range(s0, s0 + n))
-    lens = torch.tensor(batch.num_new_tokens, dtype=torch.long)
-    cu = torch.zeros(len(seqs) + 1, dtype=torch.long)
-    torch.cumsum(lens, 0, out=cu[1:])
-    width = max(len(s.block_table) for s in seqs)
-    tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]  # one tensor build, not S
-    return PackedBatch(
-        seq_ids=[s.seq_id for s in seqs],
-        token_ids=torch.tensor(toks, dtype=torch.long),
-        compressed_ids=torch.tensor(comp, dtype=torch.long),
-        positions=torch.tensor(pos, dtype=torch.long),
-        cu_seqlens=cu,
-        context_lens=torch.tensor(batch.start_positions, dtype=torch.long) + lens,
-        lookback=torch.stack([s.lookback for s in seqs]),  # [S, W]
-        block_tables=torch.tensor(tables, dtype=torch.long),  # [S, width]
-        sample_rows=[i for i, sample in enumerate(batch.samples()) if sample],
-    )
+from engram.transfer import to_device
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache, block_size: int, device: torch.device, has_dead_tokens: bool):
+    def __init__(self, model, kv_cache, device: torch.device, dtype: torch.dtype, ecfg: EngramConfig | None):
         self.model = model
         self.kv = kv_cache
-        self.block_size = block_size
         self.device = torch.device(device)
-        self.has_dead_tokens = has_dead_tokens  # dead_mask is passed only when the config names DEAD ids
-
-    def slot_mapping(self, packed: PackedBatch) -> torch.Tensor:
-        """[T] flat KV slot of each new token: its block's id * block_size + offset in the block."""
-        lens = packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]
-        seq_of_tok = torch.repeat_interleave(torch.arange(lens.numel()), lens)  # [T]
-        blocks = packed.block_tables[seq_of_tok, packed.positions // self.block_size]  # [T]
-        return blocks * self.block_size + packed.positions % self.block_size
+        self.dtype = dtype
+        self.ecfg = ecfg
+        self._conv_layers = list(ecfg.layer_ids) if ecfg and ecfg.variant == "paper" else []
+        self._conv: dict[int, dict[int, ShortConvState]] = {}  # seq id -> Engram layer -> its conv state
 
     @torch.inference_mode()
-    def run(self, packed: PackedBatch, plan: LookupPlan, staged: StagedRows, seqs) -> torch.Tensor:
-        """One forward over the packed step -> float32 logits [len(packed.sample_rows), vocab]."""
+    def run(self, step: StepDescription, staged: StagedRows) -> torch.Tensor:
+        """One forward over the packed step -> float32 logits [len(step.sample_rows), vocab]."""
         dev = self.device
-        cu_seqlens = packed.cu_seqlens.to(dev)  # [S+1], shared by attention and the conv states
-        conv = self._gather_conv_state(seqs, cu_seqlens)
+        cu_seqlens = to_device(step.cu_seqlens, dev)  # [S+1], shared by attention and the conv states
+        conv = self._gather_conv_state(step, cu_seqlens)
         inputs = StepInputs(
-            token_ids=packed.token_ids.to(dev),
-            positions=packed.positions.to(dev),
+            token_ids=to_device(step.token_ids, dev),
+            positions=to_device(step.positions, dev),
             cu_seqlens=cu_seqlens,
-            context_lens=packed.context_lens.to(dev),
-            block_tables=packed.block_tables.to(dev),
-            slot_mapping=self.slot_mapping(packed).to(dev),
-            engram_rows=lambda layer_id: staged.rows(layer_id, plan.plan_id),
-            dead_mask=(packed.compressed_ids < 0).to(dev) if self.has_dead_tokens else None,
+            context_lens=to_device(step.context_lens, dev),
+            block_tables=to_device(step.block_tables, dev),
+            slot_mapping=to_device(step.slot_mapping, dev),
+            engram_rows=lambda layer_id: staged.rows(layer_id, step.step_id),
+            dead_mask=None if step.dead_mask is None else to_device(step.dead_mask, dev),
             conv_state=conv,
-            logits_indices=packed.logits_indices.to(dev),
+            logits_indices=to_device(step.logits_indices, dev),
+            host_layout=HostLayout(step.cu_seqlens.tolist(), step.context_lens.tolist()),
         )
         hidden = self.model.forward(inputs, self.kv)  # [N, H]
         logits = self.model.compute_logits(hidden)  # [N, vocab] float32
         if conv is not None:
-            self._scatter_conv_state(seqs, conv)
+            self._scatter_conv_state(step, conv)
         return logits
 
-    def _gather_conv_state(self, seqs, cu_seqlens: torch.Tensor) -> dict[int, ShortConvState] | None:
-        """Paper variant: each Engram layer's per-sequence conv states stacked in packing order."""
-        if seqs[0].conv_state is None:
-            return None
-        return {lid: ShortConvState.stack([s.conv_state[lid] for s in seqs], cu_seqlens)
-                for lid in seqs[0].conv_state}
+    def free(self, seq_ids: list[int]) -> None:
+        for sid in seq_ids:
+            self._conv.pop(sid, None)
 
-    @staticmethod
-    def _scatter_conv_state(seqs, conv: dict[int, ShortConvState]) -> None:
+    def _gather_conv_state(self, step: StepDescription, cu_seqlens: torch.Tensor) -> dict[int, ShortConvState] | None:
+        """Paper variant: each Engram layer's per-sequence conv states stacked in packing order."""
+        if not self._conv_layers:
+            return None
+        fresh = {lid: ShortConvState.zeros(1, self.ecfg, self.dtype, self.device) for lid in self._conv_layers}
+        states = [fresh if start == 0 else self._conv[sid] for sid, start in zip(step.seq_ids, step.start_positions)]
+        return {lid: ShortConvState.stack([s[lid] for s in states], cu_seqlens) for lid in self._conv_layers}
+
+    def _scatter_conv_state(self, step: StepDescription, conv: dict[int, ShortConvState]) -> None:
         per_layer = {lid: state.split() for lid, state in conv.items()}
-        for i, seq in enumerate(seqs):
-            seq.conv_state = {lid: parts[i] for lid, parts in per_layer.items()}
+        for i, sid in enumerate(step.seq_ids):
+            self._conv[sid] = {lid: parts[i] for lid, parts in per_layer.items()}

@@ -36,6 +36,10 @@ class ScheduledBatch:
         """Whether each sequence reaches its last token this step (so a new token is sampled for it)."""
         return [s0 + n == seq.num_tokens for seq, s0, n in zip(self.seqs, self.start_positions, self.num_new_tokens)]
 
+    def sample_indices(self) -> list[int]:
+        """Indices (into ``seqs``) of the sequences that sample a token this step."""
+        return [i for i, sample in enumerate(self.samples()) if sample]
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):

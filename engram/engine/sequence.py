@@ -1,9 +1,10 @@
 """Sequence: one request's tokens, its KV blocks, its Engram state and its progress through the engine.
 
 ``token_ids`` is prompt + generated tokens; ``num_computed_tokens`` of them have K/V in the cache. The
-Engram state is carried per sequence: ``lookback`` (the compressed ids just before the first uncomputed
-token, DEAD = -1, oldest first) and, for the paper variant, ``conv_state`` (ShortConv buffers). Preemption
-by recompute drops blocks and state; both are rebuilt from the tokens when the sequence runs again.
+engine-side Engram state is ``lookback`` (the compressed ids just before the first uncomputed token,
+DEAD = -1, oldest first); device state (the paper variant's conv buffers, a seeded request's generator)
+lives in the Worker, keyed by ``seq_id``. Preemption by recompute drops blocks and lookback; both are
+rebuilt from the tokens when the sequence runs again (and the Worker restarts conv state at position 0).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     def __init__(self, seq_id: int, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  prompt_compressed: list[int], params: SamplingParams, detokenizer: IncrementalDetokenizer,
-                 initial_lookback: torch.Tensor, initial_conv_state: Any = None):
+                 initial_lookback: torch.Tensor):
         self.seq_id = seq_id  # engine-wide order of arrival (the scheduler's priority)
         self.request_id = request_id
         self.prompt = prompt
@@ -42,12 +43,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.detokenizer = detokenizer
-        self.generator: torch.Generator | None = None  # per-request stream when params.seed is set
+        self.logprobs: list[Any] = []  # engine.step.TokenLogprobs of each output token (params.logprobs set)
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self._initial_lookback = initial_lookback  # [W] pad ids
-        self._initial_conv_state = initial_conv_state
         self.lookback = initial_lookback.clone()  # [W] compressed ids before token num_computed_tokens
-        self.conv_state = initial_conv_state  # paper variant: ShortConvState for this one sequence
 
     # ----------------------------------------------------------------- views
     @property
@@ -80,7 +79,6 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table = []
         self.lookback = self._initial_lookback.clone()
-        self.conv_state = self._initial_conv_state
         self.status = SequenceStatus.WAITING
         self.metrics.num_preemptions += 1
 

@@ -25,6 +25,7 @@ class StepInputs:
     dead_mask: torch.Tensor | None = None  # BoolTensor[T]: DEAD tokens (Engram gate 0); None = none
     conv_state: Any = None  # engram.module.ShortConvState | None: paper variant's per-sequence conv state
     logits_indices: torch.Tensor | None = None  # LongTensor[S']: token rows to return; None = each seq's last
+    host_layout: Any = None  # attention.HostLayout: offsets and KV lengths as host numbers; None = read back
 
     def __post_init__(self) -> None:
         t = self.token_ids.shape[0]

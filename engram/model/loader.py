@@ -4,7 +4,8 @@ A checkpoint is ``config.json`` (Llama / Qwen2 / Qwen3 fields + ``engram_*``) + 
 ``tokenizer.json`` (+ ``tokenizer_config.json`` for the chat template). Decoder tensors use HF names,
 with or without the ``model.`` prefix; Engram tensors are ``[model.]layers.L.engram.{embed.weight,
 embed.scale, wkv.weight, wkv.scale, q_weight, k_weight}``. The tables are converted once into the cache
-directory (see tables.py) and opened on the chosen tier. Pickled weights (``.bin``/``.pt``) are refused.
+directory (see tables.py); the Worker that runs the model opens them on the chosen tier
+(``LoadedModel.open_tables``), on its own device. Pickled weights (``.bin``/``.pt``) are refused.
 Errors name the tensor and the expected and found shapes.
 """
 from __future__ import annotations
@@ -38,13 +39,23 @@ class LoadedModel:
     engram_config: EngramConfig | None
     tokenizer: Any  # tokenizers.Tokenizer
     compressed_tokenizer: Any  # engram.tokenizer.CompressedTokenizer
-    tables: dict[int, Any]  # Engram layer id -> opened store table
+    tables: dict[int, Any]  # Engram layer id -> opened store table; {} until open_tables() (or given opened)
     eos_token_id: int | None
     chat_template: str | None
     name: str
     table_dirs: dict[int, Path] = field(default_factory=dict)  # layer id -> table directory in the cache
     dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    tier: str = "gpu"  # where open_tables() puts the tables: "gpu" | "host" | "disk"
+    store_options: Any = None  # engram.store.StoreOptions for open_tables() (None: the defaults)
+
+    def open_tables(self) -> dict[int, Any]:
+        """The tables, opened on ``tier`` and ``device`` at the first call (the Worker's, at its start);
+        tables passed in already opened are kept as they are."""
+        if not self.tables and self.table_dirs and self.engram_config is not None:
+            self.tables = open_tables(self.table_dirs, self.engram_config, self.tier, self.device,
+                                      self.store_options.to_dict() if self.store_options is not None else None)
+        return self.tables
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -70,18 +81,18 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> E
 
 
 def load_model(model: str | os.PathLike = "tiny", tier: str = "gpu", dtype: str | torch.dtype | None = None,
-               device: str | torch.device | None = None, engram_config: dict | None = None,
+               device: str | torch.device | None = None, engram_config=None,
                cache_dir: str | os.PathLike | None = None, progress: bool = True) -> LoadedModel:
     """Load a preset ("tiny" | "small" | "4b-like" | "8b-like") or a checkpoint directory.
 
-    ``engram_config`` (the runtime options dict of --engram-config) is read for ``cpu_offload`` (true ->
-    tier "host"), ``table_rows`` (rows per Engram layer of 4b-like / 8b-like), ``seed`` (preset weights
-    and tables) and open_table's ``cache_rows`` / ``cache_policy`` / ``io`` / ``queue_depth``; other keys
-    belong to the engine and are ignored here.
+    ``engram_config`` (the --engram-config dict, or engine.options.RuntimeOptions) gives ``cpu_offload``
+    (true -> tier "host"), ``table_rows`` (rows per Engram layer of 4b-like / 8b-like), ``seed`` (preset
+    weights and tables) and the table options that ``LoadedModel.open_tables`` uses.
     """
-    opts = dict(engram_config or {})
-    if opts.get("cpu_offload"):
-        tier = "host"
+    from engram.engine.options import RuntimeOptions
+
+    opts = engram_config if isinstance(engram_config, RuntimeOptions) else RuntimeOptions.from_dict(engram_config)
+    tier = opts.tier(tier)
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dt = resolve_dtype(dtype, dev)
     name = os.fspath(model)
@@ -107,25 +118,23 @@ def _tokenizers(path: Path):
 
 
 def _load_preset(name, tier, dtype, device, opts, cache_dir, progress) -> LoadedModel:
-    seed = int(opts.get("seed", 0))
-    cfg = preset_config(name, table_rows=opts.get("table_rows"), seed=seed)
+    seed = opts.seed
+    cfg = preset_config(name, table_rows=opts.table_rows, seed=seed)
     return random_model(cfg, tier, dtype, device, seed, cache_dir, opts, progress)
 
 
 def random_model(cfg: ModelConfig, tier: str = "gpu", dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", seed: int = 0, cache_dir=None, opts: dict | None = None,
+                 device: torch.device | str = "cpu", seed: int = 0, cache_dir=None, opts=None,
                  progress: bool = True) -> LoadedModel:
-    """Any ModelConfig with deterministic random weights and random tables (cached), built-in tokenizer."""
+    """Any ModelConfig with deterministic random weights and random tables (cached), built-in tokenizer.
+    ``opts``: RuntimeOptions (their ``store`` options open the tables)."""
     device = torch.device(device)
     model = build_model(cfg, dtype, device)
     init_random_weights(model, seed)
     tok, ctok = _tokenizers(TOKENIZER_FILE)
-    dirs, tables = {}, {}
-    if cfg.engram is not None:
-        dirs = ensure_preset_tables(cfg.engram, seed, cache_dir, progress=progress)
-        tables = open_tables(dirs, cfg.engram, tier, device, opts)
-    return LoadedModel(model, cfg, cfg.engram, tok, ctok, tables, cfg.eos_token_id, cfg.chat_template, cfg.name,
-                       dirs, dtype, device)
+    dirs = ensure_preset_tables(cfg.engram, seed, cache_dir, progress=progress) if cfg.engram is not None else {}
+    return LoadedModel(model, cfg, cfg.engram, tok, ctok, {}, cfg.eos_token_id, cfg.chat_template, cfg.name,
+                       dirs, dtype, device, tier, opts.store if opts is not None else None)
 
 
 # ----------------------------------------------------------------- checkpoints
@@ -212,14 +221,13 @@ def _load_checkpoint(path: Path, tier, dtype, device, opts, cache_dir, progress)
     model = build_model(cfg, dtype, device)
     _load_weights(model, files)
     tok, ctok = _tokenizers(path / "tokenizer.json")
-    tables, dirs = {}, {}
+    dirs = {}
     if cfg.engram is not None:
         ctok.check_config(cfg.engram)
         dirs = checkpoint_table_dirs(path, cfg.engram, cache_dir)
         convert_checkpoint_tables(path, dirs, cfg.engram, progress=progress)
-        tables = open_tables(dirs, cfg.engram, tier, device, opts)
-    return LoadedModel(model, cfg, cfg.engram, tok, ctok, tables, cfg.eos_token_id, cfg.chat_template, cfg.name,
-                       dirs, dtype, device)
+    return LoadedModel(model, cfg, cfg.engram, tok, ctok, {}, cfg.eos_token_id, cfg.chat_template, cfg.name,
+                       dirs, dtype, device, tier, opts.store if opts is not None else None)
 
 
 # ----------------------------------------------------------------- save

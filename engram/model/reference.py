@@ -74,7 +74,7 @@ def engram_fields(loaded, new_ids: list[int], past_ids: list[int], device, conv_
     ids = torch.tensor(new_ids, dtype=torch.long)
     comp = loaded.compressed_tokenizer.compress(ids, dead).to(torch.long)
     cu = torch.tensor([0, len(new_ids)], dtype=torch.long)
-    rows = StepRows(loaded.tables, hasher, comp.to(device), cu.to(device), lookback.to(device), loaded.dtype)
+    rows = StepRows(loaded.open_tables(), hasher, comp.to(device), cu.to(device), lookback.to(device), loaded.dtype)
     dead_mask = (comp == -1).to(device) if dead else None
     return {"engram_rows": rows, "dead_mask": dead_mask, "conv_state": conv_state}
 

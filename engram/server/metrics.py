@@ -14,7 +14,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
-TABLE_COUNTERS = ("lookups", "rows", "unique_rows", "hits", "misses", "evictions", "bytes_read", "read_ops")
+TABLE_COUNTERS = ("lookups", "rows", "unique_rows", "hits", "misses", "evictions", "bytes_read", "read_ops",
+                  "corrupt_pages")
 
 
 class ServerMetrics:
@@ -33,17 +34,13 @@ class ServerMetrics:
         self.e2e = Histogram("engram_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self._lock = threading.Lock()
-        self._snapshot: dict[str, Any] = {"running": 0, "waiting": 0, "kv_usage": 0.0, "tables": {}}
+        self._snapshot: dict[str, Any] = {"running": 0, "waiting": 0, "kv_usage": 0.0, "preemptions": 0, "tables": {}}
         r.register(_SnapshotCollector(self))
 
     def update_from_engine(self, engine: Any, outputs: list) -> None:
-        """Engine-thread hook: take the gauges and table counters after a step."""
-        sched = engine.scheduler
-        total = engine.memory.num_blocks
-        free = sched.blocks.num_free_blocks
-        tables = {lid: t.stats() for lid, t in engine.executor.tables.items()}
-        snap = {"running": len(sched.running), "waiting": len(sched.waiting),
-                "kv_usage": 1.0 - free / total if total else 0.0, "tables": tables}
+        """Engine-thread hook: keep the engine's ``stats()`` snapshot taken after a step (nothing else of
+        the engine is read)."""
+        snap = engine.stats()
         with self._lock:
             self._snapshot = snap
 
@@ -65,6 +62,8 @@ class _SnapshotCollector:
         yield GaugeMetricFamily("engram_num_requests_waiting", "Sequences waiting to be scheduled",
                                 value=snap["waiting"])
         yield GaugeMetricFamily("engram_kv_cache_usage_ratio", "Fraction of KV blocks in use", value=snap["kv_usage"])
+        yield CounterMetricFamily("engram_num_preemptions", "Sequences preempted by recompute",
+                                  value=snap["preemptions"])
         for key in TABLE_COUNTERS:
             fam = CounterMetricFamily(f"engram_table_{key}", f"Engram table {key} (cumulative)",
                                       labels=["layer", "tier"])

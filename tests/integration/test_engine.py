@@ -2,7 +2,7 @@
 
 One request alone == the same request among 16 concurrent mixed-length requests == prefill chunks of 1, 7
 and 64 tokens == a run that is preempted and resumed; the Engram row ids used at every step equal those
-of hashing the whole sequence at once (plans are recorded by a SyncLookupExecutor subclass). The paper
+of hashing the whole sequence at once (steps are recorded by a LookupExecutor subclass in the Worker). The paper
 variant's conv state is checked across chunks and preemption the same way.
 """
 from __future__ import annotations
@@ -15,11 +15,13 @@ from tokenizers import Tokenizer
 
 from engram.engine.config import EngineConfig
 from engram.engine.engine import LLMEngine
-from engram.engine.lookup import LookupPlan, StagedRows, SyncLookupExecutor
+from engram.engine.lookup import LookupExecutor, StagedRows
+from engram.engine.step import StepDescription
 from engram.engine.sampling_params import SamplingParams
 from engram.model.loader import LoadedModel, build_model, load_model
 from engram.model.presets import TOKENIZER_FILE, init_random_weights, preset_config
 from engram.model.tables import ensure_preset_tables, open_tables
+from engram.store.options import StoreOptions
 from engram.tokenizer import CompressedTokenizer
 
 CPU = torch.device("cpu")
@@ -46,17 +48,17 @@ def tiny_paper() -> LoadedModel:
                        dtype=F64, device=CPU)
 
 
-class RecordingExecutor(SyncLookupExecutor):
-    """The real executor, also keeping every plan it executed (the swap point the overlap issue uses)."""
+class RecordingExecutor(LookupExecutor):
+    """The real lookup executor, also keeping every step it executed (the swap point the overlap issue uses)."""
 
-    def __init__(self, base: SyncLookupExecutor):
+    def __init__(self, base: LookupExecutor):
         super().__init__(base.tables, base.cfg, base.dtype, base.device)
-        self.plans: list[LookupPlan] = []
+        self.plans: list[StepDescription] = []
         self.staged: list[StagedRows] = []
 
-    def submit(self, plan: LookupPlan) -> StagedRows:
-        self.plans.append(plan)
-        staged = super().submit(plan)
+    def submit(self, step: StepDescription) -> StagedRows:
+        self.plans.append(step)
+        staged = super().submit(step)
         self.staged.append(staged)
         return staged
 
@@ -70,8 +72,10 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 def run(loaded: LoadedModel, reqs: list[list[int]], params=GREEDY, record: bool = False, **cfg):
     engine = LLMEngine(loaded, EngineConfig(**cfg), loaded.device, loaded.dtype)
+    worker = engine.executor.worker
     if record:
-        engine.executor = RecordingExecutor(engine.executor)
+        worker.lookup = RecordingExecutor(worker.lookup)
+    engine.lookup = worker.lookup  # what the tests below read back
     seq_ids = {}
     for i, ids in enumerate(reqs):
         engine.add_request(f"r{i}", ids, params[i] if isinstance(params, list) else params)
@@ -81,7 +85,8 @@ def run(loaded: LoadedModel, reqs: list[list[int]], params=GREEDY, record: bool 
         for o in engine.step():
             if o.finished:
                 out[o.request_id] = o.outputs[0].token_ids
-    assert engine.scheduler.blocks.num_free_blocks == engine.memory.num_blocks  # every block came back
+    stats = engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]  # every block came back
     return [out[f"r{i}"] for i in range(len(reqs))], engine, seq_ids
 
 
@@ -135,15 +140,13 @@ def check_plans_against_full_hash(engine: LLMEngine, seq_ids: dict[str, int], pr
     how many positions were hashed more than once (recomputed after preemption)."""
     full = {seq_ids[f"r{i}"]: full_sequence_rows(engine, p + o) for i, (p, o) in enumerate(zip(prompt_ids, outputs))}
     seen: dict[tuple[int, int], int] = {}
-    for plan in engine.executor.plans:
+    for plan in engine.lookup.plans:
         cu = plan.cu_seqlens.tolist()
         for s, sid in enumerate(plan.seq_ids):
             pos = plan.positions[cu[s]:cu[s + 1]]
-            for lid, lk in plan.layers.items():
-                step_rows = lk.row_ids[cu[s]:cu[s + 1]]  # [n, n_cols]
+            for lid, row_ids in plan.engram_row_ids.items():
+                step_rows = row_ids[cu[s]:cu[s + 1]]  # [n, n_cols]
                 assert torch.equal(step_rows, full[sid][lid][pos]), f"seq {sid} layer {lid} positions {pos.tolist()}"
-                flat = lk.unique_ids[lk.inverse].reshape(lk.row_ids.shape)
-                assert torch.equal(flat, lk.row_ids)
             for p in pos.tolist():
                 seen[(sid, p)] = seen.get((sid, p), 0) + 1
     # every token that was ever computed appears: prompt + all outputs except the last sampled one
@@ -168,7 +171,7 @@ def test_dead_tokens_break_ngrams_across_chunks_and_steps(tiny):
     reqs = [p[:10] + [dead] * 3 + p[10:] for p in prompts(6, seed=2)]
     got, engine, seq_ids = run(loaded, reqs, record=True, max_num_seqs=6, max_num_batched_tokens=7)
     assert check_plans_against_full_hash(engine, seq_ids, reqs, got) == 0
-    assert any(bool((plan.compressed_ids == -1).any()) for plan in engine.executor.plans)
+    assert any(bool(plan.dead_mask.any()) for plan in engine.lookup.plans)
     solo = [run(loaded, [p], max_num_seqs=1, max_num_batched_tokens=256)[0][0] for p in reqs]
     assert got == solo
 
@@ -191,20 +194,20 @@ def test_model_without_engram_layers_runs_with_empty_plans(tiny):
     reqs = prompts(5, seed=4)
     solo = [run(plain, [p], max_num_seqs=1)[0][0] for p in reqs]
     got, engine, _ = run(plain, reqs, record=True, max_num_seqs=5, max_num_batched_tokens=16)
-    assert got == solo and all(plan.layers == {} for plan in engine.executor.plans)
-    assert engine.memory.staging_bytes == 0
+    assert got == solo and all(plan.engram_row_ids == {} for plan in engine.lookup.plans)
+    assert engine.executor.worker.memory.staging_bytes == 0
 
 
 @pytest.mark.parametrize("tier,options", [("host", {}), ("disk", {"io": "buffered", "cache_rows": 300})])
 def test_same_batches_on_another_tier_give_bitwise_equal_rows_and_tokens(tiny, tier, options):
-    other = dataclasses.replace(tiny, tables=open_tables(tiny.table_dirs, tiny.engram_config, tier, CPU, options))
+    other = dataclasses.replace(tiny, tables={}, tier=tier, store_options=StoreOptions(**options))  # the Worker opens them
     reqs = prompts(8, seed=5)
     cfg = dict(max_num_seqs=8, max_num_batched_tokens=32)
     ref, ref_engine, _ = run(tiny, reqs, record=True, **cfg)
     got, engine, _ = run(other, reqs, record=True, **cfg)
     assert got == ref
-    assert len(engine.executor.staged) == len(ref_engine.executor.staged)
-    for a, b, plan in zip(ref_engine.executor.staged, engine.executor.staged, engine.executor.plans):
+    assert len(engine.lookup.staged) == len(ref_engine.lookup.staged)
+    for a, b, plan in zip(ref_engine.lookup.staged, engine.lookup.staged, engine.lookup.plans):
         for lid in tiny.engram_config.layer_ids:
-            ra, rb = a.rows(lid, a.plan_id), b.rows(lid, b.plan_id)  # [T, n_cols, D] float64
+            ra, rb = a.rows(lid, a.step_id), b.rows(lid, b.step_id)  # [T, n_cols, D] float64
             assert torch.equal(ra.view(torch.uint8), rb.view(torch.uint8))

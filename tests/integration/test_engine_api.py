@@ -11,7 +11,7 @@ import torch
 import engram
 from engram.engine.config import EngineConfig
 from engram.engine.engine import LLMEngine
-from engram.engine.lookup import SyncLookupExecutor
+from engram.engine.lookup import LookupExecutor
 from engram.engine.sampling_params import SamplingParams
 from engram.model.loader import LoadedModel, load_model
 
@@ -119,7 +119,7 @@ def test_memory_budget_too_small_fails_at_start(tiny):
     with pytest.raises(ValueError, match="num_kv_blocks=3.*needs 4 blocks"):
         engine_for(tiny, num_kv_blocks=3, max_model_len=64)
     fits = engine_for(tiny, kv_cache_memory=16_000_000, max_model_len=512)
-    m = fits.memory
+    m = fits.executor.worker.memory
     assert m.num_blocks * m.bytes_per_block + m.staging_bytes <= 16_000_000 < (m.num_blocks + 1) * m.bytes_per_block + m.staging_bytes
 
 
@@ -130,12 +130,12 @@ def test_abort_frees_blocks_and_silences_the_request(tiny):
     engine.step()
     engine.step()
     held = len(engine._seqs["b"].block_table)
-    free = engine.scheduler.blocks.num_free_blocks
+    free = engine.stats()["kv_blocks_free"]
     assert engine.abort_request("b") and not engine.abort_request("b") and not engine.abort_request("zzz")
-    assert engine.scheduler.blocks.num_free_blocks == free + held
+    assert engine.stats()["kv_blocks_free"] == free + held
     rest = drain(engine)
     assert set(rest) == {"a", "c"} and all(len(v[-1].outputs[0].token_ids) == 8 for v in rest.values())
-    assert engine.scheduler.blocks.num_free_blocks == engine.memory.num_blocks
+    assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"]
     engine.add_request("x", PROMPT)
     with pytest.raises(ValueError, match="already running"):
         engine.add_request("x", PROMPT)
@@ -194,55 +194,94 @@ def test_cli_generate_prints_completions_and_throughput(tmp_path, capsys):
     assert "--engram-config: not valid JSON" in capsys.readouterr().err
 
 
-class FailingOnce(SyncLookupExecutor):
-    """The real executor, except that its first plan fails like a table read error would."""
+class FailingOnce(LookupExecutor):
+    """The real lookup executor, except that its first step fails like a table read error would."""
 
-    def __init__(self, base: SyncLookupExecutor):
+    def __init__(self, base: LookupExecutor):
         super().__init__(base.tables, base.cfg, base.dtype, base.device)
         self.failed = False
 
-    def submit(self, plan):
+    def submit(self, step):
         if not self.failed:
             self.failed = True
             raise OSError("pread failed at offset 4096 of values.bin")
-        return super().submit(plan)
+        return super().submit(step)
 
 
 def test_failed_step_names_its_requests_and_can_be_retried(tiny, reference):
     engine = engine_for(tiny)
-    engine.executor = FailingOnce(engine.executor)
+    worker = engine.executor.worker
+    worker.lookup = FailingOnce(worker.lookup)
     engine.add_request("a", PROMPT, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     with pytest.raises(OSError, match="offset 4096") as err:
         engine.step()
     assert err.value.request_ids == ["a"]
     out = drain(engine)["a"][-1].outputs[0]  # nothing was committed by the failed step
     assert out.token_ids == reference.token_ids
-    assert engine.scheduler.blocks.num_free_blocks == engine.memory.num_blocks
+    assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"]
+
+
+class FailingFor(LookupExecutor):
+    """The real lookup executor, except that every step holding sequence ``seq_id`` fails."""
+
+    def __init__(self, base: LookupExecutor, seq_id: int):
+        super().__init__(base.tables, base.cfg, base.dtype, base.device)
+        self.seq_id = seq_id
+
+    def submit(self, step):
+        if self.seq_id in step.seq_ids:
+            raise OSError("CRC mismatch in page at offset 8192 of values.bin")
+        return super().submit(step)
+
+
+def test_a_failing_request_does_not_fail_the_others_batched_with_it(tiny):
+    from engram.engine.engine import StepError
+
+    engine = engine_for(tiny, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    for rid in ("a", "b", "c"):
+        engine.add_request(rid, PROMPT + " " + rid, params)
+    worker = engine.executor.worker
+    worker.lookup = FailingFor(worker.lookup, engine._seqs["b"].seq_id)
+    with pytest.raises(StepError, match="offset 8192") as err:
+        engine.step()  # one batch of three: re-run in halves, only b fails
+    assert err.value.request_ids == ["b"] and sorted(o.request_id for o in err.value.outputs) == ["a", "c"]
+    assert engine.abort_request("b")
+    rest = drain(engine)
+    assert all(len(rest[r][-1].outputs[0].token_ids) == 5 for r in ("a", "c"))
+    assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"]
 
 
 def test_llm_generate_drops_its_requests_when_a_step_fails(llm):
     params = engram.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     ref = llm.generate(["Hello there"], params, use_tqdm=False)[0].outputs[0].token_ids
-    real = llm.engine.executor
-    llm.engine.executor = FailingOnce(real)
+    worker = llm.engine.executor.worker
+    real = worker.lookup
+    worker.lookup = FailingOnce(real)
     try:
         with pytest.raises(OSError, match="offset 4096"):
-            llm.generate(["Hello there", "Another one"], params, use_tqdm=False)
+            llm.generate(["Hello there"], params, use_tqdm=False)
         assert not llm.engine.has_unfinished()  # nothing left to run inside the next call
-        assert llm.engine.scheduler.blocks.num_free_blocks == llm.engine.memory.num_blocks
+        assert llm.engine.stats()["kv_blocks_free"] == llm.engine.stats()["kv_blocks_total"]
+        worker.lookup = FailingFor(real, next(iter(llm.engine._seq_ids)) + 1)  # the second prompt's sequence
+        with pytest.raises(RuntimeError, match="offset 8192"):
+            llm.generate(["Hello there", "Another one"], params, use_tqdm=False)
+        assert not llm.engine.has_unfinished()
+        assert llm.engine.stats()["kv_blocks_free"] == llm.engine.stats()["kv_blocks_total"]
+        worker.lookup = real
         outs = llm.generate(["Hello there"], params, use_tqdm=False)
         assert len(outs) == 1 and outs[0].outputs[0].token_ids == ref
     finally:
-        llm.engine.executor = real
+        worker.lookup = real
 
 
 def test_kv_budget_counts_hot_row_cache_and_only_kv_source_layers(tiny):
     budget = dict(kv_cache_memory=24_000_000, max_model_len=256)
     plain = engram.LLM(model="tiny", tier="disk", engram_config={"io": "buffered"}, **budget)
     cached = engram.LLM(model="tiny", tier="disk", engram_config={"io": "buffered", "cache_rows": 20_000}, **budget)
-    caches = [t.cache for t in cached.loaded.tables.values()]
+    caches = [t.cache for t in cached.loaded.tables.values()]  # opened by the engine's Worker
     assert all(c is not None and c.capacity > 0 for c in caches)
-    plain, cached = plain.engine.memory, cached.engine.memory
+    plain, cached = plain.engine.executor.worker.memory, cached.engine.executor.worker.memory
     assert cached.cache_bytes == sum(c.nbytes for c in caches) > 0 and plain.cache_bytes == 0
     assert cached.num_blocks == (24_000_000 - cached.staging_bytes - cached.cache_bytes) // cached.bytes_per_block
     assert cached.num_blocks < plain.num_blocks
@@ -255,6 +294,7 @@ def test_kv_budget_counts_hot_row_cache_and_only_kv_source_layers(tiny):
     shared = dataclasses.replace(tiny, model=model, model_config=cfg)
     engine = engine_for(shared, **budget)
     full = engine_for(tiny, **budget)
+    engine, full = engine.executor.worker, full.executor.worker
     assert engine.kv.layers == (0, 2) and engine.memory.bytes_per_block * 2 == full.memory.bytes_per_block
     out = complete(shared, PROMPT, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), **budget)
     assert len(out.token_ids) == 6

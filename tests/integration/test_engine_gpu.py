@@ -10,7 +10,7 @@ import torch
 
 import engram
 from engram.model.loader import load_model
-from engram.model.tables import open_tables
+from engram.store.options import StoreOptions
 from tests.integration.test_engine import prompts, run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -37,10 +37,10 @@ def test_cuda_float64_rows_and_tokens_equal_the_cpu_path(tmp_path):
     ref, ref_engine, _ = run(ref_model, reqs, record=True, max_num_seqs=16, max_num_batched_tokens=64)
     got, engine, _ = run(tiny, reqs, record=True, max_num_seqs=16, max_num_batched_tokens=64)
     assert got == ref
-    assert len(engine.executor.staged) == len(ref_engine.executor.staged)
-    for a, b in zip(ref_engine.executor.staged, engine.executor.staged):
+    assert len(engine.lookup.staged) == len(ref_engine.lookup.staged)
+    for a, b in zip(ref_engine.lookup.staged, engine.lookup.staged):
         for lid in tiny.engram_config.layer_ids:
-            ra, rb = a.rows(lid, a.plan_id), b.rows(lid, b.plan_id)  # [T, n_cols, D] float64
+            ra, rb = a.rows(lid, a.step_id), b.rows(lid, b.step_id)  # [T, n_cols, D] float64
             assert rb.device.type == "cuda" and torch.equal(ra.view(torch.uint8), rb.cpu().view(torch.uint8))
 
 
@@ -48,14 +48,14 @@ def test_cuda_float64_rows_and_tokens_equal_the_cpu_path(tmp_path):
 def test_cuda_bf16_tiers_give_bitwise_equal_rows_and_tokens(tmp_path, tier):
     tiny = load_model("tiny", dtype=torch.bfloat16, device=CUDA, cache_dir=tmp_path, progress=False)
     options = {"io": "buffered", "cache_rows": 500} if tier == "disk" else {}
-    other = dataclasses.replace(tiny, tables=open_tables(tiny.table_dirs, tiny.engram_config, tier, CUDA, options))
+    other = dataclasses.replace(tiny, tables={}, tier=tier, store_options=StoreOptions(**options))  # the Worker opens them
     reqs = prompts(16, seed=7)
     ref, ref_engine, _ = run(tiny, reqs, record=True, max_num_seqs=16, max_num_batched_tokens=64)
     got, engine, _ = run(other, reqs, record=True, max_num_seqs=16, max_num_batched_tokens=64)
     assert got == ref
-    for a, b in zip(ref_engine.executor.staged, engine.executor.staged):
+    for a, b in zip(ref_engine.lookup.staged, engine.lookup.staged):
         for lid in tiny.engram_config.layer_ids:
-            ra, rb = a.rows(lid, a.plan_id), b.rows(lid, b.plan_id)
+            ra, rb = a.rows(lid, a.step_id), b.rows(lid, b.step_id)
             assert ra.device.type == "cuda" and torch.equal(ra.view(torch.uint8), rb.view(torch.uint8))
 
 

@@ -37,7 +37,7 @@ def _ids(loaded):
 
 def test_tiny_preset_fields_and_cache_reuse(tiny, cache_dir):
     assert tiny.name == "tiny" and tiny.dtype == torch.float32 and tiny.device.type == "cpu"
-    assert tiny.model_config.hc_mult == 2 and sorted(tiny.tables) == [1, 3]
+    assert tiny.model_config.hc_mult == 2 and sorted(tiny.open_tables()) == [1, 3]
     assert len(tiny.compressed_tokenizer) == tiny.engram_config.compressed_vocab_size
     assert tiny.eos_token_id == tiny.tokenizer.token_to_id("<|eos|>") and "<|assistant|>" in tiny.chat_template
     manifests = {l: (d / MANIFEST).stat().st_mtime_ns for l, d in tiny.table_dirs.items()}
@@ -62,9 +62,9 @@ def test_save_load_identical_logits(tiny, checkpoint, cache_dir):
     a, b = prefill_logits(tiny, ids), prefill_logits(back, ids)
     assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert greedy_generate(back, ids, 6) == greedy_generate(tiny, ids, 6)
-    for lid in tiny.tables:  # the converted table has the same bytes
+    for lid in tiny.open_tables():  # the converted table has the same bytes
         ids_all = torch.arange(tiny.tables[lid].rows)
-        assert torch.equal(back.tables[lid].gather_raw(ids_all), tiny.tables[lid].gather_raw(ids_all))
+        assert torch.equal(back.open_tables()[lid].gather_raw(ids_all), tiny.tables[lid].gather_raw(ids_all))
 
 
 def _rewrite(src, dst, edit):
@@ -157,13 +157,13 @@ def test_float64_and_cpu_offload_option(cache_dir):
     loaded = load_model("tiny", dtype="float64", device="cpu", engram_config={"cpu_offload": True},
                         cache_dir=cache_dir, progress=False)
     assert loaded.model.lm_head.weight.dtype == torch.float64
-    assert all(t.__class__.__name__ == "HostTable" for t in loaded.tables.values())
+    assert all(t.__class__.__name__ == "HostTable" for t in loaded.open_tables().values())
     assert prefill_logits(loaded, _ids(loaded)).dtype == torch.float32
 
 
 def test_small_preset_runs_on_cpu(cache_dir):
     loaded = load_model("small", tier="host", device="cpu", cache_dir=cache_dir, progress=False)
-    assert sorted(loaded.tables) == [1, 6] and loaded.model_config.hc_mult == 2
+    assert sorted(loaded.open_tables()) == [1, 6] and loaded.model_config.hc_mult == 2
     logits = prefill_logits(loaded, _ids(loaded)[:8])
     assert logits.shape == (8, 4096) and bool(torch.isfinite(logits).all())
 

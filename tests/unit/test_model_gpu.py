@@ -28,7 +28,7 @@ def _packed_step(loaded, seqs: list[list[int]], kv_blocks: list[list[int]], bloc
     hasher = hasher_for(loaded)
     comp = torch.cat([loaded.compressed_tokenizer.compress(torch.tensor(s), ()) for s in seqs]).long().to(dev)
     cu = torch.tensor([0] + [len(s) for s in seqs], device=dev).cumsum(0)
-    rows = StepRows(loaded.tables, hasher, comp, cu, hasher.initial_lookback(len(seqs), dev), loaded.dtype)
+    rows = StepRows(loaded.open_tables(), hasher, comp, cu, hasher.initial_lookback(len(seqs), dev), loaded.dtype)
     return make_step_inputs(seqs, [0] * len(seqs), kv_blocks, block_size, rows, device=dev)
 
 

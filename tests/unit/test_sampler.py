@@ -1,4 +1,5 @@
-"""Sampler: greedy, temperature, top-k, top-p, per-request seeds, min_tokens; SamplingParams validation."""
+"""Sampler: greedy, temperature, top-k, top-p, per-request seeds, min_tokens, forced tokens, logprobs;
+SamplingParams validation."""
 from __future__ import annotations
 
 import math
@@ -6,31 +7,38 @@ import math
 import pytest
 import torch
 
-from engram.engine.sampler import SampleRequest, Sampler
+from engram.engine.sampler import Sampler
 from engram.engine.sampling_params import SamplingParams
+from engram.engine.step import SampleSpec
 
 
-def req(n_out=0, gen=None, **kw) -> SampleRequest:
-    return SampleRequest(SamplingParams(**kw), n_out, gen)
+def req(n_out=0, gen=None, eos=None, **kw) -> tuple[SampleSpec, torch.Generator | None]:
+    """The spec of a sequence with ``n_out`` tokens generated so far, and its generator."""
+    return SampleSpec.from_params(SamplingParams(**kw), n_out, eos), gen
+
+
+def sample(sampler: Sampler, logits: torch.Tensor, reqs) -> torch.Tensor:
+    specs, gens = zip(*reqs)
+    return sampler(logits, list(specs), list(gens)).token_ids
 
 
 def test_greedy_is_argmax_per_row():
     logits = torch.randn(7, 50, generator=torch.Generator().manual_seed(0))
-    out = Sampler(eos_token_id=None)(logits, [req(temperature=0.0) for _ in range(7)])
+    out = sample(Sampler(), logits, [req(temperature=0.0) for _ in range(7)])
     assert out.tolist() == logits.argmax(-1).tolist()
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy_at_any_temperature():
     logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(1))
-    s = Sampler(None, seed=3)
-    out = s(logits, [req(temperature=5.0, top_k=1)] * 3 + [req(temperature=5.0, top_p=1e-6)] * 3)
+    s = Sampler(seed=3)
+    out = sample(s, logits, [req(temperature=5.0, top_k=1)] * 3 + [req(temperature=5.0, top_p=1e-6)] * 3)
     assert out.tolist() == logits.argmax(-1).tolist()
 
 
 def test_samples_follow_softmax_of_scaled_logits():
     base = torch.tensor([2.0, 1.0, 0.0, -1.0])
     n, temp = 20000, 0.7
-    out = Sampler(None, seed=0)(base.repeat(n, 1), [req(temperature=temp)] * n)
+    out = sample(Sampler(seed=0), base.repeat(n, 1), [req(temperature=temp)] * n)
     freq = torch.bincount(out, minlength=4).double() / n
     p = torch.softmax(base.double() / temp, -1)
     # 5 standard errors per class: fails for a wrong temperature or a biased draw, not by chance
@@ -40,12 +48,12 @@ def test_samples_follow_softmax_of_scaled_logits():
 def test_top_k_and_top_p_cut_the_tail():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().repeat(4000, 1)
-    s = Sampler(None, seed=1)
-    k2 = s(logits, [req(top_k=2)] * 4000)
+    s = Sampler(seed=1)
+    k2 = sample(s, logits, [req(top_k=2)] * 4000)
     assert set(k2.tolist()) == {0, 1}
-    p7 = s(logits, [req(top_p=0.7)] * 4000)  # 0.5 < 0.7 keeps token 1; 0.8 >= 0.7 drops token 2
+    p7 = sample(s, logits, [req(top_p=0.7)] * 4000)  # 0.5 < 0.7 keeps token 1; 0.8 >= 0.7 drops token 2
     assert set(p7.tolist()) == {0, 1}
-    both = s(logits, [req(top_k=3, top_p=0.99)] * 4000)
+    both = sample(s, logits, [req(top_k=3, top_p=0.99)] * 4000)
     assert set(both.tolist()) == {0, 1, 2}
     # the kept mass is renormalised: token 0 has 0.5 / 0.8 of it
     assert abs((p7 == 0).double().mean().item() - 0.625) < 5 * math.sqrt(0.625 * 0.375 / 4000)
@@ -58,11 +66,11 @@ def test_seeded_rows_do_not_depend_on_the_batch():
 
     def run(batch_rows: list[int], seeds: dict[int, int]) -> dict[int, list[int]]:
         gens = {i: torch.Generator().manual_seed(seeds[i]) for i in seeds}
-        s = Sampler(None, seed=123)
+        s = Sampler(seed=123)
         out = {i: [] for i in seeds}
         for _ in range(5):
             logits = torch.stack([rows[i] for i in batch_rows])
-            toks = s(logits, [req(temperature=1.0, gen=gens.get(i)) for i in batch_rows])
+            toks = sample(s, logits, [req(temperature=1.0, gen=gens.get(i)) for i in batch_rows])
             for i, t in zip(batch_rows, toks.tolist()):
                 if i in seeds:
                     out[i].append(t)
@@ -79,19 +87,44 @@ def test_min_tokens_masks_eos_and_stop_tokens():
     logits = torch.zeros(2, 10)
     logits[:, 9] = 100.0  # EOS would win
     logits[:, 4] = 50.0
-    s = Sampler(eos_token_id=9)
-    early = s(logits, [req(n_out=0, temperature=0.0, min_tokens=2), req(n_out=2, temperature=0.0, min_tokens=2)])
+    s = Sampler()
+    early = sample(s, logits, [req(n_out=0, eos=9, temperature=0.0, min_tokens=2), req(n_out=2, eos=9, temperature=0.0, min_tokens=2)])
     assert early.tolist() == [4, 9]
     logits[:, 4] = 200.0
-    stopped = s(logits, [req(n_out=1, temperature=0.0, min_tokens=3, stop_token_ids=[4])] * 2)
+    stopped = sample(s, logits, [req(n_out=1, eos=9, temperature=0.0, min_tokens=3, stop_token_ids=[4])] * 2)
     assert 4 not in stopped.tolist() and 9 not in stopped.tolist()
+
+
+def test_forced_tokens_replace_the_sampled_ones_after_sampling_as_usual():
+    logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(2))
+    forced = [7, 11]
+    reqs = [req(n_out=0, temperature=0.0, forced_token_ids=forced), req(n_out=1, temperature=0.0, forced_token_ids=forced),
+            req(n_out=2, temperature=0.0, forced_token_ids=forced)]  # the third is past the continuation
+    assert sample(Sampler(), logits, reqs).tolist() == [7, 11, int(logits[2].argmax())]
+    # a sampled row draws from its stream even when forced: the stream advances as in real decode
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    sample(Sampler(), logits[:1], [req(temperature=1.0, gen=g1, forced_token_ids=[3])])
+    sample(Sampler(), logits[:1], [req(temperature=1.0, gen=g2)])
+    assert torch.equal(g1.get_state(), g2.get_state())
+
+
+def test_logprobs_are_the_raw_log_softmax_of_the_emitted_token_and_the_top_k():
+    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(3))
+    specs, gens = zip(req(temperature=0.0, logprobs=3), req(temperature=0.0, forced_token_ids=[5], logprobs=2))
+    out = Sampler()(logits, list(specs), list(gens))
+    logp = logits.log_softmax(-1)
+    assert out.token_ids.tolist() == [int(logits[0].argmax()), 5]
+    assert torch.equal(out.logprobs, torch.stack([logp[0].max(), logp[1, 5]]))
+    assert out.top_token_ids[0].tolist() == logp[0].topk(3).indices.tolist()
+    assert torch.equal(out.top_logprobs[1, :2], logp[1].topk(2).values)
 
 
 @pytest.mark.parametrize("kw,field", [({"n": 2}, "n"), ({"temperature": -0.1}, "temperature"),
                                       ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
                                       ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
                                       ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
-                                      ({"min_tokens": 5, "max_tokens": 2}, "min_tokens")])
+                                      ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+                                      ({"logprobs": 21}, "logprobs"), ({"forced_token_ids": [-3]}, "forced_token_ids")])
 def test_sampling_params_validation_names_the_field(kw, field):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}="):
         SamplingParams(**kw)

@@ -17,11 +17,12 @@ from torch import nn
 from engram.model.kv_cache import KVCache
 from engram.model.layers.norm import RMSNorm
 from engram.model.layers.rope import apply_rope
+from engram.transfer import to_device
 
 
 @dataclass
 class AttentionMetadata:
-    """Per-step host-side view of the sequence layout, computed once per forward (one host sync)."""
+    """Per-step host-side view of the sequence layout, computed once per forward from host numbers."""
 
     starts: list[int]  # first packed token of each sequence
     q_lens: list[int]  # new tokens of each sequence
@@ -36,24 +37,35 @@ class AttentionMetadata:
 
     @classmethod
     def from_step(cls, cu_seqlens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> "AttentionMetadata":
+                  slot_mapping: torch.Tensor, host: "HostLayout | None" = None) -> "AttentionMetadata":
+        """The step's layout. With ``host`` (the engine's own numbers) nothing is read back from the device;
+        without it (reference builders, tests) offsets and lengths are read in one host sync."""
         n = context_lens.shape[0]
-        # One host sync per step (not per layer): offsets, KV lengths and "any slot < 0" in one copy.
-        host = torch.cat([cu_seqlens.long(), context_lens.long(), (slot_mapping < 0).any().long().view(1)]).tolist()
-        cu, ctx, padded = host[: n + 1], host[n + 1: 2 * n + 1], bool(host[-1])
-        keep = torch.nonzero(slot_mapping >= 0).squeeze(1) if padded else None
+        if host is None:
+            flat = torch.cat([cu_seqlens.long(), context_lens.long(), (slot_mapping < 0).any().long().view(1)]).tolist()
+            host = HostLayout(flat[: n + 1], flat[n + 1: 2 * n + 1], not flat[-1])
+        cu, ctx = host.cu_seqlens, host.context_lens
+        keep = None if host.all_slots_valid else torch.nonzero(slot_mapping >= 0).squeeze(1)
         q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
         for s, (q, c) in enumerate(zip(q_lens, ctx)):
             if q > c:
                 raise ValueError(f"sequence {s}: {q} new tokens but context_lens={c} (must include them)")
         dec = [s for s, q in enumerate(q_lens) if q == 1]
-        dev = block_tables.device
         meta = cls(cu[:-1], q_lens, ctx, block_tables, slot_mapping, keep, None, None, None)
         if dec:
-            rows = torch.tensor([dec, [cu[s] for s in dec], [ctx[s] for s in dec]], dtype=torch.long, device=dev)
-            meta.decode_seqs, meta.decode_tokens, meta.decode_lens = rows.unbind(0)  # [3, D]: one copy to device
+            rows = to_device([dec, [cu[s] for s in dec], [ctx[s] for s in dec]], block_tables.device)  # [3, D]
+            meta.decode_seqs, meta.decode_tokens, meta.decode_lens = rows.unbind(0)
             meta.decode_max_len = max(ctx[s] for s in dec)
         return meta
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """The step's sequence layout as host numbers (the engine knows them before the step runs)."""
+
+    cu_seqlens: list[int]  # [S+1] token offsets
+    context_lens: list[int]  # [S] KV length of each sequence after the step
+    all_slots_valid: bool = True  # every token's KV slot is >= 0 (the engine's steps always are)
 
 
 def paged_attention(q: torch.Tensor, kv: KVCache, layer_id: int, meta: AttentionMetadata,

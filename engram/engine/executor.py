@@ -1,0 +1,41 @@
+"""Executor: how the engine reaches its Workers. One method per direction, nothing model-specific.
+
+``execute(step) -> StepResult`` runs a StepDescription on every Worker and returns the result the
+engine reads (rank 0's); ``stats()`` gathers the Workers' counters. ``UniProcExecutor`` holds one Worker
+in this process and calls it directly. A multi-process executor (tensor/pipeline parallel) keeps this
+interface: it pickles the StepDescription once (plain CPU data), broadcasts it to its Workers (a
+shared-memory ring or ``torch.distributed.broadcast_object_list`` on a gloo group), each Worker runs
+``execute`` on its shard, and only rank 0 sends the StepResult back.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from engram.engine.step import StepDescription, StepResult
+from engram.engine.worker import Worker
+
+
+class Executor:
+    """The engine's view of its Workers."""
+
+    num_kv_blocks: int  # KV blocks every Worker allocated (the scheduler's block pool)
+
+    def execute(self, step: StepDescription) -> StepResult:
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class UniProcExecutor(Executor):
+    """One Worker, in the engine's process."""
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+        self.num_kv_blocks = worker.memory.num_blocks
+
+    def execute(self, step: StepDescription) -> StepResult:
+        return self.worker.execute(step)
+
+    def stats(self) -> dict[str, Any]:
+        return self.worker.stats()

@@ -1,0 +1,50 @@
+"""``RuntimeOptions``: the ``--engram-config`` JSON (``LLM(engram_config=...)``) validated once into types.
+
+Keys as vLLM names them where it has them: ``cpu_offload`` (true ⇒ tier "host" unless a tier was chosen),
+``lookup_overlap``; the loader's ``table_rows`` (rows per Engram layer of the 4b-like / 8b-like presets)
+and ``seed`` (preset weights and tables); every other key is a table option (engram.store.StoreOptions:
+cache_rows, cache_policy, io, queue_depth, host_layout, ...). An unknown key or a bad value is a ValueError
+naming it, raised before anything loads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from engram.store.options import StoreOptions
+
+ENGINE_KEYS = ("cpu_offload", "lookup_overlap")
+LOADER_KEYS = ("table_rows", "seed")
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    cpu_offload: bool = False  # vLLM's name: tables in pinned host memory (tier "host")
+    lookup_overlap: bool = False  # lookups on their own stream, overlapping earlier layers (when available)
+    table_rows: int | None = None  # rows per Engram layer of a preset model (None: the preset's)
+    seed: int = 0  # preset weights and tables
+    store: StoreOptions = field(default_factory=StoreOptions)  # options of every opened table
+
+    def __post_init__(self) -> None:
+        for key in ENGINE_KEYS:
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"engram_config.{key}={getattr(self, key)!r}: must be true or false")
+        if self.table_rows is not None and (isinstance(self.table_rows, bool) or not isinstance(self.table_rows, int)
+                                            or self.table_rows < 1):
+            raise ValueError(f"engram_config.table_rows={self.table_rows!r}: must be an int >= 1")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"engram_config.seed={self.seed!r}: must be an int >= 0")
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, Any] | None) -> "RuntimeOptions":
+        options = dict(options or {})
+        known = ENGINE_KEYS + LOADER_KEYS + StoreOptions.KEYS
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ValueError(f"engram_config has unknown key(s) {unknown}; known keys: {sorted(known)}")
+        own = {k: options.pop(k) for k in ENGINE_KEYS + LOADER_KEYS if k in options}
+        return cls(store=StoreOptions.from_dict(options), **own)
+
+    def tier(self, tier: str) -> str:
+        """``cpu_offload: true`` means tier "host" unless a tier other than the default was chosen."""
+        return "host" if self.cpu_offload and tier == "gpu" else tier

@@ -1,0 +1,39 @@
+"""Lookup planning (engine side, CPU): which Engram rows a step needs, known before the first layer runs.
+
+``LookupPlanner.plan`` hashes the step's packed compressed ids, with each sequence's lookback, into a
+``LookupPlan``: per Engram layer the row ids [T, n_cols] (int64, CPU) and every sequence's lookback after
+the step. The ids are hashed where they already are (the scheduler's host-side token lists), so no device
+round trip is needed to know a step's rows; the plan travels to the Worker inside the StepDescription.
+The plan is not deduplicated here: resident tiers gather straight from it, and the tiers that benefit
+(hot-row caches, the disk tier's page reads) deduplicate inside the store.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engram.hashing import NgramHasher
+
+
+@dataclass(frozen=True)
+class LookupPlan:
+    row_ids: dict[int, torch.Tensor]  # Engram layer id -> [T, n_cols] int64 global row ids of its table
+    next_lookback: torch.Tensor  # [S, max_ngram-1] int64 each sequence's lookback after this step
+
+    def num_rows(self) -> int:
+        return sum(int(r.numel()) for r in self.row_ids.values())
+
+
+class LookupPlanner:
+    """Hashes a packed step into a LookupPlan; a model without Engram layers gets empty plans."""
+
+    def __init__(self, hasher: NgramHasher | None):
+        self.hasher = hasher
+
+    def plan(self, compressed_ids: torch.Tensor, cu_seqlens: torch.Tensor, lookback: torch.Tensor) -> LookupPlan:
+        """compressed_ids [T] (DEAD = -1), cu_seqlens [S+1], lookback [S, max_ngram-1] -> LookupPlan."""
+        if self.hasher is None:
+            return LookupPlan({}, lookback)
+        rows, next_lookback = self.hasher.hash_step(compressed_ids, cu_seqlens, lookback)  # {layer: [T, n_cols]}
+        return LookupPlan(rows, next_lookback)

@@ -1,0 +1,105 @@
+"""The engine ↔ worker contract: one ``StepDescription`` in, one ``StepResult`` out, per step.
+
+Everything here is plain, picklable CPU data (int64 CPU tensors, lists, ints, small dataclasses): the
+engine builds it from the scheduler's own host-side numbers, so a Worker never reads a device tensor back
+to learn the batch layout. Today one in-process Worker consumes it; N Workers in other processes would
+receive the same object broadcast from the engine process (``pickle`` once, then
+``torch.distributed.broadcast_object_list`` on a gloo group, or a shared-memory ring as vLLM's message
+queue does) and every Worker runs the same step; rank 0's ``StepResult`` is the one the engine reads.
+
+    engine (CPU)                                     worker (device)
+    schedule → pack → plan lookups ──StepDescription──► upload (pinned, non-blocking) → lookups → model
+    postprocess ◄────────────────────StepResult────────  sample → one read of the sampled ids
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engram.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """How one sampling sequence picks its token this step (already resolved against its progress)."""
+
+    temperature: float  # 0 = greedy
+    top_p: float  # nucleus mass kept (1.0 = all)
+    top_k: int  # tokens kept (0 = all)
+    seed: int | None  # the sequence's own random stream (the Worker keeps it per seq_id), None = shared
+    banned_token_ids: tuple[int, ...]  # masked to -inf this step (EOS / stop ids before min_tokens)
+    forced_token_id: int  # -1, or the token emitted instead of the sampled one (forced decoding)
+    logprobs: int  # 0 = none; k >= 1 = the emitted token's logprob and the top-k of this step
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_params(cls, p: SamplingParams, num_output_tokens: int, eos_token_id: int | None) -> "SampleSpec":
+        """The spec of a sequence about to sample its token number ``num_output_tokens`` (0-based): EOS
+        (unless ignore_eos) and stop_token_ids banned before min_tokens; the forced token at that index."""
+        banned: list[int] = []
+        if num_output_tokens < p.min_tokens:
+            banned = list(p.stop_token_ids)
+            if eos_token_id is not None and not p.ignore_eos:
+                banned.append(eos_token_id)
+        forced = p.forced_token_ids or ()
+        return cls(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+                   banned_token_ids=tuple(banned),
+                   forced_token_id=forced[num_output_tokens] if num_output_tokens < len(forced) else -1,
+                   logprobs=p.logprobs or 0)
+
+
+@dataclass
+class StepDescription:
+    """One engine step as the Worker sees it. T packed tokens of S sequences, N of which sample."""
+
+    step_id: int  # unique per engine; staged Engram rows carry it (stale-row rejection)
+    seq_ids: list[int]  # [S] engine sequence id of each packed sequence (keys the Worker's per-seq state)
+    start_positions: list[int]  # [S] tokens already in the KV cache before this step (0 = fresh state)
+    num_new_tokens: list[int]  # [S] tokens each sequence computes this step (>= 1)
+    token_ids: torch.Tensor  # [T] int64 raw ids, sequence after sequence
+    positions: torch.Tensor  # [T] int64 position of each token in its sequence
+    cu_seqlens: torch.Tensor  # [S+1] int64 token offsets
+    context_lens: torch.Tensor  # [S] int64 KV length of each sequence after the step
+    block_tables: torch.Tensor  # [S, max_blocks] int64, -1 padded
+    slot_mapping: torch.Tensor  # [T] int64 flat KV slot of each new token
+    dead_mask: torch.Tensor | None  # [T] bool DEAD tokens (Engram gate 0); None when the model has none
+    engram_row_ids: dict[int, torch.Tensor]  # Engram layer id -> [T, n_cols] int64 row ids (the lookup plan)
+    sample_rows: list[int]  # [N] indices into the S sequences that sample a token this step
+    samples: list[SampleSpec]  # [N] one per sampling sequence, same order
+    finished_seq_ids: list[int] = field(default_factory=list)  # sequences gone since the last step: free state
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def logits_indices(self) -> list[int]:
+        """[N] packed token row of each sampling sequence's last new token."""
+        cu = self.cu_seqlens
+        return [int(cu[s + 1]) - 1 for s in self.sample_rows]
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one emitted token: its own and the step's top-k (vLLM/OpenAI shape)."""
+
+    token_id: int  # the emitted token
+    logprob: float  # its log-probability under the step's (unforced, unmasked-by-sampling) distribution
+    top: list[tuple[int, float]]  # the k most likely (token id, logprob), most likely first
+
+
+@dataclass
+class StepResult:
+    """What comes back: one token per sampling sequence, in ``sample_rows`` order."""
+
+    step_id: int  # the StepDescription's id
+    token_ids: list[int]  # [N] emitted tokens (sampled, or forced where a SampleSpec says so)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # [N] where SampleSpec.logprobs > 0

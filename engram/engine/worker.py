@@ -1,0 +1,94 @@
+"""Worker: everything that lives on one device — model, KV cache, Engram tables, lookups, sampler.
+
+A Worker is driven only through ``execute(StepDescription) -> StepResult`` (engine/step.py) and reports
+through ``stats()``; it never sees a Sequence, the scheduler or a tokenizer. At start it opens its Engram
+tables on its device (``LoadedModel.open_tables``), sizes the paged KV cache (memory.py: from a profiled
+warm-up forward at the largest step on CUDA, from the configured budget otherwise) and allocates it.
+Per-sequence device state — the paper variant's conv state (in the runner) and the random generator of a
+seeded request — is keyed by sequence id and dropped when the engine lists the sequence as finished.
+Within a step the only host synchronisation is the read of the sampled tokens.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engram.engine.config import EngineConfig
+from engram.engine.lookup import LookupExecutor, staging_bytes
+from engram.engine.memory import MemoryPlan, plan_memory, profile_peak_bytes
+from engram.engine.runner import ModelRunner
+from engram.engine.sampler import Sampler
+from engram.engine.step import SampleSpec, StepDescription, StepResult, TokenLogprobs
+from engram.model.kv_cache import KVCache
+
+
+class Worker:
+    def __init__(self, loaded, config: EngineConfig, max_model_len: int, device: torch.device, dtype: torch.dtype):
+        self.config, self.device, self.dtype = config, torch.device(device), dtype
+        self.model_config, self.ecfg = loaded.model_config, loaded.engram_config
+        self.model = loaded.model
+        self.tables = loaded.open_tables()  # opened here, on this worker's device
+        self.lookup = LookupExecutor(self.tables, self.ecfg, dtype, self.device)
+        self.sampler = Sampler(seed=config.seed)
+        self._generators: dict[int, torch.Generator] = {}  # seq id -> its own stream (seeded requests)
+        bytes_per_block = KVCache.for_model(self.model_config, 1, config.block_size, dtype, "meta").bytes_per_block()
+        staging = staging_bytes(self.ecfg, config.max_num_batched_tokens, dtype) if self.ecfg else 0
+        peak = profile_peak_bytes(self, bytes_per_block) if self._profiles_memory() else None
+        self.memory: MemoryPlan = plan_memory(config, max_model_len, bytes_per_block, staging,
+                                              _hot_cache_bytes(self.tables), self.device, peak)
+        self.kv = KVCache.for_model(self.model_config, self.memory.num_blocks, config.block_size, dtype, self.device)
+        self.runner = ModelRunner(self.model, self.kv, self.device, dtype, self.ecfg)
+
+    def _profiles_memory(self) -> bool:
+        c = self.config
+        return self.device.type == "cuda" and c.num_kv_blocks is None and c.kv_cache_memory is None
+
+    # ----------------------------------------------------------------- the step
+    def execute(self, step: StepDescription) -> StepResult:
+        """Run one step: lookups, forward, sampling; returns the emitted tokens (one host read)."""
+        self._free(step.finished_seq_ids)
+        staged = self.lookup.submit(step)
+        logits = self.runner.run(step, staged)  # [N, vocab] float32
+        gens = [self._generator(sid, spec) for sid, spec in
+                zip((step.seq_ids[i] for i in step.sample_rows), step.samples)]
+        sampled = self.sampler(logits, step.samples, gens)
+        tokens = read_tokens(sampled.token_ids)  # module-level: found by the sync test
+        return StepResult(step.step_id, tokens, _logprobs(sampled, step.samples, tokens))
+
+    def _generator(self, seq_id: int, spec: SampleSpec) -> torch.Generator | None:
+        if spec.seed is None or spec.greedy:
+            return None
+        if seq_id not in self._generators:
+            self._generators[seq_id] = torch.Generator(device=self.device).manual_seed(spec.seed)
+        return self._generators[seq_id]
+
+    def _free(self, seq_ids: list[int]) -> None:
+        for sid in seq_ids:
+            self._generators.pop(sid, None)
+        self.runner.free(seq_ids)
+
+    # ----------------------------------------------------------------- reporting
+    def stats(self) -> dict[str, Any]:
+        """Device-side counters: each Engram table's (by layer id) and the KV cache's size."""
+        return {"tables": self.lookup.stats(), "kv_blocks": self.memory.num_blocks,
+                "kv_bytes": self.memory.kv_bytes}
+
+
+def read_tokens(token_ids: torch.Tensor) -> list[int]:
+    """The step's one host synchronisation: the emitted tokens, read back (tests wrap this to prove that
+    nothing else in a step waits for the device)."""
+    return token_ids.tolist()
+
+
+def _hot_cache_bytes(tables: dict) -> int:
+    """Bytes of the hot-row caches the tables opened with (they count against an explicit KV budget)."""
+    return sum(t.cache.nbytes for t in tables.values() if getattr(t, "cache", None) is not None)
+
+
+def _logprobs(sampled, specs: list[SampleSpec], tokens: list[int]) -> list[TokenLogprobs | None]:
+    if sampled.logprobs is None:
+        return [None] * len(specs)
+    own, top_v, top_i = sampled.logprobs.tolist(), sampled.top_logprobs.tolist(), sampled.top_token_ids.tolist()
+    return [TokenLogprobs(tok, lp, list(zip(ids[:s.logprobs], vals[:s.logprobs]))) if s.logprobs else None
+            for s, tok, lp, vals, ids in zip(specs, tokens, own, top_v, top_i)]

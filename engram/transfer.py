@@ -1,0 +1,20 @@
+"""Host → device copies that never stall the host: pinned staging, non-blocking copy.
+
+A pageable host→device copy makes the CPU wait for the GPU (a host synchronisation); copying from page-locked
+memory with ``non_blocking=True`` only enqueues it. Every per-step input the engine hands a CUDA device goes
+through ``to_device``; on the CPU it is the identity (same tensor, no copy).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def to_device(data: torch.Tensor | Sequence, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A CPU tensor (or a list, built as ``dtype``) on ``device``; CUDA copies come from pinned memory,
+    non-blocking (the caching host allocator keeps the pinned buffer alive until the copy is done)."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if device.type != "cuda" or t.device.type == "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
