@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from engram.config import EngramConfig
-from engram.quant import quantize_mxfp8
+from engram.quant import ROW_TORCH_DTYPES, quantize_mxfp8
 
 
 class EngramEmbedding(nn.Module):
@@ -54,8 +54,6 @@ class EngramEmbedding(nn.Module):
 
         MXFP8 gives float8_e4m3fn values and uint8 scales [R, D/32]; other dtypes give (values, None).
         """
-        from engram.store.kernels.reference import ROW_TORCH_DTYPES
-
         w = self.embedding.weight.detach()
         if self.cfg.row_dtype == "mxfp8":
             return quantize_mxfp8(w)

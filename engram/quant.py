@@ -1,4 +1,5 @@
-"""MXFP8 rows: E4M3 values with one power-of-two (E8M0) scale per block of 32 values.
+"""Row encodings of Engram tables: ``ROW_TORCH_DTYPES`` (each row dtype's torch dtype) and MXFP8, E4M3 values
+with one power-of-two (E8M0) scale per block of 32 values.
 
 Quantize, per block: e = ceil(log2(amax / 448)) so that amax / 2**e <= 448 (never saturates); the scale
 byte is e + 127 clamped to [1, 254]; an all-zero block stores byte 127. Values are round-to-nearest-even
@@ -12,6 +13,9 @@ import torch
 
 BLOCK = 32
 E4M3_MAX = 448.0
+# EngramConfig.row_dtype -> the torch dtype of a row's values (MXFP8 values are E4M3, their scales uint8).
+ROW_TORCH_DTYPES = {"mxfp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16,
+                    "fp32": torch.float32}
 
 
 def _check_2d(x: torch.Tensor, name: str) -> None:
