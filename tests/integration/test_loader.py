@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engram.model.loader import load_model, save_model
-from engram.model.reference import greedy_generate, prefill_logits
+from tests.oracles.reference import greedy_generate, prefill_logits
 from engram.model.tables import read_table_tensors
 from engram.store import write_table
 from engram.store.format import MANIFEST

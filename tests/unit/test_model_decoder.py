@@ -17,7 +17,7 @@ from engram.model.kv_cache import KVCache
 from engram.model.layers.attention import AttentionMetadata
 from engram.model.loader import random_model
 from engram.model.presets import preset_config
-from engram.model.reference import engram_fields, greedy_generate, prefill_logits
+from tests.oracles.reference import engram_fields, greedy_generate, prefill_logits
 
 F64 = torch.float64
 

@@ -8,7 +8,7 @@ import torch
 from engram.model.inputs import make_step_inputs
 from engram.model.kv_cache import KVCache
 from engram.model.loader import load_model
-from engram.model.reference import StepRows, greedy_generate, hasher_for, prefill_logits
+from tests.oracles.reference import StepRows, greedy_generate, hasher_for, prefill_logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

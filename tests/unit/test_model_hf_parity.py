@@ -9,7 +9,7 @@ import torch
 
 from engram.model.loader import load_model
 from engram.model.presets import TOKENIZER_FILE
-from engram.model.reference import prefill_logits
+from tests.oracles.reference import prefill_logits
 
 transformers = pytest.importorskip("transformers")
 

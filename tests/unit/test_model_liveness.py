@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engram.model.loader import load_model
-from engram.model.reference import engram_fields, prefill_logits
+from tests.oracles.reference import engram_fields, prefill_logits
 from engram.store import open_table, write_table
 from engram.model.tables import read_table_tensors
 

@@ -2,7 +2,8 @@
 
 ``StepRows`` is the simplest ``engram_rows`` provider (hash the step, gather each layer's rows when the
 layer asks); ``greedy_generate`` runs sequences alone through prefill + decode with their own KV cache.
-No scheduler, no prefetch, no batching: it is what the engine's outputs are checked against.
+No scheduler, no prefetch, no batching: it is what the engine's outputs are checked against, so it is a
+test oracle and lives under tests/ (nothing in the package imports it).
 """
 from __future__ import annotations
 
