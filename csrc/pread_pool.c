@@ -1,4 +1,5 @@
-/* engram.store._pread_pool: a GIL-free batched pread reader for the disk tier.
+/* engram.store._pread_pool: a GIL-free batched pread reader for the disk tier, and the CRC32C of the pages
+ * it returns (crc32c.h: crc32c, crc32c_pages, crc32c_impl; see the end of this file).
  *
  * Pool(threads) starts `threads` pthreads that live as long as the pool. Pool.read(fd, offsets, size, out)
  * reads len(offsets) blocks of `size` bytes, block i from file offset offsets[i] into out[i*size:(i+1)*size],
@@ -20,6 +21,8 @@
 
 #include <errno.h>
 #include <pthread.h>
+
+#include "crc32c.h"
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
@@ -290,12 +293,73 @@ static PyTypeObject PoolType = {
     .tp_getset = Pool_getset,
 };
 
+/* crc32c(data, crc=0) -> int: CRC32C of a bytes-like object, continuing from `crc` (GIL released above
+ * 64 KiB). */
+static PyObject *mod_crc32c(PyObject *Py_UNUSED(mod), PyObject *args) {
+    Py_buffer data;
+    unsigned int crc = 0;
+    if (!PyArg_ParseTuple(args, "y*|I", &data, &crc)) return NULL;
+    uint32_t r;
+    if (data.len > (1 << 16)) {
+        Py_BEGIN_ALLOW_THREADS
+        r = crc32c_update(crc, data.buf, (size_t)data.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        r = crc32c_update(crc, data.buf, (size_t)data.len);
+    }
+    PyBuffer_Release(&data);
+    return PyLong_FromUnsignedLong(r);
+}
+
+/* crc32c_pages(data, page_size, out): out[i] (native uint32) = CRC32C of page i of data (len(data) must be a
+ * multiple of page_size, out at least 4 bytes per page); GIL released. */
+static PyObject *mod_crc32c_pages(PyObject *Py_UNUSED(mod), PyObject *args) {
+    Py_buffer data, out;
+    Py_ssize_t page;
+    if (!PyArg_ParseTuple(args, "y*nw*", &data, &page, &out)) return NULL;
+    PyObject *result = NULL;
+    if (page <= 0 || data.len % page) {
+        PyErr_Format(PyExc_ValueError, "data of %zd bytes is not whole pages of %zd bytes", data.len, page);
+        goto done;
+    }
+    Py_ssize_t n = data.len / page;
+    if (out.len < n * 4) {
+        PyErr_Format(PyExc_ValueError, "out has %zd bytes, %zd pages need %zd", out.len, n, n * 4);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t c = crc32c_update(0, (const char *)data.buf + i * page, (size_t)page);
+        memcpy((char *)out.buf + i * 4, &c, 4);
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyObject *mod_crc32c_impl(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored)) {
+    return PyUnicode_FromString(crc32c_hw ? "sse4.2" : "table");
+}
+
+static PyMethodDef module_methods[] = {
+    {"crc32c", mod_crc32c, METH_VARARGS, "crc32c(data, crc=0) -> int: CRC32C of data continuing from crc."},
+    {"crc32c_pages", mod_crc32c_pages, METH_VARARGS,
+     "crc32c_pages(data, page_size, out): the CRC32C of each page of data as native uint32 into out."},
+    {"crc32c_impl", mod_crc32c_impl, METH_NOARGS, "'sse4.2' (the crc32 instruction) or 'table' (portable)."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef moduledef = {
-    PyModuleDef_HEAD_INIT, "_pread_pool", "GIL-free batched pread reader (see csrc/pread_pool.c).", -1,
-    NULL, NULL, NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT, "_pread_pool",
+    "GIL-free batched pread reader and CRC32C page checksums of the disk tier (see csrc/pread_pool.c, crc32c.h).",
+    -1, module_methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__pread_pool(void) {
+    crc32c_init();
     if (PyType_Ready(&PoolType) < 0) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL) return NULL;

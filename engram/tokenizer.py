@@ -5,12 +5,16 @@ Each token id is decoded alone (tokenizers' Rust backend, skip_special_tokens=Fa
 keyed by its text after NFKC, NFD, StripAccents, Lowercase, whitespace runs of [ \\t\\r\\n] -> " ", a lone
 space protected through Strip, and Strip. A decode containing U+FFFD (a partial UTF-8 byte token) keys on
 the raw token string; an empty normalization keys on the original text. New ids are handed out in order of
-first appearance over ascending token ids. The map is cached on disk keyed by the tokenizer's content hash.
+first appearance over ascending token ids. The map is cached on disk, keyed by a SHA-256 of the tokenizer's
+content (and MAP_VERSION), next to a SHA-256 of that key and the map's bytes: a cache file that fails to
+load, or whose map is valid but not the one stored (damaged, shuffled, copied from another tokenizer), is
+rebuilt with a warning instead of being used.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +66,40 @@ def build_map(tokenizer: Tokenizer) -> np.ndarray:
     return out
 
 
+def cache_path(key: str) -> Path:
+    """The cache file of the map of a tokenizer whose content key (SHA-256 hex) is ``key``."""
+    return cache_root() / "compressed_tokenizer" / f"{key[:32]}.npz"
+
+
+def map_checksum(key: str, mapping: np.ndarray) -> np.ndarray:
+    """uint8 [32]: SHA-256 of the content key and the map's bytes (little-endian int64), stored with the map."""
+    data = np.ascontiguousarray(mapping, dtype="<i8").tobytes()
+    return np.frombuffer(hashlib.sha256(key.encode() + data).digest(), dtype=np.uint8)
+
+
+def write_cached_map(path: Path, key: str, mapping: np.ndarray) -> None:
+    """Write ``mapping`` and its checksum to ``path`` (a temporary file renamed into place)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}.npz")
+    np.savez(tmp, map=mapping, check=map_checksum(key, mapping))
+    os.replace(tmp, path)
+
+
+def read_cached_map(path: Path, key: str) -> tuple[np.ndarray | None, str]:
+    """(the cached map, "") when ``path`` holds an int64 [vocab] map whose checksum matches ``key``; else
+    (None, why it is not used)."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            mapping, check = z["map"], z["check"]
+    except (OSError, ValueError, KeyError, EOFError) as e:
+        return None, f"cannot be read ({type(e).__name__}: {e})"
+    if mapping.ndim != 1 or mapping.dtype != np.int64:
+        return None, f"holds a {mapping.dtype} array of shape {mapping.shape}, not an int64 map"
+    if not np.array_equal(check, map_checksum(key, mapping)):
+        return None, "does not match its checksum (damaged, or not this tokenizer's map)"
+    return mapping, ""
+
+
 class CompressedTokenizer:
     """``tok(ids)`` -> compressed ids of the same shape and kind (torch, numpy, list or int)."""
 
@@ -87,20 +125,18 @@ class CompressedTokenizer:
 
     @classmethod
     def _cached(cls, content: bytes, load, use_cache: bool) -> "CompressedTokenizer":
-        digest = hashlib.sha256(MAP_VERSION.encode() + content).hexdigest()[:32]
-        path = cache_root() / "compressed_tokenizer" / f"{digest}.npy"
+        key = hashlib.sha256(MAP_VERSION.encode() + content).hexdigest()
+        path = cache_path(key)
         if use_cache and path.exists():
-            try:
-                return cls(np.load(path))
-            except (OSError, ValueError):
-                pass  # a damaged cache file is rebuilt below
+            mapping, why = read_cached_map(path, key)
+            if mapping is not None:
+                return cls(mapping)
+            warnings.warn(f"engram: compressed-tokenizer cache {path} {why}; rebuilding it", RuntimeWarning,
+                          stacklevel=3)
         mapping = build_map(load())
         if use_cache:
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".tmp{os.getpid()}.npy")
-                np.save(tmp, mapping)
-                os.replace(tmp, path)
+                write_cached_map(path, key, mapping)
             except OSError:
                 pass  # a read-only cache dir only costs a rebuild next time
         return cls(mapping)

@@ -6,7 +6,8 @@ import json
 import sys
 import time
 
-HELP = "build Engram table directories from safetensors shards (V4.1 names, FP8 or BF16/FP32) or random bytes"
+HELP = ("build Engram table directories from safetensors shards (V4.1 names, FP8 or BF16/FP32) or random bytes; "
+        "add page checksums to older tables")
 
 EPILOG = """\
 sources:
@@ -25,14 +26,20 @@ sources:
 manifest and checks the tensor sizes against it; open_table(..., expect=cfg.fingerprint(L)) then refuses a
 table of another layout. Tables are written to a temporary directory and renamed into place when complete.
 Check one with `engram inspect --verify DIR`.
+
+tables written before format 2 have no per-page checksums, which the disk tier needs:
+      engram convert --add-checksums DIR [DIR ...]     (in place; verifies the existing CRCs first)
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = EPILOG
-    p.add_argument("sources", nargs="*", metavar="SRC", help="safetensors files or directories")
-    p.add_argument("--out", required=True, help="output directory (OUT/layer_L per layer, or the table itself "
-                                                "for --tensor and --random --rows)")
+    p.add_argument("sources", nargs="*", metavar="SRC", help="safetensors files or directories (table "
+                                                            "directories with --add-checksums)")
+    p.add_argument("--out", help="output directory (OUT/layer_L per layer, or the table itself for --tensor and "
+                                 "--random --rows)")
+    p.add_argument("--add-checksums", action="store_true",
+                   help="add the per-page CRC32C sidecar to each table directory SRC in place (format 1 -> 2)")
     p.add_argument("--layers", help="comma-separated layer ids to convert (default: every layer found)")
     p.add_argument("--quantize", choices=["mxfp8"], help="quantize bf16/fp16/fp32 tables to MXFP8")
     p.add_argument("--config", help="EngramConfig preset name or config.json: fingerprint + size checks")
@@ -65,14 +72,36 @@ def _report(manifests, seconds: float) -> None:
           f"({total / 1e9 / max(seconds, 1e-9):.2f} GB/s)", file=sys.stderr)
 
 
+def _add_checksums(dirs: list[str], progress: bool) -> int:
+    from engram.store.format import TableFormatError
+    from engram.store.upgrade import add_checksums
+
+    if not dirs:
+        print("engram convert: error: --add-checksums needs table directories", file=sys.stderr)
+        return 2
+    for d in dirs:
+        try:
+            m, changed = add_checksums(d, progress=progress)
+        except (TableFormatError, OSError) as e:
+            print(f"engram convert: error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps({"table": str(m.path), "format_version": m.format_version, "pages": m.pages,
+                          "added": changed}))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from engram.store.convert import (convert_random, convert_safetensors, convert_tensor, find_tensor, layer_dir,
                                       shard_paths)
     from engram.store.format import TableFormatError
 
     progress = not args.no_progress
+    if args.add_checksums:
+        return _add_checksums(args.sources, progress)
     t0 = time.perf_counter()
     try:
+        if args.out is None:
+            raise ValueError("--out is required (except with --add-checksums)")
         cfg = _config(args.config)
         if args.random:
             if args.sources:

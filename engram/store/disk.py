@@ -3,9 +3,12 @@
 A lookup dedupes its ids, maps the distinct rows to the distinct 4 KiB pages that hold them, reads those
 pages in batched calls of ``chunk_pages`` (``PageReader``: C pthread pool, ``queue_depth`` preads in
 flight, two chunks queued), cuts the rows out and decodes them through the same kernels as every other
-tier, so rows are bitwise equal to the gpu tier's. ``submit`` runs lookups on this table's worker thread,
-at most ``max_inflight`` unconsumed at a time; a read failure fails that lookup only. The tier knows nothing
-about models or plans.
+tier, so rows are bitwise equal to the gpu tier's. Every page read is checked against its CRC32C (the
+``values.crc32c`` sidecar, resident like the scales) before a row is cut out of it: a corrupt page fails
+that lookup with CorruptPageError naming the file and byte offset, counts in ``corrupt_pages`` and never
+reaches the hot-row cache. Format-1 tables (no sidecar) are refused with the command that adds it.
+``submit`` runs lookups on this table's worker thread, at most ``max_inflight`` unconsumed at a time; a read
+failure fails that lookup only. The tier knows nothing about models or plans.
 
     values.bin  |<- page p (4096 B) ->|      row r lives in page r // (4096 // stride), slot r % (4096 // stride)
                 | r0 | r1 | ... | r15 |      (V4.1: 256-B rows, 16 per page: a cold row costs a whole page)
@@ -26,7 +29,9 @@ from engram.store.base import LookupHandle, TableBackend, Tier
 from engram.store.format import TableManifest, read_manifest
 from engram.store.load import load_file
 from engram.store.options import StoreOptions
+from engram.store.page_crc import CorruptPageError, PageChecker
 from engram.store.reader import PAGE, PageReader, aligned_pages
+from engram.store.scrub import Scrubber
 
 
 class InflightLimitError(RuntimeError):
@@ -94,7 +99,9 @@ class DiskLookup(LookupHandle):
 
 
 class DiskTable(TableBackend):
-    """One table served from its files. Resident memory: the scales (``resident_bytes``) plus the cache."""
+    """One table served from its files. Resident memory: the scales and the page CRCs (``resident_bytes``)
+    plus the cache. ``options.background_verify`` starts a ``Scrubber`` that reads values.bin once, checking
+    every page (``stats()``: verify_state, verified_pages)."""
 
     tier = Tier.DISK
 
@@ -105,13 +112,15 @@ class DiskTable(TableBackend):
         self.page = manifest.page_size
         if self.page % PAGE:
             raise ValueError(f"{manifest.path}: page_size={self.page} is not a multiple of the reader's {PAGE}")
+        self.pages = PageChecker(manifest, self.options.verify)  # page CRCs, resident (refuses format 1)
         self.reader = PageReader(manifest.values_path, io=self.options.io, queue_depth=self.options.queue_depth)
         # uint8 [rows, scale_cols] resident (CRC-checked while read, like the gpu/host tiers' loads), or None
         self.scales = (load_file(manifest, "scales", "ram", self.options.verify).view(self.rows, self.scale_cols)
                        if "scales" in manifest.files else None)
-        self._extra = {"disk_rows": 0, "inflight": 0, "inflight_bytes": 0}
+        self._extra = {"disk_rows": 0, "inflight": 0, "inflight_bytes": 0, "corrupt_pages": 0}
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-disk")  # submit()
         self._io = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="engram-disk-io")  # 2 chunks queued
+        self.scrubber = Scrubber(self.reader, self.pages, self._count_corrupt) if self.options.background_verify else None
 
     @classmethod
     def open(cls, directory: str | os.PathLike, **kwargs: Any) -> "DiskTable":
@@ -120,8 +129,20 @@ class DiskTable(TableBackend):
 
     @property
     def resident_bytes(self) -> int:
-        """RAM this tier keeps for the table: the scales (the memory preflight counts them)."""
-        return 0 if self.scales is None else self.scales.numel()
+        """RAM this tier keeps for the table: the scales and the page CRCs (the memory preflight counts them)."""
+        return (0 if self.scales is None else self.scales.numel()) + self.pages.nbytes
+
+    def _count_corrupt(self, pages: int) -> None:
+        with self._lock:
+            self._extra["corrupt_pages"] += pages
+
+    def _check_pages(self, offsets: np.ndarray, buf: torch.Tensor, size: int) -> None:
+        """The pages of one read against their CRC32Cs; a corrupt one is counted and fails the lookup."""
+        try:
+            self.pages.check(offsets, buf, size)
+        except CorruptPageError as e:
+            self._count_corrupt(e.bad_pages)
+            raise
 
     def check_ids(self, ids: torch.Tensor | Any) -> torch.Tensor:
         """As TableBackend.check_ids, after moving GPU ids to the CPU, where this tier plans its reads (the
@@ -199,6 +220,7 @@ class DiskTable(TableBackend):
                     fut.result()  # chunk k is in buf (or its read error is raised here)
                 else:  # a single chunk: read it on this thread
                     self.reader.read(offsets, buf, size)
+                self._check_pages(offsets, buf, size)  # before any row is cut out of these pages
                 src = buf.view(-1, self.stride)  # [buffer rows, stride]
                 if slot is not None:
                     torch.index_select(src, 0, slot, out=vals[r0:r1])  # memcpy per row
@@ -243,10 +265,14 @@ class DiskTable(TableBackend):
     # ----------------------------------------------------------------- stats and lifetime
     def stats(self) -> dict[str, Any]:
         """Base counters plus disk_rows (rows read from disk), page_amplification (bytes read per byte of
-        row values read, 16.0 for cold 256-B rows on 4 KiB pages), inflight, inflight_bytes, io."""
+        row values read, 16.0 for cold 256-B rows on 4 KiB pages), inflight, inflight_bytes, io,
+        corrupt_pages (pages that failed their CRC32C, counted each time one is read, by a lookup or the
+        background verification) and, with background_verify, verify_state and verified_pages."""
         out = super().stats()
         with self._lock:
             out.update(self._extra)
+        if self.scrubber is not None:
+            out.update(self.scrubber.status())
         useful = out["disk_rows"] * self.value_bytes
         out["page_amplification"] = out["bytes_read"] / useful if useful else 0.0
         out["io"] = self.reader.io
@@ -255,11 +281,13 @@ class DiskTable(TableBackend):
     def reset_stats(self) -> None:
         super().reset_stats()
         with self._lock:
-            self._extra["disk_rows"] = 0
+            self._extra["disk_rows"] = self._extra["corrupt_pages"] = 0
 
     def close(self) -> None:
         if self._closed:
             return
+        if self.scrubber is not None:
+            self.scrubber.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._io.shutdown(wait=True)
         super().close()

@@ -9,11 +9,16 @@ Layout (chosen for the disk tier; V4.1: 256-B MXFP8 value rows, 16 rows per 4 Ki
                  one cold row costs exactly one aligned 4 KiB O_DIRECT read. The file is zero-padded to a
                  whole page so the last page reads like any other.
     scales.bin   | 8 B row 0 | 8 B row 1 | ...                         (mxfp8 only) dim/32 E8M0 bytes/row
+    values.crc32c| crc page 0 | crc page 1 | ...                       (format 2) little-endian uint32 CRC32C
+                 of each page of values.bin: 4 B per 4 KiB page, 0.1 % of the table; the disk tier keeps it
+                 in RAM and checks every page it reads (engram/store/page_crc.py)
 
 Values and scales are separate files because the scales are small (8 B/row, 6 GiB for all of V4.1)
 and stay resident in RAM for the disk tier, while interleaving them (264-B rows) would break the
 page alignment. ``manifest.json`` records the version, layer, rows, dim, dtype, scale block, stride, file
-sizes, a CRC32 per fixed-size chunk of each file and the layout fingerprint (EngramConfig.fingerprint);
+sizes, a CRC32 per fixed-size chunk of each file (the sidecar included) and the layout fingerprint
+(EngramConfig.fingerprint). Format 1 (before page checksums) still opens on the gpu and host tiers, which
+check the chunk CRCs while loading; the disk tier refuses it and names ``engram convert --add-checksums``;
 writers fill a temporary directory and rename it into place with the manifest written last, so a crash
 leaves nothing that opens. Every defect raises ``TableFormatError`` naming the file and byte offset.
 """
@@ -28,10 +33,13 @@ from pathlib import Path
 from typing import Any, Iterator
 
 FORMAT_NAME = "engram-table"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: values.crc32c, the per-page CRC32C sidecar
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 VALUES_FILE = "values.bin"
 SCALES_FILE = "scales.bin"
+PAGE_CRC_FILE = "values.crc32c"
+PAGE_CRC_BYTES = 4  # one little-endian uint32 CRC32C per page of values.bin
 PAGE_SIZE = 4096
 SCALE_BLOCK = 32
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -79,7 +87,7 @@ class TableManifest:
     dim: int  # values per row
     row_dtype: str  # mxfp8 | bf16 | fp16 | fp32
     row_stride: int  # bytes per row in values.bin (power of two dividing page_size, or whole pages)
-    files: dict[str, FileEntry]  # "values" and, for mxfp8, "scales"
+    files: dict[str, FileEntry]  # "values", for mxfp8 "scales", from format 2 "page_crc" (the sidecar)
     layer_id: int | None = None  # Engram layer the table belongs to, if any
     fingerprint: dict[str, Any] | None = None  # EngramConfig.fingerprint(layer_id) at write time
     meta: dict[str, Any] = field(default_factory=dict)  # free-form (source, seed, ...)
@@ -102,13 +110,26 @@ class TableManifest:
     def values_path(self) -> Path:
         return self.path / self.files["values"].name
 
+    @property
+    def pages(self) -> int:
+        """Pages of values.bin (it is zero-padded to whole pages)."""
+        return self.files["values"].bytes // self.page_size
+
+    @property
+    def has_page_crcs(self) -> bool:
+        """Whether the table has the per-page CRC32C sidecar (format 2)."""
+        return "page_crc" in self.files
+
     def to_json(self) -> str:
+        csum = {"algorithm": "crc32", "chunk_bytes": self.chunk_bytes}
+        if self.has_page_crcs:
+            csum["pages"] = "crc32c"
         doc = {
             "format": FORMAT_NAME, "format_version": self.format_version, "layer_id": self.layer_id,
             "rows": self.rows, "dim": self.dim, "row_dtype": self.row_dtype, "scale_block": self.scale_block,
             "page_size": self.page_size, "value_bytes": self.value_bytes, "row_stride": self.row_stride,
             "scale_cols": self.scale_cols,
-            "checksum": {"algorithm": "crc32", "chunk_bytes": self.chunk_bytes},
+            "checksum": csum,
             "files": {k: {"name": f.name, "bytes": f.bytes, "crc32": f.crc32} for k, f in self.files.items()},
             "fingerprint": self.fingerprint, "meta": self.meta,
         }
@@ -152,9 +173,9 @@ def read_manifest(directory: str | os.PathLike, check_sizes: bool = True) -> Tab
         return v
 
     version = get("format_version", int)
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise TableFormatError(mpath, _key_offset(text, "format_version"),
-                               f"format_version {version} is not supported (this build reads {FORMAT_VERSION})")
+                               f"format_version {version} is not supported (this build reads {list(READABLE_VERSIONS)})")
     row_dtype = get("row_dtype", str, ok=lambda v: v in ITEMSIZE, rule=f" (one of {sorted(ITEMSIZE)})")
     rows = get("rows", int, ok=lambda v: v >= 1, rule=" (>= 1)")
     page = get("page_size", int, ok=lambda v: v >= 512 and v & (v - 1) == 0, rule=" (a power of two >= 512)")
@@ -177,6 +198,12 @@ def read_manifest(directory: str | os.PathLike, check_sizes: bool = True) -> Tab
     needed = {"values": values_file_bytes(rows, stride, page)}
     if row_dtype == "mxfp8":
         needed["scales"] = rows * (dim // block)
+    if version >= 2:
+        get("pages", str, csum, ok=lambda v: v == "crc32c", rule=" (must be 'crc32c')")
+        if chunk % page:
+            raise TableFormatError(mpath, _key_offset(text, "chunk_bytes"),
+                                   f"field 'chunk_bytes'={chunk} is invalid (a multiple of page_size {page})")
+        needed["page_crc"] = needed["values"] // page * PAGE_CRC_BYTES
     files: dict[str, FileEntry] = {}
     for kind, size in needed.items():
         entry = get(kind, dict, files_doc)
@@ -279,7 +306,7 @@ class VerifyReport:
     """Result of ``verify_table``: per-file sizes and checksum results; ``ok`` when nothing is wrong."""
 
     path: str  # table directory
-    files: list[dict[str, Any]]  # {"file", "bytes", "chunks", "bad_chunks"} per data file
+    files: list[dict[str, Any]]  # {"file", "bytes", "chunks", "bad_chunks"} per data file (+ "bad_pages": values)
     errors: list[TableFormatError]  # every defect found, in file order
     bytes_checked: int = 0  # bytes read and checksummed
     seconds: float = 0.0  # wall time of the check
@@ -297,9 +324,26 @@ class VerifyReport:
                 "bytes_checked": self.bytes_checked, "seconds": round(self.seconds, 3)}
 
 
+def _stored_page_crcs(m: TableManifest) -> Any:
+    """The sidecar's page CRCs (numpy uint32 [pages]) when it is there, of its size and its chunk CRCs hold;
+    else None (verify_table reports the sidecar's own defects)."""
+    import numpy as np
+
+    entry = m.files.get("page_crc")
+    path = m.path / entry.name if entry is not None else None
+    if entry is None or not path.is_file() or path.stat().st_size != entry.bytes:
+        return None
+    data = path.read_bytes()
+    cb = m.chunk_bytes
+    if any(zlib.crc32(data[i * cb:(i + 1) * cb]) != c for i, c in enumerate(entry.crc32)):
+        return None
+    return np.frombuffer(data, dtype="<u4").astype(np.uint32)
+
+
 def verify_table(directory: str | os.PathLike, progress: bool = False) -> VerifyReport:
-    """Check a table directory completely: manifest, data file sizes and every chunk's CRC32. Returns a
-    report (never raises on a bad table; ``report.raise_first()`` does)."""
+    """Check a table directory completely: manifest, data file sizes, every chunk's CRC32 and (format 2)
+    every page of values.bin against its CRC32C. Returns a report (never raises on a bad table;
+    ``report.raise_first()`` does)."""
     t0 = time.perf_counter()
     report = VerifyReport(path=str(directory), files=[], errors=[])
     try:
@@ -312,9 +356,13 @@ def verify_table(directory: str | os.PathLike, progress: bool = False) -> Verify
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=sum(f.bytes for f in m.files.values()), unit="B", unit_scale=True, desc="verify")
-    for entry in m.files.values():
+    stored = _stored_page_crcs(m)
+    for kind, entry in m.files.items():
         path = m.path / entry.name
         info = {"file": str(path), "bytes": entry.bytes, "chunks": len(entry.crc32), "bad_chunks": []}
+        pages = kind == "values" and stored is not None
+        if pages:
+            info["bad_pages"] = []
         report.files.append(info)
         try:
             check_file_size(path, entry.bytes)
@@ -325,6 +373,8 @@ def verify_table(directory: str | os.PathLike, progress: bool = False) -> Verify
             if zlib.crc32(data) != entry.crc32[i]:
                 info["bad_chunks"].append(i)
                 report.errors.append(checksum_error(path, i, off, len(data)))
+            if pages:
+                _check_pages(data, off, m.page_size, stored, path, info, report)
             report.bytes_checked += len(data)
             if bar is not None:
                 bar.update(len(data))
@@ -332,3 +382,17 @@ def verify_table(directory: str | os.PathLike, progress: bool = False) -> Verify
         bar.close()
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _check_pages(data: bytes, offset: int, page: int, stored: Any, path: Path, info: dict[str, Any],
+                 report: VerifyReport) -> None:
+    """Add every page of ``data`` (values.bin from byte ``offset``) whose CRC32C differs to the report."""
+    import numpy as np
+
+    from engram.store.page_crc import bad_pages, page_error
+
+    bad, got = bad_pages(np.frombuffer(data, dtype=np.uint8), np.array([offset // page]), len(data) // page, stored,
+                         page)
+    for p, g in zip(bad.tolist(), got.tolist()):
+        info["bad_pages"].append(p)
+        report.errors.append(page_error(path, p, page, int(stored[p]), g))

@@ -19,8 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from engram.store.format import (DEFAULT_CHUNK_BYTES, ITEMSIZE, MANIFEST, PAGE_SIZE, SCALE_BLOCK, SCALES_FILE,
-                                 VALUES_FILE, ChunkCrc, FileEntry, TableManifest, row_stride, values_file_bytes)
+from engram.store.format import (DEFAULT_CHUNK_BYTES, ITEMSIZE, MANIFEST, PAGE_CRC_FILE, PAGE_SIZE, SCALE_BLOCK,
+                                 SCALES_FILE, VALUES_FILE, ChunkCrc, FileEntry, TableManifest, row_stride,
+                                 values_file_bytes)
+from engram.store.page_crc import PageCrcStream, sidecar_bytes
 from engram.store.kernels.reference import ROW_TORCH_DTYPES
 
 # append() may keep references to the arrays it was given until IN_FLIGHT more appends have returned: each
@@ -44,11 +46,13 @@ def as_bytes(x: torch.Tensor | np.ndarray, width: int, what: str) -> np.ndarray:
 class _FileSink:
     """A data file fed by one producer: a CRC thread and a write thread work on each buffer in parallel, and
     every FLUSH_BYTES the writer starts a background fdatasync so the final fsync finds little left.
-    Errors resurface on the next put or on close."""
+    With ``page_size`` the CRC thread also computes each page's CRC32C (``pages``). Errors resurface on the
+    next put or on close."""
 
-    def __init__(self, path: Path, chunk_bytes: int, sync: bool = True) -> None:
+    def __init__(self, path: Path, chunk_bytes: int, sync: bool = True, page_size: int = 0) -> None:
         self.path = path
         self.crc = ChunkCrc(chunk_bytes)
+        self.pages = PageCrcStream(page_size) if page_size else None
         self.size = 0
         self._f = open(path, "wb", buffering=0)
         self._error: BaseException | None = None
@@ -77,6 +81,8 @@ class _FileSink:
 
     def _checksum(self, mv: memoryview) -> None:
         self.crc.update(mv)
+        if self.pages is not None:
+            self.pages.update(mv)
 
     def _write(self, mv: memoryview) -> None:
         before = self._written // FLUSH_BYTES
@@ -158,7 +164,7 @@ class TableWriter:
         self.target.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = self.target.parent / f".{self.target.name}.partial-{os.getpid()}-{time.monotonic_ns()}"
         self.tmp.mkdir()
-        self._values = _FileSink(self.tmp / VALUES_FILE, chunk_bytes, sync)
+        self._values = _FileSink(self.tmp / VALUES_FILE, chunk_bytes, sync, page_size=PAGE_SIZE)
         self._scales = _FileSink(self.tmp / SCALES_FILE, chunk_bytes, sync) if self.scale_cols else None
         self._bar = None
         if progress:
@@ -205,6 +211,8 @@ class TableWriter:
             if pad:
                 self._values.put(np.zeros(pad, dtype=np.uint8))
             files = {"values": FileEntry(VALUES_FILE, self._values.size, self._values.close(self.sync))}
+            files["page_crc"] = write_sidecar(self.tmp / PAGE_CRC_FILE, self._values.pages.finish(),
+                                              self.chunk_bytes, self.sync)
             self._values = None
             if self._scales is not None:
                 files["scales"] = FileEntry(SCALES_FILE, self._scales.size, self._scales.close(self.sync))
@@ -212,7 +220,7 @@ class TableWriter:
             m = TableManifest(path=self.target, rows=self.rows, dim=self.dim, row_dtype=self.row_dtype,
                               row_stride=self.stride, files=files, layer_id=self.layer_id,
                               fingerprint=self.fingerprint, meta=self.meta, chunk_bytes=self.chunk_bytes)
-            _write_synced(self.tmp / MANIFEST, m.to_json().encode(), self.sync)
+            write_synced(self.tmp / MANIFEST, m.to_json().encode(), self.sync)
             _install(self.tmp, self.target, self.sync)
             return m
         except BaseException:
@@ -252,7 +260,17 @@ def _check_target(target: Path) -> None:
         raise FileExistsError(f"{target} exists and is not an engram table; refusing to replace it")
 
 
-def _write_synced(path: Path, data: bytes, sync: bool) -> None:
+def write_sidecar(path: Path, crcs: np.ndarray, chunk_bytes: int, sync: bool = True) -> FileEntry:
+    """Write the page-CRC sidecar (engram.store.page_crc) of page CRCs ``crcs`` to ``path`` and return its
+    manifest entry (named PAGE_CRC_FILE, where the table keeps it)."""
+    data = sidecar_bytes(crcs)
+    crc = ChunkCrc(chunk_bytes)
+    crc.update(data)
+    write_synced(path, data, sync)
+    return FileEntry(PAGE_CRC_FILE, len(data), crc.finish())
+
+
+def write_synced(path: Path, data: bytes, sync: bool) -> None:
     with open(path, "wb") as f:
         f.write(data)
         if sync:
@@ -260,7 +278,7 @@ def _write_synced(path: Path, data: bytes, sync: bool) -> None:
             os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -277,7 +295,7 @@ def _install(tmp: Path, target: Path, sync: bool) -> None:
         os.rename(target, old)
     os.rename(tmp, target)
     if sync:
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

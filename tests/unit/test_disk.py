@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from engram.store import reader as rd
 from engram.store.disk import DiskTable, open_disk_table
 from engram.store.options import StoreOptions
 from engram.store.format import TableFormatError
+from engram.store.page_crc import CorruptPageError
 from engram.store.reader import DiskReadError, Fault
 from engram.store.writer import write_table
 
@@ -127,7 +129,7 @@ def test_stats_count_pages_and_amplification(mx_table):
         t.reset_stats()
         t.gather(torch.arange(0, 64 * 16, 16))
         assert t.stats()["page_amplification"] == 16.0
-        assert t.resident_bytes == t.rows * 8 and s["io"] == "buffered"
+        assert t.resident_bytes == t.rows * 8 + t.manifest.pages * 4 and s["io"] == "buffered"  # scales + page CRCs
 
 
 def test_gather_into_out_and_errors(mx_table):
@@ -203,21 +205,28 @@ def test_truncated_file_is_a_short_read_naming_offset(tmp_path):
         assert torch.equal(t.gather(ok).view(torch.uint8), ref(ok, torch.bfloat16).view(torch.uint8))
 
 
-def test_replaced_values_file_fails_one_lookup_then_serves_new_rows(tmp_path, backend):
-    vals, scales, _ = make_rows(400, 256, "mxfp8", seed=1)
+def test_replaced_values_file_fails_one_lookup_then_is_read_and_checked(tmp_path, backend):
+    """The reader reopens a replaced values.bin; its pages are then checked against the CRCs loaded at open,
+    so a file with other bytes fails (CorruptPageError) and a byte-identical one serves."""
+    vals, scales, ref = make_rows(400, 256, "mxfp8", seed=1)
     write_table(tmp_path / "t", vals, scales)
-    vals2, scales2, ref2 = make_rows(400, 256, "mxfp8", seed=1)
+    vals2, scales2, _ = make_rows(400, 256, "mxfp8", seed=1)
     vals2 = (vals2.to(torch.float32) * 0.5).to(torch.float8_e4m3fn)  # new values, same scales
     write_table(tmp_path / "t2", vals2, scales2)
+    shutil.copy(tmp_path / "t" / "values.bin", tmp_path / "same.bin")
     with open_disk_table(tmp_path / "t", io="direct") as t:
-        os.replace(tmp_path / "t2" / "values.bin", tmp_path / "t" / "values.bin")
-        ids = torch.tensor([33, 7])
-        with pytest.raises(DiskReadError, match="replaced") as ei:
-            t.gather(ids)
-        assert ei.value.offset == 0 and str(tmp_path / "t" / "values.bin") in str(ei.value)
+        ids = torch.tensor([33, 7])  # pages 2 and 0
+        for src in (tmp_path / "t2" / "values.bin", tmp_path / "same.bin"):
+            os.replace(src, tmp_path / "t" / "values.bin")
+            with pytest.raises(DiskReadError, match="replaced") as ei:
+                t.gather(ids)
+            assert ei.value.offset == 0 and str(tmp_path / "t" / "values.bin") in str(ei.value)
+            if src.name == "values.bin":
+                with pytest.raises(CorruptPageError, match="values.bin: byte 0: page 0 fails its checksum"):
+                    t.gather(ids)
+                assert t.stats()["corrupt_pages"] == 2
         got = t.gather(ids)
-        want = dequantize_mxfp8(vals2[ids], scales2[ids])
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(got.view(torch.uint8), ref(ids, torch.bfloat16).view(torch.uint8))
 
 
 def test_corrupt_resident_scales_refused_at_open(tmp_path):

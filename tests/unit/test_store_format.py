@@ -46,9 +46,10 @@ def test_manifest_round_trip(table_dir):
     assert m.files["scales"].bytes == 700 * 2
     assert len(m.files["values"].crc32) == -(-m.files["values"].bytes // CHUNK)
     doc = json.loads((table_dir / MANIFEST).read_text())
-    assert doc["format_version"] == 1 and doc["scale_block"] == 32 and doc["page_size"] == 4096
+    assert doc["format_version"] == 2 and doc["scale_block"] == 32 and doc["page_size"] == 4096
     rep = verify_table(table_dir)
-    assert rep.ok and rep.bytes_checked == m.files["values"].bytes + m.files["scales"].bytes
+    assert rep.ok and rep.bytes_checked == sum(f.bytes for f in m.files.values())  # values, scales, page CRCs
+    assert m.files["page_crc"].bytes == m.pages * 4 and rep.files[0]["bad_pages"] == []
 
 
 def test_padded_float_rows(tmp_path):

@@ -21,7 +21,8 @@ def manifest(tmp_path):
     from engram.quant import quantize_mxfp8
     write_table(tmp_path / "t", *quantize_mxfp8(torch.randn(64, 256)))
     m = read_manifest(tmp_path / "t")
-    m.rows = 1 << 30  # 256 GiB of values, 8 GiB of scales
+    m.rows = 1 << 30  # 256 GiB of values, 8 GiB of scales, 256 MiB of page CRCs
+    m.files["page_crc"].bytes = (256 << 30) // 4096 * 4
     return m
 
 
@@ -37,7 +38,7 @@ def test_needs_per_tier(manifest):
     assert packed.host_total == p + 1000 * (256 + 8 + 24) and packed.pinned == p * torch.cuda.is_available()
     assert packed.parts["packed rows"] == p
     disk = memory_need(manifest, "disk", CUDA, cache_rows=1 << 20)
-    assert disk.ram == s + 2 * 2048 * 4096 and disk.device == (1 << 20) * 288
+    assert disk.ram == s + (256 << 20) + 2 * 2048 * 4096 and disk.device == (1 << 20) * 288
     with pytest.raises(ValueError, match="tier="):
         memory_need(manifest, "tape", CPU)
 
@@ -58,7 +59,7 @@ def test_refusal_suggests_the_largest_cache_that_fits(manifest):
     msg = str(e.value)
     assert "cache 18.00 GiB" in msg
     rows = int(msg.split("tier='disk' with cache_rows=")[1].split(".")[0].split(" ")[0])
-    usable = int(16 * GiB * 0.9) - (8 << 30) - 2 * 2048 * 4096  # two chunks of page buffers
+    usable = int(16 * GiB * 0.9) - (8 << 30) - (256 << 20) - 2 * 2048 * 4096  # scales, page CRCs, page buffers
     assert rows == usable // 288  # exactly the largest cache that fits
     preflight(manifest, "disk", CPU, cache_rows=rows, budget=budget)
     with pytest.raises(MemoryPreflightError):
@@ -90,8 +91,11 @@ def test_open_table_refuses_before_loading(tmp_path):
     size = values_file_bytes(rows, 256)
     doc["rows"] = rows
     doc["files"]["values"].update(bytes=size, crc32=[0] * (-(-size // m.chunk_bytes)))
+    crcs = size // 4096 * 4
+    doc["files"]["page_crc"].update(bytes=crcs, crc32=[0] * (-(-crcs // m.chunk_bytes)))
     (d / MANIFEST).write_text(json.dumps(doc))
     os.truncate(d / "values.bin", size)  # sparse: takes no disk space
+    os.truncate(d / "values.crc32c", crcs)
     with pytest.raises(MemoryPreflightError, match=r"does not fit on tier 'gpu'.*1.00 TiB"):
         open_table(d, "gpu", device="cpu")
     with pytest.raises(MemoryPreflightError, match="tier 'host'"):

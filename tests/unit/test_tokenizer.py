@@ -1,13 +1,16 @@
 """CompressedTokenizer against an independent Python implementation of the key rules (unicodedata + re)."""
+import hashlib
 import json
 import re
 import unicodedata
+import warnings
 
 import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from engram import tokenizer
 from engram.config import EngramConfig
 from engram.tokenizer import CompressedTokenizer
 
@@ -120,14 +123,45 @@ def test_disk_cache_round_trip(tmp_path, monkeypatch, bpe_tokenizer):
     path = tmp_path / "tokenizer.json"
     path.write_text(bpe_tokenizer.to_str())
     first = CompressedTokenizer.from_file(path)
-    cached = list((tmp_path / "compressed_tokenizer").glob("*.npy"))
+    cached = list((tmp_path / "compressed_tokenizer").glob("*.npz"))
     assert len(cached) == 1
-    np.save(cached[0], np.zeros(3, dtype=np.int64))  # prove the second load reads the cache file
-    assert len(CompressedTokenizer.from_file(path)) == 1
+    key = hashlib.sha256(tokenizer.MAP_VERSION.encode() + path.read_bytes()).hexdigest()
+    assert cached[0] == tokenizer.cache_path(key)
+    tokenizer.write_cached_map(cached[0], key, np.zeros(3, dtype=np.int64))  # a valid entry for this key
+    assert len(CompressedTokenizer.from_file(path)) == 1  # proves the second load reads the cache file
     cached[0].write_bytes(b"garbage")  # a damaged cache is rebuilt, not trusted
-    np.testing.assert_array_equal(CompressedTokenizer.from_file(path).map, first.map)
+    with pytest.warns(RuntimeWarning, match="cannot be read"):
+        np.testing.assert_array_equal(CompressedTokenizer.from_file(path).map, first.map)
     edited = json.loads(path.read_text())
     edited["added_tokens"].append({"id": 600, "content": "<|new|>", "single_word": False, "lstrip": False,
                                    "rstrip": False, "normalized": False, "special": True})
     path.write_text(json.dumps(edited))
     assert CompressedTokenizer.from_file(path).vocab_size == first.vocab_size + 1  # new content, new key
+
+
+@pytest.mark.parametrize("tamper", ["shuffled", "other-key", "wrong-dtype"])
+def test_valid_but_wrong_cached_map_is_rebuilt(tmp_path, monkeypatch, bpe_tokenizer, tamper):
+    monkeypatch.setenv("ENGRAM_CACHE_DIR", str(tmp_path))
+    path = tmp_path / "tokenizer.json"
+    path.write_text(bpe_tokenizer.to_str())
+    first = CompressedTokenizer.from_file(path)
+    (cached,) = (tmp_path / "compressed_tokenizer").glob("*.npz")
+    with np.load(cached) as z:
+        good, check = z["map"], z["check"]
+    if tamper == "shuffled":  # same values and shape, another order: only the checksum tells
+        bad = np.random.default_rng(0).permutation(good)
+        assert not np.array_equal(bad, good)
+        np.savez(cached, map=bad, check=check)
+        why = "does not match its checksum"
+    elif tamper == "other-key":  # a consistent entry, but made for another tokenizer's content
+        tokenizer.write_cached_map(cached, "0" * 64, good[::-1].copy())
+        why = "does not match its checksum"
+    else:
+        np.savez(cached, map=good.astype(np.int32), check=check)
+        why = "not an int64 map"
+    with pytest.warns(RuntimeWarning, match=why):
+        rebuilt = CompressedTokenizer.from_file(path)
+    np.testing.assert_array_equal(rebuilt.map, first.map)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the rebuilt entry was written back and is trusted again
+        np.testing.assert_array_equal(CompressedTokenizer.from_file(path).map, first.map)

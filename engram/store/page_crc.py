@@ -1,0 +1,116 @@
+"""Per-page checksums of ``values.bin``: the ``values.crc32c`` sidecar (format 2), written and checked.
+
+Layout: one little-endian uint32 CRC32C per ``page_size`` page of values.bin, in page order (4 B per 4 KiB
+page: 0.1 % of the table). The sidecar is a data file of the manifest like the others, so its own chunk
+CRC32s are checked when it is loaded. ``PageCrcStream`` computes it while a writer streams values.bin;
+``PageChecker`` holds it in RAM for the disk tier and checks the pages a read returned before any row is cut
+out of them: a page whose CRC32C differs raises ``CorruptPageError`` (a TableFormatError naming values.bin
+and the byte offset of the page). ``bad_pages`` finds every mismatch of a buffer (verification, scrubbing).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engram.store.crc32c import crc32c_pages
+from engram.store.format import MANIFEST, TableFormatError, TableManifest
+from engram.store.load import load_file
+
+
+class CorruptPageError(TableFormatError):
+    """A page of values.bin read back with a CRC32C other than the one stored for it."""
+
+
+def missing_page_crcs_error(m: TableManifest) -> TableFormatError:
+    """The error of a format-1 table where page checksums are needed, with the command that adds them."""
+    mpath = m.path / MANIFEST
+    text = mpath.read_text(encoding="utf-8")
+    pos = text.find('"format_version"')
+    return TableFormatError(mpath, len(text[:max(pos, 0)].encode()),
+                            f"format_version {m.format_version} has no per-page checksums, which the disk tier "
+                            f"checks on every read; add them in place with: engram convert --add-checksums {m.path}")
+
+
+class PageCrcStream:
+    """CRC32C of each ``page_size`` page of a byte stream fed in pieces of any size (writers)."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self._parts: list[np.ndarray] = []  # uint32 CRCs of the full pages so far
+        self._carry = bytearray()  # the start of a page not yet complete
+
+    def update(self, data: memoryview | bytes) -> None:
+        mv = memoryview(data).cast("B")
+        if self._carry:
+            take = min(self.page_size - len(self._carry), len(mv))
+            self._carry += mv[:take]
+            mv = mv[take:]
+            if len(self._carry) < self.page_size:
+                return
+            self._parts.append(crc32c_pages(self._carry, self.page_size))
+            self._carry = bytearray()
+        whole = len(mv) // self.page_size * self.page_size
+        if whole:
+            self._parts.append(crc32c_pages(mv[:whole], self.page_size))
+        self._carry += mv[whole:]
+
+    def finish(self) -> np.ndarray:
+        """uint32 [pages]; ValueError when the stream did not end on a page boundary."""
+        if self._carry:
+            raise ValueError(f"the stream ends {len(self._carry)} bytes into a {self.page_size}-byte page")
+        return np.concatenate(self._parts) if self._parts else np.empty(0, dtype=np.uint32)
+
+
+def page_error(path, page: int, page_size: int, stored: int, got: int | None = None) -> CorruptPageError:
+    """The error of page ``page`` of values.bin (``path``) read back with CRC32C ``got`` instead of ``stored``."""
+    read = "" if got is None else f", read {got:#010x}"
+    return CorruptPageError(path, page * page_size,
+                            f"page {page} fails its checksum (CRC32C stored {stored:#010x}{read}): values.bin is "
+                            f"corrupt there; `engram inspect --verify {path.parent}` checks the whole table")
+
+
+def sidecar_bytes(crcs: np.ndarray) -> bytes:
+    """The sidecar file's contents for page CRCs ``crcs``."""
+    return np.ascontiguousarray(crcs, dtype="<u4").tobytes()
+
+
+def bad_pages(buf: np.ndarray, first_pages: np.ndarray, pages_per_block: int, expected: np.ndarray,
+              page_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(page numbers int64 [k], their CRC32C as read uint32 [k]) of the pages whose bytes in ``buf`` do not
+    match ``expected``: ``buf`` (uint8) holds len(first_pages) blocks of ``pages_per_block`` pages, block i
+    starting at page ``first_pages[i]``."""
+    n = len(first_pages) * pages_per_block
+    got = crc32c_pages(buf.reshape(-1)[: n * page_size], page_size)  # [n]
+    pages = (np.asarray(first_pages, dtype=np.int64)[:, None] + np.arange(pages_per_block)).reshape(-1)  # [n]
+    bad = got != expected[pages]
+    return pages[bad], got[bad]
+
+
+class PageChecker:
+    """The page CRCs of one table (uint32 [pages], resident) and the check of the pages a read returned."""
+
+    def __init__(self, m: TableManifest, verify: bool = True) -> None:
+        if not m.has_page_crcs:
+            raise missing_page_crcs_error(m)
+        self.path = m.values_path
+        self.page_size = m.page_size
+        raw = load_file(m, "page_crc", "ram", verify)  # uint8 [pages * 4], its chunk CRC32s checked
+        self.crcs = raw.numpy().view("<u4").astype(np.uint32, copy=False)  # [pages]
+
+    @property
+    def nbytes(self) -> int:
+        return self.crcs.nbytes
+
+    def check(self, offsets: np.ndarray, buf: torch.Tensor | np.ndarray, size: int) -> None:
+        """Return when every page of a read is intact: ``buf`` holds len(offsets) blocks of ``size`` bytes
+        (whole pages) read from byte ``offsets[i]``. Else raise CorruptPageError for the lowest bad page; its
+        ``bad_pages`` says how many pages of the read were bad."""
+        pages, got = bad_pages(buf.numpy() if isinstance(buf, torch.Tensor) else buf,
+                               np.asarray(offsets, dtype=np.int64) // self.page_size, size // self.page_size,
+                               self.crcs, self.page_size)
+        if len(pages):
+            i = int(pages.argmin())
+            p = int(pages[i])
+            err = page_error(self.path, p, self.page_size, int(self.crcs[p]), int(got[i]))
+            err.bad_pages = len(pages)
+            raise err

@@ -1,0 +1,60 @@
+"""``add_checksums``: give a table written before format 2 its per-page CRC32C sidecar, in place.
+
+``engram convert --add-checksums DIR`` runs it. One pass over the data files checks every chunk against the
+CRC32 the manifest already has (so checksums are never computed over bytes that were already damaged) and
+computes the CRC32C of each page of values.bin; only if every chunk matched is the sidecar written
+(``values.crc32c``, fsynced, renamed into place) and then the manifest replaced by one of format 2 naming
+it (written to a temporary file, fsynced, renamed over manifest.json). A crash in between leaves the old
+manifest, which ignores the stray sidecar; running the command again finishes the job. A table that already
+has page checksums is left as it is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from engram.store.crc32c import crc32c_pages
+from engram.store.format import (FORMAT_VERSION, MANIFEST, PAGE_CRC_FILE, TableManifest, check_file_size,
+                                 checksum_error, iter_chunks, read_manifest)
+from engram.store.writer import fsync_dir, write_synced, write_sidecar
+
+
+def add_checksums(directory: str | os.PathLike, progress: bool = False) -> tuple[TableManifest, bool]:
+    """(the manifest, whether it changed): adds the page-CRC sidecar to the table at ``directory`` after
+    verifying its chunk CRCs; TableFormatError (file, offset) when a chunk does not match, nothing written."""
+    m = read_manifest(directory)
+    if m.has_page_crcs:
+        return m, False
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=sum(f.bytes for f in m.files.values()), unit="B", unit_scale=True, desc=m.path.name)
+    pages: list[np.ndarray] = []
+    try:
+        for kind, entry in m.files.items():
+            path = m.path / entry.name
+            check_file_size(path, entry.bytes)
+            for i, (off, data) in enumerate(iter_chunks(path, m.chunk_bytes, entry.bytes)):
+                if zlib.crc32(data) != entry.crc32[i]:
+                    raise checksum_error(path, i, off, len(data))
+                if kind == "values":
+                    pages.append(crc32c_pages(data, m.page_size))
+                if bar is not None:
+                    bar.update(len(data))
+    finally:
+        if bar is not None:
+            bar.close()
+    root = Path(m.path)
+    tmp = root / f".{PAGE_CRC_FILE}.partial-{os.getpid()}"
+    entry = write_sidecar(tmp, np.concatenate(pages), m.chunk_bytes)
+    os.replace(tmp, root / PAGE_CRC_FILE)
+    new = dataclasses.replace(m, files={**m.files, "page_crc": entry}, format_version=FORMAT_VERSION)
+    mtmp = root / f".{MANIFEST}.partial-{os.getpid()}"
+    write_synced(mtmp, new.to_json().encode(), True)
+    os.replace(mtmp, root / MANIFEST)
+    fsync_dir(root)
+    return read_manifest(root), True
