@@ -1,10 +1,10 @@
-"""GQA self-attention over a paged KV cache, in plain torch (correctness first, any dtype incl. float64).
+"""GQA self-attention over a paged KV cache, and the per-step attention layout it reads.
 
 A KV-source layer projects K/V for the step's tokens and writes them through ``slot_mapping``; every
-layer (source or sharer) then reads its source's cache through ``block_tables``. Decode sequences
-(one new token) are attended in one batched, padded call; longer chunks one sequence at a time with a
-causal mask offset by the tokens already cached. Head h reads KV head h // (num_heads // num_kv_heads)
-(SDPA's enable_gqa: no K/V copies).
+layer (source or sharer) then reads its source's cache through ``block_tables`` (paged_attention.py: a
+Triton fast path on CUDA, plain torch as the reference). ``AttentionMetadata`` is built once per forward
+from host numbers: which sequences decode (one new token) and which prefill (chunks), as device index
+tensors copied without a host sync.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from torch import nn
 
 from engram.model.kv_cache import KVCache
 from engram.model.layers.norm import RMSNorm
+from engram.model.layers.paged_attention import PREFILL_BLOCK_M, paged_attention
 from engram.model.layers.rope import apply_rope
 from engram.transfer import to_device
 
@@ -34,6 +35,9 @@ class AttentionMetadata:
     decode_tokens: torch.Tensor | None  # [D] their packed token rows
     decode_lens: torch.Tensor | None  # [D] their KV lengths
     decode_max_len: int = 0  # longest KV among them (padded length of the batched call)
+    prefill: list[int] | None = None  # sequences with several new tokens (host), None when there are none
+    prefill_index: torch.Tensor | None = None  # [4, P] (device): their seq index, first token, q_len, ctx
+    prefill_tiles: torch.Tensor | None = None  # [2, NT] (device): (prefill index, first query) of each tile
 
     @classmethod
     def from_step(cls, cu_seqlens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
@@ -56,6 +60,15 @@ class AttentionMetadata:
             rows = to_device([dec, [cu[s] for s in dec], [ctx[s] for s in dec]], block_tables.device)  # [3, D]
             meta.decode_seqs, meta.decode_tokens, meta.decode_lens = rows.unbind(0)
             meta.decode_max_len = max(ctx[s] for s in dec)
+        pre = [s for s, q in enumerate(q_lens) if q > 1]
+        if pre:
+            meta.prefill = pre
+            if block_tables.device.type == "cuda":  # what the Triton prefill kernel reads
+                dev = block_tables.device
+                meta.prefill_index = to_device([pre, [cu[s] for s in pre], [q_lens[s] for s in pre],
+                                                [ctx[s] for s in pre]], dev)
+                tiles = [(j, m0) for j, s in enumerate(pre) for m0 in range(0, q_lens[s], PREFILL_BLOCK_M)]
+                meta.prefill_tiles = to_device([[t[0] for t in tiles], [t[1] for t in tiles]], dev)
         return meta
 
 
@@ -66,49 +79,6 @@ class HostLayout:
     cu_seqlens: list[int]  # [S+1] token offsets
     context_lens: list[int]  # [S] KV length of each sequence after the step
     all_slots_valid: bool = True  # every token's KV slot is >= 0 (the engine's steps always are)
-
-
-def paged_attention(q: torch.Tensor, kv: KVCache, layer_id: int, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
-    """q [T, nh, hd] -> attention output [T, nh, hd] over the cache of ``layer_id``."""
-    out = torch.empty_like(q)
-    groups = q.shape[1] // kv.n_kv_heads
-    if meta.decode_seqs is not None:
-        out[meta.decode_tokens] = _decode_batched(q, kv, layer_id, meta, scale, groups)
-    for s, (start, q_len, ctx) in enumerate(zip(meta.starts, meta.q_lens, meta.context_lens)):
-        if q_len <= 1:
-            continue
-        k, v = kv.read(layer_id, meta.block_tables[s], ctx)  # [ctx, n_kv, hd] each
-        qs = q[start:start + q_len].transpose(0, 1)  # [nh, q_len, hd]
-        ks = k.transpose(0, 1).to(q.dtype)  # [n_kv, ctx, hd]
-        vs = v.transpose(0, 1).to(q.dtype)
-        if q_len == ctx:  # fresh prefill: plain causal, which lets SDPA pick its flash kernel
-            mask = None
-        else:
-            qpos = torch.arange(ctx - q_len, ctx, device=q.device).unsqueeze(1)  # [q_len, 1] absolute positions
-            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # [q_len, ctx] causal, offset by cache
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                           enable_gqa=groups > 1)  # [nh, q_len, hd]
-        out[start:start + q_len] = o.transpose(0, 1)
-    return out
-
-
-def _decode_batched(q: torch.Tensor, kv: KVCache, layer_id: int, meta: AttentionMetadata, scale: float,
-                    groups: int) -> torch.Tensor:
-    """One new token per sequence: pad every sequence's KV to the longest and attend in one call."""
-    bs = kv.block_size
-    n_blocks = -(-meta.decode_max_len // bs)
-    tables = meta.block_tables.index_select(0, meta.decode_seqs)[:, :n_blocks].clamp_min(0)  # [D, nb]; -1 -> 0, masked
-    d = tables.shape[0]
-    k = kv.k[layer_id][tables].view(d, n_blocks * bs, kv.n_kv_heads, -1)  # [D, Lpad, n_kv, hd]
-    v = kv.v[layer_id][tables].view(d, n_blocks * bs, kv.n_kv_heads, -1)
-    k = k.transpose(1, 2).to(q.dtype)  # [D, n_kv, Lpad, hd]
-    v = v.transpose(1, 2).to(q.dtype)
-    valid = torch.arange(n_blocks * bs, device=q.device).unsqueeze(0) < meta.decode_lens.unsqueeze(1)  # [D, Lpad]
-    qd = q.index_select(0, meta.decode_tokens).unsqueeze(2)  # [D, nh, 1, hd]
-    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=valid[:, None, None, :], scale=scale,
-                                       enable_gqa=groups > 1)  # [D, nh, 1, hd]
-    return o.squeeze(2)
 
 
 class Attention(nn.Module):

@@ -1,0 +1,197 @@
+"""Paged attention on CUDA in Triton: K/V read in place through the block table, no padded copies.
+
+Two kernels, the fast path of ``attention.paged_attention`` (whose torch code is the reference and the
+float64 oracle; a parity test runs both over odd sizes):
+
+* **decode** (sequences with one new token), split-KV: one program per (sequence, KV head, split) holds
+  the whole GQA group of query heads as the M dimension of its dot products, walks its share of the
+  sequence's KV in tiles gathered through the block table, and writes an unnormalised partial (acc, max,
+  sum); a second kernel combines the splits (log-sum-exp). Splits keep the chip busy when few sequences
+  decode long contexts.
+* **prefill** (chunks of several tokens: fresh prompts, chunked prefill over a cached prefix, recompute):
+  flash-attention over packed varlen queries, one program per (query tile of one sequence, query head),
+  causal with the chunk's offset into its context (query i sits at position ctx - q_len + i).
+
+Both take q [T, nh, hd] and the cache's K/V [num_blocks, block_size, n_kv, hd] as they are; heads map to
+KV heads by h // (nh // n_kv). float32 inputs use IEEE fp32 dot products (no TF32), so the fp32 parity
+test compares against a plain fp32 reference. Only CUDA; importing needs triton.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_split_kernel(Q, K, V, BT, SEQ, TOK, LENS, O, ML, scale, split_len,
+                         s_qt, s_qh, s_kb, s_ks, s_kh, s_bt, s_od, s_oh, s_os, s_md, s_mh,
+                         G: tl.constexpr, BLOCK_G: tl.constexpr, HD: tl.constexpr, BLOCK_HD: tl.constexpr,
+                         BS: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    d = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    seq = tl.load(SEQ + d)
+    tok = tl.load(TOK + d)
+    length = tl.load(LENS + d)
+    g = tl.arange(0, BLOCK_G)
+    c = tl.arange(0, BLOCK_HD)
+    heads = kvh * G + g
+    gmask = g < G
+    cmask = c < HD
+    q = tl.load(Q + tok * s_qt + heads[:, None] * s_qh + c[None, :], mask=gmask[:, None] & cmask[None, :], other=0.0)
+    lo = sp * split_len
+    hi = tl.minimum(lo + split_len, length)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_HD], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + n
+        valid = pos < hi
+        blk = tl.load(BT + seq * s_bt + pos // BS, mask=valid, other=0).to(tl.int64)
+        row = blk * s_kb + (pos % BS) * s_ks + kvh * s_kh
+        kv_mask = valid[:, None] & cmask[None, :]
+        k = tl.load(K + row[:, None] + c[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + row[:, None] + c[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * scale, float("-inf"))  # [BLOCK_G, BLOCK_N]
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    o_ptr = O + d * s_od + heads[:, None] * s_oh + sp * s_os + c[None, :]
+    tl.store(o_ptr, acc, mask=gmask[:, None] & cmask[None, :])
+    ml_ptr = ML + d * s_md + heads * s_mh + sp * 2
+    tl.store(ml_ptr, m, mask=gmask)
+    tl.store(ml_ptr + 1, l, mask=gmask)
+
+
+@triton.jit
+def _decode_combine_kernel(O, ML, TOK, OUT, num_splits, s_od, s_oh, s_os, s_md, s_mh, s_ot, s_oh2,
+                           HD: tl.constexpr, BLOCK_HD: tl.constexpr, BLOCK_S: tl.constexpr):
+    d = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    smask = sp < num_splits
+    m = tl.load(ML + d * s_md + h * s_mh + sp * 2, mask=smask, other=float("-inf"))
+    l = tl.load(ML + d * s_md + h * s_mh + sp * 2 + 1, mask=smask, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(smask & (l > 0), tl.exp(m - m_max), 0.0)  # empty splits weigh nothing
+    c = tl.arange(0, BLOCK_HD)
+    cmask = c < HD
+    acc = tl.load(O + d * s_od + h * s_oh + sp[:, None] * s_os + c[None, :], mask=smask[:, None] & cmask[None, :],
+                  other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tok = tl.load(TOK + d)
+    tl.store(OUT + tok * s_ot + h * s_oh2 + c, out.to(OUT.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _prefill_kernel(Q, K, V, BT, OUT, TILE_SEQ, TILE_M0, SEQ, START, QLEN, CTX, scale,
+                    s_qt, s_qh, s_kb, s_ks, s_kh, s_bt, s_ot, s_oh,
+                    G: tl.constexpr, HD: tl.constexpr, BLOCK_HD: tl.constexpr, BS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    p_idx = tl.load(TILE_SEQ + tile)
+    m0 = tl.load(TILE_M0 + tile)
+    seq = tl.load(SEQ + p_idx)
+    start = tl.load(START + p_idx)
+    q_len = tl.load(QLEN + p_idx)
+    ctx = tl.load(CTX + p_idx)
+    kvh = h // G
+    i = m0 + tl.arange(0, BLOCK_M)
+    imask = i < q_len
+    c = tl.arange(0, BLOCK_HD)
+    cmask = c < HD
+    q = tl.load(Q + (start + i)[:, None] * s_qt + h * s_qh + c[None, :], mask=imask[:, None] & cmask[None, :],
+                other=0.0)
+    qpos = ctx - q_len + i  # absolute position of each query
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_HD], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    hi = tl.minimum(ctx, ctx - q_len + m0 + BLOCK_M)  # keys past the tile's last query are all masked
+    for n0 in range(0, hi, BLOCK_N):
+        pos = n0 + n
+        valid = pos < hi
+        blk = tl.load(BT + seq * s_bt + pos // BS, mask=valid, other=0).to(tl.int64)
+        row = blk * s_kb + (pos % BS) * s_ks + kvh * s_kh
+        kv_mask = valid[:, None] & cmask[None, :]
+        k = tl.load(K + row[:, None] + c[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + row[:, None] + c[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        keep = valid[None, :] & (pos[None, :] <= qpos[:, None])
+        s = tl.where(keep, s * scale, float("-inf"))  # [BLOCK_M, BLOCK_N]
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past q_len see no key at all
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(OUT + (start + i)[:, None] * s_ot + h * s_oh + c[None, :], out.to(OUT.dtype.element_ty),
+             mask=imask[:, None] & cmask[None, :])
+
+
+def _pow2(x: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(x))
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+           seqs: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor, max_len: int, out: torch.Tensor,
+           scale: float, num_splits: int) -> None:
+    """One new token per sequence: out[tokens[d]] = attention of q[tokens[d]] over the first lens[d] keys of
+    sequence seqs[d]. q, out [T, nh, hd]; caches [NB, BS, n_kv, hd]; block_tables [S, W] int64."""
+    d = seqs.numel()
+    nh, hd = q.shape[1], q.shape[2]
+    n_kv, bs = k_cache.shape[2], k_cache.shape[1]
+    g = nh // n_kv
+    block_n = 64 if hd <= 128 else 32
+    split_len = -(-max(max_len, 1) // num_splits)
+    split_len = -(-split_len // block_n) * block_n
+    part = torch.empty(d, nh, num_splits, hd, dtype=torch.float32, device=q.device)  # [D, nh, S, hd]
+    ml = torch.empty(d, nh, num_splits, 2, dtype=torch.float32, device=q.device)  # [D, nh, S, (max, sum)]
+    _decode_split_kernel[(d, n_kv, num_splits)](
+        q, k_cache, v_cache, block_tables, seqs, tokens, lens, part, ml, scale, split_len,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1),
+        G=g, BLOCK_G=_pow2(g), HD=hd, BLOCK_HD=_pow2(hd), BS=bs, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+        num_warps=4)
+    _decode_combine_kernel[(d, nh)](
+        part, ml, tokens, out, num_splits, part.stride(0), part.stride(1), part.stride(2), ml.stride(0),
+        ml.stride(1), out.stride(0), out.stride(1), HD=hd, BLOCK_HD=_pow2(hd), BLOCK_S=_pow2(num_splits, 2),
+        num_warps=1)
+
+
+def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+            tile_seq: torch.Tensor, tile_m0: torch.Tensor, seqs: torch.Tensor, starts: torch.Tensor,
+            q_lens: torch.Tensor, ctx_lens: torch.Tensor, block_m: int, out: torch.Tensor, scale: float) -> None:
+    """Chunks of several tokens: for each prefill sequence p (``seqs``, ``starts``, ``q_lens``, ``ctx_lens``),
+    its q_len queries attend causally to its first ctx keys; one program per (tile, head), tiles of
+    ``block_m`` queries listed in ``tile_seq`` / ``tile_m0``."""
+    nh, hd = q.shape[1], q.shape[2]
+    n_kv, bs = k_cache.shape[2], k_cache.shape[1]
+    fp32 = q.dtype == torch.float32
+    _prefill_kernel[(tile_seq.numel(), nh)](
+        q, k_cache, v_cache, block_tables, out, tile_seq, tile_m0, seqs, starts, q_lens, ctx_lens, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        G=nh // n_kv, HD=hd, BLOCK_HD=_pow2(hd), BS=bs, BLOCK_M=block_m, BLOCK_N=32 if fp32 or hd > 128 else 64,
+        IEEE=fp32, num_warps=4 if hd <= 64 else 8)
