@@ -325,19 +325,18 @@ class VerifyReport:
 
 
 def _stored_page_crcs(m: TableManifest) -> Any:
-    """The sidecar's page CRCs (numpy uint32 [pages]) when it is there, of its size and its chunk CRCs hold;
-    else None (verify_table reports the sidecar's own defects)."""
+    """The sidecar's page CRCs (numpy uint32 [pages]) when it loads with its chunk CRCs intact; else None
+    (verify_table reports the sidecar's own defects)."""
     import numpy as np
 
-    entry = m.files.get("page_crc")
-    path = m.path / entry.name if entry is not None else None
-    if entry is None or not path.is_file() or path.stat().st_size != entry.bytes:
+    from engram.store.load import load_file
+
+    if not m.has_page_crcs:
         return None
-    data = path.read_bytes()
-    cb = m.chunk_bytes
-    if any(zlib.crc32(data[i * cb:(i + 1) * cb]) != c for i, c in enumerate(entry.crc32)):
+    try:
+        return load_file(m, "page_crc", "ram", verify=True).numpy().view("<u4").astype(np.uint32)
+    except TableFormatError:
         return None
-    return np.frombuffer(data, dtype="<u4").astype(np.uint32)
 
 
 def verify_table(directory: str | os.PathLike, progress: bool = False) -> VerifyReport:
