@@ -13,11 +13,18 @@ import torch
 torch.set_num_threads(1)
 
 
-@pytest.fixture(autouse=True)
-def _private_cache_dir(tmp_path_factory, monkeypatch):
-    # One cache per test session (tables of the tiny model are built once), never the user's.
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_dir(tmp_path_factory):
+    # One cache per test session (tables of the tiny model are built once), never the user's. Session scope:
+    # set before any module-scoped fixture loads a model.
     root = tmp_path_factory.getbasetemp() / "engram-cache"
-    monkeypatch.setenv("ENGRAM_CACHE_DIR", str(root))
+    old = os.environ.get("ENGRAM_CACHE_DIR")
+    os.environ["ENGRAM_CACHE_DIR"] = str(root)
+    yield
+    if old is None:
+        os.environ.pop("ENGRAM_CACHE_DIR", None)
+    else:
+        os.environ["ENGRAM_CACHE_DIR"] = old
 
 
 @pytest.fixture

@@ -34,6 +34,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_num_seqs: int = 64) -> 
     g.add_argument("--block-size", type=int, default=16, help="tokens per paged KV block")
     g.add_argument("--kv-cache-memory", type=int, default=None,
                    help="bytes for KV blocks + Engram staging + hot-row cache (default: sized to the machine)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU the process may fill; the KV cache gets what a profiled step leaves")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: decode steps run eagerly")
 
 
 def parse_engram_config(text: str | None) -> dict[str, Any]:
@@ -56,4 +59,5 @@ def build_llm(args: argparse.Namespace):
     return LLM(args.model, tier=args.tier, dtype=args.dtype, engram_config=parse_engram_config(args.engram_config),
                device=args.device, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-               block_size=args.block_size, kv_cache_memory=args.kv_cache_memory)
+               block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)

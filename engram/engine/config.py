@@ -21,12 +21,14 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact KV block count (overrides the budget; tests use it)
     seed: int = 0  # random stream of requests without their own seed
     gpu_memory_utilization: float = 0.9  # share of the device the process may fill (KV sized from a profile)
+    enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly (vLLM's name)
+    max_graph_batch: int = 256  # largest decode batch captured as a CUDA graph; larger batches run eager
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"engine.{name}={getattr(self, name)!r}: {why}")
 
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_graph_batch"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise bad(name, "must be an int >= 1")

@@ -34,8 +34,10 @@ class MemoryPlan:
 
 
 def plan_memory(cfg: EngineConfig, max_model_len: int, bytes_per_block: int, staging_bytes: int,
-                cache_bytes: int, device: torch.device, step_peak_bytes: int | None = None) -> MemoryPlan:
-    """``step_peak_bytes``: what the profiled warm-up step added at its peak (CUDA, no explicit budget)."""
+                cache_bytes: int, device: torch.device, step_peak_bytes: int | None = None,
+                graph_bytes: int = 0) -> MemoryPlan:
+    """``step_peak_bytes``: what the profiled warm-up step added at its peak (CUDA, no explicit budget);
+    ``graph_bytes``: set aside for the CUDA graphs' memory pool (captured after the KV cache exists)."""
     per_seq = -(-max_model_len // cfg.block_size)  # blocks one full-length sequence needs
     if cfg.num_kv_blocks is not None:
         num_blocks = cfg.num_kv_blocks
@@ -48,10 +50,11 @@ def plan_memory(cfg: EngineConfig, max_model_len: int, bytes_per_block: int, sta
                 f"{bytes_per_block} bytes")
     elif step_peak_bytes is not None:
         free, total = torch.cuda.mem_get_info(device)
-        left = int(total * cfg.gpu_memory_utilization) - (total - free) - step_peak_bytes
+        left = int(total * cfg.gpu_memory_utilization) - (total - free) - step_peak_bytes - graph_bytes
         num_blocks = min(cfg.max_num_seqs * per_seq, max(0, left // bytes_per_block))
         what = (f"engine.gpu_memory_utilization={cfg.gpu_memory_utilization} of {total} bytes minus {total - free} "
-                f"in use after loading minus a step's profiled peak of {step_peak_bytes} leaves {max(left, 0)} bytes")
+                f"in use after loading minus a step's profiled peak of {step_peak_bytes} and {graph_bytes} for "
+                f"CUDA graphs leaves {max(left, 0)} bytes")
     else:
         num_blocks = cfg.max_num_seqs * per_seq
         what = f"room for max_num_seqs={cfg.max_num_seqs} sequences is {num_blocks} KV blocks"

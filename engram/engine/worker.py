@@ -4,6 +4,7 @@ A Worker is driven only through ``execute(StepDescription) -> StepResult`` (engi
 through ``stats()``; it never sees a Sequence, the scheduler or a tokenizer. At start it opens its Engram
 tables on its device (``LoadedModel.open_tables``), sizes the paged KV cache (memory.py: from a profiled
 warm-up forward at the largest step on CUDA, from the configured budget otherwise) and allocates it.
+Decode steps replay CUDA graphs (cuda_graphs.py) unless ``enforce_eager``.
 Per-sequence device state — the paper variant's conv state (in the runner) and the random generator of a
 seeded request — is keyed by sequence id and dropped when the engine lists the sequence as finished.
 Within a step the only host synchronisation is the read of the sampled tokens.
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from engram.engine.config import EngineConfig
+from engram.engine.cuda_graphs import DecodeGraphs, graph_reserve_bytes
 from engram.engine.lookup import LookupExecutor, staging_bytes
 from engram.engine.memory import MemoryPlan, plan_memory, profile_peak_bytes
 from engram.engine.runner import ModelRunner
@@ -24,8 +26,9 @@ from engram.model.kv_cache import KVCache
 
 
 class Worker:
-    def __init__(self, loaded, config: EngineConfig, max_model_len: int, device: torch.device, dtype: torch.dtype):
-        self.config, self.device, self.dtype = config, torch.device(device), dtype
+    def __init__(self, loaded, config: EngineConfig, max_model_len: int, device: torch.device, dtype: torch.dtype,
+                 progress: bool | None = None):
+        self.config, self.device, self.dtype = config, torch.device(device), dtype  # progress None: bars on a tty
         self.model_config, self.ecfg = loaded.model_config, loaded.engram_config
         self.model = loaded.model
         self.tables = loaded.open_tables()  # opened here, on this worker's device
@@ -34,11 +37,19 @@ class Worker:
         self._generators: dict[int, torch.Generator] = {}  # seq id -> its own stream (seeded requests)
         bytes_per_block = KVCache.for_model(self.model_config, 1, config.block_size, dtype, "meta").bytes_per_block()
         staging = staging_bytes(self.ecfg, config.max_num_batched_tokens, dtype) if self.ecfg else 0
+        use_graphs = not config.enforce_eager and DecodeGraphs.supports(dtype, self.ecfg, self.device)
         peak = profile_peak_bytes(self, bytes_per_block) if self._profiles_memory() else None
         self.memory: MemoryPlan = plan_memory(config, max_model_len, bytes_per_block, staging,
-                                              _hot_cache_bytes(self.tables), self.device, peak)
-        self.kv = KVCache.for_model(self.model_config, self.memory.num_blocks, config.block_size, dtype, self.device)
+                                              _hot_cache_bytes(self.tables), self.device, peak,
+                                              graph_reserve_bytes(config, peak) if use_graphs else 0)
+        # With graphs, one more block than the scheduler hands out: padding sequences of a bucket write there.
+        self.kv = KVCache.for_model(self.model_config, self.memory.num_blocks + use_graphs, config.block_size, dtype,
+                                    self.device)
         self.runner = ModelRunner(self.model, self.kv, self.device, dtype, self.ecfg)
+        self.graphs = (DecodeGraphs(self.model, self.kv, self.ecfg, min(config.max_num_seqs, config.max_graph_batch),
+                                    max_model_len,
+                                    config.block_size, self.memory.num_blocks, self.device, progress=progress)
+                       if use_graphs else None)
 
     def _profiles_memory(self) -> bool:
         c = self.config
@@ -49,7 +60,10 @@ class Worker:
         """Run one step: lookups, forward, sampling; returns the emitted tokens (one host read)."""
         self._free(step.finished_seq_ids)
         staged = self.lookup.submit(step)
-        logits = self.runner.run(step, staged)  # [N, vocab] float32
+        if self.graphs is not None and self.graphs.fits(step):
+            logits = self.graphs.run(step, staged)  # [N, vocab] float32, a view of the graph's output
+        else:
+            logits = self.runner.run(step, staged)
         gens = [self._generator(sid, spec) for sid, spec in
                 zip((step.seq_ids[i] for i in step.sample_rows), step.samples)]
         sampled = self.sampler(logits, step.samples, gens)
@@ -72,7 +86,8 @@ class Worker:
     def stats(self) -> dict[str, Any]:
         """Device-side counters: each Engram table's (by layer id) and the KV cache's size."""
         return {"tables": self.lookup.stats(), "kv_blocks": self.memory.num_blocks,
-                "kv_bytes": self.memory.kv_bytes}
+                "kv_bytes": self.memory.kv_bytes, "graph_replays": self.graphs.replays if self.graphs else 0,
+                "graph_pool_bytes": self.graphs.pool_bytes if self.graphs else 0}
 
 
 def read_tokens(token_ids: torch.Tensor) -> list[int]:

@@ -90,8 +90,8 @@ class EngramDecoder(nn.Module):
     def forward(self, step: StepInputs, kv: KVCache) -> torch.Tensor:
         """One step of packed tokens -> final-normed hidden of the ``step.logits_indices`` rows [N, H]."""
         cfg = self.config
-        meta = AttentionMetadata.from_step(step.cu_seqlens, step.context_lens, step.block_tables, step.slot_mapping,
-                                          step.host_layout)
+        meta = step.attention or AttentionMetadata.from_step(step.cu_seqlens, step.context_lens, step.block_tables,
+                                                             step.slot_mapping, step.host_layout)
         x = self.model.embed_tokens(step.token_ids)  # [T, H]
         cos, sin = self.rotary.cos_sin(step.positions, x.dtype)  # [T, 1, hd]
         h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, hc, H]: every stream starts at x

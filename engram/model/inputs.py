@@ -26,6 +26,7 @@ class StepInputs:
     conv_state: Any = None  # engram.module.ShortConvState | None: paper variant's per-sequence conv state
     logits_indices: torch.Tensor | None = None  # LongTensor[S']: token rows to return; None = each seq's last
     host_layout: Any = None  # attention.HostLayout: offsets and KV lengths as host numbers; None = read back
+    attention: Any = None  # attention.AttentionMetadata built by the caller (CUDA graphs: static buffers)
 
     def __post_init__(self) -> None:
         t = self.token_ids.shape[0]

@@ -34,9 +34,7 @@ class StepRows:
 
 def hasher_for(loaded) -> NgramHasher:
     """The NgramHasher of a LoadedModel (pad id compressed through its tokenizer)."""
-    ecfg = loaded.engram_config
-    pad = int(loaded.compressed_tokenizer(torch.tensor([ecfg.pad_token_id]))[0])
-    return NgramHasher(ecfg, pad_id=pad)
+    return NgramHasher.from_tokenizer(loaded.engram_config, loaded.compressed_tokenizer)
 
 
 @torch.no_grad()

@@ -1,5 +1,4 @@
-"""Which attention path runs: the torch reference on the CPU (and for float64), the backend switch, and the
-decode split count (pure host arithmetic, so a CUDA graph bucket can fix it)."""
+"""Which attention path runs: the torch reference on the CPU (and for float64), and the backend switch."""
 from __future__ import annotations
 
 import pytest
@@ -17,9 +16,3 @@ def test_cpu_and_float64_take_the_reference_and_triton_insists():
             pa.uses_triton(q)
     finally:
         pa.set_backend(old)
-
-
-@pytest.mark.parametrize("decoding,n_kv,max_len,want", [(1, 8, 4096, 32), (1, 8, 300, 3), (64, 8, 4096, 1),
-                                                         (16, 8, 2048, 3), (1, 1, 10, 1), (256, 8, 100000, 1)])
-def test_decode_splits_fill_the_chip_with_at_least_128_keys_each(decoding, n_kv, max_len, want):
-    assert pa.decode_splits(decoding, n_kv, max_len) == want

@@ -21,7 +21,6 @@ BACKENDS = ("auto", "torch", "triton")
 _BACKEND = os.environ.get("ENGRAM_ATTENTION", "auto")
 FAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PREFILL_BLOCK_M = 64  # queries per program of the Triton prefill kernel (AttentionMetadata tiles by it)
-TARGET_PROGRAMS = 264  # decode programs that keep an H200's 132 SMs busy (two per SM)
 
 
 def set_backend(name: str) -> str:
@@ -51,12 +50,6 @@ def uses_triton(q: torch.Tensor) -> bool:
     return fast
 
 
-def decode_splits(num_decode: int, n_kv_heads: int, max_len: int) -> int:
-    """KV splits per decoding sequence: enough programs to fill the chip, at least 128 keys per split."""
-    want = -(-TARGET_PROGRAMS // max(1, num_decode * n_kv_heads))
-    return max(1, min(want, -(-max_len // 128), 32))
-
-
 def paged_attention(q: torch.Tensor, kv: KVCache, layer_id: int, meta, scale: float) -> torch.Tensor:
     """q [T, nh, hd] -> attention output [T, nh, hd] over the cache of ``layer_id`` (meta: AttentionMetadata)."""
     if not uses_triton(q):
@@ -66,9 +59,8 @@ def paged_attention(q: torch.Tensor, kv: KVCache, layer_id: int, meta, scale: fl
     out = torch.empty_like(q)
     k_cache, v_cache = kv.k[layer_id], kv.v[layer_id]
     if meta.decode_seqs is not None:
-        splits = decode_splits(meta.decode_seqs.numel(), kv.n_kv_heads, meta.decode_max_len)
         tri.decode(q, k_cache, v_cache, meta.block_tables, meta.decode_seqs, meta.decode_tokens, meta.decode_lens,
-                   meta.decode_max_len, out, scale, splits)
+                   meta.decode_max_len, out, scale)
     if meta.prefill is not None:
         seqs, starts, q_lens, ctx = meta.prefill_index.unbind(0)
         tiles, m0 = meta.prefill_tiles.unbind(0)

@@ -3,11 +3,12 @@
 Two kernels, the fast path of ``attention.paged_attention`` (whose torch code is the reference and the
 float64 oracle; a parity test runs both over odd sizes):
 
-* **decode** (sequences with one new token), split-KV: one program per (sequence, KV head, split) holds
-  the whole GQA group of query heads as the M dimension of its dot products, walks its share of the
-  sequence's KV in tiles gathered through the block table, and writes an unnormalised partial (acc, max,
-  sum); a second kernel combines the splits (log-sum-exp). Splits keep the chip busy when few sequences
-  decode long contexts.
+* **decode** (sequences with one new token), split-KV: one program per (sequence, KV head, split of
+  SPLIT_LEN keys) holds the whole GQA group of query heads as the M dimension of its dot products, walks
+  its split in tiles gathered through the block table, and writes an unnormalised partial (acc, max,
+  sum); a second kernel combines the splits in order (log-sum-exp). Splits keep the chip busy when few
+  sequences decode long contexts; their fixed length makes a sequence's result independent of the batch
+  and of the launch's split count, so a CUDA graph sized for max_model_len computes what eager does.
 * **prefill** (chunks of several tokens: fresh prompts, chunked prefill over a cached prefix, recompute):
   flash-attention over packed varlen queries, one program per (query tile of one sequence, query head),
   causal with the chunk's offset into its context (query i sits at position ctx - q_len + i).
@@ -77,22 +78,27 @@ def _decode_split_kernel(Q, K, V, BT, SEQ, TOK, LENS, O, ML, scale, split_len,
 
 @triton.jit
 def _decode_combine_kernel(O, ML, TOK, OUT, num_splits, s_od, s_oh, s_os, s_md, s_mh, s_ot, s_oh2,
-                           HD: tl.constexpr, BLOCK_HD: tl.constexpr, BLOCK_S: tl.constexpr):
+                           HD: tl.constexpr, BLOCK_HD: tl.constexpr):
     d = tl.program_id(0)
     h = tl.program_id(1)
-    sp = tl.arange(0, BLOCK_S)
-    smask = sp < num_splits
-    m = tl.load(ML + d * s_md + h * s_mh + sp * 2, mask=smask, other=float("-inf"))
-    l = tl.load(ML + d * s_md + h * s_mh + sp * 2 + 1, mask=smask, other=0.0)
-    m_max = tl.max(m, 0)
-    w = tl.where(smask & (l > 0), tl.exp(m - m_max), 0.0)  # empty splits weigh nothing
     c = tl.arange(0, BLOCK_HD)
     cmask = c < HD
-    acc = tl.load(O + d * s_od + h * s_oh + sp[:, None] * s_os + c[None, :], mask=smask[:, None] & cmask[None, :],
-                  other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    m = float("-inf")
+    l = 0.0
+    acc = tl.zeros([BLOCK_HD], tl.float32)
+    for sp in range(num_splits):  # in split order, one at a time: an empty split (max -inf, sum 0) adds exactly 0
+        ms = tl.load(ML + d * s_md + h * s_mh + sp * 2)
+        ls = tl.load(ML + d * s_md + h * s_mh + sp * 2 + 1)
+        o = tl.load(O + d * s_od + h * s_oh + sp * s_os + c, mask=cmask, other=0.0)
+        m_new = tl.maximum(m, ms)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp(m - m_safe)
+        b = tl.exp(ms - m_safe)
+        acc = acc * a + o * b
+        l = l * a + ls * b
+        m = m_new
     tok = tl.load(TOK + d)
-    tl.store(OUT + tok * s_ot + h * s_oh2 + c, out.to(OUT.dtype.element_ty), mask=cmask)
+    tl.store(OUT + tok * s_ot + h * s_oh2 + c, (acc / l).to(OUT.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
@@ -150,34 +156,37 @@ def _prefill_kernel(Q, K, V, BT, OUT, TILE_SEQ, TILE_M0, SEQ, START, QLEN, CTX, 
              mask=imask[:, None] & cmask[None, :])
 
 
+SPLIT_LEN = 128  # keys per decode split: fixed, so results do not depend on the launch shape
+DECODE_BLOCK_N = 32  # keys per tile of the decode kernel (divides SPLIT_LEN)
+
+
 def _pow2(x: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(x))
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
            seqs: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor, max_len: int, out: torch.Tensor,
-           scale: float, num_splits: int) -> None:
+           scale: float) -> None:
     """One new token per sequence: out[tokens[d]] = attention of q[tokens[d]] over the first lens[d] keys of
-    sequence seqs[d]. q, out [T, nh, hd]; caches [NB, BS, n_kv, hd]; block_tables [S, W] int64."""
+    sequence seqs[d]. q, out [T, nh, hd]; caches [NB, BS, n_kv, hd]; block_tables [S, W] int64; ``max_len``
+    bounds lens (host number). Keys are split in fixed runs of SPLIT_LEN, so a sequence's result does not
+    depend on ``max_len``, on the other sequences or on how many splits the launch has (empty ones add 0)."""
     d = seqs.numel()
     nh, hd = q.shape[1], q.shape[2]
     n_kv, bs = k_cache.shape[2], k_cache.shape[1]
     g = nh // n_kv
-    block_n = 64 if hd <= 128 else 32
-    split_len = -(-max(max_len, 1) // num_splits)
-    split_len = -(-split_len // block_n) * block_n
+    num_splits = max(1, -(-max_len // SPLIT_LEN))
     part = torch.empty(d, nh, num_splits, hd, dtype=torch.float32, device=q.device)  # [D, nh, S, hd]
     ml = torch.empty(d, nh, num_splits, 2, dtype=torch.float32, device=q.device)  # [D, nh, S, (max, sum)]
     _decode_split_kernel[(d, n_kv, num_splits)](
-        q, k_cache, v_cache, block_tables, seqs, tokens, lens, part, ml, scale, split_len,
+        q, k_cache, v_cache, block_tables, seqs, tokens, lens, part, ml, scale, SPLIT_LEN,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1),
-        G=g, BLOCK_G=_pow2(g), HD=hd, BLOCK_HD=_pow2(hd), BS=bs, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-        num_warps=4)
+        G=g, BLOCK_G=_pow2(g), HD=hd, BLOCK_HD=_pow2(hd), BS=bs, BLOCK_N=DECODE_BLOCK_N,
+        IEEE=q.dtype == torch.float32, num_warps=4)
     _decode_combine_kernel[(d, nh)](
         part, ml, tokens, out, num_splits, part.stride(0), part.stride(1), part.stride(2), ml.stride(0),
-        ml.stride(1), out.stride(0), out.stride(1), HD=hd, BLOCK_HD=_pow2(hd), BLOCK_S=_pow2(num_splits, 2),
-        num_warps=1)
+        ml.stride(1), out.stride(0), out.stride(1), HD=hd, BLOCK_HD=_pow2(hd), num_warps=1)
 
 
 def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

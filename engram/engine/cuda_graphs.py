@@ -1,0 +1,149 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, captured at start, replayed per step.
+
+A decode step (every sequence computes one token) of S sequences replays the graph of the smallest bucket
+B >= S (buckets 1, 2, 4, 8, 16, 24, 32, then every 16 up to min(max_num_seqs, max_graph_batch), as vLLM does). The graph
+reads static buffers, filled before each replay from the StepDescription through pinned, non-blocking
+copies: token ids, positions, KV lengths, slot mapping, block tables [B, max_blocks] and each Engram
+layer's rows [B, n_cols, head_dim] (copied from the lookup executor's staged rows). The S..B padding
+sequences decode token 0 at position 0 into a reserved KV block that no real sequence owns, so their
+writes touch nothing real; their logits are dropped. Attention inside the graph is the Triton path with
+its split count fixed by ``max_model_len``. What runs eager, and why: prefill and mixed steps (their
+shapes change every step), batches above the largest bucket (logged once), the paper variant (its
+per-sequence conv state is gathered and scattered in Python), steps with DEAD tokens, float64 and the
+torch attention reference. ``replays`` counts replays, so tests can tell a silent eager fallback.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engram.engine.lookup import StagedRows
+from engram.engine.step import StepDescription
+from engram.model.inputs import StepInputs
+from engram.model.layers import paged_attention as pa
+from engram.model.layers.attention import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+
+def graph_reserve_bytes(config, step_peak_bytes: int | None) -> int:
+    """What the KV plan sets aside for the graphs' memory pool: a decode step of B tokens (the largest
+    bucket) needs about B / max_num_batched_tokens of the profiled largest step's peak (activations scale
+    with tokens). The pool's real size is measured after capture (``pool_bytes``, in the Worker's stats)."""
+    if step_peak_bytes is None:
+        return 0
+    return step_peak_bytes * min(config.max_num_seqs, config.max_graph_batch) // config.max_num_batched_tokens
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes that get a graph: 1, 2, 4, 8, 16, 24, 32, then every 16, up to and including max_num_seqs."""
+    sizes = [b for b in (1, 2, 4, 8, 16, 24, 32) if b < max_num_seqs]
+    sizes += list(range(48, max_num_seqs, 16))
+    return sizes + [max_num_seqs]
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv, ecfg, max_batch: int, max_model_len: int, block_size: int,
+                 null_block: int, device: torch.device, progress: bool | None = None):
+        self.model, self.kv, self.device = model, kv, device
+        self.buckets = graph_buckets(max_batch)
+        self.max_model_len, self.block_size, self.null_block = max_model_len, block_size, null_block
+        self.max_blocks = -(-max_model_len // block_size)
+        b = self.buckets[-1]
+        lng = dict(dtype=torch.long, device=device)
+        self.token_ids = torch.zeros(b, **lng)
+        self.positions = torch.zeros(b, **lng)
+        self.context_lens = torch.ones(b, **lng)
+        self.slot_mapping = torch.full((b,), null_block * block_size, **lng)
+        self.block_tables = torch.full((b, self.max_blocks), null_block, **lng)
+        self.arange = torch.arange(b + 1, **lng)
+        dtype = next(model.parameters()).dtype
+        self.rows = {lid: torch.zeros(b, ecfg.n_cols, ecfg.head_dim, dtype=dtype, device=device)
+                     for lid in (ecfg.layer_ids if ecfg else ())}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.replays = 0
+        self._warned_too_large = False
+        self.pool = torch.cuda.graph_pool_handle()
+        before, t0 = torch.cuda.memory_reserved(device), time.perf_counter()
+        from tqdm.auto import tqdm
+
+        bar = tqdm(list(reversed(self.buckets)), desc="capture CUDA graphs", unit="graph",
+                   disable=None if progress is None else not progress)
+        for size in bar:  # largest first: the smaller ones reuse its pool
+            self._capture(size)
+        self.pool_bytes = torch.cuda.memory_reserved(device) - before
+        self.capture_s = time.perf_counter() - t0
+        log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s; pool %.1f MiB", len(self.buckets),
+                 self.buckets[0], self.buckets[-1], self.capture_s, self.pool_bytes / 2**20)
+
+    @staticmethod
+    def supports(step_dtype: torch.dtype, ecfg, device: torch.device) -> bool:
+        """Whether a model of this kind can run its decode steps as graphs at all."""
+        if device.type != "cuda" or step_dtype not in pa.FAST_DTYPES or pa._BACKEND == "torch":
+            return False
+        return ecfg is None or ecfg.variant != "paper"
+
+    def fits(self, step: StepDescription) -> bool:
+        if step.dead_mask is not None or any(n != 1 for n in step.num_new_tokens):
+            return False
+        if step.num_seqs > self.buckets[-1]:
+            if not self._warned_too_large:
+                log.info("decode batch of %d sequences is above the largest CUDA graph (%d): runs eager",
+                         step.num_seqs, self.buckets[-1])
+                self._warned_too_large = True
+            return False
+        return True
+
+    def _inputs(self, size: int) -> StepInputs:
+        idx = self.arange[:size]
+        meta = AttentionMetadata(starts=[], q_lens=[], context_lens=[], block_tables=self.block_tables[:size],
+                                 slot_mapping=self.slot_mapping[:size], write_keep=None, decode_seqs=idx,
+                                 decode_tokens=idx, decode_lens=self.context_lens[:size],
+                                 decode_max_len=self.max_model_len)
+        return StepInputs(token_ids=self.token_ids[:size], positions=self.positions[:size],
+                          cu_seqlens=self.arange[:size + 1], context_lens=self.context_lens[:size],
+                          block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size],
+                          engram_rows=lambda layer_id: self.rows[layer_id][:size], logits_indices=idx,
+                          attention=meta)
+
+    @torch.inference_mode()
+    def _capture(self, size: int) -> None:
+        inputs = self._inputs(size)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks its kernels
+            self.model.compute_logits(self.model.forward(inputs, self.kv))
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.model.compute_logits(self.model.forward(inputs, self.kv))  # [size, vocab] float32
+        self.graphs[size], self.logits[size] = graph, logits
+
+    @torch.inference_mode()
+    def run(self, step: StepDescription, staged: StagedRows) -> torch.Tensor:
+        """Fill the static buffers from the step, replay its bucket's graph -> logits [S, vocab] (a view that
+        the next replay overwrites: sample from it first)."""
+        s = step.num_seqs
+        size = next(b for b in self.buckets if b >= s)
+        host = torch.full((4, size), 0, dtype=torch.long)  # token ids, positions, KV lengths, slots
+        host[2].fill_(1)
+        host[3].fill_(self.null_block * self.block_size)
+        host[0, :s], host[1, :s], host[2, :s], host[3, :s] = (step.token_ids, step.positions, step.context_lens,
+                                                              step.slot_mapping)
+        tables = torch.full((size, self.max_blocks), self.null_block, dtype=torch.long)  # [B, max_blocks]
+        bt = step.block_tables  # [S, W], -1 padded
+        tables[:s, :bt.shape[1]] = torch.where(bt >= 0, bt, self.null_block)
+        dev = host.pin_memory().to(self.device, non_blocking=True)
+        self.token_ids[:size].copy_(dev[0])
+        self.positions[:size].copy_(dev[1])
+        self.context_lens[:size].copy_(dev[2])
+        self.slot_mapping[:size].copy_(dev[3])
+        self.block_tables[:size].copy_(tables.pin_memory().to(self.device, non_blocking=True))
+        for lid, buf in self.rows.items():
+            buf[:s].copy_(staged.rows(lid, step.step_id))
+        self.graphs[size].replay()
+        self.replays += 1
+        return self.logits[size][:s]
