@@ -24,6 +24,7 @@ from engram.store.format import MANIFEST, read_manifest
 from engram.store.kernels.reference import ROW_TORCH_DTYPES
 from engram.store.load import load_table
 from engram.store.options import StoreOptions
+from engram.store.upgrade import add_checksums
 from engram.tokenizer import cache_root as tokenizer_cache_root
 
 GENERATOR_VERSION = 2  # bump when generate_random_table changes what it writes
@@ -56,11 +57,14 @@ def generate_random_table(directory: Path, cfg: EngramConfig, layer_id: int, see
 
 
 def ensure_preset_tables(cfg: EngramConfig, seed: int, cache_dir=None, progress: bool = True) -> dict[int, Path]:
-    """Generate the missing random tables of a preset layout; returns layer id -> table directory."""
+    """Generate the missing random tables of a preset layout (and give cached ones written before table
+    format 2 their page checksums); returns layer id -> table directory."""
     dirs = preset_table_dirs(cfg, seed, cache_dir)
     for lid, d in dirs.items():
         if not (d / MANIFEST).is_file():
             generate_random_table(d, cfg, lid, seed, progress=progress)
+        else:
+            add_checksums(d, progress=progress)  # a no-op on a current table
     return dirs
 
 
@@ -90,9 +94,13 @@ def open_tables(dirs: dict[int, Path], cfg: EngramConfig, tier: str = "gpu", dev
 def convert_checkpoint_tables(checkpoint: Path, dirs: dict[int, Path], cfg: EngramConfig,
                               progress: bool = True) -> None:
     """Convert the tables of the layers in ``dirs`` that are not there yet from the checkpoint's
-    safetensors (store's ``convert_safetensors``, sizes checked against ``cfg``). All ``dirs`` share one
-    parent, as ``checkpoint_table_dirs`` makes them."""
+    safetensors (store's ``convert_safetensors``, sizes checked against ``cfg``), and give the ones cached
+    before table format 2 their page checksums. All ``dirs`` share one parent, as ``checkpoint_table_dirs``
+    makes them."""
     todo = [lid for lid, d in dirs.items() if not (d / MANIFEST).is_file()]
+    for lid, d in dirs.items():
+        if lid not in todo:
+            add_checksums(d, progress=progress)  # cached before table format 2: add page checksums (else no-op)
     if todo:
         root = next(iter(dirs.values())).parent
         convert_safetensors([checkpoint], root, layers=todo, config=cfg, progress=progress)

@@ -181,3 +181,16 @@ def test_add_checksums_refuses_a_damaged_table_and_writes_nothing(table, capsys)
     assert (d / MANIFEST).read_bytes() == before and not (d / PAGE_CRC_FILE).exists()
     assert main(["convert", "--add-checksums", "--no-progress"]) == 2
     assert "needs table directories" in capsys.readouterr().err
+
+
+def test_cached_preset_tables_of_format_1_get_their_checksums(tmp_path):
+    from engram.config import EngramConfig
+    from engram.model.tables import ensure_preset_tables, open_tables
+    cfg = EngramConfig.preset("tiny")
+    dirs = ensure_preset_tables(cfg, 0, cache_dir=tmp_path, progress=False)
+    for d in dirs.values():
+        _downgrade(d)  # as a cache made before format 2 holds them
+    assert ensure_preset_tables(cfg, 0, cache_dir=tmp_path, progress=False) == dirs
+    assert all(read_manifest(d).format_version == 2 for d in dirs.values())
+    tables = open_tables(dirs, cfg, "disk", "cpu", {"io": "buffered"})
+    assert all(t.gather(torch.tensor([0, 5])).shape == (2, cfg.head_dim) for t in tables.values())
