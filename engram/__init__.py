@@ -1,6 +1,6 @@
 """engram: serve language models with Engram conditional memory.
 
-Public names (ARCHITECTURE.md, "Public API"): EngramConfig, CompressedTokenizer, NgramHasher, Engram,
+Public names (docs/design.md, "Public API"): EngramConfig, CompressedTokenizer, NgramHasher, Engram,
 LLM, SamplingParams and the submodules ``quant`` and ``store``. They are imported lazily so that
 ``import engram`` and ``engram --help`` stay fast.
 """

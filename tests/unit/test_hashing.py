@@ -9,7 +9,7 @@ from engram.hashing import DEAD, NgramHasher, dead_mask
 
 
 def spec_hash(ids, cfg, layer, pad):
-    """Straight from ARCHITECTURE.md: one position, one column at a time (Python ints)."""
+    """Straight from docs/addressing.md: one position, one column at a time (Python ints)."""
     primes, offsets, mult = cfg.primes(layer), cfg.column_offsets(layer), cfg.multipliers(layer)
     out = np.zeros((len(ids), cfg.n_cols), dtype=np.int64)
     for p in range(len(ids)):
@@ -46,7 +46,7 @@ def test_matches_spec_reference(preset):
 
 
 def test_v41_golden_first_position():
-    """Position 0 of any sequence: every slot but s=0 is pad, so the row follows from FACTS.md numbers."""
+    """Position 0 of any sequence: every slot but s=0 is pad, so the row follows from the numbers in docs/facts.md."""
     cfg = EngramConfig.preset("deepseek-v4.1-flash")
     m = [76632096046245, 4839876093313, 35959672319349, 73987337458391]
     pad, tok = 2, 12345

@@ -11,13 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engram.model.kv_cache import KVCache
+from engram.model.layers.fused import norm_rope
 from engram.model.layers.norm import RMSNorm
 from engram.model.layers.paged_attention import PREFILL_BLOCK_M, paged_attention
-from engram.model.layers.rope import apply_rope
 from engram.transfer import to_device
 
 
@@ -103,20 +102,22 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm and self.owns_kv else None
+        self.eps = cfg.rms_norm_eps
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv: KVCache) -> torch.Tensor:
         """x [T, H] -> [T, H]; writes this step's K/V first when the layer owns a cache."""
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, nh, hd]
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        q = apply_rope(q, cos, sin)
+        q = norm_rope(q, _weight(self.q_norm), self.eps, cos, sin)  # Qwen3 q norm (if any) + RoPE, one kernel
         if self.owns_kv:
             k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, n_kv, hd]
             v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-            if self.k_norm is not None:
-                k = self.k_norm(k)
-            kv.write(self.layer_id, meta.slot_mapping, apply_rope(k, cos, sin), v, keep=meta.write_keep)
+            kv.write(self.layer_id, meta.slot_mapping, norm_rope(k, _weight(self.k_norm), self.eps, cos, sin), v,
+                     keep=meta.write_keep)
         o = paged_attention(q, kv, self.kv_source, meta, self.scale)  # [T, nh, hd]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from engram.model.layers.fused import silu_mul
 
 
 class MLP(nn.Module):
@@ -14,4 +15,4 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [T, H]
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))  # [T, H]

@@ -1,11 +1,13 @@
 """RMSNorm as Llama/Qwen compute it: statistics in float32 (float64 stays float64), weight applied last.
 
-``y = w * (x / sqrt(mean(x**2) + eps))`` over the last dim, returned in the input dtype.
+``y = w * (x / sqrt(mean(x**2) + eps))`` over the last dim, returned in the input dtype (fused.rms_norm).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from engram.model.layers.fused import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -15,7 +17,4 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x if dtype == torch.float64 else x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return rms_norm(x, self.weight, self.eps)  # one fused kernel on CUDA, the torch reference elsewhere

@@ -1,7 +1,8 @@
 """Rotary position embedding, HF "rotate half" layout (what Llama/Qwen checkpoints expect).
 
 Angles are computed per token from its absolute position (packed batches carry ``positions`` [T]),
-in float32, or float64 when the model runs in float64, then cast to the activation dtype.
+in float32, or float64 when the model runs in float64, then cast to the activation dtype; applying them
+("rotate half") is fused.norm_rope, together with Qwen3's per-head q/k norm.
 """
 from __future__ import annotations
 
@@ -23,13 +24,3 @@ class RotaryEmbedding(nn.Module):
         angles = positions.to(work).unsqueeze(-1) * inv_freq  # [T, hd/2]
         emb = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # [T, 1, hd]
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, hd], cos/sin [T, 1, hd] -> rotated x, same shape and dtype."""
-    return x * cos + rotate_half(x) * sin

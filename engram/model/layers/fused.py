@@ -1,0 +1,82 @@
+"""Small ops with a fused CUDA path: ``rms_norm``, ``norm_rope``, ``silu_mul``, one signature each.
+
+The torch code here is the reference (any device, any dtype, float64 included) and what the CPU runs; on
+CUDA, for bf16 / fp16 / fp32 tensors, the Triton kernels of fused_triton.py take over (one launch each
+instead of five to ten). ``set_backend("torch")`` (or ``ENGRAM_FUSED=torch``, a debugging switch)
+forces the reference; "triton" insists on the fast path.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "torch", "triton")
+_BACKEND = os.environ.get("ENGRAM_FUSED", "auto")
+FAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def set_backend(name: str) -> str:
+    """Select "auto", "torch" (reference) or "triton"; returns the old one."""
+    global _BACKEND
+    if name not in BACKENDS:
+        raise ValueError(f"fused-op backend {name!r} is not one of {BACKENDS}")
+    old, _BACKEND = _BACKEND, name
+    return old
+
+
+@functools.cache
+def _triton_imports() -> bool:
+    try:
+        from engram.model.layers import fused_triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _fast(x: torch.Tensor) -> bool:
+    fast = x.is_cuda and x.dtype in FAST_DTYPES and _BACKEND != "torch" and _triton_imports()
+    if _BACKEND == "triton" and not fast:
+        raise RuntimeError(f"fused-op backend 'triton' cannot run {x.dtype} on {x.device}")
+    return fast
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama/Qwen RMSNorm over the last dim: statistics in float32 (float64 stays float64), weight last."""
+    if _fast(x) and x.stride(-1) == 1:
+        from engram.model.layers import fused_triton
+
+        return fused_triton.rms_norm(x, w, eps)
+    dtype = x.dtype
+    xf = x if dtype == torch.float64 else x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, hd]: per-head RMSNorm with weight ``w`` (skipped when None), then rotary embedding with
+    cos/sin [T, 1, hd] ("rotate half", HF layout) -> same shape and dtype."""
+    hd = x.shape[-1]
+    if _fast(x) and x.stride(-1) == 1 and hd & (hd - 1) == 0 and hd >= 2:
+        from engram.model.layers import fused_triton
+
+        return fused_triton.norm_rope(x, w, eps, cos.reshape(cos.shape[0], hd), sin.reshape(sin.shape[0], hd))
+    if w is not None:
+        x = rms_norm(x, w, eps)
+    return x * cos + rotate_half(x) * sin
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(g) * u."""
+    if _fast(g) and g.is_contiguous() and u.is_contiguous():
+        from engram.model.layers import fused_triton
+
+        return fused_triton.silu_mul(g, u)
+    return F.silu(g) * u

@@ -1,0 +1,92 @@
+"""Fused small ops on CUDA in Triton: one launch where the torch reference takes five to ten.
+
+* ``rms_norm(x, w, eps)``: rows of x [M, N] normalised in float32, weight applied; one program per row.
+* ``norm_rope(x, w, eps, cos, sin)``: Qwen3's per-head q/k RMSNorm followed by rotary embedding ("rotate
+  half"), or the rotation alone (``w`` None); x [T, heads, hd], cos/sin [T, hd]; one program per token.
+* ``silu_mul(g, u)``: SwiGLU's silu(g) * u, elementwise.
+
+Each computes in float32 and rounds once, so it matches the torch reference (fused.py) within bf16
+rounding, not bitwise; the parity test states the tolerance. Only CUDA; importing needs triton.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(X, W, Y, n, eps, s_x, s_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.arange(0, BLOCK)
+    mask = c < n
+    x = tl.load(X + row * s_x + c, mask=mask, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, 0) / n + eps)
+    w = tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * s_y + c, (x * r * w).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_rope_kernel(X, W, COS, SIN, Y, heads, eps, s_xt, s_xh, s_yt, s_yh, s_c,
+                      HD: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.arange(0, BLOCK_H)
+    hmask = h < heads
+    c = tl.arange(0, HALF)
+    m = hmask[:, None]
+    x1 = tl.load(X + t * s_xt + h[:, None] * s_xh + c[None, :], mask=m, other=0.0).to(tl.float32)  # [H, hd/2]
+    x2 = tl.load(X + t * s_xt + h[:, None] * s_xh + HALF + c[None, :], mask=m, other=0.0).to(tl.float32)
+    if NORM:
+        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HD + eps)  # [H]
+        w1 = tl.load(W + c).to(tl.float32)
+        w2 = tl.load(W + HALF + c).to(tl.float32)
+        x1 = x1 * r[:, None] * w1[None, :]
+        x2 = x2 * r[:, None] * w2[None, :]
+    cos1 = tl.load(COS + t * s_c + c).to(tl.float32)[None, :]
+    cos2 = tl.load(COS + t * s_c + HALF + c).to(tl.float32)[None, :]
+    sin1 = tl.load(SIN + t * s_c + c).to(tl.float32)[None, :]
+    sin2 = tl.load(SIN + t * s_c + HALF + c).to(tl.float32)[None, :]
+    y1 = x1 * cos1 - x2 * sin1
+    y2 = x2 * cos2 + x1 * sin2
+    tl.store(Y + t * s_yt + h[:, None] * s_yh + c[None, :], y1.to(Y.dtype.element_ty), mask=m)
+    tl.store(Y + t * s_yt + h[:, None] * s_yh + HALF + c[None, :], y2.to(Y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _silu_mul_kernel(G, U, Y, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    g = tl.load(G + i, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + i, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + i, (g / (1.0 + tl.exp(-g)) * u).to(Y.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., N] (last dim contiguous) -> same shape and dtype."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    y = torch.empty_like(x2)
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](x2, w, y, n, eps, x2.stride(0), y.stride(0), BLOCK=triton.next_power_of_2(n),
+                                         num_warps=4 if n <= 2048 else 8)
+    return y.view(x.shape)
+
+
+def norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, hd] (hd a power of two, last dim contiguous), cos/sin [T, hd] -> rotated (normed) x."""
+    t, heads, hd = x.shape
+    y = torch.empty_like(x)
+    if t:
+        _norm_rope_kernel[(t,)](x, w if w is not None else x, cos, sin, y, heads, eps, x.stride(0), x.stride(1),
+                                y.stride(0), y.stride(1), cos.stride(0), HD=hd, HALF=hd // 2,
+                                BLOCK_H=triton.next_power_of_2(heads), NORM=w is not None, num_warps=4)
+    return y
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u for contiguous g, u of one shape."""
+    y = torch.empty_like(g)
+    n = g.numel()
+    if n:
+        _silu_mul_kernel[(triton.cdiv(n, 1024),)](g, u, y, n, BLOCK=1024, num_warps=4)
+    return y

@@ -1,0 +1,73 @@
+"""Fused Triton small ops against their torch references (skipped without CUDA), odd sizes, fp32 and bf16
+against float64; the backend switch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engram.model.layers import fused
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+CUDA = torch.device("cuda")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+def reference(fn, *args):
+    old = fused.set_backend("torch")
+    try:
+        return fn(*[a.double() if isinstance(a, torch.Tensor) else a for a in args])
+    finally:
+        fused.set_backend(old)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n", [(1, 64), (7, 1000), (300, 2560), (3, 5120)])
+def test_rms_norm(dtype, m, n):
+    g = torch.Generator(device=CUDA).manual_seed(m * n)
+    x = (3 * torch.randn(m, n, generator=g, device=CUDA)).to(dtype)
+    w = torch.randn(n, generator=g, device=CUDA).to(dtype)
+    got = fused.rms_norm(x, w, 1e-6)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert rel(got, reference(fused.rms_norm, x, w, 1e-6)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,heads,hd,normed", [(1, 32, 128, True), (9, 8, 128, True), (5, 5, 64, False),
+                                               (300, 3, 16, True), (2, 1, 256, False)])
+def test_norm_rope(dtype, t, heads, hd, normed):
+    g = torch.Generator(device=CUDA).manual_seed(t * heads * hd)
+    x = torch.randn(t, heads, hd, generator=g, device=CUDA).to(dtype)
+    w = torch.randn(hd, generator=g, device=CUDA).to(dtype) if normed else None
+    ang = torch.rand(t, 1, hd // 2, generator=g, device=CUDA) * 100
+    ang = torch.cat((ang, ang), -1)
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    got = fused.norm_rope(x, w, 1e-6, cos, sin)
+    ref = reference(fused.norm_rope, x, w, 1e-6, cos, sin)
+    assert got.dtype == dtype and rel(got, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 9728), (17, 1000), (64, 12288)])
+def test_silu_mul(dtype, shape):
+    g = torch.Generator(device=CUDA).manual_seed(shape[0])
+    a = (4 * torch.randn(shape, generator=g, device=CUDA)).to(dtype)
+    b = torch.randn(shape, generator=g, device=CUDA).to(dtype)
+    assert rel(fused.silu_mul(a, b), reference(fused.silu_mul, a, b)) < TOL[dtype]
+
+
+def test_backend_switch():
+    x = torch.randn(4, 64, device=CUDA)
+    w = torch.ones(64, device=CUDA)
+    old = fused.set_backend("torch")
+    try:
+        assert not fused._fast(x)
+    finally:
+        fused.set_backend(old)
+    assert fused._fast(x) and not fused._fast(x.double())
+    with pytest.raises(ValueError, match="not one of"):
+        fused.set_backend("cuda")
+    assert torch.isfinite(fused.rms_norm(x, w, 1e-6)).all()
