@@ -59,10 +59,12 @@ def table_commands(text: str) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def fresh_shell_env() -> dict[str, str]:
-    """The environment of a new shell in a clone: no venv on PATH, no VIRTUAL_ENV."""
+    """The environment of a new shell in a clone: no venv on PATH, no VIRTUAL_ENV, and none of the variables
+    an enclosing `make test` exports (a nested make would print its directory changes)."""
     if not (ROOT / ".venv").is_dir():
         pytest.skip("the README's commands assume `make run` made .venv in the repository")
-    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    inherited = {"VIRTUAL_ENV", "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES"}
+    env = {k: v for k, v in os.environ.items() if k not in inherited}
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
                                   if p and not Path(p, "engram").exists())
     return env
