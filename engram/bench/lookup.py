@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
                 cells.append(raw_cell(path / "values.bin", group, args.raw_pages, args.seed, cold))
             for cache_rows in _ints(args.cache_rows):
                 opts = dict(io=group["io"], queue_depth=group["queue_depth"]) if disk else {}
-                t = open_table(path, tier=args.tier, device=device, cache_rows=cache_rows, **opts)
+                t = open_table(path, tier=args.tier, device=device, cache_rows=cache_rows, count_unique=True, **opts)
                 tables.append(t)
                 for op in _words(args.ops):
                     for dist in _words(args.dists):
