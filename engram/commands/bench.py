@@ -16,6 +16,7 @@ BENCHES = {
     "gpu-lookup": "engram.bench.gpu_lookup",
     "serve": "engram.bench.serve_load",
     "table-open": "engram.bench.table_open",
+    "engine": "engram.bench.engine_bench",
 }
 
 

@@ -1,0 +1,373 @@
+"""`engram bench engine`: engine decode and prefill speed per model, tier and Engram on/off, beside an HF
+transformers peer, each point against a roofline measured in the same run.
+
+Arms per model: the preset with Engram on each ``--tiers`` tier ("engram/gpu", "engram/host": one loaded
+model, tables reopened per tier), the same preset with ``engram=None`` and the same seed ("engram-off"; the
+decoder weights are identical, since each parameter's values depend only on its name and the seed) and
+``hf-peer`` (engram.bench.hf_peer: transformers' Qwen3 with a static cache and torch.compile). Every arm
+decodes the same prompts (``engine_steps.prompt_ids``, seeded per batch size).
+
+Points (engram.bench.engine_steps says how each is driven and checked):
+  decode   per batch size B: ``--decode-steps`` engine steps in which each of B sequences of a
+           ``--context-len``-token prompt decodes exactly one token (asserted); ms_wall is their mean
+           host-clock time (tok/s = B / ms_wall); kv_mean is the mean KV length during those steps.
+  prefill  per shape SxN: one step that prefills S fresh N-token prompts (asserted), median of
+           ``--prefill-repeats`` after a warm-up of the same shape; tok/s = S*N / ms_wall.
+On CUDA, ms_gpu is the GPU busy time per step (engram.bench.device_time: ``--profile-steps`` more decode
+steps, or one more prefill step, under torch.profiler, apart from the timed ones) and ms_host_overhead =
+ms_wall - ms_gpu. On the CPU there is no GPU: both are null.
+
+Roofline (engram.bench.roofline): for each timed step, its bytes and FLOPs from the model's config and the
+step's shape; the point's roofline_ms is that of the mean cost, against ceilings measured at the start of
+the run on the same device (copy bandwidth, matmul rate in the compute dtype, host link on CUDA; on the
+CPU, CPU ceilings measured the same way). ratio = ms_wall / roofline_ms, gpu_ratio = ms_gpu / roofline_ms.
+The Engram cost is each Engram arm's ms_wall minus engram-off's, per point.
+
+Output: the JSON of engram.bench.report (``--out``, default bench/results/<date>-engine-<models>.json)
+with ``result.points``, ``result.ceilings``, ``result.engram_cost``, ``result.peer`` and ``result.warnings``;
+readable tables; ``--plot FILE`` draws decode ms/step against batch size per arm with each arm's roofline.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import statistics
+import sys
+import traceback
+from dataclasses import dataclass
+
+HELP = "Engine decode/prefill ms/step per model, tier, Engram on/off and an HF peer, against a measured roofline."
+CUDA_MODELS, CPU_MODELS = "4b-like,8b-like", "tiny"
+TIERS = ("gpu", "host")
+TABLE_COLUMNS = ["model", "arm", "phase", "batch", "context", "kv_mean", "ms_wall", "ms_gpu", "ms_host_overhead",
+                 "tok_s", "roofline_ms", "ratio", "bound"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", default=None,
+                   help=f"presets, comma-separated (default: {CUDA_MODELS} on CUDA, {CPU_MODELS} on the CPU)")
+    p.add_argument("--tiers", default="gpu,host", help="tiers of the Engram arms: gpu, host")
+    p.add_argument("--batch-sizes", default="1,8,64,256", help="decode batch sizes")
+    p.add_argument("--context-len", type=int, default=512, help="prompt tokens per decoding sequence")
+    p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per point")
+    p.add_argument("--warmup-tokens", type=int, default=3, help="tokens every sequence decodes before timing")
+    p.add_argument("--profile-steps", type=int, default=4, help="decode steps profiled for GPU busy time (CUDA)")
+    p.add_argument("--prefill-shapes", default="1x2048,16x512", help="SEQSxTOKENS prefill steps, comma-separated")
+    p.add_argument("--prefill-repeats", type=int, default=3, help="timed single prefill steps per shape")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="engine token budget per step (raised to the largest prefill shape)")
+    p.add_argument("--no-engram-off", action="store_true", help="skip the arm without Engram layers")
+    p.add_argument("--no-peer", action="store_true", help="skip the HF transformers peer")
+    p.add_argument("--peer-compile", default="auto", choices=("auto", "off", "reduce-overhead",
+                                                              "max-autotune-no-cudagraphs"),
+                   help="torch.compile mode of the peer's decoding forward (auto: reduce-overhead on CUDA, "
+                        "off on the CPU)")
+    p.add_argument("--engram-config", default=None, metavar="JSON",
+                   help="runtime options as for serve/generate (table_rows, seed, cache_rows, ...)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default=None,
+                   help="compute dtype (default: bfloat16 on CUDA, float32 on the CPU)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--out", default=None, help="result JSON (default bench/results/<date>-engine-<models>.json)")
+    p.add_argument("--plot", default=None, metavar="FILE", help="PNG: decode ms/step vs batch size, rooflines")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every arm measures (parsed and validated options)."""
+
+    batch_sizes: tuple[int, ...]
+    context_len: int
+    decode_steps: int
+    warmup_tokens: int
+    profile_steps: int
+    prefill_shapes: tuple[tuple[int, int], ...]  # (sequences, tokens each)
+    prefill_repeats: int
+    max_num_batched_tokens: int
+    seed: int
+
+
+def _ints(text: str, option: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"{option}: {text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise SystemExit(f"{option}: {text!r} needs at least one value, all >= 1")
+    return values
+
+
+def parse_prefill_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """"1x2048,16x512" -> ((1, 2048), (16, 512)); "" -> () (no prefill points)."""
+    shapes = []
+    for part in (x.strip() for x in text.split(",") if x.strip()):
+        seqs, _, tokens = part.partition("x")
+        try:
+            shape = (int(seqs), int(tokens))
+        except ValueError:
+            raise SystemExit(f"--prefill-shapes: {part!r} is not SEQSxTOKENS (e.g. 16x512)") from None
+        if min(shape) < 1:
+            raise SystemExit(f"--prefill-shapes: {part!r} needs SEQS >= 1 and TOKENS >= 1")
+        shapes.append(shape)
+    return tuple(shapes)
+
+
+def settings_from(args: argparse.Namespace, seed: int) -> Settings:
+    for option in ("context_len", "decode_steps", "warmup_tokens", "prefill_repeats", "max_num_batched_tokens"):
+        if getattr(args, option) < 1:
+            raise SystemExit(f"--{option.replace('_', '-')}={getattr(args, option)} must be >= 1")
+    if args.profile_steps < 0:
+        raise SystemExit(f"--profile-steps={args.profile_steps} must be >= 0")
+    return Settings(_ints(args.batch_sizes, "--batch-sizes"), args.context_len, args.decode_steps, args.warmup_tokens,
+                    args.profile_steps, parse_prefill_shapes(args.prefill_shapes), args.prefill_repeats,
+                    args.max_num_batched_tokens, seed)
+
+
+def engine_config(s: Settings, max_position_embeddings: int, block_size: int = 16):
+    """The EngineConfig every engine arm runs with: room for the largest batch and prefill shape in one
+    step, and max_model_len for the longest decode (rounded up to a block)."""
+    from engram.bench.engine_steps import decode_max_tokens
+    from engram.engine.config import EngineConfig
+
+    seqs = max(s.batch_sizes + tuple(n for n, _ in s.prefill_shapes))
+    budget = max((s.max_num_batched_tokens, seqs) + tuple(n * t for n, t in s.prefill_shapes))
+    decode_len = s.context_len + decode_max_tokens(max(s.batch_sizes), s.context_len, budget, s.warmup_tokens,
+                                                   s.decode_steps, s.profile_steps)
+    need = max((decode_len,) + tuple(t + 1 for _, t in s.prefill_shapes))
+    if need > max_position_embeddings:
+        raise SystemExit(f"sequences of {need} tokens (context, decode steps, prefill shapes) exceed the model's "
+                         f"max_position_embeddings={max_position_embeddings}")
+    max_model_len = min(-(-need // block_size) * block_size, max_position_embeddings)
+    return EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
+                        block_size=block_size, seed=s.seed)
+
+
+# ----------------------------------------------------------------- points
+def make_point(cfg, arm: str, tier: str | None, phase: str, batch: int, context: int, shapes: list,
+               ms_wall: float, ms_gpu: float | None, tokens_per_step: int, itemsize: int, ceilings) -> dict:
+    """One JSON record: timings, throughput and the roofline of the mean cost of ``shapes`` (StepShapes)."""
+    from engram.bench.roofline import StepCost, roofline, step_cost
+
+    costs = [step_cost(cfg, shape, itemsize, tier) for shape in shapes]
+    mean = StepCost(**{f.name: round(statistics.fmean(getattr(c, f.name) for c in costs))
+                       for f in dataclasses.fields(StepCost)})
+    roof_s, bound = roofline(mean, ceilings)
+    roof_ms = roof_s * 1e3
+    kv = [c for shape in shapes for c in shape.context_lens]
+    return {"model": cfg.name, "arm": arm, "tier": tier, "engram": cfg.engram is not None, "phase": phase,
+            "batch": batch, "context": context, "kv_mean": round(statistics.fmean(kv), 1), "steps": len(shapes),
+            "ms_wall": ms_wall, "ms_gpu": ms_gpu,
+            "ms_host_overhead": None if ms_gpu is None else ms_wall - ms_gpu,
+            "tok_s": tokens_per_step / ms_wall * 1e3, "roofline_ms": roof_ms, "ratio": ms_wall / roof_ms,
+            "gpu_ratio": None if ms_gpu is None else ms_gpu / roof_ms, "bound": bound, **mean.to_dict()}
+
+
+def engine_points(loaded, arm: str, tier: str | None, s: Settings, device, dtype, ceilings,
+                  busy_device: str | None) -> list[dict]:
+    """Build an engine over ``loaded``, measure every decode and prefill point, close its tables."""
+    from engram.bench.engine_steps import measure_decode, measure_prefill, prompt_ids
+    from engram.bench.roofline import StepShape
+    from engram.engine.engine import LLMEngine
+
+    cfg = loaded.model_config
+    itemsize = dtype.itemsize
+    engine = LLMEngine(loaded, engine_config(s, cfg.max_position_embeddings), device, dtype)
+    points = []
+    try:
+        for b in s.batch_sizes:
+            prompts = prompt_ids(b, s.context_len, cfg.vocab_size, s.seed + b)
+            t = measure_decode(engine, prompts, s.decode_steps, s.warmup_tokens, s.profile_steps, busy_device)
+            shapes = [StepShape.decode(ctx) for ctx in t.context_lens]
+            ms_gpu = None if t.busy_s is None else t.busy_s * 1e3
+            points.append(make_point(cfg, arm, tier, "decode", b, s.context_len, shapes,
+                                     statistics.fmean(t.wall_s) * 1e3, ms_gpu, b, itemsize, ceilings))
+            _progress(points[-1])
+        for n, length in s.prefill_shapes:
+            t = measure_prefill(engine, n, length, cfg.vocab_size, s.prefill_repeats, busy_device, s.seed)
+            ms_gpu = None if t.busy_s is None else t.busy_s * 1e3
+            points.append(make_point(cfg, arm, tier, "prefill", n, length, [StepShape.prefill(n, length)],
+                                     statistics.median(t.wall_s) * 1e3, ms_gpu, n * length, itemsize, ceilings))
+            _progress(points[-1])
+    finally:
+        for table in engine.executor.worker.tables.values():
+            table.close()
+        del engine
+        _free_memory(device)
+    return points
+
+
+def peer_points(cfg, s: Settings, device, dtype, ceilings, compile_mode: str | None,
+                busy_device: str | None) -> tuple[list[dict], int]:
+    """The HF peer's decode points (Engram off in the roofline) and the graphs torch.compile produced."""
+    import torch
+
+    from engram.bench.engine_steps import prompt_ids
+    from engram.bench.hf_peer import build_peer, measure_peer
+    from engram.bench.roofline import StepShape
+
+    plain = cfg.replace(engram=None)
+    model = build_peer(plain, device, dtype, s.seed)
+    points, graphs = [], 0
+    try:
+        for b in s.batch_sizes:
+            prompts = prompt_ids(b, s.context_len, cfg.vocab_size, s.seed + b)
+            t = measure_peer(model, prompts, s.decode_steps, s.warmup_tokens, compile_mode, busy_device)
+            graphs += t.compiled_graphs
+            point = make_point(plain, "hf-peer", None, "decode", b, s.context_len,
+                               [StepShape.decode(ctx) for ctx in t.context_lens], t.ms_per_step,
+                               t.busy_ms_per_step, b, dtype.itemsize, ceilings)
+            point.update(compile=compile_mode or "off", compiled_graphs=t.compiled_graphs)
+            points.append(point)
+            _progress(point)
+    finally:
+        del model
+        if compile_mode is not None:
+            torch._dynamo.reset()  # the next model compiles afresh, with its own recompile budget
+        _free_memory(device)
+    return points, graphs
+
+
+def engram_cost(points: list[dict]) -> list[dict]:
+    """Per Engram point with an engram-off point of the same model, phase, batch and context: the
+    difference in ms_wall (and ms_gpu where both have one)."""
+    off = {(p["model"], p["phase"], p["batch"], p["context"]): p for p in points if p["arm"] == "engram-off"}
+    rows = []
+    for p in points:
+        base = off.get((p["model"], p["phase"], p["batch"], p["context"]))
+        if not p["engram"] or base is None:
+            continue
+        gpu = None if p["ms_gpu"] is None or base["ms_gpu"] is None else p["ms_gpu"] - base["ms_gpu"]
+        rows.append({"model": p["model"], "tier": p["tier"], "phase": p["phase"], "batch": p["batch"],
+                     "context": p["context"], "ms_off": base["ms_wall"], "ms_on": p["ms_wall"],
+                     "ms_engram": p["ms_wall"] - base["ms_wall"], "rel": p["ms_wall"] / base["ms_wall"] - 1.0,
+                     "ms_gpu_engram": gpu})
+    return rows
+
+
+def plot_points(points: list[dict], path: str) -> None:
+    """Decode ms/step against batch size per arm (solid) with each arm's roofline (dashed), one panel per model."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(p["model"] for p in points))
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.8), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        decode = [p for p in points if p["model"] == model and p["phase"] == "decode"]
+        for i, arm in enumerate(dict.fromkeys(p["arm"] for p in decode)):
+            pts = sorted((p for p in decode if p["arm"] == arm), key=lambda p: p["batch"])
+            xs = [p["batch"] for p in pts]
+            ax.plot(xs, [p["ms_wall"] for p in pts], "o-", color=f"C{i}", label=arm)
+            ax.plot(xs, [p["roofline_ms"] for p in pts], "--", color=f"C{i}", lw=1, label=f"{arm} roofline")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size (sequences decoding)")
+        ax.set_ylabel("ms per decode step")
+        ax.set_title(f"{model}: context {decode[0]['context'] if decode else '?'} tokens", fontsize=10)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _progress(p: dict) -> None:
+    print(f"{p['model']} {p['arm']} {p['phase']} batch {p['batch']} x {p['context']}: {p['ms_wall']:.3f} ms/step "
+          f"(roofline {p['roofline_ms']:.3f} ms, {p['ratio']:.2f}x)", file=sys.stderr, flush=True)
+
+
+def _free_memory(device) -> None:
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------- the command
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from engram.bench.hf_peer import unavailable_reason
+    from engram.bench.report import args_config, format_table, write_result
+    from engram.bench.roofline import measure_ceilings
+    from engram.commands.options import parse_engram_config
+    from engram.engine.options import RuntimeOptions
+    from engram.model.loader import random_model, resolve_dtype
+    from engram.model.presets import MODEL_PRESETS, preset_config
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads={args.threads} must be >= 1")
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = resolve_dtype(args.dtype, device)
+    models = [m.strip() for m in (args.models or (CUDA_MODELS if device.type == "cuda" else CPU_MODELS)).split(",")
+              if m.strip()]
+    unknown = [m for m in models if m not in MODEL_PRESETS]
+    if unknown or not models:
+        raise SystemExit(f"--models: {unknown or models} not among the presets {MODEL_PRESETS}")
+    tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    if not tiers or any(t not in TIERS for t in tiers):
+        raise SystemExit(f"--tiers: {args.tiers!r} must list tiers among {TIERS}")
+    try:
+        opts = RuntimeOptions.from_dict(parse_engram_config(args.engram_config))
+    except ValueError as e:
+        raise SystemExit(f"--engram-config: {e}") from None
+    s = settings_from(args, opts.seed)
+    compile_mode = {"auto": "reduce-overhead" if device.type == "cuda" else None, "off": None}.get(
+        args.peer_compile, args.peer_compile)
+    configs = {name: preset_config(name, table_rows=opts.table_rows, seed=opts.seed) for name in models}
+    for cfg in configs.values():
+        engine_config(s, cfg.max_position_embeddings)  # refuses a context too long before anything loads
+    busy_device = "cuda" if device.type == "cuda" else None
+    peer_reason = "--no-peer" if args.no_peer else unavailable_reason()
+
+    ceilings = measure_ceilings(device, dtype)
+    print(f"ceilings on {device}: copy {ceilings.memory_GBps:.1f} GB/s, matmul {ceilings.matmul_TFLOPs:.2f} TFLOP/s "
+          f"({ceilings.dtype})" + (f", host link {ceilings.link_GBps:.1f} GB/s" if ceilings.link_GBps else ""),
+          file=sys.stderr, flush=True)
+    points, warnings, peer_failed = [], [], False
+    for name, cfg in configs.items():
+        base = random_model(cfg, opts.tier(tiers[0]), dtype, device, opts.seed, opts=opts, progress=False)
+        for tier in dict.fromkeys(opts.tier(t) for t in tiers):
+            loaded = dataclasses.replace(base, tables={}, tier=tier)
+            points += engine_points(loaded, f"engram/{tier}", tier, s, device, dtype, ceilings, busy_device)
+        del base, loaded
+        _free_memory(device)
+        if not args.no_engram_off:
+            plain = random_model(cfg.replace(engram=None), "gpu", dtype, device, opts.seed, opts=opts, progress=False)
+            points += engine_points(plain, "engram-off", None, s, device, dtype, ceilings, busy_device)
+            del plain
+        if peer_reason is None:
+            try:  # the peer is a comparison: its failure (a transformers or Inductor error) must not lose the rest
+                peer, graphs = peer_points(cfg, s, device, dtype, ceilings, compile_mode, busy_device)
+            except Exception as e:
+                traceback.print_exc()
+                warnings.append(f"{name}: hf-peer failed, no peer points: {type(e).__name__}: {e}")
+                peer, graphs, peer_failed = [], None, True
+            _free_memory(device)  # the failure's traceback (and the peer model it held) is gone by now
+            points += peer
+            if compile_mode is not None and graphs == 0:
+                warnings.append(f"{name}: hf-peer asked for torch.compile ({compile_mode}) but no graph was "
+                                f"compiled: its numbers are eager")
+    status = "skipped" if peer_reason else "failed" if peer_failed else "ran"
+    peer = {"status": status, "reason": peer_reason, "compile": compile_mode or "off",
+            "transformers": None if peer_reason else sys.modules["transformers"].__version__}
+    cost = engram_cost(points)
+    result = {"settings": dataclasses.asdict(s), "ceilings": ceilings.to_dict(), "points": points,
+              "engram_cost": cost, "peer": peer, "warnings": warnings}
+    path = write_result("engine-" + "+".join(models), args_config(args), result, out=args.out)
+    print(format_table(points, TABLE_COLUMNS))
+    if cost:
+        print()
+        print(format_table(cost, ["model", "tier", "phase", "batch", "context", "ms_off", "ms_on", "ms_engram", "rel"]))
+    if peer_reason:
+        print(f"hf-peer skipped: {peer_reason}")
+    for w in warnings:
+        print(f"warning: {w}")
+    if args.plot:
+        plot_points(points, args.plot)
+        print(f"plot: {args.plot}")
+    print(f"result: {path}")
+    return 0

@@ -1,0 +1,186 @@
+"""Drive an LLMEngine to one measured point: B sequences decoding, or S prompts prefilled in one step.
+
+``measure_decode(engine, prompts, ...)`` adds one request per prompt (greedy, ``ignore_eos``, max_tokens
+from ``decode_max_tokens``), steps the engine until every sequence has finished its prefill and generated
+``warmup_tokens`` tokens, then times ``steps`` calls of ``engine.step()`` with the host clock, each of
+which must be a pure decode step: every sequence emits exactly one new token and none finishes
+(``NotADecodeStep`` otherwise; a preempted or still-prefilling sequence would emit nothing). With
+``busy_device`` it then runs ``profile_steps`` more such steps under torch.profiler for the device busy
+time per step (engram.bench.device_time), kept apart from the wall-clock steps so the profiler's own
+host cost never enters the wall time. Every request is aborted at the end, also on error.
+
+``measure_prefill(engine, num_seqs, length, ...)`` times single steps that prefill ``num_seqs`` fresh
+prompts of ``length`` tokens at once (max_tokens 1, so each finishes in that step): one warm-up step of
+the same shape, ``repeats`` timed ones, and with ``busy_device`` one profiled. A step that does not
+prefill every prompt whole (budget, sequence limit or KV blocks too small) raises ``NotADecodeStep``'s
+sibling ``NotAPrefillStep``.
+
+Prompt token ids (``prompt_ids``) are drawn from a seeded generator over the non-special ids [3, vocab):
+distinct per sequence and deterministic, never one repeated token.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engram.engine.sampling_params import SamplingParams
+
+FIRST_ID = 3  # the built-in tokenizer's ids 0, 1, 2 are <|bos|>, <|eos|>, <|pad|>
+
+
+class NotADecodeStep(AssertionError):
+    """A timed decode step in which some sequence did not emit exactly one token (or finished)."""
+
+
+class NotAPrefillStep(AssertionError):
+    """A timed prefill step that did not prefill every prompt whole."""
+
+
+def prompt_ids(num_seqs: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """``num_seqs`` prompts of ``length`` ids drawn uniformly from [3, vocab_size) by a generator seeded
+    with ``seed``."""
+    if vocab_size <= FIRST_ID + 1:
+        raise ValueError(f"vocab_size={vocab_size} leaves no ordinary token ids")
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(FIRST_ID, vocab_size, (num_seqs, length), generator=g).tolist()
+
+
+def decode_max_tokens(batch: int, context_len: int, max_num_batched_tokens: int, warmup_tokens: int,
+                      steps: int, profile_steps: int) -> int:
+    """Tokens each decode request may generate: the first sequences decode while later ones are still in
+    prefill (one token per prefill step), then warm-up, timed and profiled steps, plus a margin of 2."""
+    prefill_steps = math.ceil(batch * context_len / max_num_batched_tokens) + 1
+    return prefill_steps + warmup_tokens + steps + profile_steps + 2
+
+
+@dataclass
+class DecodeTimes:
+    """Host-clock seconds of each timed decode step and each sequence's KV length after it."""
+
+    wall_s: list[float]
+    context_lens: list[list[int]]  # [steps][batch]: KV entries after the step (prompt + tokens computed)
+    busy_s: float | None = None  # device busy seconds per profiled step (None: not profiled)
+    busy_context_lens: list[list[int]] = field(default_factory=list)  # the same for the profiled steps
+
+
+@dataclass
+class PrefillTimes:
+    wall_s: list[float]  # host-clock seconds of each timed step
+    busy_s: float | None = None  # device busy seconds of the profiled step
+
+
+def _decode_step(engine, ids: list[str], generated: dict[str, int], context_len: int) -> list[int]:
+    """One engine step that must decode every request in ``ids`` by one token; updates ``generated``;
+    returns each sequence's KV length after the step."""
+    ctx = [context_len + generated[rid] for rid in ids]  # the last sampled token is computed this step
+    outs = engine.step()
+    by_id = {o.request_id: o for o in outs}
+    if len(outs) != len(ids) or set(by_id) != set(ids):
+        raise NotADecodeStep(f"a decode step emitted tokens for {len(by_id)} of {len(ids)} sequences "
+                             f"(missing: {sorted(set(ids) - set(by_id))[:4]}): some sequence was not decoding")
+    for rid, out in by_id.items():
+        comp = out.outputs[0]
+        if len(comp.delta_token_ids) != 1 or len(comp.token_ids) != generated[rid] + 1 or out.finished:
+            raise NotADecodeStep(f"request {rid}: {len(comp.delta_token_ids)} new tokens, {len(comp.token_ids)} "
+                                 f"in all after {generated[rid]}, finished={out.finished}; expected one more, "
+                                 f"not finished")
+        generated[rid] += 1
+    return ctx
+
+
+def measure_decode(engine, prompts: list[list[int]], steps: int, warmup_tokens: int = 3,
+                   profile_steps: int = 0, busy_device: str | None = None, tag: str = "decode") -> DecodeTimes:
+    """Time ``steps`` pure decode steps of ``len(prompts)`` sequences (see the module docstring)."""
+    if engine.has_unfinished():
+        raise RuntimeError("measure_decode needs an idle engine (it aborts every request it adds)")
+    if steps < 1 or warmup_tokens < 1:
+        raise ValueError(f"steps={steps} and warmup_tokens={warmup_tokens} must be >= 1")
+    batch, context_len = len(prompts), len(prompts[0])
+    n_profile = profile_steps if busy_device else 0
+    max_tokens = decode_max_tokens(batch, context_len, engine.config.max_num_batched_tokens, warmup_tokens,
+                                   steps, n_profile)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"{tag}-{batch}-{i}" for i in range(batch)]
+    generated = dict.fromkeys(ids, 0)
+    try:
+        for rid, p in zip(ids, prompts):
+            engine.add_request(rid, p, params)
+        for _ in range(max_tokens):  # prefill everything, then warm up
+            if min(generated.values()) >= warmup_tokens:
+                break
+            for out in engine.step():
+                if out.finished:
+                    raise NotADecodeStep(f"request {out.request_id} finished during warm-up "
+                                         f"({out.outputs[0].finish_reason}); max_tokens={max_tokens} too small")
+                generated[out.request_id] = len(out.outputs[0].token_ids)
+        else:
+            raise NotADecodeStep(f"{sum(g < warmup_tokens for g in generated.values())} sequences still had "
+                                 f"fewer than {warmup_tokens} tokens after {max_tokens} steps")
+        preemptions = engine.stats()["preemptions"]
+        wall, lens = [], []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            ctx = _decode_step(engine, ids, generated, context_len)
+            wall.append(time.perf_counter() - t0)
+            lens.append(ctx)
+        times = DecodeTimes(wall, lens)
+        if n_profile:
+            from engram.bench.device_time import measure_busy
+
+            def profiled() -> None:
+                for _ in range(n_profile):
+                    times.busy_context_lens.append(_decode_step(engine, ids, generated, context_len))
+
+            times.busy_s = measure_busy(profiled, busy_device) / n_profile
+        if engine.stats()["preemptions"] != preemptions:
+            raise NotADecodeStep("a sequence was preempted during the timed steps (KV cache too small)")
+        return times
+    finally:
+        for rid in ids:
+            engine.abort_request(rid)
+
+
+def _prefill_step(engine, prompts: list[list[int]], tag: str) -> float:
+    """Add one request per prompt, run one step, check every prompt was prefilled whole; host seconds."""
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    try:
+        for rid, p in zip(ids, prompts):
+            engine.add_request(rid, p, params)
+        t0 = time.perf_counter()
+        outs = engine.step()
+        elapsed = time.perf_counter() - t0
+        done = {o.request_id for o in outs if o.finished and len(o.outputs[0].token_ids) == 1}
+        if done != set(ids) or engine.has_unfinished():
+            raise NotAPrefillStep(f"one step prefilled {len(done)} of {len(ids)} prompts of {len(prompts[0])} "
+                                  f"tokens: raise max_num_batched_tokens / max_num_seqs or the KV cache")
+        return elapsed
+    finally:
+        for rid in ids:
+            engine.abort_request(rid)
+
+
+def measure_prefill(engine, num_seqs: int, length: int, vocab_size: int, repeats: int = 3,
+                    busy_device: str | None = None, seed: int = 0) -> PrefillTimes:
+    """Time single steps that prefill ``num_seqs`` fresh prompts of ``length`` tokens each (see the module
+    docstring). Every shot draws new prompt ids (seed, seed + 1, ...)."""
+    if engine.has_unfinished():
+        raise RuntimeError("measure_prefill needs an idle engine")
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1")
+    tag = f"prefill-{num_seqs}x{length}"
+    shot = iter(range(seed, seed + repeats + 2))
+
+    def one(name: str) -> float:
+        return _prefill_step(engine, prompt_ids(num_seqs, length, vocab_size, next(shot)), f"{tag}-{name}")
+
+    one("warmup")
+    times = PrefillTimes([one(f"t{r}") for r in range(repeats)])
+    if busy_device:
+        from engram.bench.device_time import measure_busy
+
+        times.busy_s = measure_busy(lambda: one("profiled"), busy_device)
+    return times

@@ -1,0 +1,249 @@
+"""Roofline of one engine step: the least time the step can take, from its bytes, its FLOPs and ceilings
+measured on the machine in the same run.
+
+``parameter_counts(cfg)`` counts the parameters of a ModelConfig by group, exactly as EngramDecoder
+allocates them (a test compares the total with the built model). ``step_cost(cfg, shape, itemsize, tier)``
+is the traffic and work of one step, ``StepShape`` being the step's sequences (new tokens and KV length
+after the step, how many rows sample):
+
+Bytes (a lower bound: activations, staging copies and padding are not counted)
+  weights   every parameter once, ``itemsize`` bytes each (a tied LM head is the embedding, counted once),
+            except an untied embedding table, of which only the step's T rows are read (T x H);
+  KV        per sequence s with c_s KV entries after the step and n_s new tokens, K and V of
+            (num_layers x c_s) entries read (every layer reads its KV source's cache) plus
+            (len(kv_layers) x n_s) written, each entry num_kv_heads x head_dim x itemsize;
+  Engram    T x n_cols rows per Engram layer, ``EngramConfig.row_bytes`` each (as stored: MXFP8 is
+            head_dim + head_dim / 32 bytes). On tier "host" they cross the host link (``link_bytes``),
+            on tier "gpu" they are device-memory bytes.
+FLOPs (multiply-adds count 2; norms, RoPE, gates, softmax and other elementwise work are not counted)
+  2 x matmul_params x T            q/k/v/o, gate/up/down of every layer and the Engram projections
+                                   (v41 ``wkv``; paper ``value_proj`` + ``key_projs``), for every token;
+  2 x padded_vocab x H x N         the LM head over the N rows that sample;
+  4 x num_heads x head_dim x num_layers x sum_s (n_s (c_s - n_s) + n_s (n_s + 1) / 2)
+                                   QK^T and PV, causal: new token i (1-based) of s attends to c_s - n_s + i keys.
+
+``measure_ceilings(device, dtype)`` measures, on that device: the copy bandwidth (a large device-to-device
+copy, bytes read + written per second), the matmul rate (an n x n x n matmul in the run's compute dtype,
+2 n^3 FLOPs) and, on CUDA, the pinned-host-to-device copy bandwidth (the host tier's link); the median of
+several runs each (CUDA events on CUDA, the host clock on the CPU). On the CPU the same measurements give
+CPU ceilings (RAM copy bandwidth, the CPU's matmul rate in the compute dtype; the host tier is the same
+RAM, so Engram rows count as memory bytes there). ``roofline(cost, ceilings)`` = the largest of
+memory_bytes / copy bandwidth, link_bytes / link bandwidth and FLOPs / matmul rate, and which one it is.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from engram.model.model_config import ModelConfig
+
+CUDA_COPY_BYTES = 1 << 30  # 1 GiB copied (2 GiB moved) per bandwidth sample
+CUDA_MATMUL_N = 8192
+CPU_COPY_BYTES = 32 << 20
+CPU_MATMUL_N = 512
+REPEATS = 7
+
+
+# ----------------------------------------------------------------- parameters
+def parameter_counts(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters by group, as EngramDecoder allocates them: embedding, lm_head (0 when tied), attention
+    (projections, biases, q/k norms), mlp, norms (two per layer + final), hyper_connections, engram."""
+    h, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qdim, kvdim = nh * hd, nkv * hd
+    attn = 0
+    for layer in range(cfg.num_layers):
+        owns_kv = cfg.kv_source(layer) == layer
+        attn += h * qdim + qdim * h + (2 * h * kvdim if owns_kv else 0)
+        if cfg.attention_bias:
+            attn += qdim + (2 * kvdim if owns_kv else 0) + (h if cfg.architecture != "qwen2" else 0)
+        if cfg.qk_norm:
+            attn += hd + (hd if owns_kv else 0)
+    hc = cfg.hc_mult
+    return {
+        "embedding": cfg.padded_vocab_size * h,
+        "lm_head": 0 if cfg.tie_word_embeddings else cfg.padded_vocab_size * h,
+        "attention": attn,
+        "mlp": cfg.num_layers * 3 * h * cfg.intermediate_size,
+        "norms": (2 * cfg.num_layers + 1) * h,
+        "hyper_connections": cfg.num_layers * 2 * (2 * hc + hc * hc) if hc > 1 else 0,
+        "engram": len(cfg.engram_layer_ids) * _engram_layer_params(cfg),
+    }
+
+
+def _engram_layer_params(cfg: ModelConfig) -> int:
+    e = cfg.engram
+    if e is None:
+        return 0
+    h, hc, d_in = cfg.hidden_size, e.hc_mult, e.n_cols * e.head_dim
+    if e.variant == "v41":
+        return d_in * (hc + 1) * h + 2 * hc * h  # wkv, q_weight, k_weight
+    # value_proj and hc key_projs (weights + biases), hc key norms, hc query norms, ShortConv (conv + hc norms)
+    return (hc + 1) * (d_in * h + h) + 2 * hc * h + hc * h * e.kernel_size + hc * h
+
+
+def matmul_params_per_token(cfg: ModelConfig) -> int:
+    """Weights every token is multiplied by (all but the embedding and the LM head): q/k/v/o and
+    gate/up/down of each layer, the Engram projections of each Engram layer."""
+    h, qdim, kvdim = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    total = 0
+    for layer in range(cfg.num_layers):
+        total += 2 * h * qdim + (2 * h * kvdim if cfg.kv_source(layer) == layer else 0) + 3 * h * cfg.intermediate_size
+    e = cfg.engram
+    if e is not None:
+        total += len(e.layer_ids) * (e.hc_mult + 1) * e.n_cols * e.head_dim * h  # v41 wkv = paper value + keys
+    return total
+
+
+# ----------------------------------------------------------------- one step
+@dataclass(frozen=True)
+class StepShape:
+    """One step's sequences: ``new_tokens[s]`` computed this step, ``context_lens[s]`` KV entries after it
+    (>= new_tokens[s]), ``sampled`` rows that go through the LM head."""
+
+    new_tokens: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    sampled: int
+
+    def __post_init__(self) -> None:
+        if len(self.new_tokens) != len(self.context_lens):
+            raise ValueError(f"StepShape: {len(self.new_tokens)} new_tokens but {len(self.context_lens)} context_lens")
+        bad = [(n, c) for n, c in zip(self.new_tokens, self.context_lens) if not 1 <= n <= c]
+        if bad:
+            raise ValueError(f"StepShape: every sequence needs 1 <= new_tokens <= context_len, got {bad[:3]}")
+
+    @classmethod
+    def decode(cls, context_lens) -> "StepShape":
+        """Every sequence decodes one token (and samples)."""
+        ctx = tuple(int(c) for c in context_lens)
+        return cls((1,) * len(ctx), ctx, len(ctx))
+
+    @classmethod
+    def prefill(cls, num_seqs: int, length: int) -> "StepShape":
+        """``num_seqs`` fresh prompts of ``length`` tokens, each sampling its first token."""
+        return cls((length,) * num_seqs, (length,) * num_seqs, num_seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.new_tokens)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Bytes and FLOPs of one step (see the module docstring for what each term counts)."""
+
+    weight_bytes: int
+    kv_bytes: int
+    engram_bytes: int
+    memory_bytes: int  # over device memory: weights + KV (+ Engram rows on tier gpu)
+    link_bytes: int  # over the host link: Engram rows on tier host, else 0
+    flops: int
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def step_cost(cfg: ModelConfig, shape: StepShape, itemsize: int, tier: str | None = "gpu") -> StepCost:
+    """Bytes and FLOPs of one step of ``cfg`` in a dtype of ``itemsize`` bytes; ``tier`` says where Engram
+    rows come from ("gpu": device memory, "host": the host link; ignored without Engram layers)."""
+    h, t = cfg.hidden_size, shape.num_tokens
+    counts = parameter_counts(cfg)
+    read = sum(counts.values())
+    if not cfg.tie_word_embeddings:  # an untied embedding: only the step's rows are read
+        read += (min(t, cfg.padded_vocab_size) - cfg.padded_vocab_size) * h
+    weight_bytes = read * itemsize
+    kv_entry = 2 * cfg.num_kv_heads * cfg.head_dim * itemsize  # K and V of one token in one layer
+    kv_bytes = kv_entry * (cfg.num_layers * sum(shape.context_lens) + len(cfg.kv_layers) * t)
+    e = cfg.engram
+    engram_bytes = t * e.n_cols * e.row_bytes * len(e.layer_ids) if e is not None else 0
+    on_link = e is not None and tier == "host"
+    attended = sum(n * (c - n) + n * (n + 1) // 2 for n, c in zip(shape.new_tokens, shape.context_lens))
+    flops = (2 * matmul_params_per_token(cfg) * t + 2 * cfg.padded_vocab_size * h * shape.sampled
+             + 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * attended)
+    return StepCost(weight_bytes=weight_bytes, kv_bytes=kv_bytes, engram_bytes=engram_bytes,
+                    memory_bytes=weight_bytes + kv_bytes + (0 if on_link else engram_bytes),
+                    link_bytes=engram_bytes if on_link else 0, flops=flops)
+
+
+# ----------------------------------------------------------------- ceilings
+@dataclass(frozen=True)
+class Ceilings:
+    """What the machine reached in this run (see the module docstring for how each is measured)."""
+
+    device: str  # "cuda" or "cpu"
+    dtype: str  # compute dtype of the matmul
+    memory_GBps: float  # copy bandwidth, bytes read + written per second / 1e9
+    matmul_TFLOPs: float  # n^3 matmul rate in ``dtype``
+    link_GBps: float | None  # pinned host -> device copy bandwidth; None on the CPU (one memory)
+    copy_bytes: int  # bytes of the copied buffer (twice that moved per copy)
+    matmul_n: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = REPEATS) -> float:
+    """Median time of ``fn`` over ``repeats`` runs after one warm-up: CUDA events on CUDA, else the host clock."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_ceilings(device: torch.device | str, dtype: torch.dtype, copy_bytes: int | None = None,
+                     matmul_n: int | None = None) -> Ceilings:
+    """Measure copy bandwidth, matmul rate and (CUDA) host-link bandwidth on ``device``; sizes default to
+    CUDA_* / CPU_* of this module. Buffers are freed before returning."""
+    device = torch.device(device)
+    on_cuda = device.type == "cuda"
+    nbytes = copy_bytes or (CUDA_COPY_BYTES if on_cuda else CPU_COPY_BYTES)
+    n = matmul_n or (CUDA_MATMUL_N if on_cuda else CPU_MATMUL_N)
+    with torch.inference_mode():
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+        dst = torch.empty_like(src)
+        copy_s = _median_seconds(lambda: dst.copy_(src), device)
+        del src, dst
+        g = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+        b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+        out = torch.empty(n, n, device=device, dtype=dtype)
+        mm_s = _median_seconds(lambda: torch.mm(a, b, out=out), device)
+        del a, b, out
+        link = None
+        if on_cuda:
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            link_s = _median_seconds(lambda: dev.copy_(host, non_blocking=True), device)
+            link = nbytes / link_s / 1e9
+            del host, dev
+    if on_cuda:
+        torch.cuda.empty_cache()
+    return Ceilings(device=device.type, dtype=str(dtype).removeprefix("torch."), memory_GBps=2 * nbytes / copy_s / 1e9,
+                    matmul_TFLOPs=2 * n ** 3 / mm_s / 1e12, link_GBps=link, copy_bytes=nbytes, matmul_n=n)
+
+
+def roofline(cost: StepCost, ceilings: Ceilings) -> tuple[float, str]:
+    """(seconds, bound): the largest of memory_bytes / memory bandwidth, link_bytes / link bandwidth (CUDA)
+    and FLOPs / matmul rate; bound names the winner ("memory", "link" or "compute"). On the CPU link bytes
+    are memory bytes (the host tier is the same RAM)."""
+    memory_bytes = cost.memory_bytes + (cost.link_bytes if ceilings.link_GBps is None else 0)
+    terms = {"memory": memory_bytes / (ceilings.memory_GBps * 1e9),
+             "compute": cost.flops / (ceilings.matmul_TFLOPs * 1e12)}
+    if ceilings.link_GBps is not None:
+        terms["link"] = cost.link_bytes / (ceilings.link_GBps * 1e9)
+    bound = max(terms, key=terms.get)
+    return terms[bound], bound
