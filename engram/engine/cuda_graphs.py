@@ -87,7 +87,9 @@ class DecodeGraphs:
         return ecfg is None or ecfg.variant != "paper"
 
     def fits(self, step: StepDescription) -> bool:
-        if step.dead_mask is not None or any(n != 1 for n in step.num_new_tokens):
+        if step.dead_mask is not None or step.prompt_logprobs or any(n != 1 for n in step.num_new_tokens):
+            return False
+        if len(step.sample_rows) != step.num_seqs:  # a one-token prompt chunk that does not sample yet
             return False
         if step.num_seqs > self.buckets[-1]:
             if not self._warned_too_large:

@@ -170,6 +170,8 @@ class LLMEngine:
 
     def _postprocess(self, batch: ScheduledBatch, plan: LookupPlan, result: StepResult) -> list[RequestOutput]:
         now = time.monotonic()
+        for i, scored in result.prompt_logprobs.items():
+            batch.seqs[i].prompt_logprobs.extend(scored)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             seq.num_computed_tokens += n
             seq.lookback = plan.next_lookback[i]  # [W]
@@ -211,7 +213,7 @@ class LLMEngine:
                                       logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None)
         return RequestOutput(request_id=seq.request_id, prompt=seq.prompt,
                              prompt_token_ids=seq.prompt_token_ids, outputs=[completion],
-                             finished=done, metrics=seq.metrics)
+                             finished=done, metrics=seq.metrics, prompt_logprobs=seq.prompt_logprobs)
 
 
 def _sub_batch(batch: ScheduledBatch, lo: int, hi: int) -> ScheduledBatch:

@@ -43,3 +43,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list | None = None  # None for the first prompt token, then TokenLogprobs (if asked)

@@ -13,7 +13,7 @@ import torch
 
 from engram.engine.planner import LookupPlan
 from engram.engine.scheduler import ScheduledBatch
-from engram.engine.step import SampleSpec, StepDescription
+from engram.engine.step import PromptLogprobsSpec, SampleSpec, StepDescription
 
 
 @dataclass
@@ -79,4 +79,20 @@ def describe(step_id: int, batch: ScheduledBatch, packed: PackedBatch, plan: Loo
         samples=[SampleSpec.from_params(batch.seqs[i].params, batch.seqs[i].num_output_tokens, eos_token_id)
                  for i in packed.sample_rows],
         finished_seq_ids=finished_seq_ids,
+        prompt_logprobs=[spec for s, (seq, s0, n) in enumerate(zip(batch.seqs, batch.start_positions,
+                                                                   batch.num_new_tokens))
+                         if (spec := prompt_logprobs_spec(s, seq, s0, n)) is not None],
     )
+
+
+def prompt_logprobs_spec(s: int, seq, s0: int, n: int) -> PromptLogprobsSpec | None:
+    """Rows of sequence ``seq``'s chunk [s0, s0 + n) still to score for its prompt logprobs: row j predicts
+    prompt token s0 + j + 1; tokens already scored (before a preemption) are not scored again."""
+    k = seq.params.prompt_logprobs
+    if k is None:
+        return None
+    first = max(0, len(seq.prompt_logprobs) - 1 - s0)  # prompt_logprobs[t] is token t's; [0] is None
+    end = min(n, seq.num_prompt_tokens - 1 - s0)
+    if first >= end:
+        return None
+    return PromptLogprobsSpec(s, first, tuple(seq.token_ids[s0 + first + 1:s0 + end + 1]), k)

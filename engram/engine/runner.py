@@ -18,6 +18,8 @@ from engram.model.layers.attention import HostLayout
 from engram.short_conv import ShortConvState
 from engram.transfer import to_device
 
+PROMPT_SCORE_ROWS = 256  # prompt rows turned into full-vocabulary logits at once (bounds the memory)
+
 
 class ModelRunner:
     def __init__(self, model, kv_cache, device: torch.device, dtype: torch.dtype, ecfg: EngramConfig | None):
@@ -31,7 +33,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, step: StepDescription, staged: StagedRows) -> torch.Tensor:
-        """One forward over the packed step -> float32 logits [len(step.sample_rows), vocab]."""
+        """One forward over the packed step -> float32 logits [len(step.sample_rows), vocab]. Rows asked for
+        prompt logprobs are scored on the way (``prompt_scores``: read them after the step)."""
         dev = self.device
         cu_seqlens = to_device(step.cu_seqlens, dev)  # [S+1], shared by attention and the conv states
         conv = self._gather_conv_state(step, cu_seqlens)
@@ -45,14 +48,31 @@ class ModelRunner:
             engram_rows=lambda layer_id: staged.rows(layer_id, step.step_id),
             dead_mask=None if step.dead_mask is None else to_device(step.dead_mask, dev),
             conv_state=conv,
-            logits_indices=to_device(step.logits_indices, dev),
+            logits_indices=to_device(step.logits_indices + step.prompt_rows, dev),
             host_layout=HostLayout(step.cu_seqlens.tolist(), step.context_lens.tolist()),
         )
-        hidden = self.model.forward(inputs, self.kv)  # [N, H]
-        logits = self.model.compute_logits(hidden)  # [N, vocab] float32
+        hidden = self.model.forward(inputs, self.kv)  # [N + P, H]
+        n = len(step.sample_rows)
+        self.prompt_scores = self._score_prompt(step, hidden[n:]) if step.prompt_logprobs else None
+        logits = self.model.compute_logits(hidden[:n])  # [N, vocab] float32
         if conv is not None:
             self._scatter_conv_state(step, conv)
         return logits
+
+    def _score_prompt(self, step: StepDescription, hidden: torch.Tensor):
+        """hidden [P, H] of the prompt rows -> (target logprobs [P], top-k logprobs [P, k], their ids [P, k]),
+        k the largest asked; full-vocabulary logits exist for PROMPT_SCORE_ROWS rows at a time only."""
+        k = max(p.k for p in step.prompt_logprobs)
+        targets = to_device([t for p in step.prompt_logprobs for t in p.targets], self.device)  # [P]
+        own, top_v, top_i = [], [], []
+        for a in range(0, hidden.shape[0], PROMPT_SCORE_ROWS):
+            logp = self.model.compute_logits(hidden[a:a + PROMPT_SCORE_ROWS]).log_softmax(-1)  # [r, vocab]
+            own.append(logp.gather(1, targets[a:a + PROMPT_SCORE_ROWS, None]).squeeze(1))
+            if k:
+                v, i = logp.topk(k, dim=-1)
+                top_v.append(v)
+                top_i.append(i)
+        return torch.cat(own), torch.cat(top_v) if k else None, torch.cat(top_i) if k else None
 
     def free(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:

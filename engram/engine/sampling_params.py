@@ -3,7 +3,8 @@
 Validated in ``__post_init__`` (ValueError naming the field and value). ``temperature == 0`` means greedy;
 ``seed`` gives the request its own random stream, so its tokens do not depend on what else is batched.
 Only ``n == 1`` is supported. ``logprobs=k`` returns each generated token's logprob and the top-k of its
-step (raw model distribution). ``forced_token_ids`` (benchmarks: forced natural decoding) makes decode
+step (raw model distribution); ``prompt_logprobs=k`` the same for every prompt token after the first
+(what evaluation harnesses score). ``forced_token_ids`` (benchmarks: forced natural decoding) makes decode
 steps sample as usual and then emit the next token of that continuation instead; past its end tokens
 are sampled freely. ``stop`` strings are matched on the detokenized text and cut from it.
 """
@@ -29,6 +30,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # drop special tokens from the text
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     logprobs: int | None = None  # per generated token: its logprob and the top-k (k = this, >= 0)
+    prompt_logprobs: int | None = None  # per prompt token (from the second): its logprob and the top-k
     forced_token_ids: list[int] | None = None  # emitted instead of the sampled tokens, one per step
     stop_list: list[str] = field(init=False, repr=False)  # ``stop`` normalised to a list
 
@@ -66,6 +68,9 @@ class SamplingParams:
             raise bad("stop_token_ids", "token ids must be >= 0")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be an int in [0, {MAX_LOGPROBS}] (or None)")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be an int in [0, {MAX_LOGPROBS}] (or None)")
         if self.forced_token_ids is not None:
             self.forced_token_ids = [int(t) for t in self.forced_token_ids]
             if any(t < 0 for t in self.forced_token_ids):

@@ -44,6 +44,8 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.detokenizer = detokenizer
         self.logprobs: list[Any] = []  # engine.step.TokenLogprobs of each output token (params.logprobs set)
+        # prompt token t's TokenLogprobs at [t] ([0] is None: nothing predicts it), when params.prompt_logprobs
+        self.prompt_logprobs: list[Any] | None = [None] if params.prompt_logprobs is not None else None
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self._initial_lookback = initial_lookback  # [W] pad ids
         self.lookback = initial_lookback.clone()  # [W] compressed ids before token num_computed_tokens

@@ -52,6 +52,16 @@ class SampleSpec:
                    logprobs=p.logprobs or 0)
 
 
+@dataclass(frozen=True)
+class PromptLogprobsSpec:
+    """Prompt logprobs wanted from one prefill chunk: rows first_row.. of sequence ``seq`` predict ``targets``."""
+
+    seq: int  # index into the step's S sequences
+    first_row: int  # offset in that sequence's chunk of the first row scored
+    targets: tuple[int, ...]  # the prompt tokens those rows predict (row first_row + i predicts targets[i])
+    k: int  # top-k to return besides each target's own logprob
+
+
 @dataclass
 class StepDescription:
     """One engine step as the Worker sees it. T packed tokens of S sequences, N of which sample."""
@@ -71,6 +81,7 @@ class StepDescription:
     sample_rows: list[int]  # [N] indices into the S sequences that sample a token this step
     samples: list[SampleSpec]  # [N] one per sampling sequence, same order
     finished_seq_ids: list[int] = field(default_factory=list)  # sequences gone since the last step: free state
+    prompt_logprobs: list[PromptLogprobsSpec] = field(default_factory=list)  # prefill chunks to score
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +96,12 @@ class StepDescription:
         """[N] packed token row of each sampling sequence's last new token."""
         cu = self.cu_seqlens
         return [int(cu[s + 1]) - 1 for s in self.sample_rows]
+
+    @property
+    def prompt_rows(self) -> list[int]:
+        """[P] packed token rows scored for prompt logprobs, spec after spec, in order."""
+        cu = self.cu_seqlens
+        return [int(cu[p.seq]) + p.first_row + i for p in self.prompt_logprobs for i in range(len(p.targets))]
 
 
 @dataclass
@@ -103,3 +120,4 @@ class StepResult:
     step_id: int  # the StepDescription's id
     token_ids: list[int]  # [N] emitted tokens (sampled, or forced where a SampleSpec says so)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # [N] where SampleSpec.logprobs > 0
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)  # seq index -> its targets'

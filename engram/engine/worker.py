@@ -68,7 +68,10 @@ class Worker:
                 zip((step.seq_ids[i] for i in step.sample_rows), step.samples)]
         sampled = self.sampler(logits, step.samples, gens)
         tokens = read_tokens(sampled.token_ids)  # module-level: found by the sync test
-        return StepResult(step.step_id, tokens, _logprobs(sampled, step.samples, tokens))
+        result = StepResult(step.step_id, tokens, _logprobs(sampled, step.samples, tokens))
+        if step.prompt_logprobs:  # prefill chunks only, which run eager: the scores come from the runner
+            result.prompt_logprobs = _prompt_logprobs(self.runner.prompt_scores, step)
+        return result
 
     def _generator(self, seq_id: int, spec: SampleSpec) -> torch.Generator | None:
         if spec.seed is None or spec.greedy:
@@ -107,3 +110,13 @@ def _logprobs(sampled, specs: list[SampleSpec], tokens: list[int]) -> list[Token
     own, top_v, top_i = sampled.logprobs.tolist(), sampled.top_logprobs.tolist(), sampled.top_token_ids.tolist()
     return [TokenLogprobs(tok, lp, list(zip(ids[:s.logprobs], vals[:s.logprobs]))) if s.logprobs else None
             for s, tok, lp, vals, ids in zip(specs, tokens, own, top_v, top_i)]
+
+
+def _prompt_logprobs(scores, step: StepDescription) -> dict[int, list[TokenLogprobs]]:
+    own, top_v, top_i = (None if t is None else t.tolist() for t in scores)
+    out, at = {}, 0
+    for p in step.prompt_logprobs:
+        out[p.seq] = [TokenLogprobs(t, own[at + i], list(zip(top_i[at + i][:p.k], top_v[at + i][:p.k])) if p.k else [])
+                      for i, t in enumerate(p.targets)]
+        at += len(p.targets)
+    return out

@@ -1,5 +1,6 @@
 """Forced decoding: a sampling run forced onto the model's own greedy output is, step for step, the greedy
-run — same logits and same Engram row ids, bitwise — while its sampler still draws as in real decode."""
+run — same logits and same Engram row ids, bitwise — while its sampler still draws as in real decode.
+Prompt logprobs (the scoring path of evaluation harnesses) equal a whole-prompt forward's."""
 from __future__ import annotations
 
 import pytest
@@ -56,3 +57,33 @@ def test_forced_tokens_are_validated_against_the_vocabulary():
     engine = LLMEngine(tiny, EngineConfig(), CPU, torch.float32)
     with pytest.raises(ValueError, match="forced_token_ids 99999 is outside the vocabulary"):
         engine.add_request("x", [5, 6], SamplingParams(forced_token_ids=[3, 99999]))
+
+
+def test_prompt_logprobs_score_every_prompt_token_once_across_chunks_and_preemption():
+    """Prompt logprobs equal the log-softmax of a whole-prompt forward, whatever the chunking, and a recompute
+    after preemption scores nothing twice."""
+    from tests.oracles.reference import prefill_logits
+
+    tiny = load_model("tiny", dtype=torch.float64, device=CPU, progress=False)
+    prompts = [tiny.tokenizer.encode(t).ids for t in ("The table store serves rows " * 6, "Batching packs prompts " * 9)]
+    want = []
+    for p in prompts:
+        logp = prefill_logits(tiny, p).log_softmax(-1)  # [L, vocab]
+        want.append([logp[t, p[t + 1]].item() for t in range(len(p) - 1)])
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=3)
+    for cfg in (dict(max_num_batched_tokens=256), dict(max_num_seqs=2, max_num_batched_tokens=7),
+                dict(max_num_seqs=2, max_num_batched_tokens=16, block_size=8, num_kv_blocks=9, max_model_len=72)):
+        engine = LLMEngine(tiny, EngineConfig(**cfg), CPU, torch.float64)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, params)
+        final = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                final[o.request_id] = o
+        assert engine.num_preemptions > 0 or "num_kv_blocks" not in cfg  # the third run recomputes a prompt
+        for i, p in enumerate(prompts):
+            got = final[f"r{i}"].prompt_logprobs
+            assert got[0] is None and len(got) == len(p), cfg
+            assert [g.token_id for g in got[1:]] == p[1:]
+            assert torch.allclose(torch.tensor([g.logprob for g in got[1:]]), torch.tensor(want[i]), atol=1e-9), cfg
+            assert all(len(g.top) == 3 and g.top[0][1] >= g.logprob for g in got[1:])
