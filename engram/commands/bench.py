@@ -16,6 +16,8 @@ BENCHES = {
     "gpu-lookup": "engram.bench.gpu_lookup",
     "serve": "engram.bench.serve_load",
     "table-open": "engram.bench.table_open",
+    "corpus": "engram.bench.corpus",
+    "hit-rate": "engram.bench.hit_rate",
     "engine": "engram.bench.engine_bench",
 }
 
