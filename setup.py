@@ -10,6 +10,7 @@ setup(
         Extension(
             "engram.store._pread_pool",
             sources=["csrc/pread_pool.c"],
+            depends=["csrc/crc32c.h"],
             extra_compile_args=["-O2", "-pthread"],
             extra_link_args=["-pthread"],
             optional=True,

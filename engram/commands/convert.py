@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="add the per-page CRC32C sidecar to each table directory SRC in place (format 1 -> 2)")
     p.add_argument("--layers", help="comma-separated layer ids to convert (default: every layer found)")
     p.add_argument("--quantize", choices=["mxfp8"], help="quantize bf16/fp16/fp32 tables to MXFP8")
-    p.add_argument("--config", help="EngramConfig preset name or config.json: fingerprint + size checks")
+    p.add_argument("--config", help="config name (deepseek-v4.1-flash, paper-demo, tiny, small, 4b-like, 8b-like) "
+                                    "or config.json: fingerprint + size checks")
     p.add_argument("--tensor", help="convert this one tensor (by name) instead of the V4.1 names")
     p.add_argument("--layer", type=int, help="layer id recorded in the manifest (--tensor, --random --rows)")
     p.add_argument("--random", action="store_true", help="write synthetic random tables")
@@ -57,8 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _config(spec: str | None):
     if spec is None:
         return None
-    from engram.config import PRESETS, EngramConfig
-    return EngramConfig.preset(spec) if spec in PRESETS else EngramConfig.from_hf_config(spec)
+    from engram.config import EngramConfig
+    from engram.configs import resolve_config
+
+    return EngramConfig.from_hf_config(resolve_config(spec, "--config"))
 
 
 def _report(manifests, seconds: float) -> None:

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engram.quant import BLOCK, scale_factors
-
-ROW_TORCH_DTYPES = {"mxfp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16,
-                    "fp32": torch.float32}
+from engram.quant import BLOCK, ROW_TORCH_DTYPES, scale_factors  # noqa: F401 (ROW_TORCH_DTYPES re-exported)
 
 
 def value_bytes(row_dtype: str, dim: int) -> int:
