@@ -10,7 +10,10 @@ decodes the same prompts (``engine_steps.prompt_ids``, seeded per batch size).
 Points (engram.bench.engine_steps says how each is driven and checked):
   decode   per batch size B: ``--decode-steps`` engine steps in which each of B sequences of a
            ``--context-len``-token prompt decodes exactly one token (asserted); ms_wall is their mean
-           host-clock time (tok/s = B / ms_wall); kv_mean is the mean KV length during those steps.
+           host-clock time (tok/s = B / ms_wall); kv_mean is the mean KV length during those steps;
+           graph_steps how many of them replayed a CUDA graph (the engine's default on CUDA; none with
+           ``--enforce-eager`` or on the CPU). The engine's max_model_len is the longest sequence the run
+           needs (2064 with the default 1x2048 prefill shape; ``result.engine_config``).
   prefill  per shape SxN: one step that prefills S fresh N-token prompts (asserted), median of
            ``--prefill-repeats`` after a warm-up of the same shape; tok/s = S*N / ms_wall.
 On CUDA, ms_gpu is the GPU busy time per step (engram.bench.device_time: ``--profile-steps`` more decode
@@ -40,8 +43,8 @@ from dataclasses import dataclass
 HELP = "Engine decode/prefill ms/step per model, tier, Engram on/off and an HF peer, against a measured roofline."
 CUDA_MODELS, CPU_MODELS = "4b-like,8b-like", "tiny"
 TIERS = ("gpu", "host")
-TABLE_COLUMNS = ["model", "arm", "phase", "batch", "context", "kv_mean", "ms_wall", "ms_gpu", "ms_host_overhead",
-                 "tok_s", "roofline_ms", "ratio", "bound"]
+TABLE_COLUMNS = ["model", "arm", "phase", "batch", "context", "kv_mean", "graph_steps", "ms_wall", "ms_gpu",
+                 "ms_host_overhead", "tok_s", "roofline_ms", "ratio", "bound"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,6 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-repeats", type=int, default=3, help="timed single prefill steps per shape")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="engine token budget per step (raised to the largest prefill shape)")
+    p.add_argument("--enforce-eager", action="store_true", help="engine arms without CUDA graphs (vLLM's name)")
     p.add_argument("--no-engram-off", action="store_true", help="skip the arm without Engram layers")
     p.add_argument("--no-peer", action="store_true", help="skip the HF transformers peer")
     p.add_argument("--peer-compile", default="auto", choices=("auto", "off", "reduce-overhead",
@@ -86,6 +90,7 @@ class Settings:
     prefill_repeats: int
     max_num_batched_tokens: int
     seed: int
+    enforce_eager: bool = False  # engine arms run every step eagerly (no decode CUDA graphs)
 
 
 def _ints(text: str, option: str) -> tuple[int, ...]:
@@ -121,7 +126,7 @@ def settings_from(args: argparse.Namespace, seed: int) -> Settings:
         raise SystemExit(f"--profile-steps={args.profile_steps} must be >= 0")
     return Settings(_ints(args.batch_sizes, "--batch-sizes"), args.context_len, args.decode_steps, args.warmup_tokens,
                     args.profile_steps, parse_prefill_shapes(args.prefill_shapes), args.prefill_repeats,
-                    args.max_num_batched_tokens, seed)
+                    args.max_num_batched_tokens, seed, args.enforce_eager)
 
 
 def engine_config(s: Settings, max_position_embeddings: int, block_size: int = 16):
@@ -140,7 +145,7 @@ def engine_config(s: Settings, max_position_embeddings: int, block_size: int = 1
                          f"max_position_embeddings={max_position_embeddings}")
     max_model_len = min(-(-need // block_size) * block_size, max_position_embeddings)
     return EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
-                        block_size=block_size, seed=s.seed)
+                        block_size=block_size, seed=s.seed, enforce_eager=s.enforce_eager)
 
 
 # ----------------------------------------------------------------- points
@@ -182,6 +187,7 @@ def engine_points(loaded, arm: str, tier: str | None, s: Settings, device, dtype
             ms_gpu = None if t.busy_s is None else t.busy_s * 1e3
             points.append(make_point(cfg, arm, tier, "decode", b, s.context_len, shapes,
                                      statistics.fmean(t.wall_s) * 1e3, ms_gpu, b, itemsize, ceilings))
+            points[-1]["graph_steps"] = t.graph_steps
             _progress(points[-1])
         for n, length in s.prefill_shapes:
             t = measure_prefill(engine, n, length, cfg.vocab_size, s.prefill_repeats, busy_device, s.seed)
@@ -355,7 +361,10 @@ def run(args: argparse.Namespace) -> int:
     peer = {"status": status, "reason": peer_reason, "compile": compile_mode or "off",
             "transformers": None if peer_reason else sys.modules["transformers"].__version__}
     cost = engram_cost(points)
-    result = {"settings": dataclasses.asdict(s), "ceilings": ceilings.to_dict(), "points": points,
+    engine_configs = {name: dataclasses.asdict(engine_config(s, cfg.max_position_embeddings))
+                      for name, cfg in configs.items()}
+    result = {"settings": dataclasses.asdict(s), "engine_config": engine_configs, "ceilings": ceilings.to_dict(),
+              "points": points,
               "engram_cost": cost, "peer": peer, "warnings": warnings}
     path = write_result("engine-" + "+".join(models), args_config(args), result, out=args.out)
     print(format_table(points, TABLE_COLUMNS))

@@ -4,7 +4,8 @@
 from ``decode_max_tokens``), steps the engine until every sequence has finished its prefill and generated
 ``warmup_tokens`` tokens, then times ``steps`` calls of ``engine.step()`` with the host clock, each of
 which must be a pure decode step: every sequence emits exactly one new token and none finishes
-(``NotADecodeStep`` otherwise; a preempted or still-prefilling sequence would emit nothing). With
+(``NotADecodeStep`` otherwise; a preempted or still-prefilling sequence would emit nothing); it also
+counts how many of them replayed a CUDA graph (the engine's ``graph_replays``). With
 ``busy_device`` it then runs ``profile_steps`` more such steps under torch.profiler for the device busy
 time per step (engram.bench.device_time), kept apart from the wall-clock steps so the profiler's own
 host cost never enters the wall time. Every request is aborted at the end, also on error.
@@ -62,6 +63,7 @@ class DecodeTimes:
 
     wall_s: list[float]
     context_lens: list[list[int]]  # [steps][batch]: KV entries after the step (prompt + tokens computed)
+    graph_steps: int = 0  # timed steps that replayed a CUDA graph (engine.stats()["graph_replays"])
     busy_s: float | None = None  # device busy seconds per profiled step (None: not profiled)
     busy_context_lens: list[list[int]] = field(default_factory=list)  # the same for the profiled steps
 
@@ -119,14 +121,14 @@ def measure_decode(engine, prompts: list[list[int]], steps: int, warmup_tokens: 
         else:
             raise NotADecodeStep(f"{sum(g < warmup_tokens for g in generated.values())} sequences still had "
                                  f"fewer than {warmup_tokens} tokens after {max_tokens} steps")
-        preemptions = engine.stats()["preemptions"]
+        before = engine.stats()
         wall, lens = [], []
         for _ in range(steps):
             t0 = time.perf_counter()
             ctx = _decode_step(engine, ids, generated, context_len)
             wall.append(time.perf_counter() - t0)
             lens.append(ctx)
-        times = DecodeTimes(wall, lens)
+        times = DecodeTimes(wall, lens, engine.stats()["graph_replays"] - before["graph_replays"])
         if n_profile:
             from engram.bench.device_time import measure_busy
 
@@ -135,7 +137,7 @@ def measure_decode(engine, prompts: list[list[int]], steps: int, warmup_tokens: 
                     times.busy_context_lens.append(_decode_step(engine, ids, generated, context_len))
 
             times.busy_s = measure_busy(profiled, busy_device) / n_profile
-        if engine.stats()["preemptions"] != preemptions:
+        if engine.stats()["preemptions"] != before["preemptions"]:
             raise NotADecodeStep("a sequence was preempted during the timed steps (KV cache too small)")
         return times
     finally:

@@ -114,7 +114,7 @@ def test_decode_steps_decode_one_token_per_sequence():
     engine = _tiny_engine()
     prompts = engine_steps.prompt_ids(3, 10, 4096, seed=1)
     t = engine_steps.measure_decode(engine, prompts, steps=3, warmup_tokens=2, profile_steps=2, busy_device="cpu")
-    assert len(t.wall_s) == 3 and min(t.wall_s) > 0 and t.busy_s > 0
+    assert len(t.wall_s) == 3 and min(t.wall_s) > 0 and t.busy_s > 0 and t.graph_steps == 0  # no graphs on the CPU
     # the prompts prefill in one step (30 tokens < 64), so every sequence starts timing with 2 tokens generated
     assert t.context_lens == [[12] * 3, [13] * 3, [14] * 3] and t.busy_context_lens == [[15] * 3, [16] * 3]
     assert not engine.has_unfinished()  # every request aborted at the end
@@ -194,6 +194,8 @@ def test_engine_bench_runs_every_arm_and_writes_every_field(tmp_path, capsys):
     assert sorted((p["arm"], p["batch"]) for p in decode) == sorted(
         (a, b) for a in ("engram/gpu", "engram/host", "engram-off", "hf-peer") for b in (1, 3))
     assert all(p["kv_mean"] == 14.5 and p["steps"] == 2 for p in decode)  # KV 14, 15 after 12 + 2 warm-up tokens
+    assert all(p["graph_steps"] == 0 for p in decode if p["arm"] != "hf-peer")  # CUDA graphs are CUDA-only
+    assert res["engine_config"]["tiny"]["max_num_seqs"] == 3 and res["engine_config"]["tiny"]["max_model_len"] == 32
     prefill = [p for p in points if p["phase"] == "prefill"]
     assert sorted((p["arm"], p["batch"], p["context"]) for p in prefill) == sorted(
         (a, n, t) for a in ("engram/gpu", "engram/host", "engram-off") for n, t in ((1, 24), (2, 8)))
