@@ -18,7 +18,8 @@ Points (engram.bench.engine_steps says how each is driven and checked):
            ``--prefill-repeats`` after a warm-up of the same shape; tok/s = S*N / ms_wall.
 On CUDA, ms_gpu is the GPU busy time per step (engram.bench.device_time: ``--profile-steps`` more decode
 steps, or one more prefill step, under torch.profiler, apart from the timed ones) and ms_host_overhead =
-ms_wall - ms_gpu. On the CPU there is no GPU: both are null.
+ms_wall - ms_gpu. On the CPU there is no GPU, and with ``--profile-steps 0`` nothing is profiled: both are
+null then.
 
 Roofline (engram.bench.roofline): for each timed step, its bytes and FLOPs from the model's config and the
 step's shape; the point's roofline_ms is that of the mean cost, against ceilings measured at the start of
@@ -55,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-len", type=int, default=512, help="prompt tokens per decoding sequence")
     p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per point")
     p.add_argument("--warmup-tokens", type=int, default=3, help="tokens every sequence decodes before timing")
-    p.add_argument("--profile-steps", type=int, default=4, help="decode steps profiled for GPU busy time (CUDA)")
+    p.add_argument("--profile-steps", type=int, default=4,
+                   help="decode steps profiled for GPU busy time (CUDA); 0: no profiling, ms_gpu null")
     p.add_argument("--prefill-shapes", default="1x2048,16x512", help="SEQSxTOKENS prefill steps, comma-separated")
     p.add_argument("--prefill-repeats", type=int, default=3, help="timed single prefill steps per shape")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
@@ -326,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
     configs = {name: preset_config(name, table_rows=opts.table_rows, seed=opts.seed) for name in models}
     for cfg in configs.values():
         engine_config(s, cfg.max_position_embeddings)  # refuses a context too long before anything loads
-    busy_device = "cuda" if device.type == "cuda" else None
+    busy_device = "cuda" if device.type == "cuda" and s.profile_steps > 0 else None  # 0: no profiling at all
     peer_reason = "--no-peer" if args.no_peer else unavailable_reason()
 
     ceilings = measure_ceilings(device, dtype)
