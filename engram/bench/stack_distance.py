@@ -1,0 +1,97 @@
+"""LRU stack distances of an access trace in one pass (Mattson et al., 1970), O(N log N), vectorized numpy.
+
+The stack distance of access t to row x is the number of *distinct other* rows accessed since the previous
+access p to x (0 = x was the last row touched), or -1 when t is the first access to x. LRU is a stack
+algorithm: an LRU cache of C rows, started empty, hits access t exactly when ``0 <= d[t] < C``, so one pass
+gives the hit rate of every LRU size at once.
+
+How: the distinct rows in the window (p, t) are the accesses j in the window whose own previous access
+lies before p, ``d[t] = #{j in (p, t): prev[j] < p}``. Every j <= p has ``prev[j] < j <= p``, so
+``d[t] = #{j < t: prev[j] < p} - (p + 1)``: a count of values below a bound in a prefix of the array
+``prev``, answered for all t together by a wavelet matrix over ``prev + 1`` (one level per bit of N: a
+stable partition, a prefix count and two gathers per level).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def reuse_index(trace: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(prev, dense) of a trace of non-negative ids: ``prev[t]`` the index of the previous access to
+    ``trace[t]`` (-1 for its first access) and ``dense[t]`` its id renumbered 0..D-1 in ascending id order
+    (both int64 [N]). ValueError naming the value when an id is negative."""
+    trace = np.asarray(trace, dtype=np.int64)
+    n = trace.size
+    prev = np.full(n, -1, dtype=np.int64)
+    dense = np.zeros(n, dtype=np.int64)
+    if n == 0:
+        return prev, dense
+    lo, hi = int(trace.min()), int(trace.max())
+    if lo < 0:
+        raise ValueError(f"trace id {lo}: row ids must be non-negative")
+    if hi < (np.iinfo(np.int64).max - n) // n:
+        keys = trace * n + np.arange(n, dtype=np.int64)  # sorted by (id, time); unique, so any sort is stable
+        keys.sort()
+        ids, idx = np.divmod(keys, n)
+    else:
+        idx = np.argsort(trace, kind="stable")
+        ids = trace[idx]
+    same = ids[1:] == ids[:-1]
+    prev[idx[1:][same]] = idx[:-1][same]
+    dense[idx[1:]] = np.cumsum(~same)
+    return prev, dense
+
+
+def previous_access(trace: np.ndarray) -> np.ndarray:
+    """``reuse_index(trace)[0]``."""
+    return reuse_index(trace)[0]
+
+
+def _count_below_in_prefix(values: np.ndarray, ends: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """``out[k] = #{j < ends[k]: values[j] < bounds[k]}`` for non-negative ``values``: a wavelet matrix
+    walked by every query at once, most significant bit first. At each level a query holds a range [l, r)
+    of that level's arrangement (elements sharing the bits of its bound seen so far); where the bound's bit
+    is 1 the range's zeros are all below it (counted), and the query follows the ones."""
+    n = values.size
+    dt = np.int32 if n < 2**31 - 1 else np.int64
+    cur = values.astype(dt)
+    bounds = bounds.astype(dt)
+    r = ends.astype(dt)
+    l = np.zeros_like(r)
+    out = np.zeros_like(r)
+    rank0 = np.zeros(n + 1, dtype=dt)  # rank0[i]: zeros among the first i elements of this level
+    pos = np.arange(n, dtype=dt)
+    nxt = np.empty_like(cur)
+    for level in range(int(max(int(values.max(initial=0)), int(bounds.max(initial=0)))).bit_length() - 1, -1, -1):
+        bit = (cur >> level) & 1
+        np.cumsum(bit ^ 1, out=rank0[1:])
+        zeros = rank0[n]
+        qbit = (bounds >> level) & 1
+        r0 = rank0[r]
+        l0 = rank0[l]
+        out += qbit * (r0 - l0)
+        r = np.where(qbit == 1, zeros + r - r0, r0)
+        l = np.where(qbit == 1, zeros + l - l0, l0)
+        # stable partition: zeros keep their order at the front, ones after them
+        below = rank0[:-1]
+        nxt[np.where(bit == 1, zeros + pos - below, below)] = cur
+        cur, nxt = nxt, cur
+    return out.astype(np.int64)
+
+
+def stack_distances(trace: np.ndarray, prev: np.ndarray | None = None) -> np.ndarray:
+    """LRU stack distance of every access (int64 [N]; -1 for a first access). ``prev`` may pass
+    ``previous_access(trace)`` when the caller has it."""
+    if prev is None:
+        prev = previous_access(trace)
+    dist = np.full(prev.size, -1, dtype=np.int64)
+    reuse = np.flatnonzero(prev >= 0)
+    if reuse.size:
+        p = prev[reuse]
+        dist[reuse] = _count_below_in_prefix(prev + 1, reuse, p + 1) - (p + 1)
+    return dist
+
+
+def lru_hits(dist: np.ndarray, capacity: int) -> np.ndarray:
+    """Hit flags of an LRU cache of ``capacity`` rows, started empty, from ``stack_distances``."""
+    return (dist >= 0) & (dist < capacity)
