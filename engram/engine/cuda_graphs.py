@@ -2,9 +2,9 @@
 
 A decode step (every sequence computes one token) of S sequences replays the graph of the smallest bucket
 B >= S (buckets 1, 2, 4, 8, 16, 24, 32, then every 16 up to min(max_num_seqs, max_graph_batch), as vLLM does). The graph
-reads static buffers, filled before each replay from the StepDescription through pinned, non-blocking
-copies: token ids, positions, KV lengths, slot mapping, block tables [B, max_blocks] and each Engram
-layer's rows [B, n_cols, head_dim] (copied from the lookup executor's staged rows). The S..B padding
+reads static buffers, filled before each replay from the StepDescription: token ids, positions, KV lengths,
+slot mapping and block tables [B, max_blocks] through one pinned buffer and one non-blocking copy, and each
+Engram layer's rows [B, n_cols, head_dim] (copied from the lookup executor's staged rows). The S..B padding
 sequences decode token 0 at position 0 into a reserved KV block that no real sequence owns, so their
 writes touch nothing real; their logits are dropped. Attention inside the graph is the Triton path with
 its split count fixed by ``max_model_len``. What runs eager, and why: prefill and mixed steps (their
@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from engram.engine.lookup import StagedRows
@@ -52,13 +53,19 @@ class DecodeGraphs:
         self.max_model_len, self.block_size, self.null_block = max_model_len, block_size, null_block
         self.max_blocks = -(-max_model_len // block_size)
         b = self.buckets[-1]
-        lng = dict(dtype=torch.long, device=device)
-        self.token_ids = torch.zeros(b, **lng)
-        self.positions = torch.zeros(b, **lng)
-        self.context_lens = torch.ones(b, **lng)
-        self.slot_mapping = torch.full((b,), null_block * block_size, **lng)
-        self.block_tables = torch.full((b, self.max_blocks), null_block, **lng)
-        self.arange = torch.arange(b + 1, **lng)
+        # Every per-step input in one int64 buffer, [token ids | positions | KV lengths | slots | block tables],
+        # staged in pinned memory and copied with one non-blocking copy per step. The host buffer is rewritten
+        # only after the previous step's tokens were read, so its copy has completed by then.
+        n = b * (4 + self.max_blocks)
+        self.host_in = torch.zeros(n, dtype=torch.long).pin_memory()
+        self.dev_in = torch.zeros(n, dtype=torch.long, device=device)
+        self._host = self._views(self.host_in.numpy(), b)  # numpy views of the pinned buffer
+        self.token_ids, self.positions, self.context_lens, self.slot_mapping, self.block_tables = (
+            self._views(self.dev_in, b))
+        self.context_lens.fill_(1)
+        self.slot_mapping.fill_(null_block * block_size)
+        self.block_tables.fill_(null_block)
+        self.arange = torch.arange(b + 1, dtype=torch.long, device=device)
         dtype = next(model.parameters()).dtype
         self.rows = {lid: torch.zeros(b, ecfg.n_cols, ecfg.head_dim, dtype=dtype, device=device)
                      for lid in (ecfg.layer_ids if ecfg else ())}
@@ -78,6 +85,11 @@ class DecodeGraphs:
         self.capture_s = time.perf_counter() - t0
         log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s; pool %.1f MiB", len(self.buckets),
                  self.buckets[0], self.buckets[-1], self.capture_s, self.pool_bytes / 2**20)
+
+    def _views(self, buf, b: int):
+        """token ids [b], positions [b], KV lengths [b], slots [b], block tables [b, max_blocks] of ``buf``."""
+        parts = [buf[i * b:(i + 1) * b] for i in range(4)]
+        return (*parts, buf[4 * b:].reshape(b, self.max_blocks))
 
     @staticmethod
     def supports(step_dtype: torch.dtype, ecfg, device: torch.device) -> bool:
@@ -130,20 +142,14 @@ class DecodeGraphs:
         the next replay overwrites: sample from it first)."""
         s = step.num_seqs
         size = next(b for b in self.buckets if b >= s)
-        host = torch.full((4, size), 0, dtype=torch.long)  # token ids, positions, KV lengths, slots
-        host[2].fill_(1)
-        host[3].fill_(self.null_block * self.block_size)
-        host[0, :s], host[1, :s], host[2, :s], host[3, :s] = (step.token_ids, step.positions, step.context_lens,
-                                                              step.slot_mapping)
-        tables = torch.full((size, self.max_blocks), self.null_block, dtype=torch.long)  # [B, max_blocks]
-        bt = step.block_tables  # [S, W], -1 padded
-        tables[:s, :bt.shape[1]] = torch.where(bt >= 0, bt, self.null_block)
-        dev = host.pin_memory().to(self.device, non_blocking=True)
-        self.token_ids[:size].copy_(dev[0])
-        self.positions[:size].copy_(dev[1])
-        self.context_lens[:size].copy_(dev[2])
-        self.slot_mapping[:size].copy_(dev[3])
-        self.block_tables[:size].copy_(tables.pin_memory().to(self.device, non_blocking=True))
+        tok, pos, ctx, slots, tables = self._host  # numpy views of the pinned staging buffer
+        tok[:s], pos[:s], ctx[:s], slots[:s] = (step.token_ids.numpy(), step.positions.numpy(),
+                                                step.context_lens.numpy(), step.slot_mapping.numpy())
+        tok[s:size], pos[s:size], ctx[s:size], slots[s:size] = 0, 0, 1, self.null_block * self.block_size
+        bt = step.block_tables.numpy()  # [S, W], -1 padded
+        tables[:size] = self.null_block
+        tables[:s, :bt.shape[1]] = np.where(bt >= 0, bt, self.null_block)
+        self.dev_in.copy_(self.host_in, non_blocking=True)
         for lid, buf in self.rows.items():
             buf[:s].copy_(staged.rows(lid, step.step_id))
         self.graphs[size].replay()

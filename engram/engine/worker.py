@@ -23,6 +23,7 @@ from engram.engine.runner import ModelRunner
 from engram.engine.sampler import Sampler
 from engram.engine.step import SampleSpec, StepDescription, StepResult, TokenLogprobs
 from engram.model.kv_cache import KVCache
+from engram.model.layers.fused import FAST_DTYPES
 
 
 class Worker:
@@ -31,6 +32,8 @@ class Worker:
         self.config, self.device, self.dtype = config, torch.device(device), dtype  # progress None: bars on a tty
         self.model_config, self.ecfg = loaded.model_config, loaded.engram_config
         self.model = loaded.model
+        if self.device.type == "cuda" and dtype in FAST_DTYPES:
+            self.model.pack_projections()  # q/k/v and gate/up as one GEMM each (the CPU keeps the plain path)
         self.tables = loaded.open_tables()  # opened here, on this worker's device
         self.lookup = LookupExecutor(self.tables, self.ecfg, dtype, self.device)
         self.sampler = Sampler(seed=config.seed)

@@ -83,6 +83,12 @@ class EngramDecoder(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def pack_projections(self) -> None:
+        """q/k/v and gate/up of every layer as one GEMM each (parameters become views; names unchanged)."""
+        for layer in self.model.layers:
+            layer.self_attn.pack()
+            layer.mlp.pack()
+
     @property
     def engram_layers(self) -> dict[int, Engram]:
         return {l.layer_id: l.engram for l in self.model.layers if l.engram is not None}

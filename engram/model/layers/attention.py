@@ -11,11 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engram.model.kv_cache import KVCache
 from engram.model.layers.fused import norm_rope
 from engram.model.layers.norm import RMSNorm
+from engram.model.layers.packed_linear import pack_linears
 from engram.model.layers.paged_attention import PREFILL_BLOCK_M, paged_attention
 from engram.transfer import to_device
 
@@ -103,16 +105,27 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm and self.owns_kv else None
         self.eps = cfg.rms_norm_eps
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # packed q/k/v weight, once packed
+
+    def pack(self) -> None:
+        """Run q/k/v (or q alone on a KV-sharing layer) as one GEMM from now on (packed_linear.py)."""
+        if self.owns_kv and self.qkv is None:
+            self.qkv = pack_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv: KVCache) -> torch.Tensor:
         """x [T, H] -> [T, H]; writes this step's K/V first when the layer owns a cache."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, nh, hd]
-        q = norm_rope(q, _weight(self.q_norm), self.eps, cos, sin)  # Qwen3 q norm (if any) + RoPE, one kernel
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.qkv is not None:
+            q, k, v = F.linear(x, *self.qkv).split([nq, nkv, nkv], dim=-1)  # views of one [T, nq + 2 nkv]
+        else:
+            q = self.q_proj(x)
+            k, v = (self.k_proj(x), self.v_proj(x)) if self.owns_kv else (None, None)
+        q = norm_rope(q.view(t, self.num_heads, self.head_dim), _weight(self.q_norm), self.eps, cos, sin)  # [T, nh, hd]
         if self.owns_kv:
-            k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, n_kv, hd]
-            v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, n_kv, hd]
+            v = v.view(t, self.num_kv_heads, self.head_dim)
             kv.write(self.layer_id, meta.slot_mapping, norm_rope(k, _weight(self.k_norm), self.eps, cos, sin), v,
                      keep=meta.write_keep)
         o = paged_attention(q, kv, self.kv_source, meta, self.scale)  # [T, nh, hd]

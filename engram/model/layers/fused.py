@@ -75,8 +75,10 @@ def norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Te
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """SwiGLU's silu(g) * u."""
-    if _fast(g) and g.is_contiguous() and u.is_contiguous():
+    if _fast(g) and g.shape == u.shape and g.stride(-1) == 1 and u.stride(-1) == 1:
         from engram.model.layers import fused_triton
 
-        return fused_triton.silu_mul(g, u)
+        cols = g.shape[-1]
+        if g.dim() == 2 or (g.is_contiguous() and u.is_contiguous()):
+            return fused_triton.silu_mul(g.reshape(-1, cols), u.reshape(-1, cols)).view(g.shape)
     return F.silu(g) * u

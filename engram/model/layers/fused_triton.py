@@ -3,7 +3,7 @@
 * ``rms_norm(x, w, eps)``: rows of x [M, N] normalised in float32, weight applied; one program per row.
 * ``norm_rope(x, w, eps, cos, sin)``: Qwen3's per-head q/k RMSNorm followed by rotary embedding ("rotate
   half"), or the rotation alone (``w`` None); x [T, heads, hd], cos/sin [T, hd]; one program per token.
-* ``silu_mul(g, u)``: SwiGLU's silu(g) * u, elementwise.
+* ``silu_mul(g, u)``: SwiGLU's silu(g) * u, elementwise over [rows, cols] views (packed gate/up halves).
 
 Each computes in float32 and rounds once, so it matches the torch reference (fused.py) within bf16
 rounding, not bitwise; the parity test states the tolerance. Only CUDA; importing needs triton.
@@ -53,11 +53,13 @@ def _norm_rope_kernel(X, W, COS, SIN, Y, heads, eps, s_xt, s_xh, s_yt, s_yh, s_c
 
 
 @triton.jit
-def _silu_mul_kernel(G, U, Y, n, BLOCK: tl.constexpr):
+def _silu_mul_kernel(G, U, Y, n, cols, s_g, s_u, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
-    g = tl.load(G + i, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + i, mask=mask, other=0.0).to(tl.float32)
+    r = i // cols
+    c = i % cols
+    g = tl.load(G + r * s_g + c, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + r * s_u + c, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + i, (g / (1.0 + tl.exp(-g)) * u).to(Y.dtype.element_ty), mask=mask)
 
 
@@ -84,9 +86,11 @@ def norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Te
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """silu(g) * u for contiguous g, u of one shape."""
-    y = torch.empty_like(g)
-    n = g.numel()
+    """silu(g) * u for g, u [rows, cols] of one shape with unit column stride (e.g. the two halves of a packed
+    gate/up output) -> contiguous [rows, cols]."""
+    rows, cols = g.shape
+    y = torch.empty(rows, cols, dtype=g.dtype, device=g.device)
+    n = rows * cols
     if n:
-        _silu_mul_kernel[(triton.cdiv(n, 1024),)](g, u, y, n, BLOCK=1024, num_warps=4)
+        _silu_mul_kernel[(triton.cdiv(n, 1024),)](g, u, y, n, cols, g.stride(0), u.stride(0), BLOCK=1024, num_warps=4)
     return y

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engram.model.layers.fused import silu_mul
+from engram.model.layers.packed_linear import pack_linears
 
 
 class MLP(nn.Module):
@@ -13,6 +15,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # packed weight, once packed
+        self.intermediate_size = intermediate_size
+
+    def pack(self) -> None:
+        """Run gate and up as one GEMM from now on (packed_linear.py)."""
+        if self.gate_up is None:
+            self.gate_up = pack_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))  # [T, H]
+        if self.gate_up is not None:
+            g, u = F.linear(x, *self.gate_up).split(self.intermediate_size, dim=-1)  # views of one [T, 2I]
+        else:
+            g, u = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(silu_mul(g, u))  # [T, H]
