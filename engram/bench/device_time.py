@@ -39,12 +39,24 @@ def busy_intervals_ns(events, device_type: str) -> list[tuple[int, int]]:
     out = []
     for evt in events:
         if device_type == "cuda":
-            if evt.device_type() != DeviceType.CUDA or evt.activity_type() not in DEVICE_WORK:
+            if evt.device_type() != DeviceType.CUDA or _activity(evt) not in DEVICE_WORK:
                 continue
-        elif evt.device_type() != DeviceType.CPU or evt.activity_type() != "cpu_op":
+        elif evt.device_type() != DeviceType.CPU or _activity(evt) != "cpu_op":
             continue
         out.append((evt.start_ns(), evt.end_ns()))
     return out
+
+
+def _activity(evt) -> str:
+    """The kineto activity type of an event. torch < 2.12 has no ``activity_type()``: there a device event is
+    work unless its name says it is a synchronization wait, and a host event is a torch operator."""
+    if hasattr(evt, "activity_type"):
+        return evt.activity_type()
+    from torch.autograd import DeviceType
+
+    if evt.device_type() == DeviceType.CUDA:
+        return "cuda_sync" if "Sync" in evt.name() else "kernel"
+    return "cpu_op"
 
 
 def measure_busy(fn: Callable[[], object], device_type: str) -> float:
