@@ -21,6 +21,7 @@ import heapq
 import numpy as np
 
 FIFO_COUNTS = 32
+POOL_SLACK = 65536  # the pool is deduplicated once it holds this many more entries than 4 x the capacity
 
 
 class _Fifo:
@@ -61,12 +62,16 @@ class LfuCache:
         self.fifos: dict[int, _Fifo] = {}
         self.live_counts: list[int] = []  # heap of counts whose FIFO may hold live entries
         self.pool = [np.empty(0, dtype=np.int64)]  # rows that reached a count > FIFO_COUNTS (may repeat)
+        self.pool_len = 0
 
     def _enter(self, rows: np.ndarray, counts: np.ndarray, step: int) -> None:
         """Record that ``rows`` (ascending) reached ``counts`` at ``step``."""
         high = counts > FIFO_COUNTS
         if high.any():
             self.pool.append(rows[high])
+            self.pool_len += int(high.sum())
+            if self.pool_len > 4 * self.capacity + POOL_SLACK:  # hot rows re-enter every step
+                self._compact_pool()
             rows, counts = rows[~high], counts[~high]
         if rows.size == 0:
             return
@@ -113,10 +118,15 @@ class LfuCache:
             out.append(self._pool_victims(k, step))
         return (np.concatenate(out) if out else np.empty(0, dtype=np.int64)), deferred
 
-    def _pool_victims(self, k: int, step: int) -> np.ndarray:
+    def _compact_pool(self) -> np.ndarray:
+        """The pool as one array of distinct rows still cached with a count above ``FIFO_COUNTS``."""
         rows = np.unique(np.concatenate(self.pool))
         rows = rows[self.cached[rows] & (self.count[rows] > FIFO_COUNTS)]
-        self.pool = [rows]
+        self.pool, self.pool_len = [rows], rows.size
+        return rows
+
+    def _pool_victims(self, k: int, step: int) -> np.ndarray:
+        rows = self._compact_pool()
         cand = rows[self.last[rows] < step]
         return cand[np.lexsort((cand, self.last[cand], self.count[cand]))[:k]]
 

@@ -53,7 +53,7 @@ def _count_below_in_prefix(values: np.ndarray, ends: np.ndarray, bounds: np.ndar
     of that level's arrangement (elements sharing the bits of its bound seen so far); where the bound's bit
     is 1 the range's zeros are all below it (counted), and the query follows the ones."""
     n = values.size
-    dt = np.int32 if n < 2**31 - 1 else np.int64
+    dt = np.int32 if n < 2**30 else np.int64  # sums like zeros + position stay below 2**31
     cur = values.astype(dt)
     bounds = bounds.astype(dt)
     r = ends.astype(dt)

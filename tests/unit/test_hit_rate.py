@@ -94,11 +94,12 @@ def test_lfu_within_steps_and_overflowing_steps():
         lfu_hits(dense, bounds, 0)
 
 
-@pytest.mark.parametrize("fifo_counts", [32, 2])
-def test_lfu_equals_reference_on_random_step_traces(fifo_counts, monkeypatch):
+@pytest.mark.parametrize("fifo_counts,pool_slack", [(32, 65536), (2, 65536), (2, 0)])
+def test_lfu_equals_reference_on_random_step_traces(fifo_counts, pool_slack, monkeypatch):
     import engram.bench.lfu as lfu
     monkeypatch.setattr(lfu, "FIFO_COUNTS", fifo_counts)  # 2: the hottest-rows pool is used all the time
-    rng = np.random.default_rng(fifo_counts)
+    monkeypatch.setattr(lfu, "POOL_SLACK", pool_slack)  # 0: and deduplicated at almost every step
+    rng = np.random.default_rng(fifo_counts + pool_slack)
     for _ in range(150):
         universe = int(rng.integers(2, 50))
         steps = [np.unique(rng.zipf(1.3, int(rng.integers(0, 10))) % universe) for _ in range(int(rng.integers(1, 30)))]
