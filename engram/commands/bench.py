@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-HELP = "benchmarks: A/B harness, table lookups, serving load, generation (JSON results + tables)."
+HELP = ("benchmarks: A/B harness, table lookups, serving load, generation, natural-text corpus, cache hit rates "
+        "(JSON results + tables).")
 
 BENCHES = {
     "ab": "engram.bench.ab",
