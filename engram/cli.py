@@ -16,6 +16,7 @@ COMMANDS = {
     "convert": "engram.commands.convert",
     "inspect": "engram.commands.inspect",
     "plan-pp": "engram.commands.plan_pp",
+    "check": "engram.commands.check",
 }
 
 
