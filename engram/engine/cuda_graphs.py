@@ -94,7 +94,7 @@ class DecodeGraphs:
     @staticmethod
     def supports(step_dtype: torch.dtype, ecfg, device: torch.device) -> bool:
         """Whether a model of this kind can run its decode steps as graphs at all."""
-        if device.type != "cuda" or step_dtype not in pa.FAST_DTYPES or pa._BACKEND == "torch":
+        if device.type != "cuda" or step_dtype not in pa.FAST_DTYPES or pa.SWITCH.value == "torch":
             return False
         return ecfg is None or ecfg.variant != "paper"
 

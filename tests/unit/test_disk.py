@@ -5,7 +5,6 @@ import errno
 import os
 import shutil
 
-import numpy as np
 import pytest
 import torch
 

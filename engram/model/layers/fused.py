@@ -7,40 +7,23 @@ forces the reference; "triton" insists on the fast path.
 """
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("auto", "torch", "triton")
-_BACKEND = os.environ.get("ENGRAM_FUSED", "auto")
+from engram.fast_path import FastPathSwitch, importable
+
+SWITCH = FastPathSwitch("fused-op backend", "ENGRAM_FUSED")
 FAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def set_backend(name: str) -> str:
     """Select "auto", "torch" (reference) or "triton"; returns the old one."""
-    global _BACKEND
-    if name not in BACKENDS:
-        raise ValueError(f"fused-op backend {name!r} is not one of {BACKENDS}")
-    old, _BACKEND = _BACKEND, name
-    return old
-
-
-@functools.cache
-def _triton_imports() -> bool:
-    try:
-        from engram.model.layers import fused_triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return SWITCH.set(name)
 
 
 def _fast(x: torch.Tensor) -> bool:
-    fast = x.is_cuda and x.dtype in FAST_DTYPES and _BACKEND != "torch" and _triton_imports()
-    if _BACKEND == "triton" and not fast:
-        raise RuntimeError(f"fused-op backend 'triton' cannot run {x.dtype} on {x.device}")
-    return fast
+    can_run = x.is_cuda and x.dtype in FAST_DTYPES and importable("engram.model.layers.fused_triton")
+    return SWITCH.fast(can_run, f"{x.dtype} on {x.device}")
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -9,45 +9,26 @@ place through the block table (split-KV decode, varlen causal prefill). ``set_ba
 """
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import torch.nn.functional as F
 
+from engram.fast_path import FastPathSwitch, importable
 from engram.model.kv_cache import KVCache
 
-BACKENDS = ("auto", "torch", "triton")
-_BACKEND = os.environ.get("ENGRAM_ATTENTION", "auto")
+SWITCH = FastPathSwitch("attention backend", "ENGRAM_ATTENTION")
 FAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PREFILL_BLOCK_M = 64  # queries per program of the Triton prefill kernel (AttentionMetadata tiles by it)
 
 
 def set_backend(name: str) -> str:
     """Select "auto" (Triton on CUDA where it applies), "torch" (reference) or "triton"; returns the old one."""
-    global _BACKEND
-    if name not in BACKENDS:
-        raise ValueError(f"attention backend {name!r} is not one of {BACKENDS}")
-    old, _BACKEND = _BACKEND, name
-    return old
-
-
-@functools.cache
-def _triton_imports() -> bool:
-    try:
-        from engram.model.layers import paged_attention_triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return SWITCH.set(name)
 
 
 def uses_triton(q: torch.Tensor) -> bool:
     """Whether ``paged_attention`` takes the Triton path for these queries."""
-    fast = q.is_cuda and q.dtype in FAST_DTYPES and _BACKEND != "torch" and _triton_imports()
-    if _BACKEND == "triton" and not fast:
-        raise RuntimeError(f"attention backend 'triton' cannot run {q.dtype} queries on {q.device} "
-                           f"(needs CUDA, triton and one of {FAST_DTYPES})")
-    return fast
+    return SWITCH.fast(q.is_cuda and q.dtype in FAST_DTYPES and importable("engram.model.layers.paged_attention_triton"),
+                       f"{q.dtype} queries on {q.device} (needs CUDA, triton and one of {FAST_DTYPES})")
 
 
 def paged_attention(q: torch.Tensor, kv: KVCache, layer_id: int, meta, scale: float) -> torch.Tensor:

@@ -10,27 +10,22 @@ point of the host tier. Tests flip the backend with ``set_backend("torch")`` or 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from engram.fast_path import FastPathSwitch
 from engram.store.kernels import reference
 
-_BACKEND = os.environ.get("ENGRAM_KERNELS", "auto")
-BACKENDS = ("auto", "torch", "triton")
+SWITCH = FastPathSwitch("kernel backend", "ENGRAM_KERNELS")
 
 
 def set_backend(name: str) -> str:
     """Select "auto" (fast path where available), "torch" (reference) or "triton"; returns the old one."""
-    global _BACKEND
-    if name not in BACKENDS:
-        raise ValueError(f"kernel backend {name!r} is not one of {BACKENDS}")
-    old, _BACKEND = _BACKEND, name
-    return old
+    return SWITCH.set(name)
 
 
 def get_backend() -> str:
-    return _BACKEND
+    return SWITCH.value
 
 
 @functools.cache
@@ -47,7 +42,7 @@ def triton_available() -> bool:
 
 def fast_path(values: torch.Tensor, out: torch.Tensor | None = None) -> str | None:
     """Which fast kernel serves this table: "hbm", "uva" or None (the torch reference)."""
-    if _BACKEND == "torch":
+    if SWITCH.value == "torch":
         return None
     kind = None
     if out is None or out.is_cuda:
@@ -57,7 +52,7 @@ def fast_path(values: torch.Tensor, out: torch.Tensor | None = None) -> str | No
             kind = "uva"
     if kind is not None and not triton_available():
         kind = None
-    if kind is None and _BACKEND == "triton":
+    if kind is None and SWITCH.value == "triton":
         raise RuntimeError(f"kernel backend 'triton' needs triton, CUDA, a table on a CUDA device or in pinned "
                            f"host memory and a CUDA out; got table on {values.device} (pinned: "
                            f"{values.device.type == 'cpu' and torch.cuda.is_available() and values.is_pinned()}), "
