@@ -35,11 +35,20 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> None:
         """Append one generated token; updates ``text`` and, when a stop string appears, ``stopped_by``."""
+        prefix_ids, new_ids = self.push(token_id)
+        self.resolve(self._decode(prefix_ids), self._decode(new_ids))
+
+    def push(self, token_id: int) -> tuple[list[int], list[int]]:
+        """Append one generated token and return the two windows to decode (the text before it, the text
+        with it); ``resolve`` takes their decodes. Split so that a step decodes every sequence's windows in
+        one batched tokenizer call (``detokenize_step``)."""
         if self.stopped_by is not None:
             raise RuntimeError("add_token after a stop string matched")
         self._ids.append(int(token_id))
-        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        new_text = self._decode(self._ids[self._prefix_offset:])
+        return self._ids[self._prefix_offset:self._read_offset], self._ids[self._prefix_offset:]
+
+    def resolve(self, prefix_text: str, new_text: str) -> None:
+        """Take the decodes of ``push``'s windows: extend ``text`` unless a character is still incomplete."""
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT):
             return  # incomplete character (or nothing printable yet): wait for more tokens
         delta = new_text[len(prefix_text):]
@@ -74,3 +83,15 @@ class IncrementalDetokenizer:
         delta = visible[self._emitted:]
         self._emitted = len(visible)
         return delta
+
+
+def detokenize_step(tokenizer: Tokenizer, detoks: list[IncrementalDetokenizer], tokens: list[int]) -> None:
+    """``add_token`` for many sequences at once: their windows go through one ``decode_batch`` call per
+    skip_special_tokens setting (the Rust tokenizer decodes them in parallel, outside the GIL)."""
+    windows = [d.push(t) for d, t in zip(detoks, tokens)]
+    for skip in {d.skip_special_tokens for d in detoks}:
+        idx = [i for i, d in enumerate(detoks) if d.skip_special_tokens == skip]
+        flat = [w for i in idx for w in windows[i]]  # prefix window, full window, for each sequence
+        texts = tokenizer.decode_batch(flat, skip_special_tokens=skip)
+        for j, i in enumerate(idx):
+            detoks[i].resolve(texts[2 * j], texts[2 * j + 1])

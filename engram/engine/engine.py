@@ -18,7 +18,7 @@ import torch
 
 from engram.engine.block_manager import BlockManager
 from engram.engine.config import EngineConfig
-from engram.engine.detokenizer import IncrementalDetokenizer
+from engram.engine.detokenizer import IncrementalDetokenizer, detokenize_step
 from engram.engine.executor import Executor, UniProcExecutor
 from engram.engine.outputs import CompletionOutput, RequestOutput
 from engram.engine.packing import describe, pack
@@ -178,10 +178,10 @@ class LLMEngine:
             seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
         sampled = [batch.seqs[i] for i in batch.sample_indices()]
         compressed = self._compress(result.token_ids)
+        detokenize_step(self.tokenizer, [s.detokenizer for s in sampled], result.token_ids)
         outputs = []
         for seq, tok, ctok, lp in zip(sampled, result.token_ids, compressed, result.logprobs or [None] * len(sampled)):
             seq.append_token(tok, ctok)
-            seq.detokenizer.add_token(tok)
             if lp is not None:
                 seq.logprobs.append(lp)
             seq.metrics.first_token_time = seq.metrics.first_token_time or now

@@ -58,3 +58,25 @@ def test_held_back_tail_is_released_when_finished():
     before_last = TOKENIZER.decode(ids[:-1])
     assert "".join(deltas[:-1]) == before_last[: len(before_last) - (len(hold) - 1)]
     assert "".join(deltas) == TEXT
+
+
+def test_batched_step_detokenization_equals_one_token_at_a_time():
+    from tokenizers import Tokenizer
+
+    from engram.engine.detokenizer import IncrementalDetokenizer, detokenize_step
+    from engram.model.presets import TOKENIZER_FILE
+
+    tok = Tokenizer.from_file(str(TOKENIZER_FILE))
+    texts = ["The table store serves rows, «ünïcødé» and 漢字 too.", "stop here ### and more", "<|eos|> special"]
+    seqs = [tok.encode(t).ids for t in texts]
+    skips = [True, False, True]  # one batch mixes both settings
+    one = [IncrementalDetokenizer(tok, [5, 6], ["###"], skip_special_tokens=k) for k in skips]
+    many = [IncrementalDetokenizer(tok, [5, 6], ["###"], skip_special_tokens=k) for k in skips]
+    for step in range(max(map(len, seqs))):
+        live = [i for i, s in enumerate(seqs) if step < len(s) and one[i].stopped_by is None]
+        for i in live:
+            one[i].add_token(seqs[i][step])
+        detokenize_step(tok, [many[i] for i in live], [seqs[i][step] for i in live])
+        for i in live:
+            assert (many[i].text, many[i].stopped_by) == (one[i].text, one[i].stopped_by)
+    assert one[1].stopped_by == "###" and "漢字" in one[0].text
