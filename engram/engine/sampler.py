@@ -2,8 +2,10 @@
 
 Greedy rows (temperature 0) take the argmax. Other rows are scaled by temperature, cut to top-k and top-p,
 and drawn with the exponential race (argmax of p / Exp(1)), which equals sampling from p. A row with a
-``seed`` draws from its own generator (the Worker keeps one per sequence), so its tokens do not depend on
-the rest of the batch; the others share the sampler's generator. ``banned_token_ids`` (EOS / stop ids
+``seed`` takes its Exp(1) draws from a counter-based stream: a hash of (seed, draw, token id) — no
+generator state anywhere, so its tokens depend neither on the batch, nor on preemption, nor on which
+Worker process samples, and all seeded rows are drawn in one batched computation; the other rows share
+the sampler's generator. ``banned_token_ids`` (EOS / stop ids
 before min_tokens) are masked first; a row with a forced token emits it after sampling as usual, so a
 forced step costs what a real one does. Every per-row parameter reaches the device through pinned,
 non-blocking copies: sampling never waits for the GPU; the caller's one read of the tokens does.
@@ -36,12 +38,10 @@ class Sampler:
             self._shared[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._shared[device]
 
-    def __call__(self, logits: torch.Tensor, specs: list[SampleSpec],
-                 generators: list[torch.Generator | None]) -> SampledTokens:
-        """logits float32 [N, V], one spec and one generator (None: shared stream) per row."""
-        if not logits.shape[0] == len(specs) == len(generators):
-            raise ValueError(f"sampler got {logits.shape[0]} logit rows for {len(specs)} specs and "
-                             f"{len(generators)} generators")
+    def __call__(self, logits: torch.Tensor, specs: list[SampleSpec]) -> SampledTokens:
+        """logits float32 [N, V], one spec per row."""
+        if logits.shape[0] != len(specs):
+            raise ValueError(f"sampler got {logits.shape[0]} logit rows for {len(specs)} specs")
         dev = logits.device
         if not specs:
             return SampledTokens(torch.empty(0, dtype=torch.long, device=dev), None, None, None)
@@ -50,7 +50,7 @@ class Sampler:
         out = masked.argmax(dim=-1)  # [N]; greedy rows are done
         rows = [i for i, s in enumerate(specs) if not s.greedy]
         if rows:
-            out = self._draw(masked, out, rows, [specs[i] for i in rows], [generators[i] for i in rows])
+            out = self._draw(masked, out, rows, [specs[i] for i in rows])
         if any(s.forced_token_id >= 0 for s in specs):
             forced = to_device([s.forced_token_id for s in specs], dev)  # [N], -1 = not forced
             out = torch.where(forced >= 0, forced, out)
@@ -69,24 +69,22 @@ class Sampler:
         idx = to_device(pairs, logits.device)  # [P, 2] (row, token)
         return logits.index_put((idx[:, 0], idx[:, 1]), logits.new_full((), float("-inf")))  # no host scalar copy
 
-    def _draw(self, logits: torch.Tensor, out: torch.Tensor, rows: list[int], specs: list[SampleSpec],
-              generators: list[torch.Generator | None]) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, out: torch.Tensor, rows: list[int], specs: list[SampleSpec]) -> torch.Tensor:
         dev = logits.device
         idx = to_device(rows, dev)  # [R]
         temp = to_device([s.temperature for s in specs], dev, torch.float32)  # [R]
         scaled = logits.index_select(0, idx) / temp.unsqueeze(1)  # [R, V]
         probs = self._top_k_top_p(scaled, specs).softmax(dim=-1)  # [R, V]
-        noise = torch.empty_like(probs)  # [R, V] Exp(1) draws, per row from the row's generator
-        shared_rows = []
-        for j, gen in enumerate(generators):
-            if gen is None:
-                shared_rows.append(j)
-            else:
-                noise[j].exponential_(generator=gen)
-        if shared_rows:
-            draws = torch.empty(len(shared_rows), probs.shape[1], device=dev)
+        noise = torch.empty_like(probs)  # [R, V] Exp(1) draws
+        seeded = [j for j, s in enumerate(specs) if s.seed is not None]
+        shared = [j for j, s in enumerate(specs) if s.seed is None]
+        if seeded:
+            keys = to_device([[specs[j].seed for j in seeded], [specs[j].draw for j in seeded]], dev)  # [2, R']
+            noise.index_copy_(0, to_device(seeded, dev), seeded_exponential(keys[0], keys[1], probs.shape[1]))
+        if shared:
+            draws = torch.empty(len(shared), probs.shape[1], device=dev)
             draws.exponential_(generator=self.shared_generator(dev))
-            noise.index_copy_(0, to_device(shared_rows, dev), draws)
+            noise.index_copy_(0, to_device(shared, dev), draws)
         return out.index_copy(0, idx, (probs / noise).argmax(dim=-1))
 
     @staticmethod
@@ -108,3 +106,35 @@ class Sampler:
         drop = drop | (before >= p)  # keeps the top token always (before = 0 < p)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def _i64(x: int) -> int:
+    """A 64-bit constant as the signed int64 torch stores."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer: a bijection of int64 that scatters nearby inputs over all 64 bits."""
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def seeded_exponential(seeds: torch.Tensor, draws: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise [R, vocab] float32 that is a pure function of (seed, draw, token id): a key mixed from
+    the seed and then the draw (so nearby seeds or draws give unrelated streams), splitmix64 of the key plus
+    the token id, its top 24 bits as a uniform in (0, 1), then -log. seeds, draws: int64 [R] on the noise's
+    device. int64 arithmetic wraps, on the CPU and on CUDA alike."""
+    key = _mix(_mix(seeds * _GOLDEN) + draws * _GOLDEN).unsqueeze(1)  # [R, 1]
+    tokens = torch.arange(vocab, dtype=torch.int64, device=seeds.device).unsqueeze(0)  # [1, V]
+    x = _mix(key + tokens * _GOLDEN)  # [R, V]
+    u = (_shr(x, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1): never 0, never 1
+    return -torch.log(u)

@@ -52,8 +52,8 @@ class SamplingParams:
             raise bad("max_tokens", "must be >= 1 (or None for up to max_model_len)")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an int or None")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63):
+            raise bad("seed", "must be a signed 64-bit int or None")
         if self.stop is None:
             stops: list[str] = []
         elif isinstance(self.stop, str):

@@ -27,7 +27,8 @@ class SampleSpec:
     temperature: float  # 0 = greedy
     top_p: float  # nucleus mass kept (1.0 = all)
     top_k: int  # tokens kept (0 = all)
-    seed: int | None  # the sequence's own random stream (the Worker keeps it per seq_id), None = shared
+    seed: int | None  # the sequence's own random stream (stateless: keyed by seed and ``draw``), None = shared
+    draw: int  # which of the sequence's tokens this is (0 = first generated): the seeded stream's counter
     banned_token_ids: tuple[int, ...]  # masked to -inf this step (EOS / stop ids before min_tokens)
     forced_token_id: int  # -1, or the token emitted instead of the sampled one (forced decoding)
     logprobs: int  # 0 = none; k >= 1 = the emitted token's logprob and the top-k of this step
@@ -46,7 +47,7 @@ class SampleSpec:
             if eos_token_id is not None and not p.ignore_eos:
                 banned.append(eos_token_id)
         forced = p.forced_token_ids or ()
-        return cls(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+        return cls(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, draw=num_output_tokens,
                    banned_token_ids=tuple(banned),
                    forced_token_id=forced[num_output_tokens] if num_output_tokens < len(forced) else -1,
                    logprobs=p.logprobs or 0)

@@ -5,8 +5,8 @@ through ``stats()``; it never sees a Sequence, the scheduler or a tokenizer. At 
 tables on its device (``LoadedModel.open_tables``), sizes the paged KV cache (memory.py: from a profiled
 warm-up forward at the largest step on CUDA, from the configured budget otherwise) and allocates it.
 Decode steps replay CUDA graphs (cuda_graphs.py) unless ``enforce_eager``.
-Per-sequence device state — the paper variant's conv state (in the runner) and the random generator of a
-seeded request — is keyed by sequence id and dropped when the engine lists the sequence as finished.
+Per-sequence device state — the paper variant's conv state (in the runner) — is keyed by sequence id and
+dropped when the engine lists the sequence as finished (seeded sampling keeps no state: sampler.py).
 Within a step the only host synchronisation is the read of the sampled tokens.
 """
 from __future__ import annotations
@@ -37,7 +37,6 @@ class Worker:
         self.tables = loaded.open_tables()  # opened here, on this worker's device
         self.lookup = LookupExecutor(self.tables, self.ecfg, dtype, self.device)
         self.sampler = Sampler(seed=config.seed)
-        self._generators: dict[int, torch.Generator] = {}  # seq id -> its own stream (seeded requests)
         bytes_per_block = KVCache.for_model(self.model_config, 1, config.block_size, dtype, "meta").bytes_per_block()
         staging = staging_bytes(self.ecfg, config.max_num_batched_tokens, dtype) if self.ecfg else 0
         use_graphs = not config.enforce_eager and DecodeGraphs.supports(dtype, self.ecfg, self.device)
@@ -67,25 +66,14 @@ class Worker:
             logits = self.graphs.run(step, staged)  # [N, vocab] float32, a view of the graph's output
         else:
             logits = self.runner.run(step, staged)
-        gens = [self._generator(sid, spec) for sid, spec in
-                zip((step.seq_ids[i] for i in step.sample_rows), step.samples)]
-        sampled = self.sampler(logits, step.samples, gens)
+        sampled = self.sampler(logits, step.samples)
         tokens = read_tokens(sampled.token_ids)  # module-level: found by the sync test
         result = StepResult(step.step_id, tokens, _logprobs(sampled, step.samples, tokens))
         if step.prompt_logprobs:  # prefill chunks only, which run eager: the scores come from the runner
             result.prompt_logprobs = _prompt_logprobs(self.runner.prompt_scores, step)
         return result
 
-    def _generator(self, seq_id: int, spec: SampleSpec) -> torch.Generator | None:
-        if spec.seed is None or spec.greedy:
-            return None
-        if seq_id not in self._generators:
-            self._generators[seq_id] = torch.Generator(device=self.device).manual_seed(spec.seed)
-        return self._generators[seq_id]
-
     def _free(self, seq_ids: list[int]) -> None:
-        for sid in seq_ids:
-            self._generators.pop(sid, None)
         self.runner.free(seq_ids)
 
     # ----------------------------------------------------------------- reporting

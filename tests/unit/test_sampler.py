@@ -12,14 +12,13 @@ from engram.engine.sampling_params import SamplingParams
 from engram.engine.step import SampleSpec
 
 
-def req(n_out=0, gen=None, eos=None, **kw) -> tuple[SampleSpec, torch.Generator | None]:
-    """The spec of a sequence with ``n_out`` tokens generated so far, and its generator."""
-    return SampleSpec.from_params(SamplingParams(**kw), n_out, eos), gen
+def req(n_out=0, eos=None, **kw) -> SampleSpec:
+    """The spec of a sequence with ``n_out`` tokens generated so far."""
+    return SampleSpec.from_params(SamplingParams(**kw), n_out, eos)
 
 
-def sample(sampler: Sampler, logits: torch.Tensor, reqs) -> torch.Tensor:
-    specs, gens = zip(*reqs)
-    return sampler(logits, list(specs), list(gens)).token_ids
+def sample(sampler: Sampler, logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+    return sampler(logits, specs).token_ids
 
 
 def test_greedy_is_argmax_per_row():
@@ -64,23 +63,35 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     g = torch.Generator().manual_seed(5)
     rows = [torch.randn(vocab, generator=g) for _ in range(8)]
 
-    def run(batch_rows: list[int], seeds: dict[int, int]) -> dict[int, list[int]]:
-        gens = {i: torch.Generator().manual_seed(seeds[i]) for i in seeds}
-        s = Sampler(seed=123)
+    def run(batch_rows: list[int], seeds: dict[int, int], sampler_seed: int = 123) -> dict[int, list[int]]:
+        s = Sampler(seed=sampler_seed)
         out = {i: [] for i in seeds}
-        for _ in range(5):
+        for step in range(5):
             logits = torch.stack([rows[i] for i in batch_rows])
-            toks = sample(s, logits, [req(temperature=1.0, gen=gens.get(i)) for i in batch_rows])
+            toks = sample(s, logits, [req(n_out=step, temperature=1.0, seed=seeds.get(i)) for i in batch_rows])
             for i, t in zip(batch_rows, toks.tolist()):
                 if i in seeds:
                     out[i].append(t)
         return out
 
     alone = run([3], {3: 42})
-    mixed = run([0, 3, 5, 1], {3: 42, 5: 7})
+    mixed = run([0, 3, 5, 1], {3: 42, 5: 7}, sampler_seed=9)
     assert alone[3] == mixed[3]
     assert len(set(mixed[3])) > 1  # really sampling
     assert run([3], {3: 43})[3] != alone[3]
+
+
+def test_seeded_draws_follow_softmax_and_are_exponential():
+    from engram.engine.sampler import seeded_exponential
+
+    e = seeded_exponential(torch.arange(64), torch.zeros(64, dtype=torch.long), 4096)  # [64, 4096]
+    assert e.min() > 0 and abs(e.mean().item() - 1.0) < 0.01 and abs(e.var().item() - 1.0) < 0.03
+    base = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    n, temp = 20000, 0.7
+    out = sample(Sampler(), base.repeat(n, 1), [req(n_out=i % 100, temperature=temp, seed=i // 100) for i in range(n)])
+    freq = torch.bincount(out, minlength=4).double() / n
+    p = torch.softmax(base.double() / temp, -1)
+    assert torch.all((freq - p).abs() <= 5 * torch.sqrt(p * (1 - p) / n)), (freq, p)
 
 
 def test_min_tokens_masks_eos_and_stop_tokens():
@@ -101,17 +112,16 @@ def test_forced_tokens_replace_the_sampled_ones_after_sampling_as_usual():
     reqs = [req(n_out=0, temperature=0.0, forced_token_ids=forced), req(n_out=1, temperature=0.0, forced_token_ids=forced),
             req(n_out=2, temperature=0.0, forced_token_ids=forced)]  # the third is past the continuation
     assert sample(Sampler(), logits, reqs).tolist() == [7, 11, int(logits[2].argmax())]
-    # a sampled row draws from its stream even when forced: the stream advances as in real decode
-    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-    sample(Sampler(), logits[:1], [req(temperature=1.0, gen=g1, forced_token_ids=[3])])
-    sample(Sampler(), logits[:1], [req(temperature=1.0, gen=g2)])
-    assert torch.equal(g1.get_state(), g2.get_state())
+    # a sampled row draws even when forced: the shared stream advances as in real decode
+    a, b = Sampler(seed=5), Sampler(seed=5)
+    sample(a, logits[:1], [req(temperature=1.0, forced_token_ids=[3])])
+    sample(b, logits[:1], [req(temperature=1.0)])
+    assert torch.equal(a.shared_generator(logits.device).get_state(), b.shared_generator(logits.device).get_state())
 
 
 def test_logprobs_are_the_raw_log_softmax_of_the_emitted_token_and_the_top_k():
     logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(3))
-    specs, gens = zip(req(temperature=0.0, logprobs=3), req(temperature=0.0, forced_token_ids=[5], logprobs=2))
-    out = Sampler()(logits, list(specs), list(gens))
+    out = Sampler()(logits, [req(temperature=0.0, logprobs=3), req(temperature=0.0, forced_token_ids=[5], logprobs=2)])
     logp = logits.log_softmax(-1)
     assert out.token_ids.tolist() == [int(logits[0].argmax()), 5]
     assert torch.equal(out.logprobs, torch.stack([logp[0].max(), logp[1, 5]]))
@@ -124,7 +134,7 @@ def test_logprobs_are_the_raw_log_softmax_of_the_emitted_token_and_the_top_k():
                                       ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
                                       ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
                                       ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-                                      ({"logprobs": 21}, "logprobs"), ({"forced_token_ids": [-3]}, "forced_token_ids")])
+                                      ({"logprobs": 21}, "logprobs"), ({"seed": 2**70}, "seed"), ({"forced_token_ids": [-3]}, "forced_token_ids")])
 def test_sampling_params_validation_names_the_field(kw, field):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}="):
         SamplingParams(**kw)

@@ -32,8 +32,8 @@ def hand_built_step(loaded, prompt: list[int], block_size: int) -> StepDescripti
     comp = torch.tensor(loaded.compressed_tokenizer.compress(prompt)).unsqueeze(0)  # [1, L]
     blocks = list(range(-(-n // block_size)))
     pos = torch.arange(n)
-    greedy = SampleSpec(temperature=0.0, top_p=1.0, top_k=0, seed=None, banned_token_ids=(), forced_token_id=-1,
-                        logprobs=2)
+    greedy = SampleSpec(temperature=0.0, top_p=1.0, top_k=0, seed=None, draw=0, banned_token_ids=(),
+                        forced_token_id=-1, logprobs=2)
     return StepDescription(
         step_id=0, seq_ids=[0], start_positions=[0], num_new_tokens=[n], token_ids=torch.tensor(prompt),
         positions=pos, cu_seqlens=torch.tensor([0, n]), context_lens=torch.tensor([n]),
