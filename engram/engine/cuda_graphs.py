@@ -3,8 +3,11 @@
 A decode step (every sequence computes one token) of S sequences replays the graph of the smallest bucket
 B >= S (buckets 1, 2, 4, 8, 16, 24, 32, then every 16 up to min(max_num_seqs, max_graph_batch), as vLLM does). The graph
 reads static buffers, filled before each replay from the StepDescription: token ids, positions, KV lengths,
-slot mapping and block tables [B, max_blocks] through one pinned buffer and one non-blocking copy, and each
-Engram layer's rows [B, n_cols, head_dim] (copied from the lookup executor's staged rows). The S..B padding
+slot mapping, block tables [B, max_blocks] and each Engram layer's row ids [B, n_cols] through one pinned
+buffer and one non-blocking copy. When every table gathers device ids as device work alone (tier gpu, tier
+host without a hot-row cache: ``gathers_on_device``), the gathers (+ MXFP8 dequant) are captured in the
+graph, reading the row-id buffer into the static rows [B, n_cols, head_dim]; otherwise (disk tier, hot-row
+caches) the lookup executor stages the rows eagerly and they are copied in before the replay. The S..B padding
 sequences decode token 0 at position 0 into a reserved KV block that no real sequence owns, so their
 writes touch nothing real; their logits are dropped. Attention inside the graph is the Triton path with
 its split count fixed by ``max_model_len``. What runs eager, and why: prefill and mixed steps (their
@@ -47,20 +50,25 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, kv, ecfg, max_batch: int, max_model_len: int, block_size: int,
-                 null_block: int, device: torch.device, progress: bool | None = None):
+                 null_block: int, device: torch.device, progress: bool | None = None, tables: dict | None = None):
         self.model, self.kv, self.device = model, kv, device
+        # The Engram gathers go inside the graphs when every table can gather device ids as device work alone.
+        self.tables = tables if tables and all(t.gathers_on_device for t in tables.values()) else None
+        self.n_cols = ecfg.n_cols if ecfg else 0
         self.buckets = graph_buckets(max_batch)
         self.max_model_len, self.block_size, self.null_block = max_model_len, block_size, null_block
         self.max_blocks = -(-max_model_len // block_size)
         b = self.buckets[-1]
-        # Every per-step input in one int64 buffer, [token ids | positions | KV lengths | slots | block tables],
-        # staged in pinned memory and copied with one non-blocking copy per step. The host buffer is rewritten
-        # only after the previous step's tokens were read, so its copy has completed by then.
-        n = b * (4 + self.max_blocks)
+        # Every per-step input in one int64 buffer, [token ids | positions | KV lengths | slots | block tables |
+        # Engram row ids per layer (in-graph lookups)], staged in pinned memory and copied with one non-blocking
+        # copy per step. The host buffer is rewritten only after the previous step's tokens were read, so its
+        # copy has completed by then.
+        self.layer_ids = list(self.tables) if self.tables else []
+        n = b * (4 + self.max_blocks + self.n_cols * len(self.layer_ids))
         self.host_in = torch.zeros(n, dtype=torch.long).pin_memory()
         self.dev_in = torch.zeros(n, dtype=torch.long, device=device)
         self._host = self._views(self.host_in.numpy(), b)  # numpy views of the pinned buffer
-        self.token_ids, self.positions, self.context_lens, self.slot_mapping, self.block_tables = (
+        self.token_ids, self.positions, self.context_lens, self.slot_mapping, self.block_tables, self.row_ids = (
             self._views(self.dev_in, b))
         self.context_lens.fill_(1)
         self.slot_mapping.fill_(null_block * block_size)
@@ -81,15 +89,22 @@ class DecodeGraphs:
                    disable=None if progress is None else not progress)
         for size in bar:  # largest first: the smaller ones reuse its pool
             self._capture(size)
+        for table in (self.tables or {}).values():  # capture gathered once per bucket: not lookups
+            table.reset_stats()
         self.pool_bytes = torch.cuda.memory_reserved(device) - before
         self.capture_s = time.perf_counter() - t0
         log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s; pool %.1f MiB", len(self.buckets),
                  self.buckets[0], self.buckets[-1], self.capture_s, self.pool_bytes / 2**20)
 
     def _views(self, buf, b: int):
-        """token ids [b], positions [b], KV lengths [b], slots [b], block tables [b, max_blocks] of ``buf``."""
+        """token ids [b], positions [b], KV lengths [b], slots [b], block tables [b, max_blocks] and
+        {layer: row ids [b, n_cols]} of ``buf``."""
         parts = [buf[i * b:(i + 1) * b] for i in range(4)]
-        return (*parts, buf[4 * b:].reshape(b, self.max_blocks))
+        at = b * (4 + self.max_blocks)
+        tables = buf[4 * b:at].reshape(b, self.max_blocks)
+        ids = {lid: buf[at + i * b * self.n_cols:at + (i + 1) * b * self.n_cols].reshape(b, self.n_cols)
+               for i, lid in enumerate(self.layer_ids)}
+        return (*parts, tables, ids)
 
     @staticmethod
     def supports(step_dtype: torch.dtype, ecfg, device: torch.device) -> bool:
@@ -123,35 +138,51 @@ class DecodeGraphs:
                           engram_rows=lambda layer_id: self.rows[layer_id][:size], logits_indices=idx,
                           attention=meta)
 
+    def _forward(self, size: int, inputs: StepInputs) -> torch.Tensor:
+        """What a graph holds: the Engram gathers (when in the graph), the model, the logits [size, vocab]."""
+        if self.tables is not None:
+            for lid, table in self.tables.items():
+                rows = self.rows[lid][:size]  # [size, n_cols, D]
+                table.gather(self.row_ids[lid][:size].reshape(-1), out=rows.view(-1, rows.shape[-1]), dtype=rows.dtype)
+        return self.model.compute_logits(self.model.forward(inputs, self.kv))
+
     @torch.inference_mode()
     def _capture(self, size: int) -> None:
         inputs = self._inputs(size)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks its kernels
-            self.model.compute_logits(self.model.forward(inputs, self.kv))
+            self._forward(size, inputs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.model.compute_logits(self.model.forward(inputs, self.kv))  # [size, vocab] float32
+            logits = self._forward(size, inputs)  # [size, vocab] float32
         self.graphs[size], self.logits[size] = graph, logits
 
     @torch.inference_mode()
-    def run(self, step: StepDescription, staged: StagedRows) -> torch.Tensor:
+    def run(self, step: StepDescription, staged: StagedRows | None) -> torch.Tensor:
         """Fill the static buffers from the step, replay its bucket's graph -> logits [S, vocab] (a view that
-        the next replay overwrites: sample from it first)."""
+        the next replay overwrites: sample from it first). ``staged``: the lookup executor's rows, needed
+        unless the gathers are in the graph (then, if given, they were counted by the executor)."""
         s = step.num_seqs
         size = next(b for b in self.buckets if b >= s)
-        tok, pos, ctx, slots, tables = self._host  # numpy views of the pinned staging buffer
+        tok, pos, ctx, slots, tables, row_ids = self._host  # numpy views of the pinned staging buffer
         tok[:s], pos[:s], ctx[:s], slots[:s] = (step.token_ids.numpy(), step.positions.numpy(),
                                                 step.context_lens.numpy(), step.slot_mapping.numpy())
         tok[s:size], pos[s:size], ctx[s:size], slots[s:size] = 0, 0, 1, self.null_block * self.block_size
         bt = step.block_tables.numpy()  # [S, W], -1 padded
         tables[:size] = self.null_block
         tables[:s, :bt.shape[1]] = np.where(bt >= 0, bt, self.null_block)
+        for lid, ids in row_ids.items():
+            ids[:s] = step.engram_row_ids[lid].numpy()  # [S, n_cols]
+            ids[s:size] = 0  # padding sequences read row 0
         self.dev_in.copy_(self.host_in, non_blocking=True)
-        for lid, buf in self.rows.items():
-            buf[:s].copy_(staged.rows(lid, step.step_id))
+        if self.tables is None:
+            for lid, buf in self.rows.items():
+                buf[:s].copy_(staged.rows(lid, step.step_id))
         self.graphs[size].replay()
         self.replays += 1
+        if self.tables is not None and staged is None:
+            for lid, table in self.tables.items():
+                table.record_lookups(1, s * self.n_cols)
         return self.logits[size][:s]

@@ -50,7 +50,8 @@ class Worker:
         self.runner = ModelRunner(self.model, self.kv, self.device, dtype, self.ecfg)
         self.graphs = (DecodeGraphs(self.model, self.kv, self.ecfg, min(config.max_num_seqs, config.max_graph_batch),
                                     max_model_len,
-                                    config.block_size, self.memory.num_blocks, self.device, progress=progress)
+                                    config.block_size, self.memory.num_blocks, self.device, progress=progress,
+                                    tables=self.tables)
                        if use_graphs else None)
 
     def _profiles_memory(self) -> bool:
@@ -61,8 +62,12 @@ class Worker:
     def execute(self, step: StepDescription) -> StepResult:
         """Run one step: lookups, forward, sampling; returns the emitted tokens (one host read)."""
         self._free(step.finished_seq_ids)
-        staged = self.lookup.submit(step)
-        if self.graphs is not None and self.graphs.fits(step):
+        graph = self.graphs is not None and self.graphs.fits(step)
+        # With the gathers in the graph the default executor has nothing to do; a replaced one (recording,
+        # overlapping) still sees every step.
+        skip = graph and self.graphs.tables is not None and type(self.lookup) is LookupExecutor
+        staged = None if skip else self.lookup.submit(step)
+        if graph:
             logits = self.graphs.run(step, staged)  # [N, vocab] float32, a view of the graph's output
         else:
             logits = self.runner.run(step, staged)

@@ -162,6 +162,18 @@ class TableBackend:
         except Exception as e:  # surfaced by wait(), as an async tier would
             return CompletedLookup(error=e)
 
+    @property
+    def gathers_on_device(self) -> bool:
+        """Whether ``gather`` of ids already on the GPU, into a GPU ``out``, is device work alone (one kernel;
+        no host sync, no CPU step, no per-call allocation of pinned memory), so a CUDA graph can capture it.
+        Tiers that can say so override this."""
+        return False
+
+    def record_lookups(self, lookups: int, rows: int) -> None:
+        """Count lookups served by a captured gather (a CUDA-graph replay runs no Python to count them)."""
+        self._count(lookups=lookups, rows=rows, bytes_read=rows * (self.manifest.row_stride + self.scale_cols),
+                    read_ops=lookups if rows else 0)
+
     def stats(self) -> dict[str, int]:
         """Counters since open: lookups (calls), rows (ids asked), unique_rows (distinct ids per call, summed;
         see ``count_unique``),
@@ -255,8 +267,7 @@ class ResidentTable(TableBackend):
         ids = self.check_ids(ids)
         n = ids.numel()
         self._check_out(out, n, dtype)
-        self._count(lookups=1, rows=n, bytes_read=n * (self.manifest.row_stride + self.scale_cols),
-                    read_ops=1 if n else 0)
+        self.record_lookups(1, n)
         if n == 0:
             return out if out is not None else torch.empty(0, self.dim, dtype=dtype, device=self.device)
         if self.count_unique:

@@ -41,6 +41,10 @@ class GpuTable(ResidentTable):
                                               threads=self.options.load_threads)
         # values uint8 [rows, row_stride], scales uint8 [rows, scale_cols] | None, both on self.device
 
+    @property
+    def gathers_on_device(self) -> bool:
+        return self.device.type == "cuda" and kernels.fast_path(self.values) == "hbm"
+
     def gather(self, ids: torch.Tensor, out: torch.Tensor | None = None,
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return self._gather_resident(ids, out, dtype)

@@ -54,6 +54,11 @@ class HostTable(ResidentTable):
             return self._gather_resident(ids, out, dtype)
         return super().gather(ids, out=out, dtype=dtype)  # packed misses cross PCIe, decoded on the device
 
+    @property
+    def gathers_on_device(self) -> bool:
+        """Uncached, through the UVA kernels (device ids never take the staged route)."""
+        return self.cache is None and self.route.kernel == "uva"
+
     def _kernel_gather(self, ids: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         return self.route.gather_rows(self.values, self.scales, ids, self.row_dtype, self.dim, self.device,
                                       out=out, dtype=dtype)

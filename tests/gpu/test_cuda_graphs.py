@@ -1,6 +1,7 @@
 """Decode CUDA graphs (skipped without a GPU): a replay equals the same callables run eagerly at the
 padded bucket size, bitwise; decode steps really replay (counted); a batch above every bucket runs eager
-with a log line; greedy outputs with graphs equal --enforce-eager."""
+with a log line; greedy outputs with graphs equal --enforce-eager; the Engram gathers run inside the graph
+on tiers gpu and host (uncached), stay counted, and give the tokens tier gpu gives."""
 from __future__ import annotations
 
 import logging
@@ -81,3 +82,33 @@ def test_greedy_outputs_with_graphs_equal_enforce_eager(dtype, tmp_path):
             at = next(j for j, (p, q) in enumerate(zip(x.token_ids, y.token_ids)) if p != q)
             top = y.logprobs[at].top
             assert top[0][1] - top[1][1] < 1e-2, f"diverged at {at} with top-2 gap {top[0][1] - top[1][1]:.3g}"
+
+
+@pytest.mark.parametrize("tier,options,in_graph", [("gpu", {}, True), ("host", {}, True),
+                                                   ("host", {"cache_rows": 256}, False),
+                                                   ("disk", {"io": "buffered"}, False)])
+def test_engram_gathers_run_inside_the_graph_where_the_tier_allows(tmp_path, tier, options, in_graph):
+    import dataclasses
+
+    from engram.store.options import StoreOptions
+
+    base = load_model("tiny", dtype=torch.bfloat16, device=CUDA, cache_dir=tmp_path, progress=False)
+    loaded = dataclasses.replace(base, tables={}, tier=tier, store_options=StoreOptions(**options))
+    engine = LLMEngine(loaded, EngineConfig(max_num_seqs=4, max_model_len=256), CUDA, torch.bfloat16)
+    graphs = engine.executor.worker.graphs
+    assert (graphs.tables is not None) == in_graph
+    for i in range(3):
+        engine.add_request(f"r{i}", f"Prompt {i} about tables", SamplingParams(temperature=0.0, max_tokens=9,
+                                                                               ignore_eos=True))
+    engine.step()  # prefill: one lookup per layer through the executor
+    before = {lid: s["lookups"] for lid, s in engine.stats()["tables"].items()}
+    for _ in range(5):
+        engine.step()
+    after = engine.stats()
+    assert after["graph_replays"] == 5
+    assert all(after["tables"][lid]["lookups"] == before[lid] + 5 for lid in before)  # counted either way
+    # rows are bitwise equal across tiers, so the same batches give the same tokens as tier gpu with graphs
+    ref = LLMEngine(base, EngineConfig(max_num_seqs=4, max_model_len=256), CUDA, torch.bfloat16)
+    other = LLMEngine(loaded, EngineConfig(max_num_seqs=4, max_model_len=256), CUDA, torch.bfloat16)
+    assert [o.token_ids for o in run(other, 4, max_tokens=9, temperature=0.0)] == \
+        [o.token_ids for o in run(ref, 4, max_tokens=9, temperature=0.0)]
