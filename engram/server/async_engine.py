@@ -1,12 +1,15 @@
 """AsyncEngine: runs the engine's step loop on one background thread and bridges it to asyncio.
 
-Contract: ``generate()`` is an async iterator of RequestOutputs for one request; leaving it early (client
-gone, task cancelled) aborts the request and frees its sequence. All engine calls happen on the engine
-thread — requests and aborts reach it through a queue, outputs come back with ``call_soon_threadsafe``.
-A step that raises fails the requests it held (or all running ones when it cannot tell) and the loop goes
-on, so one bad table read never takes the server down. Admission is bounded: more than
-``max_num_seqs + max_waiting`` requests in the system raise EngineOverloaded (HTTP 503). A model that fails
-to load sets ``load_error`` and calls ``on_load_error(reason)`` on the engine thread (the server exits on it).
+Contract: ``generate(requests)`` is an async iterator of the RequestOutputs of a group of engine requests
+(one HTTP request's choices: its prompts times ``n``), interleaved in step order; the group is admitted
+whole or not at all, and leaving the iterator early (client gone, task cancelled, one request failed)
+aborts every request of the group that has not finished and frees their sequences. All engine calls
+happen on the engine thread — requests and aborts reach it through a queue, outputs come back with
+``call_soon_threadsafe``. A step that raises fails the requests it held (or all running ones when it cannot
+tell) and the loop goes on, so one bad table read never takes the server down. Admission is bounded: more
+than ``max_num_seqs + max_waiting`` engine requests (each choice is one) in the system raise
+EngineOverloaded (HTTP 503). A model that fails to load sets ``load_error`` and calls
+``on_load_error(reason)`` on the engine thread (the server exits on it).
 """
 from __future__ import annotations
 
@@ -80,37 +83,45 @@ class AsyncEngine:
     def num_requests(self) -> int:
         return len(self._streams)
 
-    async def generate(self, request_id: str, prompt: str | list[int], params: Any) -> AsyncIterator[Any]:
-        """Yield RequestOutputs until the request finishes. Raises ValueError for a request the engine
-        refuses (before anything is yielded), EngineOverloaded, EngineNotReady or RequestFailed."""
+    async def generate(self, requests: list[tuple[str, str | list[int], Any]]) -> AsyncIterator[Any]:
+        """Run ``requests`` ([(request_id, prompt, params)]) as one group and yield their RequestOutputs as
+        the engine steps (each output names its ``request_id``) until every one has finished. Raises, before
+        anything is yielded, ValueError for a request the engine refuses, EngineOverloaded when the whole
+        group does not fit the capacity left, EngineNotReady; RequestFailed when the engine fails any of them
+        (then or later). Every request of the group still running when the iterator is left is aborted."""
         if not self.ready.is_set():
             raise EngineNotReady(self.load_error or "the model is still loading")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        loop, outputs = asyncio.get_running_loop(), asyncio.Queue()  # one queue: outputs in step order
+        ids = [rid for rid, _, _ in requests]
         with self._lock:
-            if len(self._streams) >= self.capacity:
+            if len(self._streams) + len(ids) > self.capacity:
                 raise EngineOverloaded()
-            self._streams[request_id] = stream
-        self._inbox.put(("add", request_id, prompt, params))
+            for rid in ids:
+                self._streams[rid] = _Stream(loop, outputs)
+        self._inbox.put(("add", list(requests)))  # one message: all are added before the next step
         self._wake.set()
-        finished = False
+        running = set(ids)
         try:
-            first = await stream.queue.get()
-            if isinstance(first, BaseException):
-                raise first
-            assert first is _ACCEPTED
-            while True:
-                item = await stream.queue.get()
+            accepted = 0
+            while accepted < len(ids):  # accepts (or refusals) come before any step's outputs
+                item = await outputs.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
+                assert item is _ACCEPTED
+                accepted += 1
+            while running:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    running.discard(item.request_id)
                 yield item
-                if finished:
-                    return
         finally:
             with self._lock:
-                self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+                for rid in ids:
+                    self._streams.pop(rid, None)
+            for rid in running:
+                self.abort(rid)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -143,22 +154,25 @@ class AsyncEngine:
                 return seen
             seen = True
             if msg[0] == "add":
-                _, rid, prompt, params = msg
-                if rid not in self._streams:  # the client left before the engine saw the request
-                    continue
-                try:
-                    self.engine.add_request(rid, prompt, params)
-                except ValueError as e:  # a bad request: 400
-                    self._deliver(rid, e)
-                    continue
-                except Exception as e:  # anything else fails this request only, never the engine thread
-                    log.exception("add_request failed for %s", rid)
-                    self.engine.abort_request(rid)
-                    self._deliver(rid, RequestFailed(f"request failed in the engine: {e}"))
-                    continue
-                self._deliver(rid, _ACCEPTED)
+                for rid, prompt, params in msg[1]:
+                    self._add(rid, prompt, params)
             else:
                 self.engine.abort_request(msg[1])
+
+    def _add(self, rid: str, prompt: str | list[int], params: Any) -> None:
+        if rid not in self._streams:  # the client left before the engine saw the request
+            return
+        try:
+            self.engine.add_request(rid, prompt, params)
+        except ValueError as e:  # a bad request: 400
+            self._deliver(rid, e)
+            return
+        except Exception as e:  # anything else fails this request only, never the engine thread
+            log.exception("add_request failed for %s", rid)
+            self.engine.abort_request(rid)
+            self._deliver(rid, RequestFailed(f"request failed in the engine: {e}"))
+            return
+        self._deliver(rid, _ACCEPTED)
 
     def _run(self) -> None:
         try:

@@ -3,7 +3,9 @@
 Field names, defaults and bounds follow the OpenAI API as vLLM serves it. The contract is strict: a field
 this server does not know is refused (400 naming it), and a field the OpenAI API has but this server does
 not implement (``logit_bias``, ``tools``, ...) is refused as soon as it asks for anything but its no-op value
-(see ``unsupported_field``), so nothing a client sends is silently ignored. Every string must be valid
+(see ``unsupported_field``), so nothing a client sends is silently ignored. ``n`` is at most ``MAX_N``,
+``logprobs`` / ``top_logprobs`` at most ``MAX_LOGPROBS`` alternatives (integers, and chat's ``logprobs`` a
+boolean, are taken strictly: ``true`` is not 1). Every string must be valid
 Unicode (a lone surrogate such as ``"\\ud800"`` is a 400), ``seed`` must fit a signed 64-bit integer, and the
 stop conditions are bounded (``MAX_STOP`` strings of at most ``MAX_STOP_CHARS`` characters,
 ``MAX_STOP_TOKEN_IDS`` ids). Responses are plain dicts built in serving.py.
@@ -14,12 +16,16 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator,
+                      model_validator)
+
+from engram.engine.sampling_params import MAX_LOGPROBS
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string (each is searched in every step's new text)
 MAX_STOP_TOKEN_IDS = 256  # stop_token_ids per request
+MAX_N = 128  # choices per prompt (OpenAI's limit)
 
 
 def _valid_unicode(s: str) -> str:
@@ -49,7 +55,7 @@ class _SamplingFields(_Strict):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
-    n: int = Field(default=1, ge=1, le=1)  # one completion per request
+    n: int = Field(default=1, ge=1, le=MAX_N)  # independent choices per prompt
     stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
@@ -58,7 +64,6 @@ class _SamplingFields(_Strict):
     # OpenAI fields that do not change the output: accepted and not used.
     user: Text | None = None
     # OpenAI fields this server does not implement: any value but the no-op one is refused (unsupported_field).
-    logprobs: Any = None
     logit_bias: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
@@ -93,22 +98,38 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
+    """``prompt``: one text or token-id list, or a list of them (one choice per prompt and ``n``).
+    ``max_tokens=0`` is accepted here and served only with ``echo`` (serving.py)."""
     prompt: Union[Text, list[Text], list[int], list[list[int]]]
-    max_tokens: int | None = Field(default=16, ge=1, le=INT64_MAX)
+    max_tokens: int | None = Field(default=16, ge=0, le=INT64_MAX)
     echo: bool = False
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
     best_of: Any = None  # unsupported unless equal to n
     suffix: Any = None  # unsupported unless empty
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: Any) -> Any:
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("batched prompts are not supported: send one prompt per request")
-            v = v[0]
-        if isinstance(v, (str, list)) and len(v) == 0:
+    def _prompts(cls, v: Any) -> Any:
+        if isinstance(v, list) and not v:
             raise ValueError("prompt must not be empty")
+        items = v if _is_batch(v) else [v]
+        for i, p in enumerate(items):
+            if len(p) == 0:
+                raise ValueError("prompt must not be empty" if len(items) == 1 else f"prompt[{i}] is empty")
         return v
+
+    def is_batch(self) -> bool:
+        """The prompt was sent as a list of prompts (errors then name ``prompt[i]``)."""
+        return _is_batch(self.prompt)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one or many, as a list."""
+        return list(self.prompt) if self.is_batch() else [self.prompt]
+
+
+def _is_batch(prompt: Any) -> bool:
+    """A non-empty list of prompts (texts or token-id lists), not one prompt."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
 
 
 class TextPart(_Strict):
@@ -138,8 +159,9 @@ class ChatCompletionRequest(_SamplingFields):
     safety_identifier: Text | None = None
     prompt_cache_key: Text | None = None
     parallel_tool_calls: bool | None = None  # meaningless without tools, which are refused
+    logprobs: StrictBool | None = None  # return each generated token's logprob
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
     # OpenAI fields this server does not implement (unsupported_field).
-    top_logprobs: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -164,8 +186,6 @@ class ChatCompletionRequest(_SamplingFields):
 # Each unimplemented OpenAI field -> (its no-op values, what it would ask for). A field absent from the body,
 # null, or equal to a no-op value is fine; anything else is a 400 naming the field.
 _NOOP: dict[str, tuple[tuple[Any, ...], str]] = {
-    "logprobs": ((None, False), "log probabilities are not returned yet"),
-    "top_logprobs": ((None, 0), "log probabilities are not returned yet"),
     "logit_bias": ((None, {}), "logit bias is not implemented"),
     "presence_penalty": ((None, 0), "penalties are not implemented (only 0 is accepted)"),
     "frequency_penalty": ((None, 0), "penalties are not implemented (only 0 is accepted)"),

@@ -1,6 +1,17 @@
 """OpenAI completions and chat completions on top of AsyncEngine: request -> checks -> token ids ->
 SamplingParams -> engine -> JSON body or an SSE stream that ends with ``data: [DONE]``.
 
+A response has one choice per prompt and ``n`` (a completions ``prompt`` may be a list): each choice is an
+engine request of its own, ``{id}-{index}``, and all of them run as one group (admitted together, aborted
+together when the client leaves or one fails). OpenAI numbers choices prompt-major: prompt ``p``'s ``j``-th
+sequence is choice ``p * n + j``; with a ``seed`` it samples with ``seed + j``, so its tokens are those of
+the same prompt sent alone with that seed and the whole response is reproducible. Streams interleave the
+choices' chunks, each naming its ``index``. Logprobs come back in OpenAI's legacy completions shape or
+chat's (server/logprobs.py); ``echo`` puts the prompt, and with ``logprobs`` its tokens' logprobs, before the
+completion, and ``max_tokens=0`` (echo only) generates nothing: the engine (which generates at least one
+token) runs the request with ``max_tokens=1`` and the server drops that token (finish_reason "length",
+``completion_tokens`` 0).
+
 Everything a request can get wrong is refused here, before the engine sees it: an unimplemented OpenAI
 field (``protocol.unsupported_field``), a prompt that cannot fit ``max_model_len`` (by its length in
 characters, before tokenizing, where the tokenizer allows a bound; then by its token count),
@@ -13,16 +24,20 @@ disconnects, streaming or not, cancels its request (the engine frees the sequenc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from engram.server.async_engine import AsyncEngine, EngineNotReady, EngineOverloaded, RequestFailed
 from engram.server.chat import render_chat
+from engram.server.logprobs import (LegacyLogprobs, Scored, TokenStrings, chat_logprobs, generated_scored,
+                                    prompt_scored)
 from engram.server.metrics import ServerMetrics
 from engram.server.prompt import chars_per_token_bound, encode, too_long
 from engram.server.protocol import (ChatCompletionRequest, CompletionRequest, error_body, new_id, now,
@@ -45,12 +60,162 @@ class ApiError(Exception):
         self.reason = REJECT_REASONS.get(status) if reason == "default" else reason
 
 
+@dataclass
+class _Prompt:
+    ids: list[int]
+    text: str | None  # the prompt as sent, None for token ids (decoded for echo once the engine accepts them)
+    echo: str = ""  # what the choice's text starts with: the prompt under ``echo``, else ""
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the request asks of every choice."""
+
+    kind: str  # "text_completion" or "chat.completion"
+    logprobs: int | None  # alternatives per token when logprobs are returned, else None
+    echo: bool = False  # completions: the prompt (with its logprobs) before the completion
+    generate: bool = True  # False for max_tokens=0: the engine's one token is dropped
+
+
+@dataclass
+class _Choice:
+    index: int  # OpenAI's choice index (prompt-major)
+    request_id: str  # its engine request
+    prompt: _Prompt
+    params: Any  # its SamplingParams
+    legacy: LegacyLogprobs | None  # completions with logprobs: the choice's logprobs builder
+    last: Any = None  # its latest RequestOutput
+    first_time: float | None = None  # time.monotonic() of its first output
+    sent: int = 0  # generated tokens already reported in a stream chunk
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None and self.last.finished
+
+
+@dataclass
+class _Response:
+    """One response being built from its choices' outputs (the same pieces for a body and a stream)."""
+
+    id: str
+    shape: _Shape
+    model: str
+    prompts: list[_Prompt]
+    choices: list[_Choice]
+    strings: TokenStrings | None  # token strings, when logprobs are returned
+    arrival: float = field(default_factory=time.monotonic)
+    created: int = field(default_factory=now)
+
+    def __post_init__(self) -> None:
+        self._by_id = {c.request_id: c for c in self.choices}
+
+    def record(self, out) -> tuple[_Choice, bool]:
+        """Take one engine output: (its choice, whether it is the choice's first)."""
+        c = self._by_id[out.request_id]
+        first = c.last is None
+        if first:
+            c.first_time = time.monotonic()
+        c.last = out
+        return c, first
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+    # ------------------------------------------------------------- pieces
+    def _finish(self, c: _Choice) -> tuple[str | None, int | str | None]:
+        o = c.last.outputs[0]
+        if not c.last.finished:
+            return None, None
+        return (o.finish_reason, o.stop_reason) if self.shape.generate else ("length", None)
+
+    def _prompt_scored(self, c: _Choice) -> list[Scored]:
+        return prompt_scored(c.last.prompt_token_ids, c.last.prompt_logprobs)
+
+    def _generated(self, c: _Choice, start: int | None = None) -> tuple[str, list[Scored]]:
+        """The choice's whole text and scored tokens (``start`` None), or a stream's: this output's new text and
+        the tokens from number ``start`` on (those not reported yet). Nothing for max_tokens=0."""
+        o = c.last.outputs[0]
+        if not self.shape.generate:
+            return "", []
+        text = o.text if start is None else o.delta_text
+        scored = generated_scored(self.strings, o.logprobs[start or 0:]) if self.shape.logprobs is not None else []
+        return text, scored
+
+    def _chat_logprobs(self, scored: list[Scored]) -> dict | None:
+        if self.shape.logprobs is None:
+            return None
+        return {"content": chat_logprobs(self.strings, scored, self.shape.logprobs), "refusal": None}
+
+    def body(self) -> dict:
+        """The non-streaming response, every choice finished."""
+        choices = []
+        for c in self.choices:
+            text, scored = self._generated(c)
+            finish, stop = self._finish(c)
+            if self.shape.kind == "chat.completion":
+                choice = {"index": c.index, "message": {"role": "assistant", "content": text},
+                          "logprobs": self._chat_logprobs(scored)}
+            else:
+                lp = None
+                if c.legacy is not None:
+                    lp = c.legacy.add((self._prompt_scored(c) if self.shape.echo else []) + scored)
+                choice = {"index": c.index, "text": c.prompt.echo + text, "logprobs": lp}
+            choices.append({**choice, "finish_reason": finish, "stop_reason": stop})
+        return {"id": self.id, "object": self.shape.kind, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage()}
+
+    def chunks(self, c: _Choice, first: bool) -> list[dict]:
+        """Stream chunks for choice ``c``'s latest output: on its first, the opening (chat's role; the echoed
+        prompt and its logprobs); then its new text with the logprobs of every token not reported yet, or
+        nothing while the text is held back (a possible stop string) and the choice runs on."""
+        chat = self.shape.kind == "chat.completion"
+        pieces = []
+        if first and chat:
+            pieces.append({"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None})
+        elif first and self.shape.echo:
+            pieces.append({"index": c.index, "text": c.prompt.echo,
+                           "logprobs": c.legacy.add(self._prompt_scored(c)) if c.legacy is not None else None,
+                           "finish_reason": None})
+        text, scored = self._generated(c, c.sent)
+        finish, stop = self._finish(c)
+        if text or finish:
+            c.sent = len(c.last.outputs[0].token_ids)
+            if chat:
+                piece = {"index": c.index, "delta": {"content": text} if text else {},
+                         "logprobs": self._chat_logprobs(scored)}
+            else:
+                piece = {"index": c.index, "text": text,
+                         "logprobs": c.legacy.add(scored) if c.legacy is not None else None}
+            piece["finish_reason"] = finish
+            if finish is not None:
+                piece["stop_reason"] = stop
+            pieces.append(piece)
+        return [self.chunk(p) for p in pieces]
+
+    def chunk(self, choice: dict | None, usage: bool = False) -> dict:
+        body = {"id": self.id, "object": _chunk_object(self.shape.kind), "created": self.created,
+                "model": self.model, "choices": [] if choice is None else [choice]}
+        if usage:
+            body["usage"] = self.usage()
+        return body
+
+    def usage(self) -> dict[str, int]:
+        """Prompt tokens once per prompt (not per choice); completion tokens of every choice."""
+        p = sum(len(x.ids) for x in self.prompts)
+        g = sum(len(c.last.outputs[0].token_ids) for c in self.choices if c.last is not None) \
+            if self.shape.generate else 0
+        return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics):
         self.engine, self.model_name, self.metrics = engine, model_name, metrics
         self._pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="engram-tokenize")
         self._bound: int | None = None  # chars_per_token_bound of the loaded tokenizer
         self._bound_known = False
+        self._strings: TokenStrings | None = None  # token strings of the loaded tokenizer (logprobs)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -59,18 +224,28 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest, raw: Request) -> Any:
         self._check_request(req)
         loaded = self._loaded()
-        prompt = req.prompt
-        if isinstance(prompt, str):
-            ids = await self._tokenize(loaded, prompt, "prompt")
-        else:
-            ids = prompt
-            self._check_length(len(ids), "prompt")
-        echo = prompt if req.echo and isinstance(prompt, str) else ""
-        return await self._run(req, ids, raw, "text_completion", new_id("cmpl"), echo)
+        items = req.prompts()
+        self._check_choices(len(items), req.n)
+        if req.max_tokens == 0 and not req.echo:
+            raise ApiError(400, "max_tokens=0 is only served with echo=true (the prompt and its logprobs, nothing "
+                                "generated)", param="max_tokens")
+        prompts = []
+        for i, p in enumerate(items):
+            label = f"prompt[{i}]" if req.is_batch() else "prompt"
+            if isinstance(p, str):
+                prompts.append(_Prompt(await self._tokenize(loaded, p, label), p))
+            else:
+                self._check_length(len(p), label)
+                prompts.append(_Prompt(p, None))
+        shape = _Shape("text_completion", req.logprobs, req.echo, req.max_tokens != 0)
+        return await self._run(req, prompts, shape, raw, new_id("cmpl"))
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Any:
         self._check_request(req)
+        if req.top_logprobs and not req.logprobs:
+            raise ApiError(400, f"top_logprobs={req.top_logprobs} needs logprobs=true", param="top_logprobs")
         loaded = self._loaded()
+        self._check_choices(1, req.n)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         render = lambda: render_chat(messages, loaded.chat_template, req.add_generation_prompt,  # noqa: E731
                                      _token_text(loaded.tokenizer, loaded.model_config.bos_token_id),
@@ -80,7 +255,8 @@ class OpenAIServing:
         except ValueError as e:
             raise ApiError(400, str(e), param="messages")
         ids = await self._tokenize(loaded, prompt, "messages")
-        return await self._run(req, ids, raw, "chat.completion", new_id("chatcmpl"), "")
+        shape = _Shape("chat.completion", (req.top_logprobs or 0) if req.logprobs else None)
+        return await self._run(req, [_Prompt(ids, prompt)], shape, raw, new_id("chatcmpl"))
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self.model_card()]}
@@ -106,6 +282,14 @@ class OpenAIServing:
             raise ApiError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
                            "NotFoundError", "model")
 
+    def _check_choices(self, num_prompts: int, n: int) -> None:
+        """A response's choices run at once: more than the engine admits could never be served."""
+        limit = self.engine.capacity
+        if num_prompts * n > limit:
+            raise ApiError(400, f"{num_prompts} prompt(s) x n={n} = {num_prompts * n} choices; this server runs at "
+                                f"most {limit} sequences at once (max_num_seqs + max_waiting)",
+                           param="n" if n > 1 else "prompt")
+
     def _loaded(self):
         """The LoadedModel, or a 503 while it loads."""
         if not self.engine.ready.is_set():
@@ -116,25 +300,32 @@ class OpenAIServing:
             self._bound, self._bound_known = chars_per_token_bound(loaded.tokenizer), True
         return loaded
 
-    def _check_chars(self, num_chars: int, param: str) -> None:
+    def _token_strings(self) -> TokenStrings:
+        if self._strings is None:
+            self._strings = TokenStrings(self.engine.llm.loaded.tokenizer)
+        return self._strings
+
+    def _check_chars(self, num_chars: int, label: str) -> None:
         why = too_long(num_chars, self._bound, self.engine.max_model_len)
         if why is not None:
-            raise ApiError(400, why, param=param)
+            raise _too_long(why, label)
 
-    def _check_length(self, num_tokens: int, param: str) -> None:
+    def _check_length(self, num_tokens: int, label: str) -> None:
         limit = self.engine.max_model_len
         if num_tokens >= limit:
-            raise ApiError(400, f"the prompt has {num_tokens} tokens, which leaves no room to generate under "
-                                f"max_model_len={limit}", param=param)
+            raise _too_long(f"the prompt has {num_tokens} tokens, which leaves no room to generate under "
+                            f"max_model_len={limit}", label)
 
-    async def _tokenize(self, loaded, text: str, param: str) -> list[int]:
-        """Token ids of ``text`` from a worker thread, after the length bound and before the token count check."""
-        self._check_chars(len(text), param)
+    async def _tokenize(self, loaded, text: str, label: str) -> list[int]:
+        """Token ids of ``text`` from a worker thread, after the length bound and before the token count check;
+        ``label`` names the field in errors ("prompt", "prompt[2]", "messages")."""
+        self._check_chars(len(text), label)
         ids = await asyncio.get_running_loop().run_in_executor(self._pool, encode, loaded.tokenizer, text)
-        self._check_length(len(ids), param)
+        self._check_length(len(ids), label)
         return ids
 
-    def _params(self, req: CompletionRequest | ChatCompletionRequest):
+    def _params(self, req: CompletionRequest | ChatCompletionRequest, shape: _Shape):
+        """The SamplingParams every choice starts from (``_seeded`` gives choice j its seed)."""
         from engram.engine.sampling_params import SamplingParams
 
         vocab = self.engine.llm.loaded.tokenizer.get_vocab_size()
@@ -142,21 +333,30 @@ class OpenAIServing:
             if t >= vocab:
                 raise ApiError(400, f"stop_token_ids[{i}]={t} is outside the vocabulary [0, {vocab})",
                                param="stop_token_ids")
+        k = shape.logprobs
         try:
             return SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                                   top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-                                  seed=req.seed, max_tokens=req.max_tokens, stop=req.stop,
-                                  stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
+                                  seed=req.seed, max_tokens=req.max_tokens if shape.generate else 1,
+                                  stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                                  # at least 1: the engine returns no logprobs at all for logprobs=0
+                                  logprobs=max(k, 1) if k is not None and shape.generate else None,
+                                  prompt_logprobs=k if shape.echo else None)
         except ValueError as e:
             raise ApiError(400, str(e))
 
     # ----------------------------------------------------------------- shared path
-    async def _run(self, req, prompt: list[int], raw: Request, kind: str, rid: str, echo: str) -> Any:
-        params = self._params(req)
-        arrival = time.monotonic()
-        gen = self.engine.generate(rid, prompt, params)
+    async def _run(self, req, prompts: list[_Prompt], shape: _Shape, raw: Request, rid: str) -> Any:
+        base = self._params(req, shape)
+        strings = self._token_strings() if shape.logprobs is not None else None
+        legacy = shape.kind == "text_completion" and shape.logprobs is not None
+        choices = [_Choice(p * req.n + j, f"{rid}-{p * req.n + j}", prompt, _seeded(base, j),
+                           LegacyLogprobs(strings, shape.logprobs) if legacy else None)
+                   for p, prompt in enumerate(prompts) for j in range(req.n)]
+        resp = _Response(rid, shape, self.model_name, prompts, choices, strings)
+        gen = self.engine.generate([(c.request_id, c.prompt.ids, c.params) for c in choices])
         try:
-            first = await gen.__anext__()  # the engine accepted the request and produced a first token
+            first = await gen.__anext__()  # the engine accepted every choice and produced a first token
         except StopAsyncIteration:
             raise ApiError(500, "the engine finished the request without output", "InternalServerError",
                            reason=None)
@@ -170,79 +370,77 @@ class OpenAIServing:
         except RequestFailed as e:
             self.metrics.requests.labels("error").inc()
             raise ApiError(500, str(e), "InternalServerError", reason=None)
-        ttft = time.monotonic() - arrival
+        if shape.echo:
+            try:
+                await self._echo_texts(prompts)  # token ids are valid once the engine took them
+            except BaseException:
+                await gen.aclose()
+                raise
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._stream(gen, first, kind, rid, echo, include_usage, arrival, ttft),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        final = await _until_done(gen, first, raw)
-        if final is None:  # client went away; nobody reads this
-            self.metrics.requests.labels("abort").inc()
-            return None
-        self._observe(final, arrival, ttft)
-        return self._full_body(final, kind, rid, echo)
-
-    async def _stream(self, gen: AsyncIterator, first, kind: str, rid: str, echo: str, include_usage: bool,
-                      arrival: float, ttft: float) -> AsyncIterator[str]:
-        created = now()
-        out, failed = first, False
+            return StreamingResponse(self._stream(resp, gen, first, include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
         try:
-            if kind == "chat.completion":
-                yield _sse(self._chunk(kind, rid, created, {"role": "assistant", "content": ""}, None))
-            elif echo:
-                yield _sse(self._chunk(kind, rid, created, echo, None))
+            done = await _until_done(gen, first, raw, lambda out: self._record(resp, out))
+        except RequestFailed as e:
+            self._count_unfinished(resp, failed=True)
+            raise ApiError(500, str(e), "InternalServerError", reason=None)
+        if not done:  # client went away; nobody reads this
+            self._count_unfinished(resp)
+            return None
+        return resp.body()
+
+    async def _echo_texts(self, prompts: list[_Prompt]) -> None:
+        """Set each prompt's echo: its text, or its token ids decoded (special tokens kept) in a worker thread."""
+        tokenizer = self.engine.llm.loaded.tokenizer
+        for p in prompts:
+            p.echo = p.text if p.text is not None else await asyncio.get_running_loop().run_in_executor(
+                self._pool, lambda ids=p.ids: tokenizer.decode(ids, skip_special_tokens=False))
+
+    async def _stream(self, resp: _Response, gen: AsyncIterator, first, include_usage: bool) -> AsyncIterator[str]:
+        failed = False
+        try:
+            out = first
             while True:
-                c = out.outputs[0]
-                delta = {"content": c.delta_text} if kind == "chat.completion" else c.delta_text
-                if c.delta_text or c.finish_reason:
-                    if c.finish_reason and kind == "chat.completion" and not c.delta_text:
-                        delta = {}
-                    yield _sse(self._chunk(kind, rid, created, delta, c.finish_reason, c.stop_reason))
-                if out.finished:
+                for chunk in resp.chunks(*self._record(resp, out)):
+                    yield _sse(chunk)
+                if resp.finished:
                     break
                 out = await gen.__anext__()
-            self._observe(out, arrival, ttft)
             if include_usage:
-                yield _sse({"id": rid, "object": _chunk_object(kind), "created": created, "model": self.model_name,
-                            "choices": [], "usage": _usage(out)})
+                yield _sse(resp.chunk(None, usage=True))
             yield "data: [DONE]\n\n"
         except RequestFailed as e:
-            failed = True  # counted here as an error, not again as an abort below
-            self.metrics.requests.labels("error").inc()
+            failed = True
             yield _sse(error_body(str(e), "InternalServerError", 500))
             yield "data: [DONE]\n\n"
         finally:
-            if not out.finished and not failed:
-                self.metrics.requests.labels("abort").inc()
-            await gen.aclose()  # a disconnect lands here: the request is aborted
+            self._count_unfinished(resp, failed)  # a disconnect lands here: the requests are aborted
+            await gen.aclose()
 
-    # ----------------------------------------------------------------- bodies
-    def _chunk(self, kind: str, rid: str, created: int, delta: Any, finish: str | None, stop=None) -> dict:
-        if kind == "chat.completion":
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
-        if finish is not None:
-            choice["stop_reason"] = stop
-        return {"id": rid, "object": _chunk_object(kind), "created": created, "model": self.model_name,
-                "choices": [choice]}
+    # ----------------------------------------------------------------- metrics
+    def _record(self, resp: _Response, out) -> tuple[_Choice, bool]:
+        """``resp.record(out)``, observing the choice's request when it finishes."""
+        c, first = resp.record(out)
+        if out.finished:
+            self._observe(resp, c)
+        return c, first
 
-    def _full_body(self, out, kind: str, rid: str, echo: str) -> dict:
-        c = out.outputs[0]
-        if kind == "chat.completion":
-            choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        else:
-            choice = {"index": 0, "text": echo + c.text, "logprobs": None, "finish_reason": c.finish_reason,
-                      "stop_reason": c.stop_reason}
-        return {"id": rid, "object": kind, "created": now(), "model": self.model_name, "choices": [choice],
-                "usage": _usage(out)}
+    def _count_unfinished(self, resp: _Response, failed: bool = False) -> None:
+        """Requests of a response left unfinished: aborted ones, and one error when the engine failed one."""
+        unfinished = sum(not c.finished for c in resp.choices)
+        if failed:
+            self.metrics.requests.labels("error").inc()
+            unfinished -= 1
+        if unfinished > 0:
+            self.metrics.requests.labels("abort").inc(unfinished)
 
-    def _observe(self, out, arrival: float, ttft: float) -> None:
-        c = out.outputs[0]
-        n = len(c.token_ids)
-        elapsed = time.monotonic() - arrival
-        self.metrics.requests.labels(c.finish_reason or "unknown").inc()
+    def _observe(self, resp: _Response, c: _Choice) -> None:
+        out = c.last
+        n = len(out.outputs[0].token_ids)
+        elapsed = time.monotonic() - resp.arrival
+        ttft = c.first_time - resp.arrival
+        self.metrics.requests.labels(out.outputs[0].finish_reason or "unknown").inc()
         self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
         self.metrics.generation_tokens.inc(n)
         self.metrics.ttft.observe(ttft)
@@ -251,13 +449,25 @@ class OpenAIServing:
             self.metrics.tpot.observe((elapsed - ttft) / (n - 1))
 
 
-async def _until_done(gen: AsyncIterator, first, raw: Request):
-    """Drain ``gen`` to its final output, cancelling it when the client disconnects (returns None then)."""
+def _too_long(why: str, label: str) -> ApiError:
+    """The 400 for a prompt that cannot fit: ``label`` is the field ("prompt", "messages"), or "prompt[i]" for
+    one prompt of a list (named in the message; the param is still "prompt")."""
+    param = label.split("[")[0]
+    return ApiError(400, why if label == param else f"{label}: {why}", param=param)
+
+
+def _seeded(params, j: int):
+    """Choice j's SamplingParams: ``seed + j`` when a seed is set (the choices differ, the response repeats)."""
+    return params if params.seed is None or j == 0 else dataclasses.replace(params, seed=params.seed + j)
+
+
+async def _until_done(gen: AsyncIterator, first, raw: Request, record: Callable[[Any], Any]) -> bool:
+    """Give ``first`` and every later output of ``gen`` to ``record`` until the group finishes (True), or
+    cancel it when the client disconnects (False). Raises what ``gen`` raises (RequestFailed)."""
     async def drain():
-        out = first
-        while not out.finished:
-            out = await gen.__anext__()
-        return out
+        record(first)
+        async for out in gen:
+            record(out)
 
     task = asyncio.ensure_future(drain())
     try:
@@ -267,21 +477,17 @@ async def _until_done(gen: AsyncIterator, first, raw: Request):
                 task.cancel()
                 try:
                     await task
-                except (asyncio.CancelledError, StopAsyncIteration):
+                except asyncio.CancelledError:
                     pass
-                return None
-        return task.result()
+                return False
+        task.result()
+        return True
     finally:
         await gen.aclose()
 
 
 def _token_text(tokenizer, token_id: int | None) -> str:
     return (tokenizer.id_to_token(token_id) or "") if token_id is not None else ""
-
-
-def _usage(out) -> dict[str, int]:
-    p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
 def _chunk_object(kind: str) -> str:
