@@ -112,6 +112,9 @@ class LLMEngine:
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already running")
         params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"request {request_id!r}: SamplingParams.n={params.n}: the engine runs one sequence per "
+                             f"request; LLM.generate and the server fan n > 1 out into n requests")
         text, ids = (prompt, self.tokenizer.encode(prompt).ids) if isinstance(prompt, str) else (None, list(prompt))
         if not ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
@@ -210,7 +213,7 @@ class LLMEngine:
                                       token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
                                       stop_reason=seq.stop_reason, delta_text=seq.detokenizer.take_delta(done),
                                       delta_token_ids=new_tokens,
-                                      logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None)
+                                      logprobs=seq.logprobs if seq.params.logprobs is not None else None)
         return RequestOutput(request_id=seq.request_id, prompt=seq.prompt,
                              prompt_token_ids=seq.prompt_token_ids, outputs=[completion],
                              finished=done, metrics=seq.metrics, prompt_logprobs=seq.prompt_logprobs)

@@ -8,6 +8,7 @@ engine options are EngineConfig fields (max_num_seqs, max_num_batched_tokens, ma
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, Iterable
 
@@ -52,21 +53,40 @@ class LLM:
         from tqdm.auto import tqdm
 
         ids = [f"gen-{next(self._request_ids)}" for _ in items]
+        # n > 1: n independent engine requests per prompt (choice j seeded seed + j), merged afterwards
+        children = {rid: [f"{rid}-{j}" for j in range(p.n)] if p.n > 1 else [rid] for rid, p in zip(ids, params)}
         done: dict[str, RequestOutput] = {}
         try:
             for rid, prompt, p in zip(ids, items, params):
-                self.engine.add_request(rid, prompt, p)
-            with tqdm(total=len(items), desc="generate", unit="req", disable=not use_tqdm) as bar:
+                for j, child in enumerate(children[rid]):
+                    self.engine.add_request(child, prompt, _choice(p, j))
+            total = sum(len(c) for c in children.values())
+            with tqdm(total=total, desc="generate", unit="req", disable=not use_tqdm) as bar:
                 while self.engine.has_unfinished():
                     for out in self.engine.step():
                         if out.finished:
                             done[out.request_id] = out
                             bar.update(1)
         except BaseException:  # a bad prompt, a failed step, Ctrl-C: nothing of this call stays queued
-            for rid in ids:
-                self.engine.abort_request(rid)
+            for child in (c for cs in children.values() for c in cs):
+                self.engine.abort_request(child)
             raise
-        return [done[rid] for rid in ids]
+        return [_merge(rid, [done[c] for c in children[rid]]) for rid in ids]
+
+
+def _choice(p: SamplingParams, j: int) -> SamplingParams:
+    """The engine request of choice j of a request with n choices: n = 1, seed + j (reproducible, distinct)."""
+    if p.n == 1:
+        return p
+    return dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+
+
+def _merge(request_id: str, outs: list[RequestOutput]) -> RequestOutput:
+    """One RequestOutput with the choices' completions as outputs[j] (index j)."""
+    if len(outs) == 1:
+        return outs[0]
+    completions = [dataclasses.replace(o.outputs[0], index=j) for j, o in enumerate(outs)]
+    return dataclasses.replace(outs[0], request_id=request_id, outputs=completions)
 
 
 def _as_prompt_list(prompts) -> list[str | list[int]]:

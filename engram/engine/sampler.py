@@ -55,10 +55,10 @@ class Sampler:
             forced = to_device([s.forced_token_id for s in specs], dev)  # [N], -1 = not forced
             out = torch.where(forced >= 0, forced, out)
         k = max(s.logprobs for s in specs)
-        if k == 0:
+        if k < 0:
             return SampledTokens(out, None, None, None)
         logp = raw.log_softmax(dim=-1)  # [N, V]
-        top_v, top_i = logp.topk(k, dim=-1)  # [N, k]
+        top_v, top_i = logp.topk(k, dim=-1)  # [N, k] (k may be 0: the emitted token's logprob alone)
         return SampledTokens(out, logp.gather(1, out.unsqueeze(1)).squeeze(1), top_v, top_i)
 
     @staticmethod

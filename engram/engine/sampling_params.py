@@ -2,7 +2,8 @@
 
 Validated in ``__post_init__`` (ValueError naming the field and value). ``temperature == 0`` means greedy;
 ``seed`` gives the request its own random stream, so its tokens do not depend on what else is batched.
-Only ``n == 1`` is supported. ``logprobs=k`` returns each generated token's logprob and the top-k of its
+``n > 1`` (independent choices) is fanned out by ``LLM.generate`` and the server into n requests of
+n = 1, choice j seeded ``seed + j``; the engine itself runs one sequence per request. ``logprobs=k`` returns each generated token's logprob and the top-k of its
 step (raw model distribution); ``prompt_logprobs=k`` the same for every prompt token after the first
 (what evaluation harnesses score). ``forced_token_ids`` (benchmarks: forced natural decoding) makes decode
 steps sample as usual and then emit the next token of that continuation instead; past its end tokens
@@ -17,7 +18,7 @@ MAX_LOGPROBS = 20  # top-k logprobs per token, at most (OpenAI's limit)
 
 @dataclass
 class SamplingParams:
-    n: int = 1  # completions per prompt (only 1 is supported)
+    n: int = 1  # completions per prompt (LLM.generate and the server fan n > 1 out; the engine takes 1)
     temperature: float = 1.0  # 0 = greedy (argmax)
     top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 = all
@@ -38,8 +39,8 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
 
-        if self.n != 1:
-            raise bad("n", "only n=1 is supported")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be an int >= 1")
         if not self.temperature >= 0.0:
             raise bad("temperature", "must be >= 0 (0 = greedy)")
         if not 0.0 < self.top_p <= 1.0:

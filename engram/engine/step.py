@@ -31,7 +31,7 @@ class SampleSpec:
     draw: int  # which of the sequence's tokens this is (0 = first generated): the seeded stream's counter
     banned_token_ids: tuple[int, ...]  # masked to -inf this step (EOS / stop ids before min_tokens)
     forced_token_id: int  # -1, or the token emitted instead of the sampled one (forced decoding)
-    logprobs: int  # 0 = none; k >= 1 = the emitted token's logprob and the top-k of this step
+    logprobs: int  # -1 = none; k >= 0 = the emitted token's logprob and the top-k of this step
 
     @property
     def greedy(self) -> bool:
@@ -50,7 +50,7 @@ class SampleSpec:
         return cls(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, draw=num_output_tokens,
                    banned_token_ids=tuple(banned),
                    forced_token_id=forced[num_output_tokens] if num_output_tokens < len(forced) else -1,
-                   logprobs=p.logprobs or 0)
+                   logprobs=-1 if p.logprobs is None else p.logprobs)
 
 
 @dataclass(frozen=True)
@@ -120,5 +120,5 @@ class StepResult:
 
     step_id: int  # the StepDescription's id
     token_ids: list[int]  # [N] emitted tokens (sampled, or forced where a SampleSpec says so)
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # [N] where SampleSpec.logprobs > 0
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # [N] where SampleSpec.logprobs >= 0
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)  # seq index -> its targets'

@@ -72,8 +72,8 @@ class Worker:
         else:
             logits = self.runner.run(step, staged)
         sampled = self.sampler(logits, step.samples)
-        tokens = read_tokens(sampled.token_ids)  # module-level: found by the sync test
-        result = StepResult(step.step_id, tokens, _logprobs(sampled, step.samples, tokens))
+        tokens, logprobs = read_tokens(sampled)  # module-level: found by the sync test
+        result = StepResult(step.step_id, tokens, _logprobs(logprobs, step.samples, tokens))
         if step.prompt_logprobs:  # prefill chunks only, which run eager: the scores come from the runner
             result.prompt_logprobs = _prompt_logprobs(self.runner.prompt_scores, step)
         return result
@@ -89,10 +89,13 @@ class Worker:
                 "graph_pool_bytes": self.graphs.pool_bytes if self.graphs else 0}
 
 
-def read_tokens(token_ids: torch.Tensor) -> list[int]:
-    """The step's one host synchronisation: the emitted tokens, read back (tests wrap this to prove that
-    nothing else in a step waits for the device)."""
-    return token_ids.tolist()
+def read_tokens(sampled) -> tuple[list[int], tuple | None]:
+    """The step's one host synchronisation: the emitted tokens (and their logprobs, where asked) read back;
+    tests wrap this to prove that nothing else in a step waits for the device."""
+    tokens = sampled.token_ids.tolist()
+    if sampled.logprobs is None:
+        return tokens, None
+    return tokens, (sampled.logprobs.tolist(), sampled.top_logprobs.tolist(), sampled.top_token_ids.tolist())
 
 
 def _hot_cache_bytes(tables: dict) -> int:
@@ -100,11 +103,11 @@ def _hot_cache_bytes(tables: dict) -> int:
     return sum(t.cache.nbytes for t in tables.values() if getattr(t, "cache", None) is not None)
 
 
-def _logprobs(sampled, specs: list[SampleSpec], tokens: list[int]) -> list[TokenLogprobs | None]:
-    if sampled.logprobs is None:
+def _logprobs(read: tuple | None, specs: list[SampleSpec], tokens: list[int]) -> list[TokenLogprobs | None]:
+    if read is None:
         return [None] * len(specs)
-    own, top_v, top_i = sampled.logprobs.tolist(), sampled.top_logprobs.tolist(), sampled.top_token_ids.tolist()
-    return [TokenLogprobs(tok, lp, list(zip(ids[:s.logprobs], vals[:s.logprobs]))) if s.logprobs else None
+    own, top_v, top_i = read
+    return [TokenLogprobs(tok, lp, list(zip(ids[:s.logprobs], vals[:s.logprobs]))) if s.logprobs >= 0 else None
             for s, tok, lp, vals, ids in zip(specs, tokens, own, top_v, top_i)]
 
 

@@ -339,8 +339,7 @@ class OpenAIServing:
                                   top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
                                   seed=req.seed, max_tokens=req.max_tokens if shape.generate else 1,
                                   stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-                                  # at least 1: the engine returns no logprobs at all for logprobs=0
-                                  logprobs=max(k, 1) if k is not None and shape.generate else None,
+                                  logprobs=k if k is not None and shape.generate else None,
                                   prompt_logprobs=k if shape.echo else None)
         except ValueError as e:
             raise ApiError(400, str(e))

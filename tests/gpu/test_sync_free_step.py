@@ -30,11 +30,13 @@ def test_decode_steps_synchronise_only_to_read_the_sampled_tokens(tmp_path, monk
         engine.step()
     reads = []
 
-    def read_tokens(token_ids: torch.Tensor) -> list[int]:
+    real_read = worker_module.read_tokens
+
+    def read_tokens(sampled):
         torch.cuda.set_sync_debug_mode(0)
         try:
-            reads.append(token_ids.numel())
-            return token_ids.tolist()
+            reads.append(sampled.token_ids.numel())
+            return real_read(sampled)
         finally:
             torch.cuda.set_sync_debug_mode("error")
 

@@ -305,3 +305,15 @@ def test_unknown_engram_config_key_is_refused_before_loading():
 
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['cache_row'\]"):
         engram.LLM(model="tiny", engram_config={"cache_row": 10})
+
+
+def test_llm_generate_n_choices_seeded_per_choice(llm):
+    params = engram.SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    out = llm.generate(["Hello there", "Another"], params, use_tqdm=False)
+    assert [len(o.outputs) for o in out] == [3, 3] and [c.index for c in out[0].outputs] == [0, 1, 2]
+    alone = llm.generate(["Hello there"], engram.SamplingParams(temperature=1.0, seed=8, max_tokens=6, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids
+    assert out[0].outputs[1].token_ids == alone  # choice j is the request with seed + j
+    assert len({tuple(c.token_ids) for c in out[0].outputs}) > 1
+    with pytest.raises(ValueError, match="SamplingParams.n=2: the engine runs one sequence per request"):
+        llm.engine.add_request("x", "Hello", engram.SamplingParams(n=2))

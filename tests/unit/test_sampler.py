@@ -122,6 +122,9 @@ def test_forced_tokens_replace_the_sampled_ones_after_sampling_as_usual():
 def test_logprobs_are_the_raw_log_softmax_of_the_emitted_token_and_the_top_k():
     logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(3))
     out = Sampler()(logits, [req(temperature=0.0, logprobs=3), req(temperature=0.0, forced_token_ids=[5], logprobs=2)])
+    zero = Sampler()(logits, [req(temperature=0.0, logprobs=0), req(temperature=0.0)])  # 0: own logprob, no top
+    assert zero.top_logprobs.shape == (2, 0) and torch.equal(zero.logprobs[0], logits.log_softmax(-1)[0].max())
+    assert Sampler()(logits, [req(temperature=0.0)] * 2).logprobs is None
     logp = logits.log_softmax(-1)
     assert out.token_ids.tolist() == [int(logits[0].argmax()), 5]
     assert torch.equal(out.logprobs, torch.stack([logp[0].max(), logp[1, 5]]))
@@ -129,7 +132,7 @@ def test_logprobs_are_the_raw_log_softmax_of_the_emitted_token_and_the_top_k():
     assert torch.equal(out.top_logprobs[1, :2], logp[1].topk(2).values)
 
 
-@pytest.mark.parametrize("kw,field", [({"n": 2}, "n"), ({"temperature": -0.1}, "temperature"),
+@pytest.mark.parametrize("kw,field", [({"n": 0}, "n"), ({"temperature": -0.1}, "temperature"),
                                       ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
                                       ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
                                       ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
