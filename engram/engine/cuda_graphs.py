@@ -18,6 +18,7 @@ torch attention reference. ``replays`` counts replays, so tests can tell a silen
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -52,8 +53,10 @@ class DecodeGraphs:
     def __init__(self, model, kv, ecfg, max_batch: int, max_model_len: int, block_size: int,
                  null_block: int, device: torch.device, progress: bool | None = None, tables: dict | None = None):
         self.model, self.kv, self.device = model, kv, device
-        # The Engram gathers go inside the graphs when every table can gather device ids as device work alone.
-        self.tables = tables if tables and all(t.gathers_on_device for t in tables.values()) else None
+        # The Engram gathers go inside the graphs when every table can gather device ids as device work alone
+        # (ENGRAM_GRAPH_LOOKUPS=0, a debugging switch, keeps them in the lookup executor).
+        in_graph = os.environ.get("ENGRAM_GRAPH_LOOKUPS", "1") != "0"
+        self.tables = tables if in_graph and tables and all(t.gathers_on_device for t in tables.values()) else None
         self.n_cols = ecfg.n_cols if ecfg else 0
         self.buckets = graph_buckets(max_batch)
         self.max_model_len, self.block_size, self.null_block = max_model_len, block_size, null_block
