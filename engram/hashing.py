@@ -7,14 +7,20 @@ DEAD token, that slot and every older slot use the pad id; at a DEAD position it
 (``dead_mask``). Everything is vectorized int64 torch and runs unchanged on CPU and CUDA; products never
 overflow because multipliers are bounded by (2**63-1) // compressed_vocab_size.
 
+``hash_step`` (the engine's one call per step) has a numpy twin for CPU tensors, the same math in a
+handful of numpy calls instead of dozens of small torch ops (host time adds to every decode step);
+``hash_step_reference`` is the torch implementation it is tested bitwise against, and CUDA inputs take it.
+
 A sequence processed in chunks carries a *lookback*: its last ``max_ngram_size - 1`` compressed ids
 (DEAD kept as -1), oldest first, pad-filled at the start. Hashing chunk by chunk with lookbacks equals
 hashing the whole sequence.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 
 from engram.config import EngramConfig
@@ -23,6 +29,14 @@ if TYPE_CHECKING:
     from engram.tokenizer import CompressedTokenizer
 
 DEAD = -1
+
+
+class _HashTables(NamedTuple):
+    """Every Engram layer's hash constants stacked in ``cfg.layer_ids`` order (L layers, W = max_ngram - 1,
+    H = n_heads; column (order n, head h) is [n - 2, h])."""
+    mult: np.ndarray  # [L, max_ngram] int64 multipliers, slot s = position p - s
+    primes: np.ndarray  # [L, W, H] int64
+    offsets: np.ndarray  # [L, W, H] int64 first table row of each column
 
 
 class NgramHasher:
@@ -51,14 +65,22 @@ class NgramHasher:
         return cls(cfg, pad_id=int(compressed_tokenizer.compress([cfg.pad_token_id])[0]))
 
     # ----------------------------------------------------------------- constants per layer and device
+    @functools.cached_property
+    def _tables(self) -> _HashTables:
+        """The one read of the config's multipliers, primes and column offsets (built on first use)."""
+        cfg, shape = self.cfg, (len(self.cfg.layer_ids), self.window, self.cfg.n_heads)
+        return _HashTables(
+            mult=np.array([cfg.multipliers(lid) for lid in cfg.layer_ids], dtype=np.int64),
+            primes=np.array([cfg.primes(lid) for lid in cfg.layer_ids], dtype=np.int64).reshape(shape),
+            offsets=np.array([cfg.column_offsets(lid) for lid in cfg.layer_ids], dtype=np.int64).reshape(shape))
+
     def _layer_consts(self, layer_id: int, device: torch.device):
+        """(multipliers [max_ngram], primes [n_cols], column offsets [n_cols]) of a layer as int64 tensors."""
         key = (layer_id, device)
         if key not in self._consts:
-            cfg = self.cfg
-            mult = torch.tensor(cfg.multipliers(layer_id), dtype=torch.int64, device=device)  # [max_ngram]
-            primes = torch.tensor(cfg.primes(layer_id), dtype=torch.int64, device=device)  # [n_cols]
-            offsets = torch.tensor(cfg.column_offsets(layer_id), dtype=torch.int64, device=device)  # [n_cols]
-            self._consts[key] = (mult, primes, offsets)
+            i, tab = self.cfg.layer_ids.index(layer_id), self._tables
+            self._consts[key] = tuple(torch.from_numpy(a[i].reshape(-1).copy()).to(device)
+                                      for a in (tab.mult, tab.primes, tab.offsets))
         return self._consts[key]
 
     def initial_lookback(self, num_seqs: int = 1, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -113,12 +135,51 @@ class NgramHasher:
 
     def hash_step(self, ids: torch.Tensor, cu_seqlens: torch.Tensor,
                   lookback: torch.Tensor) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-        """One engine step: (``hash_packed_all``, ``next_lookback``) from a single packed buffer."""
+        """One engine step: (``hash_packed_all``, ``next_lookback``) from a single packed buffer: ids [T]
+        (DEAD = -1), cu_seqlens [S+1], lookback [S, max_ngram-1] -> ({layer_id: [T, n_cols]}, [S, max_ngram-1]),
+        int64 on the ids' device. All-CPU inputs take ``_hash_step_numpy`` (CPU tensors that share memory with
+        numpy arrays), anything else ``hash_step_reference``; the two are bitwise equal."""
+        if ids.device.type == cu_seqlens.device.type == lookback.device.type == "cpu":
+            return self._hash_step_numpy(ids, cu_seqlens, lookback)
+        return self.hash_step_reference(ids, cu_seqlens, lookback)
+
+    def hash_step_reference(self, ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                            lookback: torch.Tensor) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """``hash_step`` in torch ops on any device: the reference of ``_hash_step_numpy``."""
         ext, tok_pos = self._packed_ext(ids, cu_seqlens, lookback)
         windows = ext[tok_pos.unsqueeze(1) - torch.arange(self.window + 1, device=ids.device)]  # [T, max_ngram]
         clean = self._undead(windows)
         rows = {lid: self._hash_ids(clean, lid) for lid in self.cfg.layer_ids}
         return rows, self._lookback_from_ext(ext, cu_seqlens.to(ids.device, torch.int64))
+
+    def _hash_step_numpy(self, ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                         lookback: torch.Tensor) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """``hash_step_reference`` for CPU tensors in numpy: the same windows, sticky DEAD, int64 products
+        (numpy array arithmetic wraps like torch's), XOR prefix over slots and floor remainder
+        (``np.remainder`` and ``torch.remainder`` both take the divisor's sign), every layer in one pass.
+        The outputs are CPU tensors sharing memory with numpy arrays (the layers' row ids are views of one)."""
+        x = ids.numpy().astype(np.int64, copy=False)
+        cu = cu_seqlens.numpy().astype(np.int64, copy=False)
+        lb = lookback.numpy().astype(np.int64, copy=False)
+        self._check_packed(x, cu, lb)
+        t, w = x.shape[0], self.window
+        small = t <= _SMALL_STEP  # small steps: fewest numpy calls; big ones: passes over contiguous rows
+        win_idx, lb_idx = (_gather_index_small if small else _gather_index)(cu.tobytes(), w)
+        src = np.concatenate((lb.reshape(-1), x))  # [S*W + T]: every lookback, then every new token
+        windows = src[win_idx]  # [max_ngram, T]: row k holds the ids at positions p - k
+        if t and windows.min() < 0:  # sticky DEAD: slot k is pad when any slot <= k is DEAD
+            dead = windows == DEAD
+            _prefix(np.logical_or, dead, small)
+            windows[dead] = self.pad_id
+        tab = self._tables
+        mixed = windows * tab.mult[:, :, None]  # [L, max_ngram, T]
+        _prefix(np.bitwise_xor, mixed.transpose(1, 0, 2), small)  # slot n - 1 becomes order n's XOR
+        rows = np.empty((len(tab.mult), t, w, self.cfg.n_heads), dtype=np.int64)  # [L, T, n_cols] in column order
+        np.remainder(mixed[:, 1:].transpose(0, 2, 1)[..., None], tab.primes[:, None], out=rows)
+        rows += tab.offsets[:, None]
+        rows = rows.reshape(len(tab.mult), t, self.cfg.n_cols)
+        return ({lid: torch.from_numpy(rows[i]) for i, lid in enumerate(self.cfg.layer_ids)},
+                torch.from_numpy(src[lb_idx]))
 
     def packed_windows(self, ids: torch.Tensor, cu_seqlens: torch.Tensor, lookback: torch.Tensor) -> torch.Tensor:
         """[T, max_ngram] windows of a packed batch: slot s holds the id at position p - s of its sequence."""
@@ -141,16 +202,10 @@ class NgramHasher:
                     lookback: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For each sequence [its lookback (W) | its new tokens] back to back -> (ext [T + W*S], tok_pos [T]):
         token j of the packed batch sits at ext[tok_pos[j]] = ext[j + W*(seq + 1)]."""
-        if ids.dim() != 1:
-            raise ValueError(f"hash_packed() expects packed [T] ids, got shape {tuple(ids.shape)}")
         device = ids.device
         cu = cu_seqlens.to(device, torch.int64)
-        s = cu.numel() - 1
-        self._check_lookback(lookback, s)
-        t = ids.numel()
-        if int(cu[-1]) != t or int(cu[0]) != 0:
-            raise ValueError(f"cu_seqlens must start at 0 and end at T={t}, got {cu.tolist()}")
-        w = self.window
+        self._check_packed(ids, cu, lookback)
+        s, t, w = cu.numel() - 1, ids.numel(), self.window
         lens = cu[1:] - cu[:-1]  # [S]
         seq_of_tok = torch.repeat_interleave(torch.arange(s, device=device), lens, output_size=t)  # [T]
         ext = torch.empty(t + w * s, dtype=torch.int64, device=device)
@@ -160,10 +215,52 @@ class NgramHasher:
         ext[lb_pos.reshape(-1)] = lookback.to(device, torch.int64).reshape(-1)
         return ext, tok_pos
 
+    def _check_packed(self, ids, cu_seqlens, lookback) -> None:
+        """ValueError unless ids is [T], cu_seqlens runs from 0 to T and lookback is [S, W] (tensors or arrays)."""
+        if ids.ndim != 1:
+            raise ValueError(f"hash_packed() expects packed [T] ids, got shape {tuple(ids.shape)}")
+        self._check_lookback(lookback, cu_seqlens.shape[0] - 1)
+        t = ids.shape[0]
+        if int(cu_seqlens[-1]) != t or int(cu_seqlens[0]) != 0:
+            raise ValueError(f"cu_seqlens must start at 0 and end at T={t}, got {cu_seqlens.tolist()}")
+
     def _check_lookback(self, lookback: torch.Tensor, num_seqs: int) -> None:
         if tuple(lookback.shape) != (num_seqs, self.window):
             raise ValueError(f"lookback must be [{num_seqs}, {self.window}] (max_ngram_size-1 ids per sequence), "
                              f"got {tuple(lookback.shape)}")
+
+
+def _prefix(op: np.ufunc, a: np.ndarray, small: bool) -> None:
+    """In place along axis 0 of ``a[k, ...]``: a[k] = op(a[k - 1], a[k]) for k = 1, 2, ... One ``accumulate``
+    call for small arrays; for big ones a call per row (accumulate over a non-last axis loops per element)."""
+    if small:
+        op.accumulate(a, axis=0, out=a)
+    else:
+        for k in range(1, a.shape[0]):
+            op(a[k - 1], a[k], out=a[k])
+
+
+def _gather_index(cu_bytes: bytes, w: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where ``NgramHasher._hash_step_numpy`` reads from ``src = [lookback.ravel() | ids]`` (S*W + T entries),
+    a pure function of cu_seqlens (int64 bytes) and W: (window index [W+1, T], row k = position p - k;
+    next-lookback index [S, W], each sequence's last W ids, a zero-length chunk's being its old lookback).
+    Built like ``_packed_ext``, over positions in ``src`` instead of ids: ext = each sequence's
+    [lookback | tokens] back to back. The arrays are read-only: the memo below hands the same ones out."""
+    cu = np.frombuffer(cu_bytes, dtype=np.int64)
+    s, t = cu.shape[0] - 1, int(cu[-1])
+    lens = cu[1:] - cu[:-1]
+    lb_pos = (cu[:-1] + w * np.arange(s))[:, None] + np.arange(w)  # [S, W] each lookback in ext
+    tok_pos = np.arange(t) + w * (np.repeat(np.arange(s), lens) + 1)  # [T] each token in ext
+    ext = np.empty(t + w * s, dtype=np.int64)
+    ext[lb_pos] = np.arange(s * w).reshape(s, w)
+    ext[tok_pos] = np.arange(s * w, s * w + t)
+    win_idx, lb_idx = ext[tok_pos - np.arange(w + 1)[:, None]], ext[lb_pos + lens[:, None]]
+    win_idx.flags.writeable = lb_idx.flags.writeable = False
+    return win_idx, lb_idx
+
+
+_SMALL_STEP = 256  # steps of at most this many tokens (every decode step) reuse their gather index
+_gather_index_small = functools.lru_cache(maxsize=1024)(_gather_index)  # <= 16 KB an entry at W = 3: <= 16 MB
 
 
 def dead_mask(compressed_ids: torch.Tensor) -> torch.Tensor:
