@@ -50,6 +50,17 @@ class ServerProcess:
         self._log.flush()
         return self.log_path.read_text()
 
+    def __enter__(self) -> "ServerProcess":
+        """``with ServerProcess(...) as s``: ready (``wait_ready``) inside the block, stopped after it."""
+        try:
+            return self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

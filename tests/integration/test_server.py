@@ -22,12 +22,9 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(cache_dir, tmp_path_factory):
-    s = ServerProcess(["tiny", "--threads", "1", "--dtype", "float64", "--max-num-seqs", "32"], cache_dir,
-                      tmp_path_factory.mktemp("srv") / "server.log")
-    try:
-        yield s.wait_ready()
-    finally:
-        s.stop()
+    with ServerProcess(["tiny", "--threads", "1", "--dtype", "float64", "--max-num-seqs", "32"], cache_dir,
+                      tmp_path_factory.mktemp("srv") / "server.log") as s:
+        yield s
 
 
 def _complete(url, **body):

@@ -27,12 +27,9 @@ MAX_NUM_SEQS, MAX_WAITING = 4, 4  # capacity 8: a response of more choices is re
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     cache = tmp_path_factory.getbasetemp() / "engram-cache"
-    s = ServerProcess(["tiny", "--threads", "1", "--dtype", "float64", "--max-num-seqs", str(MAX_NUM_SEQS),
-                       "--max-waiting", str(MAX_WAITING)], cache, tmp_path_factory.mktemp("srv") / "server.log")
-    try:
-        yield s.wait_ready()
-    finally:
-        s.stop()
+    with ServerProcess(["tiny", "--threads", "1", "--dtype", "float64", "--max-num-seqs", str(MAX_NUM_SEQS),
+                       "--max-waiting", str(MAX_WAITING)], cache, tmp_path_factory.mktemp("srv") / "server.log") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

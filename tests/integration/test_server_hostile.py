@@ -22,12 +22,9 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     cache = tmp_path_factory.getbasetemp() / "engram-cache"
-    s = ServerProcess(["tiny", "--threads", "1", "--dtype", "float64"], cache,
-                      tmp_path_factory.mktemp("srv") / "server.log")
-    try:
-        yield s.wait_ready()
-    finally:
-        s.stop()
+    with ServerProcess(["tiny", "--threads", "1", "--dtype", "float64"], cache,
+                      tmp_path_factory.mktemp("srv") / "server.log") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,9 @@ README_PORT = "127.0.0.1:8000"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = ServerProcess(["tiny", "--threads", "1"], tmp_path_factory.getbasetemp() / "engram-cache",
-                      tmp_path_factory.mktemp("srv") / "server.log")
-    try:
-        yield s.wait_ready()
-    finally:
-        s.stop()
+    with ServerProcess(["tiny", "--threads", "1"], tmp_path_factory.getbasetemp() / "engram-cache",
+                      tmp_path_factory.mktemp("srv") / "server.log") as s:
+        yield s
 
 
 def test_readme_serves_on_the_port_its_snippets_use():
