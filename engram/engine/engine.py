@@ -213,7 +213,7 @@ class LLMEngine:
                                       token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
                                       stop_reason=seq.stop_reason, delta_text=seq.detokenizer.take_delta(done),
                                       delta_token_ids=new_tokens,
-                                      logprobs=seq.logprobs if seq.params.logprobs is not None else None)
+                                      logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None)
         return RequestOutput(request_id=seq.request_id, prompt=seq.prompt,
                              prompt_token_ids=seq.prompt_token_ids, outputs=[completion],
                              finished=done, metrics=seq.metrics, prompt_logprobs=seq.prompt_logprobs)

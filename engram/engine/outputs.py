@@ -16,7 +16,7 @@ class CompletionOutput:
     text: str  # detokenized output so far (stop string removed)
     token_ids: list[int]  # generated token ids so far
     cumulative_logprob: float | None = None  # not tracked (None), as vLLM without logprobs
-    logprobs: list | None = None  # TokenLogprobs per output token when asked (the sequence's list: cumulative)
+    logprobs: list | None = None  # TokenLogprobs per output token when asked (cumulative; a snapshot per output)
     finish_reason: str | None = None  # None while running; "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it (None for EOS)
     delta_text: str = ""  # text added by this step
