@@ -28,7 +28,6 @@ import dataclasses
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
@@ -36,12 +35,12 @@ from starlette.responses import StreamingResponse
 
 from engram.server.async_engine import AsyncEngine, EngineNotReady, EngineOverloaded, RequestFailed
 from engram.server.chat import render_chat
-from engram.server.logprobs import (LegacyLogprobs, Scored, TokenStrings, chat_logprobs, generated_scored,
-                                    prompt_scored)
+from engram.server.logprobs import LegacyLogprobs, TokenStrings
 from engram.server.metrics import ServerMetrics
 from engram.server.prompt import chars_per_token_bound, encode, too_long
 from engram.server.protocol import (ChatCompletionRequest, CompletionRequest, error_body, new_id, now,
                                     unsupported_field)
+from engram.server.response import Choice, PromptSpec, ResponseState, Shape
 
 # The ``engram_requests_rejected_total`` reason of each refused status (ApiError's default).
 REJECT_REASONS = {400: "invalid", 404: "not_found", 405: "invalid", 413: "too_large", 422: "invalid",
@@ -58,155 +57,6 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.body, self.headers = status, error_body(message, type_, status, param), headers or {}
         self.reason = REJECT_REASONS.get(status) if reason == "default" else reason
-
-
-@dataclass
-class _Prompt:
-    ids: list[int]
-    text: str | None  # the prompt as sent, None for token ids (decoded for echo once the engine accepts them)
-    echo: str = ""  # what the choice's text starts with: the prompt under ``echo``, else ""
-
-
-@dataclass(frozen=True)
-class _Shape:
-    """What the request asks of every choice."""
-
-    kind: str  # "text_completion" or "chat.completion"
-    logprobs: int | None  # alternatives per token when logprobs are returned, else None
-    echo: bool = False  # completions: the prompt (with its logprobs) before the completion
-    generate: bool = True  # False for max_tokens=0: the engine's one token is dropped
-
-
-@dataclass
-class _Choice:
-    index: int  # OpenAI's choice index (prompt-major)
-    request_id: str  # its engine request
-    prompt: _Prompt
-    params: Any  # its SamplingParams
-    legacy: LegacyLogprobs | None  # completions with logprobs: the choice's logprobs builder
-    last: Any = None  # its latest RequestOutput
-    first_time: float | None = None  # time.monotonic() of its first output
-    sent: int = 0  # generated tokens already reported in a stream chunk
-
-    @property
-    def finished(self) -> bool:
-        return self.last is not None and self.last.finished
-
-
-@dataclass
-class _Response:
-    """One response being built from its choices' outputs (the same pieces for a body and a stream)."""
-
-    id: str
-    shape: _Shape
-    model: str
-    prompts: list[_Prompt]
-    choices: list[_Choice]
-    strings: TokenStrings | None  # token strings, when logprobs are returned
-    arrival: float = field(default_factory=time.monotonic)
-    created: int = field(default_factory=now)
-
-    def __post_init__(self) -> None:
-        self._by_id = {c.request_id: c for c in self.choices}
-
-    def record(self, out) -> tuple[_Choice, bool]:
-        """Take one engine output: (its choice, whether it is the choice's first)."""
-        c = self._by_id[out.request_id]
-        first = c.last is None
-        if first:
-            c.first_time = time.monotonic()
-        c.last = out
-        return c, first
-
-    @property
-    def finished(self) -> bool:
-        return all(c.finished for c in self.choices)
-
-    # ------------------------------------------------------------- pieces
-    def _finish(self, c: _Choice) -> tuple[str | None, int | str | None]:
-        o = c.last.outputs[0]
-        if not c.last.finished:
-            return None, None
-        return (o.finish_reason, o.stop_reason) if self.shape.generate else ("length", None)
-
-    def _prompt_scored(self, c: _Choice) -> list[Scored]:
-        return prompt_scored(c.last.prompt_token_ids, c.last.prompt_logprobs)
-
-    def _generated(self, c: _Choice, start: int | None = None) -> tuple[str, list[Scored]]:
-        """The choice's whole text and scored tokens (``start`` None), or a stream's: this output's new text and
-        the tokens from number ``start`` on (those not reported yet). Nothing for max_tokens=0."""
-        o = c.last.outputs[0]
-        if not self.shape.generate:
-            return "", []
-        text = o.text if start is None else o.delta_text
-        scored = generated_scored(self.strings, o.logprobs[start or 0:]) if self.shape.logprobs is not None else []
-        return text, scored
-
-    def _chat_logprobs(self, scored: list[Scored]) -> dict | None:
-        if self.shape.logprobs is None:
-            return None
-        return {"content": chat_logprobs(self.strings, scored, self.shape.logprobs), "refusal": None}
-
-    def body(self) -> dict:
-        """The non-streaming response, every choice finished."""
-        choices = []
-        for c in self.choices:
-            text, scored = self._generated(c)
-            finish, stop = self._finish(c)
-            if self.shape.kind == "chat.completion":
-                choice = {"index": c.index, "message": {"role": "assistant", "content": text},
-                          "logprobs": self._chat_logprobs(scored)}
-            else:
-                lp = None
-                if c.legacy is not None:
-                    lp = c.legacy.add((self._prompt_scored(c) if self.shape.echo else []) + scored)
-                choice = {"index": c.index, "text": c.prompt.echo + text, "logprobs": lp}
-            choices.append({**choice, "finish_reason": finish, "stop_reason": stop})
-        return {"id": self.id, "object": self.shape.kind, "created": self.created, "model": self.model,
-                "choices": choices, "usage": self.usage()}
-
-    def chunks(self, c: _Choice, first: bool) -> list[dict]:
-        """Stream chunks for choice ``c``'s latest output: on its first, the opening (chat's role; the echoed
-        prompt and its logprobs); then its new text with the logprobs of every token not reported yet, or
-        nothing while the text is held back (a possible stop string) and the choice runs on."""
-        chat = self.shape.kind == "chat.completion"
-        pieces = []
-        if first and chat:
-            pieces.append({"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                           "finish_reason": None})
-        elif first and self.shape.echo:
-            pieces.append({"index": c.index, "text": c.prompt.echo,
-                           "logprobs": c.legacy.add(self._prompt_scored(c)) if c.legacy is not None else None,
-                           "finish_reason": None})
-        text, scored = self._generated(c, c.sent)
-        finish, stop = self._finish(c)
-        if text or finish:
-            c.sent = len(c.last.outputs[0].token_ids)
-            if chat:
-                piece = {"index": c.index, "delta": {"content": text} if text else {},
-                         "logprobs": self._chat_logprobs(scored)}
-            else:
-                piece = {"index": c.index, "text": text,
-                         "logprobs": c.legacy.add(scored) if c.legacy is not None else None}
-            piece["finish_reason"] = finish
-            if finish is not None:
-                piece["stop_reason"] = stop
-            pieces.append(piece)
-        return [self.chunk(p) for p in pieces]
-
-    def chunk(self, choice: dict | None, usage: bool = False) -> dict:
-        body = {"id": self.id, "object": _chunk_object(self.shape.kind), "created": self.created,
-                "model": self.model, "choices": [] if choice is None else [choice]}
-        if usage:
-            body["usage"] = self.usage()
-        return body
-
-    def usage(self) -> dict[str, int]:
-        """Prompt tokens once per prompt (not per choice); completion tokens of every choice."""
-        p = sum(len(x.ids) for x in self.prompts)
-        g = sum(len(c.last.outputs[0].token_ids) for c in self.choices if c.last is not None) \
-            if self.shape.generate else 0
-        return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
 
 
 class OpenAIServing:
@@ -233,11 +83,11 @@ class OpenAIServing:
         for i, p in enumerate(items):
             label = f"prompt[{i}]" if req.is_batch() else "prompt"
             if isinstance(p, str):
-                prompts.append(_Prompt(await self._tokenize(loaded, p, label), p))
+                prompts.append(PromptSpec(await self._tokenize(loaded, p, label), p))
             else:
                 self._check_length(len(p), label)
-                prompts.append(_Prompt(p, None))
-        shape = _Shape("text_completion", req.logprobs, req.echo, req.max_tokens != 0)
+                prompts.append(PromptSpec(p, None))
+        shape = Shape("text_completion", req.logprobs, req.echo, req.max_tokens != 0)
         return await self._run(req, prompts, shape, raw, new_id("cmpl"))
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Any:
@@ -255,8 +105,8 @@ class OpenAIServing:
         except ValueError as e:
             raise ApiError(400, str(e), param="messages")
         ids = await self._tokenize(loaded, prompt, "messages")
-        shape = _Shape("chat.completion", (req.top_logprobs or 0) if req.logprobs else None)
-        return await self._run(req, [_Prompt(ids, prompt)], shape, raw, new_id("chatcmpl"))
+        shape = Shape("chat.completion", (req.top_logprobs or 0) if req.logprobs else None)
+        return await self._run(req, [PromptSpec(ids, prompt)], shape, raw, new_id("chatcmpl"))
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self.model_card()]}
@@ -324,7 +174,7 @@ class OpenAIServing:
         self._check_length(len(ids), label)
         return ids
 
-    def _params(self, req: CompletionRequest | ChatCompletionRequest, shape: _Shape):
+    def _params(self, req: CompletionRequest | ChatCompletionRequest, shape: Shape):
         """The SamplingParams every choice starts from (``_seeded`` gives choice j its seed)."""
         from engram.engine.sampling_params import SamplingParams
 
@@ -345,14 +195,14 @@ class OpenAIServing:
             raise ApiError(400, str(e))
 
     # ----------------------------------------------------------------- shared path
-    async def _run(self, req, prompts: list[_Prompt], shape: _Shape, raw: Request, rid: str) -> Any:
+    async def _run(self, req, prompts: list[PromptSpec], shape: Shape, raw: Request, rid: str) -> Any:
         base = self._params(req, shape)
         strings = self._token_strings() if shape.logprobs is not None else None
         legacy = shape.kind == "text_completion" and shape.logprobs is not None
-        choices = [_Choice(p * req.n + j, f"{rid}-{p * req.n + j}", prompt, _seeded(base, j),
+        choices = [Choice(p * req.n + j, f"{rid}-{p * req.n + j}", prompt, _seeded(base, j),
                            LegacyLogprobs(strings, shape.logprobs) if legacy else None)
                    for p, prompt in enumerate(prompts) for j in range(req.n)]
-        resp = _Response(rid, shape, self.model_name, prompts, choices, strings)
+        resp = ResponseState(rid, shape, self.model_name, prompts, choices, strings)
         gen = self.engine.generate([(c.request_id, c.prompt.ids, c.params) for c in choices])
         try:
             first = await gen.__anext__()  # the engine accepted every choice and produced a first token
@@ -389,14 +239,14 @@ class OpenAIServing:
             return None
         return resp.body()
 
-    async def _echo_texts(self, prompts: list[_Prompt]) -> None:
+    async def _echo_texts(self, prompts: list[PromptSpec]) -> None:
         """Set each prompt's echo: its text, or its token ids decoded (special tokens kept) in a worker thread."""
         tokenizer = self.engine.llm.loaded.tokenizer
         for p in prompts:
             p.echo = p.text if p.text is not None else await asyncio.get_running_loop().run_in_executor(
                 self._pool, lambda ids=p.ids: tokenizer.decode(ids, skip_special_tokens=False))
 
-    async def _stream(self, resp: _Response, gen: AsyncIterator, first, include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(self, resp: ResponseState, gen: AsyncIterator, first, include_usage: bool) -> AsyncIterator[str]:
         failed = False
         try:
             out = first
@@ -418,14 +268,14 @@ class OpenAIServing:
             await gen.aclose()
 
     # ----------------------------------------------------------------- metrics
-    def _record(self, resp: _Response, out) -> tuple[_Choice, bool]:
+    def _record(self, resp: ResponseState, out) -> tuple[Choice, bool]:
         """``resp.record(out)``, observing the choice's request when it finishes."""
         c, first = resp.record(out)
         if out.finished:
             self._observe(resp, c)
         return c, first
 
-    def _count_unfinished(self, resp: _Response, failed: bool = False) -> None:
+    def _count_unfinished(self, resp: ResponseState, failed: bool = False) -> None:
         """Requests of a response left unfinished: aborted ones, and one error when the engine failed one."""
         unfinished = sum(not c.finished for c in resp.choices)
         if failed:
@@ -434,7 +284,7 @@ class OpenAIServing:
         if unfinished > 0:
             self.metrics.requests.labels("abort").inc(unfinished)
 
-    def _observe(self, resp: _Response, c: _Choice) -> None:
+    def _observe(self, resp: ResponseState, c: Choice) -> None:
         out = c.last
         n = len(out.outputs[0].token_ids)
         elapsed = time.monotonic() - resp.arrival
@@ -485,13 +335,9 @@ async def _until_done(gen: AsyncIterator, first, raw: Request, record: Callable[
         await gen.aclose()
 
 
-def _token_text(tokenizer, token_id: int | None) -> str:
-    return (tokenizer.id_to_token(token_id) or "") if token_id is not None else ""
-
-
-def _chunk_object(kind: str) -> str:
-    return "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
-
-
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _token_text(tokenizer, token_id: int | None) -> str:
+    return (tokenizer.id_to_token(token_id) or "") if token_id is not None else ""
