@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engram.engine.config import EngineConfig
+from engram.engine.packing import slot_mapping
 from engram.engine.step import SampleSpec, StepDescription
 
 
@@ -80,8 +81,7 @@ def warmup_step(cfg: EngineConfig, ecfg, block_size: int) -> StepDescription:
     first = [sum(per_seq[:i]) for i in range(s)]
     width = max(per_seq)
     tables = torch.tensor([[f + j if j < n else -1 for j in range(width)] for f, n in zip(first, per_seq)])
-    seq_of_tok = torch.repeat_interleave(torch.arange(s), torch.tensor(lens))
-    slots = tables[seq_of_tok, positions // block_size] * block_size + positions % block_size
+    slots = slot_mapping(cu, positions, tables, block_size)
     greedy = SampleSpec(0.0, 1.0, 0, None, 0, (), -1, -1)
     return StepDescription(
         step_id=-1, seq_ids=list(range(-s, 0)), start_positions=[0] * s, num_new_tokens=lens,

@@ -52,12 +52,13 @@ def pack(batch: ScheduledBatch) -> PackedBatch:
     )
 
 
-def slot_mapping(packed: PackedBatch, block_size: int) -> torch.Tensor:
+def slot_mapping(cu_seqlens: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+                 block_size: int) -> torch.Tensor:
     """[T] flat KV slot of each new token: its block's id * block_size + offset in the block."""
-    lens = packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
     seq_of_tok = torch.repeat_interleave(torch.arange(lens.numel()), lens)  # [T]
-    blocks = packed.block_tables[seq_of_tok, packed.positions // block_size]  # [T]
-    return blocks * block_size + packed.positions % block_size
+    blocks = block_tables[seq_of_tok, positions // block_size]  # [T]
+    return blocks * block_size + positions % block_size
 
 
 def describe(step_id: int, batch: ScheduledBatch, packed: PackedBatch, plan: LookupPlan, block_size: int,
@@ -72,7 +73,7 @@ def describe(step_id: int, batch: ScheduledBatch, packed: PackedBatch, plan: Loo
         cu_seqlens=packed.cu_seqlens,
         context_lens=packed.context_lens,
         block_tables=packed.block_tables,
-        slot_mapping=slot_mapping(packed, block_size),
+        slot_mapping=slot_mapping(packed.cu_seqlens, packed.positions, packed.block_tables, block_size),
         dead_mask=(packed.compressed_ids < 0) if has_dead_tokens else None,
         engram_row_ids=plan.row_ids,
         sample_rows=packed.sample_rows,

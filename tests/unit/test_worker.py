@@ -95,3 +95,13 @@ def test_metrics_read_the_stats_snapshot_with_a_swapped_lookup_executor(tiny):
     assert "engram_num_requests_running 1.0" in text and "engram_kv_cache_usage_ratio" in text
     snap = engine.stats()
     assert snap["running"] == 1 and snap["steps"] == 1 and 0 < snap["kv_usage"] < 1
+
+
+def test_warmup_step_is_the_largest_step_with_distinct_slots():
+    from engram.config import EngramConfig
+    from engram.engine.memory import warmup_step
+
+    step = warmup_step(EngineConfig(max_num_seqs=3, max_num_batched_tokens=10), EngramConfig.preset("tiny"), 4)
+    assert step.num_tokens == 10 and step.num_new_tokens == [4, 3, 3] and step.sample_rows == [0, 1, 2]
+    assert step.slot_mapping.tolist() == [0, 1, 2, 3, 4, 5, 6, 8, 9, 10]  # blocks 0, 1, 2 of 4 slots
+    assert all(ids.shape == (10, 12) for ids in step.engram_row_ids.values())
