@@ -101,7 +101,9 @@ def test_warmup_step_is_the_largest_step_with_distinct_slots():
     from engram.config import EngramConfig
     from engram.engine.memory import warmup_step
 
-    step = warmup_step(EngineConfig(max_num_seqs=3, max_num_batched_tokens=10), EngramConfig.preset("tiny"), 4)
+    ecfg = EngramConfig.preset("tiny")
+    step = warmup_step(EngineConfig(max_num_seqs=3, max_num_batched_tokens=10), ecfg, 4)
     assert step.num_tokens == 10 and step.num_new_tokens == [4, 3, 3] and step.sample_rows == [0, 1, 2]
     assert step.slot_mapping.tolist() == [0, 1, 2, 3, 4, 5, 6, 8, 9, 10]  # blocks 0, 1, 2 of 4 slots
-    assert all(ids.shape == (10, 12) for ids in step.engram_row_ids.values())
+    assert sorted(step.engram_row_ids) == list(ecfg.layer_ids)
+    assert all(ids.shape == (10, ecfg.n_cols) for ids in step.engram_row_ids.values())
