@@ -95,14 +95,14 @@ class StepDescription:
     @property
     def logits_indices(self) -> list[int]:
         """[N] packed token row of each sampling sequence's last new token."""
-        cu = self.cu_seqlens
-        return [int(cu[s + 1]) - 1 for s in self.sample_rows]
+        cu = self.cu_seqlens.tolist()  # one conversion, not a tensor index per sequence
+        return [cu[s + 1] - 1 for s in self.sample_rows]
 
     @property
     def prompt_rows(self) -> list[int]:
         """[P] packed token rows scored for prompt logprobs, spec after spec, in order."""
-        cu = self.cu_seqlens
-        return [int(cu[p.seq]) + p.first_row + i for p in self.prompt_logprobs for i in range(len(p.targets))]
+        cu = self.cu_seqlens.tolist()
+        return [cu[p.seq] + p.first_row + i for p in self.prompt_logprobs for i in range(len(p.targets))]
 
 
 @dataclass
