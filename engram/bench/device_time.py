@@ -10,9 +10,13 @@ rather than in Python around it. Events are read from the profiler's raw kineto 
 (``prof.profiler.kineto_results``, as torch._inductor.utils does), which costs about a microsecond per
 event where building ``prof.events()`` costs tens. Wall time minus busy time is the launch / host
 overhead; ``fn`` runs with the profiler's own host overhead, so time it separately for wall-clock numbers.
+
+``measure_profile`` returns the same busy time plus where it went: the device work grouped by kernel name
+(calls and total seconds, largest first) — what to look at before optimising a step.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 # kineto activity types of GPU work (not "cuda_sync" waits, not "gpu_user_annotation" copies of profiler ranges)
@@ -59,10 +63,45 @@ def _activity(evt) -> str:
     return "cpu_op"
 
 
+@dataclass
+class KernelTime:
+    """Device work of one kernel name (or copy / memset) in a profile."""
+
+    name: str
+    calls: int
+    seconds: float
+
+
+@dataclass
+class BusyProfile:
+    busy_s: float  # union of the device work intervals
+    kernels: list[KernelTime] = field(default_factory=list)  # grouped by name, most time first
+
+
+def kernel_times(events, device_type: str) -> list[KernelTime]:
+    """Device work of ``events`` grouped by name: calls and summed seconds, largest total first."""
+    from torch.autograd import DeviceType
+
+    want = DeviceType.CUDA if device_type == "cuda" else DeviceType.CPU
+    groups: dict[str, list] = {}
+    for evt in events:
+        if evt.device_type() != want or _activity(evt) not in (DEVICE_WORK if device_type == "cuda" else ("cpu_op",)):
+            continue
+        g = groups.setdefault(evt.name(), [0, 0])
+        g[0] += 1
+        g[1] += max(0, evt.end_ns() - evt.start_ns())
+    return sorted((KernelTime(n, c, ns / 1e9) for n, (c, ns) in groups.items()), key=lambda k: -k.seconds)
+
+
 def measure_busy(fn: Callable[[], object], device_type: str) -> float:
     """Seconds ``device_type`` ("cuda" | "cpu") was busy while ``fn()`` ran (see the module docstring).
     On CUDA the device is synchronized before the profile closes; a profile with no such event at all
     raises RuntimeError (the profiler saw nothing, which must not read as an idle device)."""
+    return measure_profile(fn, device_type).busy_s
+
+
+def measure_profile(fn: Callable[[], object], device_type: str) -> BusyProfile:
+    """``measure_busy`` plus the device work grouped by kernel name (``BusyProfile``)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -75,7 +114,8 @@ def measure_busy(fn: Callable[[], object], device_type: str) -> float:
         fn()
         if device_type == "cuda":
             torch.cuda.synchronize()
-    intervals = busy_intervals_ns(prof.profiler.kineto_results.events(), device_type)
+    events = prof.profiler.kineto_results.events()
+    intervals = busy_intervals_ns(events, device_type)
     if not intervals:
         raise RuntimeError(f"torch.profiler recorded no {device_type} work while the measured code ran")
-    return union_length(intervals) / 1e9
+    return BusyProfile(union_length(intervals) / 1e9, kernel_times(events, device_type))

@@ -19,7 +19,8 @@ Points (engram.bench.engine_steps says how each is driven and checked):
 On CUDA, ms_gpu is the GPU busy time per step (engram.bench.device_time: ``--profile-steps`` more decode
 steps, or one more prefill step, under torch.profiler, apart from the timed ones) and ms_host_overhead =
 ms_wall - ms_gpu. On the CPU there is no GPU, and with ``--profile-steps 0`` nothing is profiled: both are
-null then.
+null then. ``--kernels N`` adds to each profiled decode point its N largest kernels (``kernels``: name,
+calls and microseconds per step) and prints them: where the GPU time of a step goes.
 
 Roofline (engram.bench.roofline): for each timed step, its bytes and FLOPs from the model's config and the
 step's shape; the point's roofline_ms is that of the mean cost, against ceilings measured at the start of
@@ -56,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-len", type=int, default=512, help="prompt tokens per decoding sequence")
     p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per point")
     p.add_argument("--warmup-tokens", type=int, default=3, help="tokens every sequence decodes before timing")
+    p.add_argument("--kernels", type=int, default=0,
+                   help="record and print the N largest kernels of each profiled decode point (0: none)")
     p.add_argument("--profile-steps", type=int, default=4,
                    help="decode steps profiled for GPU busy time (CUDA); 0: no profiling, ms_gpu null")
     p.add_argument("--prefill-shapes", default="1x2048,16x512", help="SEQSxTOKENS prefill steps, comma-separated")
@@ -93,6 +96,7 @@ class Settings:
     max_num_batched_tokens: int
     seed: int
     enforce_eager: bool = False  # engine arms run every step eagerly (no decode CUDA graphs)
+    kernels: int = 0  # largest kernels recorded per profiled decode point
 
 
 def _ints(text: str, option: str) -> tuple[int, ...]:
@@ -124,11 +128,12 @@ def settings_from(args: argparse.Namespace, seed: int) -> Settings:
     for option in ("context_len", "decode_steps", "warmup_tokens", "prefill_repeats", "max_num_batched_tokens"):
         if getattr(args, option) < 1:
             raise SystemExit(f"--{option.replace('_', '-')}={getattr(args, option)} must be >= 1")
-    if args.profile_steps < 0:
-        raise SystemExit(f"--profile-steps={args.profile_steps} must be >= 0")
+    for option in ("profile_steps", "kernels"):
+        if getattr(args, option) < 0:
+            raise SystemExit(f"--{option.replace('_', '-')}={getattr(args, option)} must be >= 0")
     return Settings(_ints(args.batch_sizes, "--batch-sizes"), args.context_len, args.decode_steps, args.warmup_tokens,
                     args.profile_steps, parse_prefill_shapes(args.prefill_shapes), args.prefill_repeats,
-                    args.max_num_batched_tokens, seed, args.enforce_eager)
+                    args.max_num_batched_tokens, seed, args.enforce_eager, args.kernels)
 
 
 def engine_config(s: Settings, max_position_embeddings: int, block_size: int = 16):
@@ -190,6 +195,10 @@ def engine_points(loaded, arm: str, tier: str | None, s: Settings, device, dtype
             points.append(make_point(cfg, arm, tier, "decode", b, s.context_len, shapes,
                                      statistics.fmean(t.wall_s) * 1e3, ms_gpu, b, itemsize, ceilings))
             points[-1]["graph_steps"] = t.graph_steps
+            if s.kernels and t.kernels:
+                n = len(t.busy_context_lens)
+                points[-1]["kernels"] = [{"name": k.name, "calls": k.calls / n, "us": k.seconds / n * 1e6}
+                                         for k in t.kernels[:s.kernels]]
             _progress(points[-1])
         for n, length in s.prefill_shapes:
             t = measure_prefill(engine, n, length, cfg.vocab_size, s.prefill_repeats, busy_device, s.seed)
@@ -377,6 +386,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"hf-peer skipped: {peer_reason}")
     for w in warnings:
         print(f"warning: {w}")
+    for p in points:
+        if p.get("kernels"):
+            print(f"\n{p['arm']} decode batch {p['batch']}: largest kernels per step "
+                  f"(GPU busy {p['ms_gpu']:.3f} ms)")
+            print(format_table([{"us": k["us"], "calls": k["calls"], "kernel": k["name"][:100]} for k in p["kernels"]],
+                               ["us", "calls", "kernel"]))
     if args.plot:
         plot_points(points, args.plot)
         print(f"plot: {args.plot}")

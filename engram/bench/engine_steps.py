@@ -65,6 +65,7 @@ class DecodeTimes:
     context_lens: list[list[int]]  # [steps][batch]: KV entries after the step (prompt + tokens computed)
     graph_steps: int = 0  # timed steps that replayed a CUDA graph (engine.stats()["graph_replays"])
     busy_s: float | None = None  # device busy seconds per profiled step (None: not profiled)
+    kernels: list = field(default_factory=list)  # device_time.KernelTime of the profiled steps (all of them)
     busy_context_lens: list[list[int]] = field(default_factory=list)  # the same for the profiled steps
 
 
@@ -130,13 +131,14 @@ def measure_decode(engine, prompts: list[list[int]], steps: int, warmup_tokens: 
             lens.append(ctx)
         times = DecodeTimes(wall, lens, engine.stats()["graph_replays"] - before["graph_replays"])
         if n_profile:
-            from engram.bench.device_time import measure_busy
+            from engram.bench.device_time import measure_profile
 
             def profiled() -> None:
                 for _ in range(n_profile):
                     times.busy_context_lens.append(_decode_step(engine, ids, generated, context_len))
 
-            times.busy_s = measure_busy(profiled, busy_device) / n_profile
+            prof = measure_profile(profiled, busy_device)
+            times.busy_s, times.kernels = prof.busy_s / n_profile, prof.kernels
         if engine.stats()["preemptions"] != before["preemptions"]:
             raise NotADecodeStep("a sequence was preempted during the timed steps (KV cache too small)")
         return times

@@ -103,6 +103,17 @@ def test_measure_busy_on_the_cpu_is_within_the_wall_time():
         measure_busy(lambda: None, "tpu")
 
 
+def test_measure_profile_groups_work_by_kernel_name():
+    from engram.bench.device_time import measure_profile
+
+    a = torch.randn(128, 128)
+    prof = measure_profile(lambda: ([a @ a for _ in range(7)], [a + 1 for _ in range(3)]), "cpu")
+    by_name = {k.name: k for k in prof.kernels}
+    assert by_name["aten::mm"].calls == 7 and by_name["aten::add"].calls == 3
+    assert [k.seconds for k in prof.kernels] == sorted((k.seconds for k in prof.kernels), reverse=True)
+    assert 0 < prof.busy_s and by_name["aten::mm"].seconds <= sum(k.seconds for k in prof.kernels)
+
+
 # ----------------------------------------------------------------- driving the engine
 def test_prompt_ids_are_deterministic_distinct_and_not_special():
     a, b = engine_steps.prompt_ids(3, 50, 4096, seed=7), engine_steps.prompt_ids(3, 50, 4096, seed=7)
