@@ -1,38 +1,86 @@
-"""``FastPathSwitch``: which implementation a function with a fast CUDA path and a torch reference uses.
+"""``FastPathSwitch``: which implementation a function with a fast path and a reference uses.
 
-"auto" takes the fast path where it can run (CUDA, the dtypes it supports, triton importable), "torch"
-always takes the reference, "triton" insists on the fast path and raises where it cannot run. The
-initial choice comes from an environment variable — a debugging switch (ENGRAM_KERNELS, ENGRAM_ATTENTION,
-ENGRAM_FUSED); tests flip it with ``set``.
+Two kinds of fast path share it. A fast CUDA path (Triton) beside a torch reference, whose ability to run
+depends on each call's tensors: "auto" takes the fast path where it can run (CUDA, the dtypes it
+supports, triton importable), "torch" always takes the reference, "triton" insists on the fast path and
+raises where it cannot run (``fast``). And a C extension beside a Python reference, whose availability is
+one fact of the process (``available``, e.g. whether ``engram.store._pread_pool`` was built): "auto"
+takes the C path when it is built and otherwise falls back with one warning per switch and process, the
+reference's name forces the fallback, and forcing the C path raises at once when it is not built
+(``set``, ``active``, ``use_fast``). The initial choice comes from an environment variable where the
+switch has one — a debugging switch (ENGRAM_KERNELS, ENGRAM_ATTENTION, ENGRAM_FUSED, ENGRAM_READER), read
+and checked like a ``set`` when the switch is made; tests flip it with ``set``.
 """
 from __future__ import annotations
 
 import functools
 import importlib
 import os
+import warnings
+from typing import Callable
 
 CHOICES = ("auto", "torch", "triton")
 
 
 class FastPathSwitch:
-    def __init__(self, what: str, env: str):
-        self.what = what  # how errors name it, e.g. "attention backend"
+    """A switch named ``what`` (how errors name it, e.g. "attention backend") over ``choices``: "auto", the
+    ``fast`` implementation's name and the reference's name, in the order errors list them.
+
+    ``available`` (optional) says whether the fast implementation exists in this process at all; with it,
+    ``set(fast)`` raises ``RuntimeError(missing)`` when it does not, and ``fallback_warning`` (optional) is
+    warned once when "auto" falls back to the reference for that reason.
+    """
+
+    def __init__(self, what: str, env: str | None = None, choices: tuple[str, str, str] = CHOICES,
+                 fast: str = "triton", available: Callable[[], bool] | None = None, missing: str = "",
+                 fallback_warning: str | None = None):
+        if len(choices) != 3 or choices[0] != "auto" or fast not in choices[1:]:
+            raise ValueError(f"{what}: choices {choices} must be 'auto' and two names, {fast!r} among them")
+        self.what = what
+        self.choices = choices
+        self.fast_name = fast
+        self.reference = next(c for c in choices[1:] if c != fast)
+        self.available = available
+        self.missing = missing  # the RuntimeError's message when the fast path is forced but not available
+        self.fallback_warning = fallback_warning
+        self._warned = False
         self.value = "auto"
-        self.set(os.environ.get(env, "auto"))
+        if env is not None:
+            self.set(os.environ.get(env, "auto"))
 
     def set(self, name: str) -> str:
-        """Select "auto", "torch" or "triton"; returns the previous choice."""
-        if name not in CHOICES:
-            raise ValueError(f"{self.what} {name!r} is not one of {CHOICES}")
+        """Select one of ``choices``; returns the previous choice. ValueError for another name,
+        RuntimeError when ``name`` forces a fast path that ``available`` says is not there."""
+        if name not in self.choices:
+            raise ValueError(f"{self.what} {name!r} is not one of {self.choices}")
+        if name == self.fast_name and self.available is not None and not self.available():
+            raise RuntimeError(self.missing)
         old, self.value = self.value, name
         return old
 
     def fast(self, can_run: bool, what_runs: str) -> bool:
-        """Whether to take the fast path, given whether it ``can_run`` here; "triton" raises when it cannot,
-        naming ``what_runs`` (e.g. "torch.float32 queries on cpu")."""
-        if self.value == "triton" and not can_run:
-            raise RuntimeError(f"{self.what} 'triton' cannot run {what_runs}")
-        return can_run and self.value != "torch"
+        """Whether to take the fast path, given whether it ``can_run`` here; a forced fast path raises when
+        it cannot, naming ``what_runs`` (e.g. "torch.float32 queries on cpu")."""
+        if self.value == self.fast_name and not can_run:
+            raise RuntimeError(f"{self.what} {self.fast_name!r} cannot run {what_runs}")
+        return can_run and self.value != self.reference
+
+    def active(self) -> str:
+        """For a switch with ``available``: the implementation in use now, the fast name or the
+        reference's ("auto" resolves to the fast one when available). Warns nothing."""
+        if self.value == self.reference or (self.value == "auto" and not self.available()):
+            return self.reference
+        return self.fast_name
+
+    def use_fast(self, stacklevel: int = 1) -> bool:
+        """``active() == fast``, warning ``fallback_warning`` the first time "auto" falls back because the
+        fast path is not available; ``stacklevel`` counts from the caller of ``use_fast`` (1: the caller)."""
+        if self.active() == self.fast_name:
+            return True
+        if self.value == "auto" and self.fallback_warning is not None and not self._warned:
+            self._warned = True
+            warnings.warn(self.fallback_warning, RuntimeWarning, stacklevel=stacklevel + 1)
+        return False
 
 
 @functools.cache

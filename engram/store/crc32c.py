@@ -12,9 +12,10 @@ file already built there for the pread pool costs no new dependency.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import numpy as np
+
+from engram.fast_path import FastPathSwitch
 
 try:
     from engram.store import _pread_pool as _c
@@ -26,19 +27,16 @@ else:
 
 POLY = 0x82F63B78  # reflected Castagnoli polynomial
 BACKENDS = ("auto", "c", "numpy")
-_backend = "auto"
-_warned = False
+SWITCH = FastPathSwitch(
+    "crc32c backend", None, BACKENDS, fast="c", available=lambda: _c is not None,
+    missing=f"the C CRC32C in engram.store._pread_pool is not built: {_IMPORT_ERROR}",
+    fallback_warning=f"engram: the C CRC32C is not built ({_IMPORT_ERROR}); page checksums use the much "
+                     "slower numpy implementation (reinstall with a C compiler)")
 
 
 def set_backend(name: str) -> str:
     """Choose "auto" (C when built), "c" (required) or "numpy"; returns the previous choice."""
-    global _backend
-    if name not in BACKENDS:
-        raise ValueError(f"crc32c backend {name!r} is not one of {BACKENDS}")
-    if name == "c" and _c is None:
-        raise RuntimeError(f"the C CRC32C in engram.store._pread_pool is not built: {_IMPORT_ERROR}")
-    old, _backend = _backend, name
-    return old
+    return SWITCH.set(name)
 
 
 def implementation() -> str:
@@ -47,14 +45,9 @@ def implementation() -> str:
 
 
 def _use_c() -> bool:
-    global _warned
-    if _backend == "numpy" or _c is None:
-        if _c is None and not _warned and _backend == "auto":
-            _warned = True
-            warnings.warn(f"engram: the C CRC32C is not built ({_IMPORT_ERROR}); page checksums use the much "
-                          "slower numpy implementation (reinstall with a C compiler)", RuntimeWarning, stacklevel=3)
-        return False
-    return True
+    """Whether the C code computes this call's checksums (the first numpy fallback under "auto" warns,
+    pointing at the caller of the public function)."""
+    return SWITCH.use_fast(stacklevel=3)
 
 
 @functools.cache

@@ -5,8 +5,9 @@ GIL and keeps ``queue_depth`` preads in flight; without it (no compiler at insta
 thread pool returns identical bytes, with one warning per process. ``io="direct"`` opens the file with
 O_DIRECT (reads bypass the page cache; buffers must be page-aligned, see ``aligned_pages``) and
 ``io="buffered"`` goes through the page cache. Any failed, short or stale read raises ``DiskReadError``
-naming the file and byte offset; only that call fails, the next one reads afresh. Tests flip the backend
-with ``set_backend("python")`` and inject faults through ``PageReader.fault_hook``.
+naming the file and byte offset; only that call fails, the next one reads afresh. ``ENGRAM_READER``
+(auto|c|python, checked at import; engram/fast_path.py) sets the initial backend; tests flip it with
+``set_backend("python")`` and inject faults through ``PageReader.fault_hook``.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from engram.fast_path import FastPathSwitch
+
 PAGE = 4096  # read unit and O_DIRECT alignment: 4 KiB covers every logical block size in use
 IO_MODES = ("direct", "buffered")
 BACKENDS = ("auto", "c", "python")
@@ -35,8 +38,11 @@ except ImportError as _e:  # built without a compiler: the Python reader takes o
 else:
     _IMPORT_ERROR = None
 
-_backend = os.environ.get("ENGRAM_READER", "auto")
-_warned = False
+SWITCH = FastPathSwitch(
+    "reader backend", "ENGRAM_READER", BACKENDS, fast="c", available=lambda: _pread_pool is not None,
+    missing=f"the C reader engram.store._pread_pool is not built: {_IMPORT_ERROR}",
+    fallback_warning=f"engram: the C disk reader is not built ({_IMPORT_ERROR}); using the slower pure-Python "
+                     "thread-pool reader (reinstall with a C compiler to build csrc/pread_pool.c)")
 _pools: dict[tuple[str, int], object] = {}  # (backend, queue depth) -> pool shared by every reader
 _pools_pid = os.getpid()
 _pools_lock = threading.Lock()
@@ -61,33 +67,17 @@ class Fault:
 
 def set_backend(name: str) -> str:
     """Choose "auto" (C when built), "c" (required) or "python"; returns the previous choice."""
-    global _backend
-    if name not in BACKENDS:
-        raise ValueError(f"reader backend {name!r} is not one of {BACKENDS}")
-    if name == "c" and _pread_pool is None:
-        raise RuntimeError(f"the C reader engram.store._pread_pool is not built: {_IMPORT_ERROR}")
-    old, _backend = _backend, name
-    return old
+    return SWITCH.set(name)
 
 
 def active_backend() -> str:
     """The backend reads use now: "c" or "python"."""
-    if _backend == "python" or (_backend == "auto" and _pread_pool is None):
-        return "python"
-    return "c"
+    return SWITCH.active()
 
 
 def c_available() -> bool:
+    """Whether the C extension engram.store._pread_pool was built (whatever the backend choice)."""
     return _pread_pool is not None
-
-
-def _warn_fallback() -> None:
-    global _warned
-    if not _warned and _backend == "auto":
-        _warned = True
-        warnings.warn(f"engram: the C disk reader is not built ({_IMPORT_ERROR}); using the slower "
-                      "pure-Python thread-pool reader (reinstall with a C compiler to build csrc/pread_pool.c)",
-                      RuntimeWarning, stacklevel=3)
 
 
 class _PythonPool:
@@ -139,9 +129,7 @@ class _PythonPool:
 def _pool(queue_depth: int):
     """The process-wide pool for this backend and depth (rebuilt in a forked child: threads do not fork)."""
     global _pools_pid
-    kind = active_backend()
-    if kind == "python":
-        _warn_fallback()
+    kind = "c" if SWITCH.use_fast(stacklevel=2) else "python"  # the first fallback under "auto" warns
     with _pools_lock:
         if os.getpid() != _pools_pid:
             _pools.clear()

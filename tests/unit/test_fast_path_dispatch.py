@@ -1,4 +1,5 @@
-"""Which fast path runs: attention and the fused small ops take the torch reference on the CPU (and for float64); the backend switches."""
+"""Which fast path runs: attention and the fused small ops take the torch reference on the CPU (and for float64);
+the C-extension switches (disk reader, CRC32C) follow whether the extension is built; the backend switches."""
 from __future__ import annotations
 
 import pytest
@@ -31,3 +32,60 @@ def test_fused_ops_take_the_reference_on_the_cpu_and_triton_insists():
             fused.rms_norm(x, torch.ones(8), 1e-6)
     finally:
         fused.set_backend(old)
+
+
+def test_c_extension_switch_follows_availability(monkeypatch):
+    """A switch with an ``available`` predicate (the C extension case: engram.store.reader / crc32c)."""
+    import warnings
+
+    from engram.fast_path import FastPathSwitch
+
+    built = {"c": False}
+    monkeypatch.setenv("ENGRAM_TEST_SWITCH", "python")
+    sw = FastPathSwitch("thing backend", "ENGRAM_TEST_SWITCH", ("auto", "c", "python"), fast="c",
+                        available=lambda: built["c"], missing="the C thing is not built",
+                        fallback_warning="C thing missing, using Python")
+    assert sw.value == "python" and sw.active() == "python"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not sw.use_fast()  # a forced reference does not warn
+    with pytest.raises(RuntimeError, match="the C thing is not built"):
+        sw.set("c")
+    with pytest.raises(ValueError, match=r"thing backend 'triton' is not one of \('auto', 'c', 'python'\)"):
+        sw.set("triton")
+    assert sw.set("auto") == "python" and sw.active() == "python"
+    with pytest.warns(RuntimeWarning, match="C thing missing"):
+        assert not sw.use_fast()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not sw.use_fast()  # warned once per switch
+    built["c"] = True
+    assert sw.active() == "c" and sw.use_fast()
+    assert sw.set("c") == "auto" and sw.active() == "c"
+    assert sw.set("python") == "c" and sw.active() == "python" and not sw.use_fast()
+    monkeypatch.setenv("ENGRAM_TEST_SWITCH", "cuda")
+    with pytest.raises(ValueError, match="thing backend 'cuda'"):  # the environment is checked like set()
+        FastPathSwitch("thing backend", "ENGRAM_TEST_SWITCH", ("auto", "c", "python"), fast="c",
+                       available=lambda: True)
+
+
+def test_store_switches_report_the_c_extension():
+    from engram.store import crc32c
+    from engram.store import reader as rd
+
+    assert rd.active_backend() == ("c" if rd.c_available() else "python")
+    assert crc32c.implementation() in (("sse4.2", "table") if rd.c_available() else ("numpy",))
+    old = rd.set_backend("python")
+    try:
+        assert rd.active_backend() == "python"
+    finally:
+        rd.set_backend(old)
+    old = crc32c.set_backend("numpy")
+    try:
+        assert crc32c.implementation() == "numpy"
+    finally:
+        crc32c.set_backend(old)
+    with pytest.raises(ValueError, match=r"reader backend 'torch' is not one of \('auto', 'c', 'python'\)"):
+        rd.set_backend("torch")
+    with pytest.raises(ValueError, match=r"crc32c backend 'python' is not one of \('auto', 'c', 'numpy'\)"):
+        crc32c.set_backend("python")
