@@ -2,8 +2,9 @@
 
 Starts `engram serve` on a free local port (or uses ``--url``), then runs ``--concurrency`` workers that
 each send streaming completions back to back until ``--duration`` seconds have passed. Prompts are natural
-text (sentences of Python standard-library docstrings, shuffled with a seed): repeated filler would hash
-to a handful of rows and flatter every cache. Reports errors, request and token throughput, and
+text: the prompts of a request corpus (engram/bench/corpus.py; ``--corpus FILE``, default the committed
+bench/corpus/natural-v1.jsonl, SHA-256 checked), in an order shuffled by ``--seed``; repeated filler would
+hash to a handful of rows and flatter every cache. Reports errors, request and token throughput, and
 TTFT / TPOT percentiles as JSON (bench/results/) and a table.
 """
 from __future__ import annotations
@@ -11,40 +12,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
-import re
+import os
 import time
+from pathlib import Path
 
 import numpy as np
 
 HELP = "serving load: N concurrent streams for a fixed time; throughput, TTFT/TPOT percentiles, errors"
-
-_STDLIB_MODULES = ("argparse", "asyncio", "collections", "csv", "datetime", "decimal", "email", "functools",
-                   "heapq", "http.client", "inspect", "json", "logging", "os", "pathlib", "pickle", "random",
-                   "re", "sqlite3", "statistics", "string", "subprocess", "tarfile", "textwrap", "threading",
-                   "unittest", "urllib.parse", "uuid", "zipfile", "typing")
+DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "bench" / "corpus" / "natural-v1.jsonl"
 
 
-def natural_prompts(count: int, seed: int = 0, min_words: int = 8, max_words: int = 60) -> list[str]:
-    """``count`` prompts cut from standard-library docstrings (deterministic for a seed)."""
-    import importlib
-    import inspect
-    import warnings
+def corpus_prompts(path: str | os.PathLike | None = None, seed: int = 0) -> tuple[list[str], str]:
+    """Every prompt of the corpus file at ``path`` (default ``DEFAULT_CORPUS``, the committed
+    bench/corpus/natural-v1.jsonl), ordered by ``numpy.random.default_rng(seed).permutation``, and the
+    file's SHA-256. Deterministic for (file, seed); CorpusError naming the file when it is missing, fails
+    its recorded checksum or is malformed (``load_corpus``)."""
+    from engram.bench.corpus import CorpusError, load_corpus
 
-    sentences: list[str] = []
-    for name in _STDLIB_MODULES:
-        mod = importlib.import_module(name)
-        with warnings.catch_warnings():  # typing's deprecated typing.io / typing.re warn when read
-            warnings.simplefilter("ignore", DeprecationWarning)
-            docs = [mod.__doc__ or ""] + [inspect.getdoc(obj) or "" for _, obj in inspect.getmembers(mod)
-                                          if inspect.isfunction(obj) or inspect.isclass(obj)]
-        for doc in docs:
-            for s in re.split(r"(?<=[.!?])\s+", " ".join(doc.split())):
-                if min_words <= len(s.split()) <= max_words:
-                    sentences.append(s)
-    rng = random.Random(seed)
-    rng.shuffle(sentences)
-    return [sentences[i % len(sentences)] for i in range(count)]
+    path = Path(DEFAULT_CORPUS if path is None else path)
+    if not path.is_file():
+        raise CorpusError(f"corpus {path}: no such file (write one with `engram bench corpus`, pass it with "
+                          f"--corpus)")
+    corpus = load_corpus(path)
+    order = np.random.default_rng(seed).permutation(len(corpus.requests))
+    return [corpus.requests[i].prompt for i in order], corpus.sha256
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,7 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (ignore_eos, so exactly this)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--corpus", default=None, metavar="FILE",
+                   help="request corpus whose prompts are sent (engram bench corpus; default: the committed "
+                        "bench/corpus/natural-v1.jsonl)")
+    p.add_argument("--seed", type=int, default=0, help="shuffles the order in which the corpus's prompts are sent")
     p.add_argument("--out", default=None, help="result JSON path (default: bench/results/<date>-serve-load.json)")
 
 
@@ -104,10 +98,14 @@ async def _worker(client, model: str, prompts: list[str], start: int, stride: in
         stats["tokens"] += tokens
 
 
-async def run_load(url: str, model: str, concurrency: int, duration: float, max_tokens: int, seed: int) -> dict:
+async def run_load(url: str, model: str, concurrency: int, duration: float, max_tokens: int,
+                   prompts: list[str]) -> dict:
+    """Hold ``concurrency`` streams for ``duration`` seconds; worker w sends prompts w, w + concurrency, ...
+    (cycling through ``prompts``). Returns the counts, throughputs and latency percentiles."""
     import httpx
 
-    prompts = natural_prompts(max(4 * concurrency, 256), seed)
+    if not prompts:
+        raise ValueError("run_load needs at least one prompt")
     stats = {"requests": 0, "tokens": 0, "errors": [], "ttft": [], "tpot": [], "e2e": []}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
@@ -127,11 +125,15 @@ async def run_load(url: str, model: str, concurrency: int, duration: float, max_
 def run(args: argparse.Namespace) -> int:
     import shlex
     import tempfile
-    from pathlib import Path
 
+    from engram.bench.corpus import CorpusError
     from engram.bench.report import format_table, write_result
     from engram.server.launcher import ServerProcess
 
+    try:
+        prompts, corpus_sha256 = corpus_prompts(args.corpus, args.seed)
+    except CorpusError as e:
+        raise SystemExit(f"engram bench serve: {e}") from None
     server = None
     url = args.url
     if url is None:
@@ -141,12 +143,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"starting engram serve {args.model} (log: {log}) ...", flush=True)
         url = server.wait_ready().url
     try:
-        result = asyncio.run(run_load(url, args.model, args.concurrency, args.duration, args.max_tokens, args.seed))
+        result = asyncio.run(run_load(url, args.model, args.concurrency, args.duration, args.max_tokens, prompts))
     finally:
         if server is not None:
             server.stop()
     config = {"url": args.url, "model": args.model, "serve_args": args.serve_args, "concurrency": args.concurrency,
-              "duration_s": args.duration, "max_tokens": args.max_tokens, "seed": args.seed}
+              "duration_s": args.duration, "max_tokens": args.max_tokens, "seed": args.seed,
+              "corpus": args.corpus, "corpus_sha256": corpus_sha256}  # corpus None: the committed default
     path = write_result("serve-load", config, result, out=args.out)
     print(json.dumps(result, indent=2))
     print(format_table([{k: v for k, v in result.items() if k != "error_samples"}]))

@@ -111,9 +111,10 @@ def test_32_concurrent_requests_equal_llm_generate_float64(server, cache_dir):
 
 
 def test_serve_load_bench_counts_finished_streams_and_their_tokens(server):
-    from engram.bench.serve_load import run_load
+    from engram.bench.serve_load import corpus_prompts, run_load
 
-    result = asyncio.run(run_load(server.url, "tiny", concurrency=4, duration=1.0, max_tokens=6, seed=0))
+    prompts, _ = corpus_prompts(seed=0)  # the committed natural-v1 corpus's prompts (100..1024 tokens)
+    result = asyncio.run(run_load(server.url, "tiny", concurrency=4, duration=1.0, max_tokens=6, prompts=prompts))
     assert result["errors"] == 0 and result["requests"] >= 4, result["error_samples"]
     assert result["output_tokens"] == 6 * result["requests"]  # from each stream's usage chunk
     assert 0 < result["ttft_p50_s"] <= result["e2e_p50_s"]
