@@ -49,7 +49,7 @@ class NgramHasher:
         self.cfg = cfg
         self.pad_id = int(pad_id)
         self.window = cfg.max_ngram_size - 1  # lookback length
-        self._consts: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._consts: dict[tuple, tuple[torch.Tensor, ...]] = {}  # per (layer id | "pending", device)
 
     @classmethod
     def from_tokenizer(cls, cfg: EngramConfig, compressed_tokenizer: "CompressedTokenizer") -> "NgramHasher":
@@ -180,6 +180,48 @@ class NgramHasher:
         rows = rows.reshape(len(tab.mult), t, self.cfg.n_cols)
         return ({lid: torch.from_numpy(rows[i]) for i, lid in enumerate(self.cfg.layer_ids)},
                 torch.from_numpy(src[lb_idx]))
+
+    # ----------------------------------------------------------------- tokens not read yet (async scheduling)
+    def pending_partials(self, before: np.ndarray) -> np.ndarray:
+        """Host half of the row ids of tokens whose value only the device has (sampled by a step whose result
+        the engine has not read): ``before`` [P, W] int64, the compressed ids of the W positions before each
+        such token (oldest first, pad-filled, DEAD = -1) -> [L, P, n_cols] int64 per Engram layer (cfg order):
+        at column (order n, head h) the XOR over slots s = 1..n-1 of the (sticky-DEAD-padded) id at p - s
+        times m[s]. ``hash_pending`` finishes it with the token."""
+        p, w = before.shape
+        if w != self.window:
+            raise ValueError(f"pending_partials: expected [P, {self.window}] ids, got {tuple(before.shape)}")
+        windows = np.ascontiguousarray(before[:, ::-1].T)  # [W, P]: row s - 1 holds slot s (position p - s)
+        if windows.size and windows.min() < 0:
+            dead = np.logical_or.accumulate(windows == DEAD, axis=0)
+            windows[dead] = self.pad_id
+        tab = self._tables
+        terms = np.bitwise_xor.accumulate(windows[None] * tab.mult[:, 1:, None], axis=1)  # [L, W, P]: slots 1..s
+        heads = self.cfg.n_heads
+        out = np.broadcast_to(terms.transpose(0, 2, 1)[..., None], (len(tab.mult), p, w, heads))  # order n at n - 2
+        return np.ascontiguousarray(out).reshape(len(tab.mult), p, w * heads)
+
+    def hash_pending(self, compressed: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
+        """Device half: ``compressed`` [P] int64 compressed ids of the tokens (DEAD = -1) and ``partials``
+        [L, P, n_cols] from ``pending_partials``, on one device -> row ids [L, P, n_cols] on it, bitwise what
+        ``hash_step`` gives at those positions. A DEAD token pads its whole window (sticky from slot 0).
+        A few elementwise kernels, no host synchronisation."""
+        m0, pad_mixed, primes, offsets = self._pending_consts(compressed.device)
+        c = compressed.reshape(1, -1, 1)
+        mixed = torch.where(c == DEAD, pad_mixed, (c * m0) ^ partials)
+        return torch.remainder(mixed, primes) + offsets
+
+    def _pending_consts(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(m[0] [L, 1, 1], all-pad window's XOR [L, 1, n_cols], primes [L, 1, n_cols], offsets [L, 1, n_cols])."""
+        key = ("pending", device)
+        if key not in self._consts:
+            tab, heads, n_layers = self._tables, self.cfg.n_heads, len(self._tables.mult)
+            pad_terms = np.bitwise_xor.accumulate(self.pad_id * tab.mult, axis=1)[:, 1:]  # [L, W]: order n at n - 2
+            pad_mixed = np.repeat(pad_terms, heads, axis=1)  # [L, n_cols]
+            consts = (tab.mult[:, :1, None], pad_mixed[:, None], tab.primes.reshape(n_layers, 1, -1),
+                      tab.offsets.reshape(n_layers, 1, -1))
+            self._consts[key] = tuple(torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in consts)
+        return self._consts[key]
 
     def packed_windows(self, ids: torch.Tensor, cu_seqlens: torch.Tensor, lookback: torch.Tensor) -> torch.Tensor:
         """[T, max_ngram] windows of a packed batch: slot s holds the id at position p - s of its sequence."""

@@ -23,6 +23,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # share of the device the process may fill (KV sized from a profile)
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly (vLLM's name)
     max_graph_batch: int = 256  # largest decode batch captured as a CUDA graph; larger batches run eager
+    # describe step N+1 while the device runs step N (None: on for CUDA where the tables allow it; True on
+    # the CPU runs the same bookkeeping without any overlap, for tests)
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -40,6 +43,8 @@ class EngineConfig:
             raise bad("num_kv_blocks", "must be >= 1 (or None to size from kv_cache_memory)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise bad("gpu_memory_utilization", "must be in (0, 1]")
+        if self.async_scheduling not in (None, True, False):
+            raise bad("async_scheduling", "must be true, false or null (auto)")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise bad("max_num_batched_tokens",
                       f"must be >= max_num_seqs={self.max_num_seqs} so every running sequence can decode")

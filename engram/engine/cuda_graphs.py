@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from engram.engine.lookup import StagedRows
+from engram.engine.pending import PendingPatch
 from engram.engine.step import StepDescription
 from engram.model.inputs import StepInputs
 from engram.model.layers import paged_attention as pa
@@ -64,13 +65,15 @@ class DecodeGraphs:
         b = self.buckets[-1]
         # Every per-step input in one int64 buffer, [token ids | positions | KV lengths | slots | block tables |
         # Engram row ids per layer (in-graph lookups)], staged in pinned memory and copied with one non-blocking
-        # copy per step. The host buffer is rewritten only after the previous step's tokens were read, so its
-        # copy has completed by then.
+        # copy per step. Two pinned buffers take turns: with async scheduling a step is filled while the copy
+        # of the one before may still be queued; an event per buffer says when its copy has run.
         self.layer_ids = list(self.tables) if self.tables else []
         n = b * (4 + self.max_blocks + self.n_cols * len(self.layer_ids))
-        self.host_in = torch.zeros(n, dtype=torch.long).pin_memory()
+        self.host_in = [torch.zeros(n, dtype=torch.long).pin_memory() for _ in range(2)]
+        self._copied = [torch.cuda.Event() for _ in range(2)]
+        self._turn = 0
         self.dev_in = torch.zeros(n, dtype=torch.long, device=device)
-        self._host = self._views(self.host_in.numpy(), b)  # numpy views of the pinned buffer
+        self._host = [self._views(buf.numpy(), b) for buf in self.host_in]  # numpy views of the pinned buffers
         self.token_ids, self.positions, self.context_lens, self.slot_mapping, self.block_tables, self.row_ids = (
             self._views(self.dev_in, b))
         self.context_lens.fill_(1)
@@ -163,13 +166,17 @@ class DecodeGraphs:
         self.graphs[size], self.logits[size] = graph, logits
 
     @torch.inference_mode()
-    def run(self, step: StepDescription, staged: StagedRows | None) -> torch.Tensor:
+    def run(self, step: StepDescription, staged: StagedRows | None, patch: PendingPatch | None = None) -> torch.Tensor:
         """Fill the static buffers from the step, replay its bucket's graph -> logits [S, vocab] (a view that
         the next replay overwrites: sample from it first). ``staged``: the lookup executor's rows, needed
-        unless the gathers are in the graph (then, if given, they were counted by the executor)."""
+        unless the gathers are in the graph (then, if given, they were counted by the executor). ``patch``:
+        pending tokens (async scheduling), written into the static token and row-id buffers on the device."""
         s = step.num_seqs
         size = next(b for b in self.buckets if b >= s)
-        tok, pos, ctx, slots, tables, row_ids = self._host  # numpy views of the pinned staging buffer
+        turn, self._turn = self._turn, 1 - self._turn
+        if not self._copied[turn].query():  # this buffer's previous copy (two steps ago) has run: no wait
+            self._copied[turn].synchronize()
+        tok, pos, ctx, slots, tables, row_ids = self._host[turn]  # numpy views of a pinned staging buffer
         tok[:s], pos[:s], ctx[:s], slots[:s] = (step.token_ids.numpy(), step.positions.numpy(),
                                                 step.context_lens.numpy(), step.slot_mapping.numpy())
         tok[s:size], pos[s:size], ctx[s:size], slots[s:size] = 0, 0, 1, self.null_block * self.block_size
@@ -179,7 +186,12 @@ class DecodeGraphs:
         for lid, ids in row_ids.items():
             ids[:s] = step.engram_row_ids[lid].numpy()  # [S, n_cols]
             ids[s:size] = 0  # padding sequences read row 0
-        self.dev_in.copy_(self.host_in, non_blocking=True)
+        self.dev_in.copy_(self.host_in[turn], non_blocking=True)
+        self._copied[turn].record()
+        if patch is not None:
+            self.token_ids.index_copy_(0, patch.rows, patch.token_ids)
+            for lid, ids in self.row_ids.items():
+                ids.index_copy_(0, patch.rows, patch.row_ids[lid])
         if self.tables is None:
             for lid, buf in self.rows.items():
                 buf[:s].copy_(staged.rows(lid, step.step_id))

@@ -7,11 +7,21 @@ lookups and sampler (engine/worker.py). ``add_request`` tokenizes and queues; ``
 request; ``stats()`` is the one snapshot that metrics read. A failed step commits nothing; when it held
 several requests the engine re-runs it in halves to find the request(s) that fail, so the others go on
 (``StepError`` then carries the outputs of the rest and the failing request ids).
+
+Async scheduling (``EngineConfig.async_scheduling``; on by default on CUDA where the tables can gather ids
+the device produced): ``step`` launches step N+1 before it reads step N, so the host's scheduling,
+packing, hashing, detokenizing and output building overlap the device's work. N+1's decode tokens are N's
+sampled ids, still on the device (``Sequence.num_pending``; packing.py, engine/pending.py). Greedy and
+seeded outputs are those of synchronous scheduling; what changes is timing: a sequence that stops (EOS, a
+stop string) computes one more token, which is dropped, and a request is admitted one step later. A
+sequence whose token in flight is certain to be its last (max_tokens, max_model_len) sits the next step out.
 """
 from __future__ import annotations
 
 import itertools
+import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,13 +32,15 @@ from engram.engine.detokenizer import IncrementalDetokenizer, detokenize_step
 from engram.engine.executor import Executor, UniProcExecutor
 from engram.engine.outputs import CompletionOutput, RequestOutput
 from engram.engine.packing import describe, pack
-from engram.engine.planner import LookupPlan, LookupPlanner
+from engram.engine.planner import LookupPlanner
 from engram.engine.sampling_params import SamplingParams
 from engram.engine.scheduler import ScheduledBatch, Scheduler
 from engram.engine.sequence import Sequence
 from engram.engine.step import StepResult
 from engram.engine.worker import Worker
 from engram.hashing import NgramHasher
+
+log = logging.getLogger(__name__)
 
 
 class StepError(RuntimeError):
@@ -65,13 +77,90 @@ class LLMEngine:
         self._finished_seq_ids: list[int] = []  # told to the Workers with the next step (they free state)
         self.num_preemptions = 0  # sequences preempted by recompute since start
         self.num_steps = 0
+        self.device = torch.device(device)
+        self._inflight: _Launched | None = None  # async scheduling: the launched step not read yet
+        self._last_scheduled = ScheduledBatch()
+        if config.async_scheduling and not self.executor.takes_pending_tokens():
+            raise ValueError("engine.async_scheduling=True: the Workers cannot take tokens that stay on the device "
+                             "(on CUDA every Engram table must gather device ids itself: tier gpu, or tier host "
+                             "without a hot-row cache); use async_scheduling=null (auto) or false")
 
     # ----------------------------------------------------------------- the loop
     def step(self) -> list[RequestOutput]:
+        """Run one step and return the outputs of the step that completed. With async scheduling the step
+        launched here is read by the next call (its outputs come then), so the device always has the next
+        step queued while the host postprocesses; otherwise a step is launched and read in the same call."""
+        if self._async():
+            return self._step_async()
+        if self._inflight is not None:  # async scheduling was just turned off (a replaced lookup executor)
+            prev, self._inflight = self._inflight, None
+            return self._collect(prev)
         batch = self.scheduler.schedule()
         self.num_preemptions += len(batch.preempted)
         if batch.is_empty:
             return []
+        return self._run_isolated(batch)
+
+    def _async(self) -> bool:
+        c = self.config.async_scheduling
+        wanted = c if c is not None else self.device.type == "cuda"
+        return wanted and self.executor.takes_pending_tokens()
+
+    def _step_async(self) -> list[RequestOutput]:
+        if self._inflight is None:
+            self._inflight = self._launch_next(None)
+            if self._inflight is None:
+                return []
+        prev, self._inflight = self._inflight, None
+        try:
+            self._inflight = self._launch_next(prev)
+        except Exception as e:  # nothing of it was committed: read prev, then run that batch synchronously
+            log.warning("launching step %d ahead failed (%s: %s): reading the step before, then running it "
+                        "synchronously", self.num_steps, type(e).__name__, e)
+            failed_batch = self._last_scheduled
+            outputs = self._collect_or_rerun(prev)
+            live = [i for i, seq in enumerate(failed_batch.seqs) if not seq.is_finished]
+            try:
+                return outputs + self._run_isolated(_pick(failed_batch, live))
+            except StepError as e:
+                e.outputs = outputs + e.outputs
+                raise
+        return self._collect_or_rerun(prev)
+
+    def _launch_next(self, prev: "_Launched | None") -> "_Launched | None":
+        """Schedule and launch the next step while ``prev`` (if any) is still in flight."""
+        batch = self.scheduler.schedule(hold=self._last_token_in_flight)
+        self.num_preemptions += len(batch.preempted)
+        self._last_scheduled = batch
+        return None if batch.is_empty else self._launch(batch, prev)
+
+    def _last_token_in_flight(self, seq: Sequence) -> bool:
+        """Whether a token of ``seq`` still in flight is certain to be its last (length limits): then it sits
+        the next step out instead of computing a token nobody reads."""
+        if not seq.num_pending:
+            return False
+        total = seq.num_scheduled_tokens
+        p = seq.params
+        return total >= self.max_model_len or (p.max_tokens is not None and total - seq.num_prompt_tokens >= p.max_tokens)
+
+    def _collect_or_rerun(self, launched: "_Launched") -> list[RequestOutput]:
+        """Read a launched step; if that fails, drop the step launched after it (its inputs were this one's
+        tokens) and re-run this one's batch synchronously, isolating the failing requests."""
+        try:
+            return self._collect(launched)
+        except Exception:
+            dropped, self._inflight = self._inflight, None
+            if dropped is not None:
+                try:
+                    self.executor.collect(dropped.handle)
+                except Exception:
+                    pass  # it read tokens of a failed step: whatever it did is discarded
+                self._rollback(dropped)
+            live = [i for i, seq in enumerate(launched.batch.seqs) if not seq.is_finished]
+            return self._run_isolated(_pick(launched.batch, live))
+
+    def _run_isolated(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Launch and read ``batch`` now; on failure find who fails and run the others."""
         try:
             return self._run(batch)
         except Exception as e:  # nothing was committed: find who fails, run the others
@@ -85,14 +174,54 @@ class LLMEngine:
             return outputs  # the failure did not repeat: every request advanced
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        packed = pack(batch)
-        plan = self.planner.plan(packed.compressed_ids, packed.cu_seqlens, packed.lookback)  # row ids per layer
+        return self._collect(self._launch(batch, None))
+
+    def _launch(self, batch: ScheduledBatch, prev: "_Launched | None") -> "_Launched":
+        """Describe ``batch`` and start it on the executor; then (only then) advance the scheduler-visible
+        state: tokens computed, tokens in flight. ``prev``: the step still in flight whose sampled tokens
+        some of this step's inputs are."""
+        packed = pack(batch, self.hasher.pad_id if self.hasher else 0)
+        sources = []
+        for _, seq, _ in packed.pending:
+            if prev is None or seq.seq_id not in prev.sample_index:
+                raise RuntimeError(f"sequence {seq.request_id!r} has a token in flight that is not the last step's")
+            sources.append(prev.sample_index[seq.seq_id])
+        plan = self.planner.plan(packed.compressed_ids, packed.cu_seqlens, packed.lookback,
+                                 [before for _, _, before in packed.pending])  # row ids per layer
         step = describe(next(self._step_ids), batch, packed, plan, self.config.block_size, self.eos_token_id,
                         bool(self._dead_ids), self._finished_seq_ids)
-        result = self.executor.execute(step)
+        if packed.pending:
+            step.pending_rows = [row for row, _, _ in packed.pending]
+            step.pending_sources, step.pending_step_id = sources, prev.step_id
+            step.pending_partials = plan.pending_partials
+        handle = self.executor.launch(step)
         self._finished_seq_ids = []
         self.num_steps += 1
-        return self._postprocess(batch, plan, result)
+        now = time.monotonic()
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
+        sampled = batch.sample_indices()
+        for i in sampled:
+            batch.seqs[i].num_pending += 1
+        return _Launched(batch, handle, step.step_id, {batch.seqs[i].seq_id: j for j, i in enumerate(sampled)},
+                         [seq.metrics.num_preemptions for seq in batch.seqs], sampled)
+
+    def _collect(self, launched: "_Launched") -> list[RequestOutput]:
+        try:
+            result = self.executor.collect(launched.handle)
+        except Exception:
+            self._rollback(launched)
+            raise
+        return self._postprocess(launched, result)
+
+    def _rollback(self, launched: "_Launched") -> None:
+        """Undo what ``_launch`` advanced (a step that failed, or was dropped, computed nothing)."""
+        for seq, n, epoch in zip(launched.batch.seqs, launched.batch.num_new_tokens, launched.epochs):
+            if seq.metrics.num_preemptions == epoch:  # a sequence preempted since restarts from 0 anyway
+                seq.num_computed_tokens -= n
+        for i in launched.sampled:
+            launched.batch.seqs[i].num_pending -= 1
 
     def _run_isolating(self, batch: ScheduledBatch, failed: list[str]) -> list[RequestOutput]:
         """Re-run a failed batch in halves (each a step of its own); a single sequence that still fails is
@@ -104,8 +233,8 @@ class LLMEngine:
                 failed.append(batch.seqs[0].request_id)
                 return []
         half = len(batch.seqs) // 2
-        return (self._run_isolating(_sub_batch(batch, 0, half), failed)
-                + self._run_isolating(_sub_batch(batch, half, len(batch.seqs)), failed))
+        return (self._run_isolating(_pick(batch, range(half)), failed)
+                + self._run_isolating(_pick(batch, range(half, len(batch.seqs))), failed))
 
     # ----------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
@@ -143,7 +272,13 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        if self._inflight is not None and all(seq.is_finished for seq in self._inflight.batch.seqs):
+            gone, self._inflight = self._inflight, None  # every request of the step in flight is gone (aborted)
+            try:
+                self._collect(gone)  # read it so that no device work outlives them; its tokens are dropped
+            except Exception as e:
+                log.warning("a step whose requests were all aborted failed: %s: %s", type(e).__name__, e)
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def num_unfinished(self) -> int:
         return self.scheduler.num_unfinished()
@@ -171,19 +306,27 @@ class LLMEngine:
         self.scheduler.finish(seq)
         self._finished_seq_ids.append(seq.seq_id)
 
-    def _postprocess(self, batch: ScheduledBatch, plan: LookupPlan, result: StepResult) -> list[RequestOutput]:
+    def _postprocess(self, launched: "_Launched", result: StepResult) -> list[RequestOutput]:
+        """Commit a read step: prompt logprobs, then each sampling sequence's token, stop checks and output.
+        Sequences that finished (or were aborted) while the step was in flight drop their token."""
+        batch = launched.batch
         now = time.monotonic()
         for i, scored in result.prompt_logprobs.items():
-            batch.seqs[i].prompt_logprobs.extend(scored)
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            seq.num_computed_tokens += n
-            seq.lookback = plan.next_lookback[i]  # [W]
-            seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
-        sampled = [batch.seqs[i] for i in batch.sample_indices()]
-        compressed = self._compress(result.token_ids)
-        detokenize_step(self.tokenizer, [s.detokenizer for s in sampled], result.token_ids)
+            if not batch.seqs[i].is_finished:
+                batch.seqs[i].prompt_logprobs.extend(scored)
+        live = []
+        for i, tok, lp in zip(launched.sampled, result.token_ids, result.logprobs or [None] * len(launched.sampled)):
+            seq = batch.seqs[i]
+            seq.num_pending -= 1
+            if not seq.is_finished:
+                live.append((seq, tok, lp))
+        if not live:
+            return []
+        toks = [tok for _, tok, _ in live]
+        compressed = self._compress(toks)
+        detokenize_step(self.tokenizer, [seq.detokenizer for seq, _, _ in live], toks)
         outputs = []
-        for seq, tok, ctok, lp in zip(sampled, result.token_ids, compressed, result.logprobs or [None] * len(sampled)):
+        for (seq, tok, lp), ctok in zip(live, compressed):
             seq.append_token(tok, ctok)
             if lp is not None:
                 seq.logprobs.append(lp)
@@ -219,6 +362,20 @@ class LLMEngine:
                              finished=done, metrics=seq.metrics, prompt_logprobs=seq.prompt_logprobs)
 
 
-def _sub_batch(batch: ScheduledBatch, lo: int, hi: int) -> ScheduledBatch:
-    """Sequences lo:hi of a scheduled batch as a batch of their own (their KV blocks are already allocated)."""
-    return ScheduledBatch(batch.seqs[lo:hi], batch.num_new_tokens[lo:hi], batch.start_positions[lo:hi])
+@dataclass
+class _Launched:
+    """A step handed to the executor and not read yet."""
+
+    batch: ScheduledBatch
+    handle: Any  # the executor's
+    step_id: int
+    sample_index: dict[int, int]  # seq id -> index of its token among the step's sampled tokens
+    epochs: list[int]  # each sequence's preemption count at launch (a later preemption voids its advance)
+    sampled: list[int]  # indices into batch.seqs of the sequences that sample, in token order
+
+
+def _pick(batch: ScheduledBatch, indices) -> ScheduledBatch:
+    """Some sequences of a scheduled batch as a batch of their own (their KV blocks are already allocated)."""
+    idx = list(indices)
+    return ScheduledBatch([batch.seqs[i] for i in idx], [batch.num_new_tokens[i] for i in idx],
+                          [batch.start_positions[i] for i in idx])

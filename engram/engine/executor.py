@@ -1,7 +1,10 @@
 """Executor: how the engine reaches its Workers. One method per direction, nothing model-specific.
 
 ``execute(step) -> StepResult`` runs a StepDescription on every Worker and returns the result the
-engine reads (rank 0's); ``stats()`` gathers the Workers' counters. ``UniProcExecutor`` holds one Worker
+engine reads (rank 0's); ``launch(step)`` and ``collect(handle)`` are its two halves, which async
+scheduling splits so that the engine describes the next step while the device runs this one;
+``takes_pending_tokens()`` says whether the Workers accept steps whose inputs are the previous step's
+sampled tokens; ``stats()`` gathers the Workers' counters. ``UniProcExecutor`` holds one Worker
 in this process and calls it directly. A multi-process executor (tensor/pipeline parallel) keeps this
 interface: it pickles the StepDescription once (plain CPU data), broadcasts it to its Workers (a
 shared-memory ring or ``torch.distributed.broadcast_object_list`` on a gloo group), each Worker runs
@@ -21,7 +24,18 @@ class Executor:
     num_kv_blocks: int  # KV blocks every Worker allocated (the scheduler's block pool)
 
     def execute(self, step: StepDescription) -> StepResult:
+        return self.collect(self.launch(step))
+
+    def launch(self, step: StepDescription) -> Any:
+        """Start a step on every Worker; returns a handle for ``collect``, without waiting for the device."""
         raise NotImplementedError
+
+    def collect(self, handle: Any) -> StepResult:
+        """Wait for a launched step (launches are collected in order) -> rank 0's StepResult."""
+        raise NotImplementedError
+
+    def takes_pending_tokens(self) -> bool:
+        return False
 
     def stats(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -34,8 +48,14 @@ class UniProcExecutor(Executor):
         self.worker = worker
         self.num_kv_blocks = worker.memory.num_blocks
 
-    def execute(self, step: StepDescription) -> StepResult:
-        return self.worker.execute(step)
+    def launch(self, step: StepDescription) -> Any:
+        return self.worker.launch(step)
+
+    def collect(self, handle: Any) -> StepResult:
+        return self.worker.collect(handle)
+
+    def takes_pending_tokens(self) -> bool:
+        return self.worker.takes_pending_tokens()
 
     def stats(self) -> dict[str, Any]:
         return self.worker.stats()

@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 
 from engram.config import EngramConfig
+from engram.engine.pending import PendingPatch
 from engram.engine.step import StepDescription
+from engram.transfer import to_device
 
 
 class StagedRows:
@@ -46,7 +48,12 @@ class LookupExecutor:
         self.fetch_dtype = torch.float32 if dtype == torch.float64 else dtype
         self.device = torch.device(device)
 
-    def submit(self, step: StepDescription) -> StagedRows:
+    def submit(self, step: StepDescription, patch: PendingPatch | None = None) -> StagedRows:
+        """Stage every layer's rows of ``step``. With a ``patch`` (async scheduling: some row ids exist only
+        on the device) the ids are uploaded, patched there and gathered from device ids, which only tables
+        that gather device ids as device work (or any table, on the CPU) can serve."""
+        if patch is not None:
+            return self._submit_patched(step, patch)
         handles = {lid: self.tables[lid].submit(ids.reshape(-1), dtype=self.fetch_dtype)
                    for lid, ids in step.engram_row_ids.items()}  # [T * n_cols] each, CPU int64
         rows = {}
@@ -54,6 +61,19 @@ class LookupExecutor:
             flat = handles[lid].wait()  # [T * n_cols, head_dim]
             rows[lid] = flat.to(self.device, self.dtype).reshape(ids.shape[0], ids.shape[1], -1)  # [T, n_cols, D]
         return StagedRows(step.step_id, rows)
+
+    def _submit_patched(self, step: StepDescription, patch: PendingPatch) -> StagedRows:
+        rows = {}
+        for lid, ids in step.engram_row_ids.items():
+            dev_ids = patch.patched(to_device(ids, self.device), patch.row_ids[lid])  # [T, n_cols]
+            flat = self.tables[lid].gather(dev_ids.reshape(-1), dtype=self.fetch_dtype)
+            rows[lid] = flat.to(self.device, self.dtype).reshape(ids.shape[0], ids.shape[1], -1)
+        return StagedRows(step.step_id, rows)
+
+    def takes_device_ids(self) -> bool:
+        """Whether ``submit`` can take a patch on this device: on the CPU every table can; on CUDA only when
+        every table gathers device ids as device work alone (tier gpu, tier host without a hot-row cache)."""
+        return self.device.type == "cpu" or all(t.gathers_on_device for t in self.tables.values())
 
     def stats(self) -> dict[int, dict[str, int]]:
         """Each table's counters (lookups, rows, hits, misses, bytes_read, ...), by Engram layer id."""

@@ -4,6 +4,13 @@
 positions, offsets, KV lengths, block tables, lookbacks) as CPU tensors built from the scheduler's own
 numbers; ``describe`` adds the slot mapping, the plan's row ids and each sampling sequence's SampleSpec.
 Nothing here touches a device.
+
+Async scheduling packs a step before the previous one's tokens are read: a chunk may end in such a
+*pending* token (never more than one per chunk: a chunk ends where the sequence's scheduled tokens end).
+Its packed row holds placeholders (raw id 0, the compressed pad id) and is listed in ``pending``, with
+the index of the token among the previous step's sampled ones and the W compressed ids before it (all
+read): the Worker fills in the token on the device and the planner's host half of its row ids is
+finished there (hashing.NgramHasher.pending_partials / hash_pending).
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ import torch
 
 from engram.engine.planner import LookupPlan
 from engram.engine.scheduler import ScheduledBatch
+from engram.engine.sequence import Sequence
 from engram.engine.step import PromptLogprobsSpec, SampleSpec, StepDescription
 
 
@@ -26,14 +34,24 @@ class PackedBatch:
     lookback: torch.Tensor  # [S, max_ngram-1] int64 each sequence's lookback before the step
     block_tables: torch.Tensor  # [S, max_blocks] int64, -1 padded
     sample_rows: list[int]  # indices (into the S sequences) that sample a token this step
+    pending: list[tuple[int, Sequence, list[int]]]  # (packed row, sequence, W ids before it) per pending token
 
 
-def pack(batch: ScheduledBatch) -> PackedBatch:
+def pack(batch: ScheduledBatch, pad_id: int = 0) -> PackedBatch:
+    """``pad_id``: the compressed placeholder of pending tokens (the hasher's pad id)."""
     seqs = batch.seqs
-    toks, comp, pos = [], [], []
+    toks, comp, pos, pending = [], [], [], []
     for seq, s0, n in zip(seqs, batch.start_positions, batch.num_new_tokens):
-        toks.extend(seq.token_ids[s0:s0 + n])
+        known = seq.token_ids[s0:s0 + n]
+        toks.extend(known)
         comp.extend(seq.compressed_ids[s0:s0 + n])
+        if len(known) < n:  # the chunk ends in a token still on the device
+            if len(known) != n - 1:
+                raise RuntimeError(f"sequence {seq.request_id!r}: chunk [{s0}, {s0 + n}) holds "
+                                   f"{n - len(known)} unread tokens; at most its last one may be")
+            pending.append((len(toks), seq, seq.lookback_before(s0 + n - 1)))
+            toks.append(0)
+            comp.append(pad_id)
         pos.extend(range(s0, s0 + n))
     lens = torch.tensor(batch.num_new_tokens, dtype=torch.long)
     cu = torch.zeros(len(seqs) + 1, dtype=torch.long)
@@ -46,9 +64,11 @@ def pack(batch: ScheduledBatch) -> PackedBatch:
         positions=torch.tensor(pos, dtype=torch.long),
         cu_seqlens=cu,
         context_lens=torch.tensor(batch.start_positions, dtype=torch.long) + lens,
-        lookback=torch.stack([s.lookback for s in seqs]),  # [S, W]
+        lookback=torch.tensor([s.lookback_before(s0) for s, s0 in zip(seqs, batch.start_positions)],
+                              dtype=torch.long),  # [S, W]
         block_tables=torch.tensor(tables, dtype=torch.long),  # [S, width]
         sample_rows=batch.sample_indices(),
+        pending=pending,
     )
 
 
@@ -77,8 +97,9 @@ def describe(step_id: int, batch: ScheduledBatch, packed: PackedBatch, plan: Loo
         dead_mask=(packed.compressed_ids < 0) if has_dead_tokens else None,
         engram_row_ids=plan.row_ids,
         sample_rows=packed.sample_rows,
-        samples=[SampleSpec.from_params(batch.seqs[i].params, batch.seqs[i].num_output_tokens, eos_token_id)
-                 for i in packed.sample_rows],
+        # the token sampled now is output number num_output_tokens + num_pending (tokens in flight come first)
+        samples=[SampleSpec.from_params(seq.params, seq.num_output_tokens + seq.num_pending, eos_token_id)
+                 for seq in (batch.seqs[i] for i in packed.sample_rows)],
         finished_seq_ids=finished_seq_ids,
         prompt_logprobs=[spec for s, (seq, s0, n) in enumerate(zip(batch.seqs, batch.start_positions,
                                                                    batch.num_new_tokens))

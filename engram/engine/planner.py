@@ -1,8 +1,8 @@
 """Lookup planning (engine side, CPU): which Engram rows a step needs, known before the first layer runs.
 
 ``LookupPlanner.plan`` hashes the step's packed compressed ids, with each sequence's lookback, into a
-``LookupPlan``: per Engram layer the row ids [T, n_cols] (int64, CPU) and every sequence's lookback after
-the step. The ids are hashed where they already are (the scheduler's host-side token lists), so no device
+``LookupPlan``: per Engram layer the row ids [T, n_cols] (int64, CPU) and, for tokens still on the device
+(async scheduling), the host half of their row ids (``pending_partials``, finished by the Worker). The ids are hashed where they already are (the scheduler's host-side token lists), so no device
 round trip is needed to know a step's rows; the plan travels to the Worker inside the StepDescription.
 The plan is not deduplicated here: resident tiers gather straight from it, and the tiers that benefit
 (hot-row caches, the disk tier's page reads) deduplicate inside the store.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engram.hashing import NgramHasher
@@ -19,7 +20,7 @@ from engram.hashing import NgramHasher
 @dataclass(frozen=True)
 class LookupPlan:
     row_ids: dict[int, torch.Tensor]  # Engram layer id -> [T, n_cols] int64 global row ids of its table
-    next_lookback: torch.Tensor  # [S, max_ngram-1] int64 each sequence's lookback after this step
+    pending_partials: torch.Tensor | None = None  # [L, P, n_cols] int64 (hashing.pending_partials); None: P = 0
 
     def num_rows(self) -> int:
         return sum(int(r.numel()) for r in self.row_ids.values())
@@ -31,9 +32,14 @@ class LookupPlanner:
     def __init__(self, hasher: NgramHasher | None):
         self.hasher = hasher
 
-    def plan(self, compressed_ids: torch.Tensor, cu_seqlens: torch.Tensor, lookback: torch.Tensor) -> LookupPlan:
-        """compressed_ids [T] (DEAD = -1), cu_seqlens [S+1], lookback [S, max_ngram-1] -> LookupPlan."""
+    def plan(self, compressed_ids: torch.Tensor, cu_seqlens: torch.Tensor, lookback: torch.Tensor,
+             pending_before: list[list[int]] = ()) -> LookupPlan:
+        """compressed_ids [T] (DEAD = -1), cu_seqlens [S+1], lookback [S, max_ngram-1], and per pending token
+        the max_ngram-1 compressed ids before it -> LookupPlan (pending rows' row ids are placeholders)."""
         if self.hasher is None:
-            return LookupPlan({}, lookback)
-        rows, next_lookback = self.hasher.hash_step(compressed_ids, cu_seqlens, lookback)  # {layer: [T, n_cols]}
-        return LookupPlan(rows, next_lookback)
+            return LookupPlan({})
+        rows, _ = self.hasher.hash_step(compressed_ids, cu_seqlens, lookback)  # {layer: [T, n_cols]}
+        partials = None
+        if pending_before:
+            partials = torch.from_numpy(self.hasher.pending_partials(np.asarray(pending_before, dtype=np.int64)))
+        return LookupPlan(rows, partials)

@@ -12,6 +12,7 @@ import torch
 
 from engram.config import EngramConfig
 from engram.engine.lookup import StagedRows
+from engram.engine.pending import PendingPatch
 from engram.engine.step import StepDescription
 from engram.model.inputs import StepInputs
 from engram.model.layers.attention import HostLayout
@@ -32,21 +33,27 @@ class ModelRunner:
         self._conv: dict[int, dict[int, ShortConvState]] = {}  # seq id -> Engram layer -> its conv state
 
     @torch.inference_mode()
-    def run(self, step: StepDescription, staged: StagedRows) -> torch.Tensor:
+    def run(self, step: StepDescription, staged: StagedRows, patch: PendingPatch | None = None) -> torch.Tensor:
         """One forward over the packed step -> float32 logits [len(step.sample_rows), vocab]. Rows asked for
-        prompt logprobs are scored on the way (``prompt_scores``: read them after the step)."""
+        prompt logprobs are scored on the way (``prompt_scores``: read them after the step). ``patch``: the
+        device values of the step's pending tokens (async scheduling; ``staged`` already holds their rows)."""
         dev = self.device
         cu_seqlens = to_device(step.cu_seqlens, dev)  # [S+1], shared by attention and the conv states
         conv = self._gather_conv_state(step, cu_seqlens)
+        token_ids = to_device(step.token_ids, dev)
+        dead_mask = None if step.dead_mask is None else to_device(step.dead_mask, dev)
+        if patch is not None:
+            token_ids = patch.patched(token_ids, patch.token_ids)
+            dead_mask = dead_mask if patch.dead is None else patch.patched(dead_mask, patch.dead)
         inputs = StepInputs(
-            token_ids=to_device(step.token_ids, dev),
+            token_ids=token_ids,
             positions=to_device(step.positions, dev),
             cu_seqlens=cu_seqlens,
             context_lens=to_device(step.context_lens, dev),
             block_tables=to_device(step.block_tables, dev),
             slot_mapping=to_device(step.slot_mapping, dev),
             engram_rows=lambda layer_id: staged.rows(layer_id, step.step_id),
-            dead_mask=None if step.dead_mask is None else to_device(step.dead_mask, dev),
+            dead_mask=dead_mask,
             conv_state=conv,
             logits_indices=to_device(step.logits_indices + step.prompt_rows, dev),
             host_layout=HostLayout(step.cu_seqlens.tolist(), step.context_lens.tolist()),

@@ -26,6 +26,7 @@ class SampledTokens:
     logprobs: torch.Tensor | None  # [N] float32 logprob of each emitted token (raw distribution), if asked
     top_logprobs: torch.Tensor | None  # [N, k] float32 top-k logprobs, most likely first, if asked
     top_token_ids: torch.Tensor | None  # [N, k] int64 their token ids
+    ready: torch.cuda.Event | None = None  # set on host copies still in flight: recorded after their copy
 
 
 class Sampler:

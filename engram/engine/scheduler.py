@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from engram.engine.block_manager import BlockManager
 from engram.engine.config import EngineConfig
@@ -34,7 +35,8 @@ class ScheduledBatch:
 
     def samples(self) -> list[bool]:
         """Whether each sequence reaches its last token this step (so a new token is sampled for it)."""
-        return [s0 + n == seq.num_tokens for seq, s0, n in zip(self.seqs, self.start_positions, self.num_new_tokens)]
+        return [s0 + n == seq.num_scheduled_tokens
+                for seq, s0, n in zip(self.seqs, self.start_positions, self.num_new_tokens)]
 
     def sample_indices(self) -> list[int]:
         """Indices (into ``seqs``) of the sequences that sample a token this step."""
@@ -57,12 +59,17 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, hold: Callable[[Sequence], bool] | None = None) -> ScheduledBatch:
+        """The next step. ``hold``: running sequences it is true for sit this step out (async scheduling
+        holds a sequence whose token in flight is certain to be its last)."""
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if hold is not None and hold(seq):
+                i += 1
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             while not self.blocks.can_allocate(seq, n):
                 victim = self.running.pop()  # newest first; never one already scheduled (those sit before i)

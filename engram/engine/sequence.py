@@ -1,10 +1,12 @@
 """Sequence: one request's tokens, its KV blocks, its Engram state and its progress through the engine.
 
-``token_ids`` is prompt + generated tokens; ``num_computed_tokens`` of them have K/V in the cache. The
-engine-side Engram state is ``lookback`` (the compressed ids just before the first uncomputed token,
-DEAD = -1, oldest first); device state (the paper variant's conv buffers, a seeded request's generator)
-lives in the Worker, keyed by ``seq_id``. Preemption by recompute drops blocks and lookback; both are
-rebuilt from the tokens when the sequence runs again (and the Worker restarts conv state at position 0).
+``token_ids`` is prompt + generated tokens the engine has read; ``num_pending`` more were sampled by steps
+still in flight (async scheduling: at most two, their values on the device only), and the scheduler counts
+them (``num_scheduled_tokens``). ``num_computed_tokens`` of all of them have K/V in the cache (or will,
+once the steps already launched have run). A chunk's Engram lookback (the compressed ids just before it)
+is read from ``compressed_ids`` (``lookback_before``); device state (the paper variant's conv buffers)
+lives in the Worker, keyed by ``seq_id``. Preemption by recompute drops the blocks; everything is rebuilt
+from the tokens when the sequence runs again (and the Worker restarts conv state at position 0).
 """
 from __future__ import annotations
 
@@ -47,8 +49,8 @@ class Sequence:
         # prompt token t's TokenLogprobs at [t] ([0] is None: nothing predicts it), when params.prompt_logprobs
         self.prompt_logprobs: list[Any] | None = [None] if params.prompt_logprobs is not None else None
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
-        self._initial_lookback = initial_lookback  # [W] pad ids
-        self.lookback = initial_lookback.clone()  # [W] compressed ids before token num_computed_tokens
+        self.num_pending = 0  # tokens sampled by launched steps, not read yet (async scheduling)
+        self._pad = [int(x) for x in initial_lookback.tolist()]  # [W] the lookback before position 0 (pad ids)
 
     # ----------------------------------------------------------------- views
     @property
@@ -64,8 +66,21 @@ class Sequence:
         return self.num_tokens - self.num_prompt_tokens
 
     @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens read plus tokens sampled by steps in flight: what the scheduler plans with."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_scheduled_tokens - self.num_computed_tokens
+
+    def lookback_before(self, position: int) -> list[int]:
+        """The Engram lookback of a chunk starting at ``position``: the W compressed ids before it, oldest
+        first, pad-filled before the sequence start (DEAD kept as -1). Positions before it must be read."""
+        w = len(self._pad)
+        if position >= w:
+            return self.compressed_ids[position - w:position]
+        return self._pad[position:] + self.compressed_ids[:position]
 
     @property
     def is_finished(self) -> bool:
@@ -80,7 +95,6 @@ class Sequence:
         """Preempted: K/V and Engram state are dropped and rebuilt from ``token_ids`` when rescheduled."""
         self.num_computed_tokens = 0
         self.block_table = []
-        self.lookback = self._initial_lookback.clone()
         self.status = SequenceStatus.WAITING
         self.metrics.num_preemptions += 1
 

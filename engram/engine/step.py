@@ -10,6 +10,9 @@ queue does) and every Worker runs the same step; rank 0's ``StepResult`` is the 
     engine (CPU)                                     worker (device)
     schedule → pack → plan lookups ──StepDescription──► upload (pinned, non-blocking) → lookups → model
     postprocess ◄────────────────────StepResult────────  sample → one read of the sampled ids
+
+With async scheduling the engine sends step N+1 before it reads step N's result: N+1's decode tokens are
+N's sampled ids, which only the Worker has; they travel as ``pending_*`` references (see packing.py).
 """
 from __future__ import annotations
 
@@ -83,6 +86,12 @@ class StepDescription:
     samples: list[SampleSpec]  # [N] one per sampling sequence, same order
     finished_seq_ids: list[int] = field(default_factory=list)  # sequences gone since the last step: free state
     prompt_logprobs: list[PromptLogprobsSpec] = field(default_factory=list)  # prefill chunks to score
+    # Async scheduling: tokens the previous step sampled, not read by the engine yet (packing.py). Their rows
+    # of token_ids / engram_row_ids / dead_mask hold placeholders the Worker replaces on the device.
+    pending_rows: list[int] = field(default_factory=list)  # [P] packed rows whose token is still on the device
+    pending_sources: list[int] = field(default_factory=list)  # [P] its index among step pending_step_id's tokens
+    pending_step_id: int = -1  # the step that sampled them (the one launched just before this one)
+    pending_partials: torch.Tensor | None = None  # [L, P, n_cols] int64 host half of their Engram row ids
 
     @property
     def num_tokens(self) -> int:

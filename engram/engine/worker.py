@@ -1,16 +1,21 @@
 """Worker: everything that lives on one device — model, KV cache, Engram tables, lookups, sampler.
 
-A Worker is driven only through ``execute(StepDescription) -> StepResult`` (engine/step.py) and reports
-through ``stats()``; it never sees a Sequence, the scheduler or a tokenizer. At start it opens its Engram
+A Worker is driven only through ``execute(StepDescription) -> StepResult`` (engine/step.py), or its two
+halves ``launch`` (enqueue the step's device work, start the copy of its tokens to the host) and
+``collect`` (wait for that copy: the step's one synchronisation), and reports through ``stats()``; it never
+sees a Sequence or the scheduler (of the tokenizer it keeps only the raw -> compressed id map, to hash
+tokens that never left the device: engine/pending.py). At start it opens its Engram
 tables on its device (``LoadedModel.open_tables``), sizes the paged KV cache (memory.py: from a profiled
 warm-up forward at the largest step on CUDA, from the configured budget otherwise) and allocates it.
 Decode steps replay CUDA graphs (cuda_graphs.py) unless ``enforce_eager``.
 Per-sequence device state — the paper variant's conv state (in the runner) — is keyed by sequence id and
 dropped when the engine lists the sequence as finished (seeded sampling keeps no state: sampler.py).
-Within a step the only host synchronisation is the read of the sampled tokens.
+Within a step the only host synchronisation is the read of the sampled tokens. Async scheduling launches
+step N+1 before collecting step N; N+1's pending tokens are N's sampled ids, patched in on the device.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,11 +24,22 @@ from engram.engine.config import EngineConfig
 from engram.engine.cuda_graphs import DecodeGraphs, graph_reserve_bytes
 from engram.engine.lookup import LookupExecutor, staging_bytes
 from engram.engine.memory import MemoryPlan, plan_memory, profile_peak_bytes
+from engram.engine.pending import PendingTokens
 from engram.engine.runner import ModelRunner
-from engram.engine.sampler import Sampler
+from engram.engine.sampler import SampledTokens, Sampler
 from engram.engine.step import SampleSpec, StepDescription, StepResult, TokenLogprobs
 from engram.model.kv_cache import KVCache
+from engram.hashing import NgramHasher
 from engram.model.layers.fused import FAST_DTYPES
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose device work is enqueued: its sampled tokens (and scores) are being copied to the host."""
+
+    step: StepDescription
+    sampled: SampledTokens  # host copies (in flight until ``sampled.ready``)
+    prompt_scores: tuple | None  # host copies of the prompt logprob scores, when the step asked for them
 
 
 class Worker:
@@ -37,6 +53,10 @@ class Worker:
         self.tables = loaded.open_tables()  # opened here, on this worker's device
         self.lookup = LookupExecutor(self.tables, self.ecfg, dtype, self.device)
         self.sampler = Sampler(seed=config.seed)
+        ctok = loaded.compressed_tokenizer
+        self.pending = PendingTokens(NgramHasher.from_tokenizer(self.ecfg, ctok) if self.ecfg else None,
+                                     ctok.map if self.ecfg else None, self.ecfg.dead_token_ids if self.ecfg else (),
+                                     self.device)
         bytes_per_block = KVCache.for_model(self.model_config, 1, config.block_size, dtype, "meta").bytes_per_block()
         staging = staging_bytes(self.ecfg, config.max_num_batched_tokens, dtype) if self.ecfg else 0
         use_graphs = not config.enforce_eager and DecodeGraphs.supports(dtype, self.ecfg, self.device)
@@ -61,22 +81,48 @@ class Worker:
     # ----------------------------------------------------------------- the step
     def execute(self, step: StepDescription) -> StepResult:
         """Run one step: lookups, forward, sampling; returns the emitted tokens (one host read)."""
+        return self.collect(self.launch(step))
+
+    def launch(self, step: StepDescription) -> LaunchedStep:
+        """Enqueue one step's device work (lookups, forward, sampling) and the non-blocking copy of its
+        tokens to the host; returns without waiting for the device."""
         self._free(step.finished_seq_ids)
+        patch = self.pending.patch(step)
+        if patch is not None and patch.row_ids and type(self.lookup) is not LookupExecutor:
+            raise RuntimeError("a replaced lookup executor cannot take pending tokens: run without async scheduling")
         graph = self.graphs is not None and self.graphs.fits(step)
         # With the gathers in the graph the default executor has nothing to do; a replaced one (recording,
         # overlapping) still sees every step.
         skip = graph and self.graphs.tables is not None and type(self.lookup) is LookupExecutor
-        staged = None if skip else self.lookup.submit(step)
+        staged = None if skip else (self.lookup.submit(step) if patch is None else self.lookup.submit(step, patch))
         if graph:
-            logits = self.graphs.run(step, staged)  # [N, vocab] float32, a view of the graph's output
+            logits = self.graphs.run(step, staged, patch)  # [N, vocab] float32, a view of the graph's output
         else:
-            logits = self.runner.run(step, staged)
+            logits = self.runner.run(step, staged, patch)
         sampled = self.sampler(logits, step.samples)
-        tokens, logprobs = read_tokens(sampled)  # module-level: found by the sync test
+        self.pending.remember(step.step_id, sampled.token_ids)
+        # prefill chunks only, which run eager: the scores come from the runner
+        scores = self.runner.prompt_scores if step.prompt_logprobs else None
+        out = [sampled.token_ids, sampled.logprobs, sampled.top_logprobs, sampled.top_token_ids]
+        host = _to_host(out + list(scores or ()), self.device)
+        ready = torch.cuda.Event() if self.device.type == "cuda" else None
+        if ready is not None:
+            ready.record()
+        return LaunchedStep(step, SampledTokens(*host[:4], ready=ready), tuple(host[4:]) if scores else None)
+
+    def collect(self, launched: LaunchedStep) -> StepResult:
+        """Wait for a launched step's tokens (the step's one host synchronisation) -> its StepResult."""
+        step = launched.step
+        tokens, logprobs = read_tokens(launched.sampled)  # module-level: found by the sync test
         result = StepResult(step.step_id, tokens, _logprobs(logprobs, step.samples, tokens))
-        if step.prompt_logprobs:  # prefill chunks only, which run eager: the scores come from the runner
-            result.prompt_logprobs = _prompt_logprobs(self.runner.prompt_scores, step)
+        if step.prompt_logprobs:
+            result.prompt_logprobs = _prompt_logprobs(launched.prompt_scores, step)
         return result
+
+    def takes_pending_tokens(self) -> bool:
+        """Whether ``launch`` can take steps with pending tokens (async scheduling): the default lookup
+        executor over tables that can gather ids the device produced (any table on the CPU)."""
+        return type(self.lookup) is LookupExecutor and self.lookup.takes_device_ids()
 
     def _free(self, seq_ids: list[int]) -> None:
         self.runner.free(seq_ids)
@@ -89,13 +135,23 @@ class Worker:
                 "graph_pool_bytes": self.graphs.pool_bytes if self.graphs else 0}
 
 
-def read_tokens(sampled) -> tuple[list[int], tuple | None]:
-    """The step's one host synchronisation: the emitted tokens (and their logprobs, where asked) read back;
-    tests wrap this to prove that nothing else in a step waits for the device."""
+def read_tokens(sampled: SampledTokens) -> tuple[list[int], tuple | None]:
+    """The step's one host synchronisation: wait for the copy of the emitted tokens (and their logprobs,
+    where asked) to the host, then read them; tests wrap this to prove that nothing else in a step waits
+    for the device."""
+    if sampled.ready is not None:
+        sampled.ready.synchronize()
     tokens = sampled.token_ids.tolist()
     if sampled.logprobs is None:
         return tokens, None
     return tokens, (sampled.logprobs.tolist(), sampled.top_logprobs.tolist(), sampled.top_token_ids.tolist())
+
+
+def _to_host(tensors: list, device: torch.device) -> list:
+    """Non-blocking copies to (pinned) host memory of CUDA tensors; CPU tensors and None as they are."""
+    if device.type != "cuda":
+        return tensors
+    return [t if t is None else t.to("cpu", non_blocking=True) for t in tensors]
 
 
 def _hot_cache_bytes(tables: dict) -> int:

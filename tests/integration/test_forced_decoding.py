@@ -21,7 +21,7 @@ def recorded_run(loaded, prompts, params):
     worker.lookup = RecordingExecutor(worker.lookup)
     logits: list[torch.Tensor] = []
     run = worker.runner.run
-    worker.runner.run = lambda step, staged: logits.append(run(step, staged)) or logits[-1]
+    worker.runner.run = lambda step, staged, patch=None: logits.append(run(step, staged, patch)) or logits[-1]
     for i, (p, q) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", p, q)
     out = {}

@@ -29,7 +29,6 @@ def advance(batch) -> None:
     """What the engine's postprocess does to the scheduler-visible state."""
     for seq, n, sample in zip(batch.seqs, batch.num_new_tokens, batch.samples()):
         seq.num_computed_tokens += n
-        seq.lookback = torch.tensor([-1, 9])  # pretend state, must be reset on preemption
         if sample:
             seq.append_token(11, 11)
 
@@ -92,7 +91,7 @@ def test_preemption_takes_newest_frees_blocks_and_resets_state():
     assert batch.preempted == [b]
     assert [s.request_id for s in batch.seqs] == ["r0"]
     assert b.status is SequenceStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
-    assert b.lookback.tolist() == [5, 5]  # initial lookback back, rebuilt from tokens when rerun
+    assert b.lookback_before(0) == [5, 5] and b.lookback_before(1) == [5, b.compressed_ids[0]]  # from the tokens
     assert b.metrics.num_preemptions == 1
     assert sched.waiting[0] is b
     assert sched.blocks.num_free_blocks == 6 - len(a.block_table)

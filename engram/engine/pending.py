@@ -1,0 +1,74 @@
+"""Tokens in flight (worker side of async scheduling): a step's inputs that the previous step sampled.
+
+With async scheduling the engine describes step N+1 before it has read step N's tokens, so the decode
+tokens of N+1 exist only on the device. The Worker keeps the last launched step's sampled ids
+(``remember``) and turns the description's ``pending_*`` references into a ``PendingPatch`` of device
+tensors: the packed rows, their raw ids, their Engram row ids (compressed on the device through the
+tokenizer's raw -> compressed map, then ``NgramHasher.hash_pending`` finishes the planner's host half) and,
+for models with DEAD ids, their DEAD flags. The patch is applied after the step's inputs are uploaded and
+before anything reads them, on the same stream: no host synchronisation, and the rows equal what the
+engine would have planned had it known the tokens (tests/unit/test_async_scheduling.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engram.engine.step import StepDescription
+from engram.hashing import DEAD, NgramHasher
+from engram.transfer import to_device
+
+
+@dataclass
+class PendingPatch:
+    """Device tensors that replace a step's placeholders (P pending rows)."""
+
+    rows: torch.Tensor  # [P] int64 packed rows
+    token_ids: torch.Tensor  # [P] int64 raw ids (the previous step's sampled tokens)
+    row_ids: dict[int, torch.Tensor]  # Engram layer id -> [P, n_cols] int64 row ids
+    dead: torch.Tensor | None  # [P] bool DEAD tokens (None: the model has no DEAD ids)
+
+    def patched(self, values: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+        """``values`` [T, ...] with rows ``rows`` replaced by ``fill`` [P, ...] (a new tensor)."""
+        return values.index_copy(0, self.rows, fill)
+
+
+class PendingTokens:
+    """The last launched step's sampled ids on the device, and the patches that consume them."""
+
+    def __init__(self, hasher: NgramHasher | None, compress_map: np.ndarray | None, dead_token_ids,
+                 device: torch.device):
+        self.hasher = hasher
+        self.device = torch.device(device)
+        self.has_dead = bool(dead_token_ids)
+        self._map = None
+        if compress_map is not None:
+            mapping = np.array(compress_map, dtype=np.int64)  # [vocab] raw id -> compressed id
+            mapping[list(dead_token_ids)] = DEAD
+            self._map = torch.from_numpy(mapping).to(self.device)
+        self._step_id = -1
+        self._tokens: torch.Tensor | None = None
+
+    def remember(self, step_id: int, token_ids: torch.Tensor) -> None:
+        """The tokens [N] a launched step sampled (on the device; read by the engine later, or never)."""
+        self._step_id, self._tokens = step_id, token_ids
+
+    def patch(self, step: StepDescription) -> PendingPatch | None:
+        """The device patch of ``step``'s pending rows (None without any). RuntimeError if they refer to a
+        step other than the last one launched (a stale reference would decode someone else's token)."""
+        if not step.pending_rows:
+            return None
+        if step.pending_step_id != self._step_id or self._tokens is None:
+            raise RuntimeError(f"step {step.step_id}: its pending tokens come from step {step.pending_step_id}, "
+                               f"but the last step launched on this Worker is {self._step_id}")
+        tokens = self._tokens[to_device(step.pending_sources, self.device)]  # [P]
+        rows = to_device(step.pending_rows, self.device)
+        row_ids, dead = {}, None
+        if self.hasher is not None:
+            compressed = self._map[tokens]  # [P], DEAD = -1
+            hashed = self.hasher.hash_pending(compressed, to_device(step.pending_partials, self.device))
+            row_ids = {lid: hashed[i] for i, lid in enumerate(self.hasher.cfg.layer_ids)}
+            dead = compressed == DEAD if self.has_dead else None
+        return PendingPatch(rows, tokens, row_ids, dead)
