@@ -14,6 +14,7 @@ from torch import nn
 from engram.model.inputs import StepInputs
 from engram.model.kv_cache import KVCache
 from engram.model.layers.attention import Attention, AttentionMetadata
+from engram.model.layers.fused import add_rms_norm
 from engram.model.layers.hyper_connections import HyperConnection
 from engram.model.layers.mlp import MLP
 from engram.model.layers.norm import RMSNorm
@@ -46,19 +47,29 @@ class DecoderLayer(nn.Module):
         return h + out if self.engram.residual_output else out
 
     def forward(self, h: torch.Tensor, step: StepInputs, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
-        """h [T, hc_mult, H] -> [T, hc_mult, H]."""
+                meta: AttentionMetadata, kv: KVCache,
+                delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h [T, hc_mult, H] and ``delta`` [T, H] (the previous layer's MLP output, not yet added to its single
+        residual stream; None: nothing pending) -> (h, delta) of this layer, where h + delta is its output.
+        With one stream the residual adds are fused into the next norm (fused.add_rms_norm), so the last MLP
+        output is handed on; the sums are those of the plain adds."""
+        if delta is not None and (self.engram is not None or self.hc_mult > 1):
+            h, delta = h + delta.unsqueeze(1), None  # Engram and hyper-connections read the whole stream
         if self.engram is not None:
             h = self._apply_engram(h, step)
         if self.hc_mult == 1:
             x = h[:, 0]  # [T, H]: plain residual
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv)
-            x = x + self.mlp(self.post_attention_layernorm(x))
-            return x.unsqueeze(1)
+            if delta is None:
+                normed = self.input_layernorm(x)
+            else:
+                x, normed = add_rms_norm(x, delta, self.input_layernorm.weight, self.input_layernorm.eps)
+            x, normed = add_rms_norm(x, self.self_attn(normed, cos, sin, meta, kv), self.post_attention_layernorm.weight,
+                                     self.post_attention_layernorm.eps)
+            return x.unsqueeze(1), self.mlp(normed)
         y = self.self_attn(self.input_layernorm(self.attn_hc.collapse(h)), cos, sin, meta, kv)  # [T, H]
         h = self.attn_hc.expand(h, y)
         y = self.mlp(self.post_attention_layernorm(self.mlp_hc.collapse(h)))
-        return self.mlp_hc.expand(h, y)
+        return self.mlp_hc.expand(h, y), None
 
 
 class DecoderBody(nn.Module):
@@ -101,8 +112,11 @@ class EngramDecoder(nn.Module):
         x = self.model.embed_tokens(step.token_ids)  # [T, H]
         cos, sin = self.rotary.cos_sin(step.positions, x.dtype)  # [T, 1, hd]
         h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, hc, H]: every stream starts at x
+        delta = None
         for layer in self.model.layers:
-            h = layer(h, step, cos, sin, meta, kv)
+            h, delta = layer(h, step, cos, sin, meta, kv, delta)
+        if delta is not None:
+            h = h + delta.unsqueeze(1)
         h = h.index_select(0, step.logits_indices)  # [N, hc, H]
         return self.model.norm(h.sum(dim=1) if cfg.hc_mult > 1 else h[:, 0])  # [N, H]
 

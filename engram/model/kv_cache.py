@@ -51,6 +51,12 @@ class KVCache:
         self.k[layer_id].view(flat).index_copy_(0, slot_mapping, k.to(self.dtype))  # [NB*BS, n_kv, hd]
         self.v[layer_id].view(flat).index_copy_(0, slot_mapping, v.to(self.dtype))
 
+    def flat(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of a layer as [num_blocks * block_size, n_kv, hd] views: row = flat slot."""
+        self._check(layer_id)
+        flat = (-1, self.n_kv_heads, self.head_dim)
+        return self.k[layer_id].view(flat), self.v[layer_id].view(flat)
+
     def read(self, layer_id: int, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of one sequence's first ``length`` tokens: block_table [max_blocks] -> two [length, n_kv, hd]."""
         self._check(layer_id)

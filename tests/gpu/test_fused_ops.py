@@ -1,5 +1,6 @@
 """Fused Triton small ops against their torch references (skipped without CUDA), odd sizes, fp32 and bf16
-against float64; the backend switch."""
+against float64; the fused residual-add + norm and rope + KV write bitwise equal to the unfused fast ops
+they replace; the backend switch."""
 from __future__ import annotations
 
 import pytest
@@ -48,6 +49,35 @@ def test_norm_rope(dtype, t, heads, hd, normed):
     got = fused.norm_rope(x, w, 1e-6, cos, sin)
     ref = reference(fused.norm_rope, x, w, 1e-6, cos, sin)
     assert got.dtype == dtype and rel(got, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n", [(1, 64), (7, 1000), (300, 2560), (3, 5120)])
+def test_add_rms_norm_is_bitwise_the_add_then_the_norm(dtype, m, n):
+    g = torch.Generator(device=CUDA).manual_seed(m + n)
+    x, r = ((3 * torch.randn(m, n, generator=g, device=CUDA)).to(dtype) for _ in range(2))
+    w = torch.randn(n, generator=g, device=CUDA).to(dtype)
+    s, y = fused.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(s.view(torch.uint8), (x + r).view(torch.uint8))
+    assert torch.equal(y.view(torch.uint8), fused.rms_norm(x + r, w, 1e-6).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,heads,hd,normed", [(1, 8, 128, True), (37, 8, 128, True), (5, 5, 64, False)])
+def test_norm_rope_store_writes_what_norm_rope_returns_at_the_slots(dtype, t, heads, hd, normed):
+    g = torch.Generator(device=CUDA).manual_seed(t * heads)
+    qkv = torch.randn(t, 3 * heads, hd, generator=g, device=CUDA).to(dtype)
+    k, v = qkv[:, heads:2 * heads], qkv[:, 2 * heads:]  # strided views, as the packed projection gives
+    w = torch.randn(hd, generator=g, device=CUDA).to(dtype) if normed else None
+    ang = torch.rand(t, 1, hd // 2, generator=g, device=CUDA) * 100
+    cos, sin = (f(torch.cat((ang, ang), -1)).to(dtype) for f in (torch.cos, torch.sin))
+    slots = torch.randperm(4 * t, generator=g, device=CUDA)[:t]
+    k_cache, v_cache = (torch.full((4 * t, heads, hd), 7.0, dtype=dtype, device=CUDA) for _ in range(2))
+    fused.norm_rope_store(k, v, w, 1e-6, cos, sin, k_cache, v_cache, slots)
+    want_k, want_v = torch.full_like(k_cache, 7.0), torch.full_like(v_cache, 7.0)
+    want_k[slots], want_v[slots] = fused.norm_rope(k, w, 1e-6, cos, sin), v
+    assert torch.equal(k_cache.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), want_v.view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engram.model.kv_cache import KVCache
-from engram.model.layers.fused import norm_rope
+from engram.model.layers.fused import norm_rope, norm_rope_store
 from engram.model.layers.norm import RMSNorm
 from engram.model.layers.packed_linear import pack_linears
 from engram.model.layers.paged_attention import PREFILL_BLOCK_M, paged_attention
@@ -126,8 +126,12 @@ class Attention(nn.Module):
         if self.owns_kv:
             k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, n_kv, hd]
             v = v.view(t, self.num_kv_heads, self.head_dim)
-            kv.write(self.layer_id, meta.slot_mapping, norm_rope(k, _weight(self.k_norm), self.eps, cos, sin), v,
-                     keep=meta.write_keep)
+            if meta.write_keep is None:  # every slot valid: rope and write in one fused op
+                norm_rope_store(k, v, _weight(self.k_norm), self.eps, cos, sin, *kv.flat(self.layer_id),
+                                meta.slot_mapping)
+            else:
+                kv.write(self.layer_id, meta.slot_mapping, norm_rope(k, _weight(self.k_norm), self.eps, cos, sin), v,
+                         keep=meta.write_keep)
         o = paged_attention(q, kv, self.kv_source, meta, self.scale)  # [T, nh, hd]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 

@@ -1,4 +1,5 @@
-"""Small ops with a fused CUDA path: ``rms_norm``, ``norm_rope``, ``silu_mul``, one signature each.
+"""Small ops with a fused CUDA path: ``rms_norm``, ``add_rms_norm``, ``norm_rope``, ``norm_rope_store``,
+``silu_mul``, one signature each.
 
 The torch code here is the reference (any device, any dtype, float64 included) and what the CPU runs; on
 CUDA, for bf16 / fp16 / fp32 tensors, the Triton kernels of fused_triton.py take over (one launch each
@@ -38,6 +39,17 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * xf.to(dtype)
 
 
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + r, rms_norm(x + r)): a residual add and the next norm in one launch on the fast path, where
+    both results are bitwise the two-op reference's (the sum is rounded to x's dtype before the norm)."""
+    if _fast(x) and x.stride(-1) == 1 and r.stride(-1) == 1 and r.dtype == x.dtype and r.shape == x.shape:
+        from engram.model.layers import fused_triton
+
+        return fused_triton.add_rms_norm(x, r, w, eps)
+    s = x + r
+    return s, rms_norm(s, w, eps)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -54,6 +66,23 @@ def norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Te
     if w is not None:
         x = rms_norm(x, w, eps)
     return x * cos + rotate_half(x) * sin
+
+
+def norm_rope_store(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """A step's KV write: ``k_cache[slots] = norm_rope(k)``, ``v_cache[slots] = v`` with k, v [T, heads, hd],
+    caches [rows, heads, hd] (a paged cache's flat view) and slots [T] int64 (every slot valid). One launch on
+    the fast path, which stores bitwise what ``norm_rope`` returns."""
+    hd = k.shape[-1]
+    if (_fast(k) and k.stride(-1) == 1 and v.stride(-1) == 1 and hd & (hd - 1) == 0 and hd >= 2
+            and k_cache.dtype == k.dtype == v.dtype == v_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        from engram.model.layers import fused_triton
+
+        fused_triton.norm_rope_store(k, v, w, eps, cos.reshape(cos.shape[0], hd), sin.reshape(sin.shape[0], hd),
+                                     k_cache, v_cache, slots)
+        return
+    k_cache.index_copy_(0, slots, norm_rope(k, w, eps, cos, sin).to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

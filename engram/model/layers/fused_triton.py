@@ -1,8 +1,12 @@
 """Fused small ops on CUDA in Triton: one launch where the torch reference takes five to ten.
 
 * ``rms_norm(x, w, eps)``: rows of x [M, N] normalised in float32, weight applied; one program per row.
+  ``add_rms_norm(x, r, w, eps)`` first adds the residual branch r (rounded to x's dtype, as torch's add
+  rounds) and returns the sum too: the normalised values are bitwise ``rms_norm(x + r)``'s.
 * ``norm_rope(x, w, eps, cos, sin)``: Qwen3's per-head q/k RMSNorm followed by rotary embedding ("rotate
   half"), or the rotation alone (``w`` None); x [T, heads, hd], cos/sin [T, hd]; one program per token.
+  ``norm_rope_store`` writes the result (and v) straight into the paged KV cache rows of a slot mapping:
+  the step's KV write without its two index_copy launches, the stored K bitwise ``norm_rope``'s.
 * ``silu_mul(g, u)``: SwiGLU's silu(g) * u, elementwise over [rows, cols] views (packed gate/up halves).
 
 Each computes in float32 and rounds once, so it matches the torch reference (fused.py) within bf16
@@ -16,20 +20,28 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(X, W, Y, n, eps, s_x, s_y, BLOCK: tl.constexpr):
+def _rms_norm_kernel(X, W, Y, R, S, n, eps, s_x, s_y, s_r, s_s, BLOCK: tl.constexpr, ADD: tl.constexpr):
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK)
     mask = c < n
-    x = tl.load(X + row * s_x + c, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + row * s_x + c, mask=mask, other=0.0)
+    if ADD:  # x + r rounded to x's dtype (what torch's add stores), kept, then normalised
+        x = (x.to(tl.float32) + tl.load(R + row * s_r + c, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(S + row * s_s + c, x, mask=mask)
+    x = x.to(tl.float32)
     r = tl.rsqrt(tl.sum(x * x, 0) / n + eps)
     w = tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + row * s_y + c, (x * r * w).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _norm_rope_kernel(X, W, COS, SIN, Y, heads, eps, s_xt, s_xh, s_yt, s_yh, s_c,
-                      HD: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr):
+def _norm_rope_kernel(X, W, COS, SIN, Y, SLOTS, V, VY, heads, eps, s_xt, s_xh, s_yt, s_yh, s_c, s_vt, s_vh,
+                      HD: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
+                      STORE: tl.constexpr):
     t = tl.program_id(0)
+    out = t
+    if STORE:  # rows of the paged cache: the slot of token t; v goes to the same slot of VY
+        out = tl.load(SLOTS + t)
     h = tl.arange(0, BLOCK_H)
     hmask = h < heads
     c = tl.arange(0, HALF)
@@ -48,8 +60,12 @@ def _norm_rope_kernel(X, W, COS, SIN, Y, heads, eps, s_xt, s_xh, s_yt, s_yh, s_c
     sin2 = tl.load(SIN + t * s_c + HALF + c).to(tl.float32)[None, :]
     y1 = x1 * cos1 - x2 * sin1
     y2 = x2 * cos2 + x1 * sin2
-    tl.store(Y + t * s_yt + h[:, None] * s_yh + c[None, :], y1.to(Y.dtype.element_ty), mask=m)
-    tl.store(Y + t * s_yt + h[:, None] * s_yh + HALF + c[None, :], y2.to(Y.dtype.element_ty), mask=m)
+    tl.store(Y + out * s_yt + h[:, None] * s_yh + c[None, :], y1.to(Y.dtype.element_ty), mask=m)
+    tl.store(Y + out * s_yt + h[:, None] * s_yh + HALF + c[None, :], y2.to(Y.dtype.element_ty), mask=m)
+    if STORE:
+        d = tl.arange(0, HD)
+        v = tl.load(V + t * s_vt + h[:, None] * s_vh + d[None, :], mask=m, other=0.0)
+        tl.store(VY + out * s_yt + h[:, None] * s_yh + d[None, :], v.to(VY.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -65,13 +81,25 @@ def _silu_mul_kernel(G, U, Y, n, cols, s_g, s_u, BLOCK: tl.constexpr):
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., N] (last dim contiguous) -> same shape and dtype."""
+    return _rms_norm(x, None, w, eps)[1]
+
+
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, r [M, N] (last dims contiguous, x's dtype) -> (x + r, rms_norm(x + r)), one launch."""
+    return _rms_norm(x, r, w, eps)
+
+
+def _rms_norm(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float):
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     y = torch.empty_like(x2)
+    s = torch.empty_like(x2) if r is not None else y
+    r2 = r.reshape(-1, n) if r is not None else x2
     if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, w, y, n, eps, x2.stride(0), y.stride(0), BLOCK=triton.next_power_of_2(n),
+        _rms_norm_kernel[(x2.shape[0],)](x2, w, y, r2, s, n, eps, x2.stride(0), y.stride(0), r2.stride(0), s.stride(0),
+                                         BLOCK=triton.next_power_of_2(n), ADD=r is not None,
                                          num_warps=4 if n <= 2048 else 8)
-    return y.view(x.shape)
+    return (s.view(x.shape) if r is not None else None), y.view(x.shape)
 
 
 def norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -79,10 +107,22 @@ def norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Te
     t, heads, hd = x.shape
     y = torch.empty_like(x)
     if t:
-        _norm_rope_kernel[(t,)](x, w if w is not None else x, cos, sin, y, heads, eps, x.stride(0), x.stride(1),
-                                y.stride(0), y.stride(1), cos.stride(0), HD=hd, HALF=hd // 2,
-                                BLOCK_H=triton.next_power_of_2(heads), NORM=w is not None, num_warps=4)
+        _norm_rope_kernel[(t,)](x, w if w is not None else x, cos, sin, y, x, x, y, heads, eps, x.stride(0), x.stride(1),
+                                y.stride(0), y.stride(1), cos.stride(0), 0, 0, HD=hd, HALF=hd // 2,
+                                BLOCK_H=triton.next_power_of_2(heads), NORM=w is not None, STORE=False, num_warps=4)
     return y
+
+
+def norm_rope_store(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """k, v [T, heads, hd] (last dims contiguous), cos/sin [T, hd], caches [rows, heads, hd] contiguous,
+    slots [T] int64 -> k_cache[slots] = norm_rope(k), v_cache[slots] = v."""
+    t, heads, hd = k.shape
+    if t:
+        _norm_rope_kernel[(t,)](k, w if w is not None else k, cos, sin, k_cache, slots, v, v_cache, heads, eps,
+                                k.stride(0), k.stride(1), k_cache.stride(0), k_cache.stride(1), cos.stride(0),
+                                v.stride(0), v.stride(1), HD=hd, HALF=hd // 2, BLOCK_H=triton.next_power_of_2(heads),
+                                NORM=w is not None, STORE=True, num_warps=4)
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
