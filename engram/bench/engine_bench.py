@@ -57,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-len", type=int, default=512, help="prompt tokens per decoding sequence")
     p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per point")
     p.add_argument("--warmup-tokens", type=int, default=3, help="tokens every sequence decodes before timing")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="engine arms launch step N+1 before reading step N (default: the engine's, on for CUDA)")
     p.add_argument("--kernels", type=int, default=0,
                    help="record and print the N largest kernels of each profiled decode point (0: none)")
     p.add_argument("--profile-steps", type=int, default=4,
@@ -97,6 +99,7 @@ class Settings:
     seed: int
     enforce_eager: bool = False  # engine arms run every step eagerly (no decode CUDA graphs)
     kernels: int = 0  # largest kernels recorded per profiled decode point
+    async_scheduling: bool | None = None  # engine arms: None = the engine's default (on for CUDA)
 
 
 def _ints(text: str, option: str) -> tuple[int, ...]:
@@ -133,7 +136,7 @@ def settings_from(args: argparse.Namespace, seed: int) -> Settings:
             raise SystemExit(f"--{option.replace('_', '-')}={getattr(args, option)} must be >= 0")
     return Settings(_ints(args.batch_sizes, "--batch-sizes"), args.context_len, args.decode_steps, args.warmup_tokens,
                     args.profile_steps, parse_prefill_shapes(args.prefill_shapes), args.prefill_repeats,
-                    args.max_num_batched_tokens, seed, args.enforce_eager, args.kernels)
+                    args.max_num_batched_tokens, seed, args.enforce_eager, args.kernels, args.async_scheduling)
 
 
 def engine_config(s: Settings, max_position_embeddings: int, block_size: int = 16):
@@ -152,7 +155,8 @@ def engine_config(s: Settings, max_position_embeddings: int, block_size: int = 1
                          f"max_position_embeddings={max_position_embeddings}")
     max_model_len = min(-(-need // block_size) * block_size, max_position_embeddings)
     return EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
-                        block_size=block_size, seed=s.seed, enforce_eager=s.enforce_eager)
+                        block_size=block_size, seed=s.seed, enforce_eager=s.enforce_eager,
+                        async_scheduling=s.async_scheduling)
 
 
 # ----------------------------------------------------------------- points

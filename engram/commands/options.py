@@ -37,6 +37,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_num_seqs: int = 64) -> 
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU the process may fill; the KV cache gets what a profiled step leaves")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: decode steps run eagerly")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch step N+1 before reading step N (default: on for CUDA where the tables allow it)")
 
 
 def parse_engram_config(text: str | None) -> dict[str, Any]:
@@ -60,4 +62,5 @@ def build_llm(args: argparse.Namespace):
                device=args.device, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
+               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+               async_scheduling=args.async_scheduling)
