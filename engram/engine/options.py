@@ -1,10 +1,11 @@
 """``RuntimeOptions``: the ``--engram-config`` JSON (``LLM(engram_config=...)``) validated once into types.
 
 Keys as vLLM names them where it has them: ``cpu_offload`` (true ⇒ tier "host" unless a tier was chosen),
-``lookup_overlap``; the loader's ``table_rows`` (rows per Engram layer of the 4b-like / 8b-like presets)
-and ``seed`` (preset weights and tables); every other key is a table option (engram.store.StoreOptions:
-cache_rows, cache_policy, io, queue_depth, host_layout, ...). An unknown key or a bad value is a ValueError
-naming it, raised before anything loads.
+``lookup_overlap``; the loader's ``table_rows`` (rows per Engram layer of the 4b-like / 8b-like presets),
+``seed`` (preset weights and tables) and ``tables_in_memory`` (build a preset's tables straight in device
+or pinned host memory, never as files: tiers gpu and host only); every other key is a table option
+(engram.store.StoreOptions: cache_rows, cache_policy, io, queue_depth, host_layout, ...). An unknown key or
+a bad value is a ValueError naming it, raised before anything loads.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any, Mapping
 from engram.store.options import StoreOptions
 
 ENGINE_KEYS = ("cpu_offload", "lookup_overlap")
-LOADER_KEYS = ("table_rows", "seed")
+LOADER_KEYS = ("table_rows", "seed", "tables_in_memory")
 
 
 @dataclass(frozen=True)
@@ -23,10 +24,11 @@ class RuntimeOptions:
     lookup_overlap: bool = False  # lookups on their own stream, overlapping earlier layers (when available)
     table_rows: int | None = None  # rows per Engram layer of a preset model (None: the preset's)
     seed: int = 0  # preset weights and tables
+    tables_in_memory: bool = False  # preset tables built in memory (tier gpu / host), no files (model/tables.py)
     store: StoreOptions = field(default_factory=StoreOptions)  # options of every opened table
 
     def __post_init__(self) -> None:
-        for key in ENGINE_KEYS:
+        for key in ENGINE_KEYS + ("tables_in_memory",):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"engram_config.{key}={getattr(self, key)!r}: must be true or false")
         if self.table_rows is not None and (isinstance(self.table_rows, bool) or not isinstance(self.table_rows, int)
@@ -46,5 +48,10 @@ class RuntimeOptions:
         return cls(store=StoreOptions.from_dict(options), **own)
 
     def tier(self, tier: str) -> str:
-        """``cpu_offload: true`` means tier "host" unless a tier other than the default was chosen."""
-        return "host" if self.cpu_offload and tier == "gpu" else tier
+        """``cpu_offload: true`` means tier "host" unless a tier other than the default was chosen.
+        ValueError when ``tables_in_memory`` meets tier "disk" (that tier serves tables from their files)."""
+        tier = "host" if self.cpu_offload and tier == "gpu" else tier
+        if self.tables_in_memory and tier == "disk":
+            raise ValueError("engram_config.tables_in_memory=true: tier 'disk' serves tables from their files; "
+                             "tables built in memory go on tier 'gpu' or 'host'")
+        return tier

@@ -5,7 +5,8 @@ A checkpoint is ``config.json`` (Llama / Qwen2 / Qwen3 fields + ``engram_*``) + 
 with or without the ``model.`` prefix; Engram tensors are ``[model.]layers.L.engram.{embed.weight,
 embed.scale, wkv.weight, wkv.scale, q_weight, k_weight}``. The tables are converted once into the cache
 directory (see tables.py); the Worker that runs the model opens them on the chosen tier
-(``LoadedModel.open_tables``), on its own device. Pickled weights (``.bin``/``.pt``) are refused.
+(``LoadedModel.open_tables``), on its own device. A preset's tables may instead be built there straight in
+memory (``tables_in_memory``), never as files. Pickled weights (``.bin``/``.pt``) are refused.
 Errors name the tensor and the expected and found shapes.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from engram.model.decoder import EngramDecoder
 from engram.model.model_config import ModelConfig
 from engram.model.presets import MODEL_PRESETS, TOKENIZER_FILE, init_random_weights, preset_config
 from engram.model.tables import (checkpoint_table_dirs, convert_checkpoint_tables, ensure_preset_tables,
-                                 open_tables)
+                                 open_random_tables, open_tables)
 from engram.weights import V41_TABLE_KEYS
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64,
@@ -48,13 +49,20 @@ class LoadedModel:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     tier: str = "gpu"  # where open_tables() puts the tables: "gpu" | "host" | "disk"
     store_options: Any = None  # engram.store.StoreOptions for open_tables() (None: the defaults)
+    memory_table_seed: int | None = None  # tables_in_memory: the preset seed open_tables() builds them from
 
     def open_tables(self) -> dict[int, Any]:
-        """The tables, opened on ``tier`` and ``device`` at the first call (the Worker's, at its start);
-        tables passed in already opened are kept as they are."""
-        if not self.tables and self.table_dirs and self.engram_config is not None:
-            self.tables = open_tables(self.table_dirs, self.engram_config, self.tier, self.device,
-                                      self.store_options.to_dict() if self.store_options is not None else None)
+        """The tables, opened on ``tier`` and ``device`` at the first call (the Worker's, at its start):
+        from ``table_dirs``, or, with ``memory_table_seed``, the preset's random tables built in memory
+        (tables.open_random_tables, no files); tables passed in already opened are kept as they are."""
+        if self.tables or self.engram_config is None:
+            return self.tables
+        options = self.store_options.to_dict() if self.store_options is not None else None
+        if self.memory_table_seed is not None:
+            self.tables = open_random_tables(self.engram_config, self.memory_table_seed, self.tier, self.device,
+                                             options)
+        elif self.table_dirs:
+            self.tables = open_tables(self.table_dirs, self.engram_config, self.tier, self.device, options)
         return self.tables
 
 
@@ -87,7 +95,8 @@ def load_model(model: str | os.PathLike = "tiny", tier: str = "gpu", dtype: str 
 
     ``engram_config`` (the --engram-config dict, or engine.options.RuntimeOptions) gives ``cpu_offload``
     (true -> tier "host"), ``table_rows`` (rows per Engram layer of 4b-like / 8b-like), ``seed`` (preset
-    weights and tables) and the table options that ``LoadedModel.open_tables`` uses.
+    weights and tables), ``tables_in_memory`` (a preset's tables built in memory when they open, no files;
+    refused for tier "disk" and for checkpoints) and the table options that ``LoadedModel.open_tables`` uses.
     """
     from engram.engine.options import RuntimeOptions
 
@@ -104,6 +113,10 @@ def load_model(model: str | os.PathLike = "tiny", tier: str = "gpu", dtype: str 
                          f"safetensors (safetensors.torch.save_file) in an HF-style directory")
     if not path.is_dir():
         raise ValueError(f"model={name!r} is neither a preset {MODEL_PRESETS} nor a checkpoint directory")
+    if opts.tables_in_memory:
+        raise ValueError(f"engram_config.tables_in_memory=true builds a preset's random tables {MODEL_PRESETS}; "
+                         f"{path} is a checkpoint directory, whose tables are converted from its safetensors "
+                         "into table files")
     return _load_checkpoint(path, tier, dt, dev, opts, cache_dir, progress)
 
 
@@ -126,15 +139,23 @@ def _load_preset(name, tier, dtype, device, opts, cache_dir, progress) -> Loaded
 def random_model(cfg: ModelConfig, tier: str = "gpu", dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", seed: int = 0, cache_dir=None, opts=None,
                  progress: bool = True) -> LoadedModel:
-    """Any ModelConfig with deterministic random weights and random tables (cached), built-in tokenizer.
-    ``opts``: RuntimeOptions (their ``store`` options open the tables)."""
+    """Any ModelConfig with deterministic random weights and random tables, built-in tokenizer. The tables
+    are generated into the cache once, or, with ``opts.tables_in_memory``, built in memory when
+    ``LoadedModel.open_tables`` runs (no files). ``opts``: RuntimeOptions (their ``store`` options open the
+    tables)."""
+    in_memory = opts is not None and opts.tables_in_memory
+    if in_memory:
+        opts.tier(tier)  # tier "disk" is refused before anything is built
     device = torch.device(device)
     model = build_model(cfg, dtype, device)
     init_random_weights(model, seed)
     tok, ctok = _tokenizers(TOKENIZER_FILE)
-    dirs = ensure_preset_tables(cfg.engram, seed, cache_dir, progress=progress) if cfg.engram is not None else {}
+    dirs = {}
+    if cfg.engram is not None and not in_memory:
+        dirs = ensure_preset_tables(cfg.engram, seed, cache_dir, progress=progress)
     return LoadedModel(model, cfg, cfg.engram, tok, ctok, {}, cfg.eos_token_id, cfg.chat_template, cfg.name,
-                       dirs, dtype, device, tier, opts.store if opts is not None else None)
+                       dirs, dtype, device, tier, opts.store if opts is not None else None,
+                       memory_table_seed=seed if in_memory and cfg.engram is not None else None)
 
 
 # ----------------------------------------------------------------- checkpoints
@@ -234,9 +255,13 @@ def _load_checkpoint(path: Path, tier, dtype, device, opts, cache_dir, progress)
 def save_model(directory: str | os.PathLike, loaded: LoadedModel, dtype: torch.dtype | None = None) -> Path:
     """Write ``loaded`` as a checkpoint directory that load_model reads back: config.json, model.safetensors
     (decoder in ``dtype`` or the model's, Engram tables as ``embed.weight`` / ``embed.scale``),
-    tokenizer.json and tokenizer_config.json. Tables are read from their store files (small models only)."""
+    tokenizer.json and tokenizer_config.json. Tables are read from their store files (small models only);
+    tables built in memory (``tables_in_memory``) have none, and are refused."""
     from safetensors.torch import save_file
 
+    if loaded.memory_table_seed is not None:
+        raise ValueError(f"{loaded.name}: its tables were built in memory (engram_config.tables_in_memory) and "
+                         "have no files to save; load it without tables_in_memory to save it")
     from engram.model.tables import read_table_tensors
 
     out = Path(directory)

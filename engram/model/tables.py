@@ -7,23 +7,35 @@ bar and reused afterwards; checkpoint tables are ``convert_safetensors`` copies 
 ``[model.]layers.L.engram.embed.{weight,scale}`` tensors, made once into
 ``<cache>/tables/<name>-<key>/layer_<L>`` with a key derived from the checkpoint files. The cache root
 is ``cache_dir``, else ``$ENGRAM_CACHE_DIR``, else ``~/.cache/engram``.
+
+Preset tables can also be built straight in memory on tier gpu or host (``open_random_tables``, the
+loader's ``tables_in_memory``): no file is written or read, and every row is bitwise the row the cached
+file holds for the same layout and seed (same chunks, same per-chunk generators).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
 from engram.config import EngramConfig
+from engram.store import convert
+from engram.store.base import Tier
+from engram.store.cache import RowCache
 from engram.store.convert import convert_random, convert_safetensors, layer_dir
-from engram.store.format import MANIFEST, read_manifest
+from engram.store.format import ITEMSIZE, MANIFEST, TableManifest, read_manifest, row_stride
+from engram.store.gpu import GpuTable, default_device
+from engram.store.host import HostTable
 from engram.store.kernels.reference import ROW_TORCH_DTYPES
-from engram.store.load import load_table
+from engram.store.load import RowChunks, build_table, load_table
 from engram.store.options import StoreOptions
+from engram.store.preflight import preflight
 from engram.store.upgrade import add_checksums
 from engram.tokenizer import cache_root as tokenizer_cache_root
 
@@ -48,12 +60,97 @@ def preset_table_dirs(cfg: EngramConfig, seed: int, cache_dir=None) -> dict[int,
     return {lid: root / f"layer{lid}" for lid in cfg.layer_ids}  # the server tests find tables by this name
 
 
+def layer_seed(seed: int, layer_id: int) -> int:
+    """The generator seed of layer ``layer_id``'s random table in a preset model of ``seed``."""
+    return seed * 65_537 + layer_id
+
+
 def generate_random_table(directory: Path, cfg: EngramConfig, layer_id: int, seed: int,
                           progress: bool = True) -> None:
     """Write layer ``layer_id``'s random table (store's ``convert_random``; bytes depend only on the
     layout, the seed and the layer)."""
-    convert_random(directory, cfg.table_rows(layer_id), cfg.head_dim, seed=seed * 65_537 + layer_id,
+    convert_random(directory, cfg.table_rows(layer_id), cfg.head_dim, seed=layer_seed(seed, layer_id),
                    row_dtype=cfg.row_dtype, layer_id=layer_id, config=cfg, progress=progress)
+
+
+def random_rows(rows: int, dim: int, seed: int, row_dtype: str = "mxfp8") -> RowChunks:
+    """The rows ``convert_random(out, rows, dim, seed, row_dtype)`` writes, as ``RowChunks`` for
+    ``engram.store.load.build_table``: the same chunks (RANDOM_CHUNK_BYTES of values each), chunk k drawn
+    by the same code from its own generator seeded from (seed, k) as convert_random seeds it, so every row
+    is bitwise the file's (tests/unit/test_tables_in_memory.py compares them; a change to convert_random's
+    chunking or seeding must be made here too, and bump GENERATOR_VERSION). Each worker thread keeps one
+    chunk's buffers (MXFP8: 2.25 x the chunk's value bytes)."""
+    if row_dtype not in ITEMSIZE:
+        raise ValueError(f"row_dtype={row_dtype!r} must be one of {sorted(ITEMSIZE)}")
+    step = max(1, convert.RANDOM_CHUNK_BYTES // (dim * ITEMSIZE[row_dtype]))
+    local = threading.local()
+
+    def make(k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n = min(rows, (k + 1) * step) - k * step
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + k) % (1 << 63))  # convert_random's chunk k
+        if row_dtype != "mxfp8":
+            vals = torch.randn(n, dim, generator=gen).mul_(0.05).to(ROW_TORCH_DTYPES[row_dtype])  # [n, dim]
+            return vals.view(torch.uint8), None  # [n, value_bytes]
+        if not hasattr(local, "buf"):  # this worker's (words, scale words, scratch), as convert_random's ring
+            words = min(rows, step) * dim // 8
+            local.buf = (torch.empty(words, dtype=torch.int64), torch.empty(words // 4 + 1, dtype=torch.int64),
+                         torch.empty(words, dtype=torch.int64))
+        return convert._random_mxfp8(n, dim, gen, local.buf)  # uint8 [n, dim], uint8 [n, dim/32]
+
+    return RowChunks(step, make)
+
+
+def random_manifest(cfg: EngramConfig, layer_id: int, seed: int) -> TableManifest:
+    """The manifest of layer ``layer_id``'s random table of a preset of ``seed`` built in memory: the
+    geometry, layer and fingerprint ``generate_random_table`` writes, no files, and a path that names it
+    (``memory:random-seed<S>/layer<L>``) in messages."""
+    dim = cfg.head_dim
+    return TableManifest(path=Path(f"memory:random-seed{seed}") / f"layer{layer_id}", rows=cfg.table_rows(layer_id),
+                         dim=dim, row_dtype=cfg.row_dtype, row_stride=row_stride(dim * ITEMSIZE[cfg.row_dtype]),
+                         files={}, layer_id=layer_id, fingerprint=cfg.fingerprint(layer_id),
+                         meta={"source": "random", "seed": layer_seed(seed, layer_id), "in_memory": True})
+
+
+def open_random_table(cfg: EngramConfig, layer_id: int, seed: int, tier: str = "gpu", device=None,
+                      options: StoreOptions | None = None, progress: bool = True):
+    """Layer ``layer_id``'s preset random table built straight in memory: tier "gpu" (device memory; RAM
+    without CUDA) or "host" (pinned host memory, one registration; RAM without CUDA). No file is written or
+    read; the rows are bitwise those ``generate_random_table`` writes for the same layout and seed, and the
+    object is the tier's usual GpuTable / HostTable (same gather, routes, cache and stats).
+
+    ``options`` as for ``open_table``: a hot-row cache on "host" (the gpu tier takes none), ``host_layout``,
+    ``check_memory`` (the same preflight, before anything is made) and ``load_threads`` (the generator
+    workers). Generation runs at the CPU's rate (docs/store.md, "Tables built in memory"); ``progress``
+    shows a bar on a terminal. Tier "disk" is refused: it serves tables from their files."""
+    tier = Tier.parse(tier)
+    m = random_manifest(cfg, layer_id, seed)
+    if tier is Tier.DISK:
+        raise ValueError(f"{m.path}: tier 'disk' serves tables from their files; a table built in memory goes "
+                         "on tier 'gpu' or 'host'")
+    opts = options if options is not None else StoreOptions()
+    # the checks and the cache of placement.open_table, for a table that has no directory
+    cache_rows = max(opts.cache_rows, RowCache.rows_for_bytes(opts.cache_bytes, m.value_bytes, m.scale_cols))
+    if cache_rows and tier is Tier.GPU:
+        raise ValueError(f"engram_config.cache_rows={cache_rows}: the gpu tier holds the whole table and takes no "
+                         "cache; caches go in front of tier='host' or 'disk'")
+    dev = default_device(device)
+    if opts.check_memory:
+        preflight(m, tier.value, dev, cache_rows, host_layout=opts.host_layout, chunk_pages=opts.chunk_pages)
+    build = functools.partial(build_table, m, random_rows(m.rows, m.dim, layer_seed(seed, layer_id), m.row_dtype))
+    if tier is Tier.GPU:
+        return GpuTable(m, dev, opts, progress=progress, build=build)
+    cache = (RowCache(min(cache_rows, m.rows), m.value_bytes, m.scale_cols, policy=opts.cache_policy,
+                      ways=opts.cache_ways, device=dev) if cache_rows else None)
+    return HostTable(m, dev, cache, opts, progress=progress, build=build)
+
+
+def open_random_tables(cfg: EngramConfig, seed: int, tier: str = "gpu", device=None,
+                       options: StoreOptions | Mapping[str, Any] | None = None,
+                       progress: bool = True) -> dict[int, Any]:
+    """Every Engram layer's preset random table built in memory (``open_random_table``), layer by layer;
+    ``options`` as for ``open_tables``."""
+    opts = options if isinstance(options, StoreOptions) else StoreOptions.from_dict(options)
+    return {lid: open_random_table(cfg, lid, seed, tier, device, opts, progress) for lid in cfg.layer_ids}
 
 
 def ensure_preset_tables(cfg: EngramConfig, seed: int, cache_dir=None, progress: bool = True) -> dict[int, Path]:

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import enum
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from engram.store import kernels
 from engram.store.format import TableManifest
 from engram.store.ids import as_ids, check_range
+from engram.store.load import load_table
 from engram.store.options import StoreOptions
 
 STAT_KEYS = ("lookups", "rows", "unique_rows", "hits", "misses", "evictions", "bytes_read", "read_ops")
@@ -248,13 +249,32 @@ class TableBackend:
         return vals, scales, inverse.to(self.device)
 
 
+# Makes a resident table's storage in memory instead of reading files: called as
+# build(target, layout=, progress=, threads=) with ``load_table``'s meaning of each, it returns what
+# ``load_table`` would (e.g. ``functools.partial(engram.store.load.build_table, manifest, chunks)``).
+StorageBuild = Callable[..., "tuple[torch.Tensor, torch.Tensor | None]"]
+
+
 class ResidentTable(TableBackend):
     """A tier whose bytes are all addressable tensors (gpu, host): ``values`` uint8 [rows, row_stride] and
-    ``scales`` uint8 [rows, scale_cols] | None, set by the subclass. Uncached lookups are one fused kernel call
+    ``scales`` uint8 [rows, scale_cols] | None, set by the subclass (``_storage``: from the manifest's files,
+    or built in memory by a ``StorageBuild``). Uncached lookups are one fused kernel call
     (``_gather_resident``); ``_fetch`` serves the cache and ``gather_raw``."""
 
     values: torch.Tensor
     scales: torch.Tensor | None
+
+    def _storage(self, target: str | torch.device, layout: str, progress: bool,
+                 build: StorageBuild | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(values, scales) on ``target`` ("ram", "pinned" or a device) in ``layout`` ("split" | "packed"), as
+        ``load.load_table`` returns them: made by ``build`` when given (no file is read; ``manifest.files`` may
+        be empty), else read from the manifest's files with ``options.load_threads`` workers, every chunk's
+        CRC checked when ``options.verify``."""
+        threads = self.options.load_threads
+        if build is not None:
+            return build(target, layout=layout, progress=progress, threads=threads)
+        return load_table(self.manifest, target, verify=self.options.verify, progress=progress, layout=layout,
+                          threads=threads)
 
     def _kernel_gather(self, ids: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` (checked, int64 [N >= 1], on the CPU or a GPU) dequantized by one kernel call over the
@@ -285,8 +305,13 @@ class ResidentTable(TableBackend):
         return rows
 
     def _fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        ids = ids.to(self.values.device)
         self._count(bytes_read=ids.numel() * (self.manifest.row_stride + self.scale_cols), read_ops=1)
+        return self._rows_by_id(ids)
+
+    def _rows_by_id(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``_fetch`` without the counting: (values uint8 [M, >= value_bytes], scales uint8 [M, scale_cols] |
+        None) of ``ids``; here indexed where the table is (a tier may return them on ``self.device``)."""
+        ids = ids.to(self.values.device)
         scales = self.scales.index_select(0, ids) if self.scales is not None else None
         return self.values.index_select(0, ids), scales  # [M, row_stride], [M, scale_cols], where the table is
 

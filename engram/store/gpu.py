@@ -11,10 +11,9 @@ from __future__ import annotations
 import torch
 
 from engram.store import kernels
-from engram.store.base import ResidentTable, Tier
+from engram.store.base import ResidentTable, StorageBuild, Tier
 from engram.store.format import TableManifest
 from engram.store.ids import to_device
-from engram.store.load import load_table
 from engram.store.options import StoreOptions
 
 
@@ -28,17 +27,18 @@ def default_device(device: torch.device | str | None) -> torch.device:
 
 
 class GpuTable(ResidentTable):
-    """A table resident on ``device`` (default: the current CUDA device, else the CPU)."""
+    """A table resident on ``device`` (default: the current CUDA device, else the CPU), read from its files
+    or, with ``build`` (a ``StorageBuild``), made in memory without any file."""
 
     tier = Tier.GPU
     host_backed = False
 
     def __init__(self, manifest: TableManifest, device: torch.device | str | None = None,
-                 options: StoreOptions | None = None, *, progress: bool = False) -> None:
+                 options: StoreOptions | None = None, *, progress: bool = False,
+                 build: StorageBuild | None = None) -> None:
         super().__init__(manifest, default_device(device), options=options)
         target = self.device if self.device.type != "cpu" else "ram"
-        self.values, self.scales = load_table(manifest, target, verify=self.options.verify, progress=progress,
-                                              threads=self.options.load_threads)
+        self.values, self.scales = self._storage(target, "split", progress, build)  # files, or ``build``
         # values uint8 [rows, row_stride], scales uint8 [rows, scale_cols] | None, both on self.device
 
     @property

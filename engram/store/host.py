@@ -6,7 +6,8 @@ open (engram.store.host_route): with CUDA one of the UVA routes of engram.store.
 CPU-staged copies or sorted UVA, by batch size), never waiting for the GPU; without, the torch reference
 gathers on the CPU. With ``cache`` (a RowCache on ``device``) distinct ids are looked up first and only the
 misses cross PCIe, as packed bytes, before one dequantize on ``device`` (the cache's bookkeeping reads
-counts back: a cached lookup syncs).
+counts back: a cached lookup syncs). Missed rows (and ``gather_raw``'s rows) go through ``RowStaging``: the
+CPU gathers them into one reusable pinned buffer and a non-blocking copy moves them to ``device``.
 
 Host layout of an MXFP8 table (``StoreOptions.host_layout``): "packed" (default) keeps each row's value and
 scale bytes side by side in one buffer (engram.store.load.load_packed), so a UVA read of a row touches one
@@ -15,15 +16,75 @@ without scales have a single buffer and ignore the layout.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
-from engram.store.base import ResidentTable, Tier
+from engram.store.base import ResidentTable, StorageBuild, Tier
 from engram.store.cache import RowCache
 from engram.store.format import TableManifest
 from engram.store.gpu import default_device
 from engram.store.host_route import HostRoute
-from engram.store.load import load_table
+from engram.store.kernels.staged import row_sources
 from engram.store.options import StoreOptions
+
+STAGING_MIN_ROWS = 1024  # the smallest staging buffer, in rows; it grows to the next power of two on demand
+
+
+class RowStaging:
+    """Rows of a host table fetched by id on their way to ``device`` (the hot-row cache's misses,
+    ``gather_raw``). The CPU ``index_select``s them into ONE reusable staging buffer (pinned under CUDA,
+    grown on demand to the next power of two of rows, at least STAGING_MIN_ROWS) and one non-blocking copy
+    moves them to ``device`` on its current stream, so the copy overlaps whatever the host does next. The
+    returned tensors are new (never the buffer), so callers may keep them. Before the buffer is written
+    again the host waits for the event of the copy that last read it (normally long finished); a buffer
+    replaced by a larger one goes back to torch's caching host allocator, which reuses it only after its
+    copies ran. One fetch at a time (a lock). Without CUDA the buffer is plain RAM and the copy a CPU copy:
+    the same path, bitwise the same rows.
+
+    The rows are copied from ``engram.store.kernels.staged.row_sources(values, scales)``: whole packed rows
+    (one source) for the packed layout, else values [and scales]."""
+
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor | None, device: torch.device) -> None:
+        self.sources = row_sources(values, scales)  # uint8 [R, w_j] host tensors
+        self.widths = [s.shape[1] for s in self.sources]
+        self.value_bytes = values.shape[1]
+        self.scale_cols = scales.shape[1] if scales is not None else 0
+        self.device = device
+        self.pinned = device.type == "cuda" and torch.cuda.is_available()
+        self.capacity = 0  # rows the buffer holds per source
+        self._buf: torch.Tensor | None = None  # uint8 [capacity * sum(widths)]: source j at capacity * sum(w_<j)
+        self._copied: torch.cuda.Event | None = None  # after the last copy that read _buf
+        self._lock = threading.Lock()
+
+    def fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows ``ids`` (int64 [M], on the CPU, in range) as (values uint8 [M, >= value_bytes], scales uint8
+        [M, scale_cols] | None) on ``device``; no host wait for the GPU except for the buffer's previous copy."""
+        m = ids.numel()
+        with self._lock:
+            if self._copied is not None:
+                self._copied.synchronize()  # the previous copy has read the buffer
+                self._copied = None
+            if m > self.capacity:
+                self._grow(m)
+            staged, off = [], 0
+            for src, w in zip(self.sources, self.widths):
+                host = self._buf[off:off + m * w].view(m, w)  # [M, w_j] in the buffer
+                torch.index_select(src, 0, ids, out=host)
+                staged.append(host.to(self.device, non_blocking=True, copy=True))  # [M, w_j] on device
+                off += self.capacity * w
+            if self.pinned:
+                self._copied = torch.cuda.Event()
+                self._copied.record(torch.cuda.current_stream(self.device))
+        if len(self.sources) == 1 and self.scale_cols:  # whole packed rows: values | scales side by side
+            vb = self.value_bytes
+            return staged[0][:, :vb], staged[0][:, vb:vb + self.scale_cols]
+        return staged[0], (staged[1] if self.scale_cols else None)
+
+    def _grow(self, rows: int) -> None:
+        self.capacity = max(STAGING_MIN_ROWS, 1 << (rows - 1).bit_length())
+        self._buf = None  # the old buffer first: both need not be held at once
+        self._buf = torch.empty(self.capacity * sum(self.widths), dtype=torch.uint8, pin_memory=self.pinned)
 
 
 class HostTable(ResidentTable):
@@ -33,20 +94,22 @@ class HostTable(ResidentTable):
     value_bytes + scale_cols], strided views (row stride S = value_bytes + scale_cols rounded up to 16,
     272 B for V4.1; unit column stride) of one buffer uint8 [rows, S]. "split": ``values`` uint8 [rows,
     row_stride] and ``scales`` uint8 [rows, scale_cols], two buffers. ``options.load_threads`` workers read
-    and CRC-check the files (``options.verify``) into that memory in one pass. ``route``: the HostRoute."""
+    and CRC-check the files (``options.verify``) into that memory in one pass, or, with ``build`` (a
+    ``StorageBuild``), make the rows in memory without any file. ``route``: the HostRoute. ``staging``: the
+    RowStaging that missed rows (and ``gather_raw``) go through."""
 
     tier = Tier.HOST
 
     def __init__(self, manifest: TableManifest, device: torch.device | str | None = None,
                  cache: RowCache | None = None, options: StoreOptions | None = None, *,
-                 progress: bool = False) -> None:
+                 progress: bool = False, build: StorageBuild | None = None) -> None:
         super().__init__(manifest, default_device(device), cache, options)
         layout = self.options.host_layout
         self.layout = layout if self.scale_cols else "split"  # one buffer either way without scales
-        self.values, self.scales = load_table(manifest, "pinned", verify=self.options.verify, progress=progress,
-                                              layout=layout, threads=self.options.load_threads)
+        self.values, self.scales = self._storage("pinned", layout, progress, build)
         # values uint8 [rows, >= value_bytes], scales uint8 [rows, scale_cols] | None, both in host memory
         self.route = HostRoute.decide(self.values, self.device, self.options.route_bands)
+        self.staging = RowStaging(self.values, self.scales, self.device)
 
     def gather(self, ids: torch.Tensor, out: torch.Tensor | None = None,
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -62,3 +125,11 @@ class HostTable(ResidentTable):
     def _kernel_gather(self, ids: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         return self.route.gather_rows(self.values, self.scales, ids, self.row_dtype, self.dim, self.device,
                                       out=out, dtype=dtype)
+
+    def _rows_by_id(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows ``ids`` (CPU) through ``staging``: on ``self.device``, copied without blocking."""
+        return self.staging.fetch(ids.cpu())
+
+    def close(self) -> None:
+        super().close()
+        self.staging = None
