@@ -3,16 +3,21 @@
 Two kernels, the fast path of ``attention.paged_attention`` (whose torch code is the reference and the
 float64 oracle; a parity test runs both over odd sizes):
 
-* **decode** (sequences with one new token), split-KV: one program per (sequence, KV head, split of
-  SPLIT_LEN keys) holds the whole GQA group of query heads as the M dimension of its dot products, walks
-  its split in tiles gathered through the block table, and writes an unnormalised partial (acc, max,
-  sum); a second kernel combines the splits in order (log-sum-exp). Splits keep the chip busy when few
-  sequences decode long contexts; their fixed length makes a sequence's result independent of the batch
-  and of the launch's split count, so a CUDA graph sized for max_model_len computes what eager does.
+* **decode** (sequences with one new token), split-KV: a sequence's keys are cut into fixed splits of
+  SPLIT_LEN; a program per (sequence, KV head) — or a few, striding over the splits — holds the whole GQA
+  group of query heads as the M dimension of its dot products, walks each split in tiles gathered through
+  the block table, and writes an unnormalised partial (acc, max, sum) per split; a second kernel combines
+  the sequence's splits in order (log-sum-exp). Splits keep the chip busy when few sequences decode long
+  contexts; their fixed length makes a sequence's result independent of the batch and of the launch, and
+  splits past a sequence's end cost nothing, so a CUDA graph sized for max_model_len computes what eager
+  does, at eager's cost.
 * **prefill** (chunks of several tokens: fresh prompts, chunked prefill over a cached prefix, recompute):
   flash-attention over packed varlen queries, one program per (query tile of one sequence, query head),
   causal with the chunk's offset into its context (query i sits at position ctx - q_len + i).
 
+Both walk their keys with the same two helpers (inlined by Triton): ``_kv_tile_scores`` gathers a K/V tile
+through the block table and scores it, ``_online_softmax_update`` folds it into the running max, sum and
+accumulator; each kernel applies its own mask in between (decode: the split's end; prefill: causal).
 Both take q [T, nh, hd] and the cache's K/V [num_blocks, block_size, n_kv, hd] as they are; heads map to
 KV heads by h // (nh // n_kv). float32 inputs use IEEE fp32 dot products (no TF32), so the fp32 parity
 test compares against a plain fp32 reference. Only CUDA; importing needs triton.
@@ -25,13 +30,54 @@ import triton.language as tl
 
 
 @triton.jit
+def _kv_tile_scores(q, K, V, BT, seq, kvh, pos, valid, c, cmask, s_bt, s_kb, s_ks, s_kh,
+                    BS: tl.constexpr, IEEE: tl.constexpr):
+    """One tile of keys of sequence ``seq``, KV head ``kvh``, read in place through the block table: the
+    raw scores q @ K^T [rows of q, len(pos)] (unscaled, unmasked) and the V tile [len(pos), BLOCK_HD].
+    ``pos`` are the keys' positions, ``valid`` which of them exist (masked loads: K = V = 0 at the others);
+    ``c`` / ``cmask`` index the head dim. IEEE: fp32 dot products without TF32."""
+    blk = tl.load(BT + seq * s_bt + pos // BS, mask=valid, other=0).to(tl.int64)
+    row = blk * s_kb + (pos % BS) * s_ks + kvh * s_kh
+    kv_mask = valid[:, None] & cmask[None, :]
+    k = tl.load(K + row[:, None] + c[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + row[:, None] + c[None, :], mask=kv_mask, other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return s, v
+
+
+@triton.jit
+def _online_softmax_update(acc, m, l, s, v, IEEE: tl.constexpr, EMPTY_ROWS: tl.constexpr):
+    """Fold one tile of scaled, masked scores ``s`` [M, N] (-inf where masked) and its V tile into the
+    running (acc [M, BLOCK_HD], max m [M], sum l [M]), all float32; returns the new (acc, m, l).
+    EMPTY_ROWS: a row may have no unmasked score yet (running max -inf), so the max the exponentials are
+    shifted by is taken as 0 there instead of -inf (exp(-inf - -inf) would be NaN); without it the caller
+    guarantees every row an unmasked score in every tile and the max is used as it is. The returned max
+    is the true one (-inf stays -inf)."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    if EMPTY_ROWS:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_safe = m_new
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l
+
+
+@triton.jit
 def _decode_split_kernel(Q, K, V, BT, SEQ, TOK, LENS, O, ML, scale, split_len,
                          s_qt, s_qh, s_kb, s_ks, s_kh, s_bt, s_od, s_oh, s_os, s_md, s_mh,
                          G: tl.constexpr, BLOCK_G: tl.constexpr, HD: tl.constexpr, BLOCK_HD: tl.constexpr,
                          BS: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     d = tl.program_id(0)
     kvh = tl.program_id(1)
-    sp = tl.program_id(2)
     seq = tl.load(SEQ + d)
     tok = tl.load(TOK + d)
     length = tl.load(LENS + d)
@@ -41,43 +87,32 @@ def _decode_split_kernel(Q, K, V, BT, SEQ, TOK, LENS, O, ML, scale, split_len,
     gmask = g < G
     cmask = c < HD
     q = tl.load(Q + tok * s_qt + heads[:, None] * s_qh + c[None, :], mask=gmask[:, None] & cmask[None, :], other=0.0)
-    lo = sp * split_len
-    hi = tl.minimum(lo + split_len, length)
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_HD], tl.float32)
     n = tl.arange(0, BLOCK_N)
-    for n0 in range(lo, hi, BLOCK_N):
-        pos = n0 + n
-        valid = pos < hi
-        blk = tl.load(BT + seq * s_bt + pos // BS, mask=valid, other=0).to(tl.int64)
-        row = blk * s_kb + (pos % BS) * s_ks + kvh * s_kh
-        kv_mask = valid[:, None] & cmask[None, :]
-        k = tl.load(K + row[:, None] + c[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + row[:, None] + c[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(valid[None, :], s * scale, float("-inf"))  # [BLOCK_G, BLOCK_N]
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
-    o_ptr = O + d * s_od + heads[:, None] * s_oh + sp * s_os + c[None, :]
-    tl.store(o_ptr, acc, mask=gmask[:, None] & cmask[None, :])
-    ml_ptr = ML + d * s_md + heads * s_mh + sp * 2
-    tl.store(ml_ptr, m, mask=gmask)
-    tl.store(ml_ptr + 1, l, mask=gmask)
+    # Program p of the launch's P computes splits p, p + P, ... of its sequence's own ceil(length /
+    # split_len): each split alone, in key order, as it would with one program per split; splits past the
+    # sequence's end are neither computed nor stored (the combine reads only the used ones).
+    for sp in range(tl.program_id(2), tl.cdiv(length, split_len), tl.num_programs(2)):
+        lo = sp * split_len
+        hi = tl.minimum(lo + split_len, length)
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_HD], tl.float32)
+        for n0 in range(lo, hi, BLOCK_N):
+            pos = n0 + n
+            valid = pos < hi
+            s, v = _kv_tile_scores(q, K, V, BT, seq, kvh, pos, valid, c, cmask, s_bt, s_kb, s_ks, s_kh, BS, IEEE)
+            s = tl.where(valid[None, :], s * scale, float("-inf"))  # [BLOCK_G, BLOCK_N]
+            # every tile holds a key (n0 < hi) and padded group rows score 0: no row is empty
+            acc, m, l = _online_softmax_update(acc, m, l, s, v, IEEE, False)
+        o_ptr = O + d * s_od + heads[:, None] * s_oh + sp * s_os + c[None, :]
+        tl.store(o_ptr, acc, mask=gmask[:, None] & cmask[None, :])
+        ml_ptr = ML + d * s_md + heads * s_mh + sp * 2
+        tl.store(ml_ptr, m, mask=gmask)
+        tl.store(ml_ptr + 1, l, mask=gmask)
 
 
 @triton.jit
-def _decode_combine_kernel(O, ML, TOK, OUT, num_splits, s_od, s_oh, s_os, s_md, s_mh, s_ot, s_oh2,
+def _decode_combine_kernel(O, ML, TOK, LENS, OUT, split_len, s_od, s_oh, s_os, s_md, s_mh, s_ot, s_oh2,
                            HD: tl.constexpr, BLOCK_HD: tl.constexpr):
     d = tl.program_id(0)
     h = tl.program_id(1)
@@ -86,7 +121,7 @@ def _decode_combine_kernel(O, ML, TOK, OUT, num_splits, s_od, s_oh, s_os, s_md, 
     m = float("-inf")
     l = 0.0
     acc = tl.zeros([BLOCK_HD], tl.float32)
-    for sp in range(num_splits):  # in split order, one at a time: an empty split (max -inf, sum 0) adds exactly 0
+    for sp in range(0, tl.cdiv(tl.load(LENS + d), split_len)):  # the sequence's splits, in order, one at a time
         ms = tl.load(ML + d * s_md + h * s_mh + sp * 2)
         ls = tl.load(ML + d * s_md + h * s_mh + sp * 2 + 1)
         o = tl.load(O + d * s_od + h * s_oh + sp * s_os + c, mask=cmask, other=0.0)
@@ -130,34 +165,21 @@ def _prefill_kernel(Q, K, V, BT, OUT, TILE_SEQ, TILE_M0, SEQ, START, QLEN, CTX, 
     for n0 in range(0, hi, BLOCK_N):
         pos = n0 + n
         valid = pos < hi
-        blk = tl.load(BT + seq * s_bt + pos // BS, mask=valid, other=0).to(tl.int64)
-        row = blk * s_kb + (pos % BS) * s_ks + kvh * s_kh
-        kv_mask = valid[:, None] & cmask[None, :]
-        k = tl.load(K + row[:, None] + c[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + row[:, None] + c[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        s, v = _kv_tile_scores(q, K, V, BT, seq, kvh, pos, valid, c, cmask, s_bt, s_kb, s_ks, s_kh, BS, IEEE)
         keep = valid[None, :] & (pos[None, :] <= qpos[:, None])
         s = tl.where(keep, s * scale, float("-inf"))  # [BLOCK_M, BLOCK_N]
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past q_len see no key at all
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        # rows past q_len see no key at all: their max is shifted by 0, not -inf
+        acc, m, l = _online_softmax_update(acc, m, l, s, v, IEEE, True)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(OUT + (start + i)[:, None] * s_ot + h * s_oh + c[None, :], out.to(OUT.dtype.element_ty),
              mask=imask[:, None] & cmask[None, :])
 
 
 SPLIT_LEN = 128  # keys per decode split: fixed, so results do not depend on the launch shape
-DECODE_BLOCK_N = 32  # keys per tile of the decode kernel (divides SPLIT_LEN)
+DECODE_BLOCK_N = 64  # keys per tile of the decode kernel (divides SPLIT_LEN)
+# Split programs a decode launch aims for (~60 per SM of an H200): one program walks its splits one tile after
+# another, so parallel programs are what keeps loads in flight; programs past a sequence's end exit at once.
+DECODE_PROGRAMS = 8192
 
 
 def _pow2(x: int, floor: int = 16) -> int:
@@ -170,22 +192,26 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     """One new token per sequence: out[tokens[d]] = attention of q[tokens[d]] over the first lens[d] keys of
     sequence seqs[d]. q, out [T, nh, hd]; caches [NB, BS, n_kv, hd]; block_tables [S, W] int64; ``max_len``
     bounds lens (host number). Keys are split in fixed runs of SPLIT_LEN, so a sequence's result does not
-    depend on ``max_len``, on the other sequences or on how many splits the launch has (empty ones add 0)."""
+    depend on ``max_len``, on the other sequences or on how many programs the launch has: each sequence
+    computes its ceil(len / SPLIT_LEN) splits, spread over min(splits of max_len, DECODE_PROGRAMS / (D *
+    n_kv)) programs per (sequence, KV head), and the combine folds exactly those splits in order. So a
+    graph captured for a long max_len (40 K tokens) does no work for splits its sequences do not reach."""
     d = seqs.numel()
     nh, hd = q.shape[1], q.shape[2]
     n_kv, bs = k_cache.shape[2], k_cache.shape[1]
     g = nh // n_kv
     num_splits = max(1, -(-max_len // SPLIT_LEN))
+    programs = max(1, min(num_splits, DECODE_PROGRAMS // max(1, d * n_kv)))
     part = torch.empty(d, nh, num_splits, hd, dtype=torch.float32, device=q.device)  # [D, nh, S, hd]
     ml = torch.empty(d, nh, num_splits, 2, dtype=torch.float32, device=q.device)  # [D, nh, S, (max, sum)]
-    _decode_split_kernel[(d, n_kv, num_splits)](
+    _decode_split_kernel[(d, n_kv, programs)](
         q, k_cache, v_cache, block_tables, seqs, tokens, lens, part, ml, scale, SPLIT_LEN,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1),
         G=g, BLOCK_G=_pow2(g), HD=hd, BLOCK_HD=_pow2(hd), BS=bs, BLOCK_N=DECODE_BLOCK_N,
         IEEE=q.dtype == torch.float32, num_warps=4)
     _decode_combine_kernel[(d, nh)](
-        part, ml, tokens, out, num_splits, part.stride(0), part.stride(1), part.stride(2), ml.stride(0),
+        part, ml, tokens, lens, out, SPLIT_LEN, part.stride(0), part.stride(1), part.stride(2), ml.stride(0),
         ml.stride(1), out.stride(0), out.stride(1), HD=hd, BLOCK_HD=_pow2(hd), num_warps=1)
 
 
