@@ -27,15 +27,12 @@ import torch
 from engram.config import EngramConfig
 from engram.store import convert
 from engram.store.base import Tier
-from engram.store.cache import RowCache
 from engram.store.convert import convert_random, convert_safetensors, layer_dir
 from engram.store.format import ITEMSIZE, MANIFEST, TableManifest, read_manifest, row_stride
-from engram.store.gpu import GpuTable, default_device
-from engram.store.host import HostTable
 from engram.store.kernels.reference import ROW_TORCH_DTYPES
 from engram.store.load import RowChunks, build_table, load_table
 from engram.store.options import StoreOptions
-from engram.store.preflight import preflight
+from engram.store.placement import place_table
 from engram.store.upgrade import add_checksums
 from engram.tokenizer import cache_root as tokenizer_cache_root
 
@@ -128,20 +125,8 @@ def open_random_table(cfg: EngramConfig, layer_id: int, seed: int, tier: str = "
         raise ValueError(f"{m.path}: tier 'disk' serves tables from their files; a table built in memory goes "
                          "on tier 'gpu' or 'host'")
     opts = options if options is not None else StoreOptions()
-    # the checks and the cache of placement.open_table, for a table that has no directory
-    cache_rows = max(opts.cache_rows, RowCache.rows_for_bytes(opts.cache_bytes, m.value_bytes, m.scale_cols))
-    if cache_rows and tier is Tier.GPU:
-        raise ValueError(f"engram_config.cache_rows={cache_rows}: the gpu tier holds the whole table and takes no "
-                         "cache; caches go in front of tier='host' or 'disk'")
-    dev = default_device(device)
-    if opts.check_memory:
-        preflight(m, tier.value, dev, cache_rows, host_layout=opts.host_layout, chunk_pages=opts.chunk_pages)
     build = functools.partial(build_table, m, random_rows(m.rows, m.dim, layer_seed(seed, layer_id), m.row_dtype))
-    if tier is Tier.GPU:
-        return GpuTable(m, dev, opts, progress=progress, build=build)
-    cache = (RowCache(min(cache_rows, m.rows), m.value_bytes, m.scale_cols, policy=opts.cache_policy,
-                      ways=opts.cache_ways, device=dev) if cache_rows else None)
-    return HostTable(m, dev, cache, opts, progress=progress, build=build)
+    return place_table(m, tier, device, opts, progress, build=build)
 
 
 def open_random_tables(cfg: EngramConfig, seed: int, tier: str = "gpu", device=None,

@@ -52,6 +52,13 @@ def open_table(directory: str | os.PathLike, tier: str | Tier = "gpu", device: t
     m = read_manifest(directory)
     if expect is not None:
         check_fingerprint(m, expect)
+    return place_table(m, tier, device, opts, progress)
+
+
+def place_table(m, tier: Tier, device, opts: StoreOptions, progress: bool = True, build=None) -> TableBackend:
+    """The table object of manifest ``m`` on ``tier``: the hot-row cache the options ask for (refused on the
+    gpu tier, which holds the whole table), the memory preflight, then the tier's class. ``build`` (tiers gpu
+    and host): makes the storage instead of reading the manifest's files (a table built in memory)."""
     cache_rows = max(opts.cache_rows, RowCache.rows_for_bytes(opts.cache_bytes, m.value_bytes, m.scale_cols))
     if cache_rows and tier is Tier.GPU:
         raise ValueError(f"engram_config.cache_rows={cache_rows}: the gpu tier holds the whole table and takes no "
@@ -63,9 +70,11 @@ def open_table(directory: str | os.PathLike, tier: str | Tier = "gpu", device: t
                       ways=opts.cache_ways, device=dev) if cache_rows else None)
     if tier is Tier.GPU:
         from engram.store.gpu import GpuTable
-        return GpuTable(m, dev, opts, progress=progress)
+        return GpuTable(m, dev, opts, progress=progress, build=build)
     if tier is Tier.HOST:
         from engram.store.host import HostTable
-        return HostTable(m, dev, cache, opts, progress=progress)
+        return HostTable(m, dev, cache, opts, progress=progress, build=build)
+    if build is not None:
+        raise ValueError(f"{m.path}: tier 'disk' serves tables from their files, not from storage built in memory")
     from engram.store.disk import DiskTable
     return DiskTable(m, device=dev, cache=cache, options=opts)

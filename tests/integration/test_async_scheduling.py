@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenizers import Tokenizer
 
 from engram.engine.config import EngineConfig
 from engram.engine.engine import LLMEngine, StepError
 from engram.engine.lookup import LookupExecutor
 from engram.engine.sampling_params import SamplingParams
-from engram.model.loader import LoadedModel, build_model, load_model
-from engram.model.presets import TOKENIZER_FILE, init_random_weights, preset_config
-from engram.model.tables import ensure_preset_tables, open_tables
-from engram.tokenizer import CompressedTokenizer
+from engram.model.loader import LoadedModel, load_model
+from tests.integration.test_engine import tiny_variant
 
 CPU, F64 = torch.device("cpu"), torch.float64
 
@@ -26,18 +23,6 @@ CPU, F64 = torch.device("cpu"), torch.float64
 @pytest.fixture(scope="module")
 def tiny() -> LoadedModel:
     return load_model("tiny", dtype=F64, device=CPU, progress=False)
-
-
-def _tiny_variant(**engram_changes) -> LoadedModel:
-    base = preset_config("tiny")
-    ecfg = base.engram.replace(**engram_changes)
-    cfg = base.replace(engram=ecfg)
-    model = build_model(cfg, F64, CPU)
-    init_random_weights(model, 0)
-    tables = open_tables(ensure_preset_tables(ecfg, 0, progress=False), ecfg, "gpu", CPU)
-    return LoadedModel(model, cfg, ecfg, Tokenizer.from_file(str(TOKENIZER_FILE)),
-                       CompressedTokenizer.from_file(TOKENIZER_FILE), tables, cfg.eos_token_id, None, "tiny-variant",
-                       dtype=F64, device=CPU)
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -165,8 +150,8 @@ def test_async_outputs_and_row_ids_equal_sync(tiny, monkeypatch, squeeze):
 
 def test_async_with_dead_ids_and_the_paper_variant(monkeypatch):
     reqs, params = prompts(8, seed=3), mixed_params(8)
-    for loaded in (_tiny_variant(dead_token_ids=tuple(range(3, 4096, 5))),
-                   _tiny_variant(variant="paper", row_dtype="fp32")):
+    for loaded in (tiny_variant(dead_token_ids=tuple(range(3, 4096, 5))),
+                   tiny_variant(variant="paper", row_dtype="fp32")):
         sync_out, sync_rows, _, _ = run(loaded, reqs, params, monkeypatch, False, max_num_seqs=8,
                                         max_num_batched_tokens=48)
         monkeypatch.undo()

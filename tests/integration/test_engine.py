@@ -34,18 +34,23 @@ def tiny() -> LoadedModel:
     return load_model("tiny", dtype=F64, device=CPU, progress=False)
 
 
-@pytest.fixture(scope="module")
-def tiny_paper() -> LoadedModel:
-    """The tiny decoder with paper-variant Engram layers (ShortConv state per sequence)."""
+def tiny_variant(**engram_changes) -> LoadedModel:
+    """The tiny decoder (float64, CPU) with its Engram config changed, e.g. the paper variant or DEAD ids."""
     base = preset_config("tiny")
-    ecfg = base.engram.replace(variant="paper", row_dtype="fp32")
+    ecfg = base.engram.replace(**engram_changes)
     cfg = base.replace(engram=ecfg)
     model = build_model(cfg, F64, CPU)
     init_random_weights(model, 0)
     tables = open_tables(ensure_preset_tables(ecfg, 0, progress=False), ecfg, "gpu", CPU)
     return LoadedModel(model, cfg, ecfg, Tokenizer.from_file(str(TOKENIZER_FILE)),
-                       CompressedTokenizer.from_file(TOKENIZER_FILE), tables, cfg.eos_token_id, None, "tiny-paper",
+                       CompressedTokenizer.from_file(TOKENIZER_FILE), tables, cfg.eos_token_id, None, "tiny-variant",
                        dtype=F64, device=CPU)
+
+
+@pytest.fixture(scope="module")
+def tiny_paper() -> LoadedModel:
+    """The tiny decoder with paper-variant Engram layers (ShortConv state per sequence)."""
+    return tiny_variant(variant="paper", row_dtype="fp32")
 
 
 class RecordingExecutor(LookupExecutor):
