@@ -10,7 +10,8 @@ decodes the same prompts (``engine_steps.prompt_ids``, seeded per batch size).
 Points (engram.bench.engine_steps says how each is driven and checked):
   decode   per batch size B: ``--decode-steps`` engine steps in which each of B sequences of a
            ``--context-len``-token prompt decodes exactly one token (asserted); ms_wall is their mean
-           host-clock time (tok/s = B / ms_wall); kv_mean is the mean KV length during those steps;
+           host-clock time (tok/s = B / ms_wall; ms_wall_median and ms_wall_max beside it); kv_mean is the
+           mean KV length during those steps;
            graph_steps how many of them replayed a CUDA graph (the engine's default on CUDA; none with
            ``--enforce-eager`` or on the CPU). The engine's max_model_len is the longest sequence the run
            needs (2064 with the default 1x2048 prefill shape; ``result.engine_config``).
@@ -45,8 +46,8 @@ from dataclasses import dataclass
 HELP = "Engine decode/prefill ms/step per model, tier, Engram on/off and an HF peer, against a measured roofline."
 CUDA_MODELS, CPU_MODELS = "4b-like,8b-like", "tiny"
 TIERS = ("gpu", "host")
-TABLE_COLUMNS = ["model", "arm", "phase", "batch", "context", "kv_mean", "graph_steps", "ms_wall", "ms_gpu",
-                 "ms_host_overhead", "tok_s", "roofline_ms", "ratio", "bound"]
+TABLE_COLUMNS = ["model", "arm", "phase", "batch", "context", "kv_mean", "graph_steps", "ms_wall", "ms_wall_median",
+                 "ms_gpu", "ms_host_overhead", "tok_s", "roofline_ms", "ratio", "bound"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -185,10 +186,12 @@ def engine_points(loaded, arm: str, tier: str | None, s: Settings, device, dtype
     from engram.bench.engine_steps import measure_decode, measure_prefill, prompt_ids
     from engram.bench.roofline import StepShape
     from engram.engine.engine import LLMEngine
+    from engram.engine.heap import freeze_startup_heap, thaw_heap
 
     cfg = loaded.model_config
     itemsize = dtype.itemsize
     engine = LLMEngine(loaded, engine_config(s, cfg.max_position_embeddings), device, dtype)
+    freeze_startup_heap()  # as engram serve does (engine/heap.py); thawed before the arm's model is dropped
     points = []
     try:
         for b in s.batch_sizes:
@@ -199,6 +202,9 @@ def engine_points(loaded, arm: str, tier: str | None, s: Settings, device, dtype
             points.append(make_point(cfg, arm, tier, "decode", b, s.context_len, shapes,
                                      statistics.fmean(t.wall_s) * 1e3, ms_gpu, b, itemsize, ceilings))
             points[-1]["graph_steps"] = t.graph_steps
+            walls = sorted(t.wall_s)  # the mean hides whether a few slow steps (GC, a page fault) or all moved
+            points[-1]["ms_wall_median"] = statistics.median(walls) * 1e3
+            points[-1]["ms_wall_max"] = walls[-1] * 1e3
             if s.kernels and t.kernels:
                 n = len(t.busy_context_lens)
                 points[-1]["kernels"] = [{"name": k.name, "calls": k.calls / n, "us": k.seconds / n * 1e6}
@@ -214,6 +220,7 @@ def engine_points(loaded, arm: str, tier: str | None, s: Settings, device, dtype
         for table in engine.executor.worker.tables.values():
             table.close()
         del engine
+        thaw_heap()
         _free_memory(device)
     return points
 

@@ -62,8 +62,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"engram generate: error: {e}", file=sys.stderr)
         return 2
     load_s = time.perf_counter() - t0
+    from engram.engine.heap import freeze_startup_heap, thaw_heap
+
+    freeze_startup_heap()  # full collections skip the start-up heap while generating (engine/heap.py)
     t1 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+    finally:
+        thaw_heap()  # the command may run inside another program's process (tests call main())
     gen_s = time.perf_counter() - t1
     for out in outputs:
         c = out.outputs[0]

@@ -65,7 +65,14 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = build_app(lambda: build_llm(args), name, args.tier, args.max_num_seqs, args.max_waiting,
+    def load():  # engine thread; this process is the engine's: full collections skip the start-up heap
+        from engram.engine.heap import freeze_startup_heap
+
+        llm = build_llm(args)
+        freeze_startup_heap()
+        return llm
+
+    app = build_app(load, name, args.tier, args.max_num_seqs, args.max_waiting,
                     args.max_request_bytes, on_load_error=load_failed)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=60))

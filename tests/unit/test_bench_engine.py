@@ -202,6 +202,9 @@ def test_engine_bench_runs_every_arm_and_writes_every_field(tmp_path, capsys):
         tokens = p["batch"] * (1 if p["phase"] == "decode" else p["context"])
         assert p["tok_s"] == pytest.approx(tokens / p["ms_wall"] * 1e3)
     decode = [p for p in points if p["phase"] == "decode"]
+    for p in decode:
+        if p["arm"] != "hf-peer":
+            assert 0 < p["ms_wall_median"] <= p["ms_wall_max"] and p["ms_wall"] <= p["ms_wall_max"]
     assert sorted((p["arm"], p["batch"]) for p in decode) == sorted(
         (a, b) for a in ("engram/gpu", "engram/host", "engram-off", "hf-peer") for b in (1, 3))
     assert all(p["kv_mean"] == 14.5 and p["steps"] == 2 for p in decode)  # KV 14, 15 after 12 + 2 warm-up tokens
