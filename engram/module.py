@@ -16,6 +16,7 @@ The gate is computed in float32 (float64 when hidden is float64); projections ru
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ from engram.config import EngramConfig
 from engram.embedding import EngramEmbedding
 from engram.short_conv import ShortConv, ShortConvState
 
-__all__ = ["Engram", "EngramEmbedding", "ShortConv", "ShortConvState", "GATE_CLAMP"]
+__all__ = ["Engram", "EngramEmbedding", "Projected", "ShortConv", "ShortConvState", "GATE_CLAMP"]
 
 GATE_CLAMP = 1e-6  # |d| floor before the square root, as in both published implementations
 
@@ -40,6 +41,17 @@ def gate_from_logit(d: torch.Tensor, dead_mask: torch.Tensor | None) -> torch.Te
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
+
+
+@dataclass
+class Projected:
+    """What an Engram layer computes from its rows alone, before the hidden state is needed: v41 the
+    ``wkv`` output [T, (hc_mult+1)*H]; paper the key projections (hc_mult of [T, H]) and the value [T, H].
+    ``Engram.project`` makes it and ``Engram.forward`` takes it in place of the rows, so it can be computed
+    ahead, on another stream (the lookup stream's WKV run-ahead), by the same kernels."""
+
+    num_tokens: int
+    tensors: tuple[torch.Tensor, ...]
 
 
 class Engram(nn.Module):
@@ -88,17 +100,28 @@ class Engram(nn.Module):
                 f"hidden={self.hidden_size}, n_cols={self.n_cols}, head_dim={self.head_dim}")
 
     # ----------------------------------------------------------------- forward
-    def forward(self, hidden: torch.Tensor, rows: torch.Tensor, dead_mask: torch.Tensor | None = None,
-                state: ShortConvState | None = None) -> torch.Tensor:
-        """hidden [T, hc_mult, H], rows [T, n_cols, head_dim], dead_mask [T] bool -> [T, hc_mult, H]
-        (v41: the new hidden; paper: the contribution to add to the residual)."""
-        self._check_inputs(hidden, rows, dead_mask)
-        emb = rows.to(hidden.dtype).flatten(1)  # [T, n_cols*head_dim]
+    def project(self, rows: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> Projected:
+        """rows [T, n_cols, head_dim] -> their projections in ``dtype`` (the compute dtype of the hidden state).
+        ``out`` (v41): the [T, (hc_mult+1)*H] buffer to write the wkv output into (nothing is allocated then)."""
+        emb = rows.to(dtype).flatten(1)  # [T, n_cols*head_dim]
         if self.variant == "v41":
-            if state is not None:
-                raise ValueError(f"Engram layer {self.layer_id} (v41) keeps no conv state; pass state=None")
-            return self._forward_v41(hidden, emb, dead_mask)
-        return self._forward_paper(hidden, emb, dead_mask, state)
+            return Projected(rows.shape[0], (torch.mm(emb, self.wkv.weight.to(dtype).t(), out=out),))
+        keys = tuple(F.linear(emb, p.weight.to(dtype), p.bias.to(dtype)) for p in self.key_projs)  # [T, H] each
+        return Projected(rows.shape[0], keys + (F.linear(emb, self.value_proj.weight.to(dtype),
+                                                         self.value_proj.bias.to(dtype)),))
+
+    def forward(self, hidden: torch.Tensor, rows: torch.Tensor | Projected, dead_mask: torch.Tensor | None = None,
+                state: ShortConvState | None = None) -> torch.Tensor:
+        """hidden [T, hc_mult, H], rows [T, n_cols, head_dim] (or their ``project``-ion, computed ahead),
+        dead_mask [T] bool -> [T, hc_mult, H] (v41: the new hidden; paper: the contribution to add to the
+        residual)."""
+        self._check_inputs(hidden, rows, dead_mask)
+        if self.variant == "v41" and state is not None:
+            raise ValueError(f"Engram layer {self.layer_id} (v41) keeps no conv state; pass state=None")
+        proj = rows if isinstance(rows, Projected) else self.project(rows, hidden.dtype)
+        if self.variant == "v41":
+            return self._forward_v41(hidden, proj.tensors[0], dead_mask)
+        return self._forward_paper(hidden, proj.tensors, dead_mask, state)
 
     def _check_inputs(self, hidden: torch.Tensor, rows: torch.Tensor, dead_mask: torch.Tensor | None) -> None:
         where = f"Engram layer {self.layer_id}"
@@ -108,16 +131,19 @@ class Engram(nn.Module):
         if not hidden.is_floating_point():
             raise ValueError(f"{where}: hidden must be a float tensor, got {hidden.dtype}")
         num_tokens = hidden.shape[0]
-        if rows.shape != (num_tokens, self.n_cols, self.head_dim):
+        if isinstance(rows, Projected):
+            if rows.num_tokens != num_tokens:
+                raise ValueError(f"{where}: projected rows of {rows.num_tokens} tokens for a hidden of {num_tokens}")
+        elif rows.shape != (num_tokens, self.n_cols, self.head_dim):
             raise ValueError(f"{where}: rows has shape {tuple(rows.shape)}, "
                              f"expected [T={num_tokens}, n_cols={self.n_cols}, head_dim={self.head_dim}]")
         if dead_mask is not None and (dead_mask.dtype != torch.bool or dead_mask.shape != (num_tokens,)):
             raise ValueError(f"{where}: dead_mask must be bool [T={num_tokens}], "
                              f"got {dead_mask.dtype} {tuple(dead_mask.shape)}")
 
-    def _forward_v41(self, x: torch.Tensor, emb: torch.Tensor, dead_mask: torch.Tensor | None) -> torch.Tensor:
+    def _forward_v41(self, x: torch.Tensor, kv: torch.Tensor, dead_mask: torch.Tensor | None) -> torch.Tensor:
+        """kv [T, (hc+1)*H]: the projected rows (``project``)."""
         num_tokens, hc, hidden = x.shape
-        kv = F.linear(emb, self.wkv.weight.to(x.dtype))  # [T, (hc+1)*H]
         cd = _compute_dtype(x.dtype)
         k = kv[:, : hc * hidden].view(num_tokens, hc, hidden).to(cd)  # [T, hc, H] one key per branch
         v = kv[:, hc * hidden:].to(cd)  # [T, H] shared value
@@ -129,17 +155,18 @@ class Engram(nn.Module):
         g = gate_from_logit(d, dead_mask)  # [T, hc]
         return (xf + g.unsqueeze(-1) * v.unsqueeze(1)).to(x.dtype)  # [T, hc, H]
 
-    def _forward_paper(self, x: torch.Tensor, emb: torch.Tensor, dead_mask: torch.Tensor | None,
+    def _forward_paper(self, x: torch.Tensor, proj: tuple[torch.Tensor, ...], dead_mask: torch.Tensor | None,
                        state: ShortConvState | None) -> torch.Tensor:
+        """proj: the key projections [T, H] per branch, then the value [T, H] (``project``)."""
         hidden = self.hidden_size
         cd = _compute_dtype(x.dtype)
         logits = []
         for i in range(self.hc_mult):
-            key = F.linear(emb, self.key_projs[i].weight.to(x.dtype), self.key_projs[i].bias.to(x.dtype))  # [T, H]
+            key = proj[i]  # [T, H]
             nk = F.rms_norm(key.to(cd), (hidden,), self.norm1[i].weight.to(cd), self.eps)
             nq = F.rms_norm(x[:, i].to(cd), (hidden,), self.norm2[i].weight.to(cd), self.eps)
             logits.append((nk * nq).sum(-1) / math.sqrt(hidden))  # [T]
         g = gate_from_logit(torch.stack(logits, dim=1), dead_mask)  # [T, hc]
-        v = F.linear(emb, self.value_proj.weight.to(x.dtype), self.value_proj.bias.to(x.dtype))  # [T, H]
+        v = proj[self.hc_mult]  # [T, H]
         gated = (g.unsqueeze(-1) * v.to(cd).unsqueeze(1)).to(x.dtype)  # [T, hc, H] v'
         return gated + self.short_conv(gated, state)

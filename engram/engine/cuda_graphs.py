@@ -6,7 +6,8 @@ reads static buffers, filled before each replay from the StepDescription: token 
 slot mapping, block tables [B, max_blocks] and each Engram layer's row ids [B, n_cols] through one pinned
 buffer and one non-blocking copy. When every table gathers device ids as device work alone (tier gpu, tier
 host without a hot-row cache: ``gathers_on_device``), the gathers (+ MXFP8 dequant) are captured in the
-graph, reading the row-id buffer into the static rows [B, n_cols, head_dim]; otherwise (disk tier, hot-row
+graph, reading the row-id buffer into the static rows [B, n_cols, head_dim] (with ``lookup_overlap`` on a
+branch of the graph forked at its start, joined at each Engram layer: engine/lookup_stream.py); otherwise (disk tier, hot-row
 caches) the lookup executor stages the rows eagerly and they are copied in before the replay. The S..B padding
 sequences decode token 0 at position 0 into a reserved KV block that no real sequence owns, so their
 writes touch nothing real; their logits are dropped. Attention inside the graph is the Triton path with
@@ -17,6 +18,7 @@ torch attention reference. ``replays`` counts replays, so tests can tell a silen
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -25,8 +27,10 @@ import numpy as np
 import torch
 
 from engram.engine.lookup import StagedRows
+from engram.engine.lookup_stream import LookupStream
 from engram.engine.pending import PendingPatch
 from engram.engine.step import StepDescription
+from engram.module import Projected
 from engram.model.inputs import StepInputs
 from engram.model.layers import paged_attention as pa
 from engram.model.layers.attention import AttentionMetadata
@@ -52,8 +56,10 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, kv, ecfg, max_batch: int, max_model_len: int, block_size: int,
-                 null_block: int, device: torch.device, progress: bool | None = None, tables: dict | None = None):
+                 null_block: int, device: torch.device, progress: bool | None = None, tables: dict | None = None,
+                 lookup_stream: LookupStream | None = None):
         self.model, self.kv, self.device = model, kv, device
+        self.lookup_stream = lookup_stream  # in-graph gathers on a forked branch (lookup_overlap)
         # The Engram gathers go inside the graphs when every table can gather device ids as device work alone
         # (ENGRAM_GRAPH_LOOKUPS=0, a debugging switch, keeps them in the lookup executor).
         in_graph = os.environ.get("ENGRAM_GRAPH_LOOKUPS", "1") != "0"
@@ -83,6 +89,11 @@ class DecodeGraphs:
         dtype = next(model.parameters()).dtype
         self.rows = {lid: torch.zeros(b, ecfg.n_cols, ecfg.head_dim, dtype=dtype, device=device)
                      for lid in (ecfg.layer_ids if ecfg else ())}
+        # WKV run-ahead in the graph (lookup_overlap, v41): each layer's projected rows, written on the lookup branch
+        self.engram = {lid: model.model.layers[lid].engram for lid in self.rows}
+        self.projected = ({lid: torch.zeros(b, (ecfg.hc_mult + 1) * ecfg.hidden_size, dtype=dtype, device=device)
+                           for lid in self.rows}
+                          if lookup_stream is not None and self.tables is not None and ecfg.variant == "v41" else {})
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.replays = 0
@@ -141,15 +152,30 @@ class DecodeGraphs:
         return StepInputs(token_ids=self.token_ids[:size], positions=self.positions[:size],
                           cu_seqlens=self.arange[:size + 1], context_lens=self.context_lens[:size],
                           block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size],
-                          engram_rows=lambda layer_id: self.rows[layer_id][:size], logits_indices=idx,
+                          engram_rows=lambda layer_id: self._consume(layer_id, size), logits_indices=idx,
                           attention=meta)
+
+    def _consume(self, layer_id: int, size: int) -> torch.Tensor:
+        """Layer ``layer_id``'s static rows [size, n_cols, D], after its gather when that runs on the lookup
+        stream (a captured wait: the graph's lookup branch joins the main stream here)."""
+        if self.lookup_stream is not None and self.tables is not None:
+            self.lookup_stream.wait(layer_id)
+        if self.projected:
+            return Projected(size, (self.projected[layer_id][:size],))
+        return self.rows[layer_id][:size]
 
     def _forward(self, size: int, inputs: StepInputs) -> torch.Tensor:
         """What a graph holds: the Engram gathers (when in the graph), the model, the logits [size, vocab]."""
         if self.tables is not None:
-            for lid, table in self.tables.items():
-                rows = self.rows[lid][:size]  # [size, n_cols, D]
-                table.gather(self.row_ids[lid][:size].reshape(-1), out=rows.view(-1, rows.shape[-1]), dtype=rows.dtype)
+            with self.lookup_stream.issue() if self.lookup_stream is not None else contextlib.nullcontext():
+                for lid, table in self.tables.items():
+                    rows = self.rows[lid][:size]  # [size, n_cols, D]
+                    table.gather(self.row_ids[lid][:size].reshape(-1), out=rows.view(-1, rows.shape[-1]),
+                                 dtype=rows.dtype)
+                    if self.projected:  # WKV run-ahead: the projection needs no hidden state
+                        self.engram[lid].project(rows, rows.dtype, out=self.projected[lid][:size])
+                    if self.lookup_stream is not None:
+                        self.lookup_stream.done(lid)
         return self.model.compute_logits(self.model.forward(inputs, self.kv))
 
     @torch.inference_mode()

@@ -293,7 +293,8 @@ class LLMEngine:
                 "kv_blocks_total": total, "kv_blocks_free": blocks.num_free_blocks,
                 "kv_usage": 1.0 - blocks.num_free_blocks / total if total else 0.0,
                 "preemptions": self.num_preemptions, "steps": self.num_steps, "tables": worker["tables"],
-                "kv_bytes": worker["kv_bytes"], "graph_replays": worker["graph_replays"]}
+                "kv_bytes": worker["kv_bytes"], "graph_replays": worker["graph_replays"],
+                "lookup_exposed_s": worker.get("lookup_exposed_s", 0.0)}
 
     # ----------------------------------------------------------------- helpers
     def _compress(self, ids: list[int]) -> list[int]:

@@ -5,38 +5,48 @@ StepDescription) to that layer's table (``table.submit``; the store checks CPU i
 them from pinned memory, deduplicating only where its tier gains from it) and returns ``StagedRows``:
 per layer [T, n_cols, head_dim] on the Worker's device, tagged with the step id. The model asks for a
 layer's rows with the id of the step it is running; rows staged for another step are refused
-(stale-row rejection). This executor waits for every layer before the model runs; an overlapping one
-(lookup stream, events per layer) replaces it behind the same ``submit``.
+(stale-row rejection). Without a lookup stream every layer's rows are staged before the model runs; with
+one (``lookup_overlap``, CUDA: engine/lookup_stream.py) the gathers — and each layer's projection of its
+rows (``Engram.project``, the WKV run-ahead), which needs no hidden state — are issued on that stream, an
+event per layer, and ``StagedRows.rows`` makes the consuming layer wait for its own layer's event only.
 """
 from __future__ import annotations
 
 import torch
 
 from engram.config import EngramConfig
+from engram.engine.lookup_stream import LookupStream
 from engram.engine.pending import PendingPatch
 from engram.engine.step import StepDescription
+from engram.module import Projected
 from engram.transfer import to_device
 
 
 class StagedRows:
-    """Rows of one step, per layer [T, n_cols, head_dim]; ``rows(layer_id, step_id)`` checks the step."""
+    """Rows of one step, per layer [T, n_cols, head_dim]; ``rows(layer_id, step_id)`` checks the step.
+    ``ready(layer_id, rows)``, when given, is called before a layer's rows are handed out (the lookup
+    stream's wait for that layer)."""
 
-    def __init__(self, step_id: int, rows: dict[int, torch.Tensor]):
+    def __init__(self, step_id: int, rows: dict[int, torch.Tensor], ready=None):
         self.step_id = step_id
         self._rows = rows
+        self._ready = ready
 
     def rows(self, layer_id: int, step_id: int) -> torch.Tensor:
         if step_id != self.step_id:
             raise RuntimeError(f"stale Engram rows: staged for step {self.step_id}, consumed by step {step_id}")
         if layer_id not in self._rows:
             raise KeyError(f"no staged rows for Engram layer {layer_id} (step {self.step_id} has {sorted(self._rows)})")
+        if self._ready is not None:
+            self._ready(layer_id, self._rows[layer_id])
         return self._rows[layer_id]
 
 
 class LookupExecutor:
     """Submits every layer's lookup of a step, then waits for all of them, before the model runs."""
 
-    def __init__(self, tables: dict, cfg: EngramConfig | None, dtype: torch.dtype, device: torch.device):
+    def __init__(self, tables: dict, cfg: EngramConfig | None, dtype: torch.dtype, device: torch.device,
+                 stream: LookupStream | None = None, projectors: dict | None = None):
         missing = [lid for lid in (cfg.layer_ids if cfg else ()) if lid not in tables]
         if missing:
             raise ValueError(f"no table for Engram layer(s) {missing} (tables cover {sorted(tables)})")
@@ -47,28 +57,48 @@ class LookupExecutor:
         # so float64 models read float32 rows and widen them.
         self.fetch_dtype = torch.float32 if dtype == torch.float64 else dtype
         self.device = torch.device(device)
+        self.stream = stream  # lookup_overlap: gathers on their own stream, an event per layer
+        # WKV run-ahead (with a stream): layer id -> Engram.project of its rows, run on the lookup stream too
+        self.projectors = projectors if stream is not None else None
 
-    def submit(self, step: StepDescription, patch: PendingPatch | None = None) -> StagedRows:
+    def submit(self, step: StepDescription, patch: PendingPatch | None = None, project: bool = True) -> StagedRows:
         """Stage every layer's rows of ``step``. With a ``patch`` (async scheduling: some row ids exist only
         on the device) the ids are uploaded, patched there and gathered from device ids, which only tables
-        that gather device ids as device work (or any table, on the CPU) can serve."""
+        that gather device ids as device work (or any table, on the CPU) can serve. ``project``: with a
+        lookup stream and projectors, stage each layer's projection instead of its rows (False: the rows, for
+        a decode graph that projects them itself)."""
+        if self.stream is None:
+            return StagedRows(step.step_id, self._stage(step, patch, lambda lid, rows: None))
+
+        def done(layer_id: int, rows: dict) -> None:
+            if project and self.projectors:  # the layer gets its rows' projection (Engram.project), made ahead
+                rows[layer_id] = self.projectors[layer_id](rows[layer_id])
+            self.stream.done(layer_id)
+
+        with self.stream.issue():
+            rows = self._stage(step, patch, done)
+        return StagedRows(step.step_id, rows, ready=self._wait)
+
+    def _wait(self, layer_id: int, staged) -> None:
+        self.stream.wait(layer_id, *(staged.tensors if isinstance(staged, Projected) else (staged,)))
+
+    def _stage(self, step: StepDescription, patch: PendingPatch | None, done) -> dict[int, torch.Tensor]:
+        """Every layer's rows [T, n_cols, D] on the current stream, ``done(layer, rows)`` after each."""
+        rows = {}
         if patch is not None:
-            return self._submit_patched(step, patch)
+            for lid, ids in step.engram_row_ids.items():
+                dev_ids = patch.patched(to_device(ids, self.device), patch.row_ids[lid])  # [T, n_cols]
+                flat = self.tables[lid].gather(dev_ids.reshape(-1), dtype=self.fetch_dtype)
+                rows[lid] = flat.to(self.device, self.dtype).reshape(ids.shape[0], ids.shape[1], -1)
+                done(lid, rows)
+            return rows
         handles = {lid: self.tables[lid].submit(ids.reshape(-1), dtype=self.fetch_dtype)
                    for lid, ids in step.engram_row_ids.items()}  # [T * n_cols] each, CPU int64
-        rows = {}
         for lid, ids in step.engram_row_ids.items():
             flat = handles[lid].wait()  # [T * n_cols, head_dim]
             rows[lid] = flat.to(self.device, self.dtype).reshape(ids.shape[0], ids.shape[1], -1)  # [T, n_cols, D]
-        return StagedRows(step.step_id, rows)
-
-    def _submit_patched(self, step: StepDescription, patch: PendingPatch) -> StagedRows:
-        rows = {}
-        for lid, ids in step.engram_row_ids.items():
-            dev_ids = patch.patched(to_device(ids, self.device), patch.row_ids[lid])  # [T, n_cols]
-            flat = self.tables[lid].gather(dev_ids.reshape(-1), dtype=self.fetch_dtype)
-            rows[lid] = flat.to(self.device, self.dtype).reshape(ids.shape[0], ids.shape[1], -1)
-        return StagedRows(step.step_id, rows)
+            done(lid, rows)
+        return rows
 
     def takes_device_ids(self) -> bool:
         """Whether ``submit`` can take a patch on this device: on the CPU every table can; on CUDA only when

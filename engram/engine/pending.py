@@ -51,6 +51,11 @@ class PendingTokens:
         self._step_id = -1
         self._tokens: torch.Tensor | None = None
 
+    @property
+    def last_step_id(self) -> int:
+        """The last step launched on this Worker (-1 before the first)."""
+        return self._step_id
+
     def remember(self, step_id: int, token_ids: torch.Tensor) -> None:
         """The tokens [N] a launched step sampled (on the device; read by the engine later, or never)."""
         self._step_id, self._tokens = step_id, token_ids

@@ -15,6 +15,7 @@ step N+1 before collecting step N; N+1's pending tokens are N's sampled ids, pat
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch
 from engram.engine.config import EngineConfig
 from engram.engine.cuda_graphs import DecodeGraphs, graph_reserve_bytes
 from engram.engine.lookup import LookupExecutor, staging_bytes
+from engram.engine.lookup_stream import LookupStream
 from engram.engine.memory import MemoryPlan, plan_memory, profile_peak_bytes
 from engram.engine.pending import PendingTokens
 from engram.engine.runner import ModelRunner
@@ -51,7 +53,12 @@ class Worker:
         if self.device.type == "cuda" and dtype in FAST_DTYPES:
             self.model.pack_projections()  # q/k/v and gate/up as one GEMM each (the CPU keeps the plain path)
         self.tables = loaded.open_tables()  # opened here, on this worker's device
-        self.lookup = LookupExecutor(self.tables, self.ecfg, dtype, self.device)
+        # lookup_overlap (CUDA): gathers on their own stream, an event per Engram layer (engine/lookup_stream.py)
+        self.lookup_stream = (LookupStream(self.device, self.ecfg.layer_ids)
+                              if getattr(loaded, "lookup_overlap", False) and self.ecfg and self.device.type == "cuda"
+                              else None)
+        self.lookup = LookupExecutor(self.tables, self.ecfg, dtype, self.device, stream=self.lookup_stream,
+                                     projectors=_projectors(self.model, self.ecfg, dtype))
         self.sampler = Sampler(seed=config.seed)
         ctok = loaded.compressed_tokenizer
         self.pending = PendingTokens(NgramHasher.from_tokenizer(self.ecfg, ctok) if self.ecfg else None,
@@ -71,7 +78,7 @@ class Worker:
         self.graphs = (DecodeGraphs(self.model, self.kv, self.ecfg, min(config.max_num_seqs, config.max_graph_batch),
                                     max_model_len,
                                     config.block_size, self.memory.num_blocks, self.device, progress=progress,
-                                    tables=self.tables)
+                                    tables=self.tables, lookup_stream=self.lookup_stream)
                        if use_graphs else None)
 
     def _profiles_memory(self) -> bool:
@@ -94,7 +101,12 @@ class Worker:
         # With the gathers in the graph the default executor has nothing to do; a replaced one (recording,
         # overlapping) still sees every step.
         skip = graph and self.graphs.tables is not None and type(self.lookup) is LookupExecutor
-        staged = None if skip else (self.lookup.submit(step) if patch is None else self.lookup.submit(step, patch))
+        if skip:
+            staged = None
+        elif type(self.lookup) is LookupExecutor:  # a graph step projects its rows inside the graph
+            staged = self.lookup.submit(step, patch, project=not graph)
+        else:
+            staged = self.lookup.submit(step)
         if graph:
             logits = self.graphs.run(step, staged, patch)  # [N, vocab] float32, a view of the graph's output
         else:
@@ -114,6 +126,11 @@ class Worker:
         """Wait for a launched step's tokens (the step's one host synchronisation) -> its StepResult."""
         step = launched.step
         tokens, logprobs = read_tokens(launched.sampled)  # module-level: found by the sync test
+        # Debug check: with no later step launched, the lookup stream must have finished with this step's tokens
+        # (every gather it ran was waited for by a layer before the tokens were sampled).
+        if self.lookup_stream is not None and self.pending.last_step_id == step.step_id and not self.lookup_stream.idle():
+            raise RuntimeError(f"step {step.step_id}: the lookup stream still runs after the step's tokens were read "
+                               "(a gather no layer waited for)")
         result = StepResult(step.step_id, tokens, _logprobs(logprobs, step.samples, tokens))
         if step.prompt_logprobs:
             result.prompt_logprobs = _prompt_logprobs(launched.prompt_scores, step)
@@ -131,6 +148,7 @@ class Worker:
     def stats(self) -> dict[str, Any]:
         """Device-side counters: each Engram table's (by layer id) and the KV cache's size."""
         return {"tables": self.lookup.stats(), "kv_blocks": self.memory.num_blocks,
+                "lookup_exposed_s": self.lookup_stream.exposed_seconds() if self.lookup_stream else 0.0,
                 "kv_bytes": self.memory.kv_bytes, "graph_replays": self.graphs.replays if self.graphs else 0,
                 "graph_pool_bytes": self.graphs.pool_bytes if self.graphs else 0}
 
@@ -145,6 +163,14 @@ def read_tokens(sampled: SampledTokens) -> tuple[list[int], tuple | None]:
     if sampled.logprobs is None:
         return tokens, None
     return tokens, (sampled.logprobs.tolist(), sampled.top_logprobs.tolist(), sampled.top_token_ids.tolist())
+
+
+def _projectors(model, ecfg, dtype: torch.dtype) -> dict:
+    """Engram layer id -> its rows' projection (``Engram.project`` in the model's dtype): the WKV run-ahead."""
+    if ecfg is None:
+        return {}
+    layers = model.model.layers
+    return {lid: functools.partial(layers[lid].engram.project, dtype=dtype) for lid in ecfg.layer_ids}
 
 
 def _to_host(tensors: list, device: torch.device) -> list:

@@ -50,6 +50,7 @@ class LoadedModel:
     tier: str = "gpu"  # where open_tables() puts the tables: "gpu" | "host" | "disk"
     store_options: Any = None  # engram.store.StoreOptions for open_tables() (None: the defaults)
     memory_table_seed: int | None = None  # tables_in_memory: the preset seed open_tables() builds them from
+    lookup_overlap: bool = False  # the Worker gathers Engram rows on a lookup stream (CUDA; engine/lookup_stream.py)
 
     def open_tables(self) -> dict[int, Any]:
         """The tables, opened on ``tier`` and ``device`` at the first call (the Worker's, at its start):
@@ -155,7 +156,8 @@ def random_model(cfg: ModelConfig, tier: str = "gpu", dtype: torch.dtype = torch
         dirs = ensure_preset_tables(cfg.engram, seed, cache_dir, progress=progress)
     return LoadedModel(model, cfg, cfg.engram, tok, ctok, {}, cfg.eos_token_id, cfg.chat_template, cfg.name,
                        dirs, dtype, device, tier, opts.store if opts is not None else None,
-                       memory_table_seed=seed if in_memory and cfg.engram is not None else None)
+                       memory_table_seed=seed if in_memory and cfg.engram is not None else None,
+                       lookup_overlap=opts.lookup_overlap if opts is not None else False)
 
 
 # ----------------------------------------------------------------- checkpoints
@@ -248,7 +250,8 @@ def _load_checkpoint(path: Path, tier, dtype, device, opts, cache_dir, progress)
         dirs = checkpoint_table_dirs(path, cfg.engram, cache_dir)
         convert_checkpoint_tables(path, dirs, cfg.engram, progress=progress)
     return LoadedModel(model, cfg, cfg.engram, tok, ctok, {}, cfg.eos_token_id, cfg.chat_template, cfg.name,
-                       dirs, dtype, device, tier, opts.store if opts is not None else None)
+                       dirs, dtype, device, tier, opts.store if opts is not None else None,
+                       lookup_overlap=opts.lookup_overlap if opts is not None else False)
 
 
 # ----------------------------------------------------------------- save

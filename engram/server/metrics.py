@@ -64,6 +64,9 @@ class _SnapshotCollector:
         yield GaugeMetricFamily("engram_kv_cache_usage_ratio", "Fraction of KV blocks in use", value=snap["kv_usage"])
         yield CounterMetricFamily("engram_num_preemptions", "Sequences preempted by recompute",
                                   value=snap["preemptions"])
+        yield CounterMetricFamily("engram_lookup_exposed_seconds",
+                                  "Seconds Engram layers of eager steps waited for their lookups (lookup_overlap)",
+                                  value=snap.get("lookup_exposed_s", 0.0))
         for key in TABLE_COUNTERS:
             fam = CounterMetricFamily(f"engram_table_{key}", f"Engram table {key} (cumulative)",
                                       labels=["layer", "tier"])

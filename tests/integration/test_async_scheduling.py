@@ -64,7 +64,7 @@ class Recorder:
         real_submit = LookupExecutor.submit
         rec = self
 
-        def submit(self, step, patch=None):
+        def submit(self, step, patch=None, project=True):
             ids = {lid: (t if patch is None else patch.patched(t, patch.row_ids[lid])) for lid, t in
                    step.engram_row_ids.items()}
             cu = step.cu_seqlens.tolist()
@@ -74,7 +74,7 @@ class Recorder:
                     value = [ids[lid][t].tolist() for lid in sorted(ids)]
                     assert rec.rows.setdefault(key, value) == value, f"row ids of {key} changed on recompute"
             rec.pending_rows += len(step.pending_rows)
-            return real_submit(self, step) if patch is None else real_submit(self, step, patch)
+            return real_submit(self, step, patch, project)
 
         monkeypatch.setattr(LookupExecutor, "submit", submit)
         ex = engine.executor
@@ -189,11 +189,11 @@ def test_a_failing_request_fails_alone_under_async(tiny, monkeypatch):
     bad = engine._seqs["r2"].seq_id
     real = LookupExecutor.submit
 
-    def submit(self, step, patch=None):
+    def submit(self, step, patch=None, project=True):
         s = step.seq_ids.index(bad) if bad in step.seq_ids else -1
         if s >= 0 and step.start_positions[s] >= len(reqs[2]):  # r2 fails whenever it decodes
             raise OSError("planted read error")
-        return real(self, step) if patch is None else real(self, step, patch)
+        return real(self, step, patch, project)
 
     monkeypatch.setattr(LookupExecutor, "submit", submit)
     out, failed = {}, []

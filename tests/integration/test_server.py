@@ -182,6 +182,7 @@ def test_metrics_are_engram_prefixed(server):
     assert names and all(n.startswith("engram_") for n in names)
     for needed in ("engram_time_to_first_token_seconds_bucket", "engram_time_per_output_token_seconds_bucket",
                    "engram_num_requests_waiting", "engram_kv_cache_usage_ratio", "engram_table_rows_total",
-                   "engram_table_bytes_read_total", "engram_table_hits_total", "engram_table_misses_total"):
+                   "engram_table_bytes_read_total", "engram_table_hits_total", "engram_table_misses_total",
+                   "engram_lookup_exposed_seconds_total"):
         assert needed in names, needed
     assert metric(server.url, "engram_table_rows_total", 'layer="1",tier="gpu"') > 0
