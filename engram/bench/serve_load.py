@@ -52,8 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="result JSON path (default: bench/results/<date>-serve-load.json)")
 
 
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
+def _pct(values: list[float], q: float) -> float | None:
+    """The q-th percentile; None (JSON null) when no request got that far (every one failed, say), so the
+    result of a failed run is still written, with its errors."""
+    return float(np.percentile(values, q)) if values else None
 
 
 async def _worker(client, model: str, prompts: list[str], start: int, stride: int, deadline: float,

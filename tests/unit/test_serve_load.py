@@ -44,3 +44,22 @@ def test_corpus_option_and_its_errors(tmp_path):
     # the command refuses before starting a server (no --url: it would start one)
     with pytest.raises(SystemExit, match=r"engram bench serve: corpus .*does not match the recorded"):
         main(["bench", "serve", "--corpus", str(path), "--duration", "1"])
+
+
+def test_a_run_in_which_every_request_fails_is_still_written(tmp_path):
+    import asyncio
+    import json
+    import socket
+
+    from engram.bench.report import write_result
+    from engram.bench.serve_load import run_load
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there: every request fails to connect
+    result = asyncio.run(run_load(f"http://127.0.0.1:{port}", "tiny", 2, 0.3, 4, ["a prompt"]))
+    assert result["requests"] == 0 and result["errors"] > 0 and "ConnectError" in result["error_samples"][0]
+    assert result["ttft_p50_s"] is None and result["e2e_p99_s"] is None
+    path = write_result("serve-load", {}, result, out=tmp_path / "r.json")
+    assert json.loads(path.read_text())["result"]["tpot_p99_s"] is None
