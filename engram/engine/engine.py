@@ -156,11 +156,16 @@ class LLMEngine:
                 except Exception:
                     pass  # it read tokens of a failed step: whatever it did is discarded
                 self._rollback(dropped)
-            live = [i for i, seq in enumerate(launched.batch.seqs) if not seq.is_finished]
+            # re-run who is still there: not finished, and not preempted since (the step launched after it may
+            # have taken their blocks; they recompute from the queue)
+            live = [i for i, (seq, epoch) in enumerate(zip(launched.batch.seqs, launched.epochs))
+                    if not seq.is_finished and seq.metrics.num_preemptions == epoch]
             return self._run_isolated(_pick(launched.batch, live))
 
     def _run_isolated(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Launch and read ``batch`` now; on failure find who fails and run the others."""
+        if batch.is_empty:
+            return []
         try:
             return self._run(batch)
         except Exception as e:  # nothing was committed: find who fails, run the others

@@ -220,3 +220,28 @@ def test_a_failing_request_fails_alone_under_async(tiny, monkeypatch):
 def test_config_refuses_async_where_tables_cannot_take_device_ids():
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(async_scheduling="yes")
+
+
+@pytest.mark.parametrize("squeeze", [False, True], ids=["roomy", "preempting"])
+def test_a_step_that_fails_when_read_is_rerun_and_the_step_after_it_dropped(tiny, monkeypatch, squeeze):
+    from engram.engine.worker import Worker
+
+    reqs, params = prompts(8, seed=6), [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)] * 8
+    cfg = dict(max_num_seqs=8, max_num_batched_tokens=48)
+    if squeeze:
+        cfg.update(block_size=8, num_kv_blocks=24, max_model_len=192)
+    want, _, _, sync = run(tiny, reqs, params, monkeypatch, False, **cfg)
+    assert sync.num_preemptions > 0 or not squeeze
+    monkeypatch.undo()
+    real, failed_at = Worker.collect, []
+
+    def collect(self, launched):
+        if launched.step.step_id in (5, 11, 17) and launched.step.step_id not in failed_at:
+            failed_at.append(launched.step.step_id)  # each of these fails once, when read
+            raise RuntimeError("planted device error")
+        return real(self, launched)
+
+    monkeypatch.setattr(Worker, "collect", collect)
+    got, _, rec, engine = run(tiny, reqs, params, monkeypatch, True, **cfg)
+    assert failed_at == [5, 11, 17] and got == want
+    assert rec.overlapped() > 10 and (engine.num_preemptions > 0 or not squeeze)
