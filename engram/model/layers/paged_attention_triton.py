@@ -188,28 +188,34 @@ def _pow2(x: int, floor: int = 16) -> int:
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
            seqs: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor, max_len: int, out: torch.Tensor,
-           scale: float) -> None:
+           scale: float, block_n: int = DECODE_BLOCK_N, target_programs: int = DECODE_PROGRAMS,
+           num_warps: int = 4, num_stages: int | None = None) -> None:
     """One new token per sequence: out[tokens[d]] = attention of q[tokens[d]] over the first lens[d] keys of
     sequence seqs[d]. q, out [T, nh, hd]; caches [NB, BS, n_kv, hd]; block_tables [S, W] int64; ``max_len``
     bounds lens (host number). Keys are split in fixed runs of SPLIT_LEN, so a sequence's result does not
     depend on ``max_len``, on the other sequences or on how many programs the launch has: each sequence
     computes its ceil(len / SPLIT_LEN) splits, spread over min(splits of max_len, DECODE_PROGRAMS / (D *
     n_kv)) programs per (sequence, KV head), and the combine folds exactly those splits in order. So a
-    graph captured for a long max_len (40 K tokens) does no work for splits its sequences do not reach."""
+    graph captured for a long max_len (40 K tokens) does no work for splits its sequences do not reach.
+    ``block_n`` (keys per tile; it changes the summation order, so one value serves every launch),
+    ``target_programs``, ``num_warps``, ``num_stages``: launch knobs for tuning sweeps
+    (scripts/bench_decode_attention.py); the defaults are what the engine runs."""
+    if SPLIT_LEN % block_n:
+        raise ValueError(f"block_n={block_n} must divide SPLIT_LEN={SPLIT_LEN}")
     d = seqs.numel()
     nh, hd = q.shape[1], q.shape[2]
     n_kv, bs = k_cache.shape[2], k_cache.shape[1]
     g = nh // n_kv
     num_splits = max(1, -(-max_len // SPLIT_LEN))
-    programs = max(1, min(num_splits, DECODE_PROGRAMS // max(1, d * n_kv)))
+    programs = max(1, min(num_splits, target_programs // max(1, d * n_kv)))
     part = torch.empty(d, nh, num_splits, hd, dtype=torch.float32, device=q.device)  # [D, nh, S, hd]
     ml = torch.empty(d, nh, num_splits, 2, dtype=torch.float32, device=q.device)  # [D, nh, S, (max, sum)]
     _decode_split_kernel[(d, n_kv, programs)](
         q, k_cache, v_cache, block_tables, seqs, tokens, lens, part, ml, scale, SPLIT_LEN,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1),
-        G=g, BLOCK_G=_pow2(g), HD=hd, BLOCK_HD=_pow2(hd), BS=bs, BLOCK_N=DECODE_BLOCK_N,
-        IEEE=q.dtype == torch.float32, num_warps=4)
+        G=g, BLOCK_G=_pow2(g), HD=hd, BLOCK_HD=_pow2(hd), BS=bs, BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
     _decode_combine_kernel[(d, nh)](
         part, ml, tokens, lens, out, SPLIT_LEN, part.stride(0), part.stride(1), part.stride(2), ml.stride(0),
         ml.stride(1), out.stride(0), out.stride(1), HD=hd, BLOCK_HD=_pow2(hd), num_warps=1)
