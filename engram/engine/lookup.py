@@ -75,7 +75,7 @@ class LookupExecutor:
                 rows[layer_id] = self.projectors[layer_id](rows[layer_id])
             self.stream.done(layer_id)
 
-        with self.stream.issue():
+        with self.stream.issue(*([patch.rows, *patch.row_ids.values()] if patch is not None else [])):
             rows = self._stage(step, patch, done)
         return StagedRows(step.step_id, rows, ready=self._wait)
 

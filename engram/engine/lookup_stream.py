@@ -48,12 +48,16 @@ class LookupStream:
         self._exposed_ms = 0.0
 
     @contextlib.contextmanager
-    def issue(self):
+    def issue(self, *inputs: torch.Tensor):
         """Work inside runs on the lookup stream, ordered after everything the main stream has queued so
-        far (the step's id uploads included); call ``done(layer)`` after each layer's gather."""
+        far (the step's id uploads included); call ``done(layer)`` after each layer's gather. ``inputs``:
+        tensors the main stream made that the lookup stream reads (marked used by it, so the caching
+        allocator does not hand their memory to the main stream again before the lookup stream is done)."""
         main = torch.cuda.current_stream(self.device)
         self._fork.record(main)
         self.stream.wait_event(self._fork)
+        for t in inputs:
+            t.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
             if DELAY_CYCLES:
                 torch.cuda._sleep(DELAY_CYCLES)
