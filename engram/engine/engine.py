@@ -9,7 +9,9 @@ several requests the engine re-runs it in halves to find the request(s) that fai
 (``StepError`` then carries the outputs of the rest and the failing request ids).
 
 Async scheduling (``EngineConfig.async_scheduling``; on by default on CUDA where the tables can gather ids
-the device produced): ``step`` launches step N+1 before it reads step N, so the host's scheduling,
+the device produced; asked for with other tables, a step whose inputs include tokens still on the device
+waits for them, so only steps without such tokens — prefill chunks — run ahead): ``step`` launches step
+N+1 before it reads step N, so the host's scheduling,
 packing, hashing, detokenizing and output building overlap the device's work. N+1's decode tokens are N's
 sampled ids, still on the device (``Sequence.num_pending``; packing.py, engine/pending.py). Greedy and
 seeded outputs are those of synchronous scheduling; what changes is timing: a sequence that stops (EOS, a
@@ -79,11 +81,6 @@ class LLMEngine:
         self.num_steps = 0
         self.device = torch.device(device)
         self._inflight: _Launched | None = None  # async scheduling: the launched step not read yet
-        self._last_scheduled = ScheduledBatch()
-        if config.async_scheduling and not self.executor.takes_pending_tokens():
-            raise ValueError("engine.async_scheduling=True: the Workers cannot take tokens that stay on the device "
-                             "(on CUDA every Engram table must gather device ids itself: tier gpu, or tier host "
-                             "without a hot-row cache); use async_scheduling=null (auto) or false")
 
     # ----------------------------------------------------------------- the loop
     def step(self) -> list[RequestOutput]:
@@ -102,37 +99,64 @@ class LLMEngine:
         return self._run_isolated(batch)
 
     def _async(self) -> bool:
+        """Async scheduling: asked for, or (auto) on CUDA where the Workers take tokens left on the device."""
         c = self.config.async_scheduling
-        wanted = c if c is not None else self.device.type == "cuda"
-        return wanted and self.executor.takes_pending_tokens()
+        if c is not None:
+            return c
+        return self.device.type == "cuda" and self.executor.takes_pending_tokens()
 
     def _step_async(self) -> list[RequestOutput]:
         if self._inflight is None:
-            self._inflight = self._launch_next(None)
+            outputs = self._launch_ahead(self._schedule_next(), None, [])  # outputs only if it ran synchronously
             if self._inflight is None:
-                return []
+                return outputs
         prev, self._inflight = self._inflight, None
+        batch = self._schedule_next()
+        if batch.is_empty:
+            return self._collect_or_rerun(prev)
+        if not self.executor.takes_pending_tokens() and any(seq.num_pending for seq in batch.seqs):
+            # Tables that need host ids (hot-row caches, the disk tier) cannot take tokens still on the device:
+            # read prev first, then launch; steps without such tokens (prefill chunks) still run ahead.
+            outputs = self._collect_or_rerun(prev)
+            return outputs + self._launch_ahead(_pick(batch, [i for i, seq in enumerate(batch.seqs)
+                                                              if not seq.is_finished]), None, outputs)
         try:
-            self._inflight = self._launch_next(prev)
+            self._inflight = self._launch(batch, prev)
         except Exception as e:  # nothing of it was committed: read prev, then run that batch synchronously
             log.warning("launching step %d ahead failed (%s: %s): reading the step before, then running it "
                         "synchronously", self.num_steps, type(e).__name__, e)
-            failed_batch = self._last_scheduled
             outputs = self._collect_or_rerun(prev)
-            live = [i for i, seq in enumerate(failed_batch.seqs) if not seq.is_finished]
-            try:
-                return outputs + self._run_isolated(_pick(failed_batch, live))
-            except StepError as e:
-                e.outputs = outputs + e.outputs
-                raise
+            return outputs + self._run_or_fold(_pick(batch, [i for i, seq in enumerate(batch.seqs)
+                                                             if not seq.is_finished]), outputs)
         return self._collect_or_rerun(prev)
 
-    def _launch_next(self, prev: "_Launched | None") -> "_Launched | None":
-        """Schedule and launch the next step while ``prev`` (if any) is still in flight."""
+    def _launch_ahead(self, batch: ScheduledBatch, prev: "_Launched | None",
+                      outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Launch ``batch`` and leave it in flight; if the launch fails, run it synchronously instead (its
+        outputs, or a StepError carrying ``outputs`` too)."""
+        if batch.is_empty:
+            return []
+        try:
+            self._inflight = self._launch(batch, prev)
+            return []
+        except Exception as e:
+            log.warning("launching step %d failed (%s: %s): running it synchronously", self.num_steps,
+                        type(e).__name__, e)
+            return self._run_or_fold(batch, outputs)
+
+    def _run_or_fold(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """``_run_isolated(batch)``; a StepError also carries the ``outputs`` already collected this call."""
+        try:
+            return self._run_isolated(batch)
+        except StepError as e:
+            e.outputs = outputs + e.outputs
+            raise
+
+    def _schedule_next(self) -> ScheduledBatch:
+        """The next step, scheduled while a step may still be in flight."""
         batch = self.scheduler.schedule(hold=self._last_token_in_flight)
         self.num_preemptions += len(batch.preempted)
-        self._last_scheduled = batch
-        return None if batch.is_empty else self._launch(batch, prev)
+        return batch
 
     def _last_token_in_flight(self, seq: Sequence) -> bool:
         """Whether a token of ``seq`` still in flight is certain to be its last (length limits): then it sits

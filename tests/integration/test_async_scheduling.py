@@ -217,9 +217,26 @@ def test_a_failing_request_fails_alone_under_async(tiny, monkeypatch):
     assert out == want
 
 
-def test_config_refuses_async_where_tables_cannot_take_device_ids():
+def test_config_refuses_a_value_that_is_not_a_bool():
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(async_scheduling="yes")
+
+
+def test_workers_that_cannot_take_tokens_in_flight_run_prefill_ahead_and_decode_after_the_read(tiny, monkeypatch):
+    """Tables that need host ids (hot-row caches, the disk tier): a step whose inputs include a token still on
+    the device waits for the read; chunked prefill steps still run ahead. Same outputs and row ids."""
+    reqs = [p for p in prompts(16, seed=8) if len(p) >= 64][:3]  # long prompts: many chunks of 24 tokens
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)] * len(reqs)
+    cfg = dict(max_num_seqs=1, max_num_batched_tokens=24)  # one at a time: chunks without any decode beside them
+    want, want_rows, _, _ = run(tiny, reqs, params, monkeypatch, False, **cfg)
+    monkeypatch.undo()
+    from engram.engine.executor import UniProcExecutor
+
+    monkeypatch.setattr(UniProcExecutor, "takes_pending_tokens", lambda self: False)
+    got, rows, rec, _ = run(tiny, reqs, params, monkeypatch, True, **cfg)
+    assert got == want and {k: rows[k] for k in want_rows} == want_rows
+    assert rec.pending_rows == 0  # no step carried a token still on the device
+    assert rec.overlapped() > 5  # prefill chunks were launched before the step before them was read
 
 
 @pytest.mark.parametrize("squeeze", [False, True], ids=["roomy", "preempting"])
