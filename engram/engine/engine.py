@@ -230,7 +230,7 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
-        sampled = batch.sample_indices()
+        sampled = packed.sample_rows  # the sequences that sample, as packing found them
         for i in sampled:
             batch.seqs[i].num_pending += 1
         return _Launched(batch, handle, step.step_id, {batch.seqs[i].seq_id: j for j, i in enumerate(sampled)},

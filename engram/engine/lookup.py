@@ -84,18 +84,19 @@ class LookupExecutor:
 
     def _stage(self, step: StepDescription, patch: PendingPatch | None, done) -> dict[int, torch.Tensor]:
         """Every layer's rows [T, n_cols, D] on the current stream, ``done(layer, rows)`` after each."""
-        rows = {}
-        if patch is not None:
-            for lid, ids in step.engram_row_ids.items():
+        if patch is None:  # CPU ids: every layer's lookup is submitted before any is waited for (disk reads overlap)
+            handles = {lid: self.tables[lid].submit(ids.reshape(-1), dtype=self.fetch_dtype)
+                       for lid, ids in step.engram_row_ids.items()}  # [T * n_cols] each, CPU int64
+
+            def fetch(lid: int, ids: torch.Tensor) -> torch.Tensor:
+                return handles[lid].wait()
+        else:
+            def fetch(lid: int, ids: torch.Tensor) -> torch.Tensor:  # device ids, patched where tokens are in flight
                 dev_ids = patch.patched(to_device(ids, self.device), patch.row_ids[lid])  # [T, n_cols]
-                flat = self.tables[lid].gather(dev_ids.reshape(-1), dtype=self.fetch_dtype)
-                rows[lid] = flat.to(self.device, self.dtype).reshape(ids.shape[0], ids.shape[1], -1)
-                done(lid, rows)
-            return rows
-        handles = {lid: self.tables[lid].submit(ids.reshape(-1), dtype=self.fetch_dtype)
-                   for lid, ids in step.engram_row_ids.items()}  # [T * n_cols] each, CPU int64
+                return self.tables[lid].gather(dev_ids.reshape(-1), dtype=self.fetch_dtype)
+        rows = {}
         for lid, ids in step.engram_row_ids.items():
-            flat = handles[lid].wait()  # [T * n_cols, head_dim]
+            flat = fetch(lid, ids)  # [T * n_cols, head_dim]
             rows[lid] = flat.to(self.device, self.dtype).reshape(ids.shape[0], ids.shape[1], -1)  # [T, n_cols, D]
             done(lid, rows)
         return rows

@@ -68,8 +68,8 @@ class PendingTokens:
         if step.pending_step_id != self._step_id or self._tokens is None:
             raise RuntimeError(f"step {step.step_id}: its pending tokens come from step {step.pending_step_id}, "
                                f"but the last step launched on this Worker is {self._step_id}")
-        tokens = self._tokens[to_device(step.pending_sources, self.device)]  # [P]
-        rows = to_device(step.pending_rows, self.device)
+        sources, rows = to_device([step.pending_sources, step.pending_rows], self.device)  # one upload, [2, P]
+        tokens = self._tokens[sources]  # [P]
         row_ids, dead = {}, None
         if self.hasher is not None:
             compressed = self._map[tokens]  # [P], DEAD = -1

@@ -33,6 +33,7 @@ from engram.engine.step import SampleSpec, StepDescription, StepResult, TokenLog
 from engram.model.kv_cache import KVCache
 from engram.hashing import NgramHasher
 from engram.model.layers.fused import FAST_DTYPES
+from engram.transfer import to_host
 
 
 @dataclass
@@ -116,7 +117,7 @@ class Worker:
         # prefill chunks only, which run eager: the scores come from the runner
         scores = self.runner.prompt_scores if step.prompt_logprobs else None
         out = [sampled.token_ids, sampled.logprobs, sampled.top_logprobs, sampled.top_token_ids]
-        host = _to_host(out + list(scores or ()), self.device)
+        host = to_host(out + list(scores or ()), self.device)
         ready = torch.cuda.Event() if self.device.type == "cuda" else None
         if ready is not None:
             ready.record()
@@ -171,13 +172,6 @@ def _projectors(model, ecfg, dtype: torch.dtype) -> dict:
         return {}
     layers = model.model.layers
     return {lid: functools.partial(layers[lid].engram.project, dtype=dtype) for lid in ecfg.layer_ids}
-
-
-def _to_host(tensors: list, device: torch.device) -> list:
-    """Non-blocking copies to (pinned) host memory of CUDA tensors; CPU tensors and None as they are."""
-    if device.type != "cuda":
-        return tensors
-    return [t if t is None else t.to("cpu", non_blocking=True) for t in tensors]
 
 
 def _hot_cache_bytes(tables: dict) -> int:

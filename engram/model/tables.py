@@ -72,27 +72,21 @@ def generate_random_table(directory: Path, cfg: EngramConfig, layer_id: int, see
 
 def random_rows(rows: int, dim: int, seed: int, row_dtype: str = "mxfp8") -> RowChunks:
     """The rows ``convert_random(out, rows, dim, seed, row_dtype)`` writes, as ``RowChunks`` for
-    ``engram.store.load.build_table``: the same chunks (RANDOM_CHUNK_BYTES of values each), chunk k drawn
-    by the same code from its own generator seeded from (seed, k) as convert_random seeds it, so every row
-    is bitwise the file's (tests/unit/test_tables_in_memory.py compares them; a change to convert_random's
-    chunking or seeding must be made here too, and bump GENERATOR_VERSION). Each worker thread keeps one
-    chunk's buffers (MXFP8: 2.25 x the chunk's value bytes)."""
+    ``engram.store.load.build_table``: the same chunks from the same generator (``convert.random_chunk``),
+    so every row is bitwise the file's (tests/unit/test_tables_in_memory.py compares them). Each worker
+    thread keeps one chunk's buffers (MXFP8: 2.25 x the chunk's value bytes)."""
     if row_dtype not in ITEMSIZE:
         raise ValueError(f"row_dtype={row_dtype!r} must be one of {sorted(ITEMSIZE)}")
-    step = max(1, convert.RANDOM_CHUNK_BYTES // (dim * ITEMSIZE[row_dtype]))
+    step = convert.random_chunk_rows(dim, row_dtype)
     local = threading.local()
 
     def make(k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = min(rows, (k + 1) * step) - k * step
-        gen = torch.Generator().manual_seed((seed * 1_000_003 + k) % (1 << 63))  # convert_random's chunk k
         if row_dtype != "mxfp8":
-            vals = torch.randn(n, dim, generator=gen).mul_(0.05).to(ROW_TORCH_DTYPES[row_dtype])  # [n, dim]
-            return vals.view(torch.uint8), None  # [n, value_bytes]
-        if not hasattr(local, "buf"):  # this worker's (words, scale words, scratch), as convert_random's ring
-            words = min(rows, step) * dim // 8
-            local.buf = (torch.empty(words, dtype=torch.int64), torch.empty(words // 4 + 1, dtype=torch.int64),
-                         torch.empty(words, dtype=torch.int64))
-        return convert._random_mxfp8(n, dim, gen, local.buf)  # uint8 [n, dim], uint8 [n, dim/32]
+            return convert.random_chunk(seed, k, n, dim, row_dtype, None)[0].view(torch.uint8), None  # [n, value_bytes]
+        if not hasattr(local, "buf"):  # this worker's scratch, as convert_random's ring
+            local.buf = convert.random_chunk_buffers(rows, dim)
+        return convert.random_chunk(seed, k, n, dim, row_dtype, local.buf)  # uint8 [n, dim], uint8 [n, dim/32]
 
     return RowChunks(step, make)
 

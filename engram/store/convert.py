@@ -178,6 +178,29 @@ def convert_safetensors(sources: Iterable[str | os.PathLike], out_dir: str | os.
     return out
 
 
+def random_chunk_rows(dim: int, row_dtype: str) -> int:
+    """Rows per chunk of a random table: RANDOM_CHUNK_BYTES of values, each chunk its own generator."""
+    return max(1, RANDOM_CHUNK_BYTES // (dim * ITEMSIZE[row_dtype]))
+
+
+def random_chunk_buffers(rows: int, dim: int) -> tuple[torch.Tensor, ...]:
+    """Scratch ``random_chunk`` reuses for one MXFP8 chunk at a time (fresh ones would page-fault every chunk)."""
+    words = min(rows, random_chunk_rows(dim, "mxfp8")) * dim // 8
+    return (torch.empty(words, dtype=torch.int64), torch.empty(words // 4 + 1, dtype=torch.int64),
+            torch.empty(words, dtype=torch.int64))
+
+
+def random_chunk(seed: int, k: int, n: int, dim: int, row_dtype: str, buf: tuple[torch.Tensor, ...] | None):
+    """Chunk ``k`` (``n`` rows) of the random table of ``seed``, from its own generator: MXFP8 -> (values
+    uint8 [n, dim], scales uint8 [n, dim/32]) written into ``buf`` (``random_chunk_buffers``); other dtypes
+    -> (values [n, dim] in the row dtype,). The one generator of ``convert_random`` and of tables built in
+    memory (model/tables.py), so both hold the same bytes."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + k) % (1 << 63))  # chunk k's own stream
+    if row_dtype == "mxfp8":
+        return _random_mxfp8(n, dim, gen, buf)
+    return (torch.randn(n, dim, generator=gen).mul_(0.05).to(ROW_TORCH_DTYPES[row_dtype]),)
+
+
 def _random_mxfp8(n: int, dim: int, gen: torch.Generator, buf: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """n random MXFP8 rows written into ``buf`` = (words, scale words, scratch) int64 buffers:
     (uint8 [n, dim] E4M3 bytes without NaN encodings, uint8 [n, dim/32] scale bytes in [118, 125])."""
@@ -206,21 +229,15 @@ def convert_random(out: str | os.PathLike, rows: int, dim: int, seed: int = 0, r
         raise ValueError(f"dim={dim} must be a multiple of {SCALE_BLOCK} for mxfp8 rows")
     if row_dtype not in ITEMSIZE:
         raise ValueError(f"row_dtype={row_dtype!r} must be one of mxfp8, bf16, fp16, fp32")
-    step = max(1, RANDOM_CHUNK_BYTES // (dim * ITEMSIZE[row_dtype]))
+    step = random_chunk_rows(dim, row_dtype)
     starts = list(range(0, rows, step))
     workers = max(1, min(workers or min(4, os.cpu_count() or 1), len(starts)))
-    ring = []
-    if row_dtype == "mxfp8":
-        words = min(rows, step) * dim // 8
-        ring = [(torch.empty(words, dtype=torch.int64), torch.empty(words // 4 + 1, dtype=torch.int64),
-                 torch.empty(words, dtype=torch.int64)) for _ in range(IN_FLIGHT + workers + 1)]
+    ring = ([random_chunk_buffers(rows, dim) for _ in range(IN_FLIGHT + workers + 1)]
+            if row_dtype == "mxfp8" else [None])
 
     def make(k: int):
         n = min(rows, starts[k] + step) - starts[k]
-        gen = torch.Generator().manual_seed((seed * 1_000_003 + k) % (1 << 63))  # chunk k's own stream
-        if row_dtype == "mxfp8":
-            return _random_mxfp8(n, dim, gen, ring[k % len(ring)])
-        return (torch.randn(n, dim, generator=gen).mul_(0.05).to(ROW_TORCH_DTYPES[row_dtype]),)
+        return random_chunk(seed, k, n, dim, row_dtype, ring[k % len(ring)])
 
     meta = {"source": "random", "seed": seed}
     with TableWriter(out, rows, dim, row_dtype, layer_id=layer_id, fingerprint=_fingerprint(config, layer_id, rows, dim),
