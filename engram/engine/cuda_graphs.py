@@ -8,7 +8,11 @@ buffer and one non-blocking copy. When every table gathers device ids as device 
 host without a hot-row cache: ``gathers_on_device``), the gathers (+ MXFP8 dequant) are captured in the
 graph, reading the row-id buffer into the static rows [B, n_cols, head_dim] (with ``lookup_overlap`` on a
 branch of the graph forked at its start, joined at each Engram layer: engine/lookup_stream.py); otherwise (disk tier, hot-row
-caches) the lookup executor stages the rows eagerly and they are copied in before the replay. The S..B padding
+caches) the lookup executor stages the rows eagerly and they are copied in before the replay. Stale rows
+(with the lookup branch): no Python runs inside a replay, so the branch tags each layer's rows with the
+replayed step's plan id (a static buffer filled with the other inputs) and the consuming layer compares
+that tag with the plan id into a per-layer flag (``stale``), which the Worker copies to the host with the
+sampled tokens and checks; a layer that read rows gathered for another step fails the step loudly. The S..B padding
 sequences decode token 0 at position 0 into a reserved KV block that no real sequence owns, so their
 writes touch nothing real; their logits are dropped. Attention inside the graph is the Triton path with
 its split count fixed by ``max_model_len``. What runs eager, and why: prefill and mixed steps (their
@@ -74,14 +78,22 @@ class DecodeGraphs:
         # copy per step. Two pinned buffers take turns: with async scheduling a step is filled while the copy
         # of the one before may still be queued; an event per buffer says when its copy has run.
         self.layer_ids = list(self.tables) if self.tables else []
-        n = b * (4 + self.max_blocks + self.n_cols * len(self.layer_ids))
+        n = b * (4 + self.max_blocks + self.n_cols * len(self.layer_ids)) + 1  # + the step's plan id (last)
         self.host_in = [torch.zeros(n, dtype=torch.long).pin_memory() for _ in range(2)]
         self._copied = [torch.cuda.Event() for _ in range(2)]
         self._turn = 0
         self.dev_in = torch.zeros(n, dtype=torch.long, device=device)
-        self._host = [self._views(buf.numpy(), b) for buf in self.host_in]  # numpy views of the pinned buffers
+        self._host_np = [buf.numpy() for buf in self.host_in]
+        self._host = [self._views(buf, b) for buf in self._host_np]  # numpy views of the pinned buffers
         self.token_ids, self.positions, self.context_lens, self.slot_mapping, self.block_tables, self.row_ids = (
             self._views(self.dev_in, b))
+        self.plan_id = self.dev_in[-1:]  # [1]: the id of the step being replayed
+        # Stale-row check of the in-graph lookup branch (lookup_overlap): the branch tags each layer's rows with
+        # the plan id it gathered them for; each consumer compares the tag with the replayed step's plan id and
+        # writes its layer's flag, which the Worker reads back with the sampled tokens (``stale``).
+        checks = lookup_stream is not None and self.tables is not None
+        self.row_tags = torch.full((len(self.layer_ids),), -1, dtype=torch.long, device=device) if checks else None
+        self.stale = torch.zeros(len(self.layer_ids), dtype=torch.bool, device=device) if checks else None
         self.context_lens.fill_(1)
         self.slot_mapping.fill_(null_block * block_size)
         self.block_tables.fill_(null_block)
@@ -160,6 +172,8 @@ class DecodeGraphs:
         stream (a captured wait: the graph's lookup branch joins the main stream here)."""
         if self.lookup_stream is not None and self.tables is not None:
             self.lookup_stream.wait(layer_id)
+            i = self.layer_ids.index(layer_id)
+            torch.ne(self.row_tags[i:i + 1], self.plan_id, out=self.stale[i:i + 1])
         if self.projected:
             return Projected(size, (self.projected[layer_id][:size],))
         return self.rows[layer_id][:size]
@@ -175,8 +189,13 @@ class DecodeGraphs:
                     if self.projected:  # WKV run-ahead: the projection needs no hidden state
                         self.engram[lid].project(rows, rows.dtype, out=self.projected[lid][:size])
                     if self.lookup_stream is not None:
+                        i = self.layer_ids.index(lid)
+                        self.row_tags[i:i + 1].copy_(self.plan_id)  # these rows are the replayed step's
                         self.lookup_stream.done(lid)
-        return self.model.compute_logits(self.model.forward(inputs, self.kv))
+        logits = self.model.compute_logits(self.model.forward(inputs, self.kv))
+        if self.tables is not None and self.lookup_stream is not None:
+            self.lookup_stream.join()  # CUDA requires the branch joined; the consumers' waits already did
+        return logits
 
     @torch.inference_mode()
     def _capture(self, size: int) -> None:
@@ -212,6 +231,7 @@ class DecodeGraphs:
         for lid, ids in row_ids.items():
             ids[:s] = step.engram_row_ids[lid].numpy()  # [S, n_cols]
             ids[s:size] = 0  # padding sequences read row 0
+        self._host_np[turn][-1] = step.step_id  # the plan id the lookup branch tags its rows with
         self.dev_in.copy_(self.host_in[turn], non_blocking=True)
         self._copied[turn].record()
         if patch is not None:

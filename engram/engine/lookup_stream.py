@@ -86,6 +86,14 @@ class LookupStream:
         for t in tensors:
             t.record_stream(main)
 
+    def join(self) -> None:
+        """Make the current stream wait for everything queued on the lookup stream so far. A graph's capture
+        ends with it, so the lookup branch is joined even where a consumer's wait is dropped (``DROP_WAIT``);
+        when every consumer waited it adds no wait that was not there."""
+        end = torch.cuda.Event()
+        end.record(self.stream)
+        torch.cuda.current_stream(self.device).wait_event(end)
+
     def exposed_seconds(self) -> float:
         """Seconds consuming layers of eager steps waited for their lookups, summed over the pairs of events
         that have both run (the rest count at a later call)."""

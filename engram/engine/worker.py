@@ -43,6 +43,7 @@ class LaunchedStep:
     step: StepDescription
     sampled: SampledTokens  # host copies (in flight until ``sampled.ready``)
     prompt_scores: tuple | None  # host copies of the prompt logprob scores, when the step asked for them
+    stale: torch.Tensor | None = None  # graph steps with the lookup branch: host copy of each layer's stale-row flag
 
 
 class Worker:
@@ -117,11 +118,14 @@ class Worker:
         # prefill chunks only, which run eager: the scores come from the runner
         scores = self.runner.prompt_scores if step.prompt_logprobs else None
         out = [sampled.token_ids, sampled.logprobs, sampled.top_logprobs, sampled.top_token_ids]
-        host = to_host(out + list(scores or ()), self.device)
+        stale = self.graphs.stale if graph else None  # read back with the tokens (cuda_graphs.py: stale rows)
+        host = to_host(out + list(scores or ()) + ([stale] if stale is not None else []), self.device)
         ready = torch.cuda.Event() if self.device.type == "cuda" else None
         if ready is not None:
             ready.record()
-        return LaunchedStep(step, SampledTokens(*host[:4], ready=ready), tuple(host[4:]) if scores else None)
+        n = 4 + len(scores or ())
+        return LaunchedStep(step, SampledTokens(*host[:4], ready=ready), tuple(host[4:n]) if scores else None,
+                            host[n] if stale is not None else None)
 
     def collect(self, launched: LaunchedStep) -> StepResult:
         """Wait for a launched step's tokens (the step's one host synchronisation) -> its StepResult."""
@@ -132,6 +136,10 @@ class Worker:
         if self.lookup_stream is not None and self.pending.last_step_id == step.step_id and not self.lookup_stream.idle():
             raise RuntimeError(f"step {step.step_id}: the lookup stream still runs after the step's tokens were read "
                                "(a gather no layer waited for)")
+        if launched.stale is not None and bool(launched.stale.any()):
+            layers = [lid for lid, bad in zip(self.graphs.layer_ids, launched.stale.tolist()) if bad]
+            raise RuntimeError(f"step {step.step_id}: stale Engram rows: layer(s) {layers} read rows their lookup "
+                               "branch had not yet gathered for this step (a missing wait on the lookup stream)")
         result = StepResult(step.step_id, tokens, _logprobs(logprobs, step.samples, tokens))
         if step.prompt_logprobs:
             result.prompt_logprobs = _prompt_logprobs(launched.prompt_scores, step)

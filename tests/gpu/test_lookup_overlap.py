@@ -1,16 +1,18 @@
 """Lookup overlap on CUDA (skipped without a GPU): Engram gathers on their own stream, an event per layer.
 
 * Equal: tokens and logprobs bitwise equal with ``lookup_overlap`` on and off through ``LLM.generate``
-  (16 concurrent greedy requests of unequal lengths, chunked prefill, a forced preemption), tiers gpu and
-  host, CUDA graphs on and off, float32; the decode graphs really replay with the lookup branch captured.
-* Overlapping: a profile of a decode step finds a kernel of the lookup stream running while a kernel of
-  the main stream runs (a synchronous implementation, one stream, cannot).
+  (64 concurrent greedy requests of unequal lengths, chunked prefill, forced preemptions), tiers gpu, host,
+  host with a hot-row cache and disk, CUDA graphs on and off, float32; the decode graphs really replay with
+  the lookup branch captured, and their stale-row flags (read back with every step's tokens) stay clear.
+* Overlapping: a profile of a decode step finds the lookup stream's kernels (its gathers, projections and
+  the test's spin before them) running while kernels of the main stream run; a synchronous implementation,
+  where the main stream waits for the lookups before its first layer, cannot.
 * Exposed time: with the lookup stream delayed, ``engine.stats()["lookup_exposed_s"]`` (the
   ``engram_lookup_exposed_seconds`` metric) counts the consumers' waits.
 * A race detector that can fail: with the lookup stream delayed (``DELAY_CYCLES``) and the consumers'
   waits dropped (``DROP_WAIT``), layers read rows before their gather wrote them, and the run must differ
-  from the reference or be stopped by the Worker's idle check; with the waits kept, the same delay must
-  change nothing.
+  from the reference or be stopped (eager: the Worker's idle check; graphs: the stale-row flags); with the
+  waits kept, the same delay must change nothing.
 """
 from __future__ import annotations
 
@@ -26,15 +28,20 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def prompts(n: int = 16) -> list[list[int]]:
     g = torch.Generator().manual_seed(4)
-    lengths = [3, 150, 9, 33, 64, 5, 97, 17, 2, 120, 48, 7, 70, 26, 11, 88][:n]
-    return [torch.randint(3, 4096, (n_,), generator=g).tolist() for n_ in lengths]
+    lengths = [3, 150, 9, 33, 64, 5, 97, 17, 2, 120, 48, 7, 70, 26, 11, 88]
+    return [torch.randint(3, 4096, (lengths[i % 16] + i // 16,), generator=g).tolist() for i in range(n)]
 
 
-def run(tmp_path, overlap: bool, tier: str = "gpu", eager: bool = False, **engine):
-    llm = engram.LLM("tiny", tier=tier, dtype=torch.float32, cache_dir=str(tmp_path),
-                     engram_config={"lookup_overlap": overlap}, enforce_eager=eager, **engine)
+TIERS = {"gpu": ("gpu", {}), "host": ("host", {}), "host-cache": ("host", {"cache_rows": 500}),
+         "disk": ("disk", {"io": "buffered"})}
+
+
+def run(tmp_path, overlap: bool, tier: str = "gpu", eager: bool = False, n: int = 16, **engine):
+    where, options = TIERS[tier]
+    llm = engram.LLM("tiny", tier=where, dtype=torch.float32, cache_dir=str(tmp_path),
+                     engram_config={"lookup_overlap": overlap, **options}, enforce_eager=eager, **engine)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
-    outs = llm.generate(prompts(), params, use_tqdm=False)
+    outs = llm.generate(prompts(n), params, use_tqdm=False)
     worker = llm.engine.executor.worker
     assert (worker.lookup_stream is not None) == overlap
     if overlap:
@@ -43,16 +50,21 @@ def run(tmp_path, overlap: bool, tier: str = "gpu", eager: bool = False, **engin
     return got, llm
 
 
-@pytest.mark.parametrize("tier", ["gpu", "host"])
+@pytest.mark.parametrize("tier", list(TIERS))
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 def test_overlap_on_equals_off_bitwise(tmp_path, tier, eager):
-    cfg = dict(max_num_seqs=16, max_num_batched_tokens=64, block_size=16, num_kv_blocks=40, max_model_len=192)
-    off, _ = run(tmp_path, False, tier, eager, **cfg)
-    on, llm = run(tmp_path, True, tier, eager, **cfg)
+    # 48 blocks of 8 tokens for 64 sequences of up to 170 tokens: preemptions are certain
+    cfg = dict(max_num_seqs=64, max_num_batched_tokens=64, block_size=8, num_kv_blocks=48, max_model_len=192)
+    off, _ = run(tmp_path, False, tier, eager, n=64, **cfg)
+    on, llm = run(tmp_path, True, tier, eager, n=64, **cfg)
     assert on == off
     assert llm.engine.num_preemptions > 0
     if not eager:
         assert llm.engine.stats()["graph_replays"] > 0
+        graphs = llm.engine.executor.worker.graphs
+        assert (graphs.stale is not None) == (tier in ("gpu", "host"))  # the lookup branch is in the graph
+        if graphs.stale is not None:
+            assert not graphs.stale.any() and (graphs.row_tags >= 0).all()
 
 
 def _kernels_by_stream(prof):
@@ -86,28 +98,36 @@ def test_profile_shows_the_lookup_stream_running_beside_the_main_stream(tmp_path
         engine.step()
         torch.cuda.synchronize()
     kernels = _kernels_by_stream(prof)
-    lookup = [k for k in kernels if "gather" in k[3].lower()]
-    assert lookup, "no gather kernel in the profile"
-    streams = {k[2] for k in lookup}
+    gathers = [k for k in kernels if "gather" in k[3].lower()]
+    assert gathers, "no gather kernel in the profile"
+    streams = {k[2] for k in gathers}
+    assert len(streams) == 1, f"gathers ran on several streams {streams}"
+    lookup = [k for k in kernels if k[2] in streams]  # the spin, the gathers and the projections
     main = [k for k in kernels if k[2] not in streams]
-    assert main, f"every kernel ran on the lookup stream(s) {streams} (side stream id {side})"
+    assert main, f"every kernel ran on the lookup stream {streams} (side stream id {side})"
     overlapping = [(g, m) for g in lookup for m in main if g[0] < m[1] and m[0] < g[1]]
-    assert overlapping, "no gather ran while a main-stream kernel ran: the lookups did not overlap"
+    assert overlapping, "no lookup-stream kernel ran while a main-stream kernel ran: the lookups did not overlap"
+    # the main stream's first kernels (embedding, layer 0) start before the lookup stream's last gather ends
+    assert min(m[0] for m in main) < max(g[1] for g in gathers)
 
 
-def test_race_detector_catches_a_dropped_wait_and_passes_with_the_wait(tmp_path, monkeypatch):
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_race_detector_catches_a_dropped_wait_and_passes_with_the_wait(tmp_path, monkeypatch, eager):
     cfg = dict(max_num_seqs=16, max_num_batched_tokens=64)
-    ref, _ = run(tmp_path, False, "gpu", True, **cfg)
+    ref, _ = run(tmp_path, False, "gpu", eager, **cfg)
     monkeypatch.setattr(lookup_stream, "DELAY_CYCLES", 20_000_000)  # ~10 ms: later than any layer that reads
-    kept, llm = run(tmp_path, True, "gpu", True, **cfg)
+    kept, llm = run(tmp_path, True, "gpu", eager, **cfg)
     assert kept == ref  # delayed gathers, waited for: nothing changes
-    exposed = llm.engine.stats()["lookup_exposed_s"]  # every eager step's first Engram layer waited ~10 ms
-    assert exposed > 0.005 * llm.engine.num_steps, exposed
+    if eager:  # every eager step's first Engram layer waited ~10 ms (graph replays are not timed)
+        exposed = llm.engine.stats()["lookup_exposed_s"]
+        assert exposed > 0.005 * llm.engine.num_steps, exposed
+    else:
+        assert llm.engine.stats()["graph_replays"] > 0
     monkeypatch.setattr(lookup_stream, "DROP_WAIT", True)
     try:
-        raced, _ = run(tmp_path, True, "gpu", True, **cfg)
-    except RuntimeError as e:  # the Worker's idle check: a gather still ran after the tokens were read
-        assert "lookup stream still runs" in str(e)
+        raced, _ = run(tmp_path, True, "gpu", eager, **cfg)
+    except RuntimeError as e:  # eager: the Worker's idle check; graphs: the stale-row flags
+        assert ("lookup stream still runs" if eager else "stale Engram rows") in str(e), e
     else:
         assert raced != ref, "layers read rows before their gathers and nothing changed: the detector is blind"
     finally:
