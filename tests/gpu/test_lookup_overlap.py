@@ -82,9 +82,10 @@ def _kernels_by_stream(prof):
 def test_profile_shows_the_lookup_stream_running_beside_the_main_stream(tmp_path, monkeypatch, eager):
     from torch.profiler import ProfilerActivity, profile
 
-    # ~0.1 ms on the lookup stream before its gathers, set before the graphs are captured (a replay runs no
-    # Python): the gathers then certainly run while the embedding and layer 0 compute on the main stream
-    monkeypatch.setattr(lookup_stream, "DELAY_CYCLES", 200_000)
+    # ~2 ms on the lookup stream before its gathers, set before the graphs are captured (a replay runs no
+    # Python). It outlasts the host's preparation of an eager step (its first main-stream kernel comes
+    # ~0.1-0.5 ms after the lookups are issued), so the main stream's embedding and layer 0 run during it
+    monkeypatch.setattr(lookup_stream, "DELAY_CYCLES", 4_000_000)
     llm = engram.LLM("tiny", tier="host", dtype=torch.float32, cache_dir=str(tmp_path),
                      engram_config={"lookup_overlap": True}, enforce_eager=eager, max_num_seqs=4)
     engine = llm.engine

@@ -1,0 +1,125 @@
+"""A profiler timeline of one decode step with ``lookup_overlap``: which kernels ran on which stream, when (CUDA).
+
+    python scripts/trace_lookup_overlap.py [--model 4b-like] [--tier host] [--batch 64] [--context 512]
+        [--engram-config JSON] [--enforce-eager] [--out FILE.json] [--plot FILE.png] [--window-us 400]
+
+Builds the engine with ``lookup_overlap`` on, decodes ``--batch`` sequences of ``--context`` prompt tokens
+until every one decodes, then profiles one more decode step (a CUDA-graph replay unless
+``--enforce-eager``). The lookup stream is the stream the Engram gathers ran on; every other stream is the
+main stream. Writes the step's kernels (start/end in µs from the step's first kernel, stream, name) as JSON,
+prints when the lookup stream's work ran against the main stream's, and with ``--plot`` draws the first
+``--window-us`` of the step as two lanes (the figure in docs/engine.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def kernels_of(prof) -> list[dict]:
+    """Every CUDA kernel of a profile: start/end (ns), stream, name."""
+    from torch.autograd import DeviceType
+
+    out = []
+    for evt in prof.profiler.kineto_results.events():
+        if evt.device_type() == DeviceType.CUDA and "Memcpy" not in evt.name() and "Memset" not in evt.name():
+            out.append({"start": evt.start_ns(), "end": evt.end_ns(), "stream": evt.device_resource_id(),
+                        "name": evt.name()})
+    return sorted(out, key=lambda k: k["start"])
+
+
+def main() -> int:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import engram
+    from engram.bench.engine_steps import prompt_ids
+    from engram.engine.sampling_params import SamplingParams
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="4b-like")
+    ap.add_argument("--tier", default="host", choices=("gpu", "host"))
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--engram-config", default="{}", help="more engram_config keys (lookup_overlap is set on)")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--window-us", type=float, default=400.0)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs CUDA: the lookup stream is a CUDA stream")
+    options = {**json.loads(args.engram_config), "lookup_overlap": True}
+    llm = engram.LLM(args.model, tier=args.tier, engram_config=options, enforce_eager=args.enforce_eager,
+                     max_num_seqs=max(args.batch, 1), max_model_len=args.context + 64,
+                     max_num_batched_tokens=max(2048, args.context))
+    engine = llm.engine
+    vocab = llm.loaded.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    for i, p in enumerate(prompt_ids(args.batch, args.context, vocab, seed=1)):
+        engine.add_request(f"t{i}", p, params)
+    decoding = 0
+    for _ in range(200):  # prefill everything, then a few decode steps
+        outs = engine.step()
+        decoding = decoding + 1 if len(outs) == args.batch else 0
+        if decoding >= 4:
+            break
+    replays = engine.stats()["graph_replays"]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    replayed = engine.stats()["graph_replays"] - replays
+    kernels = kernels_of(prof)
+    gathers = [k for k in kernels if "gather" in k["name"].lower()]
+    if not gathers:
+        raise SystemExit("no gather kernel in the profiled step")
+    side = gathers[0]["stream"]
+    t0 = kernels[0]["start"]
+    for k in kernels:
+        k["start_us"], k["end_us"] = (k.pop("start") - t0) / 1e3, (k.pop("end") - t0) / 1e3
+        k["lane"] = "lookup" if k["stream"] == side else "main"
+    lookup = [k for k in kernels if k["lane"] == "lookup"]
+    main_k = [k for k in kernels if k["lane"] == "main"]
+    lookup_end = max(k["end_us"] for k in lookup)
+    main_during = [k for k in main_k if k["start_us"] < lookup_end]
+    summary = {"model": args.model, "tier": args.tier, "batch": args.batch, "context": args.context,
+               "graph_replay": bool(replayed), "step_us": max(k["end_us"] for k in kernels),
+               "lookup_kernels": len(lookup), "lookup_busy_us": sum(k["end_us"] - k["start_us"] for k in lookup),
+               "lookup_end_us": lookup_end, "main_kernels_before_lookup_end": len(main_during)}
+    print(json.dumps(summary))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"summary": summary, "kernels": kernels}, f, indent=1)
+    if args.plot:
+        plot(kernels, summary, args.plot, args.window_us)
+    return 0
+
+
+def plot(kernels: list[dict], summary: dict, path: str, window_us: float) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 2.6))
+    for k in kernels:
+        if k["start_us"] > window_us:
+            continue
+        y = 1 if k["lane"] == "lookup" else 0
+        name = k["name"].lower()
+        color = ("tab:orange" if "gather" in name else "tab:red" if k["lane"] == "lookup"
+                 else "tab:blue")
+        ax.broken_barh([(k["start_us"], max(k["end_us"] - k["start_us"], 0.3))], (y - 0.35, 0.7), color=color)
+    ax.set_yticks([0, 1], ["main stream", "lookup stream"])
+    ax.set_xlabel("µs from the step's first kernel")
+    ax.set_xlim(0, window_us)
+    mode = "graph replay" if summary["graph_replay"] else "eager"
+    ax.set_title(f"{summary['model']}, tier {summary['tier']}, batch {summary['batch']}, {mode}: "
+                 "gathers (orange) and projections (red) beside the main stream (blue)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
