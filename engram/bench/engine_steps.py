@@ -8,7 +8,12 @@ which must be a pure decode step: every sequence emits exactly one new token and
 counts how many of them replayed a CUDA graph (the engine's ``graph_replays``). With
 ``busy_device`` it then runs ``profile_steps`` more such steps under torch.profiler for the device busy
 time per step (engram.bench.device_time), kept apart from the wall-clock steps so the profiler's own
-host cost never enters the wall time. Every request is aborted at the end, also on error.
+host cost never enters the wall time. Every request is aborted at the end, also on error. With
+``forced`` (forced natural decoding: one token list per prompt, each at least max_tokens long, ValueError
+naming the prompt otherwise) every request emits those tokens instead of its sampled ones
+(``SamplingParams.forced_token_ids``: the step still samples, so it costs what a free step does); the
+``DecodeTimes`` record each sequence's generated ids (``token_ids``) for the caller to check, the engine's
+``lookup_exposed_s`` over the timed steps (0 without ``lookup_overlap``) and ``graph_steps``.
 
 ``measure_prefill(engine, num_seqs, length, ...)`` times single steps that prefill ``num_seqs`` fresh
 prompts of ``length`` tokens at once (max_tokens 1, so each finishes in that step): one warm-up step of
@@ -67,6 +72,8 @@ class DecodeTimes:
     busy_s: float | None = None  # device busy seconds per profiled step (None: not profiled)
     kernels: list = field(default_factory=list)  # device_time.KernelTime of the profiled steps (all of them)
     busy_context_lens: list[list[int]] = field(default_factory=list)  # the same for the profiled steps
+    token_ids: list[list[int]] = field(default_factory=list)  # [batch]: each sequence's generated ids at the end
+    lookup_exposed_s: float = 0.0  # engine.stats()["lookup_exposed_s"] gained over the timed steps
 
 
 @dataclass
@@ -75,9 +82,10 @@ class PrefillTimes:
     busy_s: float | None = None  # device busy seconds of the profiled step
 
 
-def _decode_step(engine, ids: list[str], generated: dict[str, int], context_len: int) -> list[int]:
-    """One engine step that must decode every request in ``ids`` by one token; updates ``generated``;
-    returns each sequence's KV length after the step."""
+def _decode_step(engine, ids: list[str], generated: dict[str, int], context_len: int,
+                 tokens: dict[str, list[int]] | None = None) -> list[int]:
+    """One engine step that must decode every request in ``ids`` by one token; updates ``generated`` (and
+    ``tokens``: each request's generated ids so far); returns each sequence's KV length after the step."""
     ctx = [context_len + generated[rid] for rid in ids]  # the last sampled token is computed this step
     outs = engine.step()
     by_id = {o.request_id: o for o in outs}
@@ -91,12 +99,16 @@ def _decode_step(engine, ids: list[str], generated: dict[str, int], context_len:
                                  f"in all after {generated[rid]}, finished={out.finished}; expected one more, "
                                  f"not finished")
         generated[rid] += 1
+        if tokens is not None:
+            tokens[rid] = list(comp.token_ids)
     return ctx
 
 
 def measure_decode(engine, prompts: list[list[int]], steps: int, warmup_tokens: int = 3,
-                   profile_steps: int = 0, busy_device: str | None = None, tag: str = "decode") -> DecodeTimes:
-    """Time ``steps`` pure decode steps of ``len(prompts)`` sequences (see the module docstring)."""
+                   profile_steps: int = 0, busy_device: str | None = None, tag: str = "decode",
+                   forced: list[list[int]] | None = None) -> DecodeTimes:
+    """Time ``steps`` pure decode steps of ``len(prompts)`` sequences (see the module docstring);
+    ``forced``: per prompt, the token ids its request emits instead of sampled ones."""
     if engine.has_unfinished():
         raise RuntimeError("measure_decode needs an idle engine (it aborts every request it adds)")
     if steps < 1 or warmup_tokens < 1:
@@ -105,12 +117,21 @@ def measure_decode(engine, prompts: list[list[int]], steps: int, warmup_tokens: 
     n_profile = profile_steps if busy_device else 0
     max_tokens = decode_max_tokens(batch, context_len, engine.config.max_num_batched_tokens, warmup_tokens,
                                    steps, n_profile)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    if forced is not None:
+        if len(forced) != batch:
+            raise ValueError(f"forced has {len(forced)} token lists for {batch} prompts")
+        for i, f in enumerate(forced):
+            if len(f) < max_tokens:
+                raise ValueError(f"forced[{i}] (prompt {i}) has {len(f)} token ids; the request may generate "
+                                 f"max_tokens={max_tokens} (decode_max_tokens), so it needs at least that many")
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                             forced_token_ids=None if forced is None else list(forced[i])) for i in range(batch)]
     ids = [f"{tag}-{batch}-{i}" for i in range(batch)]
     generated = dict.fromkeys(ids, 0)
+    tokens: dict[str, list[int]] = {}
     try:
-        for rid, p in zip(ids, prompts):
-            engine.add_request(rid, p, params)
+        for rid, p, sp in zip(ids, prompts, params):
+            engine.add_request(rid, p, sp)
         for _ in range(max_tokens):  # prefill everything, then warm up
             if min(generated.values()) >= warmup_tokens:
                 break
@@ -126,21 +147,24 @@ def measure_decode(engine, prompts: list[list[int]], steps: int, warmup_tokens: 
         wall, lens = [], []
         for _ in range(steps):
             t0 = time.perf_counter()
-            ctx = _decode_step(engine, ids, generated, context_len)
+            ctx = _decode_step(engine, ids, generated, context_len, tokens)
             wall.append(time.perf_counter() - t0)
             lens.append(ctx)
-        times = DecodeTimes(wall, lens, engine.stats()["graph_replays"] - before["graph_replays"])
+        after = engine.stats()
+        times = DecodeTimes(wall, lens, after["graph_replays"] - before["graph_replays"],
+                            lookup_exposed_s=after["lookup_exposed_s"] - before["lookup_exposed_s"])
         if n_profile:
             from engram.bench.device_time import measure_profile
 
             def profiled() -> None:
                 for _ in range(n_profile):
-                    times.busy_context_lens.append(_decode_step(engine, ids, generated, context_len))
+                    times.busy_context_lens.append(_decode_step(engine, ids, generated, context_len, tokens))
 
             prof = measure_profile(profiled, busy_device)
             times.busy_s, times.kernels = prof.busy_s / n_profile, prof.kernels
         if engine.stats()["preemptions"] != before["preemptions"]:
             raise NotADecodeStep("a sequence was preempted during the timed steps (KV cache too small)")
+        times.token_ids = [tokens[rid] for rid in ids]
         return times
     finally:
         for rid in ids:

@@ -20,6 +20,7 @@ BENCHES = {
     "corpus": "engram.bench.corpus",
     "hit-rate": "engram.bench.hit_rate",
     "engine": "engram.bench.engine_bench",
+    "placement": "engram.bench.placement_ab",
 }
 
 

@@ -1,0 +1,518 @@
+"""`engram bench placement`: Engram table placements and lookup options A/B'd in one process, interleaved,
+with an A/A control, over forced natural decoding.
+
+Why in one process: a large model's tables take minutes of device time to build (two ~33 GiB tables in
+pinned host memory, two more on the GPU); ``engram bench ab`` runs a shell command per sample, so every
+sample would rebuild them. Here the model is loaded once (``random_model``), each distinct tier's tables
+are opened once (a ``LoadedModel`` with ``tables={}`` and that tier, ``open_tables()``), and one
+``LLMEngine`` per distinct arm runs over ``dataclasses.replace(base, tables=<the tier's tables>, tier=...,
+lookup_overlap=...)``: every engine shares the model weights, engines of one tier share its table objects
+(a tier's tables are never opened twice), and all of them exist for the whole run, since the arms
+interleave. Each engine has its own KV cache of the same fixed budget (``--kv-cache-memory``, default
+sized for the largest batch: staging + hot-row caches + every sequence at full length), its own CUDA
+graphs and, with ``lookup_overlap``, its own lookup stream. Tables shared by two arms share their hot-row
+cache (if the options give one) and counters. The start-up heap is frozen once the engines exist
+(engine/heap.py) and thawed at the end; the tables are closed at the end.
+
+Arms: ``--a`` (default ``{"tier": "gpu"}``) and one or more ``--b`` (default one,
+``{"tier": "host", "lookup_overlap": true}``); an arm JSON takes the keys ``tier`` ("gpu" | "host",
+required) and ``lookup_overlap`` (bool, default false) and nothing else: any other key or value stops the
+command, naming the option (``--a``, ``--b[1]`` for the first ``--b``) and the key, before anything loads.
+What the arms share goes in ``--engram-config`` (loader and table options; not ``cpu_offload`` or
+``lookup_overlap``, which are the arms'). Each B is compared with A in its own interleaved run.
+
+Forced natural decoding: the corpus (``--corpus``, default the committed bench/corpus/natural-v1.jsonl,
+SHA-256 checked) is tokenized with the loaded model's tokenizer (``corpus.encode_corpus``; with the
+corpus's own tokenizer the recorded counts are checked too), prompts and continuations concatenated in
+corpus order into one token stream. For batch size B, sequence i takes the window at offset
+o_i = i * len(stream) // B (wrapping around a short stream): prompt = its first ``--context-len`` ids,
+forced = the next max_tokens ids (``engine_steps.decode_max_tokens``), which the request emits instead of
+its sampled tokens (``SamplingParams.forced_token_ids``; the step still samples, so it costs what free
+decoding does). A random-weight model would otherwise repeat one token, which hashes to a few Engram
+rows and flatters every placement. The same windows serve every arm and every sample of a batch size
+(paired samples).
+
+One sample = ``engine_steps.measure_decode(engine, prompts, --decode-steps, --warmup-tokens,
+forced=...)``: prefill, warm-up, then ``--decode-steps`` timed pure decode steps (each sequence gains
+exactly one token per step, asserted there); the value is decode tokens/s = B * steps / sum(step wall
+seconds), higher is better. After every sample the bench checks (``OutputMismatch`` otherwise) that every
+sequence's generated ids are its forced ids: all arms emitted the same tokens, so they ran the same
+work. It also records the engine's ``lookup_exposed_s`` gained over the timed steps (the engine times
+eager steps only: 0 without ``lookup_overlap``, on the CPU and for replayed CUDA graphs, whose overlap
+only a profile shows; engine/lookup_stream.py) and ``graph_replays``, which must equal the timed steps on CUDA unless
+``--enforce-eager`` (0 where no graphs exist, on the CPU): a silent eager fallback would make the
+comparison meaningless, so it stops the run (as does an engine without CUDA graphs on CUDA).
+
+Scheduling and statistics are ``engram.bench.stats.run_interleaved`` exactly as ``engram bench ab`` uses
+them (A, A', B rounds in ABBA or ABAB order, ``--repeats`` recorded rounds after ``--warmup`` unrecorded
+runs per arm, bootstrap CI of the median block ratio, A/A envelope, verdict), one run per (B arm, batch).
+
+Output: the JSON of engram.bench.report (``--out``, default bench/results/<date>-placement-<model>.json):
+``result.comparisons`` (per B arm and batch: the ABResult dict, the arms, per-sample records and per-arm
+summaries), ``result.arms``, ``result.model``, ``result.tables`` (bytes per layer per tier),
+``result.engine_config``, ``result.kv_cache_memory``, ``result.corpus`` (path, sha256) and
+``result.windows`` (per batch: max_tokens, offsets, token_stats); a table with batch, arm B, tok/s of A and
+B (medians), B/A median ratio and CI, A/A CI and verdict; ``--plot FILE`` one PNG of samples in run
+order per comparison (FILE's stem suffixed with ``-b<k>-batch<B>``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from engram.bench.stats import ORDERS
+
+HELP = "Engram table placements / lookup options A/B'd in one process over forced natural decoding (A/A, CI)."
+CUDA_MODEL, CPU_MODEL = "4b-like", "tiny"
+TIERS = ("gpu", "host")
+ARM_KEYS = ("tier", "lookup_overlap")
+DEFAULT_A = '{"tier": "gpu"}'
+DEFAULT_B = '{"tier": "host", "lookup_overlap": true}'
+ARM_OPTIONS_IN_CONFIG = ("cpu_offload", "lookup_overlap")  # what the arms decide, not --engram-config
+_BYTE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30,
+               "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+DEFAULT_CORPUS_NAME = "bench/corpus/natural-v1.jsonl"  # serve_load.DEFAULT_CORPUS, as the result records it
+TABLE_COLUMNS = ["batch", "arm B", "tok/s A", "tok/s B", "B/A", "B/A CI", "A/A CI", "verdict"]
+
+
+class OutputMismatch(AssertionError):
+    """A sequence's generated ids differ from its forced ids: the arms did not emit the same tokens."""
+
+
+class GraphFallback(RuntimeError):
+    """Timed decode steps that did not replay a CUDA graph where they should have."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help=f"preset (default: {CUDA_MODEL} on CUDA, {CPU_MODEL} on the CPU)")
+    p.add_argument("--engram-config", default=None, metavar="JSON",
+                   help='loader and table options every arm shares, e.g. \'{"tables_in_memory": true, '
+                        '"load_threads": 16, "table_rows": 131000000}\' (not cpu_offload / lookup_overlap)')
+    p.add_argument("--a", default=DEFAULT_A, metavar="JSON",
+                   help=f'arm A (the baseline): keys tier (gpu|host) and lookup_overlap (default {DEFAULT_A})')
+    p.add_argument("--b", action="append", default=None, metavar="JSON",
+                   help=f"an arm B, repeatable (--b[1] is the first); each is A/B'd against A in its own "
+                        f"interleaved run (default one: {DEFAULT_B})")
+    p.add_argument("--batch-sizes", default="1,64", help="decode batch sizes, comma-separated")
+    p.add_argument("--context-len", type=int, default=512, help="prompt tokens per sequence (a corpus window)")
+    p.add_argument("--decode-steps", type=int, default=64, help="timed decode steps per sample")
+    p.add_argument("--warmup-tokens", type=int, default=3, help="tokens every sequence decodes before timing")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="engine token budget per step (prefill chunks), raised to the largest batch")
+    p.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
+                   help="one KV budget for every arm's engine: bytes, or with a unit (512MiB, 8GiB, 8G); default: "
+                        "sized for the largest batch at full length plus Engram staging and hot-row caches")
+    p.add_argument("--repeats", type=int, default=10, metavar="N", help="recorded runs per arm (default 10)")
+    p.add_argument("--warmup", type=int, default=1, metavar="K", help="unrecorded runs per arm (default 1)")
+    p.add_argument("--order", choices=ORDERS, default="abba", help="abba (default) cancels linear drift")
+    p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    p.add_argument("--corpus", default=None, metavar="FILE",
+                   help="request corpus (engram bench corpus; default: the committed bench/corpus/natural-v1.jsonl)")
+    p.add_argument("--enforce-eager", action="store_true", help="engines without CUDA graphs (vLLM's name)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default=None,
+                   help="compute dtype (default: bfloat16 on CUDA, float32 on the CPU)")
+    p.add_argument("--out", default=None, help="result JSON (default bench/results/<date>-placement-<model>.json)")
+    p.add_argument("--plot", default=None, metavar="FILE",
+                   help="PNG of samples in run order, one per comparison (FILE's stem suffixed -b<k>-batch<B>)")
+    p.add_argument("--quiet", action="store_true", help="no per-run progress on stderr")
+
+
+# ----------------------------------------------------------------- options
+@dataclass(frozen=True)
+class ArmSpec:
+    """Where an arm's tables live and whether its lookups overlap earlier layers."""
+
+    tier: str
+    lookup_overlap: bool = False
+
+    def to_dict(self) -> dict:
+        return {"tier": self.tier, "lookup_overlap": self.lookup_overlap}
+
+    @property
+    def name(self) -> str:
+        return json.dumps(self.to_dict())
+
+
+def parse_arm(text: str, option: str) -> ArmSpec:
+    """An arm's JSON -> ArmSpec; SystemExit naming ``option`` and the offending key otherwise."""
+    from engram.config import parse_json_object
+
+    try:
+        raw = parse_json_object(text, option)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    unknown = [k for k in raw if k not in ARM_KEYS]
+    if unknown:
+        raise SystemExit(f"{option}: unknown key {unknown[0]!r}; an arm takes exactly the keys {list(ARM_KEYS)} "
+                         f"(shared loader and table options go in --engram-config)")
+    if "tier" not in raw:
+        raise SystemExit(f"{option}: key 'tier' is missing (one of {list(TIERS)})")
+    if raw["tier"] not in TIERS:
+        raise SystemExit(f"{option}: key 'tier'={raw['tier']!r} must be one of {list(TIERS)}")
+    overlap = raw.get("lookup_overlap", False)
+    if not isinstance(overlap, bool):
+        raise SystemExit(f"{option}: key 'lookup_overlap'={overlap!r} must be true or false")
+    return ArmSpec(raw["tier"], overlap)
+
+
+def parse_bytes(text: str, option: str) -> int:
+    """"8589934592", "8GiB", "8G", "512MiB" (binary units) -> bytes; SystemExit naming ``option`` otherwise."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _BYTE_UNITS or int(float(m.group(1)) * _BYTE_UNITS[unit]) < 1:
+        raise SystemExit(f"{option}: {text!r} is not a positive byte count (e.g. 8589934592, 8GiB, 512MiB)")
+    return int(float(m.group(1)) * _BYTE_UNITS[unit])
+
+
+def _ints(text: str, option: str) -> tuple[int, ...]:
+    from engram.bench.engine_bench import _ints as ints
+
+    return ints(text, option)
+
+
+def parse_engram_options(text: str | None):
+    """--engram-config -> RuntimeOptions, refusing the keys the arms set."""
+    from engram.commands.options import parse_engram_config
+    from engram.engine.options import RuntimeOptions
+
+    try:
+        raw = parse_engram_config(text)
+        taken = [k for k in ARM_OPTIONS_IN_CONFIG if k in raw]
+        if taken:
+            raise ValueError(f"key {taken[0]!r} is set per arm here (--a / --b: tier, lookup_overlap), not shared")
+        return RuntimeOptions.from_dict(raw)
+    except ValueError as e:
+        raise SystemExit(f"--engram-config: {e}") from None
+
+
+# ----------------------------------------------------------------- forced natural decoding
+def model_tokenizer(loaded):
+    """The loaded model's tokenizer as ``corpus.encode_corpus`` takes it (a copy with padding and truncation
+    off). Presets (``random_model``) load the built-in tokenizer file, whose SHA-256 it carries, so a corpus
+    written with that tokenizer has its recorded token counts checked too."""
+    import hashlib
+
+    from tokenizers import Tokenizer
+
+    from engram.bench.corpus import CorpusTokenizer
+    from engram.model.presets import TOKENIZER_FILE
+
+    tok = Tokenizer.from_str(loaded.tokenizer.to_str())
+    tok.no_padding()
+    tok.no_truncation()
+    path = Path(TOKENIZER_FILE)
+    return CorpusTokenizer(name="builtin", sha256=hashlib.sha256(path.read_bytes()).hexdigest(), path=path,
+                           tokenizer=tok)
+
+
+def corpus_stream(encoded, vocab_size: int):
+    """Prompt and continuation ids of every request, in corpus order, as one int64 stream; ValueError
+    when an id is outside the model's vocabulary (nothing is mapped)."""
+    import numpy as np
+
+    stream = np.concatenate([x for pair in encoded for x in pair]).astype(np.int64)  # [tokens]
+    if stream.size == 0:
+        raise ValueError("the corpus encodes to no tokens")
+    bad = stream[(stream < 0) | (stream >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"the corpus encodes to token id {int(bad[0])} (and {bad.size - 1} more) outside the "
+                         f"model's vocabulary [0, {vocab_size}): its tokenizer is not the model's")
+    return stream
+
+
+@dataclass
+class Windows:
+    """The batch's sequences: prompt ids and the ids each must emit, cut from the corpus stream."""
+
+    offsets: list[int]
+    prompts: list[list[int]]
+    forced: list[list[int]]
+
+
+def cut_windows(stream, batch: int, context_len: int, max_tokens: int) -> Windows:
+    """Sequence i: ``context_len`` prompt ids then ``max_tokens`` forced ids from offset i * n // batch of
+    the stream (n ids), wrapping around its end."""
+    import numpy as np
+
+    n = stream.size
+    offsets = [i * n // batch for i in range(batch)]
+    prompts, forced = [], []
+    for o in offsets:
+        w = stream[(o + np.arange(context_len + max_tokens)) % n]  # [context_len + max_tokens]
+        prompts.append(w[:context_len].tolist())
+        forced.append(w[context_len:].tolist())
+    return Windows(offsets, prompts, forced)
+
+
+def check_forced(times, windows: Windows, min_tokens: int, arm: str) -> int:
+    """Every sequence generated at least ``min_tokens`` ids, all of them its forced ids (OutputMismatch
+    naming the arm, sequence and first difference otherwise); returns the ids checked."""
+    if len(times.token_ids) != len(windows.forced):
+        raise OutputMismatch(f"arm {arm}: {len(times.token_ids)} sequences reported, {len(windows.forced)} ran")
+    checked = 0
+    for i, (got, want) in enumerate(zip(times.token_ids, windows.forced)):
+        if len(got) < min_tokens:
+            raise OutputMismatch(f"arm {arm}: sequence {i} generated {len(got)} ids, fewer than {min_tokens}")
+        if got != want[:len(got)]:
+            j = next(k for k, (g, w) in enumerate(zip(got, want)) if g != w)
+            raise OutputMismatch(f"arm {arm}: sequence {i} emitted id {got[j]} at position {j}, forced was {want[j]}: "
+                                 f"the arms did not decode the same tokens")
+        checked += len(got)
+    return checked
+
+
+# ----------------------------------------------------------------- the pieces that live for the run
+def table_info(tables: dict) -> dict:
+    """Per Engram layer: the table's type, rows, device, bytes of its storage (values and scales, a shared
+    buffer counted once) and of its hot-row cache."""
+    out = {}
+    for lid, t in tables.items():
+        storages = {}
+        for x in (getattr(t, "values", None), getattr(t, "scales", None)):
+            if x is not None:
+                s = x.untyped_storage()
+                storages[s.data_ptr()] = s.nbytes()
+        cache = getattr(t, "cache", None)
+        values = getattr(t, "values", None)
+        out[str(lid)] = {"type": type(t).__name__, "rows": t.rows,
+                         "device": str(values.device) if values is not None else str(t.device),
+                         "bytes": sum(storages.values()), "cache_bytes": cache.nbytes if cache is not None else 0}
+    return out
+
+
+def default_kv_budget(cfg, ecfg, dtype, tables_by_tier: dict) -> int:
+    """Bytes for every sequence of the largest batch at max_model_len, the Engram staging of a full step
+    and the largest hot-row cache of any tier (what an explicit budget pays first: engine/memory.py)."""
+    from engram.engine.lookup import staging_bytes
+    from engram.model.kv_cache import KVCache
+
+    per_block = KVCache.for_model(cfg, 1, ecfg.block_size, dtype, "meta").bytes_per_block()
+    staging = staging_bytes(cfg.engram, ecfg.max_num_batched_tokens, dtype) if cfg.engram else 0
+    cache = max((sum(t.cache.nbytes for t in tabs.values() if getattr(t, "cache", None) is not None)
+                 for tabs in tables_by_tier.values()), default=0)
+    blocks = ecfg.max_num_seqs * -(-ecfg.max_model_len // ecfg.block_size)
+    return staging + cache + blocks * per_block
+
+
+def _summary(samples: list[dict]) -> dict:
+    import statistics
+
+    tok = [s["tok_s"] for s in samples]
+    exposed = [s["lookup_exposed_s"] / s["steps"] * 1e3 for s in samples]
+    return {"n": len(samples), "tok_s_median": statistics.median(tok), "tok_s_mean": statistics.fmean(tok),
+            "lookup_exposed_ms_per_step_mean": statistics.fmean(exposed),
+            "graph_replays": sum(s["graph_replays"] for s in samples), "steps": sum(s["steps"] for s in samples)}
+
+
+def _free_memory(device) -> None:
+    from engram.bench.engine_bench import _free_memory as free
+
+    free(device)
+
+
+def arm_measure(engine, arm: ArmSpec, win: Windows, batch: int, s, records: list[dict]):
+    """The ``measure`` of ``arm`` at ``batch``: one ``measure_decode`` over the windows, its outputs checked
+    against the forced ids and its graph replays against the timed steps; appends the sample's record
+    to ``records`` and returns decode tok/s."""
+    from engram.bench.engine_steps import measure_decode
+
+    graphs = engine.executor.worker.graphs is not None
+
+    def measure() -> float:
+        t = measure_decode(engine, win.prompts, s.decode_steps, s.warmup_tokens, tag=f"placement-{batch}",
+                           forced=win.forced)
+        checked = check_forced(t, win, s.warmup_tokens + s.decode_steps, arm.name)
+        expected = s.decode_steps if graphs else 0
+        if t.graph_steps != expected:
+            raise GraphFallback(f"arm {arm.name}, batch {batch}: {t.graph_steps} of {s.decode_steps} timed steps "
+                                f"replayed a CUDA graph, expected {expected}")
+        value = batch * s.decode_steps / sum(t.wall_s)
+        records.append({"arm": arm.name, "tok_s": value, "wall_s": sum(t.wall_s), "steps": s.decode_steps,
+                        "lookup_exposed_s": t.lookup_exposed_s, "graph_replays": t.graph_steps,
+                        "tokens_checked": checked})
+        return value
+    return measure
+
+
+def run_comparison(engines: dict, arm_a: ArmSpec, arm_b: ArmSpec, k: int, batch: int, win: Windows, s,
+                   ab_cfg, quiet: bool):
+    """A against the k-th B at ``batch``, interleaved (``stats.run_interleaved``): the ABResult and the
+    comparison's JSON record (the ABResult dict, every sample's record in run order, per-arm summaries)."""
+    from engram.bench import stats
+
+    records: list[dict] = []
+
+    def progress(r: stats.Run) -> None:
+        records[-1].update(index=r.index, label=r.arm, round=r.round)  # the record the run just appended
+        if not quiet:
+            what = "warm-up" if r.round < 0 else f"round {r.round}"
+            print(f"[batch {batch} b{k} {r.index + 1:4d}] {r.arm:2s} {what:9s} {r.value:.6g} tok/s",
+                  file=sys.stderr, flush=True)
+
+    result = stats.run_interleaved(
+        stats.Arm(f"A: {arm_a.name}", arm_measure(engines[arm_a], arm_a, win, batch, s, records)),
+        stats.Arm(f"B: {arm_b.name}", arm_measure(engines[arm_b], arm_b, win, batch, s, records)),
+        ab_cfg, on_run=progress)
+    recorded = {label: [r for r in records if r["label"] == label and r["round"] >= 0] for label in result.arms}
+    return result, {"batch": batch, "b_index": k, "a": arm_a.to_dict(), "b": arm_b.to_dict(),
+                    "ab": result.to_dict(), "samples": records,
+                    "arm_stats": {label: _summary(x) for label, x in recorded.items()}}
+
+
+def table_row(result, comparison: dict) -> dict:
+    from engram.bench.stats import AA_LABEL
+
+    ab, aa = result.comparisons["B/A"], result.comparisons.get(f"{AA_LABEL}/A")
+
+    def ci(c) -> str:
+        return f"{1 + c.ci_lo:.4f}…{1 + c.ci_hi:.4f}"
+
+    return {"batch": comparison["batch"], "arm B": json.dumps(comparison["b"]), "tok/s A": result.stats["A"].median,
+            "tok/s B": result.stats["B"].median, "B/A": 1 + ab.estimate, "B/A CI": ci(ab),
+            "A/A CI": ci(aa) if aa is not None else "", "verdict": result.verdict}
+
+
+# ----------------------------------------------------------------- the command
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    from engram.bench import stats
+    from engram.bench.corpus import CorpusError, encode_corpus, load_corpus, token_stats
+    from engram.bench.engine_bench import Settings, engine_config
+    from engram.bench.engine_steps import decode_max_tokens
+    from engram.bench.report import args_config, format_table, write_result
+    from engram.bench.serve_load import DEFAULT_CORPUS
+    from engram.engine.engine import LLMEngine
+    from engram.engine.heap import freeze_startup_heap, thaw_heap
+    from engram.model.loader import random_model, resolve_dtype
+    from engram.model.presets import MODEL_PRESETS, preset_config
+
+    # Everything the command line says is checked before anything loads.
+    arm_a = parse_arm(args.a, "--a")
+    arms_b = [parse_arm(text, f"--b[{k}]") for k, text in enumerate(args.b or [DEFAULT_B], start=1)]
+    opts = parse_engram_options(args.engram_config)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = resolve_dtype(args.dtype, device)
+    model = args.model or (CUDA_MODEL if device.type == "cuda" else CPU_MODEL)
+    if model not in MODEL_PRESETS:
+        raise SystemExit(f"--model: {model!r} is not among the presets {MODEL_PRESETS}")
+    batch_sizes = _ints(args.batch_sizes, "--batch-sizes")
+    for option in ("context_len", "decode_steps", "warmup_tokens", "max_num_batched_tokens"):
+        if getattr(args, option) < 1:
+            raise SystemExit(f"--{option.replace('_', '-')}={getattr(args, option)} must be >= 1")
+    try:
+        ab_cfg = stats.ABConfig(repeats=args.repeats, order=args.order, warmup=args.warmup, higher_is_better=True,
+                                seed=args.seed)
+    except ValueError as e:
+        raise SystemExit(f"engram bench placement: {e}") from None
+    kv_budget = parse_bytes(args.kv_cache_memory, "--kv-cache-memory") if args.kv_cache_memory else None
+    try:
+        cfg = preset_config(model, table_rows=opts.table_rows, seed=opts.seed)
+    except ValueError as e:
+        raise SystemExit(f"--engram-config: {e}") from None
+    if cfg.engram is None:
+        raise SystemExit(f"--model {model}: the preset has no Engram layers to place")
+    s = Settings(batch_sizes, args.context_len, args.decode_steps, args.warmup_tokens, profile_steps=0,
+                 prefill_shapes=(), prefill_repeats=1, max_num_batched_tokens=args.max_num_batched_tokens,
+                 seed=opts.seed, enforce_eager=args.enforce_eager)
+    ecfg = engine_config(s, cfg.max_position_embeddings)  # refuses a context too long for the model
+    corpus_path = Path(args.corpus) if args.corpus else DEFAULT_CORPUS
+    try:
+        if not corpus_path.is_file():
+            raise CorpusError(f"corpus {corpus_path}: no such file")
+        corpus = load_corpus(corpus_path)  # SHA-256 checked
+    except CorpusError as e:
+        raise SystemExit(f"--corpus: {e}") from None
+
+    def say(msg: str) -> None:
+        if not args.quiet:
+            print(f"engram bench placement: {msg}", file=sys.stderr, flush=True)
+
+    arms = list(dict.fromkeys([arm_a, *arms_b]))  # distinct arms, one engine each
+    tiers = list(dict.fromkeys(a.tier for a in arms))
+    say(f"loading {model} ({dtype}, {device}); tiers {tiers}; {len(arms)} engines")
+    base = random_model(cfg, tiers[0], dtype, device, opts.seed, opts=opts, progress=not args.quiet)
+    tables: dict[str, dict] = {}
+    engines: dict[ArmSpec, object] = {}
+    frozen = False
+    try:
+        for tier in tiers:  # each tier's tables once: at ~33 GiB a layer there is no room for a second copy
+            tables[tier] = dataclasses.replace(base, tables={}, tier=tier).open_tables()
+        tables_info = {tier: table_info(tabs) for tier, tabs in tables.items()}  # before they close
+        tokenizer = model_tokenizer(base)
+        stream = corpus_stream(encode_corpus(corpus, tokenizer), cfg.vocab_size)
+        if kv_budget is None:
+            kv_budget, kv_source = default_kv_budget(cfg, ecfg, dtype, tables), "sized for the largest batch"
+        else:
+            kv_source = "--kv-cache-memory"
+        ecfg = dataclasses.replace(ecfg, kv_cache_memory=kv_budget)
+        for arm in arms:
+            loaded = dataclasses.replace(base, tables=tables[arm.tier], tier=arm.tier,
+                                         lookup_overlap=arm.lookup_overlap)
+            engines[arm] = LLMEngine(loaded, ecfg, device, dtype)
+            graphs = engines[arm].executor.worker.graphs
+            if device.type == "cuda" and not args.enforce_eager and (
+                    graphs is None or max(batch_sizes) > ecfg.max_graph_batch):
+                raise GraphFallback(f"arm {arm.name}: decode steps would run eagerly (no CUDA graphs for this "
+                                    f"dtype/model, or a batch above max_graph_batch={ecfg.max_graph_batch}); "
+                                    f"pass --enforce-eager to compare eager steps")
+        freeze_startup_heap()  # as engram serve does (engine/heap.py); thawed before the tables close
+        frozen = True
+
+        comparisons, windows_info, rows = [], {}, []
+        for b in batch_sizes:
+            max_tokens = decode_max_tokens(b, s.context_len, ecfg.max_num_batched_tokens, s.warmup_tokens,
+                                           s.decode_steps, 0)
+            win = cut_windows(stream, b, s.context_len, max_tokens)
+            windows_info[str(b)] = {"max_tokens": max_tokens, "offsets": win.offsets,
+                                    "token_stats": token_stats([(np.asarray(p), np.asarray(f))
+                                                                for p, f in zip(win.prompts, win.forced)])}
+            for k, arm_b in enumerate(arms_b, start=1):
+                say(f"batch {b}: A {arm_a.name} vs B {arm_b.name}")
+                result, comparison = run_comparison(engines, arm_a, arm_b, k, b, win, s, ab_cfg, args.quiet)
+                comparisons.append(comparison)
+                rows.append(table_row(result, comparison))
+                if args.plot:
+                    p = Path(args.plot)
+                    png = p.with_name(f"{p.stem}-b{k}-batch{b}{p.suffix or '.png'}")
+                    stats.plot_runs(result, str(png), title=f"batch {b}: A {arm_a.name}\nB {arm_b.name}")
+                    say(f"plot: {png}")
+        kv_blocks = {arm.name: engines[arm].stats()["kv_blocks_total"] for arm in arms}
+    finally:
+        if frozen:
+            thaw_heap()
+        engines.clear()
+        for tabs in tables.values():
+            for t in tabs.values():
+                t.close()
+        _free_memory(device)
+
+    result = {"model": {"name": model, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+                        "engram_layers": list(cfg.engram.layer_ids),
+                        "table_rows": {str(l): cfg.engram.table_rows(l) for l in cfg.engram.layer_ids}},
+              "arms": {"A": arm_a.to_dict(), "B": [a.to_dict() for a in arms_b]},
+              "engram_config": json.loads(json.dumps(dataclasses.asdict(opts), default=str)),
+              "tables": tables_info,
+              "engine_config": dataclasses.asdict(ecfg),
+              "kv_cache_memory": {"bytes": kv_budget, "source": kv_source, "kv_blocks": kv_blocks},
+              "settings": {"batch_sizes": list(batch_sizes), "context_len": s.context_len,
+                           "decode_steps": s.decode_steps, "warmup_tokens": s.warmup_tokens,
+                           "enforce_eager": args.enforce_eager, "ab": dataclasses.asdict(ab_cfg)},
+              "corpus": {"path": args.corpus or DEFAULT_CORPUS_NAME, "sha256": corpus.sha256,
+                         "requests": len(corpus.requests), "stream_tokens": int(stream.size)},
+              "windows": windows_info, "comparisons": comparisons}
+    path = write_result(f"placement-{model}", args_config(args), result, out=args.out)
+    print(format_table(rows, TABLE_COLUMNS))
+    for c in comparisons:
+        for w in c["ab"]["warnings"]:
+            print(f"warning: batch {c['batch']} b{c['b_index']}: {w}")
+    print(f"result: {path}")
+    return 0
