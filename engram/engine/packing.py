@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engram.engine.planner import LookupPlan
@@ -74,11 +75,13 @@ def pack(batch: ScheduledBatch, pad_id: int = 0) -> PackedBatch:
 
 def slot_mapping(cu_seqlens: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                  block_size: int) -> torch.Tensor:
-    """[T] flat KV slot of each new token: its block's id * block_size + offset in the block."""
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    seq_of_tok = torch.repeat_interleave(torch.arange(lens.numel()), lens)  # [T]
-    blocks = block_tables[seq_of_tok, positions // block_size]  # [T]
-    return blocks * block_size + positions % block_size
+    """[T] flat KV slot of each new token: its block's id * block_size + offset in the block. (numpy on the
+    tensors' memory: a torch CPU op of a few hundred elements costs more in thread-pool dispatch than work.)"""
+    lens = np.diff(cu_seqlens.numpy())
+    seq_of_tok = np.repeat(np.arange(lens.size), lens)  # [T]
+    pos = positions.numpy()
+    blocks = block_tables.numpy()[seq_of_tok, pos // block_size]  # [T]
+    return torch.from_numpy(blocks * block_size + pos % block_size)
 
 
 def describe(step_id: int, batch: ScheduledBatch, packed: PackedBatch, plan: LookupPlan, block_size: int,
