@@ -21,7 +21,7 @@ LOADER_KEYS = ("table_rows", "seed", "tables_in_memory")
 @dataclass(frozen=True)
 class RuntimeOptions:
     cpu_offload: bool = False  # vLLM's name: tables in pinned host memory (tier "host")
-    lookup_overlap: bool = False  # lookups on their own stream, overlapping earlier layers (when available)
+    lookup_overlap: bool = True  # lookups on their own stream, overlapping earlier layers (CUDA; docs/engine.md)
     table_rows: int | None = None  # rows per Engram layer of a preset model (None: the preset's)
     seed: int = 0  # preset weights and tables
     tables_in_memory: bool = False  # preset tables built in memory (tier gpu / host), no files (model/tables.py)
