@@ -98,25 +98,32 @@ def main() -> int:
 
 
 def plot(kernels: list[dict], summary: dict, path: str, window_us: float) -> None:
+    """One lane per CUDA stream (in a graph replay the driver maps the graph's branches onto streams of its
+    own; the branch that holds the gathers may share its stream with the eager kernels around the replay)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(11, 2.6))
+    streams = sorted({k["stream"] for k in kernels}, key=lambda s: min(k["start_us"] for k in kernels
+                                                                       if k["stream"] == s))
+    lane = {s: i for i, s in enumerate(reversed(streams))}
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.6 * len(streams)))
     for k in kernels:
         if k["start_us"] > window_us:
             continue
-        y = 1 if k["lane"] == "lookup" else 0
         name = k["name"].lower()
-        color = ("tab:orange" if "gather" in name else "tab:red" if k["lane"] == "lookup"
-                 else "tab:blue")
-        ax.broken_barh([(k["start_us"], max(k["end_us"] - k["start_us"], 0.3))], (y - 0.35, 0.7), color=color)
-    ax.set_yticks([0, 1], ["main stream", "lookup stream"])
+        color = ("tab:orange" if "gather_rows" in name else "tab:red" if k["lane"] == "lookup" and "nvjet" in name
+                 else "tab:gray" if k["lane"] == "lookup" else "tab:blue")
+        ax.broken_barh([(k["start_us"], max(k["end_us"] - k["start_us"], 0.3))], (lane[k["stream"]] - 0.35, 0.7),
+                       color=color)
+    ax.set_yticks(list(lane.values()), [f"stream {s}" + (" (gathers)" if any(k["stream"] == s and k["lane"] == "lookup"
+                                                                             for k in kernels) else "")
+                                        for s in lane])
     ax.set_xlabel("µs from the step's first kernel")
     ax.set_xlim(0, window_us)
     mode = "graph replay" if summary["graph_replay"] else "eager"
-    ax.set_title(f"{summary['model']}, tier {summary['tier']}, batch {summary['batch']}, {mode}: "
-                 "gathers (orange) and projections (red) beside the main stream (blue)")
+    ax.set_title(f"{summary['model']}, tier {summary['tier']}, batch {summary['batch']}, {mode}: Engram gathers "
+                 "(orange), projections (red), other kernels (gray/blue)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
