@@ -9,8 +9,15 @@ layer's rows with the id of the step it is running; rows staged for another step
 one (``lookup_overlap``, CUDA: engine/lookup_stream.py) the gathers — and each layer's projection of its
 rows (``Engram.project``, the WKV run-ahead), which needs no hidden state — are issued on that stream, an
 event per layer, and ``StagedRows.rows`` makes the consuming layer wait for its own layer's event only.
+Tables that read on the host in the background (the disk tier) are submitted together; a layer after the
+first whose reads are still running when the step is staged is *deferred*: its ``rows`` waits for the
+reads when the model reaches that layer, so the layers before it compute (and, on a GPU, are launched)
+while its reads complete. Deferred rows are finished on the consuming stream and projected by the layer
+itself (the same kernels: outputs are bitwise those of staging everything first).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -24,22 +31,36 @@ from engram.transfer import to_device
 
 class StagedRows:
     """Rows of one step, per layer [T, n_cols, head_dim]; ``rows(layer_id, step_id)`` checks the step.
-    ``ready(layer_id, rows)``, when given, is called before a layer's rows are handed out (the lookup
-    stream's wait for that layer)."""
+    ``ready(layer_id, rows)``, when given, is called before a staged layer's rows are handed out (the
+    lookup stream's wait for that layer). ``deferred``: layers whose reads were still running when the step
+    was staged (the disk tier), as (handle, finish): the first ``rows`` of such a layer waits for its
+    handle and finishes its rows then, so the layers before it run while its reads complete; ``release()``
+    cancels the reads of deferred layers nobody asked for (a step that failed part-way)."""
 
-    def __init__(self, step_id: int, rows: dict[int, torch.Tensor], ready=None):
+    def __init__(self, step_id: int, rows: dict[int, torch.Tensor], ready=None, deferred: dict | None = None):
         self.step_id = step_id
         self._rows = rows
         self._ready = ready
+        self._deferred = dict(deferred or {})
 
     def rows(self, layer_id: int, step_id: int) -> torch.Tensor:
         if step_id != self.step_id:
             raise RuntimeError(f"stale Engram rows: staged for step {self.step_id}, consumed by step {step_id}")
+        if layer_id in self._deferred:
+            handle, finish = self._deferred.pop(layer_id)
+            self._rows[layer_id] = finish(handle.wait())  # on the current stream: its consumer needs it now
+            return self._rows[layer_id]
         if layer_id not in self._rows:
             raise KeyError(f"no staged rows for Engram layer {layer_id} (step {self.step_id} has {sorted(self._rows)})")
         if self._ready is not None:
             self._ready(layer_id, self._rows[layer_id])
         return self._rows[layer_id]
+
+    def release(self) -> None:
+        """Cancel the reads of deferred layers never asked for (a running read frees its rows when done)."""
+        while self._deferred:
+            _, (handle, _) = self._deferred.popitem()
+            handle.cancel()
 
 
 class LookupExecutor:
@@ -67,8 +88,10 @@ class LookupExecutor:
         that gather device ids as device work (or any table, on the CPU) can serve. ``project``: with a
         lookup stream and projectors, stage each layer's projection instead of its rows (False: the rows, for
         a decode graph that projects them itself)."""
+        deferred: dict = {}
         if self.stream is None:
-            return StagedRows(step.step_id, self._stage(step, patch, lambda lid, rows: None))
+            return StagedRows(step.step_id, self._stage(step, patch, lambda lid, rows: None, deferred),
+                              deferred=deferred)
 
         def done(layer_id: int, rows: dict) -> None:
             if project and self.projectors:  # the layer gets its rows' projection (Engram.project), made ahead
@@ -76,14 +99,17 @@ class LookupExecutor:
             self.stream.done(layer_id)
 
         with self.stream.issue(*([patch.rows, *patch.row_ids.values()] if patch is not None else [])):
-            rows = self._stage(step, patch, done)
-        return StagedRows(step.step_id, rows, ready=self._wait)
+            rows = self._stage(step, patch, done, deferred)
+        return StagedRows(step.step_id, rows, ready=self._wait, deferred=deferred)
 
     def _wait(self, layer_id: int, staged) -> None:
         self.stream.wait(layer_id, *(staged.tensors if isinstance(staged, Projected) else (staged,)))
 
-    def _stage(self, step: StepDescription, patch: PendingPatch | None, done) -> dict[int, torch.Tensor]:
-        """Every layer's rows [T, n_cols, D] on the current stream, ``done(layer, rows)`` after each."""
+    def _stage(self, step: StepDescription, patch: PendingPatch | None, done, deferred: dict) -> dict[int, torch.Tensor]:
+        """Every layer's rows [T, n_cols, D] on the current stream, ``done(layer, rows)`` after each; a layer
+        whose reads still run (after the first, which the model needs at once) goes to ``deferred`` as
+        (handle, finish) instead, for ``StagedRows.rows`` to wait for when its layer asks."""
+        handles: dict = {}
         if patch is None:  # CPU ids: every layer's lookup is submitted before any is waited for (disk reads overlap)
             handles = {lid: self.tables[lid].submit(ids.reshape(-1), dtype=self.fetch_dtype)
                        for lid, ids in step.engram_row_ids.items()}  # [T * n_cols] each, CPU int64
@@ -95,11 +121,18 @@ class LookupExecutor:
                 dev_ids = patch.patched(to_device(ids, self.device), patch.row_ids[lid])  # [T, n_cols]
                 return self.tables[lid].gather(dev_ids.reshape(-1), dtype=self.fetch_dtype)
         rows = {}
-        for lid, ids in step.engram_row_ids.items():
-            flat = fetch(lid, ids)  # [T * n_cols, head_dim]
-            rows[lid] = flat.to(self.device, self.dtype).reshape(ids.shape[0], ids.shape[1], -1)  # [T, n_cols, D]
+        for i, (lid, ids) in enumerate(step.engram_row_ids.items()):
+            finish = functools.partial(self._finish, shape=ids.shape)
+            if i > 0 and lid in handles and not handles[lid].done():
+                deferred[lid] = (handles[lid], finish)
+                continue
+            rows[lid] = finish(fetch(lid, ids))
             done(lid, rows)
         return rows
+
+    def _finish(self, flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """A layer's fetched rows [T * n_cols, head_dim] -> [T, n_cols, D] on the device in the model's dtype."""
+        return flat.to(self.device, self.dtype).reshape(shape[0], shape[1], -1)
 
     def takes_device_ids(self) -> bool:
         """Whether ``submit`` can take a patch on this device: on the CPU every table can; on CUDA only when

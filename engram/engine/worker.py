@@ -109,10 +109,14 @@ class Worker:
             staged = self.lookup.submit(step, patch, project=not graph)
         else:
             staged = self.lookup.submit(step)
-        if graph:
-            logits = self.graphs.run(step, staged, patch)  # [N, vocab] float32, a view of the graph's output
-        else:
-            logits = self.runner.run(step, staged, patch)
+        try:
+            if graph:
+                logits = self.graphs.run(step, staged, patch)  # [N, vocab] float32, a view of the graph's output
+            else:
+                logits = self.runner.run(step, staged, patch)
+        finally:
+            if staged is not None and hasattr(staged, "release"):
+                staged.release()  # reads of layers a failed forward never reached (lookup.py: deferred)
         sampled = self.sampler(logits, step.samples)
         self.pending.remember(step.step_id, sampled.token_ids)
         # prefill chunks only, which run eager: the scores come from the runner
