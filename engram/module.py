@@ -142,7 +142,15 @@ class Engram(nn.Module):
                              f"got {dead_mask.dtype} {tuple(dead_mask.shape)}")
 
     def _forward_v41(self, x: torch.Tensor, kv: torch.Tensor, dead_mask: torch.Tensor | None) -> torch.Tensor:
-        """kv [T, (hc+1)*H]: the projected rows (``project``)."""
+        """kv [T, (hc+1)*H]: the projected rows (``project``). The torch code is the reference; on CUDA
+        ``engram.model.layers.fused`` may route it to one fused kernel (its ``GATE_SWITCH``)."""
+        from engram.model.layers import fused  # here, not at the top: engram.model imports this module
+
+        if fused.engram_gate_fast(x, kv):
+            from engram.model.layers import fused_triton
+
+            return fused_triton.engram_gate_v41(x, kv, self.q_weight.contiguous(), self.k_weight.contiguous(),
+                                                self.eps, dead_mask)
         num_tokens, hc, hidden = x.shape
         cd = _compute_dtype(x.dtype)
         k = kv[:, : hc * hidden].view(num_tokens, hc, hidden).to(cd)  # [T, hc, H] one key per branch

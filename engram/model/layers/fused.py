@@ -8,6 +8,8 @@ forces the reference; "triton" insists on the fast path.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -15,6 +17,20 @@ from engram.fast_path import FastPathSwitch, importable
 
 SWITCH = FastPathSwitch("fused-op backend", "ENGRAM_FUSED")
 FAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# The fused v41 Engram gate (fused_triton.engram_gate_v41) has its own switch, "torch" unless
+# ENGRAM_FUSED_GATE says otherwise: it has not yet run on a GPU (tests/gpu/test_fused_gate.py is its parity
+# test); "auto" becomes its default once that test has passed on the H200.
+GATE_SWITCH = FastPathSwitch("Engram gate backend")
+GATE_SWITCH.set(os.environ.get("ENGRAM_FUSED_GATE", "torch"))
+
+
+def engram_gate_fast(x: torch.Tensor, kv: torch.Tensor) -> bool:
+    """Whether ``Engram._forward_v41`` takes the fused gate kernel for these tensors."""
+    can_run = (x.is_cuda and x.dtype in FAST_DTYPES and x.stride(-1) == 1 and kv.stride(-1) == 1
+               and importable("engram.model.layers.fused_triton"))
+    return GATE_SWITCH.fast(can_run, f"{x.dtype} on {x.device}")
 
 
 def set_backend(name: str) -> str:

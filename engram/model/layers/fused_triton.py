@@ -8,6 +8,9 @@
   ``norm_rope_store`` writes the result (and v) straight into the paged KV cache rows of a slot mapping:
   the step's KV write without its two index_copy launches, the stored K bitwise ``norm_rope``'s.
 * ``silu_mul(g, u)``: SwiGLU's silu(g) * u, elementwise over [rows, cols] views (packed gate/up halves).
+* ``engram_gate_v41(x, kv, q_w, k_w, eps, dead_mask)``: the v41 Engram fusion after the row projection
+  (engram/module.py, ``Engram._forward_v41``): both RMS statistics, the gate logit, the gate and x + g*v
+  in one launch per step, one program per (token, branch), where the torch reference takes ~29.
 
 Each computes in float32 and rounds once, so it matches the torch reference (fused.py) within bf16
 rounding, not bitwise; the parity test states the tolerance. Only CUDA; importing needs triton.
@@ -77,6 +80,43 @@ def _silu_mul_kernel(G, U, Y, n, cols, s_g, s_u, BLOCK: tl.constexpr):
     g = tl.load(G + r * s_g + c, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + r * s_u + c, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + i, (g / (1.0 + tl.exp(-g)) * u).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _engram_gate_kernel(X, KV, QW, KW, DEAD, Y, hidden, eps, sqrt_h, s_xt, s_xh, s_kv, s_yt, s_yh,
+                        HC: tl.constexpr, BLOCK: tl.constexpr, HAS_DEAD: tl.constexpr):
+    t = tl.program_id(0)
+    i = tl.program_id(1)  # the branch (hc_mult)
+    c = tl.arange(0, BLOCK)
+    m = c < hidden
+    x = tl.load(X + t * s_xt + i * s_xh + c, mask=m, other=0.0).to(tl.float32)
+    k = tl.load(KV + t * s_kv + i * hidden + c, mask=m, other=0.0).to(tl.float32)  # this branch's key
+    v = tl.load(KV + t * s_kv + HC * hidden + c, mask=m, other=0.0).to(tl.float32)  # the shared value
+    w = (tl.load(QW + i * hidden + c, mask=m, other=0.0).to(tl.float32)
+         * tl.load(KW + i * hidden + c, mask=m, other=0.0).to(tl.float32))
+    rms_x = tl.rsqrt(tl.sum(x * x, 0) / hidden + eps)
+    rms_k = tl.rsqrt(tl.sum(k * k, 0) / hidden + eps)
+    d = tl.sum(x * w * k, 0) * rms_x * rms_k / sqrt_h
+    sign = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
+    g = 1.0 / (1.0 + tl.exp(-(sign * tl.sqrt(tl.maximum(tl.abs(d), 1e-6)))))
+    if HAS_DEAD:
+        g = tl.where(tl.load(DEAD + t) != 0, 0.0, g)
+    tl.store(Y + t * s_yt + i * s_yh + c, (x + g * v).to(Y.dtype.element_ty), mask=m)
+
+
+def engram_gate_v41(x: torch.Tensor, kv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, eps: float,
+                    dead_mask: torch.Tensor | None) -> torch.Tensor:
+    """x [T, hc, H] (last dim contiguous), kv [T, (hc+1)*H] (the rows' projection, last dim contiguous),
+    q_w / k_w [hc, H] contiguous, dead_mask [T] bool or None -> x + g*v [T, hc, H] in x's dtype."""
+    num_tokens, hc, hidden = x.shape
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if num_tokens:
+        _engram_gate_kernel[(num_tokens, hc)](
+            x, kv, q_w, k_w, dead_mask if dead_mask is not None else x, y, hidden, eps, float(hidden) ** 0.5,
+            x.stride(0), x.stride(1), kv.stride(0), y.stride(0), y.stride(1), HC=hc,
+            BLOCK=triton.next_power_of_2(hidden), HAS_DEAD=dead_mask is not None,
+            num_warps=4 if hidden <= 2048 else 8)
+    return y
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
