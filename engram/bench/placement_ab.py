@@ -60,12 +60,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from engram.bench.stats import ORDERS
+from engram.commands.options import parse_bytes
 
 HELP = "Engram table placements / lookup options A/B'd in one process over forced natural decoding (A/A, CI)."
 CUDA_MODEL, CPU_MODEL = "4b-like", "tiny"
@@ -74,8 +74,6 @@ ARM_KEYS = ("tier", "lookup_overlap")
 DEFAULT_A = '{"tier": "gpu"}'
 DEFAULT_B = '{"tier": "host", "lookup_overlap": true}'
 ARM_OPTIONS_IN_CONFIG = ("cpu_offload", "lookup_overlap")  # what the arms decide, not --engram-config
-_BYTE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30,
-               "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
 DEFAULT_CORPUS_NAME = "bench/corpus/natural-v1.jsonl"  # serve_load.DEFAULT_CORPUS, as the result records it
 TABLE_COLUMNS = ["batch", "arm B", "tok/s A", "tok/s B", "B/A", "B/A CI", "A/A CI", "verdict"]
 
@@ -105,7 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-tokens", type=int, default=3, help="tokens every sequence decodes before timing")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="engine token budget per step (prefill chunks), raised to the largest batch")
-    p.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
+    p.add_argument("--kv-cache-memory", type=lambda t: parse_bytes(t, "--kv-cache-memory"), default=None,
+                   metavar="BYTES",
                    help="one KV budget for every arm's engine: bytes, or with a unit (512MiB, 8GiB, 8G); default: "
                         "sized for the largest batch at full length plus Engram staging and hot-row caches")
     p.add_argument("--repeats", type=int, default=10, metavar="N", help="recorded runs per arm (default 10)")
@@ -160,15 +159,6 @@ def parse_arm(text: str, option: str) -> ArmSpec:
     if not isinstance(overlap, bool):
         raise SystemExit(f"{option}: key 'lookup_overlap'={overlap!r} must be true or false")
     return ArmSpec(raw["tier"], overlap)
-
-
-def parse_bytes(text: str, option: str) -> int:
-    """"8589934592", "8GiB", "8G", "512MiB" (binary units) -> bytes; SystemExit naming ``option`` otherwise."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _BYTE_UNITS or int(float(m.group(1)) * _BYTE_UNITS[unit]) < 1:
-        raise SystemExit(f"{option}: {text!r} is not a positive byte count (e.g. 8589934592, 8GiB, 512MiB)")
-    return int(float(m.group(1)) * _BYTE_UNITS[unit])
 
 
 def _ints(text: str, option: str) -> tuple[int, ...]:
@@ -413,7 +403,7 @@ def run(args: argparse.Namespace) -> int:
                                 seed=args.seed)
     except ValueError as e:
         raise SystemExit(f"engram bench placement: {e}") from None
-    kv_budget = parse_bytes(args.kv_cache_memory, "--kv-cache-memory") if args.kv_cache_memory else None
+    kv_budget = args.kv_cache_memory
     try:
         cfg = preset_config(model, table_rows=opts.table_rows, seed=opts.seed)
     except ValueError as e:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
 
@@ -32,13 +33,28 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_num_seqs: int = 64) -> 
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step, at most")
     g.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per sequence")
     g.add_argument("--block-size", type=int, default=16, help="tokens per paged KV block")
-    g.add_argument("--kv-cache-memory", type=int, default=None,
-                   help="bytes for KV blocks + Engram staging + hot-row cache (default: sized to the machine)")
+    g.add_argument("--kv-cache-memory", type=lambda t: parse_bytes(t, "--kv-cache-memory"), default=None,
+                   help="bytes for KV blocks + Engram staging + hot-row cache, e.g. 8589934592 or 8GiB "
+                        "(default: sized to the machine)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU the process may fill; the KV cache gets what a profiled step leaves")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: decode steps run eagerly")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch step N+1 before reading step N (default: on for CUDA where the tables allow it)")
+
+
+BYTE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30,
+              "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+
+
+def parse_bytes(text: str, option: str) -> int:
+    """"8589934592", "8GiB", "8G", "512MiB" (binary units, case-insensitive) -> bytes; SystemExit naming
+    ``option`` for anything else or for less than one byte."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in BYTE_UNITS or int(float(m.group(1)) * BYTE_UNITS[unit]) < 1:
+        raise SystemExit(f"{option}: {text!r} is not a positive byte count (e.g. 8589934592, 8GiB, 512MiB)")
+    return int(float(m.group(1)) * BYTE_UNITS[unit])
 
 
 def parse_engram_config(text: str | None) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import torch
 
 from engram.bench import engine_steps, placement_ab
 from engram.cli import main
+from engram.commands.options import parse_bytes
 
 FAST = ["--batch-sizes", "1,2", "--context-len", "16", "--decode-steps", "4", "--warmup-tokens", "2",
         "--repeats", "2", "--warmup", "0", "--quiet"]
@@ -100,10 +101,18 @@ def test_shared_options_leave_the_arms_options_to_the_arms(monkeypatch):
 
 
 def test_parse_bytes():
-    assert placement_ab.parse_bytes("8GiB", "--kv") == 8 << 30 and placement_ab.parse_bytes("512M", "--kv") == 512 << 20
-    assert placement_ab.parse_bytes("12345", "--kv") == 12345
+    assert parse_bytes("8GiB", "--kv") == 8 << 30 and parse_bytes("512M", "--kv") == 512 << 20
+    assert parse_bytes("12345", "--kv") == 12345
     with pytest.raises(SystemExit, match="--kv: '8 parsecs'"):
-        placement_ab.parse_bytes("8 parsecs", "--kv")
+        parse_bytes("8 parsecs", "--kv")
+    import argparse
+
+    from engram.commands.options import add_engine_arguments
+
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)  # serve / generate / check take the same units
+    assert p.parse_args(["--kv-cache-memory", "2GiB"]).kv_cache_memory == 2 << 30
+    assert p.parse_args([]).kv_cache_memory is None
 
 
 # ----------------------------------------------------------------- the command
