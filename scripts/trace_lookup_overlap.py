@@ -19,14 +19,10 @@ import sys
 
 def kernels_of(prof) -> list[dict]:
     """Every CUDA kernel of a profile: start/end (ns), stream, name."""
-    from torch.autograd import DeviceType
+    from engram.bench.device_time import cuda_kernels
 
-    out = []
-    for evt in prof.profiler.kineto_results.events():
-        if evt.device_type() == DeviceType.CUDA and "Memcpy" not in evt.name() and "Memset" not in evt.name():
-            out.append({"start": evt.start_ns(), "end": evt.end_ns(), "stream": evt.device_resource_id(),
-                        "name": evt.name()})
-    return sorted(out, key=lambda k: k["start"])
+    return [{"start": s, "end": e, "stream": stream, "name": name}
+            for s, e, stream, name in cuda_kernels(prof.profiler.kineto_results.events())]
 
 
 def main() -> int:

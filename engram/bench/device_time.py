@@ -93,6 +93,17 @@ def kernel_times(events, device_type: str) -> list[KernelTime]:
     return sorted((KernelTime(n, c, ns / 1e9) for n, (c, ns) in groups.items()), key=lambda k: -k.seconds)
 
 
+def cuda_kernels(events) -> list[tuple[int, int, int, str]]:
+    """(start ns, end ns, stream id, name) of every CUDA kernel among kineto ``events`` (no copies or
+    memsets), in start order: which stream ran what, when (the lookup-overlap test and its trace script)."""
+    from torch.autograd import DeviceType
+
+    out = [(e.start_ns(), e.end_ns(), e.device_resource_id(), e.name()) for e in events
+           if e.device_type() == DeviceType.CUDA and _activity(e) == "kernel"
+           and "Memcpy" not in e.name() and "Memset" not in e.name()]
+    return sorted(out)
+
+
 def measure_busy(fn: Callable[[], object], device_type: str) -> float:
     """Seconds ``device_type`` ("cuda" | "cpu") was busy while ``fn()`` ran (see the module docstring).
     On CUDA the device is synchronized before the profile closes; a profile with no such event at all

@@ -21,6 +21,7 @@ import torch
 
 import engram
 import engram.engine.lookup_stream as lookup_stream
+from engram.bench.device_time import cuda_kernels
 from engram.engine.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -72,13 +73,7 @@ def test_overlap_on_equals_off_bitwise(tmp_path, tier, eager):
 
 def _kernels_by_stream(prof):
     """(start, end, stream, name) of every CUDA kernel in a profile."""
-    from torch.autograd import DeviceType
-
-    out = []
-    for evt in prof.profiler.kineto_results.events():
-        if evt.device_type() == DeviceType.CUDA and "Memcpy" not in evt.name() and "Memset" not in evt.name():
-            out.append((evt.start_ns(), evt.end_ns(), evt.device_resource_id(), evt.name()))
-    return out
+    return cuda_kernels(prof.profiler.kineto_results.events())
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])

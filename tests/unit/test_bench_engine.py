@@ -279,6 +279,10 @@ def test_cuda_busy_counts_kernels_copies_and_memsets_only():
               Evt(DeviceType.CPU, "cpu_op", 40, 60), Evt(DeviceType.CPU, "cuda_runtime", 61, 62)]
     assert union_length(busy_intervals_ns(events, "cuda")) == 12 + 5 + 1
     assert busy_intervals_ns(events, "cpu") == [(40, 60)]
+    from engram.bench.device_time import cuda_kernels
+
+    Evt.device_resource_id = lambda self: 7 if self._s == 5 else 3  # the stream each event ran on
+    assert cuda_kernels(events) == [(0, 10, 3, "k"), (5, 12, 7, "k")]  # kernels only, by start, with streams
 
 
 def test_a_failing_peer_is_reported_and_the_engine_points_are_kept(tmp_path, monkeypatch, capsys):
