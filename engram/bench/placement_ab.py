@@ -3,23 +3,47 @@ with an A/A control, over forced natural decoding.
 
 Why in one process: a large model's tables take minutes of device time to build (two ~33 GiB tables in
 pinned host memory, two more on the GPU); ``engram bench ab`` runs a shell command per sample, so every
-sample would rebuild them. Here the model is loaded once (``random_model``), each distinct tier's tables
-are opened once (a ``LoadedModel`` with ``tables={}`` and that tier, ``open_tables()``), and one
-``LLMEngine`` per distinct arm runs over ``dataclasses.replace(base, tables=<the tier's tables>, tier=...,
-lookup_overlap=...)``: every engine shares the model weights, engines of one tier share its table objects
-(a tier's tables are never opened twice), and all of them exist for the whole run, since the arms
-interleave. Each engine has its own KV cache of the same fixed budget (``--kv-cache-memory``, default
-sized for the largest batch: staging + hot-row caches + every sequence at full length), its own CUDA
-graphs and, with ``lookup_overlap``, its own lookup stream. Tables shared by two arms share their hot-row
+sample would rebuild them. Here the model is loaded once (``random_model``), the tables of each distinct
+placement, a (tier, store options) pair, are opened once (a ``LoadedModel`` with ``tables={}``, that tier
+and those options, ``open_tables()``), and one ``LLMEngine`` per distinct arm runs over
+``dataclasses.replace(base, tables=<the placement's tables>, tier=..., lookup_overlap=...)``: every engine
+shares the model weights, engines of one placement share its table objects (a placement's tables are
+never opened twice), and all of them exist for the whole run, since the arms interleave. Each engine
+has its own KV cache of the same fixed budget (``--kv-cache-memory``, default sized for the largest
+batch: staging + hot-row caches + every sequence at full length), its own CUDA graphs and, with
+``lookup_overlap``, its own lookup stream. Tables shared by two arms share their hot-row
 cache (if the options give one) and counters. The start-up heap is frozen once the engines exist
 (engine/heap.py) and thawed at the end; the tables are closed at the end.
 
 Arms: ``--a`` (default ``{"tier": "gpu"}``) and one or more ``--b`` (default one,
-``{"tier": "host", "lookup_overlap": true}``); an arm JSON takes the keys ``tier`` ("gpu" | "host",
-required) and ``lookup_overlap`` (bool, default false) and nothing else: any other key or value stops the
+``{"tier": "host", "lookup_overlap": true}``); an arm JSON takes the keys ``tier`` ("gpu" | "host" |
+"disk", required), ``lookup_overlap`` (bool, default false) and ``options`` (a JSON object of table
+options, engram.store.StoreOptions keys such as ``cache_rows``, ``io``, ``queue_depth``; default none)
+and nothing else: any other key or value, or an options key or value StoreOptions refuses, stops the
 command, naming the option (``--a``, ``--b[1]`` for the first ``--b``) and the key, before anything loads.
 What the arms share goes in ``--engram-config`` (loader and table options; not ``cpu_offload`` or
-``lookup_overlap``, which are the arms'). Each B is compared with A in its own interleaved run.
+``lookup_overlap``, which are the arms'); its table options are the base that an arm's ``options``
+override for that arm's tables. Each B is compared with A in its own interleaved run.
+
+The disk tier reads the preset's table files, generated into ``--cache-dir`` (``random_model``; default the
+project's cache): a disk arm with ``tables_in_memory`` in ``--engram-config`` stops the command before
+anything loads. Right before each comparison that involves a disk arm, the disk's random 4 KiB read rate
+is measured for ``--raw-read-seconds`` (``engram.bench.lookup.raw_cell``: uniformly random page reads of
+the arm's first table's values.bin through a ``PageReader`` with the arm's io mode in effect and queue
+depth, ``--raw-read-pages`` pages per call; with buffered io the file is dropped from the page cache
+before every call, O_DIRECT has none). Every sample records the deltas of its tables' counters over the
+timed steps (``engine.stats()["tables"]`` as ``measure_decode`` snapshots it right before and after them,
+summed over the arm's tables): hits, misses, read_ops, disk_rows, bytes_read, rows, with hit_rate
+(None without a hot-row cache) and read_ops_per_step. Per disk arm and comparison: the hit rate of its
+first warm-up sample and of its first recorded sample (cold; the hot-row cache lives as long as its
+tables, so only an arm's first comparison starts from an empty cache: ``fresh_tables``), the median
+over its recorded samples (warm), the median read ops per step and step ms, and, when the run has a
+host-tier arm, the bound bound_ms = host step ms (median) + read ops per step (median) / raw read ops/s
+x 1000 with ratio = disk step ms / bound_ms and target_met = ratio <= 1.1. Every sample of a batch size
+decodes the same windows, so after an arm's first sample a hot-row cache that holds their rows serves
+them all again: the warm hit rate is that of text seen before, the cold ones that of new text. On CUDA
+the disk tier's decode steps replay CUDA graphs too (its rows are copied in before the replay), so the
+graph-replay check below holds for every tier.
 
 Forced natural decoding: the corpus (``--corpus``, default the committed bench/corpus/natural-v1.jsonl,
 SHA-256 checked) is tokenized with the loaded model's tokenizer (``corpus.encode_corpus``; with the
@@ -49,11 +73,16 @@ runs per arm, bootstrap CI of the median block ratio, A/A envelope, verdict), on
 
 Output: the JSON of engram.bench.report (``--out``, default bench/results/<date>-placement-<model>.json):
 ``result.comparisons`` (per B arm and batch: the ABResult dict, the arms, per-sample records and per-arm
-summaries), ``result.arms``, ``result.model``, ``result.tables`` (bytes per layer per tier),
+summaries; with a disk arm ``raw_reads`` and ``disk``, keyed by its label A or B), ``result.arms``,
+``result.model``, ``result.tables`` (bytes per layer per placement: the tier, followed by the store
+options that differ from --engram-config's if any), ``result.placements`` (per arm, its placement, and
+per placement its effective store options),
 ``result.engine_config``, ``result.kv_cache_memory``, ``result.corpus`` (path, sha256) and
 ``result.windows`` (per batch: max_tokens, offsets, token_stats); a table with batch, arm B, tok/s of A and
-B (medians), B/A median ratio and CI, A/A CI and verdict; ``--plot FILE`` one PNG of samples in run
-order per comparison (FILE's stem suffixed with ``-b<k>-batch<B>``).
+B (medians), B/A median ratio and CI, A/A CI and verdict; with a disk arm a second table (batch, disk arm,
+step ms, host step ms, read ops per step, raw read ops/s, bound ms, ratio, hit rates of the first warm-up
+sample, the first recorded sample and the median); ``--plot FILE`` one PNG of samples in run order per
+comparison (FILE's stem suffixed with ``-b<k>-batch<B>``).
 """
 from __future__ import annotations
 
@@ -69,13 +98,18 @@ from engram.commands.options import parse_bytes
 
 HELP = "Engram table placements / lookup options A/B'd in one process over forced natural decoding (A/A, CI)."
 CUDA_MODEL, CPU_MODEL = "4b-like", "tiny"
-TIERS = ("gpu", "host")
-ARM_KEYS = ("tier", "lookup_overlap")
+TIERS = ("gpu", "host", "disk")
+ARM_KEYS = ("tier", "lookup_overlap", "options")
 DEFAULT_A = '{"tier": "gpu"}'
 DEFAULT_B = '{"tier": "host", "lookup_overlap": true}'
 ARM_OPTIONS_IN_CONFIG = ("cpu_offload", "lookup_overlap")  # what the arms decide, not --engram-config
 DEFAULT_CORPUS_NAME = "bench/corpus/natural-v1.jsonl"  # serve_load.DEFAULT_CORPUS, as the result records it
 TABLE_COLUMNS = ["batch", "arm B", "tok/s A", "tok/s B", "B/A", "B/A CI", "A/A CI", "verdict"]
+DISK_COLUMNS = ["batch", "disk arm", "step ms", "host step ms", "read ops/step", "raw reads/s", "bound ms", "ratio",
+                "hit warm-up", "hit cold", "hit warm"]
+COUNTER_KEYS = ("hits", "misses", "read_ops", "disk_rows", "bytes_read", "rows")  # summed over an arm's tables
+BOUND_FACTOR = 1.1  # the issue's target: disk step ms <= 1.1 x (host step ms + misses' reads at the raw rate)
+NO_HOST_ARM = "bound not computed: no host-tier arm in the run"
 
 
 class OutputMismatch(AssertionError):
@@ -93,10 +127,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='loader and table options every arm shares, e.g. \'{"tables_in_memory": true, '
                         '"load_threads": 16, "table_rows": 131000000}\' (not cpu_offload / lookup_overlap)')
     p.add_argument("--a", default=DEFAULT_A, metavar="JSON",
-                   help=f'arm A (the baseline): keys tier (gpu|host) and lookup_overlap (default {DEFAULT_A})')
+                   help=f'arm A (the baseline): keys tier (gpu|host|disk), lookup_overlap and options (table '
+                        f'options overriding --engram-config\'s for this arm, e.g. {{"io": "direct", '
+                        f'"cache_rows": 200000}}) (default {DEFAULT_A})')
     p.add_argument("--b", action="append", default=None, metavar="JSON",
                    help=f"an arm B, repeatable (--b[1] is the first); each is A/B'd against A in its own "
                         f"interleaved run (default one: {DEFAULT_B})")
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="where the preset's table files are generated and read (the disk tier's disk; default: "
+                        "$ENGRAM_CACHE_DIR, else ~/.cache/engram)")
+    p.add_argument("--raw-read-seconds", type=float, default=2.0, metavar="S",
+                   help="disk arms: seconds of plain random 4 KiB reads of the table's file before each comparison "
+                        "(the disk's read rate in the bound; default 2)")
+    p.add_argument("--raw-read-pages", type=int, default=16384, metavar="N",
+                   help="disk arms: pages per raw read call (default 16384 = 64 MiB, as in engram bench lookup "
+                        "--raw-pages)")
     p.add_argument("--batch-sizes", default="1,64", help="decode batch sizes, comma-separated")
     p.add_argument("--context-len", type=int, default=512, help="prompt tokens per sequence (a corpus window)")
     p.add_argument("--decode-steps", type=int, default=64, help="timed decode steps per sample")
@@ -130,9 +175,13 @@ class ArmSpec:
 
     tier: str
     lookup_overlap: bool = False
+    options: tuple = ()  # the arm's table options as sorted (key, value) pairs (hashable); () for none
 
     def to_dict(self) -> dict:
-        return {"tier": self.tier, "lookup_overlap": self.lookup_overlap}
+        out = {"tier": self.tier, "lookup_overlap": self.lookup_overlap}
+        if self.options:
+            out["options"] = dict(self.options)
+        return out
 
     @property
     def name(self) -> str:
@@ -158,7 +207,32 @@ def parse_arm(text: str, option: str) -> ArmSpec:
     overlap = raw.get("lookup_overlap", False)
     if not isinstance(overlap, bool):
         raise SystemExit(f"{option}: key 'lookup_overlap'={overlap!r} must be true or false")
-    return ArmSpec(raw["tier"], overlap)
+    options = raw.get("options", {})
+    if not isinstance(options, dict):
+        raise SystemExit(f"{option}: key 'options'={options!r} must be a JSON object of table options")
+    return ArmSpec(raw["tier"], overlap, tuple(sorted(options.items())))  # checked over the shared ones: run()
+
+
+def _store_options(options: dict, base, option: str):
+    """``base`` (StoreOptions, None: the defaults) with ``options`` applied, validated by StoreOptions;
+    SystemExit naming ``option`` and the key otherwise."""
+    from engram.store.options import PREFIX, StoreOptions
+
+    try:
+        return (base or StoreOptions()).replace(**options)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"{option}: " + str(e).replace(PREFIX, "options", 1)) from None
+
+
+def arm_store_options(arm: ArmSpec, base, option: str):
+    """The StoreOptions the arm's tables open with: --engram-config's, with the arm's ``options`` applied."""
+    return _store_options(dict(arm.options), base, option)
+
+
+def placement_name(tier: str, store, base) -> str:
+    """A placement's name: the tier, followed by the store options that differ from ``base`` (JSON), if any."""
+    changed = {k: v for k, v in store.to_dict().items() if base.to_dict()[k] != v}
+    return f"{tier} {json.dumps(changed)}" if changed else tier
 
 
 def _ints(text: str, option: str) -> tuple[int, ...]:
@@ -291,6 +365,63 @@ def default_kv_budget(cfg, ecfg, dtype, tables_by_tier: dict) -> int:
     return staging + cache + blocks * per_block
 
 
+class StatsTap:
+    """The engine as ``measure_decode`` sees it, keeping every ``stats()`` snapshot it takes: the first two
+    are taken right before and right after the timed steps (``arm_measure`` checks that against the
+    graph replays and exposed lookup time measure_decode reports from them)."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self.snapshots: list[dict] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def stats(self) -> dict:
+        out = self._engine.stats()
+        self.snapshots.append(out)
+        return out
+
+
+def counter_deltas(before: dict, after: dict) -> dict:
+    """``COUNTER_KEYS`` of the tables' counters (engine.stats()["tables"]) gained between two snapshots,
+    summed over the tables."""
+    return {k: sum(after[lid].get(k, 0) - before[lid].get(k, 0) for lid in after) for k in COUNTER_KEYS}
+
+
+def hit_rate(counts: dict, cached: bool) -> float | None:
+    """hits / (hits + misses) of the hot-row cache; None without a cache or without a lookup through it."""
+    looked = counts["hits"] + counts["misses"]
+    return counts["hits"] / looked if cached and looked else None
+
+
+def measure_raw_reads(tables: dict, seconds: float, pages: int, seed: int) -> dict:
+    """The disk's random 4 KiB read rate, now: ``engram.bench.lookup.raw_cell`` on the values.bin of the first
+    Engram layer's table, with the io mode that table's reader has in effect and its queue depth; cold (the
+    file dropped from the page cache before every call) when that io is buffered. One unrecorded call, then
+    calls for ``seconds``."""
+    from engram.bench.lookup import raw_cell
+
+    lid = min(tables)
+    reader = tables[lid].reader
+    group = {"io": reader.io, "queue_depth": reader.queue_depth}
+    cold = reader.io == "buffered"
+    cell = raw_cell(Path(reader.path), group, pages, seed, cold)
+    cell.step()  # warm-up: the pool's threads, the buffer's first touch
+    cell.run(seconds)
+    r = cell.result()
+    return {"layer": lid, "io": reader.io, "io_requested": reader.io_requested, "queue_depth": reader.queue_depth,
+            "cold": cold, "pages_per_call": pages, "calls": r["batches"], "seconds": sum(cell.times),
+            "read_ops_per_s": r["read_ops_per_s"], "disk_MB_per_s": r["disk_MB_per_s"],
+            "us_per_call_p50": r["us_per_batch_p50"]}
+
+
+def _median(xs: list):
+    import statistics
+
+    return None if not xs or any(x is None for x in xs) else statistics.median(xs)
+
+
 def _summary(samples: list[dict]) -> dict:
     import statistics
 
@@ -314,27 +445,92 @@ def arm_measure(engine, arm: ArmSpec, win: Windows, batch: int, s, records: list
     from engram.bench.engine_steps import measure_decode
 
     graphs = engine.executor.worker.graphs is not None
+    cached = any(getattr(t, "cache", None) is not None for t in engine.executor.worker.tables.values())
 
     def measure() -> float:
-        t = measure_decode(engine, win.prompts, s.decode_steps, s.warmup_tokens, tag=f"placement-{batch}",
+        tap = StatsTap(engine)
+        t = measure_decode(tap, win.prompts, s.decode_steps, s.warmup_tokens, tag=f"placement-{batch}",
                            forced=win.forced)
         checked = check_forced(t, win, s.warmup_tokens + s.decode_steps, arm.name)
         expected = s.decode_steps if graphs else 0
         if t.graph_steps != expected:
             raise GraphFallback(f"arm {arm.name}, batch {batch}: {t.graph_steps} of {s.decode_steps} timed steps "
                                 f"replayed a CUDA graph, expected {expected}")
+        before, after = tap.snapshots[:2]
+        if (after["graph_replays"] - before["graph_replays"] != t.graph_steps
+                or after["lookup_exposed_s"] - before["lookup_exposed_s"] != t.lookup_exposed_s):
+            raise RuntimeError("measure_decode's first two engine.stats() calls no longer bracket the timed steps")
+        counts = counter_deltas(before["tables"], after["tables"])
         value = batch * s.decode_steps / sum(t.wall_s)
         records.append({"arm": arm.name, "tok_s": value, "wall_s": sum(t.wall_s), "steps": s.decode_steps,
+                        "step_ms": sum(t.wall_s) / s.decode_steps * 1e3,
                         "lookup_exposed_s": t.lookup_exposed_s, "graph_replays": t.graph_steps,
-                        "tokens_checked": checked})
+                        "tokens_checked": checked, "tables": counts, "hit_rate": hit_rate(counts, cached),
+                        "read_ops_per_step": counts["read_ops"] / s.decode_steps})
         return value
     return measure
 
 
+ARM_LABELS = {"A": ("A", "A'"), "B": ("B",)}  # the samples of an arm's engine in a comparison, by label
+
+
+def disk_summary(arm: ArmSpec, records: list[dict], labels: tuple, raw: dict, fresh: bool, placement: str) -> dict:
+    """What a disk arm did in one comparison: hit rates cold (first warm-up sample, first recorded sample)
+    and warm (median of the recorded samples), median read ops per step and step ms, and the raw read rate
+    measured before the comparison; the bound fields are filled in by ``add_bounds``."""
+    mine = [r for r in records if r["label"] in labels]
+    warmups = [r for r in mine if r["round"] < 0]
+    recorded = [r for r in mine if r["round"] >= 0]
+    return {"arm": arm.to_dict(), "placement": placement, "fresh_tables": fresh,
+            "raw_read_ops_per_s": raw["read_ops_per_s"],
+            "hit_rate_cold_warmup": warmups[0]["hit_rate"] if warmups else None,
+            "hit_rate_cold": recorded[0]["hit_rate"],
+            "hit_rate_warm": _median([r["hit_rate"] for r in recorded]),
+            "read_ops_per_step_median": _median([r["read_ops_per_step"] for r in recorded]),
+            "step_ms_median": _median([r["step_ms"] for r in recorded]),
+            "host_arm": None, "host_source": None, "host_step_ms_median": None, "bound_ms": None, "ratio": None,
+            "target_met": None, "bound_note": NO_HOST_ARM}
+
+
+def add_bounds(comparisons: list[dict]) -> None:
+    """For every disk arm of every comparison, the bound against a host-tier arm at the same batch: the other
+    arm of its own comparison when that is on the host tier (interleaved with it), else the first B on the
+    host tier at that batch (its comparison's B samples). bound_ms = host step ms + disk read ops per step /
+    raw read ops/s x 1000 (medians), ratio = disk step ms / bound_ms, target_met = ratio <= BOUND_FACTOR.
+    Without a host-tier arm at that batch the fields stay None and ``bound_note`` says so."""
+    for c in comparisons:
+        for label, d in c.get("disk", {}).items():
+            other = "B" if label == "A" else "A"
+            if c[other.lower()]["tier"] == "host":
+                host, source, samples = c[other.lower()], "same comparison", c["samples"]
+                labels = ARM_LABELS[other]
+            else:
+                hc = next((h for h in comparisons if h["batch"] == c["batch"] and h["b"]["tier"] == "host"), None)
+                if hc is None:
+                    continue
+                host, source, samples, labels = hc["b"], f"b{hc['b_index']}", hc["samples"], ARM_LABELS["B"]
+            host_ms = _median([r["step_ms"] for r in samples if r["label"] in labels and r["round"] >= 0])
+            bound = host_ms + d["read_ops_per_step_median"] / d["raw_read_ops_per_s"] * 1e3
+            ratio = d["step_ms_median"] / bound
+            d.update(host_arm=host, host_source=source, host_step_ms_median=host_ms, bound_ms=bound, ratio=ratio,
+                     target_met=ratio <= BOUND_FACTOR, bound_note=None)
+
+
+def disk_rows(comparisons: list[dict]) -> list[dict]:
+    """The second table: one row per disk arm per comparison."""
+    return [{"batch": c["batch"], "disk arm": f"{label} {json.dumps(d['arm'])}", "step ms": d["step_ms_median"],
+             "host step ms": d["host_step_ms_median"], "read ops/step": d["read_ops_per_step_median"],
+             "raw reads/s": d["raw_read_ops_per_s"], "bound ms": d["bound_ms"], "ratio": d["ratio"],
+             "hit warm-up": d["hit_rate_cold_warmup"], "hit cold": d["hit_rate_cold"], "hit warm": d["hit_rate_warm"]}
+            for c in comparisons for label, d in c.get("disk", {}).items()]
+
+
 def run_comparison(engines: dict, arm_a: ArmSpec, arm_b: ArmSpec, k: int, batch: int, win: Windows, s,
-                   ab_cfg, quiet: bool):
+                   ab_cfg, quiet: bool, disk: dict | None = None):
     """A against the k-th B at ``batch``, interleaved (``stats.run_interleaved``): the ABResult and the
-    comparison's JSON record (the ABResult dict, every sample's record in run order, per-arm summaries)."""
+    comparison's JSON record (the ABResult dict, every sample's record in run order, per-arm summaries).
+    ``disk``: per disk arm's label ("A" / "B"), (raw read record, fresh_tables, placement name), which adds
+    ``raw_reads`` and ``disk`` (``disk_summary``) to the record."""
     from engram.bench import stats
 
     records: list[dict] = []
@@ -351,9 +547,15 @@ def run_comparison(engines: dict, arm_a: ArmSpec, arm_b: ArmSpec, k: int, batch:
         stats.Arm(f"B: {arm_b.name}", arm_measure(engines[arm_b], arm_b, win, batch, s, records)),
         ab_cfg, on_run=progress)
     recorded = {label: [r for r in records if r["label"] == label and r["round"] >= 0] for label in result.arms}
-    return result, {"batch": batch, "b_index": k, "a": arm_a.to_dict(), "b": arm_b.to_dict(),
-                    "ab": result.to_dict(), "samples": records,
-                    "arm_stats": {label: _summary(x) for label, x in recorded.items()}}
+    comparison = {"batch": batch, "b_index": k, "a": arm_a.to_dict(), "b": arm_b.to_dict(),
+                  "ab": result.to_dict(), "samples": records,
+                  "arm_stats": {label: _summary(x) for label, x in recorded.items()}}
+    if disk:
+        arm_of = {"A": arm_a, "B": arm_b}
+        comparison["raw_reads"] = {label: raw for label, (raw, _, _) in disk.items()}
+        comparison["disk"] = {label: disk_summary(arm_of[label], records, ARM_LABELS[label], raw, fresh, placement)
+                              for label, (raw, fresh, placement) in disk.items()}
+    return result, comparison
 
 
 def table_row(result, comparison: dict) -> dict:
@@ -387,8 +589,21 @@ def run(args: argparse.Namespace) -> int:
 
     # Everything the command line says is checked before anything loads.
     arm_a = parse_arm(args.a, "--a")
-    arms_b = [parse_arm(text, f"--b[{k}]") for k, text in enumerate(args.b or [DEFAULT_B], start=1)]
+    b_texts = args.b or [DEFAULT_B]
+    arms_b = [parse_arm(text, f"--b[{k}]") for k, text in enumerate(b_texts, start=1)]
     opts = parse_engram_options(args.engram_config)
+    options_of = [("--a", arm_a)] + [(f"--b[{k}]", arm) for k, arm in enumerate(arms_b, start=1)]
+    # each arm's options over the shared ones, validated by StoreOptions (unknown keys, values, combinations)
+    stores = [arm_store_options(arm, opts.store, option) for option, arm in options_of]
+    store_of = dict(zip((arm for _, arm in options_of), stores))
+    for option, arm in options_of:
+        if arm.tier == "disk" and opts.tables_in_memory:
+            raise SystemExit(f"{option} is on tier 'disk', which reads the tables from their files, but "
+                             f"--engram-config has tables_in_memory=true (tables built in memory, no files): drop "
+                             f"tables_in_memory to generate the tables into --cache-dir")
+    if args.raw_read_seconds <= 0 or args.raw_read_pages < 1:
+        raise SystemExit(f"--raw-read-seconds={args.raw_read_seconds} must be > 0 and "
+                         f"--raw-read-pages={args.raw_read_pages} >= 1")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(args.dtype, device)
     model = args.model or (CUDA_MODEL if device.type == "cuda" else CPU_MODEL)
@@ -427,16 +642,18 @@ def run(args: argparse.Namespace) -> int:
             print(f"engram bench placement: {msg}", file=sys.stderr, flush=True)
 
     arms = list(dict.fromkeys([arm_a, *arms_b]))  # distinct arms, one engine each
-    tiers = list(dict.fromkeys(a.tier for a in arms))
-    say(f"loading {model} ({dtype}, {device}); tiers {tiers}; {len(arms)} engines")
-    base = random_model(cfg, tiers[0], dtype, device, opts.seed, opts=opts, progress=not args.quiet)
+    placement_of = {arm: placement_name(arm.tier, store_of[arm], opts.store) for arm in arms}
+    placements = {placement_of[arm]: (arm.tier, store_of[arm]) for arm in arms}  # distinct (tier, options)
+    say(f"loading {model} ({dtype}, {device}); placements {list(placements)}; {len(arms)} engines")
+    base = random_model(cfg, arms[0].tier, dtype, device, opts.seed, cache_dir=args.cache_dir, opts=opts,
+                        progress=not args.quiet)
     tables: dict[str, dict] = {}
     engines: dict[ArmSpec, object] = {}
     frozen = False
     try:
-        for tier in tiers:  # each tier's tables once: at ~33 GiB a layer there is no room for a second copy
-            tables[tier] = dataclasses.replace(base, tables={}, tier=tier).open_tables()
-        tables_info = {tier: table_info(tabs) for tier, tabs in tables.items()}  # before they close
+        for name, (tier, store) in placements.items():  # each placement's tables once: at ~33 GiB a layer
+            tables[name] = dataclasses.replace(base, tables={}, tier=tier, store_options=store).open_tables()
+        tables_info = {name: table_info(tabs) for name, tabs in tables.items()}  # before they close
         tokenizer = model_tokenizer(base)
         stream = corpus_stream(encode_corpus(corpus, tokenizer), cfg.vocab_size)
         if kv_budget is None:
@@ -445,8 +662,8 @@ def run(args: argparse.Namespace) -> int:
             kv_source = "--kv-cache-memory"
         ecfg = dataclasses.replace(ecfg, kv_cache_memory=kv_budget)
         for arm in arms:
-            loaded = dataclasses.replace(base, tables=tables[arm.tier], tier=arm.tier,
-                                         lookup_overlap=arm.lookup_overlap)
+            loaded = dataclasses.replace(base, tables=tables[placement_of[arm]], tier=arm.tier,
+                                         store_options=store_of[arm], lookup_overlap=arm.lookup_overlap)
             engines[arm] = LLMEngine(loaded, ecfg, device, dtype)
             graphs = engines[arm].executor.worker.graphs
             if device.type == "cuda" and not args.enforce_eager and (
@@ -466,8 +683,17 @@ def run(args: argparse.Namespace) -> int:
                                     "token_stats": token_stats([(np.asarray(p), np.asarray(f))
                                                                 for p, f in zip(win.prompts, win.forced)])}
             for k, arm_b in enumerate(arms_b, start=1):
+                disk = {}
+                for label, arm in (("A", arm_a), ("B", arm_b)):  # the disk's read rate right before the run
+                    if arm.tier == "disk":
+                        tabs = tables[placement_of[arm]]
+                        fresh = all(t.stats()["lookups"] == 0 for t in tabs.values())
+                        raw = measure_raw_reads(tabs, args.raw_read_seconds, args.raw_read_pages, opts.seed)
+                        say(f"batch {b}: raw random reads for {label} {arm.name}: {raw['read_ops_per_s']:.4g} ops/s "
+                            f"({raw['io']}, queue depth {raw['queue_depth']})")
+                        disk[label] = (raw, fresh, placement_of[arm])
                 say(f"batch {b}: A {arm_a.name} vs B {arm_b.name}")
-                result, comparison = run_comparison(engines, arm_a, arm_b, k, b, win, s, ab_cfg, args.quiet)
+                result, comparison = run_comparison(engines, arm_a, arm_b, k, b, win, s, ab_cfg, args.quiet, disk)
                 comparisons.append(comparison)
                 rows.append(table_row(result, comparison))
                 if args.plot:
@@ -476,6 +702,7 @@ def run(args: argparse.Namespace) -> int:
                     stats.plot_runs(result, str(png), title=f"batch {b}: A {arm_a.name}\nB {arm_b.name}")
                     say(f"plot: {png}")
         kv_blocks = {arm.name: engines[arm].stats()["kv_blocks_total"] for arm in arms}
+        add_bounds(comparisons)
     finally:
         if frozen:
             thaw_heap()
@@ -491,16 +718,28 @@ def run(args: argparse.Namespace) -> int:
               "arms": {"A": arm_a.to_dict(), "B": [a.to_dict() for a in arms_b]},
               "engram_config": json.loads(json.dumps(dataclasses.asdict(opts), default=str)),
               "tables": tables_info,
+              "placements": {"arms": {arm.name: placement_of[arm] for arm in arms},
+                             "store_options": {name: store.to_dict() for name, (_, store) in placements.items()}},
               "engine_config": dataclasses.asdict(ecfg),
               "kv_cache_memory": {"bytes": kv_budget, "source": kv_source, "kv_blocks": kv_blocks},
               "settings": {"batch_sizes": list(batch_sizes), "context_len": s.context_len,
                            "decode_steps": s.decode_steps, "warmup_tokens": s.warmup_tokens,
-                           "enforce_eager": args.enforce_eager, "ab": dataclasses.asdict(ab_cfg)},
+                           "enforce_eager": args.enforce_eager, "ab": dataclasses.asdict(ab_cfg),
+                           "raw_read_seconds": args.raw_read_seconds, "raw_read_pages": args.raw_read_pages,
+                           "bound_factor": BOUND_FACTOR},
               "corpus": {"path": args.corpus or DEFAULT_CORPUS_NAME, "sha256": corpus.sha256,
                          "requests": len(corpus.requests), "stream_tokens": int(stream.size)},
               "windows": windows_info, "comparisons": comparisons}
     path = write_result(f"placement-{model}", args_config(args), result, out=args.out)
     print(format_table(rows, TABLE_COLUMNS))
+    drows = disk_rows(comparisons)
+    if drows:
+        print()
+        print(format_table(drows, DISK_COLUMNS))
+        if any(r["bound ms"] is None for r in drows):
+            print(f"disk arms: {NO_HOST_ARM} (add an arm with tier host)")
+        else:
+            print(f"disk arms: bound = host step ms + read ops/step / raw reads/s; target ratio <= {BOUND_FACTOR}")
     for c in comparisons:
         for w in c["ab"]["warnings"]:
             print(f"warning: batch {c['batch']} b{c['b_index']}: {w}")

@@ -1,7 +1,8 @@
 """`engram bench placement` on the CPU with the tiny preset: both tiers' engines run interleaved in one
 process over the same corpus windows, every sample is a positive tok/s whose sequences emitted exactly
 their forced ids, the result JSON holds what the docs promise, and a bad arm stops the command before
-anything loads. Also ``measure_decode(..., forced=...)``."""
+anything loads. Disk arms with per-arm table options: the raw read rate, per-sample table counters, hit
+rates cold and warm and the bound against the host arm. Also ``measure_decode(..., forced=...)``."""
 import json
 import types
 
@@ -72,7 +73,12 @@ def test_check_forced_names_the_arm_sequence_and_position():
 
 @pytest.mark.parametrize("option, text, message", [
     ("--b", '{"tier": "host", "cache_rows": 5}', r"--b\[1\]: unknown key 'cache_rows'"),
-    ("--b", '{"tier": "disk"}', r"--b\[1\]: key 'tier'='disk' must be one of"),
+    ("--b", '{"tier": "tape"}', r"--b\[1\]: key 'tier'='tape' must be one of"),
+    ("--b", '{"tier": "disk", "options": {"cache_rowz": 5}}',
+     r"--b\[1\]: options has unknown key\(s\) \['cache_rowz'\]"),
+    ("--b", '{"tier": "disk", "options": {"queue_depth": 0}}', r"--b\[1\]: options.queue_depth=0: must be in"),
+    ("--b", '{"tier": "disk", "options": [1]}', r"--b\[1\]: key 'options'=\[1\] must be a JSON object"),
+    ("--a", '{"tier": "host", "options": {"io": "mmap"}}', r"--a: options.io='mmap': must be one of"),
     ("--b", '{"lookup_overlap": true}', r"--b\[1\]: key 'tier' is missing"),
     ("--b", '{"tier": "gpu", "lookup_overlap": 1}', r"--b\[1\]: key 'lookup_overlap'=1 must be true or false"),
     ("--a", '{"tier": "gpu", "device": "cuda"}', r"--a: unknown key 'device'"),
@@ -152,3 +158,117 @@ def test_placement_bench_runs_both_tiers_interleaved_and_writes_every_field(tmp_
         assert set(c["arm_stats"]) == {"A", "A'", "B"} and c["arm_stats"]["B"]["n"] == 2
     printed = capsys.readouterr().out
     assert "tok/s A" in printed and "A/A CI" in printed and f"result: {out}" in printed
+
+
+# ----------------------------------------------------------------- disk arms
+DISK_FAST = ["--batch-sizes", "1,2", "--context-len", "16", "--decode-steps", "4", "--warmup-tokens", "2",
+             "--repeats", "2", "--warmup", "1", "--quiet", "--raw-read-seconds", "0.05", "--raw-read-pages", "64"]
+
+
+def test_a_bad_options_key_names_the_first_b_and_the_key(monkeypatch):
+    monkeypatch.setattr("engram.model.loader.random_model", None)  # never reached
+    with pytest.raises(SystemExit, match=r"^--b\[1\]: options has unknown key\(s\) \['cache_rowz'\]"):
+        main(["bench", "placement", *DISK_FAST, "--b", '{"tier": "disk", "options": {"cache_rowz": 500}}'])
+    # checked over the shared options: sorted_min_rows must stay >= staged_min_rows, theirs or the arm's
+    with pytest.raises(SystemExit, match=r"^--b\[1\]: options.sorted_min_rows=100: must be >= 200"):
+        main(["bench", "placement", *DISK_FAST, "--engram-config", '{"staged_min_rows": 200}',
+              "--b", '{"tier": "host", "options": {"sorted_min_rows": 100}}'])
+    with pytest.raises(SystemExit, match=r"^--b\[1\]: options.cache_rows=\[5\]: must be int"):
+        main(["bench", "placement", *DISK_FAST, "--b", '{"tier": "disk", "options": {"cache_rows": [5]}}'])
+
+
+def test_a_disk_arm_with_tables_in_memory_stops_before_loading(monkeypatch):
+    monkeypatch.setattr("engram.model.loader.random_model", None)  # never reached
+    with pytest.raises(SystemExit, match=r"^--b\[2\] is on tier 'disk'.*tables_in_memory=true"):
+        main(["bench", "placement", *DISK_FAST, "--engram-config", '{"tables_in_memory": true}',
+              "--a", '{"tier": "host"}', "--b", '{"tier": "gpu"}', "--b", '{"tier": "disk"}'])
+    with pytest.raises(SystemExit, match=r"--raw-read-seconds=0.0 must be > 0"):
+        main(["bench", "placement", *DISK_FAST, "--raw-read-seconds", "0"])
+
+
+def test_disk_arms_record_raw_reads_counters_hit_rates_and_the_bound(tmp_path, capsys):
+    from engram.model.presets import preset_config
+
+    out, cache = tmp_path / "disk.json", tmp_path / "cache"
+    host = {"tier": "host", "lookup_overlap": False}
+    plain = {"tier": "disk", "lookup_overlap": False, "options": {"io": "buffered"}}
+    cached = {"tier": "disk", "lookup_overlap": False, "options": {"cache_rows": 500, "io": "buffered"}}
+    rc = main(["bench", "placement", *DISK_FAST, "--out", str(out), "--kv-cache-memory", "64MiB",
+               "--cache-dir", str(cache), "--a", json.dumps(host), "--b", json.dumps(plain), "--b", json.dumps(cached)])
+    assert rc == 0
+    assert len(list((cache / "tables").glob("*/*/manifest.json"))) == 2  # the preset's tables, in --cache-dir
+    res = json.loads(out.read_text())["result"]
+    assert res["arms"] == {"A": host, "B": [plain, cached]}
+    names = ["host", 'disk {"io": "buffered"}', 'disk {"cache_rows": 500, "io": "buffered"}']
+    assert list(res["tables"]) == names == list(res["placements"]["store_options"])
+    assert {t["type"] for t in res["tables"][names[1]].values()} == {"DiskTable"}
+    assert {t["cache_bytes"] > 0 for t in res["tables"][names[2]].values()} == {True}
+    assert res["placements"]["store_options"][names[2]]["cache_rows"] == 500
+    assert res["placements"]["store_options"][names[1]]["io"] == "buffered"
+    assert res["settings"]["raw_read_seconds"] == 0.05 and res["settings"]["bound_factor"] == 1.1
+
+    tiny = preset_config("tiny").engram
+    rows_per_step = len(tiny.layer_ids) * tiny.n_cols  # per sequence: every Engram layer's rows of one token
+    comps = res["comparisons"]
+    assert [(c["batch"], c["b_index"]) for c in comps] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    for c in comps:
+        raw = c["raw_reads"]["B"]
+        assert set(c["raw_reads"]) == set(c["disk"]) == {"B"}  # A is on the host tier: no raw reads for it
+        assert raw["read_ops_per_s"] > 0 and raw["io"] == "buffered" and raw["cold"] is True
+        assert raw["queue_depth"] == 64 and raw["calls"] >= 1 and raw["pages_per_call"] == 64
+        assert raw["read_ops_per_s"] == pytest.approx(raw["calls"] * 64 / raw["seconds"])
+        with_cache = c["b_index"] == 2
+        for smp in c["samples"]:
+            t = smp["tables"]
+            assert t["rows"] == c["batch"] * 4 * rows_per_step  # the timed steps' lookups only
+            assert smp["step_ms"] == pytest.approx(smp["wall_s"] / 4 * 1e3)
+            assert smp["read_ops_per_step"] == t["read_ops"] / 4
+            if smp["label"] != "B":
+                assert smp["hit_rate"] is None and t["disk_rows"] == 0  # the host tier: no cache, no disk
+            elif not with_cache:
+                assert smp["hit_rate"] is None and t["hits"] == t["misses"] == 0
+                assert t["disk_rows"] == t["rows"] and 0 < t["read_ops"] <= t["disk_rows"]
+                assert t["bytes_read"] == t["read_ops"] * 4096
+            else:
+                assert t["hits"] + t["misses"] == t["rows"] and t["disk_rows"] == t["misses"]
+                assert smp["hit_rate"] == pytest.approx(t["hits"] / t["rows"]) and 0 <= smp["hit_rate"] <= 1
+        d = c["disk"]["B"]
+        mine = [x for x in c["samples"] if x["label"] == "B"]
+        recorded = [x for x in mine if x["round"] >= 0]
+        assert [x["round"] for x in mine][0] == -1 and len(recorded) == 2
+        assert d["arm"] == c["b"] and d["placement"] == names[c["b_index"]]
+        assert d["fresh_tables"] is (c["batch"] == 1)  # the cache and counters live on across batch sizes
+        assert d["hit_rate_cold_warmup"] == mine[0]["hit_rate"] and d["hit_rate_cold"] == recorded[0]["hit_rate"]
+        assert d["read_ops_per_step_median"] == pytest.approx(sorted(x["read_ops_per_step"] for x in recorded)[1] / 2
+                                                              + sorted(x["read_ops_per_step"] for x in recorded)[0] / 2)
+        if with_cache:
+            assert 0 <= d["hit_rate_cold_warmup"] <= d["hit_rate_warm"] <= 1
+            if c["batch"] == 1:  # an empty cache: almost every row missed; the same windows then hit
+                assert d["hit_rate_cold_warmup"] < 0.5 < d["hit_rate_warm"]
+        else:
+            assert d["hit_rate_cold_warmup"] is d["hit_rate_cold"] is d["hit_rate_warm"] is None
+        # the bound, against A on the host tier in the same comparison
+        host_ms = [x["step_ms"] for x in c["samples"] if x["label"] in ("A", "A'") and x["round"] >= 0]
+        disk_ms = [x["step_ms"] for x in recorded]
+        assert d["host_arm"] == host and d["host_source"] == "same comparison" and d["bound_note"] is None
+        assert d["host_step_ms_median"] == pytest.approx(sorted(host_ms)[1] / 2 + sorted(host_ms)[2] / 2)
+        assert d["step_ms_median"] == pytest.approx(sum(disk_ms) / 2)
+        bound = d["host_step_ms_median"] + d["read_ops_per_step_median"] / raw["read_ops_per_s"] * 1e3
+        assert d["bound_ms"] == pytest.approx(bound) and d["ratio"] == pytest.approx(d["step_ms_median"] / bound)
+        assert d["target_met"] is (d["ratio"] <= 1.1)
+    assert comps[0]["disk"]["B"]["read_ops_per_step_median"] > 0  # without a cache every step reads the disk
+    printed = capsys.readouterr().out
+    assert "raw reads/s" in printed and "bound ms" in printed and "target ratio <= 1.1" in printed
+
+
+def test_disk_arm_without_a_host_arm_says_the_bound_is_not_computed(tmp_path, capsys):
+    out = tmp_path / "disk.json"
+    rc = main(["bench", "placement", *DISK_FAST, "--batch-sizes", "1", "--out", str(out), "--kv-cache-memory",
+               "64MiB", "--cache-dir", str(tmp_path / "cache"), "--a", '{"tier": "gpu"}',
+               "--b", '{"tier": "disk", "options": {"io": "buffered"}}'])
+    assert rc == 0
+    (c,) = json.loads(out.read_text())["result"]["comparisons"]
+    d = c["disk"]["B"]
+    assert d["bound_ms"] is d["ratio"] is d["target_met"] is d["host_step_ms_median"] is None
+    assert d["bound_note"] == placement_ab.NO_HOST_ARM and d["raw_read_ops_per_s"] > 0
+    assert placement_ab.NO_HOST_ARM in capsys.readouterr().out
