@@ -16,56 +16,38 @@ cache (if the options give one) and counters. The start-up heap is frozen once t
 (engine/heap.py) and thawed at the end; the tables are closed at the end.
 
 Arms: ``--a`` (default ``{"tier": "gpu"}``) and one or more ``--b`` (default one,
-``{"tier": "host", "lookup_overlap": true}``); an arm JSON takes the keys ``tier`` ("gpu" | "host" |
-"disk", required), ``lookup_overlap`` (bool, default false) and ``options`` (a JSON object of table
-options, engram.store.StoreOptions keys such as ``cache_rows``, ``io``, ``queue_depth``; default none)
-and nothing else: any other key or value, or an options key or value StoreOptions refuses, stops the
-command, naming the option (``--a``, ``--b[1]`` for the first ``--b``) and the key, before anything loads.
-What the arms share goes in ``--engram-config`` (loader and table options; not ``cpu_offload`` or
-``lookup_overlap``, which are the arms'); its table options are the base that an arm's ``options``
-override for that arm's tables. Each B is compared with A in its own interleaved run.
+``{"tier": "host", "lookup_overlap": true}``). What an arm is (``tier``, ``lookup_overlap``, ``options``),
+how the arms and ``--engram-config`` (what they share; its table options are the base an arm's
+``options`` override) are checked before anything loads, and how a placement is named:
+engram/bench/placement_arms.py. Each B is compared with A in its own interleaved run.
 
 The disk tier reads the preset's table files, generated into ``--cache-dir`` (``random_model``; default the
 project's cache): a disk arm with ``tables_in_memory`` in ``--engram-config`` stops the command before
 anything loads. Right before each comparison that involves a disk arm, the disk's random 4 KiB read rate
-is measured for ``--raw-read-seconds`` (``engram.bench.lookup.raw_cell``: uniformly random page reads of
-the arm's first table's values.bin through a ``PageReader`` with the arm's io mode in effect and queue
-depth, ``--raw-read-pages`` pages per call; with buffered io the file is dropped from the page cache
-before every call, O_DIRECT has none). Every sample records the deltas of its tables' counters over the
-timed steps (``engine.stats()["tables"]`` as ``measure_decode`` snapshots it right before and after them,
-summed over the arm's tables): hits, misses, read_ops, disk_rows, bytes_read, rows, with hit_rate
-(None without a hot-row cache) and read_ops_per_step. Per disk arm and comparison: the hit rate of its
-first warm-up sample and of its first recorded sample (cold; the hot-row cache lives as long as its
-tables, so only an arm's first comparison starts from an empty cache: ``fresh_tables``), the median
-over its recorded samples (warm), the median read ops per step and step ms, and, when the run has a
-host-tier arm, the bound bound_ms = host step ms (median) + read ops per step (median) / raw read ops/s
-x 1000 with ratio = disk step ms / bound_ms and target_met = ratio <= 1.1. Every sample of a batch size
-decodes the same windows, so after an arm's first sample a hot-row cache that holds their rows serves
-them all again: the warm hit rate is that of text seen before, the cold ones that of new text. On CUDA
-the disk tier's decode steps replay CUDA graphs too (its rows are copied in before the replay), so the
-graph-replay check below holds for every tier.
+is measured for ``--raw-read-seconds`` (``--raw-read-pages`` pages per call). Every sample records the
+deltas of its tables' counters over the timed steps, with hit_rate and read_ops_per_step; per disk arm and
+comparison the hit rates cold and warm, and, when the run has a host-tier arm, the bound
+bound_ms = host step ms + read ops per step / raw read ops/s x 1000 with ratio = disk step ms / bound_ms and
+target_met = ratio <= 1.1: engram/bench/disk_bound.py. On CUDA the disk tier's decode steps replay CUDA
+graphs too (its rows are copied in before the replay), so the graph-replay check below holds for every tier.
 
 Forced natural decoding: the corpus (``--corpus``, default the committed bench/corpus/natural-v1.jsonl,
-SHA-256 checked) is tokenized with the loaded model's tokenizer (``corpus.encode_corpus``; with the
-corpus's own tokenizer the recorded counts are checked too), prompts and continuations concatenated in
-corpus order into one token stream. For batch size B, sequence i takes the window at offset
-o_i = i * len(stream) // B (wrapping around a short stream): prompt = its first ``--context-len`` ids,
-forced = the next max_tokens ids (``engine_steps.decode_max_tokens``), which the request emits instead of
-its sampled tokens (``SamplingParams.forced_token_ids``; the step still samples, so it costs what free
-decoding does). A random-weight model would otherwise repeat one token, which hashes to a few Engram
-rows and flatters every placement. The same windows serve every arm and every sample of a batch size
-(paired samples).
+SHA-256 checked) is tokenized with the loaded model's tokenizer into one token stream; for batch size B
+sequence i decodes the window at offset i * len(stream) // B: ``--context-len`` prompt ids, then the next
+max_tokens ids (``engine_steps.decode_max_tokens``), which it is forced to emit. The same windows serve
+every arm and every sample of a batch size (paired samples): engram/bench/forced_windows.py.
 
 One sample = ``engine_steps.measure_decode(engine, prompts, --decode-steps, --warmup-tokens,
 forced=...)``: prefill, warm-up, then ``--decode-steps`` timed pure decode steps (each sequence gains
 exactly one token per step, asserted there); the value is decode tokens/s = B * steps / sum(step wall
-seconds), higher is better. After every sample the bench checks (``OutputMismatch`` otherwise) that every
-sequence's generated ids are its forced ids: all arms emitted the same tokens, so they ran the same
-work. It also records the engine's ``lookup_exposed_s`` gained over the timed steps (the engine times
-eager steps only: 0 without ``lookup_overlap``, on the CPU and for replayed CUDA graphs, whose overlap
-only a profile shows; engine/lookup_stream.py) and ``graph_replays``, which must equal the timed steps on CUDA unless
-``--enforce-eager`` (0 where no graphs exist, on the CPU): a silent eager fallback would make the
-comparison meaningless, so it stops the run (as does an engine without CUDA graphs on CUDA).
+seconds), higher is better. After every sample the bench checks (``forced_windows.check_forced``,
+``OutputMismatch`` otherwise) that every sequence's generated ids are its forced ids: all arms emitted the
+same tokens, so they ran the same work. It also records the engine's ``lookup_exposed_s`` gained over the
+timed steps (the engine times eager steps only: 0 without ``lookup_overlap``, on the CPU and for replayed
+CUDA graphs, whose overlap only a profile shows; engine/lookup_stream.py) and ``graph_replays``, which must
+equal the timed steps on CUDA unless ``--enforce-eager`` (0 where no graphs exist, on the CPU): a silent
+eager fallback would make the comparison meaningless, so it stops the run (as does an engine without CUDA
+graphs on CUDA).
 
 Scheduling and statistics are ``engram.bench.stats.run_interleaved`` exactly as ``engram bench ab`` uses
 them (A, A', B rounds in ABBA or ABAB order, ``--repeats`` recorded rounds after ``--warmup`` unrecorded
@@ -90,30 +72,20 @@ import argparse
 import dataclasses
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
+from engram.bench.disk_bound import (BOUND_FACTOR, DISK_COLUMNS, NO_HOST_ARM, StatsTap, add_bounds,
+                                     counter_deltas, disk_rows, disk_summary, hit_rate, measure_raw_reads)
+from engram.bench.forced_windows import Windows, check_forced, corpus_stream, cut_windows, model_tokenizer
+from engram.bench.placement_arms import (ARM_LABELS, DEFAULT_A, DEFAULT_B, ArmSpec, arm_store_options,
+                                         parse_arm, parse_engram_options, placement_name)
 from engram.bench.stats import ORDERS
 from engram.commands.options import parse_bytes
 
 HELP = "Engram table placements / lookup options A/B'd in one process over forced natural decoding (A/A, CI)."
 CUDA_MODEL, CPU_MODEL = "4b-like", "tiny"
-TIERS = ("gpu", "host", "disk")
-ARM_KEYS = ("tier", "lookup_overlap", "options")
-DEFAULT_A = '{"tier": "gpu"}'
-DEFAULT_B = '{"tier": "host", "lookup_overlap": true}'
-ARM_OPTIONS_IN_CONFIG = ("cpu_offload", "lookup_overlap")  # what the arms decide, not --engram-config
 DEFAULT_CORPUS_NAME = "bench/corpus/natural-v1.jsonl"  # serve_load.DEFAULT_CORPUS, as the result records it
 TABLE_COLUMNS = ["batch", "arm B", "tok/s A", "tok/s B", "B/A", "B/A CI", "A/A CI", "verdict"]
-DISK_COLUMNS = ["batch", "disk arm", "step ms", "host step ms", "read ops/step", "raw reads/s", "bound ms", "ratio",
-                "hit warm-up", "hit cold", "hit warm"]
-COUNTER_KEYS = ("hits", "misses", "read_ops", "disk_rows", "bytes_read", "rows")  # summed over an arm's tables
-BOUND_FACTOR = 1.1  # the issue's target: disk step ms <= 1.1 x (host step ms + misses' reads at the raw rate)
-NO_HOST_ARM = "bound not computed: no host-tier arm in the run"
-
-
-class OutputMismatch(AssertionError):
-    """A sequence's generated ids differ from its forced ids: the arms did not emit the same tokens."""
 
 
 class GraphFallback(RuntimeError):
@@ -169,167 +141,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ----------------------------------------------------------------- options
-@dataclass(frozen=True)
-class ArmSpec:
-    """Where an arm's tables live and whether its lookups overlap earlier layers."""
-
-    tier: str
-    lookup_overlap: bool = False
-    options: tuple = ()  # the arm's table options as sorted (key, value) pairs (hashable); () for none
-
-    def to_dict(self) -> dict:
-        out = {"tier": self.tier, "lookup_overlap": self.lookup_overlap}
-        if self.options:
-            out["options"] = dict(self.options)
-        return out
-
-    @property
-    def name(self) -> str:
-        return json.dumps(self.to_dict())
-
-
-def parse_arm(text: str, option: str) -> ArmSpec:
-    """An arm's JSON -> ArmSpec; SystemExit naming ``option`` and the offending key otherwise."""
-    from engram.config import parse_json_object
-
-    try:
-        raw = parse_json_object(text, option)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-    unknown = [k for k in raw if k not in ARM_KEYS]
-    if unknown:
-        raise SystemExit(f"{option}: unknown key {unknown[0]!r}; an arm takes exactly the keys {list(ARM_KEYS)} "
-                         f"(shared loader and table options go in --engram-config)")
-    if "tier" not in raw:
-        raise SystemExit(f"{option}: key 'tier' is missing (one of {list(TIERS)})")
-    if raw["tier"] not in TIERS:
-        raise SystemExit(f"{option}: key 'tier'={raw['tier']!r} must be one of {list(TIERS)}")
-    overlap = raw.get("lookup_overlap", False)
-    if not isinstance(overlap, bool):
-        raise SystemExit(f"{option}: key 'lookup_overlap'={overlap!r} must be true or false")
-    options = raw.get("options", {})
-    if not isinstance(options, dict):
-        raise SystemExit(f"{option}: key 'options'={options!r} must be a JSON object of table options")
-    return ArmSpec(raw["tier"], overlap, tuple(sorted(options.items())))  # checked over the shared ones: run()
-
-
-def _store_options(options: dict, base, option: str):
-    """``base`` (StoreOptions, None: the defaults) with ``options`` applied, validated by StoreOptions;
-    SystemExit naming ``option`` and the key otherwise."""
-    from engram.store.options import PREFIX, StoreOptions
-
-    try:
-        return (base or StoreOptions()).replace(**options)
-    except (ValueError, TypeError) as e:
-        raise SystemExit(f"{option}: " + str(e).replace(PREFIX, "options", 1)) from None
-
-
-def arm_store_options(arm: ArmSpec, base, option: str):
-    """The StoreOptions the arm's tables open with: --engram-config's, with the arm's ``options`` applied."""
-    return _store_options(dict(arm.options), base, option)
-
-
-def placement_name(tier: str, store, base) -> str:
-    """A placement's name: the tier, followed by the store options that differ from ``base`` (JSON), if any."""
-    changed = {k: v for k, v in store.to_dict().items() if base.to_dict()[k] != v}
-    return f"{tier} {json.dumps(changed)}" if changed else tier
-
-
 def _ints(text: str, option: str) -> tuple[int, ...]:
     from engram.bench.engine_bench import _ints as ints
 
     return ints(text, option)
-
-
-def parse_engram_options(text: str | None):
-    """--engram-config -> RuntimeOptions, refusing the keys the arms set."""
-    from engram.commands.options import parse_engram_config
-    from engram.engine.options import RuntimeOptions
-
-    try:
-        raw = parse_engram_config(text)
-        taken = [k for k in ARM_OPTIONS_IN_CONFIG if k in raw]
-        if taken:
-            raise ValueError(f"key {taken[0]!r} is set per arm here (--a / --b: tier, lookup_overlap), not shared")
-        return RuntimeOptions.from_dict(raw)
-    except ValueError as e:
-        raise SystemExit(f"--engram-config: {e}") from None
-
-
-# ----------------------------------------------------------------- forced natural decoding
-def model_tokenizer(loaded):
-    """The loaded model's tokenizer as ``corpus.encode_corpus`` takes it (a copy with padding and truncation
-    off). Presets (``random_model``) load the built-in tokenizer file, whose SHA-256 it carries, so a corpus
-    written with that tokenizer has its recorded token counts checked too."""
-    import hashlib
-
-    from tokenizers import Tokenizer
-
-    from engram.bench.corpus import CorpusTokenizer
-    from engram.model.presets import TOKENIZER_FILE
-
-    tok = Tokenizer.from_str(loaded.tokenizer.to_str())
-    tok.no_padding()
-    tok.no_truncation()
-    path = Path(TOKENIZER_FILE)
-    return CorpusTokenizer(name="builtin", sha256=hashlib.sha256(path.read_bytes()).hexdigest(), path=path,
-                           tokenizer=tok)
-
-
-def corpus_stream(encoded, vocab_size: int):
-    """Prompt and continuation ids of every request, in corpus order, as one int64 stream; ValueError
-    when an id is outside the model's vocabulary (nothing is mapped)."""
-    import numpy as np
-
-    stream = np.concatenate([x for pair in encoded for x in pair]).astype(np.int64)  # [tokens]
-    if stream.size == 0:
-        raise ValueError("the corpus encodes to no tokens")
-    bad = stream[(stream < 0) | (stream >= vocab_size)]
-    if bad.size:
-        raise ValueError(f"the corpus encodes to token id {int(bad[0])} (and {bad.size - 1} more) outside the "
-                         f"model's vocabulary [0, {vocab_size}): its tokenizer is not the model's")
-    return stream
-
-
-@dataclass
-class Windows:
-    """The batch's sequences: prompt ids and the ids each must emit, cut from the corpus stream."""
-
-    offsets: list[int]
-    prompts: list[list[int]]
-    forced: list[list[int]]
-
-
-def cut_windows(stream, batch: int, context_len: int, max_tokens: int) -> Windows:
-    """Sequence i: ``context_len`` prompt ids then ``max_tokens`` forced ids from offset i * n // batch of
-    the stream (n ids), wrapping around its end."""
-    import numpy as np
-
-    n = stream.size
-    offsets = [i * n // batch for i in range(batch)]
-    prompts, forced = [], []
-    for o in offsets:
-        w = stream[(o + np.arange(context_len + max_tokens)) % n]  # [context_len + max_tokens]
-        prompts.append(w[:context_len].tolist())
-        forced.append(w[context_len:].tolist())
-    return Windows(offsets, prompts, forced)
-
-
-def check_forced(times, windows: Windows, min_tokens: int, arm: str) -> int:
-    """Every sequence generated at least ``min_tokens`` ids, all of them its forced ids (OutputMismatch
-    naming the arm, sequence and first difference otherwise); returns the ids checked."""
-    if len(times.token_ids) != len(windows.forced):
-        raise OutputMismatch(f"arm {arm}: {len(times.token_ids)} sequences reported, {len(windows.forced)} ran")
-    checked = 0
-    for i, (got, want) in enumerate(zip(times.token_ids, windows.forced)):
-        if len(got) < min_tokens:
-            raise OutputMismatch(f"arm {arm}: sequence {i} generated {len(got)} ids, fewer than {min_tokens}")
-        if got != want[:len(got)]:
-            j = next(k for k, (g, w) in enumerate(zip(got, want)) if g != w)
-            raise OutputMismatch(f"arm {arm}: sequence {i} emitted id {got[j]} at position {j}, forced was {want[j]}: "
-                                 f"the arms did not decode the same tokens")
-        checked += len(got)
-    return checked
 
 
 # ----------------------------------------------------------------- the pieces that live for the run
@@ -363,63 +178,6 @@ def default_kv_budget(cfg, ecfg, dtype, tables_by_tier: dict) -> int:
                  for tabs in tables_by_tier.values()), default=0)
     blocks = ecfg.max_num_seqs * -(-ecfg.max_model_len // ecfg.block_size)
     return staging + cache + blocks * per_block
-
-
-class StatsTap:
-    """The engine as ``measure_decode`` sees it, keeping every ``stats()`` snapshot it takes: the first two
-    are taken right before and right after the timed steps (``arm_measure`` checks that against the
-    graph replays and exposed lookup time measure_decode reports from them)."""
-
-    def __init__(self, engine):
-        self._engine = engine
-        self.snapshots: list[dict] = []
-
-    def __getattr__(self, name: str):
-        return getattr(self._engine, name)
-
-    def stats(self) -> dict:
-        out = self._engine.stats()
-        self.snapshots.append(out)
-        return out
-
-
-def counter_deltas(before: dict, after: dict) -> dict:
-    """``COUNTER_KEYS`` of the tables' counters (engine.stats()["tables"]) gained between two snapshots,
-    summed over the tables."""
-    return {k: sum(after[lid].get(k, 0) - before[lid].get(k, 0) for lid in after) for k in COUNTER_KEYS}
-
-
-def hit_rate(counts: dict, cached: bool) -> float | None:
-    """hits / (hits + misses) of the hot-row cache; None without a cache or without a lookup through it."""
-    looked = counts["hits"] + counts["misses"]
-    return counts["hits"] / looked if cached and looked else None
-
-
-def measure_raw_reads(tables: dict, seconds: float, pages: int, seed: int) -> dict:
-    """The disk's random 4 KiB read rate, now: ``engram.bench.lookup.raw_cell`` on the values.bin of the first
-    Engram layer's table, with the io mode that table's reader has in effect and its queue depth; cold (the
-    file dropped from the page cache before every call) when that io is buffered. One unrecorded call, then
-    calls for ``seconds``."""
-    from engram.bench.lookup import raw_cell
-
-    lid = min(tables)
-    reader = tables[lid].reader
-    group = {"io": reader.io, "queue_depth": reader.queue_depth}
-    cold = reader.io == "buffered"
-    cell = raw_cell(Path(reader.path), group, pages, seed, cold)
-    cell.step()  # warm-up: the pool's threads, the buffer's first touch
-    cell.run(seconds)
-    r = cell.result()
-    return {"layer": lid, "io": reader.io, "io_requested": reader.io_requested, "queue_depth": reader.queue_depth,
-            "cold": cold, "pages_per_call": pages, "calls": r["batches"], "seconds": sum(cell.times),
-            "read_ops_per_s": r["read_ops_per_s"], "disk_MB_per_s": r["disk_MB_per_s"],
-            "us_per_call_p50": r["us_per_batch_p50"]}
-
-
-def _median(xs: list):
-    import statistics
-
-    return None if not xs or any(x is None for x in xs) else statistics.median(xs)
 
 
 def _summary(samples: list[dict]) -> dict:
@@ -469,60 +227,6 @@ def arm_measure(engine, arm: ArmSpec, win: Windows, batch: int, s, records: list
                         "read_ops_per_step": counts["read_ops"] / s.decode_steps})
         return value
     return measure
-
-
-ARM_LABELS = {"A": ("A", "A'"), "B": ("B",)}  # the samples of an arm's engine in a comparison, by label
-
-
-def disk_summary(arm: ArmSpec, records: list[dict], labels: tuple, raw: dict, fresh: bool, placement: str) -> dict:
-    """What a disk arm did in one comparison: hit rates cold (first warm-up sample, first recorded sample)
-    and warm (median of the recorded samples), median read ops per step and step ms, and the raw read rate
-    measured before the comparison; the bound fields are filled in by ``add_bounds``."""
-    mine = [r for r in records if r["label"] in labels]
-    warmups = [r for r in mine if r["round"] < 0]
-    recorded = [r for r in mine if r["round"] >= 0]
-    return {"arm": arm.to_dict(), "placement": placement, "fresh_tables": fresh,
-            "raw_read_ops_per_s": raw["read_ops_per_s"],
-            "hit_rate_cold_warmup": warmups[0]["hit_rate"] if warmups else None,
-            "hit_rate_cold": recorded[0]["hit_rate"],
-            "hit_rate_warm": _median([r["hit_rate"] for r in recorded]),
-            "read_ops_per_step_median": _median([r["read_ops_per_step"] for r in recorded]),
-            "step_ms_median": _median([r["step_ms"] for r in recorded]),
-            "host_arm": None, "host_source": None, "host_step_ms_median": None, "bound_ms": None, "ratio": None,
-            "target_met": None, "bound_note": NO_HOST_ARM}
-
-
-def add_bounds(comparisons: list[dict]) -> None:
-    """For every disk arm of every comparison, the bound against a host-tier arm at the same batch: the other
-    arm of its own comparison when that is on the host tier (interleaved with it), else the first B on the
-    host tier at that batch (its comparison's B samples). bound_ms = host step ms + disk read ops per step /
-    raw read ops/s x 1000 (medians), ratio = disk step ms / bound_ms, target_met = ratio <= BOUND_FACTOR.
-    Without a host-tier arm at that batch the fields stay None and ``bound_note`` says so."""
-    for c in comparisons:
-        for label, d in c.get("disk", {}).items():
-            other = "B" if label == "A" else "A"
-            if c[other.lower()]["tier"] == "host":
-                host, source, samples = c[other.lower()], "same comparison", c["samples"]
-                labels = ARM_LABELS[other]
-            else:
-                hc = next((h for h in comparisons if h["batch"] == c["batch"] and h["b"]["tier"] == "host"), None)
-                if hc is None:
-                    continue
-                host, source, samples, labels = hc["b"], f"b{hc['b_index']}", hc["samples"], ARM_LABELS["B"]
-            host_ms = _median([r["step_ms"] for r in samples if r["label"] in labels and r["round"] >= 0])
-            bound = host_ms + d["read_ops_per_step_median"] / d["raw_read_ops_per_s"] * 1e3
-            ratio = d["step_ms_median"] / bound
-            d.update(host_arm=host, host_source=source, host_step_ms_median=host_ms, bound_ms=bound, ratio=ratio,
-                     target_met=ratio <= BOUND_FACTOR, bound_note=None)
-
-
-def disk_rows(comparisons: list[dict]) -> list[dict]:
-    """The second table: one row per disk arm per comparison."""
-    return [{"batch": c["batch"], "disk arm": f"{label} {json.dumps(d['arm'])}", "step ms": d["step_ms_median"],
-             "host step ms": d["host_step_ms_median"], "read ops/step": d["read_ops_per_step_median"],
-             "raw reads/s": d["raw_read_ops_per_s"], "bound ms": d["bound_ms"], "ratio": d["ratio"],
-             "hit warm-up": d["hit_rate_cold_warmup"], "hit cold": d["hit_rate_cold"], "hit warm": d["hit_rate_warm"]}
-            for c in comparisons for label, d in c.get("disk", {}).items()]
 
 
 def run_comparison(engines: dict, arm_a: ArmSpec, arm_b: ArmSpec, k: int, batch: int, win: Windows, s,

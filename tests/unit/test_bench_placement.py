@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from engram.bench import engine_steps, placement_ab
+from engram.bench import disk_bound, engine_steps, forced_windows
 from engram.cli import main
 from engram.commands.options import parse_bytes
 
@@ -53,22 +53,22 @@ def test_measure_decode_emits_the_forced_ids_and_refuses_a_short_list():
 # ----------------------------------------------------------------- pieces
 def test_windows_are_contiguous_stretches_of_the_stream_and_wrap():
     stream = np.arange(100, 130)  # 30 ids
-    w = placement_ab.cut_windows(stream, 3, 8, 4)
+    w = forced_windows.cut_windows(stream, 3, 8, 4)
     assert w.offsets == [0, 10, 20]
     assert w.prompts[1] == list(range(110, 118)) and w.forced[1] == list(range(118, 122))
     assert w.prompts[2] == list(range(120, 128)) and w.forced[2] == [128, 129, 100, 101]  # wraps around
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
-        placement_ab.corpus_stream([(np.array([1, 2]), np.array([4096]))], 4096)
+        forced_windows.corpus_stream([(np.array([1, 2]), np.array([4096]))], 4096)
 
 
 def test_check_forced_names_the_arm_sequence_and_position():
-    win = placement_ab.Windows([0, 5], [[1], [2]], [[7, 8, 9], [4, 5, 6]])
+    win = forced_windows.Windows([0, 5], [[1], [2]], [[7, 8, 9], [4, 5, 6]])
     ok = types.SimpleNamespace(token_ids=[[7, 8], [4, 5, 6]])
-    assert placement_ab.check_forced(ok, win, 2, "A") == 5
-    with pytest.raises(placement_ab.OutputMismatch, match="arm B: sequence 1 emitted id 9 at position 1"):
-        placement_ab.check_forced(types.SimpleNamespace(token_ids=[[7, 8], [4, 9]]), win, 2, "B")
-    with pytest.raises(placement_ab.OutputMismatch, match="sequence 0 generated 2 ids, fewer than 3"):
-        placement_ab.check_forced(ok, win, 3, "A")
+    assert forced_windows.check_forced(ok, win, 2, "A") == 5
+    with pytest.raises(forced_windows.OutputMismatch, match="arm B: sequence 1 emitted id 9 at position 1"):
+        forced_windows.check_forced(types.SimpleNamespace(token_ids=[[7, 8], [4, 9]]), win, 2, "B")
+    with pytest.raises(forced_windows.OutputMismatch, match="sequence 0 generated 2 ids, fewer than 3"):
+        forced_windows.check_forced(ok, win, 3, "A")
 
 
 @pytest.mark.parametrize("option, text, message", [
@@ -270,5 +270,5 @@ def test_disk_arm_without_a_host_arm_says_the_bound_is_not_computed(tmp_path, ca
     (c,) = json.loads(out.read_text())["result"]["comparisons"]
     d = c["disk"]["B"]
     assert d["bound_ms"] is d["ratio"] is d["target_met"] is d["host_step_ms_median"] is None
-    assert d["bound_note"] == placement_ab.NO_HOST_ARM and d["raw_read_ops_per_s"] > 0
-    assert placement_ab.NO_HOST_ARM in capsys.readouterr().out
+    assert d["bound_note"] == disk_bound.NO_HOST_ARM and d["raw_read_ops_per_s"] > 0
+    assert disk_bound.NO_HOST_ARM in capsys.readouterr().out

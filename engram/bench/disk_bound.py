@@ -1,0 +1,149 @@
+"""The disk arms of `engram bench placement`: their tables' counters per sample, the disk's raw random read
+rate, and the bound a disk step is held to.
+
+Counters: ``measure_decode`` snapshots ``engine.stats()`` right before and right after the timed steps;
+``StatsTap`` keeps those snapshots, and ``counter_deltas`` sums what the tables' counters
+(``engine.stats()["tables"]``) gained between them over the arm's tables: ``COUNTER_KEYS`` = hits,
+misses, read_ops, disk_rows, bytes_read, rows. ``hit_rate`` is hits / (hits + misses) of the hot-row
+cache, None without a cache (or without a lookup through it).
+
+Raw reads: right before each comparison that involves a disk arm, ``measure_raw_reads`` measures the
+disk's random 4 KiB read rate for a given number of seconds (``engram.bench.lookup.raw_cell``: uniformly
+random page reads of the arm's first table's values.bin through a ``PageReader`` with the arm's io mode
+in effect and queue depth, a given number of pages per call, one unrecorded call first; with buffered io
+the file is dropped from the page cache before every call, O_DIRECT has none).
+
+Per disk arm and comparison (``disk_summary``): the hit rate of its first warm-up sample and of its first
+recorded sample (cold; the hot-row cache lives as long as its tables, so only an arm's first comparison
+starts from an empty cache: ``fresh_tables``), the median over its recorded samples (warm), the median
+read ops per step and step ms, and the raw read rate. Every sample of a batch size decodes the same
+windows, so after an arm's first sample a hot-row cache that holds their rows serves them all again: the
+warm hit rate is that of text seen before, the cold ones that of new text.
+
+The bound (``add_bounds``), against a host-tier arm at the same batch (the other arm of the disk arm's own
+comparison when that is on the host tier, else the first B on the host tier at that batch):
+bound_ms = host step ms (median) + read ops per step (median) / raw read ops/s x 1000, ratio = disk step
+ms / bound_ms and target_met = ratio <= ``BOUND_FACTOR`` (1.1). Without a host-tier arm the fields stay
+None and ``bound_note`` is ``NO_HOST_ARM``. ``disk_rows`` makes the second printed table
+(``DISK_COLUMNS``), one row per disk arm per comparison.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from engram.bench.placement_arms import ARM_LABELS, ArmSpec
+
+DISK_COLUMNS = ["batch", "disk arm", "step ms", "host step ms", "read ops/step", "raw reads/s", "bound ms", "ratio",
+                "hit warm-up", "hit cold", "hit warm"]
+COUNTER_KEYS = ("hits", "misses", "read_ops", "disk_rows", "bytes_read", "rows")  # summed over an arm's tables
+BOUND_FACTOR = 1.1  # the issue's target: disk step ms <= 1.1 x (host step ms + misses' reads at the raw rate)
+NO_HOST_ARM = "bound not computed: no host-tier arm in the run"
+
+
+class StatsTap:
+    """The engine as ``measure_decode`` sees it, keeping every ``stats()`` snapshot it takes: the first two
+    are taken right before and right after the timed steps (``placement_ab.arm_measure`` checks that against the
+    graph replays and exposed lookup time measure_decode reports from them)."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self.snapshots: list[dict] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def stats(self) -> dict:
+        out = self._engine.stats()
+        self.snapshots.append(out)
+        return out
+
+
+def counter_deltas(before: dict, after: dict) -> dict:
+    """``COUNTER_KEYS`` of the tables' counters (engine.stats()["tables"]) gained between two snapshots,
+    summed over the tables."""
+    return {k: sum(after[lid].get(k, 0) - before[lid].get(k, 0) for lid in after) for k in COUNTER_KEYS}
+
+
+def hit_rate(counts: dict, cached: bool) -> float | None:
+    """hits / (hits + misses) of the hot-row cache; None without a cache or without a lookup through it."""
+    looked = counts["hits"] + counts["misses"]
+    return counts["hits"] / looked if cached and looked else None
+
+
+def measure_raw_reads(tables: dict, seconds: float, pages: int, seed: int) -> dict:
+    """The disk's random 4 KiB read rate, now: ``engram.bench.lookup.raw_cell`` on the values.bin of the first
+    Engram layer's table, with the io mode that table's reader has in effect and its queue depth; cold (the
+    file dropped from the page cache before every call) when that io is buffered. One unrecorded call, then
+    calls for ``seconds``."""
+    from engram.bench.lookup import raw_cell
+
+    lid = min(tables)
+    reader = tables[lid].reader
+    group = {"io": reader.io, "queue_depth": reader.queue_depth}
+    cold = reader.io == "buffered"
+    cell = raw_cell(Path(reader.path), group, pages, seed, cold)
+    cell.step()  # warm-up: the pool's threads, the buffer's first touch
+    cell.run(seconds)
+    r = cell.result()
+    return {"layer": lid, "io": reader.io, "io_requested": reader.io_requested, "queue_depth": reader.queue_depth,
+            "cold": cold, "pages_per_call": pages, "calls": r["batches"], "seconds": sum(cell.times),
+            "read_ops_per_s": r["read_ops_per_s"], "disk_MB_per_s": r["disk_MB_per_s"],
+            "us_per_call_p50": r["us_per_batch_p50"]}
+
+
+def _median(xs: list):
+    import statistics
+
+    return None if not xs or any(x is None for x in xs) else statistics.median(xs)
+
+
+def disk_summary(arm: ArmSpec, records: list[dict], labels: tuple, raw: dict, fresh: bool, placement: str) -> dict:
+    """What a disk arm did in one comparison: hit rates cold (first warm-up sample, first recorded sample)
+    and warm (median of the recorded samples), median read ops per step and step ms, and the raw read rate
+    measured before the comparison; the bound fields are filled in by ``add_bounds``."""
+    mine = [r for r in records if r["label"] in labels]
+    warmups = [r for r in mine if r["round"] < 0]
+    recorded = [r for r in mine if r["round"] >= 0]
+    return {"arm": arm.to_dict(), "placement": placement, "fresh_tables": fresh,
+            "raw_read_ops_per_s": raw["read_ops_per_s"],
+            "hit_rate_cold_warmup": warmups[0]["hit_rate"] if warmups else None,
+            "hit_rate_cold": recorded[0]["hit_rate"],
+            "hit_rate_warm": _median([r["hit_rate"] for r in recorded]),
+            "read_ops_per_step_median": _median([r["read_ops_per_step"] for r in recorded]),
+            "step_ms_median": _median([r["step_ms"] for r in recorded]),
+            "host_arm": None, "host_source": None, "host_step_ms_median": None, "bound_ms": None, "ratio": None,
+            "target_met": None, "bound_note": NO_HOST_ARM}
+
+
+def add_bounds(comparisons: list[dict]) -> None:
+    """For every disk arm of every comparison, the bound against a host-tier arm at the same batch: the other
+    arm of its own comparison when that is on the host tier (interleaved with it), else the first B on the
+    host tier at that batch (its comparison's B samples). bound_ms = host step ms + disk read ops per step /
+    raw read ops/s x 1000 (medians), ratio = disk step ms / bound_ms, target_met = ratio <= BOUND_FACTOR.
+    Without a host-tier arm at that batch the fields stay None and ``bound_note`` says so."""
+    for c in comparisons:
+        for label, d in c.get("disk", {}).items():
+            other = "B" if label == "A" else "A"
+            if c[other.lower()]["tier"] == "host":
+                host, source, samples = c[other.lower()], "same comparison", c["samples"]
+                labels = ARM_LABELS[other]
+            else:
+                hc = next((h for h in comparisons if h["batch"] == c["batch"] and h["b"]["tier"] == "host"), None)
+                if hc is None:
+                    continue
+                host, source, samples, labels = hc["b"], f"b{hc['b_index']}", hc["samples"], ARM_LABELS["B"]
+            host_ms = _median([r["step_ms"] for r in samples if r["label"] in labels and r["round"] >= 0])
+            bound = host_ms + d["read_ops_per_step_median"] / d["raw_read_ops_per_s"] * 1e3
+            ratio = d["step_ms_median"] / bound
+            d.update(host_arm=host, host_source=source, host_step_ms_median=host_ms, bound_ms=bound, ratio=ratio,
+                     target_met=ratio <= BOUND_FACTOR, bound_note=None)
+
+
+def disk_rows(comparisons: list[dict]) -> list[dict]:
+    """The second table: one row per disk arm per comparison."""
+    return [{"batch": c["batch"], "disk arm": f"{label} {json.dumps(d['arm'])}", "step ms": d["step_ms_median"],
+             "host step ms": d["host_step_ms_median"], "read ops/step": d["read_ops_per_step_median"],
+             "raw reads/s": d["raw_read_ops_per_s"], "bound ms": d["bound_ms"], "ratio": d["ratio"],
+             "hit warm-up": d["hit_rate_cold_warmup"], "hit cold": d["hit_rate_cold"], "hit warm": d["hit_rate_warm"]}
+            for c in comparisons for label, d in c.get("disk", {}).items()]

@@ -1,0 +1,101 @@
+"""Forced natural decoding for `engram bench placement`: decoding windows cut from a request corpus, and
+the check that every arm emitted them.
+
+A random-weight model decoding freely repeats one token, which hashes to a few Engram rows and flatters
+every placement. So the corpus is tokenized with the loaded model's tokenizer (``model_tokenizer``, as
+``corpus.encode_corpus`` takes it; with the corpus's own tokenizer the recorded counts are checked too)
+and its prompts and continuations are concatenated in corpus order into one token stream
+(``corpus_stream``; ValueError for an id outside the model's vocabulary, nothing is mapped). For batch
+size B, sequence i takes the window at offset o_i = i * len(stream) // B, wrapping around a short
+stream (``cut_windows``): prompt = its first ``context_len`` ids, forced = the next max_tokens ids,
+which the request emits instead of its sampled tokens (``SamplingParams.forced_token_ids``; the step
+still samples, so it costs what free decoding does). The same ``Windows`` serve every arm and every
+sample of a batch size (paired samples).
+
+After every sample ``check_forced`` checks that every sequence generated at least the ids it had to and
+that all of them are its forced ids (``OutputMismatch`` naming the arm, the sequence and the first
+difference otherwise): all arms emitted the same tokens, so they ran the same work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class OutputMismatch(AssertionError):
+    """A sequence's generated ids differ from its forced ids: the arms did not emit the same tokens."""
+
+
+def model_tokenizer(loaded):
+    """The loaded model's tokenizer as ``corpus.encode_corpus`` takes it (a copy with padding and truncation
+    off). Presets (``random_model``) load the built-in tokenizer file, whose SHA-256 it carries, so a corpus
+    written with that tokenizer has its recorded token counts checked too."""
+    import hashlib
+
+    from tokenizers import Tokenizer
+
+    from engram.bench.corpus import CorpusTokenizer
+    from engram.model.presets import TOKENIZER_FILE
+
+    tok = Tokenizer.from_str(loaded.tokenizer.to_str())
+    tok.no_padding()
+    tok.no_truncation()
+    path = Path(TOKENIZER_FILE)
+    return CorpusTokenizer(name="builtin", sha256=hashlib.sha256(path.read_bytes()).hexdigest(), path=path,
+                           tokenizer=tok)
+
+
+def corpus_stream(encoded, vocab_size: int):
+    """Prompt and continuation ids of every request, in corpus order, as one int64 stream; ValueError
+    when an id is outside the model's vocabulary (nothing is mapped)."""
+    import numpy as np
+
+    stream = np.concatenate([x for pair in encoded for x in pair]).astype(np.int64)  # [tokens]
+    if stream.size == 0:
+        raise ValueError("the corpus encodes to no tokens")
+    bad = stream[(stream < 0) | (stream >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"the corpus encodes to token id {int(bad[0])} (and {bad.size - 1} more) outside the "
+                         f"model's vocabulary [0, {vocab_size}): its tokenizer is not the model's")
+    return stream
+
+
+@dataclass
+class Windows:
+    """The batch's sequences: prompt ids and the ids each must emit, cut from the corpus stream."""
+
+    offsets: list[int]
+    prompts: list[list[int]]
+    forced: list[list[int]]
+
+
+def cut_windows(stream, batch: int, context_len: int, max_tokens: int) -> Windows:
+    """Sequence i: ``context_len`` prompt ids then ``max_tokens`` forced ids from offset i * n // batch of
+    the stream (n ids), wrapping around its end."""
+    import numpy as np
+
+    n = stream.size
+    offsets = [i * n // batch for i in range(batch)]
+    prompts, forced = [], []
+    for o in offsets:
+        w = stream[(o + np.arange(context_len + max_tokens)) % n]  # [context_len + max_tokens]
+        prompts.append(w[:context_len].tolist())
+        forced.append(w[context_len:].tolist())
+    return Windows(offsets, prompts, forced)
+
+
+def check_forced(times, windows: Windows, min_tokens: int, arm: str) -> int:
+    """Every sequence generated at least ``min_tokens`` ids, all of them its forced ids (OutputMismatch
+    naming the arm, sequence and first difference otherwise); returns the ids checked."""
+    if len(times.token_ids) != len(windows.forced):
+        raise OutputMismatch(f"arm {arm}: {len(times.token_ids)} sequences reported, {len(windows.forced)} ran")
+    checked = 0
+    for i, (got, want) in enumerate(zip(times.token_ids, windows.forced)):
+        if len(got) < min_tokens:
+            raise OutputMismatch(f"arm {arm}: sequence {i} generated {len(got)} ids, fewer than {min_tokens}")
+        if got != want[:len(got)]:
+            j = next(k for k, (g, w) in enumerate(zip(got, want)) if g != w)
+            raise OutputMismatch(f"arm {arm}: sequence {i} emitted id {got[j]} at position {j}, forced was {want[j]}: "
+                                 f"the arms did not decode the same tokens")
+        checked += len(got)
+    return checked

@@ -1,0 +1,115 @@
+"""What an arm of `engram bench placement` is, and how it is checked before anything loads.
+
+An arm is a JSON object (``--a``, each ``--b``) with exactly the keys ``tier`` ("gpu" | "host" | "disk",
+required), ``lookup_overlap`` (bool, default false) and ``options`` (a JSON object of table options,
+engram.store.StoreOptions keys such as ``cache_rows``, ``io``, ``queue_depth``; default none).
+``parse_arm`` turns it into an ``ArmSpec`` (hashable: one engine per distinct arm) or stops the command
+(SystemExit) naming the option (``--a``, ``--b[1]`` for the first ``--b``) and the offending key: any
+other key, a missing or unknown tier, a non-bool ``lookup_overlap``, ``options`` not an object.
+
+What the arms share goes in ``--engram-config`` (loader and table options): ``parse_engram_options``
+reads it as RuntimeOptions and refuses ``cpu_offload`` and ``lookup_overlap`` (``ARM_OPTIONS_IN_CONFIG``),
+which the arms decide. Its table options are the base that an arm's ``options`` override for that arm's
+tables: ``arm_store_options`` applies them and lets StoreOptions validate the result (unknown keys,
+values, combinations), SystemExit naming the option and ``options.<key>`` otherwise.
+
+A placement is a distinct (tier, store options) pair; its tables are opened once and shared by every
+arm on it. ``placement_name`` names it: the tier, followed by the store options that differ from
+``--engram-config``'s as JSON, if any (``disk {"cache_rows": 500}``).
+
+``ARM_LABELS``: the labels under which ``stats.run_interleaved`` records an arm's engine in a
+comparison (A and its A/A control A' share A's engine).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+TIERS = ("gpu", "host", "disk")
+ARM_KEYS = ("tier", "lookup_overlap", "options")
+DEFAULT_A = '{"tier": "gpu"}'
+DEFAULT_B = '{"tier": "host", "lookup_overlap": true}'
+ARM_OPTIONS_IN_CONFIG = ("cpu_offload", "lookup_overlap")  # what the arms decide, not --engram-config
+
+ARM_LABELS = {"A": ("A", "A'"), "B": ("B",)}  # the samples of an arm's engine in a comparison, by label
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """Where an arm's tables live and whether its lookups overlap earlier layers."""
+
+    tier: str
+    lookup_overlap: bool = False
+    options: tuple = ()  # the arm's table options as sorted (key, value) pairs (hashable); () for none
+
+    def to_dict(self) -> dict:
+        out = {"tier": self.tier, "lookup_overlap": self.lookup_overlap}
+        if self.options:
+            out["options"] = dict(self.options)
+        return out
+
+    @property
+    def name(self) -> str:
+        return json.dumps(self.to_dict())
+
+
+def parse_arm(text: str, option: str) -> ArmSpec:
+    """An arm's JSON -> ArmSpec; SystemExit naming ``option`` and the offending key otherwise."""
+    from engram.config import parse_json_object
+
+    try:
+        raw = parse_json_object(text, option)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    unknown = [k for k in raw if k not in ARM_KEYS]
+    if unknown:
+        raise SystemExit(f"{option}: unknown key {unknown[0]!r}; an arm takes exactly the keys {list(ARM_KEYS)} "
+                         f"(shared loader and table options go in --engram-config)")
+    if "tier" not in raw:
+        raise SystemExit(f"{option}: key 'tier' is missing (one of {list(TIERS)})")
+    if raw["tier"] not in TIERS:
+        raise SystemExit(f"{option}: key 'tier'={raw['tier']!r} must be one of {list(TIERS)}")
+    overlap = raw.get("lookup_overlap", False)
+    if not isinstance(overlap, bool):
+        raise SystemExit(f"{option}: key 'lookup_overlap'={overlap!r} must be true or false")
+    options = raw.get("options", {})
+    if not isinstance(options, dict):
+        raise SystemExit(f"{option}: key 'options'={options!r} must be a JSON object of table options")
+    return ArmSpec(raw["tier"], overlap, tuple(sorted(options.items())))  # checked over the shared ones: run()
+
+
+def _store_options(options: dict, base, option: str):
+    """``base`` (StoreOptions, None: the defaults) with ``options`` applied, validated by StoreOptions;
+    SystemExit naming ``option`` and the key otherwise."""
+    from engram.store.options import PREFIX, StoreOptions
+
+    try:
+        return (base or StoreOptions()).replace(**options)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"{option}: " + str(e).replace(PREFIX, "options", 1)) from None
+
+
+def arm_store_options(arm: ArmSpec, base, option: str):
+    """The StoreOptions the arm's tables open with: --engram-config's, with the arm's ``options`` applied."""
+    return _store_options(dict(arm.options), base, option)
+
+
+def placement_name(tier: str, store, base) -> str:
+    """A placement's name: the tier, followed by the store options that differ from ``base`` (JSON), if any."""
+    changed = {k: v for k, v in store.to_dict().items() if base.to_dict()[k] != v}
+    return f"{tier} {json.dumps(changed)}" if changed else tier
+
+
+def parse_engram_options(text: str | None):
+    """--engram-config -> RuntimeOptions, refusing the keys the arms set."""
+    from engram.commands.options import parse_engram_config
+    from engram.engine.options import RuntimeOptions
+
+    try:
+        raw = parse_engram_config(text)
+        taken = [k for k in ARM_OPTIONS_IN_CONFIG if k in raw]
+        if taken:
+            raise ValueError(f"key {taken[0]!r} is set per arm here (--a / --b: tier, lookup_overlap), not shared")
+        return RuntimeOptions.from_dict(raw)
+    except ValueError as e:
+        raise SystemExit(f"--engram-config: {e}") from None
