@@ -23,10 +23,11 @@ def tiny():
 
 
 class SlowHandle:
-    """A lookup still reading until ``wait``: ``done()`` is False; ``wait`` logs, then returns the rows."""
+    """A lookup still reading until ``wait``: ``done()`` is False; ``wait`` logs, then returns the rows (or
+    raises ``fail``, once: a planted read error)."""
 
-    def __init__(self, inner, layer_id: int, log: list):
-        self.inner, self.layer_id, self.log = inner, layer_id, log
+    def __init__(self, inner, layer_id: int, log: list, fail: BaseException | None = None):
+        self.inner, self.layer_id, self.log, self.fail = inner, layer_id, log, fail
         self.cancelled = False
 
     def done(self) -> bool:
@@ -34,6 +35,8 @@ class SlowHandle:
 
     def wait(self):
         self.log.append(f"wait {self.layer_id}")
+        if self.fail is not None:
+            raise self.fail
         return self.inner.wait()
 
     def cancel(self) -> bool:
@@ -47,9 +50,11 @@ class SlowTable:
     def __init__(self, table, layer_id: int, log: list):
         self._table, self.layer_id, self.log = table, layer_id, log
         self.handles: list[SlowHandle] = []
+        self.fail_next: BaseException | None = None  # the next lookup's wait raises this
 
     def submit(self, ids, dtype=torch.bfloat16):
-        self.handles.append(SlowHandle(self._table.submit(ids, dtype=dtype), self.layer_id, self.log))
+        fail, self.fail_next = self.fail_next, None
+        self.handles.append(SlowHandle(self._table.submit(ids, dtype=dtype), self.layer_id, self.log, fail))
         return self.handles[-1]
 
     def __getattr__(self, name):
@@ -103,3 +108,37 @@ def test_reads_a_failed_forward_never_reached_are_cancelled(tiny):
     hook.remove()
     ref = Worker(tiny, CFG, 128, CPU, torch.float64).execute(step)
     assert worker.execute(step).token_ids == ref.token_ids  # the worker serves the next step as before
+
+
+def test_a_deferred_read_error_fails_its_step_and_the_engine_reruns_it(tiny):
+    """The read of a deferred layer fails mid-forward: the step commits nothing, the engine re-runs its
+    batch (the failure does not repeat) and every request ends with the tokens of a run without it."""
+    from engram.engine.engine import LLMEngine
+    from engram.engine.sampling_params import SamplingParams
+
+    prompts = [tiny.tokenizer.encode(t).ids for t in ("Rows arrive late", "from the disk tier", "and the layers wait")]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=8, max_model_len=128)
+
+    def generate(engine, fail_at: int | None = None, table=None) -> dict:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, params)
+        out, step = {}, 0
+        while engine.has_unfinished():
+            if step == fail_at:
+                table.fail_next = OSError("planted read error")
+            out.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+            step += 1
+        return out
+
+    ref = LLMEngine(tiny, cfg, CPU, torch.float64)
+    want = generate(ref)
+    log: list[str] = []
+    loaded = load_model("tiny", dtype=torch.float64, device=CPU, progress=False)
+    tables = dict(loaded.open_tables())
+    tables[3] = SlowTable(tables[3], 3, log)
+    engine = LLMEngine(dataclasses.replace(loaded, tables=tables), cfg, CPU, torch.float64)
+    got = generate(engine, fail_at=2, table=tables[3])
+    assert got == want and len(want) == 3
+    assert sum(h.fail is not None for h in tables[3].handles) == 1  # one read was planted to fail ...
+    assert engine.num_steps > ref.num_steps  # ... it did, inside the forward, and its batch ran again
