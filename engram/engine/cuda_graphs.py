@@ -41,6 +41,21 @@ from engram.model.layers.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
+# Piecewise decode graphs for tables whose rows are copied in before a replay (the disk tier, hot-row
+# caches): one graph per range of layers, cut at each Engram layer, so the host waits for a layer's reads
+# while the layers before it replay. Off unless ENGRAM_PIECEWISE_GRAPHS=1 until tests/gpu/
+# test_piecewise_graphs.py has passed on the H200.
+PIECEWISE = os.environ.get("ENGRAM_PIECEWISE_GRAPHS", "0") == "1"
+
+
+def piece_ranges(engram_layer_ids, num_layers: int) -> list[tuple[int, int, int | None]]:
+    """Layer ranges [lo, hi) of a piecewise decode graph, cut before every Engram layer, with the Engram
+    layer each range starts with (None for a range that starts with a plain layer): every piece needs at
+    most the rows of its first layer, copied in right before it replays."""
+    engram = sorted(set(engram_layer_ids))
+    cuts = sorted({0, num_layers, *engram})
+    return [(lo, hi, lo if lo in engram else None) for lo, hi in zip(cuts, cuts[1:])]
+
 
 def graph_reserve_bytes(config, step_peak_bytes: int | None) -> int:
     """What the KV plan sets aside for the graphs' memory pool: a decode step of B tokens (the largest
@@ -108,6 +123,10 @@ class DecodeGraphs:
                           if lookup_stream is not None and self.tables is not None and ecfg.variant == "v41" else {})
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        # Piecewise (PIECEWISE, rows copied in, an Engram model): per bucket one graph per layer range
+        self.ranges = (piece_ranges(self.rows, len(model.model.layers))
+                       if PIECEWISE and self.tables is None and self.rows else [])
+        self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.replays = 0
         self._warned_too_large = False
         self.pool = torch.cuda.graph_pool_handle()
@@ -205,10 +224,29 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks its kernels
             self._forward(size, inputs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self.ranges:
+            self._capture_pieces(size, inputs)
+            return
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self._forward(size, inputs)  # [size, vocab] float32
         self.graphs[size], self.logits[size] = graph, logits
+
+    def _capture_pieces(self, size: int, inputs: StepInputs) -> None:
+        """One graph per layer range, in the shared pool: the first also embeds, the last also makes the
+        logits; each reads the streams the one before it wrote (tensors of the pool, kept alive by the
+        state), so replaying them in order is the whole step."""
+        pieces, state, logits = [], None, None
+        for k, (lo, hi, _) in enumerate(self.ranges):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                if state is None:
+                    state = self.model.forward_begin(inputs, self.kv)
+                self.model.forward_layers(state, lo, hi)
+                if k == len(self.ranges) - 1:
+                    logits = self.model.compute_logits(self.model.forward_end(state))  # [size, vocab] float32
+            pieces.append(graph)
+        self.pieces[size], self.logits[size] = pieces, logits
 
     @torch.inference_mode()
     def run(self, step: StepDescription, staged: StagedRows | None, patch: PendingPatch | None = None) -> torch.Tensor:
@@ -238,10 +276,16 @@ class DecodeGraphs:
             self.token_ids.index_copy_(0, patch.rows, patch.token_ids)
             for lid, ids in self.row_ids.items():
                 ids.index_copy_(0, patch.rows, patch.row_ids[lid])
-        if self.tables is None:
-            for lid, buf in self.rows.items():
-                buf[:s].copy_(staged.rows(lid, step.step_id))
-        self.graphs[size].replay()
+        if self.ranges:  # each piece's rows right before it: the host waits for them while earlier pieces run
+            for graph, (_, _, lid) in zip(self.pieces[size], self.ranges):
+                if lid is not None:
+                    self.rows[lid][:s].copy_(staged.rows(lid, step.step_id))
+                graph.replay()
+        else:
+            if self.tables is None:
+                for lid, buf in self.rows.items():
+                    buf[:s].copy_(staged.rows(lid, step.step_id))
+            self.graphs[size].replay()
         self.replays += 1
         if self.tables is not None and staged is None:
             for lid, table in self.tables.items():

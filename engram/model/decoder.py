@@ -8,6 +8,8 @@ packed tokens; ``compute_logits(hidden) -> [N, vocab_size]`` float32. Parameter 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -72,6 +74,20 @@ class DecoderLayer(nn.Module):
         return self.mlp_hc.expand(h, y), None
 
 
+@dataclass
+class ForwardState:
+    """A step's forward between two layers: its inputs, the attention metadata, the RoPE tables, the streams
+    ``h`` [T, hc, H] and the pending single-stream MLP output ``delta`` [T, H] (None: nothing pending)."""
+
+    step: StepInputs
+    kv: KVCache
+    meta: AttentionMetadata
+    cos: torch.Tensor
+    sin: torch.Tensor
+    h: torch.Tensor
+    delta: torch.Tensor | None = None
+
+
 class DecoderBody(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -106,19 +122,32 @@ class EngramDecoder(nn.Module):
 
     def forward(self, step: StepInputs, kv: KVCache) -> torch.Tensor:
         """One step of packed tokens -> final-normed hidden of the ``step.logits_indices`` rows [N, H]."""
-        cfg = self.config
+        state = self.forward_begin(step, kv)
+        self.forward_layers(state, 0, len(self.model.layers))
+        return self.forward_end(state)
+
+    # The same forward in pieces (``forward`` is begin + every layer + end, so the ops and their results are
+    # the same): piecewise CUDA graphs capture a range of layers each (engine/cuda_graphs.py).
+    def forward_begin(self, step: StepInputs, kv: KVCache) -> "ForwardState":
+        """The embedding, RoPE tables and attention metadata of a step: the state before layer 0."""
         meta = step.attention or AttentionMetadata.from_step(step.cu_seqlens, step.context_lens, step.block_tables,
                                                              step.slot_mapping, step.host_layout)
         x = self.model.embed_tokens(step.token_ids)  # [T, H]
         cos, sin = self.rotary.cos_sin(step.positions, x.dtype)  # [T, 1, hd]
-        h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, hc, H]: every stream starts at x
-        delta = None
-        for layer in self.model.layers:
-            h, delta = layer(h, step, cos, sin, meta, kv, delta)
-        if delta is not None:
-            h = h + delta.unsqueeze(1)
-        h = h.index_select(0, step.logits_indices)  # [N, hc, H]
-        return self.model.norm(h.sum(dim=1) if cfg.hc_mult > 1 else h[:, 0])  # [N, H]
+        h = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()  # [T, hc, H]: every stream starts at x
+        return ForwardState(step, kv, meta, cos, sin, h)
+
+    def forward_layers(self, state: "ForwardState", lo: int, hi: int) -> "ForwardState":
+        """Run layers [lo, hi) on ``state`` (its ``h`` and ``delta`` are replaced by theirs)."""
+        for layer in self.model.layers[lo:hi]:
+            state.h, state.delta = layer(state.h, state.step, state.cos, state.sin, state.meta, state.kv, state.delta)
+        return state
+
+    def forward_end(self, state: "ForwardState") -> torch.Tensor:
+        """After the last layer: the final-normed hidden of the ``logits_indices`` rows [N, H]."""
+        h = state.h if state.delta is None else state.h + state.delta.unsqueeze(1)
+        h = h.index_select(0, state.step.logits_indices)  # [N, hc, H]
+        return self.model.norm(h.sum(dim=1) if self.config.hc_mult > 1 else h[:, 0])  # [N, H]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, vocab_size] (padded vocab rows dropped)."""
