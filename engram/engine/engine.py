@@ -159,7 +159,8 @@ class LLMEngine(StepPipeline):
                 seq.logprobs.append(lp)
             seq.metrics.first_token_time = seq.metrics.first_token_time or now
             self._check_stop(seq, tok)
-            outputs.append(self._output(seq, [tok]))
+            if seq.is_finished or seq.params.output_kind != "final_only":
+                outputs.append(self._output(seq, [tok]))
             if seq.is_finished:
                 del self._seqs[seq.request_id]
                 self._retire(seq)
@@ -178,12 +179,20 @@ class LLMEngine(StepPipeline):
             seq.finish("length")
 
     def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        """The request's output after a step that added ``new_tokens``: cumulative, or (``output_kind``
+        "delta") only what the step added."""
         done = seq.is_finished
-        completion = CompletionOutput(index=0, text=seq.detokenizer.visible_text(done),
-                                      token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
-                                      stop_reason=seq.stop_reason, delta_text=seq.detokenizer.take_delta(done),
-                                      delta_token_ids=new_tokens,
-                                      logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None)
+        delta = seq.detokenizer.take_delta(done)
+        wants_logprobs = seq.params.logprobs is not None
+        if seq.params.output_kind == "delta":
+            text, token_ids = delta, list(new_tokens)
+            logprobs = seq.logprobs[len(seq.logprobs) - len(new_tokens):] if wants_logprobs else None
+        else:
+            text, token_ids = seq.detokenizer.visible_text(done), seq.output_token_ids
+            logprobs = list(seq.logprobs) if wants_logprobs else None
+        completion = CompletionOutput(index=0, text=text, token_ids=token_ids, finish_reason=seq.finish_reason,
+                                      stop_reason=seq.stop_reason, delta_text=delta, delta_token_ids=new_tokens,
+                                      logprobs=logprobs)
         return RequestOutput(request_id=seq.request_id, prompt=seq.prompt,
                              prompt_token_ids=seq.prompt_token_ids, outputs=[completion],
                              finished=done, metrics=seq.metrics, prompt_logprobs=seq.prompt_logprobs)

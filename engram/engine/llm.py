@@ -59,7 +59,8 @@ class LLM:
         try:
             for rid, prompt, p in zip(ids, items, params):
                 for j, child in enumerate(children[rid]):
-                    self.engine.add_request(child, prompt, _choice(p, j))
+                    # only the finished output is kept: no per-step copy of the output so far
+                    self.engine.add_request(child, prompt, dataclasses.replace(_choice(p, j), output_kind="final_only"))
             total = sum(len(c) for c in children.values())
             with tqdm(total=total, desc="generate", unit="req", disable=not use_tqdm) as bar:
                 while self.engine.has_unfinished():

@@ -8,12 +8,17 @@ step (raw model distribution); ``prompt_logprobs=k`` the same for every prompt t
 (what evaluation harnesses score). ``forced_token_ids`` (benchmarks: forced natural decoding) makes decode
 steps sample as usual and then emit the next token of that continuation instead; past its end tokens
 are sampled freely. ``stop`` strings are matched on the detokenized text and cut from it.
+``output_kind`` says what each engine step reports for the request (``OUTPUT_KINDS``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # top-k logprobs per token, at most (OpenAI's limit)
+# "cumulative": every step's output holds the text, token ids and logprobs so far (a copy per step: O(n) a
+# step for an n-token output); "delta": only what the step added (concatenate them for the whole);
+# "final_only": no output until the request finishes, then the cumulative one (what LLM.generate uses).
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
 @dataclass
@@ -33,6 +38,7 @@ class SamplingParams:
     logprobs: int | None = None  # per generated token: its logprob and the top-k (k = this, >= 0)
     prompt_logprobs: int | None = None  # per prompt token (from the second): its logprob and the top-k
     forced_token_ids: list[int] | None = None  # emitted instead of the sampled tokens, one per step
+    output_kind: str = "cumulative"  # what each step's RequestOutput holds: OUTPUT_KINDS (vLLM's RequestOutputKind)
     stop_list: list[str] = field(init=False, repr=False)  # ``stop`` normalised to a list
 
     def __post_init__(self) -> None:
@@ -72,6 +78,8 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
                                                  or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise bad("prompt_logprobs", f"must be an int in [0, {MAX_LOGPROBS}] (or None)")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise bad("output_kind", f"must be one of {OUTPUT_KINDS}")
         if self.forced_token_ids is not None:
             self.forced_token_ids = [int(t) for t in self.forced_token_ids]
             if any(t < 0 for t in self.forced_token_ids):
