@@ -35,14 +35,33 @@ class Shape:
 
 @dataclass
 class Choice:
+    """One engine request of a response. Its requests report deltas (``output_kind="delta"``: no copy of the
+    output so far per step); the choice accumulates them: token ids, text pieces and logprobs."""
+
     index: int  # OpenAI's choice index (prompt-major)
     request_id: str  # its engine request
     prompt: PromptSpec
     params: Any  # its SamplingParams
     legacy: LegacyLogprobs | None  # completions with logprobs: the choice's logprobs builder
-    last: Any = None  # its latest RequestOutput
+    last: Any = None  # its latest RequestOutput (finish reason, prompt logprobs)
     first_time: float | None = None  # time.monotonic() of its first output
     sent: int = 0  # generated tokens already reported in a stream chunk
+    token_ids: list[int] = field(default_factory=list)  # generated so far
+    logprobs: list = field(default_factory=list)  # TokenLogprobs of those tokens (when asked)
+    pieces: list[str] = field(default_factory=list)  # the text, as the deltas came
+
+    def add(self, out) -> None:
+        """Take the choice's next (delta) output."""
+        o = out.outputs[0]
+        self.token_ids.extend(o.delta_token_ids)
+        self.logprobs.extend(o.logprobs or ())
+        if o.delta_text:
+            self.pieces.append(o.delta_text)
+        self.last = out
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
     @property
     def finished(self) -> bool:
@@ -71,7 +90,7 @@ class ResponseState:
         first = c.last is None
         if first:
             c.first_time = time.monotonic()
-        c.last = out
+        c.add(out)
         return c, first
 
     @property
@@ -91,11 +110,10 @@ class ResponseState:
     def _generated(self, c: Choice, start: int | None = None) -> tuple[str, list[Scored]]:
         """The choice's whole text and scored tokens (``start`` None), or a stream's: this output's new text and
         the tokens from number ``start`` on (those not reported yet). Nothing for max_tokens=0."""
-        o = c.last.outputs[0]
         if not self.shape.generate:
             return "", []
-        text = o.text if start is None else o.delta_text
-        scored = generated_scored(self.strings, o.logprobs[start or 0:]) if self.shape.logprobs is not None else []
+        text = c.text if start is None else c.last.outputs[0].delta_text
+        scored = generated_scored(self.strings, c.logprobs[start or 0:]) if self.shape.logprobs is not None else []
         return text, scored
 
     def _chat_logprobs(self, scored: list[Scored]) -> dict | None:
@@ -137,7 +155,7 @@ class ResponseState:
         text, scored = self._generated(c, c.sent)
         finish, stop = self._finish(c)
         if text or finish:
-            c.sent = len(c.last.outputs[0].token_ids)
+            c.sent = len(c.token_ids)
             if chat:
                 piece = {"index": c.index, "delta": {"content": text} if text else {},
                          "logprobs": self._chat_logprobs(scored)}
@@ -160,7 +178,7 @@ class ResponseState:
     def usage(self) -> dict[str, int]:
         """Prompt tokens once per prompt (not per choice); completion tokens of every choice."""
         p = sum(len(x.ids) for x in self.prompts)
-        g = sum(len(c.last.outputs[0].token_ids) for c in self.choices if c.last is not None) \
+        g = sum(len(c.token_ids) for c in self.choices) \
             if self.shape.generate else 0
         return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
 

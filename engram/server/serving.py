@@ -190,7 +190,8 @@ class OpenAIServing:
                                   seed=req.seed, max_tokens=req.max_tokens if shape.generate else 1,
                                   stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                                   logprobs=k if k is not None and shape.generate else None,
-                                  prompt_logprobs=k if shape.echo else None)
+                                  prompt_logprobs=k if shape.echo else None,
+                                  output_kind="delta")  # each Choice accumulates (response.py)
         except ValueError as e:
             raise ApiError(400, str(e))
 
@@ -286,7 +287,7 @@ class OpenAIServing:
 
     def _observe(self, resp: ResponseState, c: Choice) -> None:
         out = c.last
-        n = len(out.outputs[0].token_ids)
+        n = len(c.token_ids)
         elapsed = time.monotonic() - resp.arrival
         ttft = c.first_time - resp.arrival
         self.metrics.requests.labels(out.outputs[0].finish_reason or "unknown").inc()
