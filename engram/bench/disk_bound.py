@@ -1,8 +1,8 @@
 """The disk arms of `engram bench placement`: their tables' counters per sample, the disk's raw random read
 rate, and the bound a disk step is held to.
 
-Counters: ``measure_decode`` snapshots ``engine.stats()`` right before and right after the timed steps;
-``StatsTap`` keeps those snapshots, and ``counter_deltas`` sums what the tables' counters
+Counters: ``measure_decode`` returns the tables' counters right before and right after the timed steps
+(``DecodeTimes.tables``), and ``counter_deltas`` sums what the tables' counters
 (``engine.stats()["tables"]``) gained between them over the arm's tables: ``COUNTER_KEYS`` = hits,
 misses, read_ops, disk_rows, bytes_read, rows. ``hit_rate`` is hits / (hits + misses) of the hot-row
 cache, None without a cache (or without a lookup through it).
@@ -39,24 +39,6 @@ DISK_COLUMNS = ["batch", "disk arm", "step ms", "host step ms", "read ops/step",
 COUNTER_KEYS = ("hits", "misses", "read_ops", "disk_rows", "bytes_read", "rows")  # summed over an arm's tables
 BOUND_FACTOR = 1.1  # the issue's target: disk step ms <= 1.1 x (host step ms + misses' reads at the raw rate)
 NO_HOST_ARM = "bound not computed: no host-tier arm in the run"
-
-
-class StatsTap:
-    """The engine as ``measure_decode`` sees it, keeping every ``stats()`` snapshot it takes: the first two
-    are taken right before and right after the timed steps (``placement_ab.arm_measure`` checks that against the
-    graph replays and exposed lookup time measure_decode reports from them)."""
-
-    def __init__(self, engine):
-        self._engine = engine
-        self.snapshots: list[dict] = []
-
-    def __getattr__(self, name: str):
-        return getattr(self._engine, name)
-
-    def stats(self) -> dict:
-        out = self._engine.stats()
-        self.snapshots.append(out)
-        return out
 
 
 def counter_deltas(before: dict, after: dict) -> dict:

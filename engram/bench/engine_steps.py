@@ -74,6 +74,7 @@ class DecodeTimes:
     busy_context_lens: list[list[int]] = field(default_factory=list)  # the same for the profiled steps
     token_ids: list[list[int]] = field(default_factory=list)  # [batch]: each sequence's generated ids at the end
     lookup_exposed_s: float = 0.0  # engine.stats()["lookup_exposed_s"] gained over the timed steps
+    tables: tuple = ()  # (before, after): engine.stats()["tables"] right before and after the timed steps
 
 
 @dataclass
@@ -152,7 +153,8 @@ def measure_decode(engine, prompts: list[list[int]], steps: int, warmup_tokens: 
             lens.append(ctx)
         after = engine.stats()
         times = DecodeTimes(wall, lens, after["graph_replays"] - before["graph_replays"],
-                            lookup_exposed_s=after["lookup_exposed_s"] - before["lookup_exposed_s"])
+                            lookup_exposed_s=after["lookup_exposed_s"] - before["lookup_exposed_s"],
+                            tables=(before["tables"], after["tables"]))
         if n_profile:
             from engram.bench.device_time import measure_profile
 

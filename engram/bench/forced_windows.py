@@ -2,9 +2,8 @@
 the check that every arm emitted them.
 
 A random-weight model decoding freely repeats one token, which hashes to a few Engram rows and flatters
-every placement. So the corpus is tokenized with the loaded model's tokenizer (``model_tokenizer``, as
-``corpus.encode_corpus`` takes it; with the corpus's own tokenizer the recorded counts are checked too)
-and its prompts and continuations are concatenated in corpus order into one token stream
+every placement. So the corpus is tokenized with the presets' tokenizer (``corpus.load_tokenizer("builtin")``;
+with the corpus's own tokenizer the recorded counts are checked too) and its prompts and continuations are concatenated in corpus order into one token stream
 (``corpus_stream``; ValueError for an id outside the model's vocabulary, nothing is mapped). For batch
 size B, sequence i takes the window at offset o_i = i * len(stream) // B, wrapping around a short
 stream (``cut_windows``): prompt = its first ``context_len`` ids, forced = the next max_tokens ids,
@@ -19,30 +18,10 @@ difference otherwise): all arms emitted the same tokens, so they ran the same wo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 
 class OutputMismatch(AssertionError):
     """A sequence's generated ids differ from its forced ids: the arms did not emit the same tokens."""
-
-
-def model_tokenizer(loaded):
-    """The loaded model's tokenizer as ``corpus.encode_corpus`` takes it (a copy with padding and truncation
-    off). Presets (``random_model``) load the built-in tokenizer file, whose SHA-256 it carries, so a corpus
-    written with that tokenizer has its recorded token counts checked too."""
-    import hashlib
-
-    from tokenizers import Tokenizer
-
-    from engram.bench.corpus import CorpusTokenizer
-    from engram.model.presets import TOKENIZER_FILE
-
-    tok = Tokenizer.from_str(loaded.tokenizer.to_str())
-    tok.no_padding()
-    tok.no_truncation()
-    path = Path(TOKENIZER_FILE)
-    return CorpusTokenizer(name="builtin", sha256=hashlib.sha256(path.read_bytes()).hexdigest(), path=path,
-                           tokenizer=tok)
 
 
 def corpus_stream(encoded, vocab_size: int):

@@ -74,9 +74,10 @@ import json
 import sys
 from pathlib import Path
 
-from engram.bench.disk_bound import (BOUND_FACTOR, DISK_COLUMNS, NO_HOST_ARM, StatsTap, add_bounds,
+from engram.bench.disk_bound import (BOUND_FACTOR, DISK_COLUMNS, NO_HOST_ARM, add_bounds,
                                      counter_deltas, disk_rows, disk_summary, hit_rate, measure_raw_reads)
-from engram.bench.forced_windows import Windows, check_forced, corpus_stream, cut_windows, model_tokenizer
+from engram.bench.engine_bench import _free_memory, _ints
+from engram.bench.forced_windows import Windows, check_forced, corpus_stream, cut_windows
 from engram.bench.placement_arms import (ARM_LABELS, DEFAULT_A, DEFAULT_B, ArmSpec, arm_store_options,
                                          parse_arm, parse_engram_options, placement_name)
 from engram.bench.stats import ORDERS
@@ -141,12 +142,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ----------------------------------------------------------------- options
-def _ints(text: str, option: str) -> tuple[int, ...]:
-    from engram.bench.engine_bench import _ints as ints
-
-    return ints(text, option)
-
-
 # ----------------------------------------------------------------- the pieces that live for the run
 def table_info(tables: dict) -> dict:
     """Per Engram layer: the table's type, rows, device, bytes of its storage (values and scales, a shared
@@ -190,12 +185,6 @@ def _summary(samples: list[dict]) -> dict:
             "graph_replays": sum(s["graph_replays"] for s in samples), "steps": sum(s["steps"] for s in samples)}
 
 
-def _free_memory(device) -> None:
-    from engram.bench.engine_bench import _free_memory as free
-
-    free(device)
-
-
 def arm_measure(engine, arm: ArmSpec, win: Windows, batch: int, s, records: list[dict]):
     """The ``measure`` of ``arm`` at ``batch``: one ``measure_decode`` over the windows, its outputs checked
     against the forced ids and its graph replays against the timed steps; appends the sample's record
@@ -206,19 +195,14 @@ def arm_measure(engine, arm: ArmSpec, win: Windows, batch: int, s, records: list
     cached = any(getattr(t, "cache", None) is not None for t in engine.executor.worker.tables.values())
 
     def measure() -> float:
-        tap = StatsTap(engine)
-        t = measure_decode(tap, win.prompts, s.decode_steps, s.warmup_tokens, tag=f"placement-{batch}",
+        t = measure_decode(engine, win.prompts, s.decode_steps, s.warmup_tokens, tag=f"placement-{batch}",
                            forced=win.forced)
         checked = check_forced(t, win, s.warmup_tokens + s.decode_steps, arm.name)
         expected = s.decode_steps if graphs else 0
         if t.graph_steps != expected:
             raise GraphFallback(f"arm {arm.name}, batch {batch}: {t.graph_steps} of {s.decode_steps} timed steps "
                                 f"replayed a CUDA graph, expected {expected}")
-        before, after = tap.snapshots[:2]
-        if (after["graph_replays"] - before["graph_replays"] != t.graph_steps
-                or after["lookup_exposed_s"] - before["lookup_exposed_s"] != t.lookup_exposed_s):
-            raise RuntimeError("measure_decode's first two engine.stats() calls no longer bracket the timed steps")
-        counts = counter_deltas(before["tables"], after["tables"])
+        counts = counter_deltas(*t.tables)
         value = batch * s.decode_steps / sum(t.wall_s)
         records.append({"arm": arm.name, "tok_s": value, "wall_s": sum(t.wall_s), "steps": s.decode_steps,
                         "step_ms": sum(t.wall_s) / s.decode_steps * 1e3,
@@ -281,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from engram.bench import stats
-    from engram.bench.corpus import CorpusError, encode_corpus, load_corpus, token_stats
+    from engram.bench.corpus import CorpusError, encode_corpus, load_corpus, load_tokenizer, token_stats
     from engram.bench.engine_bench import Settings, engine_config
     from engram.bench.engine_steps import decode_max_tokens
     from engram.bench.report import args_config, format_table, write_result
@@ -358,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
         for name, (tier, store) in placements.items():  # each placement's tables once: at ~33 GiB a layer
             tables[name] = dataclasses.replace(base, tables={}, tier=tier, store_options=store).open_tables()
         tables_info = {name: table_info(tabs) for name, tabs in tables.items()}  # before they close
-        tokenizer = model_tokenizer(base)
+        tokenizer = load_tokenizer("builtin")  # every preset's (random_model loads it)
         stream = corpus_stream(encode_corpus(corpus, tokenizer), cfg.vocab_size)
         if kv_budget is None:
             kv_budget, kv_source = default_kv_budget(cfg, ecfg, dtype, tables), "sized for the largest batch"
