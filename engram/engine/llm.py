@@ -60,7 +60,8 @@ class LLM:
             for rid, prompt, p in zip(ids, items, params):
                 for j, child in enumerate(children[rid]):
                     # only the finished output is kept: no per-step copy of the output so far
-                    self.engine.add_request(child, prompt, dataclasses.replace(_choice(p, j), output_kind="final_only"))
+                    choice = dataclasses.replace(p.for_choice(j), output_kind="final_only")
+                    self.engine.add_request(child, prompt, choice)
             total = sum(len(c) for c in children.values())
             with tqdm(total=total, desc="generate", unit="req", disable=not use_tqdm) as bar:
                 while self.engine.has_unfinished():
@@ -73,13 +74,6 @@ class LLM:
                 self.engine.abort_request(child)
             raise
         return [_merge(rid, [done[c] for c in children[rid]]) for rid in ids]
-
-
-def _choice(p: SamplingParams, j: int) -> SamplingParams:
-    """The engine request of choice j of a request with n choices: n = 1, seed + j (reproducible, distinct)."""
-    if p.n == 1:
-        return p
-    return dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
 
 
 def _merge(request_id: str, outs: list[RequestOutput]) -> RequestOutput:

@@ -12,6 +12,7 @@ are sampled freely. ``stop`` strings are matched on the detokenized text and cut
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # top-k logprobs per token, at most (OpenAI's limit)
@@ -84,6 +85,13 @@ class SamplingParams:
             self.forced_token_ids = [int(t) for t in self.forced_token_ids]
             if any(t < 0 for t in self.forced_token_ids):
                 raise bad("forced_token_ids", "token ids must be >= 0")
+
+    def for_choice(self, j: int) -> "SamplingParams":
+        """The engine request of choice j of these params (n choices fanned out by ``LLM.generate`` and the
+        server): n = 1 and, when seeded, seed + j, so the choices differ and a repeated request repeats."""
+        if self.n == 1 and (self.seed is None or j == 0):
+            return self
+        return dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + j)
 
     @property
     def greedy(self) -> bool:

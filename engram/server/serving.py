@@ -24,7 +24,6 @@ disconnects, streaming or not, cancels its request (the engine frees the sequenc
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -175,7 +174,7 @@ class OpenAIServing:
         return ids
 
     def _params(self, req: CompletionRequest | ChatCompletionRequest, shape: Shape):
-        """The SamplingParams every choice starts from (``_seeded`` gives choice j its seed)."""
+        """The SamplingParams every choice starts from (``SamplingParams.for_choice`` gives choice j its seed)."""
         from engram.engine.sampling_params import SamplingParams
 
         vocab = self.engine.llm.loaded.tokenizer.get_vocab_size()
@@ -200,7 +199,7 @@ class OpenAIServing:
         base = self._params(req, shape)
         strings = self._token_strings() if shape.logprobs is not None else None
         legacy = shape.kind == "text_completion" and shape.logprobs is not None
-        choices = [Choice(p * req.n + j, f"{rid}-{p * req.n + j}", prompt, _seeded(base, j),
+        choices = [Choice(p * req.n + j, f"{rid}-{p * req.n + j}", prompt, base.for_choice(j),
                            LegacyLogprobs(strings, shape.logprobs) if legacy else None)
                    for p, prompt in enumerate(prompts) for j in range(req.n)]
         resp = ResponseState(rid, shape, self.model_name, prompts, choices, strings)
@@ -304,11 +303,6 @@ def _too_long(why: str, label: str) -> ApiError:
     one prompt of a list (named in the message; the param is still "prompt")."""
     param = label.split("[")[0]
     return ApiError(400, why if label == param else f"{label}: {why}", param=param)
-
-
-def _seeded(params, j: int):
-    """Choice j's SamplingParams: ``seed + j`` when a seed is set (the choices differ, the response repeats)."""
-    return params if params.seed is None or j == 0 else dataclasses.replace(params, seed=params.seed + j)
 
 
 async def _until_done(gen: AsyncIterator, first, raw: Request, record: Callable[[Any], Any]) -> bool:
