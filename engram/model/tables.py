@@ -30,7 +30,8 @@ from engram.store.base import Tier
 from engram.store.convert import convert_random, convert_safetensors, layer_dir
 from engram.store.format import ITEMSIZE, MANIFEST, TableManifest, read_manifest, row_stride
 from engram.store.kernels.reference import ROW_TORCH_DTYPES
-from engram.store.load import RowChunks, build_table, load_table
+from engram.store.build import RowChunks, build_table
+from engram.store.load import load_table
 from engram.store.options import StoreOptions
 from engram.store.placement import place_table
 from engram.store.upgrade import add_checksums
@@ -72,7 +73,7 @@ def generate_random_table(directory: Path, cfg: EngramConfig, layer_id: int, see
 
 def random_rows(rows: int, dim: int, seed: int, row_dtype: str = "mxfp8") -> RowChunks:
     """The rows ``convert_random(out, rows, dim, seed, row_dtype)`` writes, as ``RowChunks`` for
-    ``engram.store.load.build_table``: the same chunks from the same generator (``convert.random_chunk``),
+    ``engram.store.build.build_table``: the same chunks from the same generator (``convert.random_chunk``),
     so every row is bitwise the file's (tests/unit/test_tables_in_memory.py compares them). Each worker
     thread keeps one chunk's buffers (MXFP8: 2.25 x the chunk's value bytes)."""
     if row_dtype not in ITEMSIZE:

@@ -251,7 +251,7 @@ class TableBackend:
 
 # Makes a resident table's storage in memory instead of reading files: called as
 # build(target, layout=, progress=, threads=) with ``load_table``'s meaning of each, it returns what
-# ``load_table`` would (e.g. ``functools.partial(engram.store.load.build_table, manifest, chunks)``).
+# ``load_table`` would (e.g. ``functools.partial(engram.store.build.build_table, manifest, chunks)``).
 StorageBuild = Callable[..., "tuple[torch.Tensor, torch.Tensor | None]"]
 
 

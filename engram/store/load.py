@@ -9,8 +9,8 @@ buffer when rows are rearranged), CRC them and move on, so no second full copy o
 a device target is read the same way into two pinned windows whose copies overlap the next window's reads. A bad chunk raises TableFormatError naming
 the file and the chunk's byte offset, and nothing loaded so far is kept (nor pinned).
 
-``build_table(m, chunks, target, layout)`` returns the same tensors for a table whose rows are made in
-memory chunk by chunk (``RowChunks``, e.g. a preset's random rows) instead of read from files.
+engram/store/build.py returns the same tensors for a table whose rows are made in memory instead of read
+from files, through this module's host buffers and device windows.
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import os
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -309,128 +308,3 @@ def load_table(m: TableManifest, target: str | torch.device = "ram", verify: boo
             del values  # a bad scales file frees (unpins) the values now, not when the error is collected
             raise
     return values, scales
-
-
-# ----------------------------------------------------------------- tables built in memory
-@dataclass(frozen=True)
-class RowChunks:
-    """A table's rows made in memory, chunk by chunk (``build_table``): ``make(k)`` returns rows
-    [k * rows, min(table rows, (k + 1) * rows)) as (values uint8 [n, value_bytes], scales uint8
-    [n, scale_cols] | None), CPU tensors. It is called from several threads at once, once per chunk, in any
-    order, and what it returns is read before the same thread calls it again, so it may reuse one buffer
-    per thread."""
-
-    rows: int  # rows per chunk
-    make: Callable[[int], "tuple[torch.Tensor, torch.Tensor | None]"]
-
-
-def build_table(m: TableManifest, chunks: RowChunks, target: str | torch.device = "ram", layout: str = "split",
-                progress: bool = False, threads: int = LOAD_THREADS) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What ``load_table(m, target, layout=layout)`` returns for a table of ``m``'s geometry (rows, row dtype,
-    row_stride, scale_cols; ``m.files`` is not used), with the bytes made by ``chunks`` instead of read from
-    files: no file is read or written. Padding bytes (split rows past value_bytes, packed rows past the
-    scales) are zero, as in the files, so the tensors equal those of a written-then-loaded table.
-
-    ``threads`` workers make chunks and copy them into place (numpy copies, GIL released). Host targets
-    ("ram"; "pinned": page-locked with CUDA, RAM without) are filled in one pass and then pinned by ONE
-    registration (``pinning.pinned_empty_filled``; the split layout's scales are a second buffer); a device
-    target is filled window by window (DEVICE_WINDOW bytes of whole chunks) through two pinned windows, each
-    window's copy overlapping the next one's chunks. Extra memory: what ``chunks.make`` keeps per worker,
-    plus the two windows for a device. A failed chunk raises its error (the first in chunk order) and keeps
-    nothing. ``progress``: a byte progress bar, shown only when stderr is a terminal."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
-    _check_threads(threads)
-    if chunks.rows < 1:
-        raise ValueError(f"chunks.rows={chunks.rows} must be >= 1")
-    packed = layout == "packed" and m.scale_cols > 0
-    if packed and target not in ("ram", "pinned"):
-        raise ValueError(f"target={target!r}: the packed layout is built in host memory ('ram' or 'pinned')")
-    bar = _bar(progress, m.rows * (m.value_bytes + m.scale_cols), f"build {m.path.name}", tty_only=True)
-    try:
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="engram-build") as pool:
-            def fill(views: tuple, r0: int, r1: int) -> None:
-                _fill_rows(pool, chunks, m, views, r0, r1, bar)
-
-            if target in ("ram", "pinned"):
-                return _build_host(m, target, packed, fill)
-            return _build_device(m, torch.device(target), chunks.rows, fill)
-    finally:
-        if bar is not None:
-            bar.close()
-
-
-def _fill_rows(pool: ThreadPoolExecutor, chunks: RowChunks, m: TableManifest, views: tuple, r0: int, r1: int,
-               bar) -> None:
-    """Table rows [r0, r1) (r0 a multiple of chunks.rows) into ``views`` = (values [r1 - r0, value_bytes],
-    scales [r1 - r0, scale_cols] | None, padding [r1 - r0, k] | None), uint8 CPU tensors whose row 0 is
-    table row r0, one chunk per job on ``pool``."""
-    vals, scales, pad = (v.numpy() if v is not None else None for v in views)
-    stop = threading.Event()
-
-    def job(k: int) -> None:
-        if stop.is_set():
-            return
-        try:
-            a, b = k * chunks.rows, min(r1, (k + 1) * chunks.rows)
-            v, s = chunks.make(k)
-            want = ((b - a, m.value_bytes), (b - a, m.scale_cols) if m.scale_cols else None)
-            got = (tuple(v.shape), tuple(s.shape) if s is not None else None)
-            if got != want or v.dtype != torch.uint8 or (s is not None and s.dtype != torch.uint8):
-                raise ValueError(f"{m.path}: chunk {k} made uint8 shapes {got}, expected {want}")
-            np.copyto(vals[a - r0:b - r0], v.numpy())
-            if scales is not None:
-                np.copyto(scales[a - r0:b - r0], s.numpy())
-            if pad is not None and pad.shape[1]:
-                pad[a - r0:b - r0] = 0
-            if bar is not None:
-                bar.update((b - a) * (m.value_bytes + m.scale_cols))
-        except BaseException:
-            stop.set()
-            raise
-
-    futures = [pool.submit(job, k) for k in range(r0 // chunks.rows, -(-r1 // chunks.rows))]
-    for fut in futures:
-        fut.exception()  # every job has finished (or skipped) before the first error surfaces
-    for fut in futures:
-        fut.result()
-
-
-def _build_host(m: TableManifest, target: str, packed: bool, fill: Callable[[tuple, int, int], None]):
-    """``build_table`` into host memory: (values, scales) in the packed or split layout."""
-    rows, vb, sc = m.rows, m.value_bytes, m.scale_cols
-    if packed:
-        stride = packed_row_bytes(vb, sc)
-
-        def fill_packed_rows(dst: torch.Tensor) -> None:
-            p = dst.view(rows, stride)
-            fill((p[:, :vb], p[:, vb:vb + sc], p[:, vb + sc:]), 0, rows)
-
-        buf = _host_buffer(rows * stride, target, fill_packed_rows).view(rows, stride)  # [rows, S]
-        return buf[:, :vb], buf[:, vb:vb + sc]
-    stride = m.row_stride
-    scales: list[torch.Tensor] = []
-
-    def fill_split(dst: torch.Tensor) -> None:
-        v = dst.view(rows, stride)  # [rows, row_stride]
-        if not sc:
-            fill((v[:, :vb], None, v[:, vb:]), 0, rows)
-            return
-        # the scales are a second buffer, filled (and pinned) inside the values' fill: one pass over the chunks
-        scales.append(_host_buffer(rows * sc, target, lambda s: fill((v[:, :vb], s.view(rows, sc), v[:, vb:]),
-                                                                     0, rows)))
-
-    values = _host_buffer(rows * stride, target, fill_split).view(rows, stride)
-    return values, (scales[0].view(rows, sc) if sc else None)
-
-
-def _build_device(m: TableManifest, dev: torch.device, chunk_rows: int, fill: Callable[[tuple, int, int], None]):
-    """``build_table`` into device memory (split layout) through ``_through_windows``."""
-    rows, stride, vb, sc = m.rows, m.row_stride, m.value_bytes, m.scale_cols
-    outs = [torch.empty(rows, stride, dtype=torch.uint8, device=dev)]  # values [rows, row_stride]
-    if sc:
-        outs.append(torch.empty(rows, sc, dtype=torch.uint8, device=dev))  # scales [rows, scale_cols]
-    span = max(1, DEVICE_WINDOW // (chunk_rows * (stride + sc))) * chunk_rows  # rows: whole chunks per window
-    _through_windows(outs, span, lambda hosts, w0, w1: fill((hosts[0][:, :vb], hosts[1] if sc else None,
-                                                            hosts[0][:, vb:]), w0, w1))
-    return outs[0], (outs[1] if sc else None)

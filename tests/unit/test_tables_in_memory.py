@@ -16,7 +16,8 @@ from engram.store import preflight
 from engram.store.convert import convert_random
 from engram.store.gpu import GpuTable
 from engram.store.host import HostTable
-from engram.store.load import RowChunks, build_table, load_table
+from engram.store.build import RowChunks, build_table
+from engram.store.load import load_table
 
 SEED = 5
 
