@@ -71,11 +71,6 @@ def test_overlap_on_equals_off_bitwise(tmp_path, tier, eager):
             assert not graphs.stale.any() and (graphs.row_tags >= 0).all()
 
 
-def _kernels_by_stream(prof):
-    """(start, end, stream, name) of every CUDA kernel in a profile."""
-    return cuda_kernels(prof.profiler.kineto_results.events())
-
-
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 def test_profile_shows_the_lookup_stream_running_beside_the_main_stream(tmp_path, monkeypatch, eager):
     from torch.profiler import ProfilerActivity, profile
@@ -96,7 +91,7 @@ def test_profile_shows_the_lookup_stream_running_beside_the_main_stream(tmp_path
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         engine.step()
         torch.cuda.synchronize()
-    kernels = _kernels_by_stream(prof)
+    kernels = cuda_kernels(prof.profiler.kineto_results.events())  # (start, end, stream, name)
     gathers = [k for k in kernels if "gather" in k[3].lower()]
     assert gathers, "no gather kernel in the profile"
     streams = {k[2] for k in gathers}
