@@ -135,15 +135,15 @@ class Worker:
         """Wait for a launched step's tokens (the step's one host synchronisation) -> its StepResult."""
         step = launched.step
         tokens, logprobs = read_tokens(launched.sampled)  # module-level: found by the sync test
-        # Debug check: with no later step launched, the lookup stream must have finished with this step's tokens
-        # (every gather it ran was waited for by a layer before the tokens were sampled).
-        if self.lookup_stream is not None and self.pending.last_step_id == step.step_id and not self.lookup_stream.idle():
-            raise RuntimeError(f"step {step.step_id}: the lookup stream still runs after the step's tokens were read "
-                               "(a gather no layer waited for)")
         if launched.stale is not None and bool(launched.stale.any()):
             layers = [lid for lid, bad in zip(self.graphs.layer_ids, launched.stale.tolist()) if bad]
             raise RuntimeError(f"step {step.step_id}: stale Engram rows: layer(s) {layers} read rows their lookup "
                                "branch had not yet gathered for this step (a missing wait on the lookup stream)")
+        # Debug check, after the stale flags (which name the layers): with no later step launched, the lookup
+        # stream must have finished with this step's tokens (every gather it ran was waited for by a layer).
+        if self.lookup_stream is not None and self.pending.last_step_id == step.step_id and not self.lookup_stream.idle():
+            raise RuntimeError(f"step {step.step_id}: the lookup stream still runs after the step's tokens were read "
+                               "(a gather no layer waited for)")
         result = StepResult(step.step_id, tokens, _logprobs(logprobs, step.samples, tokens))
         if step.prompt_logprobs:
             result.prompt_logprobs = _prompt_logprobs(launched.prompt_scores, step)

@@ -15,11 +15,11 @@ from engram.model.layers import fused
 from engram.module import Engram
 
 
-def test_the_fused_gate_is_off_until_it_has_run_on_a_gpu():
+def test_the_fused_gate_is_on_by_default_where_it_can_run():
     import os
 
     if "ENGRAM_FUSED_GATE" not in os.environ:
-        assert fused.GATE_SWITCH.value == "torch"  # flip to "auto" once the parity test below passed on the H200
+        assert fused.GATE_SWITCH.value == "auto"
     x, kv = torch.zeros(2, 1, 8), torch.zeros(2, 16)
     old = fused.GATE_SWITCH.set("auto")
     try:

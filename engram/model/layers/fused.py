@@ -19,11 +19,10 @@ SWITCH = FastPathSwitch("fused-op backend", "ENGRAM_FUSED")
 FAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-# The fused v41 Engram gate (fused_triton.engram_gate_v41) has its own switch, "torch" unless
-# ENGRAM_FUSED_GATE says otherwise: it has not yet run on a GPU (tests/gpu/test_fused_gate.py is its parity
-# test); "auto" becomes its default once that test has passed on the H200.
+# The fused v41 Engram gate (fused_triton.engram_gate_v41) has its own switch, ENGRAM_FUSED_GATE ("auto"
+# unless set; "torch" forces the reference): its parity test is tests/gpu/test_fused_gate.py.
 GATE_SWITCH = FastPathSwitch("Engram gate backend")
-GATE_SWITCH.set(os.environ.get("ENGRAM_FUSED_GATE", "torch"))
+GATE_SWITCH.set(os.environ.get("ENGRAM_FUSED_GATE", "auto"))
 
 
 def engram_gate_fast(x: torch.Tensor, kv: torch.Tensor) -> bool:
