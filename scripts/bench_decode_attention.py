@@ -1,7 +1,7 @@
 """Decode attention (Triton split-KV) against its bandwidth limit, over launch configurations (CUDA only).
 
     python scripts/bench_decode_attention.py [--batch-sizes 1,64,256] [--context 530] [--max-len 2064]
-        [--block-n 32,64,128] [--programs 1024,8192] [--warps 4,8] [--stages default,2,3]
+        [--block-n 32,64,128] [--programs 1024,4096,8192] [--warps 4,8] [--stages default,2,3]
 
 One layer of the 4b-like shape by default (32 query heads, 8 KV heads, head dim 128, bf16, 16-token
 blocks scattered at random). Every sequence holds ``--context`` keys; ``--max-len`` is what a CUDA graph
@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-n", default="32,64,128")
-    ap.add_argument("--programs", default="1024,8192")
+    ap.add_argument("--programs", default="1024,4096,8192")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="default,2,3")
     args = ap.parse_args()

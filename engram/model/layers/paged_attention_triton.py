@@ -177,9 +177,11 @@ def _prefill_kernel(Q, K, V, BT, OUT, TILE_SEQ, TILE_M0, SEQ, START, QLEN, CTX, 
 
 SPLIT_LEN = 128  # keys per decode split: fixed, so results do not depend on the launch shape
 DECODE_BLOCK_N = 64  # keys per tile of the decode kernel (divides SPLIT_LEN)
-# Split programs a decode launch aims for (~60 per SM of an H200): one program walks its splits one tile after
+# Split programs a decode launch aims for (~30 per SM of an H200): one program walks its splits one tile after
 # another, so parallel programs are what keeps loads in flight; programs past a sequence's end exit at once.
-DECODE_PROGRAMS = 8192
+# 4096 against 8192: the same launch up to 16 sequences, 7 % faster at 64 sequences, 1.5 % at 256 (H200 sweep,
+# docs/benchmarks.md); the results do not depend on it.
+DECODE_PROGRAMS = 4096
 
 
 def _pow2(x: int, floor: int = 16) -> int:
