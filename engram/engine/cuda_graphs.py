@@ -43,9 +43,9 @@ log = logging.getLogger(__name__)
 
 # Piecewise decode graphs for tables whose rows are copied in before a replay (the disk tier, hot-row
 # caches): one graph per range of layers, cut at each Engram layer, so the host waits for a layer's reads
-# while the layers before it replay. Off unless ENGRAM_PIECEWISE_GRAPHS=1 until tests/gpu/
-# test_piecewise_graphs.py has passed on the H200.
-PIECEWISE = os.environ.get("ENGRAM_PIECEWISE_GRAPHS", "0") == "1"
+# while the layers before it replay (tests/gpu/test_piecewise_graphs.py). On unless
+# ENGRAM_PIECEWISE_GRAPHS=0 (one graph per bucket, every row copied in before it).
+PIECEWISE = os.environ.get("ENGRAM_PIECEWISE_GRAPHS", "1") != "0"
 
 
 def piece_ranges(engram_layer_ids, num_layers: int) -> list[tuple[int, int, int | None]]:
