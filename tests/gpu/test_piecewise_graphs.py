@@ -43,6 +43,7 @@ def generate(engine, n: int = 6) -> list:
 @pytest.mark.parametrize("options", [{"io": "buffered"}, {"io": "buffered", "cache_rows": 300}],
                          ids=["disk", "disk-cache"])
 def test_piecewise_replays_equal_the_one_graph_replays_bitwise(tmp_path, monkeypatch, options):
+    monkeypatch.setattr(cuda_graphs, "PIECEWISE", False)  # the reference: one graph per bucket
     whole_engine = LLMEngine(disk_model(tmp_path, options), EngineConfig(**CFG), CUDA, torch.float32)
     assert not whole_engine.executor.worker.graphs.ranges
     whole = generate(whole_engine)
