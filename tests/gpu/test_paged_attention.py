@@ -78,15 +78,17 @@ def test_triton_equals_reference(n_kv, groups, hd, bs, dtype, tol, case):
 
 
 def test_a_sequence_is_computed_the_same_whatever_the_launch():
-    """Fixed-length splits: more (empty) splits, other sequences beside it, the same bits."""
+    """Fixed-length splits: more (empty) splits, other sequences beside it, any number of programs striding
+    over the splits (the launch aims for DECODE_PROGRAMS, which may be tuned), the same bits."""
     from engram.model.layers import paged_attention_triton as tri
 
     q, kv, meta = random_step([1] * 3, [3000, 17, 1900], 8, 4, 128, 16, torch.bfloat16, seed=7)
     outs = []
-    for max_len in (meta.decode_max_len, 4096, 16384):
+    for max_len, programs in [(meta.decode_max_len, tri.DECODE_PROGRAMS), (4096, tri.DECODE_PROGRAMS),
+                              (16384, tri.DECODE_PROGRAMS), (16384, 1), (16384, 3 * 8 * 5), (4096, 8192)]:
         out = torch.full_like(q, float("nan"))
         tri.decode(q, kv.k[0], kv.v[0], meta.block_tables, meta.decode_seqs, meta.decode_tokens, meta.decode_lens,
-                   max_len, out, 128 ** -0.5)
+                   max_len, out, 128 ** -0.5, target_programs=programs)
         outs.append(out)
     alone = torch.full_like(q, float("nan"))
     tri.decode(q, kv.k[0], kv.v[0], meta.block_tables, meta.decode_seqs[1:2], meta.decode_tokens[1:2],
