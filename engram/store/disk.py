@@ -156,7 +156,10 @@ class DiskTable(TableBackend):
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """Rows [N, dim] as the base class returns them; on CPU without a cache, each chunk of rows is
         decoded while the next chunk's pages are read (same kernels, so bitwise equal to the base path)."""
-        ids = self.check_ids(ids)
+        return self._gather_checked(self.check_ids(ids), out, dtype)
+
+    def _gather_checked(self, ids: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """``gather`` of ids that ``check_ids`` returned (``submit`` checks them once, on the caller's thread)."""
         n = ids.numel()
         self._check_out(out, n, dtype)
         if self.cache is not None or self.device.type != "cpu" or n == 0:
@@ -176,15 +179,21 @@ class DiskTable(TableBackend):
         of each row in the chunk's buffer or None when rows are whole reads), read size, buffer pages."""
         chunk = self.options.chunk_pages
         m = ids.numel()
-        if self.stride <= self.page:
+        if self.stride <= self.page:  # numpy: a lookup plans a few dozen to a few thousand rows
             per_page = self.page // self.stride
-            pages, row_page = torch.unique_consecutive(ids // per_page, return_inverse=True)  # [P], [M]
-            n = pages.numel()
+            ids_np = ids.numpy()
+            page_of_row = ids_np // per_page  # [M], ascending
+            first = np.empty(m, dtype=bool)  # the first row of each distinct page
+            first[:1] = True
+            np.not_equal(page_of_row[1:], page_of_row[:-1], out=first[1:])
+            row_page = np.cumsum(first) - 1  # [M]: which of the read pages holds each row
+            pages = page_of_row[first]  # [P]
+            n = len(pages)
             # slot of each row inside its chunk's buffer [chunk * per_page, stride] (ids sorted: chunks hold
             # contiguous row ranges)
-            slot = (row_page % chunk) * per_page + ids % per_page  # [M]
-            bounds = torch.searchsorted(row_page, torch.arange(0, n + chunk, chunk)).tolist()
-            offsets = (pages * self.page).numpy()
+            slot = torch.from_numpy((row_page % chunk) * per_page + ids_np % per_page)  # [M] int64
+            bounds = np.searchsorted(row_page, np.arange(0, n + chunk, chunk)).tolist()
+            offsets = pages * self.page
             plan = [(offsets[a:a + chunk], bounds[k], bounds[k + 1], slot[bounds[k]:bounds[k + 1]])
                     for k, a in enumerate(range(0, n, chunk))]
             return plan, self.page, min(n, chunk) * (self.page // PAGE)
@@ -251,7 +260,7 @@ class DiskTable(TableBackend):
             self._extra["inflight"] += 1
             self._extra["inflight_bytes"] += nbytes
         try:
-            future = self._pool.submit(self.gather, ids, None, dtype)
+            future = self._pool.submit(self._gather_checked, ids, None, dtype)
         except RuntimeError:  # executor shut down by close()
             self._release_slot(nbytes)
             raise RuntimeError(f"table {self.manifest.path} is closed") from None

@@ -68,14 +68,14 @@ def test_cancel_queued_and_running_lookups(table_dir):
         gate = Gate()
         t.reader.fault_hook = gate
         results = []
-        real_gather = t.gather
+        real_gather = t._gather_checked  # what a submitted lookup runs on the table's thread
 
         def spy(*a, **k):  # keeps only a weak reference to each result, to see it freed
             out = real_gather(*a, **k)
             results.append(weakref.ref(out))
             return out
 
-        t.gather = spy
+        t._gather_checked = spy
         running = t.submit(torch.arange(0, 1000, 3))
         assert gate.started.acquire(timeout=10)  # its read has started and is held at the gate
         queued = t.submit(torch.tensor([5]))
@@ -95,7 +95,7 @@ def test_cancel_queued_and_running_lookups(table_dir):
         assert t.stats()["inflight"] == 0 and t.stats()["inflight_bytes"] == 0
         gc.collect()
         assert len(results) == 1 and results[0]() is None  # the cancelled lookup's rows are gone
-        t.gather = real_gather
+        t._gather_checked = real_gather
         assert t.submit(torch.tensor([5])).wait().shape == (1, 64)  # the table is fine afterwards
 
 
