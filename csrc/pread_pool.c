@@ -9,6 +9,12 @@
  * block: errno != 0 for a failed pread (EIO, ...), errno == 0 with got < size for a short read (EOF).
  * Python turns that into an error naming the file and offset (engram/store/reader.py).
  *
+ * Checksums: with crc_out (a writable buffer of uint32) and crc_page (dividing size), the worker that read
+ * block i writes the CRC32C of each crc_page-byte page of it to crc_out[i * (size / crc_page) + k], right
+ * after its pread, so a lookup's pages are checksummed in parallel with its other reads instead of after
+ * all of them on the caller's thread (the values equal crc32c_pages over the same bytes). A failed block
+ * leaves its entries unwritten.
+ *
  * Fault injection for tests: inject_index >= 0 makes block inject_index fail as if pread had returned
  * errno inject_errno (when non-zero) or only inject_got bytes; it runs through the same reporting path.
  *
@@ -44,6 +50,9 @@ typedef struct Job {
     Py_ssize_t inject_index;
     int inject_errno;
     Py_ssize_t inject_got;
+    Py_ssize_t crc_page;  /* > 0: after reading block i, the worker writes the CRC32C of each crc_page-byte
+                             page of it to crc_out[i * (size / crc_page) + k] */
+    uint32_t *crc_out;
     struct Job *link;     /* FIFO of jobs with unclaimed blocks */
     pthread_cond_t cv_done;
 } Job;
@@ -109,6 +118,11 @@ static void *worker(void *arg) {
             if (read_block(j, i, &err, &got) != 0) {
                 __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
                 if (my_fail < 0 || i < my_fail) { my_fail = i; my_err = err; my_got = got; }
+            } else if (j->crc_page > 0) { /* checksum the block's pages while they are hot in this core's cache */
+                Py_ssize_t per = j->size / j->crc_page;
+                const char *src = j->out + i * j->size;
+                for (Py_ssize_t k = 0; k < per; k++)
+                    j->crc_out[i * per + k] = crc32c_update(0, src + k * j->crc_page, (size_t)j->crc_page);
             }
         }
 
@@ -189,16 +203,17 @@ static void Pool_dealloc(Pool *self) {
 }
 
 static PyObject *Pool_read(Pool *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"fd", "offsets", "size", "out", "inject_index", "inject_errno", "inject_got", NULL};
+    static char *kwlist[] = {"fd", "offsets", "size", "out", "inject_index", "inject_errno", "inject_got",
+                             "crc_out", "crc_page", NULL};
     int fd, inject_errno = 0;
-    Py_ssize_t size, inject_index = -1, inject_got = 0;
-    Py_buffer offs, out;
+    Py_ssize_t size, inject_index = -1, inject_got = 0, crc_page = 0;
+    Py_buffer offs, out, crc = {0};
     if (self->threads == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Pool is closed");
         return NULL;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iy*nw*|nin", kwlist, &fd, &offs, &size, &out,
-                                     &inject_index, &inject_errno, &inject_got))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iy*nw*|ninw*n", kwlist, &fd, &offs, &size, &out,
+                                     &inject_index, &inject_errno, &inject_got, &crc, &crc_page))
         return NULL;
     PyObject *result = NULL;
     Py_ssize_t n = offs.len / (Py_ssize_t)sizeof(int64_t);
@@ -215,6 +230,18 @@ static PyObject *Pool_read(Pool *self, PyObject *args, PyObject *kwds) {
                      out.len, n, size, n * size);
         goto done;
     }
+    if (crc.buf != NULL || crc_page != 0) {
+        if (crc.buf == NULL || crc_page < 1 || size % crc_page != 0) {
+            PyErr_Format(PyExc_ValueError, "crc_out needs crc_page >= 1 dividing size=%zd (crc_page=%zd)",
+                         size, crc_page);
+            goto done;
+        }
+        if (crc.len < n * (size / crc_page) * (Py_ssize_t)sizeof(uint32_t)) {
+            PyErr_Format(PyExc_ValueError, "crc_out holds %zd bytes but %zd pages need %zd", crc.len,
+                         n * (size / crc_page), n * (size / crc_page) * (Py_ssize_t)sizeof(uint32_t));
+            goto done;
+        }
+    }
     if (n == 0) {
         result = Py_NewRef(Py_None);
         goto done;
@@ -230,6 +257,8 @@ static PyObject *Pool_read(Pool *self, PyObject *args, PyObject *kwds) {
     j.inject_index = inject_index;
     j.inject_errno = inject_errno;
     j.inject_got = inject_got;
+    j.crc_page = crc.buf != NULL ? crc_page : 0;
+    j.crc_out = (uint32_t *)crc.buf;
     pthread_cond_init(&j.cv_done, NULL);
 
     Py_BEGIN_ALLOW_THREADS
@@ -254,6 +283,7 @@ static PyObject *Pool_read(Pool *self, PyObject *args, PyObject *kwds) {
 done:
     PyBuffer_Release(&offs);
     PyBuffer_Release(&out);
+    if (crc.obj != NULL) PyBuffer_Release(&crc);
     return result;
 }
 
@@ -270,7 +300,8 @@ static PyObject *Pool_get_threads(Pool *self, void *Py_UNUSED(closure)) {
 
 static PyMethodDef Pool_methods[] = {
     {"read", (PyCFunction)(void (*)(void))Pool_read, METH_VARARGS | METH_KEYWORDS,
-     "read(fd, offsets, size, out, inject_index=-1, inject_errno=0, inject_got=0) -> None | (index, errno, got)"},
+     "read(fd, offsets, size, out, inject_index=-1, inject_errno=0, inject_got=0, crc_out=None, crc_page=0) "
+     "-> None | (index, errno, got)"},
     {"close", (PyCFunction)Pool_close, METH_NOARGS, "Stop and join the worker threads."},
     {NULL, NULL, 0, NULL},
 };

@@ -136,10 +136,11 @@ class DiskTable(TableBackend):
         with self._lock:
             self._extra["corrupt_pages"] += pages
 
-    def _check_pages(self, offsets: np.ndarray, buf: torch.Tensor, size: int) -> None:
-        """The pages of one read against their CRC32Cs; a corrupt one is counted and fails the lookup."""
+    def _check_pages(self, offsets: np.ndarray, buf: torch.Tensor, size: int, crcs: np.ndarray | None = None) -> None:
+        """The pages of one read against their CRC32Cs (``crcs``: as the reader computed them while reading);
+        a corrupt one is counted and fails the lookup."""
         try:
-            self.pages.check(offsets, buf, size)
+            self.pages.check(offsets, buf, size, crcs)
         except CorruptPageError as e:
             self._count_corrupt(e.bad_pages)
             raise
@@ -213,10 +214,12 @@ class DiskTable(TableBackend):
         vals = torch.empty(ids.numel(), self.stride, dtype=torch.uint8)  # [M, stride]
         scales = self.scales.index_select(0, ids) if self.scales is not None else None  # [M, scale_cols]
         bufs = [aligned_pages(buf_pages) for _ in range(min(2, len(plan)))]
+        crcs = [np.empty(buf_pages * PAGE // self.page, dtype=np.uint32) for _ in bufs]  # each page's CRC32C, read
         pending: dict[int, cf.Future] = {}
 
         def start(k: int) -> None:  # chunk k reads into bufs[k % 2] on an I/O thread
-            pending[k] = self._io.submit(self.reader.read, plan[k][0], bufs[k % 2], size)
+            pending[k] = self._io.submit(self.reader.read, plan[k][0], bufs[k % 2], size, crcs[k % 2],
+                                           self.page)
 
         try:
             if len(plan) > 1:
@@ -228,8 +231,8 @@ class DiskTable(TableBackend):
                 if fut is not None:
                     fut.result()  # chunk k is in buf (or its read error is raised here)
                 else:  # a single chunk: read it on this thread
-                    self.reader.read(offsets, buf, size)
-                self._check_pages(offsets, buf, size)  # before any row is cut out of these pages
+                    self.reader.read(offsets, buf, size, crcs[k % 2], self.page)
+                self._check_pages(offsets, buf, size, crcs[k % 2])  # before any row is cut out of these pages
                 src = buf.view(-1, self.stride)  # [buffer rows, stride]
                 if slot is not None:
                     torch.index_select(src, 0, slot, out=vals[r0:r1])  # memcpy per row

@@ -74,13 +74,16 @@ def sidecar_bytes(crcs: np.ndarray) -> bytes:
     return np.ascontiguousarray(crcs, dtype="<u4").tobytes()
 
 
-def bad_pages(buf: np.ndarray, first_pages: np.ndarray, pages_per_block: int, expected: np.ndarray,
-              page_size: int) -> tuple[np.ndarray, np.ndarray]:
+def bad_pages(buf: np.ndarray | None, first_pages: np.ndarray, pages_per_block: int, expected: np.ndarray,
+              page_size: int, got: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(page numbers int64 [k], their CRC32C as read uint32 [k]) of the pages whose bytes in ``buf`` do not
     match ``expected``: ``buf`` (uint8) holds len(first_pages) blocks of ``pages_per_block`` pages, block i
-    starting at page ``first_pages[i]``."""
+    starting at page ``first_pages[i]``. ``got``: those pages' CRC32Cs when the reader already computed them
+    (``PageReader.read(crcs=)``; ``buf`` is then not read)."""
     n = len(first_pages) * pages_per_block
-    got = crc32c_pages(buf.reshape(-1)[: n * page_size], page_size)  # [n]
+    if got is None:
+        got = crc32c_pages(buf.reshape(-1)[: n * page_size], page_size)  # [n]
+    got = got[:n]
     pages = (np.asarray(first_pages, dtype=np.int64)[:, None] + np.arange(pages_per_block)).reshape(-1)  # [n]
     bad = got != expected[pages]
     return pages[bad], got[bad]
@@ -101,13 +104,15 @@ class PageChecker:
     def nbytes(self) -> int:
         return self.crcs.nbytes
 
-    def check(self, offsets: np.ndarray, buf: torch.Tensor | np.ndarray, size: int) -> None:
+    def check(self, offsets: np.ndarray, buf: torch.Tensor | np.ndarray, size: int,
+              crcs: np.ndarray | None = None) -> None:
         """Return when every page of a read is intact: ``buf`` holds len(offsets) blocks of ``size`` bytes
-        (whole pages) read from byte ``offsets[i]``. Else raise CorruptPageError for the lowest bad page; its
-        ``bad_pages`` says how many pages of the read were bad."""
+        (whole pages) read from byte ``offsets[i]``; ``crcs``, when given, their pages' CRC32Cs as the reader
+        computed them. Else raise CorruptPageError for the lowest bad page; its ``bad_pages`` says how many
+        pages of the read were bad."""
         pages, got = bad_pages(buf.numpy() if isinstance(buf, torch.Tensor) else buf,
                                np.asarray(offsets, dtype=np.int64) // self.page_size, size // self.page_size,
-                               self.crcs, self.page_size)
+                               self.crcs, self.page_size, got=crcs)
         if len(pages):
             i = int(pages.argmin())
             p = int(pages[i])

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from engram.fast_path import FastPathSwitch
+from engram.store.crc32c import crc32c_pages
 
 PAGE = 4096  # read unit and O_DIRECT alignment: 4 KiB covers every logical block size in use
 IO_MODES = ("direct", "buffered")
@@ -219,8 +220,12 @@ class PageReader:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
-    def read(self, offsets: np.ndarray, out: torch.Tensor, size: int = PAGE) -> None:
-        """Read ``size`` bytes at each of ``offsets`` (int64 [n]) into ``out`` (uint8, n*size bytes)."""
+    def read(self, offsets: np.ndarray, out: torch.Tensor, size: int = PAGE, crcs: np.ndarray | None = None,
+             crc_page: int = PAGE) -> None:
+        """Read ``size`` bytes at each of ``offsets`` (int64 [n]) into ``out`` (uint8, n*size bytes). ``crcs``
+        (uint32 [n * size // crc_page], optional) receives the CRC32C of every ``crc_page`` bytes of what was
+        read, in order: the C pool computes each block's right after reading it, on the thread that read it
+        (crc32c_pages over ``out`` gives the same values)."""
         offsets = np.ascontiguousarray(offsets, dtype=np.int64)
         n = len(offsets)
         if n == 0:
@@ -237,16 +242,24 @@ class PageReader:
             fd = self._fd
         pool = _pool(self.queue_depth)
         buf = out.numpy()
-        if fault is None:
-            res = pool.read(fd, offsets, size, buf)
-        else:
-            res = pool.read(fd, offsets, size, buf, inject_index=fault.index, inject_errno=fault.err,
-                            inject_got=fault.got)
+        kw = {}
+        if fault is not None:
+            kw.update(inject_index=fault.index, inject_errno=fault.err, inject_got=fault.got)
+        in_pool = crcs is not None and isinstance(pool, _pread_pool.Pool if _pread_pool else ())
+        if crcs is not None:
+            if crc_page < 1 or size % crc_page or crcs.dtype != np.uint32 or len(crcs) < n * (size // crc_page):
+                raise ValueError(f"crcs must be uint32 with >= {n * max(1, size // max(1, crc_page))} entries and "
+                                 f"crc_page={crc_page} must divide size={size}")
+            if in_pool:
+                kw.update(crc_out=crcs, crc_page=crc_page)
+        res = pool.read(fd, offsets, size, buf, **kw)
         if res is not None:
             i, err, got = res
             detail = (f"[Errno {err}] {os.strerror(err)}" if err else
                       f"short read: {got} of {size} bytes (file is {self._size} bytes)")
             raise DiskReadError(self.path, int(offsets[i]), err, detail)
+        if crcs is not None and not in_pool:  # the Python pool: checksummed here, after the reads
+            crcs[: n * (size // crc_page)] = crc32c_pages(buf.reshape(-1)[: n * size], crc_page)
 
     def close(self) -> None:
         for fd in self._retired + [self._fd]:

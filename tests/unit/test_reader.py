@@ -49,6 +49,29 @@ def test_random_pages_bitwise(tmp_path, backend, io, qd):
     r.close()
 
 
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("size,crc_page", [(PAGE, PAGE), (2 * PAGE, PAGE), (2 * PAGE, 2 * PAGE)])
+def test_checksums_computed_while_reading_equal_crc32c_pages(tmp_path, backend, size, crc_page):
+    from engram.store.crc32c import crc32c_pages
+
+    data = make_file(tmp_path / "v.bin", 64, seed=3)
+    r = PageReader(tmp_path / "v.bin", io="direct", queue_depth=8)
+    rng = np.random.default_rng(size + crc_page)
+    for n in (1, 7, 40):
+        offs = rng.integers(0, 64 - size // PAGE + 1, size=n) * PAGE
+        out = aligned_pages(n * size // PAGE)
+        crcs = np.full(n * size // crc_page + 3, 7, dtype=np.uint32)  # 3 spare entries stay untouched
+        r.read(offs, out, size, crcs, crc_page)
+        assert np.array_equal(out.numpy().reshape(-1), expected(data, offs, size))
+        assert np.array_equal(crcs[:-3], crc32c_pages(out.numpy().reshape(-1), crc_page))
+        assert (crcs[-3:] == 7).all()
+    with pytest.raises(ValueError, match="crcs must be uint32"):
+        r.read(offs[:1], aligned_pages(size // PAGE), size, np.empty(0, dtype=np.uint32), crc_page)
+    with pytest.raises(ValueError, match="must divide"):
+        r.read(offs[:1], aligned_pages(size // PAGE), size, np.empty(8, dtype=np.uint32), 3 * PAGE)
+    r.close()
+
+
 @pytest.mark.parametrize("size", [1, 100, 264, 5000])
 def test_backends_agree_on_unaligned_buffered_reads(tmp_path, size):
     data = make_file(tmp_path / "v.bin", 9)
