@@ -115,7 +115,7 @@ class Worker:
             else:
                 logits = self.runner.run(step, staged, patch)
         finally:
-            if staged is not None and hasattr(staged, "release"):
+            if staged is not None:
                 staged.release()  # reads of layers a failed forward never reached (lookup.py: deferred)
         sampled = self.sampler(logits, step.samples)
         self.pending.remember(step.step_id, sampled.token_ids)
