@@ -2,7 +2,8 @@
 thread plus a profiler summary of the CPU ops of every thread (the disk tier reads on its own threads).
 
     python scripts/profile_decode_host.py [--model 4b-like] [--tier disk] [--batch 1] [--context 512]
-        [--engram-config JSON] [--cache-dir DIR] [--steps 50] [--enforce-eager] [--top 30]
+        [--engram-config JSON] [--cache-dir DIR] [--steps 50] [--enforce-eager] [--async-scheduling | --no-...]
+        [--top 30]
 
 Builds the engine, decodes ``--batch`` sequences of ``--context`` prompt tokens until every one decodes,
 times ``--steps`` decode steps (wall ms per step, mean and median), then runs the same number again under
@@ -38,10 +39,13 @@ def main() -> int:
     ap.add_argument("--cache-dir", default=None, help="where the preset's table files are generated / read")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="EngineConfig.async_scheduling (default: the engine's auto choice)")
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
     llm = engram.LLM(args.model, tier=args.tier, engram_config=json.loads(args.engram_config),
                      cache_dir=args.cache_dir, enforce_eager=args.enforce_eager,
+                     async_scheduling=args.async_scheduling,
                      max_num_seqs=max(args.batch, 1), max_model_len=args.context + 4 * args.steps + 64,
                      max_num_batched_tokens=max(2048, args.context))
     engine = llm.engine
@@ -62,7 +66,8 @@ def main() -> int:
         engine.step()
         times.append((time.perf_counter() - t) * 1e3)
     sync()
-    print(f"{args.model} tier {args.tier} batch {args.batch}: {statistics.fmean(times):.3f} ms/step mean, "
+    print(f"{args.model} tier {args.tier} batch {args.batch} (async scheduling {engine._async()}): "
+          f"{statistics.fmean(times):.3f} ms/step mean, "
           f"{statistics.median(times):.3f} median, {max(times):.3f} max ({args.steps} steps, "
           f"graph replays so far {engine.stats().get('graph_replays')})")
     prof = cProfile.Profile()

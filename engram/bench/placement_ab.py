@@ -58,8 +58,8 @@ Output: the JSON of engram.bench.report (``--out``, default bench/results/<date>
 summaries; with a disk arm ``raw_reads`` and ``disk``, keyed by its label A or B), ``result.arms``,
 ``result.model``, ``result.tables`` (bytes per layer per placement: the tier, followed by the store
 options that differ from --engram-config's if any), ``result.placements`` (per arm, its placement, and
-per placement its effective store options),
-``result.engine_config``, ``result.kv_cache_memory``, ``result.corpus`` (path, sha256) and
+per placement its effective store options), ``result.async_scheduling`` (per arm, whether its engine
+schedules asynchronously), ``result.engine_config``, ``result.kv_cache_memory``, ``result.corpus`` (path, sha256) and
 ``result.windows`` (per batch: max_tokens, offsets, token_stats); a table with batch, arm B, tok/s of A and
 B (medians), B/A median ratio and CI, A/A CI and verdict; with a disk arm a second table (batch, disk arm,
 step ms, host step ms, read ops per step, raw read ops/s, bound ms, ratio, hit rates of the first warm-up
@@ -100,9 +100,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='loader and table options every arm shares, e.g. \'{"tables_in_memory": true, '
                         '"load_threads": 16, "table_rows": 131000000}\' (not cpu_offload / lookup_overlap)')
     p.add_argument("--a", default=DEFAULT_A, metavar="JSON",
-                   help=f'arm A (the baseline): keys tier (gpu|host|disk), lookup_overlap and options (table '
-                        f'options overriding --engram-config\'s for this arm, e.g. {{"io": "direct", '
-                        f'"cache_rows": 200000}}) (default {DEFAULT_A})')
+                   help=f'arm A (the baseline): keys tier (gpu|host|disk), lookup_overlap, async_scheduling '
+                        f'(default: the engine\'s choice) and options (table options overriding '
+                        f'--engram-config\'s for this arm, e.g. {{"io": "direct", "cache_rows": 200000}}) '
+                        f'(default {DEFAULT_A})')
     p.add_argument("--b", action="append", default=None, metavar="JSON",
                    help=f"an arm B, repeatable (--b[1] is the first); each is A/B'd against A in its own "
                         f"interleaved run (default one: {DEFAULT_B})")
@@ -337,6 +338,7 @@ def run(args: argparse.Namespace) -> int:
                         progress=not args.quiet)
     tables: dict[str, dict] = {}
     engines: dict[ArmSpec, object] = {}
+    async_of: dict[str, bool] = {}  # per arm: whether its engine schedules asynchronously
     frozen = False
     try:
         for name, (tier, store) in placements.items():  # each placement's tables once: at ~33 GiB a layer
@@ -352,7 +354,9 @@ def run(args: argparse.Namespace) -> int:
         for arm in arms:
             loaded = dataclasses.replace(base, tables=tables[placement_of[arm]], tier=arm.tier,
                                          store_options=store_of[arm], lookup_overlap=arm.lookup_overlap)
-            engines[arm] = LLMEngine(loaded, ecfg, device, dtype)
+            engines[arm] = LLMEngine(loaded, dataclasses.replace(ecfg, async_scheduling=arm.async_scheduling),
+                                     device, dtype)
+            async_of[arm.name] = engines[arm]._async()
             graphs = engines[arm].executor.worker.graphs
             if device.type == "cuda" and not args.enforce_eager and (
                     graphs is None or max(batch_sizes) > ecfg.max_graph_batch):
@@ -408,6 +412,7 @@ def run(args: argparse.Namespace) -> int:
               "tables": tables_info,
               "placements": {"arms": {arm.name: placement_of[arm] for arm in arms},
                              "store_options": {name: store.to_dict() for name, (_, store) in placements.items()}},
+              "async_scheduling": async_of,
               "engine_config": dataclasses.asdict(ecfg),
               "kv_cache_memory": {"bytes": kv_budget, "source": kv_source, "kv_blocks": kv_blocks},
               "settings": {"batch_sizes": list(batch_sizes), "context_len": s.context_len,

@@ -1,11 +1,15 @@
 """What an arm of `engram bench placement` is, and how it is checked before anything loads.
 
-An arm is a JSON object (``--a``, each ``--b``) with exactly the keys ``tier`` ("gpu" | "host" | "disk",
-required), ``lookup_overlap`` (bool, default false) and ``options`` (a JSON object of table options,
-engram.store.StoreOptions keys such as ``cache_rows``, ``io``, ``queue_depth``; default none).
+An arm is a JSON object (``--a``, each ``--b``) with the keys ``tier`` ("gpu" | "host" | "disk",
+required), ``lookup_overlap`` (bool, default false), ``async_scheduling`` (bool, default: the engine's auto
+choice, which is on where the tables gather device ids; asked for on host-read tables, a decode step is
+launched before the step before it is read and waits for its tokens inside the launch) and ``options`` (a
+JSON object of table options, engram.store.StoreOptions keys such as ``cache_rows``, ``io``,
+``queue_depth``; default none).
 ``parse_arm`` turns it into an ``ArmSpec`` (hashable: one engine per distinct arm) or stops the command
 (SystemExit) naming the option (``--a``, ``--b[1]`` for the first ``--b``) and the offending key: any
-other key, a missing or unknown tier, a non-bool ``lookup_overlap``, ``options`` not an object.
+other key, a missing or unknown tier, a non-bool ``lookup_overlap`` or ``async_scheduling``, ``options``
+not an object.
 
 What the arms share goes in ``--engram-config`` (loader and table options): ``parse_engram_options``
 reads it as RuntimeOptions and refuses ``cpu_offload`` and ``lookup_overlap`` (``ARM_OPTIONS_IN_CONFIG``),
@@ -26,7 +30,7 @@ import json
 from dataclasses import dataclass
 
 TIERS = ("gpu", "host", "disk")
-ARM_KEYS = ("tier", "lookup_overlap", "options")
+ARM_KEYS = ("tier", "lookup_overlap", "async_scheduling", "options")
 DEFAULT_A = '{"tier": "gpu"}'
 DEFAULT_B = '{"tier": "host", "lookup_overlap": true}'
 ARM_OPTIONS_IN_CONFIG = ("cpu_offload", "lookup_overlap")  # what the arms decide, not --engram-config
@@ -41,9 +45,12 @@ class ArmSpec:
     tier: str
     lookup_overlap: bool = False
     options: tuple = ()  # the arm's table options as sorted (key, value) pairs (hashable); () for none
+    async_scheduling: bool | None = None  # None: the engine's auto choice
 
     def to_dict(self) -> dict:
         out = {"tier": self.tier, "lookup_overlap": self.lookup_overlap}
+        if self.async_scheduling is not None:
+            out["async_scheduling"] = self.async_scheduling
         if self.options:
             out["options"] = dict(self.options)
         return out
@@ -72,10 +79,14 @@ def parse_arm(text: str, option: str) -> ArmSpec:
     overlap = raw.get("lookup_overlap", False)
     if not isinstance(overlap, bool):
         raise SystemExit(f"{option}: key 'lookup_overlap'={overlap!r} must be true or false")
+    asynchronous = raw.get("async_scheduling")
+    if asynchronous is not None and not isinstance(asynchronous, bool):
+        raise SystemExit(f"{option}: key 'async_scheduling'={asynchronous!r} must be true or false")
     options = raw.get("options", {})
     if not isinstance(options, dict):
         raise SystemExit(f"{option}: key 'options'={options!r} must be a JSON object of table options")
-    return ArmSpec(raw["tier"], overlap, tuple(sorted(options.items())))  # checked over the shared ones: run()
+    return ArmSpec(raw["tier"], overlap, tuple(sorted(options.items())),  # checked over the shared ones: run()
+                   asynchronous)
 
 
 def _store_options(options: dict, base, option: str):

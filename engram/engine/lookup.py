@@ -84,8 +84,10 @@ class LookupExecutor:
 
     def submit(self, step: StepDescription, patch: PendingPatch | None = None, project: bool = True) -> StagedRows:
         """Stage every layer's rows of ``step``. With a ``patch`` (async scheduling: some row ids exist only
-        on the device) the ids are uploaded, patched there and gathered from device ids, which only tables
-        that gather device ids as device work (or any table, on the CPU) can serve. ``project``: with a
+        on the device) the ids are uploaded and patched there; tables that gather device ids as device work
+        gather from them, and the others (host-read tables: the disk tier, hot-row caches; every table on the
+        CPU) get them on the host, one synchronisation for all layers, which waits for the step that sampled
+        the pending tokens, and are then submitted like host ids. ``project``: with a
         lookup stream and projectors, stage each layer's projection instead of its rows (False: the rows, for
         a decode graph that projects them itself)."""
         deferred: dict = {}
@@ -110,9 +112,11 @@ class LookupExecutor:
         whose reads still run (after the first, which the model needs at once) goes to ``deferred`` as
         (handle, finish) instead, for ``StagedRows.rows`` to wait for when its layer asks."""
         handles: dict = {}
-        if patch is None:  # CPU ids: every layer's lookup is submitted before any is waited for (disk reads overlap)
+        if patch is None or not self.takes_device_ids():
+            # host ids: every layer's lookup is submitted before any is waited for (disk reads overlap)
+            host_ids = step.engram_row_ids if patch is None else self._host_ids(step, patch)
             handles = {lid: self.tables[lid].submit(ids.reshape(-1), dtype=self.fetch_dtype)
-                       for lid, ids in step.engram_row_ids.items()}  # [T * n_cols] each, CPU int64
+                       for lid, ids in host_ids.items()}  # [T * n_cols] each, CPU int64
 
             def fetch(lid: int, ids: torch.Tensor) -> torch.Tensor:
                 return handles[lid].wait()
@@ -130,14 +134,23 @@ class LookupExecutor:
             done(lid, rows)
         return rows
 
+    def _host_ids(self, step: StepDescription, patch: PendingPatch) -> dict[int, torch.Tensor]:
+        """Every layer's row ids [T, n_cols] with the pending rows patched in, on the host: patched on the
+        device, then one copy for all layers (it waits for the step that sampled the pending tokens)."""
+        layers = list(step.engram_row_ids)
+        patched = [patch.patched(to_device(step.engram_row_ids[lid], self.device), patch.row_ids[lid])
+                   for lid in layers]
+        return dict(zip(layers, torch.stack(patched).cpu().unbind(0))) if layers else {}
+
     def _finish(self, flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """A layer's fetched rows [T * n_cols, head_dim] -> [T, n_cols, D] on the device in the model's dtype."""
         return flat.to(self.device, self.dtype).reshape(shape[0], shape[1], -1)
 
     def takes_device_ids(self) -> bool:
-        """Whether ``submit`` can take a patch on this device: on the CPU every table can; on CUDA only when
-        every table gathers device ids as device work alone (tier gpu, tier host without a hot-row cache)."""
-        return self.device.type == "cpu" or all(t.gathers_on_device for t in self.tables.values())
+        """Whether ``submit`` serves a patch without a host synchronisation: every table gathers device ids as
+        device work alone (on CUDA: tier gpu, tier host without a hot-row cache). Otherwise it waits for the
+        pending tokens and reads the patched ids on the host (``_host_ids``)."""
+        return self.device.type == "cuda" and all(t.gathers_on_device for t in self.tables.values())
 
     def stats(self) -> dict[int, dict[str, int]]:
         """Each table's counters (lookups, rows, hits, misses, bytes_read, ...), by Engram layer id."""

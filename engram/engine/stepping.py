@@ -8,8 +8,9 @@ rolled back, and when it held several requests it is re-run in halves to find th
 so the others go on (``StepError`` carries the outputs of the rest and the failing request ids).
 
 Async scheduling (``EngineConfig.async_scheduling``; on by default on CUDA where the tables can gather ids
-the device produced; asked for with other tables, a step whose inputs include tokens still on the device
-waits for them, so only steps without such tokens — prefill chunks — run ahead): ``step`` launches step
+the device produced; asked for with host-read tables — the disk tier, hot-row caches — the Worker's launch
+of a step whose inputs include tokens still on the device waits for them and reads the patched row ids on
+the host, so the rest of the host's work still overlaps the device): ``step`` launches step
 N+1 before it reads step N, so the host's scheduling, packing, hashing, detokenizing and output building
 overlap the device's work. N+1's decode tokens are N's sampled ids, still on the device
 (``Sequence.num_pending``; packing.py, engine/pending.py). Greedy and seeded outputs are those of
@@ -66,11 +67,12 @@ class StepPipeline:
         return self._run_isolated(batch)
 
     def _async(self) -> bool:
-        """Async scheduling: asked for, or (auto) on CUDA where the Workers take tokens left on the device."""
+        """Async scheduling: asked for, or (auto) on CUDA where the Workers launch steps with tokens left on
+        the device without waiting for them."""
         c = self.config.async_scheduling
         if c is not None:
             return c
-        return self.device.type == "cuda" and self.executor.takes_pending_tokens()
+        return self.device.type == "cuda" and self.executor.pending_tokens_stay_on_device()
 
     def _step_async(self) -> list[RequestOutput]:
         if self._inflight is None:
@@ -82,8 +84,8 @@ class StepPipeline:
         if batch.is_empty:
             return self._collect_or_rerun(prev)
         if not self.executor.takes_pending_tokens() and any(seq.num_pending for seq in batch.seqs):
-            # Tables that need host ids (hot-row caches, the disk tier) cannot take tokens still on the device:
-            # read prev first, then launch; steps without such tokens (prefill chunks) still run ahead.
+            # Workers that cannot take tokens still on the device (a replaced lookup executor): read prev
+            # first, then launch; steps without such tokens (prefill chunks) still run ahead.
             outputs = self._collect_or_rerun(prev)
             return outputs + self._launch_ahead(pick(batch, [i for i, seq in enumerate(batch.seqs)
                                                               if not seq.is_finished]), None, outputs)

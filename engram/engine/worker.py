@@ -151,8 +151,13 @@ class Worker:
 
     def takes_pending_tokens(self) -> bool:
         """Whether ``launch`` can take steps with pending tokens (async scheduling): the default lookup
-        executor over tables that can gather ids the device produced (any table on the CPU)."""
-        return type(self.lookup) is LookupExecutor and self.lookup.takes_device_ids()
+        executor can, over any tables (host-read ones wait for the tokens inside ``launch``)."""
+        return type(self.lookup) is LookupExecutor
+
+    def pending_tokens_stay_on_device(self) -> bool:
+        """Whether steps with pending tokens launch without waiting for them: every table gathers ids the
+        device produced as device work (CUDA: tier gpu, tier host without a hot-row cache)."""
+        return self.takes_pending_tokens() and self.lookup.takes_device_ids()
 
     def _free(self, seq_ids: list[int]) -> None:
         self.runner.free(seq_ids)

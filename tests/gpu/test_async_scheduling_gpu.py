@@ -2,8 +2,9 @@
 ids, steps really run ahead (a step is launched before the one before it is read, its decode tokens
 patched in on the device, decode graphs replayed), and tokens and logprobs are bitwise those of
 synchronous scheduling when the batch composition is the same (every request admitted at once, no stops);
-a tier whose tables need host ids (host with a hot-row cache) schedules synchronously by default, and when
-async is asked for, its decode steps wait for their tokens and give the same outputs."""
+a tier whose tables need host ids (host with a hot-row cache, the disk tier) schedules synchronously by
+default, and when async is asked for, its decode steps are still launched before the step before them is
+read (the Worker waits for the tokens and reads the patched row ids on the host) and give the same outputs."""
 from __future__ import annotations
 
 import pytest
@@ -50,14 +51,20 @@ def test_async_equals_sync_bitwise_and_runs_ahead(tmp_path, tier):
     assert auto.stats()["graph_replays"] - replays >= 20
 
 
-def test_tables_that_need_host_ids_wait_for_tokens_in_flight(tmp_path):
-    loaded = load_model("tiny", tier="host", dtype=torch.bfloat16, device=CUDA, cache_dir=tmp_path, progress=False,
-                        engram_config={"cache_rows": 64})
+@pytest.mark.parametrize("tier,options", [("host", {"cache_rows": 64}), ("disk", {"io": "buffered"}),
+                                          ("disk", {"io": "buffered", "cache_rows": 64})],
+                         ids=["host-cache", "disk", "disk-cache"])
+def test_tables_that_need_host_ids_take_tokens_in_flight_when_asked(tmp_path, tier, options):
+    loaded = load_model("tiny", tier=tier, dtype=torch.bfloat16, device=CUDA, cache_dir=tmp_path, progress=False,
+                        engram_config=options)
     cfg = dict(max_num_seqs=4, max_model_len=128)
     auto = LLMEngine(loaded, EngineConfig(**cfg), CUDA, torch.bfloat16)
-    assert not auto._async()  # auto: only where the tables take device ids
+    assert not auto._async()  # auto: only where the tables take device ids without a host sync
     want, ahead = generate(auto, 4)
     assert ahead == 0 and all(len(t) == 24 for t, _ in want)
     asked = LLMEngine(loaded, EngineConfig(async_scheduling=True, **cfg), CUDA, torch.bfloat16)
-    got, _ = generate(asked, 4)  # decode steps wait for their tokens; the same batches, the same tokens
+    replays = asked.stats()["graph_replays"]
+    got, ahead = generate(asked, 4)  # the same batches, the same tokens
     assert got == want
+    assert ahead >= 20  # decode steps were launched before the step before them was read
+    assert asked.stats()["graph_replays"] - replays >= 20

@@ -262,3 +262,34 @@ def test_a_step_that_fails_when_read_is_rerun_and_the_step_after_it_dropped(tiny
     got, _, rec, engine = run(tiny, reqs, params, monkeypatch, True, **cfg)
     assert failed_at == [5, 11, 17] and got == want
     assert rec.overlapped() > 10 and (engine.num_preemptions > 0 or not squeeze)
+
+
+@pytest.mark.parametrize("options", [{"io": "buffered"}, {"io": "buffered", "cache_rows": 300}],
+                         ids=["disk", "disk-cache"])
+def test_host_read_tables_take_tokens_in_flight(tmp_path, monkeypatch, options):
+    """The disk tier (with and without a hot-row cache) reads its rows on the host: under async scheduling the
+    Worker's launch reads the patched row ids of a step with tokens still in flight on the host
+    (LookupExecutor._host_ids) and submits them like any host ids. Same outputs and row ids as synchronous
+    scheduling, and decode steps did carry tokens in flight (they were not read first)."""
+    import dataclasses
+
+    from engram.store.options import StoreOptions
+
+    base = load_model("tiny", dtype=F64, device=CPU, cache_dir=tmp_path, progress=False)
+    disk = dataclasses.replace(base, tables={}, tier="disk", store_options=StoreOptions(**options))
+    reqs, params = prompts(6, seed=11), mixed_params(6)
+    cfg = dict(max_num_seqs=4, max_num_batched_tokens=40)
+    want, want_rows, _, _ = run(disk, reqs, params, monkeypatch, False, **cfg)
+    monkeypatch.undo()
+    real, resolved = LookupExecutor._host_ids, []
+
+    def host_ids(self, step, patch):
+        resolved.append(len(step.pending_rows))
+        return real(self, step, patch)
+
+    monkeypatch.setattr(LookupExecutor, "_host_ids", host_ids)
+    got, rows, rec, engine = run(disk, reqs, params, monkeypatch, True, **cfg)
+    assert got == want and {k: rows[k] for k in want_rows} == want_rows  # a stop computes one more, dropped
+    assert sum(resolved) == rec.pending_rows > 0  # every token in flight was resolved on the host
+    assert rec.pending_rows > 0 and rec.overlapped() > 5
+    assert engine.executor.takes_pending_tokens() and not engine.executor.pending_tokens_stay_on_device()

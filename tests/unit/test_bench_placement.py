@@ -81,6 +81,8 @@ def test_check_forced_names_the_arm_sequence_and_position():
     ("--a", '{"tier": "host", "options": {"io": "mmap"}}', r"--a: options.io='mmap': must be one of"),
     ("--b", '{"lookup_overlap": true}', r"--b\[1\]: key 'tier' is missing"),
     ("--b", '{"tier": "gpu", "lookup_overlap": 1}', r"--b\[1\]: key 'lookup_overlap'=1 must be true or false"),
+    ("--b", '{"tier": "disk", "async_scheduling": "yes"}',
+     r"--b\[1\]: key 'async_scheduling'='yes' must be true or false"),
     ("--a", '{"tier": "gpu", "device": "cuda"}', r"--a: unknown key 'device'"),
     ("--a", '["gpu"]', r"--a: expected a JSON object"),
 ])
@@ -191,7 +193,7 @@ def test_disk_arms_record_raw_reads_counters_hit_rates_and_the_bound(tmp_path, c
 
     out, cache = tmp_path / "disk.json", tmp_path / "cache"
     host = {"tier": "host", "lookup_overlap": False}
-    plain = {"tier": "disk", "lookup_overlap": False, "options": {"io": "buffered"}}
+    plain = {"tier": "disk", "lookup_overlap": False, "async_scheduling": True, "options": {"io": "buffered"}}
     cached = {"tier": "disk", "lookup_overlap": False, "options": {"cache_rows": 500, "io": "buffered"}}
     rc = main(["bench", "placement", *DISK_FAST, "--out", str(out), "--kv-cache-memory", "64MiB",
                "--cache-dir", str(cache), "--a", json.dumps(host), "--b", json.dumps(plain), "--b", json.dumps(cached)])
@@ -199,6 +201,7 @@ def test_disk_arms_record_raw_reads_counters_hit_rates_and_the_bound(tmp_path, c
     assert len(list((cache / "tables").glob("*/*/manifest.json"))) == 2  # the preset's tables, in --cache-dir
     res = json.loads(out.read_text())["result"]
     assert res["arms"] == {"A": host, "B": [plain, cached]}
+    assert list(res["async_scheduling"].values()) == [False, True, False]  # asked for by `plain` only (CPU)
     names = ["host", 'disk {"io": "buffered"}', 'disk {"cache_rows": 500, "io": "buffered"}']
     assert list(res["tables"]) == names == list(res["placements"]["store_options"])
     assert {t["type"] for t in res["tables"][names[1]].values()} == {"DiskTable"}
