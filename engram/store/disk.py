@@ -68,14 +68,21 @@ class DiskLookup(LookupHandle):
             self._release()
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
+        """The rows, usable on the caller's current stream: on CUDA that stream waits for the device work
+        that produced them on the table's thread (an event), and the rows are marked used by it."""
         fut = self._future
         if self._cancelled or fut is None:
             raise cf.CancelledError("this lookup was cancelled")
         try:
-            return fut.result(timeout)  # re-raises the lookup's error (e.g. DiskReadError)
+            rows, ready = fut.result(timeout)  # re-raises the lookup's error (e.g. DiskReadError)
         finally:
             if fut.done():
                 self._release()
+        if ready is not None:
+            stream = torch.cuda.current_stream(rows.device)
+            stream.wait_event(ready)
+            rows.record_stream(stream)  # the allocator must not reuse them while this stream may read them
+        return rows
 
     def done(self) -> bool:
         fut = self._future
@@ -263,11 +270,21 @@ class DiskTable(TableBackend):
             self._extra["inflight"] += 1
             self._extra["inflight_bytes"] += nbytes
         try:
-            future = self._pool.submit(self._gather_checked, ids, None, dtype)
+            future = self._pool.submit(self._lookup, ids, dtype)
         except RuntimeError:  # executor shut down by close()
             self._release_slot(nbytes)
             raise RuntimeError(f"table {self.manifest.path} is closed") from None
         return DiskLookup(self, future, nbytes)
+
+    def _lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+        """A submitted lookup, on the table's thread: the rows and, on CUDA, an event recorded after the work
+        that produced them on this thread's stream (the consumer runs on another thread and stream)."""
+        rows = self._gather_checked(ids, None, dtype)
+        if rows.device.type != "cuda":
+            return rows, None
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(rows.device))
+        return rows, ready
 
     def _release_slot(self, nbytes: int) -> None:
         with self._lock:
