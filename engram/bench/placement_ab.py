@@ -100,8 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='loader and table options every arm shares, e.g. \'{"tables_in_memory": true, '
                         '"load_threads": 16, "table_rows": 131000000}\' (not cpu_offload / lookup_overlap)')
     p.add_argument("--a", default=DEFAULT_A, metavar="JSON",
-                   help=f'arm A (the baseline): keys tier (gpu|host|disk), lookup_overlap, async_scheduling '
-                        f'(default: the engine\'s choice) and options (table options overriding '
+                   help=f'arm A (the baseline): keys tier (gpu|host|disk), lookup_overlap, wkv_run_ahead, '
+                        f'async_scheduling (default: the engine\'s choice) and options (table options overriding '
                         f'--engram-config\'s for this arm, e.g. {{"io": "direct", "cache_rows": 200000}}) '
                         f'(default {DEFAULT_A})')
     p.add_argument("--b", action="append", default=None, metavar="JSON",
@@ -353,7 +353,8 @@ def run(args: argparse.Namespace) -> int:
         ecfg = dataclasses.replace(ecfg, kv_cache_memory=kv_budget)
         for arm in arms:
             loaded = dataclasses.replace(base, tables=tables[placement_of[arm]], tier=arm.tier,
-                                         store_options=store_of[arm], lookup_overlap=arm.lookup_overlap)
+                                         store_options=store_of[arm], lookup_overlap=arm.lookup_overlap,
+                                         wkv_run_ahead=arm.wkv_run_ahead)
             engines[arm] = LLMEngine(loaded, dataclasses.replace(ecfg, async_scheduling=arm.async_scheduling),
                                      device, dtype)
             async_of[arm.name] = engines[arm]._async()

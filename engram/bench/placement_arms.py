@@ -1,18 +1,21 @@
 """What an arm of `engram bench placement` is, and how it is checked before anything loads.
 
 An arm is a JSON object (``--a``, each ``--b``) with the keys ``tier`` ("gpu" | "host" | "disk",
-required), ``lookup_overlap`` (bool, default false), ``async_scheduling`` (bool, default: the engine's auto
-choice, which is on where the tables gather device ids; asked for on host-read tables, a decode step is
-launched before the step before it is read and waits for its tokens inside the launch) and ``options`` (a
+required), ``lookup_overlap`` (bool, default false), ``wkv_run_ahead`` (bool, default true: with
+``lookup_overlap``, whether the rows' projections run ahead on the lookup stream too),
+``async_scheduling`` (bool, default: the engine's auto choice, which is on where the tables gather device
+ids; asked for on host-read tables, a decode step is launched before the step before it is read and waits
+for its tokens inside the launch) and ``options`` (a
 JSON object of table options, engram.store.StoreOptions keys such as ``cache_rows``, ``io``,
 ``queue_depth``; default none).
 ``parse_arm`` turns it into an ``ArmSpec`` (hashable: one engine per distinct arm) or stops the command
 (SystemExit) naming the option (``--a``, ``--b[1]`` for the first ``--b``) and the offending key: any
-other key, a missing or unknown tier, a non-bool ``lookup_overlap`` or ``async_scheduling``, ``options``
-not an object.
+other key, a missing or unknown tier, a non-bool ``lookup_overlap``, ``wkv_run_ahead`` or
+``async_scheduling``, ``options`` not an object.
 
 What the arms share goes in ``--engram-config`` (loader and table options): ``parse_engram_options``
-reads it as RuntimeOptions and refuses ``cpu_offload`` and ``lookup_overlap`` (``ARM_OPTIONS_IN_CONFIG``),
+reads it as RuntimeOptions and refuses ``cpu_offload``, ``lookup_overlap`` and ``wkv_run_ahead``
+(``ARM_OPTIONS_IN_CONFIG``),
 which the arms decide. Its table options are the base that an arm's ``options`` override for that arm's
 tables: ``arm_store_options`` applies them and lets StoreOptions validate the result (unknown keys,
 values, combinations), SystemExit naming the option and ``options.<key>`` otherwise.
@@ -30,10 +33,10 @@ import json
 from dataclasses import dataclass
 
 TIERS = ("gpu", "host", "disk")
-ARM_KEYS = ("tier", "lookup_overlap", "async_scheduling", "options")
+ARM_KEYS = ("tier", "lookup_overlap", "wkv_run_ahead", "async_scheduling", "options")
 DEFAULT_A = '{"tier": "gpu"}'
 DEFAULT_B = '{"tier": "host", "lookup_overlap": true}'
-ARM_OPTIONS_IN_CONFIG = ("cpu_offload", "lookup_overlap")  # what the arms decide, not --engram-config
+ARM_OPTIONS_IN_CONFIG = ("cpu_offload", "lookup_overlap", "wkv_run_ahead")  # set per arm, not shared
 
 ARM_LABELS = {"A": ("A", "A'"), "B": ("B",)}  # the samples of an arm's engine in a comparison, by label
 
@@ -46,9 +49,12 @@ class ArmSpec:
     lookup_overlap: bool = False
     options: tuple = ()  # the arm's table options as sorted (key, value) pairs (hashable); () for none
     async_scheduling: bool | None = None  # None: the engine's auto choice
+    wkv_run_ahead: bool = True
 
     def to_dict(self) -> dict:
         out = {"tier": self.tier, "lookup_overlap": self.lookup_overlap}
+        if not self.wkv_run_ahead:
+            out["wkv_run_ahead"] = False
         if self.async_scheduling is not None:
             out["async_scheduling"] = self.async_scheduling
         if self.options:
@@ -79,6 +85,9 @@ def parse_arm(text: str, option: str) -> ArmSpec:
     overlap = raw.get("lookup_overlap", False)
     if not isinstance(overlap, bool):
         raise SystemExit(f"{option}: key 'lookup_overlap'={overlap!r} must be true or false")
+    run_ahead = raw.get("wkv_run_ahead", True)
+    if not isinstance(run_ahead, bool):
+        raise SystemExit(f"{option}: key 'wkv_run_ahead'={run_ahead!r} must be true or false")
     asynchronous = raw.get("async_scheduling")
     if asynchronous is not None and not isinstance(asynchronous, bool):
         raise SystemExit(f"{option}: key 'async_scheduling'={asynchronous!r} must be true or false")
@@ -86,7 +95,7 @@ def parse_arm(text: str, option: str) -> ArmSpec:
     if not isinstance(options, dict):
         raise SystemExit(f"{option}: key 'options'={options!r} must be a JSON object of table options")
     return ArmSpec(raw["tier"], overlap, tuple(sorted(options.items())),  # checked over the shared ones: run()
-                   asynchronous)
+                   asynchronous, run_ahead)
 
 
 def _store_options(options: dict, base, option: str):
@@ -120,7 +129,8 @@ def parse_engram_options(text: str | None):
         raw = parse_engram_config(text)
         taken = [k for k in ARM_OPTIONS_IN_CONFIG if k in raw]
         if taken:
-            raise ValueError(f"key {taken[0]!r} is set per arm here (--a / --b: tier, lookup_overlap), not shared")
+            raise ValueError(f"key {taken[0]!r} is set per arm here (--a / --b: tier, lookup_overlap, "
+                             "wkv_run_ahead), not shared")
         return RuntimeOptions.from_dict(raw)
     except ValueError as e:
         raise SystemExit(f"--engram-config: {e}") from None

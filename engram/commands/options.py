@@ -21,7 +21,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
     g.add_argument("--engram-config", default=None, metavar="JSON",
                    help='runtime options, e.g. \'{"cpu_offload": true}\' (= tier host), cache_rows, cache_policy, '
-                        'io, queue_depth, lookup_overlap')
+                        'io, queue_depth, lookup_overlap, wkv_run_ahead')
     g.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     g.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (small models on a busy CPU run fastest with 1)")

@@ -76,7 +76,7 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model, kv, ecfg, max_batch: int, max_model_len: int, block_size: int,
                  null_block: int, device: torch.device, progress: bool | None = None, tables: dict | None = None,
-                 lookup_stream: LookupStream | None = None):
+                 lookup_stream: LookupStream | None = None, run_ahead: bool = True):
         self.model, self.kv, self.device = model, kv, device
         self.lookup_stream = lookup_stream  # in-graph gathers on a forked branch (lookup_overlap)
         # The Engram gathers go inside the graphs when every table can gather device ids as device work alone
@@ -118,9 +118,9 @@ class DecodeGraphs:
                      for lid in (ecfg.layer_ids if ecfg else ())}
         # WKV run-ahead in the graph (lookup_overlap, v41): each layer's projected rows, written on the lookup branch
         self.engram = {lid: model.model.layers[lid].engram for lid in self.rows}
+        ahead = lookup_stream is not None and run_ahead and self.tables is not None and ecfg.variant == "v41"
         self.projected = ({lid: torch.zeros(b, (ecfg.hc_mult + 1) * ecfg.hidden_size, dtype=dtype, device=device)
-                           for lid in self.rows}
-                          if lookup_stream is not None and self.tables is not None and ecfg.variant == "v41" else {})
+                           for lid in self.rows} if ahead else {})
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         # Piecewise (PIECEWISE, rows copied in, an Engram model): per bucket one graph per layer range

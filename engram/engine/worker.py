@@ -59,8 +59,9 @@ class Worker:
         self.lookup_stream = (LookupStream(self.device, self.ecfg.layer_ids)
                               if getattr(loaded, "lookup_overlap", False) and self.ecfg and self.device.type == "cuda"
                               else None)
+        run_ahead = getattr(loaded, "wkv_run_ahead", True)  # the WKV projections on the lookup stream too
         self.lookup = LookupExecutor(self.tables, self.ecfg, dtype, self.device, stream=self.lookup_stream,
-                                     projectors=_projectors(self.model, self.ecfg, dtype))
+                                     projectors=_projectors(self.model, self.ecfg, dtype) if run_ahead else None)
         self.sampler = Sampler(seed=config.seed)
         ctok = loaded.compressed_tokenizer
         self.pending = PendingTokens(NgramHasher.from_tokenizer(self.ecfg, ctok) if self.ecfg else None,
@@ -80,7 +81,7 @@ class Worker:
         self.graphs = (DecodeGraphs(self.model, self.kv, self.ecfg, min(config.max_num_seqs, config.max_graph_batch),
                                     max_model_len,
                                     config.block_size, self.memory.num_blocks, self.device, progress=progress,
-                                    tables=self.tables, lookup_stream=self.lookup_stream)
+                                    tables=self.tables, lookup_stream=self.lookup_stream, run_ahead=run_ahead)
                        if use_graphs else None)
 
     def _profiles_memory(self) -> bool:

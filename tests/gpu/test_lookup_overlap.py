@@ -37,10 +37,12 @@ TIERS = {"gpu": ("gpu", {}), "host": ("host", {}), "host-cache": ("host", {"cach
          "disk": ("disk", {"io": "buffered"})}
 
 
-def run(tmp_path, overlap: bool, tier: str = "gpu", eager: bool = False, n: int = 16, **engine):
+def run(tmp_path, overlap: bool, tier: str = "gpu", eager: bool = False, n: int = 16, run_ahead: bool = True,
+        **engine):
     where, options = TIERS[tier]
     llm = engram.LLM("tiny", tier=where, dtype=torch.float32, cache_dir=str(tmp_path),
-                     engram_config={"lookup_overlap": overlap, **options}, enforce_eager=eager, **engine)
+                     engram_config={"lookup_overlap": overlap, "wkv_run_ahead": run_ahead, **options},
+                     enforce_eager=eager, **engine)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
     outs = llm.generate(prompts(n), params, use_tqdm=False)
     worker = llm.engine.executor.worker
@@ -69,6 +71,20 @@ def test_overlap_on_equals_off_bitwise(tmp_path, tier, eager):
         assert (graphs.stale is not None) == (tier in ("gpu", "host"))  # the lookup branch is in the graph
         if graphs.stale is not None:
             assert not graphs.stale.any() and (graphs.row_tags >= 0).all()
+
+
+@pytest.mark.parametrize("tier,eager", [("gpu", False), ("host", True)], ids=["gpu-graphs", "host-eager"])
+def test_overlap_without_wkv_run_ahead_equals_off_bitwise(tmp_path, tier, eager):
+    """``wkv_run_ahead: false``: the gathers stay on the lookup stream, each layer projects its own rows on
+    the main stream (the same kernels); outputs bitwise those of overlap off, no projection in the graph."""
+    cfg = dict(max_num_seqs=16, max_num_batched_tokens=64)
+    off, _ = run(tmp_path, False, tier, eager, **cfg)
+    on, llm = run(tmp_path, True, tier, eager, run_ahead=False, **cfg)
+    assert on == off
+    worker = llm.engine.executor.worker
+    assert worker.lookup.projectors is None
+    if not eager:
+        assert not worker.graphs.projected and llm.engine.stats()["graph_replays"] > 0
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])

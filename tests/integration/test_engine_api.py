@@ -170,6 +170,8 @@ def test_llm_options_are_validated():
         engram.LLM(model="tiny", max_num_seq=4)
     with pytest.raises(ValueError, match="engram_config.lookup_overlap"):
         engram.LLM(model="tiny", engram_config={"lookup_overlap": "yes"})
+    with pytest.raises(ValueError, match="engram_config.wkv_run_ahead"):
+        engram.LLM(model="tiny", engram_config={"wkv_run_ahead": 1})
     with pytest.raises(ValueError, match="dtype='float8'"):
         engram.LLM(model="tiny", dtype="float8")
 

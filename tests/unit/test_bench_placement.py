@@ -81,6 +81,7 @@ def test_check_forced_names_the_arm_sequence_and_position():
     ("--a", '{"tier": "host", "options": {"io": "mmap"}}', r"--a: options.io='mmap': must be one of"),
     ("--b", '{"lookup_overlap": true}', r"--b\[1\]: key 'tier' is missing"),
     ("--b", '{"tier": "gpu", "lookup_overlap": 1}', r"--b\[1\]: key 'lookup_overlap'=1 must be true or false"),
+    ("--b", '{"tier": "host", "wkv_run_ahead": 0}', r"--b\[1\]: key 'wkv_run_ahead'=0 must be true or false"),
     ("--b", '{"tier": "disk", "async_scheduling": "yes"}',
      r"--b\[1\]: key 'async_scheduling'='yes' must be true or false"),
     ("--a", '{"tier": "gpu", "device": "cuda"}', r"--a: unknown key 'device'"),

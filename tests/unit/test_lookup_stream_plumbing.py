@@ -37,14 +37,15 @@ class RecordingStream:
 
     def wait(self, layer_id, *tensors):
         assert not self.issuing
-        self.calls.append(("wait", layer_id, tuple(type(t).__name__ for t in tensors)))
+        self.calls.append(("wait", layer_id, tuple(t.dim() for t in tensors)))
 
 
-def generate(loaded, stream=None):
+def generate(loaded, stream=None, run_ahead: bool = True):
     engine = LLMEngine(loaded, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32), CPU, F64)
     lookup = engine.executor.worker.lookup
     if stream is not None:
-        lookup.stream, lookup.projectors = stream, _projectors(loaded.model, loaded.engram_config, F64)
+        lookup.stream = stream
+        lookup.projectors = _projectors(loaded.model, loaded.engram_config, F64) if run_ahead else None
     g = torch.Generator().manual_seed(3)
     for i, n in enumerate((5, 40, 17, 2)):
         engine.add_request(f"r{i}", torch.randint(3, 4096, (n,), generator=g).tolist(),
@@ -71,7 +72,7 @@ def test_staged_projections_through_a_lookup_stream_equal_the_plain_path():
         assert all(c[0] == "done" for c in calls[i + 1:i + 1 + len(layers)])
         waits = calls[i + 1 + len(layers):i + 1 + 2 * len(layers)]
         assert [(c[0], c[1]) for c in waits] == [("wait", lid) for lid in layers]
-        assert all(c[2] == ("Tensor",) for c in waits)  # a projection's tensors, handed to the main stream
+        assert all(c[2] == (2,) for c in waits)  # a projection's [T, (hc+1)*H], handed to the main stream
         i += 1 + 2 * len(layers)
         steps += 1
     assert steps >= 8
@@ -85,3 +86,15 @@ def test_projectors_are_each_layers_engram_project():
     rows = torch.randn(3, ecfg.n_cols, ecfg.head_dim, dtype=F64)
     out = proj[ecfg.layer_ids[0]](rows)
     assert isinstance(out, Projected) and out.num_tokens == 3 and out.tensors[0].dtype == F64
+
+
+def test_without_wkv_run_ahead_the_layers_project_their_own_rows():
+    """``wkv_run_ahead: false`` (engine option): the lookup stream stages rows only, each consuming layer
+    waits for its rows [T, n_cols, head_dim] and projects them itself; outputs bitwise the plain path's."""
+    loaded = load_model("tiny", dtype=F64, device=CPU, progress=False, engram_config={"wkv_run_ahead": False})
+    assert loaded.wkv_run_ahead is False
+    want = generate(loaded)
+    stream = RecordingStream()
+    assert generate(loaded, stream, run_ahead=False) == want
+    waits = [c for c in stream.calls if c[0] == "wait"]
+    assert waits and all(c[2] == (3,) for c in waits)  # raw rows, not a projection
