@@ -6,7 +6,8 @@ thread plus a profiler summary of the CPU ops of every thread (the disk tier rea
         [--top 30]
 
 Builds the engine, decodes ``--batch`` sequences of ``--context`` prompt tokens until every one decodes,
-times ``--steps`` decode steps (wall ms per step, mean and median), then runs the same number again under
+times ``--steps`` decode steps (wall ms per step, mean and median), then the same number with the step's
+phases timed (launch, collect, the lookups' staging, the graph replay or eager forward), then again under
 ``cProfile`` (the calling thread: the engine, the Worker, the graph replay and every wait) and prints the
 ``--top`` functions by cumulative time, then once more under torch.profiler (CPU activity, every thread),
 printing the ops by self CPU time. A diagnosis tool: the numbers under a profiler are not benchmark numbers.
@@ -20,6 +21,44 @@ import json
 import pstats
 import statistics
 import time
+
+
+def timed_phases(engine, steps: int) -> dict[str, float]:
+    """Mean wall ms per step of the step and its phases on the engine's thread, timed by wrapping them:
+    the whole step, the executor's launch and collect, and inside launch the lookups' staging
+    (``LookupExecutor.submit``: for the disk tier, its reads of the first Engram layer) and the decode
+    graph's replay (``DecodeGraphs.run``, which copies each piece's rows in and, piecewise, waits for later
+    layers' reads) or the eager forward (``ModelRunner.run``)."""
+    worker = engine.executor.worker
+    spent: dict[str, float] = {}
+
+    def wrap(obj, name: str, label: str) -> None:
+        real = getattr(obj, name)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return real(*a, **k)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
+
+        setattr(obj, name, timed)
+
+    wrap(engine, "step", "step")
+    wrap(engine.executor, "launch", "launch")
+    wrap(engine.executor, "collect", "collect")
+    wrap(worker.lookup, "submit", "  lookup.submit")
+    if worker.graphs is not None:
+        wrap(worker.graphs, "run", "  graphs.run")
+    wrap(worker.runner, "run", "  runner.run")
+    for _ in range(steps):
+        engine.step()
+    for obj, name in ((engine, "step"), (engine.executor, "launch"), (engine.executor, "collect"),
+                      (worker.lookup, "submit"), (worker.graphs, "run"), (worker.runner, "run")):
+        if obj is not None:
+            obj.__dict__.pop(name, None)  # the class's method again
+    order = ["step", "launch", "  lookup.submit", "  graphs.run", "  runner.run", "collect"]
+    return {k: spent[k] / steps * 1e3 for k in order if k in spent}
 
 
 def main() -> int:
@@ -70,7 +109,11 @@ def main() -> int:
           f"{statistics.fmean(times):.3f} ms/step mean, "
           f"{statistics.median(times):.3f} median, {max(times):.3f} max ({args.steps} steps, "
           f"graph replays so far {engine.stats().get('graph_replays')})")
-    prof = cProfile.Profile()
+    phases = timed_phases(engine, args.steps)
+    print("phases, ms per step (wall on the engine's thread; nested phases are inside launch / collect):")
+    for name, ms in phases.items():
+        print(f"  {name:16s} {ms:8.3f}")
+    prof = cProfile.Profile()  # Python >= 3.12: calls on the tables' threads show up here too
     prof.enable()
     for _ in range(args.steps):
         engine.step()
