@@ -22,6 +22,7 @@ from engram.store.format import TableManifest
 from engram.store.ids import as_ids, check_range
 from engram.store.load import load_table
 from engram.store.options import StoreOptions
+from engram.transfer import to_device
 
 STAT_KEYS = ("lookups", "rows", "unique_rows", "hits", "misses", "evictions", "bytes_read", "read_ops")
 
@@ -244,9 +245,9 @@ class TableBackend:
             with self._cache_mutex:  # the cache's tag/stamp update is one critical section
                 vals, scales = self.cache.fetch(uniq, self._fetch)
         if vals.device != self.device:  # a backing tier that returned host bytes: move the packed rows once
-            vals = vals.to(self.device)
-            scales = scales.to(self.device) if scales is not None else None
-        return vals, scales, inverse.to(self.device)
+            vals = to_device(vals, self.device)  # CUDA: from pinned memory, without making the host wait
+            scales = to_device(scales, self.device) if scales is not None else None
+        return vals, scales, to_device(inverse, self.device)
 
 
 # Makes a resident table's storage in memory instead of reading files: called as

@@ -2,7 +2,10 @@
 
 Layout: ``n_sets`` sets of ``ways`` slots; a row id maps to one set through a multiplicative hash and may sit
 in any of its ways. Per slot: a tag (the row id, -1 when empty), a last-use stamp, a use count, and the row's
-packed bytes (values uint8 [slots, value_bytes], scales uint8 [slots, scale_cols])::
+packed bytes (values uint8 [slots, value_bytes], scales uint8 [slots, scale_cols]). The bookkeeping (tags,
+stamps, counts) lives on the host whatever the cache's device, so deciding hits, misses and victims never
+makes the host wait for a GPU; only the bytes live on ``device``, moved by index with the slot and position
+lists uploaded non-blocking from pinned memory::
 
     tags   [n_sets, ways] int64     set s = ((id * 0x9E3779B97F4A7C15) >> 32) mod n_sets
     stamp  [n_sets, ways] int64     lookup call that last touched the slot (LRU key, LFU tie-break)
@@ -20,15 +23,18 @@ from typing import Callable
 
 import torch
 
+from engram.transfer import to_device
+
 POLICIES = ("lru", "lfu")
 _HASH_MUL = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (Fibonacci hashing)
-SLOT_OVERHEAD_BYTES = 24  # tag + stamp + freq per slot
+SLOT_OVERHEAD_BYTES = 24  # tag + stamp + freq per slot (host memory)
 
 Fetch = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
 
 
 class RowCache:
-    """Hot rows of one table, on ``device``. ``capacity_rows`` is rounded down to whole sets."""
+    """Hot rows of one table: their bytes on ``device``, the bookkeeping on the host. ``capacity_rows`` is rounded
+    down to whole sets."""
 
     def __init__(self, capacity_rows: int, value_bytes: int, scale_cols: int = 0, *, policy: str = "lru",
                  ways: int = 8, device: torch.device | str = "cpu") -> None:
@@ -45,7 +51,7 @@ class RowCache:
         self.capacity = self.n_sets * self.ways
         self.policy, self.value_bytes, self.scale_cols = policy, value_bytes, scale_cols
         self.device = torch.device(device)
-        kw = dict(dtype=torch.int64, device=self.device)
+        kw = dict(dtype=torch.int64)  # the bookkeeping: on the host, whatever the device
         self.tags = torch.full((self.n_sets, self.ways), -1, **kw)
         self.stamp = torch.zeros((self.n_sets, self.ways), **kw)
         self.freq = torch.zeros((self.n_sets, self.ways), **kw)
@@ -71,15 +77,15 @@ class RowCache:
 
     @property
     def evictions(self) -> int:
-        """Cached rows replaced by others; counted on the cache's device and read back only here."""
-        return int(self._evictions)
+        """Cached rows replaced by others."""
+        return self._evictions
 
     def counters(self) -> dict[str, int]:
         return {"hits": self.hits, "misses": self.misses, "evictions": self.evictions}
 
     def reset_counters(self) -> None:
         self.hits = self.misses = 0
-        self._evictions = torch.zeros((), dtype=torch.int64, device=self.device)  # 0-dim, no sync per lookup
+        self._evictions = 0
 
     def clear(self) -> None:
         """Forget every row (counters are kept)."""
@@ -101,8 +107,8 @@ class RowCache:
         return h % self.n_sets
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """Slot of each id (int64 [N], -1 when not cached); pure, touches nothing."""
-        ids = ids.to(self.device)
+        """Slot of each id (int64 [N] on the host, -1 when not cached); pure, touches nothing."""
+        ids = ids.cpu()
         sets = self.set_of(ids)
         match = self.tags.index_select(0, sets) == ids.unsqueeze(1)  # [N, ways]
         way = match.to(torch.int8).argmax(dim=1)
@@ -113,30 +119,33 @@ class RowCache:
         CPU; it returns values uint8 [M, >= value_bytes] and scales [M, scale_cols] | None on any device),
         then cached.
         Returns (values uint8 [U, value_bytes], scales uint8 [U, scale_cols] | None) on the cache device."""
-        ids = ids.to(self.device)
+        ids = ids.cpu()
         u = ids.numel()
         self.clock += 1
         slots = self.lookup(ids)  # [U]
         hit = slots >= 0
-        hit_pos = hit.nonzero().squeeze(1)  # [H] positions in ids
+        hit_pos = hit.nonzero().squeeze(1)  # [H] positions in ids (host)
         miss_pos = (~hit).nonzero().squeeze(1)  # [M]
         hit_slots = slots.index_select(0, hit_pos)
         vals = torch.empty((u, self.value_bytes), dtype=torch.uint8, device=self.device)
         scales = torch.empty((u, self.scale_cols), dtype=torch.uint8, device=self.device) if self.scale_cols else None
-        vals.index_copy_(0, hit_pos, self.values.index_select(0, hit_slots))
-        if scales is not None:
-            scales.index_copy_(0, hit_pos, self.scales.index_select(0, hit_slots))
+        if hit_pos.numel():
+            dev_pos, dev_slots = to_device(torch.stack([hit_pos, hit_slots]), self.device).unbind(0)  # one upload
+            vals.index_copy_(0, dev_pos, self.values.index_select(0, dev_slots))
+            if scales is not None:
+                scales.index_copy_(0, dev_pos, self.scales.index_select(0, dev_slots))
         self.stamp.view(-1).index_fill_(0, hit_slots, self.clock)
         self.freq.view(-1).index_add_(0, hit_slots, torch.ones_like(hit_slots))  # ids distinct: slots distinct
         n_miss = miss_pos.numel()
         if n_miss:
             miss_ids = ids.index_select(0, miss_pos)
-            mv, ms = fetch(miss_ids.cpu())  # backing tiers (host RAM, disk) index with CPU ids
-            mv = mv[:, : self.value_bytes].to(self.device)  # [M, value_bytes]
-            vals.index_copy_(0, miss_pos, mv)
+            mv, ms = fetch(miss_ids)  # backing tiers (host RAM, disk) index with CPU ids
+            mv = to_device(mv[:, : self.value_bytes].contiguous(), self.device)  # [M, value_bytes]
+            dev_miss = to_device(miss_pos, self.device)
+            vals.index_copy_(0, dev_miss, mv)
             if scales is not None:
-                ms = ms.to(self.device)
-                scales.index_copy_(0, miss_pos, ms)
+                ms = to_device(ms.contiguous(), self.device)
+                scales.index_copy_(0, dev_miss, ms)
             self._insert(miss_ids, mv, ms)
         self.hits += u - n_miss
         self.misses += n_miss
@@ -144,13 +153,14 @@ class RowCache:
         return vals, scales
 
     def _insert(self, ids: torch.Tensor, vals: torch.Tensor, scales: torch.Tensor | None) -> None:
-        """Place distinct missed ``ids`` [M] in their sets, evicting the lowest-key way not touched this call."""
+        """Place distinct missed ``ids`` [M] (host) in their sets, evicting the lowest-key way not touched this
+        call; ``vals`` / ``scales`` [M, ...] on the cache's device."""
         m = ids.numel()
         sets = self.set_of(ids)
         order = torch.argsort(sets, stable=True)  # [M] misses grouped by set
         s_sorted = sets.index_select(0, order)
-        pos = torch.arange(m, device=self.device)
-        first = torch.ones(m, dtype=torch.bool, device=self.device)
+        pos = torch.arange(m)
+        first = torch.ones(m, dtype=torch.bool)
         first[1:] = s_sorted[1:] != s_sorted[:-1]
         rank = pos - torch.cummax(torch.where(first, pos, torch.zeros_like(pos)), dim=0).values  # [M] within set
         tags = self.tags.index_select(0, s_sorted)  # [M, ways]
@@ -165,13 +175,16 @@ class RowCache:
         sel = keep.nonzero().squeeze(1)
         slot = s_sorted.index_select(0, sel) * self.ways + way.index_select(0, sel)  # [K] distinct slots
         src = order.index_select(0, sel)  # [K] positions in ids / vals
-        self._evictions += (victim_tag.index_select(0, sel) >= 0).sum()
+        self._evictions += int((victim_tag.index_select(0, sel) >= 0).sum())
         self.tags.view(-1).index_copy_(0, slot, ids.index_select(0, src))
         self.stamp.view(-1).index_fill_(0, slot, self.clock)
         self.freq.view(-1).index_fill_(0, slot, 1)
-        self.values.index_copy_(0, slot, vals.index_select(0, src))
+        if not slot.numel():
+            return
+        dev_slot, dev_src = to_device(torch.stack([slot, src]), self.device).unbind(0)  # one upload
+        self.values.index_copy_(0, dev_slot, vals.index_select(0, dev_src))
         if self.scales is not None:
-            self.scales.index_copy_(0, slot, scales.index_select(0, src))
+            self.scales.index_copy_(0, dev_slot, scales.index_select(0, dev_src))
 
     def _age(self, looked_up: int) -> None:
         """LFU aging: halve every count once per ``capacity`` rows looked up, so old heat fades."""

@@ -3,7 +3,8 @@
 Each lookup runs under ``torch.cuda.set_sync_debug_mode("error")`` (torch raises on a synchronizing copy,
 ``.item()``, ``nonzero`` or stream/device synchronize) with the Python-level ``synchronize`` calls that the
 debug mode does not see (events, streams, the device) patched to fail, for ids arriving on the CPU and on
-the GPU, on the gpu tier and on every route of the host tier. Skipped without CUDA (``make device-test``).
+the GPU, on the gpu tier and on every route of the host tier, and for CPU ids on the host tier with a hot-row
+cache (its misses cross in pinned memory). Skipped without CUDA (``make device-test``).
 """
 import pytest
 import torch
@@ -21,7 +22,9 @@ BANDS = {"direct": {}, "staged": {"staged_min_rows": 1024, "sorted_min_rows": 81
 CASES = [("gpu", {}, "cpu", None), ("gpu", {}, "cuda", None), ("gpu", {"count_unique": True}, "cuda", None),
          ("host", BANDS["direct"], "cpu", "direct"), ("host", BANDS["direct"], "cuda", "direct"),
          ("host", BANDS["staged"], "cpu", "staged"), ("host", BANDS["staged"], "cuda", "sorted"),
-         ("host", BANDS["sorted"], "cpu", "sorted"), ("host", BANDS["sorted"], "cuda", "sorted")]
+         ("host", BANDS["sorted"], "cpu", "sorted"), ("host", BANDS["sorted"], "cuda", "sorted"),
+         # a hot-row cache keeps its bookkeeping on the host: hits, misses and inserts need no device read-back
+         ("host", {"cache_rows": 1024}, "cpu", None)]
 
 
 @pytest.fixture(scope="module")
