@@ -19,7 +19,8 @@ Arms: ``--a`` (default ``{"tier": "gpu"}``) and one or more ``--b`` (default one
 ``{"tier": "host", "lookup_overlap": true}``). What an arm is (``tier``, ``lookup_overlap``, ``options``),
 how the arms and ``--engram-config`` (what they share; its table options are the base an arm's
 ``options`` override) are checked before anything loads, and how a placement is named:
-engram/bench/placement_arms.py. Each B is compared with A in its own interleaved run.
+engram/bench/placement_arms.py. Each B is compared with A in its own interleaved run
+(engram/bench/placement_compare.py: one comparison, its samples and checks).
 
 The disk tier reads the preset's table files, generated into ``--cache-dir`` (``random_model``; default the
 project's cache): a disk arm with ``tables_in_memory`` in ``--engram-config`` stops the command before
@@ -74,12 +75,12 @@ import json
 import sys
 from pathlib import Path
 
-from engram.bench.disk_bound import (BOUND_FACTOR, DISK_COLUMNS, NO_HOST_ARM, add_bounds,
-                                     counter_deltas, disk_rows, disk_summary, hit_rate, measure_raw_reads)
+from engram.bench.disk_bound import BOUND_FACTOR, DISK_COLUMNS, NO_HOST_ARM, add_bounds, disk_rows, measure_raw_reads
 from engram.bench.engine_bench import _free_memory, _ints
-from engram.bench.forced_windows import Windows, check_forced, corpus_stream, cut_windows
-from engram.bench.placement_arms import (ARM_LABELS, DEFAULT_A, DEFAULT_B, ArmSpec, arm_store_options,
-                                         parse_arm, parse_engram_options, placement_name)
+from engram.bench.forced_windows import corpus_stream, cut_windows
+from engram.bench.placement_arms import (DEFAULT_A, DEFAULT_B, ArmSpec, arm_store_options, parse_arm,
+                                         parse_engram_options, placement_name)
+from engram.bench.placement_compare import GraphFallback, run_comparison, table_row
 from engram.bench.stats import ORDERS
 from engram.commands.options import parse_bytes
 
@@ -87,10 +88,6 @@ HELP = "Engram table placements / lookup options A/B'd in one process over force
 CUDA_MODEL, CPU_MODEL = "4b-like", "tiny"
 DEFAULT_CORPUS_NAME = "bench/corpus/natural-v1.jsonl"  # serve_load.DEFAULT_CORPUS, as the result records it
 TABLE_COLUMNS = ["batch", "arm B", "tok/s A", "tok/s B", "B/A", "B/A CI", "A/A CI", "verdict"]
-
-
-class GraphFallback(RuntimeError):
-    """Timed decode steps that did not replay a CUDA graph where they should have."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -142,7 +139,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no per-run progress on stderr")
 
 
-# ----------------------------------------------------------------- options
 # ----------------------------------------------------------------- the pieces that live for the run
 def table_info(tables: dict) -> dict:
     """Per Engram layer: the table's type, rows, device, bytes of its storage (values and scales, a shared
@@ -174,90 +170,6 @@ def default_kv_budget(cfg, ecfg, dtype, tables_by_tier: dict) -> int:
                  for tabs in tables_by_tier.values()), default=0)
     blocks = ecfg.max_num_seqs * -(-ecfg.max_model_len // ecfg.block_size)
     return staging + cache + blocks * per_block
-
-
-def _summary(samples: list[dict]) -> dict:
-    import statistics
-
-    tok = [s["tok_s"] for s in samples]
-    exposed = [s["lookup_exposed_s"] / s["steps"] * 1e3 for s in samples]
-    return {"n": len(samples), "tok_s_median": statistics.median(tok), "tok_s_mean": statistics.fmean(tok),
-            "lookup_exposed_ms_per_step_mean": statistics.fmean(exposed),
-            "graph_replays": sum(s["graph_replays"] for s in samples), "steps": sum(s["steps"] for s in samples)}
-
-
-def arm_measure(engine, arm: ArmSpec, win: Windows, batch: int, s, records: list[dict]):
-    """The ``measure`` of ``arm`` at ``batch``: one ``measure_decode`` over the windows, its outputs checked
-    against the forced ids and its graph replays against the timed steps; appends the sample's record
-    to ``records`` and returns decode tok/s."""
-    from engram.bench.engine_steps import measure_decode
-
-    graphs = engine.executor.worker.graphs is not None
-    cached = any(getattr(t, "cache", None) is not None for t in engine.executor.worker.tables.values())
-
-    def measure() -> float:
-        t = measure_decode(engine, win.prompts, s.decode_steps, s.warmup_tokens, tag=f"placement-{batch}",
-                           forced=win.forced)
-        checked = check_forced(t, win, s.warmup_tokens + s.decode_steps, arm.name)
-        expected = s.decode_steps if graphs else 0
-        if t.graph_steps != expected:
-            raise GraphFallback(f"arm {arm.name}, batch {batch}: {t.graph_steps} of {s.decode_steps} timed steps "
-                                f"replayed a CUDA graph, expected {expected}")
-        counts = counter_deltas(*t.tables)
-        value = batch * s.decode_steps / sum(t.wall_s)
-        records.append({"arm": arm.name, "tok_s": value, "wall_s": sum(t.wall_s), "steps": s.decode_steps,
-                        "step_ms": sum(t.wall_s) / s.decode_steps * 1e3,
-                        "lookup_exposed_s": t.lookup_exposed_s, "graph_replays": t.graph_steps,
-                        "tokens_checked": checked, "tables": counts, "hit_rate": hit_rate(counts, cached),
-                        "read_ops_per_step": counts["read_ops"] / s.decode_steps})
-        return value
-    return measure
-
-
-def run_comparison(engines: dict, arm_a: ArmSpec, arm_b: ArmSpec, k: int, batch: int, win: Windows, s,
-                   ab_cfg, quiet: bool, disk: dict | None = None):
-    """A against the k-th B at ``batch``, interleaved (``stats.run_interleaved``): the ABResult and the
-    comparison's JSON record (the ABResult dict, every sample's record in run order, per-arm summaries).
-    ``disk``: per disk arm's label ("A" / "B"), (raw read record, fresh_tables, placement name), which adds
-    ``raw_reads`` and ``disk`` (``disk_summary``) to the record."""
-    from engram.bench import stats
-
-    records: list[dict] = []
-
-    def progress(r: stats.Run) -> None:
-        records[-1].update(index=r.index, label=r.arm, round=r.round)  # the record the run just appended
-        if not quiet:
-            what = "warm-up" if r.round < 0 else f"round {r.round}"
-            print(f"[batch {batch} b{k} {r.index + 1:4d}] {r.arm:2s} {what:9s} {r.value:.6g} tok/s",
-                  file=sys.stderr, flush=True)
-
-    result = stats.run_interleaved(
-        stats.Arm(f"A: {arm_a.name}", arm_measure(engines[arm_a], arm_a, win, batch, s, records)),
-        stats.Arm(f"B: {arm_b.name}", arm_measure(engines[arm_b], arm_b, win, batch, s, records)),
-        ab_cfg, on_run=progress)
-    recorded = {label: [r for r in records if r["label"] == label and r["round"] >= 0] for label in result.arms}
-    comparison = {"batch": batch, "b_index": k, "a": arm_a.to_dict(), "b": arm_b.to_dict(),
-                  "ab": result.to_dict(), "samples": records,
-                  "arm_stats": {label: _summary(x) for label, x in recorded.items()}}
-    if disk:
-        arm_of = {"A": arm_a, "B": arm_b}
-        comparison["raw_reads"] = {label: raw for label, (raw, _, _) in disk.items()}
-        comparison["disk"] = {label: disk_summary(arm_of[label], records, ARM_LABELS[label], raw, fresh, placement)
-                              for label, (raw, fresh, placement) in disk.items()}
-    return result, comparison
-
-
-def table_row(result, comparison: dict) -> dict:
-    from engram.bench.stats import AA_LABEL
-
-    ab, aa = result.comparisons["B/A"], result.comparisons.get(f"{AA_LABEL}/A")
-
-    def ci(c) -> str:
-        return f"{1 + c.ci_lo:.4f}…{1 + c.ci_hi:.4f}"
-
-    return {"batch": comparison["batch"], "arm B": json.dumps(comparison["b"]), "tok/s A": result.stats["A"].median,
-            "tok/s B": result.stats["B"].median, "B/A": 1 + ab.estimate, "B/A CI": ci(ab),
-            "A/A CI": ci(aa) if aa is not None else "", "verdict": result.verdict}
 
 
 # ----------------------------------------------------------------- the command

@@ -7,6 +7,8 @@ the GPU, on the gpu tier and on every route of the host tier; and the hot-row ca
 bookkeeping lives on the host). Skipped without CUDA (``make device-test``). A cached host-tier lookup as a
 whole still waits once per miss batch: its RowStaging buffer waits for the copy that last read it.
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -43,6 +45,23 @@ def _refuse(*args, **kwargs):
     raise SyncRefused("a host synchronisation on the serving path")
 
 
+@contextlib.contextmanager
+def refusing_syncs(monkeypatch):
+    """Inside: torch's sync debug mode raises on a synchronizing op, and the Python-level synchronize calls
+    it does not see (events, streams, the device) raise SyncRefused; both undone on the way out."""
+    for obj, name in ((torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize"),
+                      (torch.cuda, "synchronize"), (torch.cuda, "current_stream_synchronize")):
+        if hasattr(obj, name):
+            monkeypatch.setattr(obj, name, _refuse)
+    old = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(old)
+        monkeypatch.undo()
+
+
 @pytest.mark.parametrize("tier,options,where,route", CASES,
                          ids=[f"{c[0]}-tier-{'-'.join(f'{k}' for k in c[1]) or 'default'}-{c[2]}-ids" for c in CASES])
 def test_gather_never_syncs(table, monkeypatch, tier, options, where, route):
@@ -55,18 +74,9 @@ def test_gather_never_syncs(table, monkeypatch, tier, options, where, route):
             assert t.route.kernel == "uva" and t.route.route(N, ids_on_cpu=where == "cpu") == route
         t.gather(ids)  # warm-up: Triton compiles its kernels on the first call
         torch.cuda.synchronize()
-        for obj, name in ((torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize"),
-                          (torch.cuda, "synchronize"), (torch.cuda, "current_stream_synchronize")):
-            if hasattr(obj, name):
-                monkeypatch.setattr(obj, name, _refuse)
-        old = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with refusing_syncs(monkeypatch):
             rows = [t.gather(ids) for _ in range(3)]
             rows.append(t.submit(ids).wait())
-        finally:
-            torch.cuda.set_sync_debug_mode(old)
-            monkeypatch.undo()
     want = ref[ids.cpu()]
     for r in rows:
         assert r.is_cuda and torch.equal(r.cpu().view(torch.uint8), want.view(torch.uint8))
@@ -109,17 +119,8 @@ def test_the_row_cache_decides_hits_and_misses_without_a_device_read_back(monkey
     batches = [torch.unique(torch.randint(0, 2000, (300,), generator=g)) for _ in range(6)]
     cache.fetch(batches[0], backing)  # warm-up
     torch.cuda.synchronize()
-    for obj, name in ((torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize"),
-                      (torch.cuda, "synchronize"), (torch.cuda, "current_stream_synchronize")):
-        if hasattr(obj, name):
-            monkeypatch.setattr(obj, name, _refuse)
-    old = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with refusing_syncs(monkeypatch):
         got = [cache.fetch(ids, backing) for ids in batches[1:]]
-    finally:
-        torch.cuda.set_sync_debug_mode(old)
-        monkeypatch.undo()
     assert cache.hits > 0 and cache.misses > 0 and cache.evictions > 0
     for ids, (v, sc) in zip(batches[1:], got):
         assert torch.equal(v.cpu(), table.cpu()[ids]) and torch.equal(sc.cpu(), scales.cpu()[ids])
