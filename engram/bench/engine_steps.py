@@ -101,7 +101,7 @@ def _decode_step(engine, ids: list[str], generated: dict[str, int], context_len:
                                  f"not finished")
         generated[rid] += 1
         if tokens is not None:
-            tokens[rid] = list(comp.token_ids)
+            tokens[rid] = comp.token_ids  # a reference: copied once after the timed steps, not in them
     return ctx
 
 
@@ -166,7 +166,7 @@ def measure_decode(engine, prompts: list[list[int]], steps: int, warmup_tokens: 
             times.busy_s, times.kernels = prof.busy_s / n_profile, prof.kernels
         if engine.stats()["preemptions"] != before["preemptions"]:
             raise NotADecodeStep("a sequence was preempted during the timed steps (KV cache too small)")
-        times.token_ids = [tokens[rid] for rid in ids]
+        times.token_ids = [list(tokens[rid]) for rid in ids]
         return times
     finally:
         for rid in ids:
