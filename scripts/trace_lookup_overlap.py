@@ -2,6 +2,7 @@
 
     python scripts/trace_lookup_overlap.py [--model 4b-like] [--tier host] [--batch 64] [--context 512]
         [--engram-config JSON] [--enforce-eager] [--out FILE.json] [--plot FILE.png] [--window-us 400]
+        [--steps N] [--batches 64,256]
 
 Builds the engine with ``lookup_overlap`` on, decodes ``--batch`` sequences of ``--context`` prompt tokens
 until every one decodes, then profiles one more decode step (a CUDA-graph replay unless
@@ -9,6 +10,11 @@ until every one decodes, then profiles one more decode step (a CUDA-graph replay
 main stream. Writes the step's kernels (start/end in µs from the step's first kernel, stream, name) as JSON,
 prints when the lookup stream's work ran against the main stream's, and with ``--plot`` draws the first
 ``--window-us`` of the step as two lanes (the figure in docs/engine.md).
+
+``--steps N`` (graph replays) profiles N more decode steps one by one and prints, per step and as medians
+over the steps after the first (the first profile of a process carries the profiler's start-up), the
+first Engram layer's exposed wait against its bound (engram/bench/replay_timeline.py: the issue's
+batch-256 criterion); ``--batches`` does so for several batch sizes with one engine.
 """
 from __future__ import annotations
 
@@ -43,7 +49,11 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--window-us", type=float, default=400.0)
+    ap.add_argument("--steps", type=int, default=0, help="profile this many more steps for the exposure timeline")
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes for --steps (default --batch)")
     args = ap.parse_args()
+    if args.steps:
+        return exposure(args)
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA: the lookup stream is a CUDA stream")
     options = {**json.loads(args.engram_config), "lookup_overlap": True}
@@ -90,6 +100,57 @@ def main() -> int:
             json.dump({"summary": summary, "kernels": kernels}, f, indent=1)
     if args.plot:
         plot(kernels, summary, args.plot, args.window_us)
+    return 0
+
+
+def exposure(args) -> int:
+    """``--steps``: per batch size, decode until every sequence decodes, then profile ``args.steps`` steps
+    one at a time and print each step's timeline and the medians over all but the first."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import engram
+    from engram.bench.device_time import cuda_kernels
+    from engram.bench.engine_steps import prompt_ids
+    from engram.bench.replay_timeline import median_timeline, step_timeline
+    from engram.engine.sampling_params import SamplingParams
+
+    batches = [int(b) for b in (args.batches or str(args.batch)).split(",")]
+    options = {**json.loads(args.engram_config), "lookup_overlap": True}
+    llm = engram.LLM(args.model, tier=args.tier, engram_config=options, max_num_seqs=max(batches),
+                     max_model_len=args.context + 64 + args.steps, max_num_batched_tokens=max(2048, args.context))
+    engine = llm.engine
+    vocab = llm.loaded.model_config.vocab_size
+    results = []
+    for batch in batches:
+        params = SamplingParams(temperature=0.0, max_tokens=16 + args.steps, ignore_eos=True)
+        for i, p in enumerate(prompt_ids(batch, args.context, vocab, seed=batch)):
+            engine.add_request(f"b{batch}-{i}", p, params)
+        decoding = 0
+        while decoding < 4:
+            decoding = decoding + 1 if len(engine.step()) == batch else 0
+        steps = []
+        for i in range(args.steps):
+            replays = engine.stats()["graph_replays"]
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                engine.step()
+                torch.cuda.synchronize()
+            if engine.stats()["graph_replays"] == replays:
+                raise SystemExit(f"batch {batch}: step {i} did not replay a graph")
+            kernels = [(s / 1e3, e / 1e3, st, n) for s, e, st, n in cuda_kernels(prof.profiler.kineto_results.events())]
+            steps.append(step_timeline(kernels))
+            print(json.dumps({"batch": batch, "step": i, **{k: round(v, 1) for k, v in steps[-1].as_dict().items()}}))
+        while engine.has_unfinished():
+            engine.step()
+        summary = {"model": args.model, "tier": args.tier, "batch": batch, "context": args.context,
+                   "steps": len(steps) - 1, **median_timeline(steps[1:] or steps)}
+        summary["met"] = summary["exposed_us"] <= summary["bound_us"]
+        print(json.dumps(summary))
+        results.append(summary)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
     return 0
 
 

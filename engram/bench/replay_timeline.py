@@ -1,0 +1,94 @@
+"""What one profiled decode step with ``lookup_overlap`` says about its first Engram layer's wait.
+
+The issue's batch-256 criterion on the host tier: the time the first consuming layer actually waited
+(*exposed*) must stay within 1.1 x max(0, the lookup time of that layer - the time of the embedding and
+the layers before it). In a CUDA-graph replay no Python runs and events inside a capture cannot be timed,
+so this reads the three times off the step's kernels (``device_time.cuda_kernels`` of a profile):
+
+* the **lookup lane** is the stream the Engram gathers ran on, the **main lane** every other stream;
+* the replay starts at the earlier of the first gather and the first main-lane kernel (in a replay the
+  driver runs the graph's lookup branch on the launching stream, where the eager patch of pending row ids
+  ran before it, and the main branch on streams of its own; so this reads graph replays, not eager steps,
+  whose waits the engine times with events);
+* ``lookup_us``: from the first gather's start to the end of the last lookup-lane kernel before the
+  second gather (layer 1's gather, its projection when it runs ahead, its tag copy); the whole lane when
+  there is one gather;
+* ``before_us``: from the replay's start to the end of the last main-lane kernel before the first
+  consumer kernel (the embedding and the layers before the first Engram layer);
+* ``exposed_us``: the gap in front of the first consumer kernel, less the median gap between consecutive
+  main-lane kernels of the step (what a replay costs between any two kernels);
+* ``bound_us``: 1.1 x max(0, lookup_us - before_us); ``main_busy_us``: the union of main-lane kernel time;
+  ``main_start_us``: when the main lane's first kernel started, from the first gather's start (about 0
+  when the graph's two branches start together; the length of the lookups if the main branch waited).
+
+A step without a gather or a consumer kernel raises ValueError naming what is missing.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+
+GATHER = "gather_rows"  # the Triton gather of packed rows (store/kernels/triton_gather.py)
+CONSUMER = "engram_gate"  # the fused v41 gate, the first kernel that reads a layer's projected rows
+
+
+@dataclass(frozen=True)
+class StepTimeline:
+    span_us: float  # replay start to the last kernel's end
+    main_start_us: float  # the main lane's first kernel, from the first gather's start (~0: the branches fork together)
+    main_busy_us: float
+    lookup_us: float
+    before_us: float
+    exposed_us: float
+    bound_us: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def step_timeline(kernels: list[tuple[float, float, int, str]], gather: str = GATHER,
+                  consumer: str = CONSUMER) -> StepTimeline:
+    """``kernels``: (start, end, stream, name) of one decode step, times in µs (any origin)."""
+    gathers = sorted(k for k in kernels if gather in k[3])
+    if not gathers:
+        raise ValueError(f"no kernel named like {gather!r} in the step: nothing was gathered")
+    side = gathers[0][2]
+    g0 = gathers[0][0]
+    main = sorted(k for k in kernels if k[2] != side)
+    consumers = [k for k in main if consumer in k[3]]
+    if not consumers:
+        raise ValueError(f"no kernel named like {consumer!r} on the main lane: no Engram layer consumed rows")
+    first = consumers[0]
+    start = min(g0, main[0][0])
+    lookup = sorted(k for k in kernels if k[2] == side and k[0] >= g0)
+    stop = gathers[1][0] if len(gathers) > 1 and gathers[1][2] == side else float("inf")
+    lookup_end = max(k[1] for k in lookup if k[0] < stop)
+    prior = [k for k in main if k[1] <= first[0]]
+    before_end = max(k[1] for k in prior) if prior else start
+    gaps = [b[0] - a[1] for a, b in zip(main, main[1:]) if b[0] >= a[1]]
+    typical = statistics.median(gaps) if gaps else 0.0
+    lookup_us = lookup_end - g0
+    before_us = before_end - start
+    exposed = max(0.0, first[0] - before_end - typical)
+    return StepTimeline(
+        span_us=max(k[1] for k in kernels if k[0] >= start) - start, main_start_us=main[0][0] - g0,
+        main_busy_us=_union([(k[0], k[1]) for k in main]),
+        lookup_us=lookup_us, before_us=before_us, exposed_us=exposed,
+        bound_us=1.1 * max(0.0, lookup_us - before_us))
+
+
+def median_timeline(steps: list[StepTimeline]) -> dict:
+    """Each field's median over ``steps`` (at least one)."""
+    if not steps:
+        raise ValueError("no steps to summarise")
+    return {f: statistics.median(getattr(s, f) for s in steps) for f in StepTimeline.__dataclass_fields__}

@@ -1,0 +1,47 @@
+"""The exposure reading of a profiled decode replay (engram/bench/replay_timeline.py) on made-up kernels."""
+import pytest
+
+from engram.bench.replay_timeline import median_timeline, step_timeline
+
+SIDE, MAIN = 7, 143
+
+
+def step(lookup_len: float, gate_at: float, main_start: float = 0.0):
+    """A replay: gathers of layers 1 and 15 on the side stream from t=0; on the main stream the embedding
+    and layer 0 as 100 µs of kernels with 1 µs gaps from ``main_start``, then layer 1's gate at ``gate_at``."""
+    side = [(0.0, lookup_len * 0.8, SIDE, "_gather_rows_kernel"), (lookup_len * 0.8 + 0.5, lookup_len, SIDE, "nvjet_wkv"),
+            (lookup_len + 1, lookup_len + 50, SIDE, "_gather_rows_kernel")]
+    main, t = [], main_start
+    while t + 10 <= main_start + 100:
+        main.append((t, t + 9.0, MAIN, "layer0_kernel"))
+        t += 10
+    main.append((gate_at, gate_at + 3, MAIN, "_engram_gate_kernel"))
+    main.append((gate_at + 4, gate_at + 20, MAIN, "layer1_kernel"))
+    return side + main
+
+
+def test_a_lookup_hidden_behind_layer_0_is_not_exposed():
+    t = step_timeline(step(lookup_len=60.0, gate_at=100.0))
+    assert t.exposed_us == pytest.approx(0.0) and t.bound_us == 0.0
+    assert t.lookup_us == pytest.approx(60.0) and t.before_us == pytest.approx(99.0)
+    assert t.main_start_us == 0.0 and t.main_busy_us == pytest.approx(10 * 9 + 3 + 16)
+
+
+def test_a_lookup_longer_than_layer_0_is_exposed_by_the_difference():
+    t = step_timeline(step(lookup_len=150.0, gate_at=151.0))
+    # the gate waits from layer 0's end (99) to 151; the usual gap between kernels is 1 µs
+    assert t.exposed_us == pytest.approx(51.0)
+    assert t.bound_us == pytest.approx(1.1 * (150.0 - 99.0))
+    assert median_timeline([t, t])["exposed_us"] == pytest.approx(51.0)
+
+
+def test_a_main_branch_that_waits_for_the_lookups_shows_in_main_start():
+    t = step_timeline(step(lookup_len=150.0, gate_at=260.0, main_start=150.0))
+    assert t.main_start_us == pytest.approx(150.0)
+
+
+def test_a_step_without_gathers_or_consumers_is_an_error():
+    with pytest.raises(ValueError, match="gather_rows"):
+        step_timeline([(0.0, 1.0, MAIN, "layer0_kernel")])
+    with pytest.raises(ValueError, match="engram_gate"):
+        step_timeline([(0.0, 1.0, SIDE, "_gather_rows_kernel"), (0.0, 1.0, MAIN, "layer0_kernel")])
