@@ -122,6 +122,7 @@ def exposure(args) -> int:
     engine = llm.engine
     vocab = llm.loaded.model_config.vocab_size
     results = []
+    print(f"engine built; profiling {args.steps} steps at batch sizes {batches}", file=sys.stderr, flush=True)
     for batch in batches:
         params = SamplingParams(temperature=0.0, max_tokens=16 + args.steps, ignore_eos=True)
         for i, p in enumerate(prompt_ids(batch, args.context, vocab, seed=batch)):
@@ -129,6 +130,7 @@ def exposure(args) -> int:
         decoding = 0
         while decoding < 4:
             decoding = decoding + 1 if len(engine.step()) == batch else 0
+        print(f"batch {batch}: every sequence decodes", file=sys.stderr, flush=True)
         steps = []
         for i in range(args.steps):
             replays = engine.stats()["graph_replays"]
@@ -140,7 +142,8 @@ def exposure(args) -> int:
                 raise SystemExit(f"batch {batch}: step {i} did not replay a graph")
             kernels = [(s / 1e3, e / 1e3, st, n) for s, e, st, n in cuda_kernels(prof.profiler.kineto_results.events())]
             steps.append(step_timeline(kernels))
-            print(json.dumps({"batch": batch, "step": i, **{k: round(v, 1) for k, v in steps[-1].as_dict().items()}}))
+            print(json.dumps({"batch": batch, "step": i, **{k: round(v, 1) for k, v in steps[-1].as_dict().items()}}),
+                  flush=True)
         while engine.has_unfinished():
             engine.step()
         summary = {"model": args.model, "tier": args.tier, "batch": batch, "context": args.context,
