@@ -17,6 +17,7 @@ from engram.model.inputs import StepInputs
 from engram.model.kv_cache import KVCache
 from engram.model.layers.attention import Attention, AttentionMetadata
 from engram.model.layers.fused import add_rms_norm
+from engram.model.layers.gemv import project
 from engram.model.layers.hyper_connections import HyperConnection
 from engram.model.layers.mlp import MLP
 from engram.model.layers.norm import RMSNorm
@@ -151,4 +152,4 @@ class EngramDecoder(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, vocab_size] (padded vocab rows dropped)."""
-        return self.lm_head(hidden)[:, : self.config.vocab_size].float()
+        return project(self.lm_head, hidden)[:, : self.config.vocab_size].float()
