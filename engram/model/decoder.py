@@ -17,7 +17,6 @@ from engram.model.inputs import StepInputs
 from engram.model.kv_cache import KVCache
 from engram.model.layers.attention import Attention, AttentionMetadata
 from engram.model.layers.fused import add_rms_norm
-from engram.model.layers.gemv import project
 from engram.model.layers.hyper_connections import HyperConnection
 from engram.model.layers.mlp import MLP
 from engram.model.layers.norm import RMSNorm
@@ -152,4 +151,4 @@ class EngramDecoder(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, vocab_size] (padded vocab rows dropped)."""
-        return project(self.lm_head, hidden)[:, : self.config.vocab_size].float()
+        return self.lm_head(hidden)[:, : self.config.vocab_size].float()
