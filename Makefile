@@ -41,10 +41,12 @@ test: install-test
 device-test:
 	@if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/engram-site .whl/*.whl; fi
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
+	@# both sets run even when the first fails; the target fails if either did
 	PYTHONPATH=/tmp/engram-site python3 -m pytest -o addopts="" -p no:cacheprovider -m "not slow" -q \
-		tests/gpu tests/parity $(PYTEST_ARGS)
+		tests/gpu tests/parity $(PYTEST_ARGS); first=$$?; \
 	PYTHONPATH=/tmp/engram-site python3 -m pytest -o addopts="" -p no:cacheprovider -m "gpu and not slow" -q \
-		$(shell grep -l "mark.gpu" tests/unit/*.py tests/integration/*.py) $(PYTEST_ARGS)
+		$(shell grep -l "mark.gpu" tests/unit/*.py tests/integration/*.py) $(PYTEST_ARGS); second=$$?; \
+	test $$first -eq 0 && test $$second -eq 0
 
 clean:
 	rm -rf $(VENV) build *.egg-info engram/store/_pread_pool*.so
