@@ -2,7 +2,7 @@
 
     python scripts/trace_lookup_overlap.py [--model 4b-like] [--tier host] [--batch 64] [--context 512]
         [--engram-config JSON] [--enforce-eager] [--out FILE.json] [--plot FILE.png] [--window-us 400]
-        [--steps N] [--batches 64,256]
+        [--steps N [--batches 64,256] [--profiled]]
 
 Builds the engine with ``lookup_overlap`` on, decodes ``--batch`` sequences of ``--context`` prompt tokens
 until every one decodes, then profiles one more decode step (a CUDA-graph replay unless
@@ -11,10 +11,12 @@ main stream. Writes the step's kernels (start/end in µs from the step's first k
 prints when the lookup stream's work ran against the main stream's, and with ``--plot`` draws the first
 ``--window-us`` of the step as two lanes (the figure in docs/engine.md).
 
-``--steps N`` (graph replays) profiles N more decode steps one by one and prints, per step and as medians
-over the steps after the first (the first profile of a process carries the profiler's start-up), the
-first Engram layer's exposed wait against its bound (engram/bench/replay_timeline.py: the issue's
-batch-256 criterion); ``--batches`` does so for several batch sizes with one engine.
+``--steps N`` (graph replays) times N more decode steps and prints, per step and as medians over the steps
+after the first, when the graph's main branch started, the first Engram layer's lookup and its exposed
+wait against the bound (engram/bench/replay_timeline.py: the issue's batch-256 criterion): from
+``GraphClock`` stamps inside the replays, in the engine's own rhythm, or with ``--profiled`` from a
+profile of each step alone (which changes how the branches are launched); ``--batches`` does so for
+several batch sizes with one engine.
 """
 from __future__ import annotations
 
@@ -49,8 +51,9 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--window-us", type=float, default=400.0)
-    ap.add_argument("--steps", type=int, default=0, help="profile this many more steps for the exposure timeline")
+    ap.add_argument("--steps", type=int, default=0, help="time this many more decode steps for the exposure timeline")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes for --steps (default --batch)")
+    ap.add_argument("--profiled", action="store_true", help="--steps: read each step from a profile, not the clock")
     args = ap.parse_args()
     if args.steps:
         return exposure(args)
@@ -104,25 +107,32 @@ def main() -> int:
 
 
 def exposure(args) -> int:
-    """``--steps``: per batch size, decode until every sequence decodes, then profile ``args.steps`` steps
-    one at a time and print each step's timeline and the medians over all but the first."""
+    """``--steps``: per batch size, decode until every sequence decodes, then time ``args.steps`` steps and
+    print each step's timeline and the medians over all but the first: from GraphClock stamps taken in the
+    engine's own rhythm (the default), or, with ``--profiled``, from a profile of each step alone."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     import engram
     from engram.bench.device_time import cuda_kernels
     from engram.bench.engine_steps import prompt_ids
-    from engram.bench.replay_timeline import median_timeline, step_timeline
+    from engram.bench.replay_timeline import clock_timeline, median_timeline, step_timeline
+    from engram.engine import lookup_stream
+    from engram.engine.graph_clock import GraphClock
     from engram.engine.sampling_params import SamplingParams
 
     batches = [int(b) for b in (args.batches or str(args.batch)).split(",")]
     options = {**json.loads(args.engram_config), "lookup_overlap": True}
+    clock = None if args.profiled else GraphClock("cuda")
+    lookup_stream.CLOCK = clock  # before the capture: the stamps are part of every replay
     llm = engram.LLM(args.model, tier=args.tier, engram_config=options, max_num_seqs=max(batches),
                      max_model_len=args.context + 64 + args.steps, max_num_batched_tokens=max(2048, args.context))
     engine = llm.engine
     vocab = llm.loaded.model_config.vocab_size
+    layer_ids = sorted(llm.loaded.engram_config.layer_ids)
     results = []
-    print(f"engine built; profiling {args.steps} steps at batch sizes {batches}", file=sys.stderr, flush=True)
+    how = "profiling" if args.profiled else "stamping"
+    print(f"engine built; {how} {args.steps} steps at batch sizes {batches}", file=sys.stderr, flush=True)
     for batch in batches:
         params = SamplingParams(temperature=0.0, max_tokens=16 + args.steps, ignore_eos=True)
         for i, p in enumerate(prompt_ids(batch, args.context, vocab, seed=batch)):
@@ -131,25 +141,34 @@ def exposure(args) -> int:
         while decoding < 4:
             decoding = decoding + 1 if len(engine.step()) == batch else 0
         print(f"batch {batch}: every sequence decodes", file=sys.stderr, flush=True)
+        replays = engine.stats()["graph_replays"]
         steps = []
-        for i in range(args.steps):
-            replays = engine.stats()["graph_replays"]
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                engine.step()
+        if clock is not None:
+            clock.read_snapshots()
+            for _ in range(args.steps):
+                engine.step()  # launches the next replay (async scheduling) or runs one
+                clock.snapshot()
+            steps = [clock_timeline(stamps, layer_ids) for stamps in clock.read_snapshots()]
+        else:
+            for _ in range(args.steps):
                 torch.cuda.synchronize()
-            if engine.stats()["graph_replays"] == replays:
-                raise SystemExit(f"batch {batch}: step {i} did not replay a graph")
-            kernels = [(s / 1e3, e / 1e3, st, n) for s, e, st, n in cuda_kernels(prof.profiler.kineto_results.events())]
-            steps.append(step_timeline(kernels))
-            print(json.dumps({"batch": batch, "step": i, **{k: round(v, 1) for k, v in steps[-1].as_dict().items()}}),
-                  flush=True)
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    engine.step()
+                    torch.cuda.synchronize()
+                kernels = [(s / 1e3, e / 1e3, st, n) for s, e, st, n in cuda_kernels(prof.profiler.kineto_results.events())]
+                steps.append(step_timeline(kernels))
+        if engine.stats()["graph_replays"] - replays < args.steps:
+            raise SystemExit(f"batch {batch}: {engine.stats()['graph_replays'] - replays} of {args.steps} steps "
+                             "replayed a graph")
+        for i, t in enumerate(steps):
+            print(json.dumps({"batch": batch, "step": i, **{k: (round(v, 1) if v is not None else None)
+                                                            for k, v in t.as_dict().items()}}), flush=True)
         while engine.has_unfinished():
             engine.step()
-        summary = {"model": args.model, "tier": args.tier, "batch": batch, "context": args.context,
+        summary = {"model": args.model, "tier": args.tier, "batch": batch, "context": args.context, "read": how,
                    "steps": len(steps) - 1, **median_timeline(steps[1:] or steps)}
         summary["met"] = summary["exposed_us"] <= summary["bound_us"]
-        print(json.dumps(summary))
+        print(json.dumps(summary), flush=True)
         results.append(summary)
     if args.out:
         with open(args.out, "w") as f:

@@ -22,6 +22,15 @@ so this reads the three times off the step's kernels (``device_time.cuda_kernels
   when the graph's two branches start together; the length of the lookups if the main branch waited).
 
 A step without a gather or a consumer kernel raises ValueError naming what is missing.
+
+A profiler changes what it watches here: under it the replay's main branch started 0.6-1.5 ms after the
+lookup branch (docs/benchmarks.md). ``clock_timeline`` reads the same quantities from a step's
+``GraphClock`` stamps (engine/graph_clock.py; ``lookup_stream.CLOCK``), taken without a profiler:
+``main_start_us`` = main_start - fork; ``lookup_us`` = lookup_done_L - fork and ``before_us`` =
+wait_begin_L - fork for the first Engram layer L (one origin, so a main branch that starts late shows in
+``before_us`` and ``main_start_us``, not as a shorter lookup); ``exposed_us`` = the first layer's
+wait_end - wait_begin less the last layer's (whose lookup ended long before its consumer: what a stamp
+pair costs when nothing is waited for); ``span_us`` = joined - fork; ``main_busy_us`` is None.
 """
 from __future__ import annotations
 
@@ -36,7 +45,7 @@ CONSUMER = "engram_gate"  # the fused v41 gate, the first kernel that reads a la
 class StepTimeline:
     span_us: float  # replay start to the last kernel's end
     main_start_us: float  # the main lane's first kernel, from the first gather's start (~0: the branches fork together)
-    main_busy_us: float
+    main_busy_us: float | None  # None from clock stamps (they do not see kernels)
     lookup_us: float
     before_us: float
     exposed_us: float
@@ -87,8 +96,29 @@ def step_timeline(kernels: list[tuple[float, float, int, str]], gather: str = GA
         bound_us=1.1 * max(0.0, lookup_us - before_us))
 
 
+def clock_timeline(stamps: dict[str, int], layer_ids: list[int]) -> StepTimeline:
+    """``stamps``: one step's ``GraphClock.read()`` (ns); ``layer_ids``: the Engram layers, first to last."""
+    need = ["fork", "main_start", "joined"] + [f"{k}_{lid}" for lid in (layer_ids[0], layer_ids[-1])
+                                               for k in ("lookup_done", "wait_begin", "wait_end")]
+    missing = [n for n in need if not stamps.get(n)]
+    if missing:
+        raise ValueError(f"clock stamps missing {missing}: was lookup_stream.CLOCK set before the capture?")
+    us = {n: (v - stamps["fork"]) / 1e3 for n, v in stamps.items()}
+    first, last = layer_ids[0], layer_ids[-1]
+    wait = {lid: us[f"wait_end_{lid}"] - us[f"wait_begin_{lid}"] for lid in (first, last)}
+    lookup_us, before_us = us[f"lookup_done_{first}"], us[f"wait_begin_{first}"]
+    return StepTimeline(span_us=us["joined"], main_start_us=us["main_start"], main_busy_us=None,
+                        lookup_us=lookup_us, before_us=before_us,
+                        exposed_us=max(0.0, wait[first] - wait[last]) if first != last else wait[first],
+                        bound_us=1.1 * max(0.0, lookup_us - before_us))
+
+
 def median_timeline(steps: list[StepTimeline]) -> dict:
-    """Each field's median over ``steps`` (at least one)."""
+    """Each field's median over ``steps`` (at least one); None where the steps have none."""
     if not steps:
         raise ValueError("no steps to summarise")
-    return {f: statistics.median(getattr(s, f) for s in steps) for f in StepTimeline.__dataclass_fields__}
+    out = {}
+    for f in StepTimeline.__dataclass_fields__:
+        values = [getattr(s, f) for s in steps if getattr(s, f) is not None]
+        out[f] = statistics.median(values) if values else None
+    return out

@@ -23,7 +23,12 @@ capture cannot be timed from the host, so a profile of the replay shows their ov
 Two test-only knobs (module attributes, never set outside tests) make the race visible: ``DELAY_CYCLES``
 spins the lookup stream (``torch.cuda._sleep``) before its first gather, ``DROP_WAIT`` skips the waits. With
 the wait dropped and the stream delayed, layers read rows before they are written and outputs change; with
-the wait kept they must not (tests/gpu/test_lookup_overlap.py asserts both).
+the wait kept they must not (tests/gpu/test_lookup_overlap.py asserts both). A third, for benchmarks:
+``CLOCK`` (a ``graph_clock.GraphClock``) stamps the fork (``fork``, main stream), the lookup branch's start
+(``lookup_start``), each layer's end on the lookup stream (``lookup_done_L``), the main stream's first work
+after the fork (``main_start``), each consumer's wait on either side (``wait_begin_L`` / ``wait_end_L``) and
+the final join (``joined``); set before the graphs are captured, the stamps run inside every replay
+(scripts/trace_lookup_overlap.py reads them).
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ import torch
 
 DELAY_CYCLES = 0  # tests only: GPU cycles the lookup stream spins before its first gather
 DROP_WAIT = False  # tests only: consumers do not wait for their layer's gather (a race on purpose)
+CLOCK = None  # benchmarks only: a GraphClock that stamps the fork, each layer's lookup end and each wait
 
 
 class LookupStream:
@@ -54,17 +60,25 @@ class LookupStream:
         tensors the main stream made that the lookup stream reads (marked used by it, so the caching
         allocator does not hand their memory to the main stream again before the lookup stream is done)."""
         main = torch.cuda.current_stream(self.device)
+        if CLOCK is not None:
+            CLOCK.stamp("fork")
         self._fork.record(main)
         self.stream.wait_event(self._fork)
         for t in inputs:
             t.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
+            if CLOCK is not None:
+                CLOCK.stamp("lookup_start")
             if DELAY_CYCLES:
                 torch.cuda._sleep(DELAY_CYCLES)
             yield self
+        if CLOCK is not None:
+            CLOCK.stamp("main_start")
 
     def done(self, layer_id: int) -> None:
         """Layer ``layer_id``'s rows are queued on the lookup stream (call inside ``issue``)."""
+        if CLOCK is not None:
+            CLOCK.stamp(f"lookup_done_{layer_id}")
         self._ready[layer_id].record(self.stream)
         if not torch.cuda.is_current_stream_capturing():
             self._timed[layer_id] = torch.cuda.Event(enable_timing=True)
@@ -81,8 +95,12 @@ class LookupStream:
             self._pairs.append((consumer, done))
             if len(self._pairs) > 256:  # fold in the pairs that have run, so the list stays short unread
                 self.exposed_seconds()
+        if CLOCK is not None:
+            CLOCK.stamp(f"wait_begin_{layer_id}")
         if not DROP_WAIT:
             main.wait_event(self._ready[layer_id])
+        if CLOCK is not None:
+            CLOCK.stamp(f"wait_end_{layer_id}")
         for t in tensors:
             t.record_stream(main)
 
@@ -93,6 +111,8 @@ class LookupStream:
         end = torch.cuda.Event()
         end.record(self.stream)
         torch.cuda.current_stream(self.device).wait_event(end)
+        if CLOCK is not None:
+            CLOCK.stamp("joined")
 
     def exposed_seconds(self) -> float:
         """Seconds consuming layers of eager steps waited for their lookups, summed over the pairs of events

@@ -45,3 +45,40 @@ def test_a_step_without_gathers_or_consumers_is_an_error():
         step_timeline([(0.0, 1.0, MAIN, "layer0_kernel")])
     with pytest.raises(ValueError, match="engram_gate"):
         step_timeline([(0.0, 1.0, SIDE, "_gather_rows_kernel"), (0.0, 1.0, MAIN, "layer0_kernel")])
+
+
+def test_clock_stamps_read_as_the_same_timeline():
+    from engram.bench.replay_timeline import clock_timeline
+
+    us = 1000  # stamps are ns
+    stamps = {"fork": 5_000_000, "lookup_start": 5_000_000 + 2 * us, "main_start": 5_000_000 + 3 * us,
+              "lookup_done_1": 5_000_000 + 150 * us, "wait_begin_1": 5_000_000 + 100 * us,
+              "wait_end_1": 5_000_000 + 153 * us, "lookup_done_15": 5_000_000 + 240 * us,
+              "wait_begin_15": 5_000_000 + 2000 * us, "wait_end_15": 5_000_000 + 2003 * us,
+              "joined": 5_000_000 + 5000 * us}
+    t = clock_timeline(stamps, [1, 15])
+    assert t.lookup_us == 150 and t.before_us == 100 and t.main_start_us == 3 and t.span_us == 5000
+    assert t.exposed_us == pytest.approx(50.0)  # 53 µs waited, less the 3 µs a pair of stamps takes
+    assert t.bound_us == pytest.approx(55.0) and t.main_busy_us is None
+    assert median_timeline([t])["main_busy_us"] is None
+    del stamps["wait_end_15"]
+    with pytest.raises(ValueError, match="wait_end_15"):
+        clock_timeline(stamps, [1, 15])
+
+
+def test_the_clock_stamps_named_points_in_order_on_the_cpu():
+    from engram.engine.graph_clock import GraphClock
+
+    clock = GraphClock("cpu", slots=3)
+    for name in ("fork", "main_start", "fork"):
+        clock.stamp(name)
+    got = clock.read()
+    assert list(got) == ["fork", "main_start"] and got["main_start"] <= got["fork"]  # fork stamped again last
+    clock.snapshot()
+    clock.stamp("main_start")
+    clock.snapshot()
+    first, second = clock.read_snapshots()
+    assert first == got and second["main_start"] >= got["main_start"] and clock.read_snapshots() == []
+    clock.stamp("joined")
+    with pytest.raises(ValueError, match="slots"):
+        clock.stamp("one_more")
