@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 
 def kernels_of(prof) -> list[dict]:
@@ -121,6 +122,7 @@ def exposure(args) -> int:
     from engram.engine.graph_clock import GraphClock
     from engram.engine.sampling_params import SamplingParams
 
+    t0 = time.perf_counter()
     batches = [int(b) for b in (args.batches or str(args.batch)).split(",")]
     options = {**json.loads(args.engram_config), "lookup_overlap": True}
     clock = None if args.profiled else GraphClock("cuda")
@@ -132,7 +134,8 @@ def exposure(args) -> int:
     layer_ids = sorted(llm.loaded.engram_config.layer_ids)
     results = []
     how = "profiling" if args.profiled else "stamping"
-    print(f"engine built; {how} {args.steps} steps at batch sizes {batches}", file=sys.stderr, flush=True)
+    print(f"[{time.perf_counter() - t0:.0f} s] engine built; {how} {args.steps} steps at batch sizes {batches}",
+          file=sys.stderr, flush=True)
     for batch in batches:
         params = SamplingParams(temperature=0.0, max_tokens=16 + args.steps, ignore_eos=True)
         for i, p in enumerate(prompt_ids(batch, args.context, vocab, seed=batch)):
@@ -140,7 +143,7 @@ def exposure(args) -> int:
         decoding = 0
         while decoding < 4:
             decoding = decoding + 1 if len(engine.step()) == batch else 0
-        print(f"batch {batch}: every sequence decodes", file=sys.stderr, flush=True)
+        print(f"[{time.perf_counter() - t0:.0f} s] batch {batch}: every sequence decodes", file=sys.stderr, flush=True)
         replays = engine.stats()["graph_replays"]
         steps = []
         if clock is not None:
