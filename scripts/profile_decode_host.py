@@ -28,9 +28,15 @@ def timed_phases(engine, steps: int) -> dict[str, float]:
     the whole step, the executor's launch and collect, and inside launch the lookups' staging
     (``LookupExecutor.submit``: for the disk tier, its reads of the first Engram layer) and the decode
     graph's replay (``DecodeGraphs.run``, which copies each piece's rows in and, piecewise, waits for later
-    layers' reads) or the eager forward (``ModelRunner.run``)."""
+    layers' reads) or the eager forward (``ModelRunner.run``); with async scheduling over host-read tables
+    the wait for the sampled tokens (``LookupExecutor._host_ids``). On the tables' own threads (summed over
+    the tables, per step): each submitted lookup, its page fetch and, inside that, the reads."""
+    import threading
+
     worker = engine.executor.worker
     spent: dict[str, float] = {}
+    mutex = threading.Lock()  # the tables' threads add to ``spent`` too
+    wrapped: list[tuple[object, str]] = []
 
     def wrap(obj, name: str, label: str) -> None:
         real = getattr(obj, name)
@@ -40,9 +46,11 @@ def timed_phases(engine, steps: int) -> dict[str, float]:
             try:
                 return real(*a, **k)
             finally:
-                spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
+                with mutex:
+                    spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
 
         setattr(obj, name, timed)
+        wrapped.append((obj, name))
 
     wrap(engine, "step", "step")
     wrap(engine.executor, "launch", "launch")
@@ -51,13 +59,21 @@ def timed_phases(engine, steps: int) -> dict[str, float]:
     if worker.graphs is not None:
         wrap(worker.graphs, "run", "  graphs.run")
     wrap(worker.runner, "run", "  runner.run")
+    wrap(worker.lookup, "_host_ids", "  lookup._host_ids (waits for the sampled tokens)")
+    for table in (worker.tables or {}).values():
+        for name, label in (("_lookup", "tables' threads: lookup"), ("_fetch", "tables' threads:   fetch"),
+                            ("reader", None)):
+            if label is None and hasattr(table, "reader"):
+                wrap(table.reader, "read", "tables' threads:     reads")
+            elif label is not None and hasattr(table, name):
+                wrap(table, name, label)
     for _ in range(steps):
         engine.step()
-    for obj, name in ((engine, "step"), (engine.executor, "launch"), (engine.executor, "collect"),
-                      (worker.lookup, "submit"), (worker.graphs, "run"), (worker.runner, "run")):
-        if obj is not None:
-            obj.__dict__.pop(name, None)  # the class's method again
-    order = ["step", "launch", "  lookup.submit", "  graphs.run", "  runner.run", "collect"]
+    for obj, name in wrapped:
+        obj.__dict__.pop(name, None)  # the class's method again
+    order = ["step", "launch", "  lookup._host_ids (waits for the sampled tokens)", "  lookup.submit",
+             "  graphs.run", "  runner.run", "collect", "tables' threads: lookup", "tables' threads:   fetch",
+             "tables' threads:     reads"]
     return {k: spent[k] / steps * 1e3 for k in order if k in spent}
 
 
