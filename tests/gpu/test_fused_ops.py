@@ -81,6 +81,28 @@ def test_norm_rope_store_writes_what_norm_rope_returns_at_the_slots(dtype, t, he
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,q_heads,heads,hd,normed", [(1, 32, 8, 128, True), (37, 32, 8, 128, True),
+                                                       (5, 12, 5, 64, False), (3, 4, 4, 16, True)])
+def test_norm_rope_qk_store_is_bitwise_the_two_launches(dtype, t, q_heads, heads, hd, normed):
+    g = torch.Generator(device=CUDA).manual_seed(t * heads + q_heads)
+    qkv = torch.randn(t, q_heads + 2 * heads, hd, generator=g, device=CUDA).to(dtype)
+    q, k, v = qkv[:, :q_heads], qkv[:, q_heads:q_heads + heads], qkv[:, q_heads + heads:]  # the packed views
+    wq, wk = ((torch.randn(hd, generator=g, device=CUDA).to(dtype) if normed else None) for _ in range(2))
+    ang = torch.rand(t, 1, hd // 2, generator=g, device=CUDA) * 100
+    cos, sin = (f(torch.cat((ang, ang), -1)).to(dtype) for f in (torch.cos, torch.sin))
+    slots = torch.randperm(4 * t, generator=g, device=CUDA)[:t]
+    caches = [torch.full((4 * t, heads, hd), 7.0, dtype=dtype, device=CUDA) for _ in range(4)]
+    got_q = fused.norm_rope_qk_store(q, k, v, wq, wk, 1e-6, cos, sin, caches[0], caches[1], slots)
+    want_q = fused.norm_rope(q, wq, 1e-6, cos, sin)
+    fused.norm_rope_store(k, v, wk, 1e-6, cos, sin, caches[2], caches[3], slots)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
+    assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
+    ref = reference(fused.norm_rope, q, wq, 1e-6, cos, sin)
+    assert rel(got_q, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 9728), (17, 1000), (64, 12288)])
 def test_silu_mul(dtype, shape):
     g = torch.Generator(device=CUDA).manual_seed(shape[0])

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engram.model.kv_cache import KVCache
-from engram.model.layers.fused import norm_rope, norm_rope_store
+from engram.model.layers.fused import norm_rope, norm_rope_qk_store
 from engram.model.layers.norm import RMSNorm
 from engram.model.layers.packed_linear import pack_linears
 from engram.model.layers.paged_attention import PREFILL_BLOCK_M, paged_attention
@@ -122,16 +122,19 @@ class Attention(nn.Module):
         else:
             q = self.q_proj(x)
             k, v = (self.k_proj(x), self.v_proj(x)) if self.owns_kv else (None, None)
-        q = norm_rope(q.view(t, self.num_heads, self.head_dim), _weight(self.q_norm), self.eps, cos, sin)  # [T, nh, hd]
+        q = q.view(t, self.num_heads, self.head_dim)
         if self.owns_kv:
             k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, n_kv, hd]
             v = v.view(t, self.num_kv_heads, self.head_dim)
-            if meta.write_keep is None:  # every slot valid: rope and write in one fused op
-                norm_rope_store(k, v, _weight(self.k_norm), self.eps, cos, sin, *kv.flat(self.layer_id),
-                                meta.slot_mapping)
+            if meta.write_keep is None:  # every slot valid: q's and k's rope and the KV write in one fused op
+                q = norm_rope_qk_store(q, k, v, _weight(self.q_norm), _weight(self.k_norm), self.eps, cos, sin,
+                                       *kv.flat(self.layer_id), meta.slot_mapping)  # [T, nh, hd]
             else:
+                q = norm_rope(q, _weight(self.q_norm), self.eps, cos, sin)
                 kv.write(self.layer_id, meta.slot_mapping, norm_rope(k, _weight(self.k_norm), self.eps, cos, sin), v,
                          keep=meta.write_keep)
+        else:
+            q = norm_rope(q, _weight(self.q_norm), self.eps, cos, sin)  # [T, nh, hd]
         o = paged_attention(q, kv, self.kv_source, meta, self.scale)  # [T, nh, hd]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 

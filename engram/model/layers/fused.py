@@ -1,5 +1,5 @@
 """Small ops with a fused CUDA path: ``rms_norm``, ``add_rms_norm``, ``norm_rope``, ``norm_rope_store``,
-``silu_mul``, one signature each.
+``norm_rope_qk_store``, ``silu_mul``, one signature each.
 
 The torch code here is the reference (any device, any dtype, float64 included) and what the CPU runs; on
 CUDA, for bf16 / fp16 / fp32 tensors, the Triton kernels of fused_triton.py take over (one launch each
@@ -98,6 +98,24 @@ def norm_rope_store(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, ep
         return
     k_cache.index_copy_(0, slots, norm_rope(k, w, eps, cos, sin).to(k_cache.dtype))
     v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def norm_rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Tensor | None,
+                       wk: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """A layer's queries and its KV write: returns ``norm_rope(q, wq, ...)`` and does
+    ``norm_rope_store(k, v, wk, ...)``; one launch on the fast path (bitwise the two launches, which is also
+    what the reference runs)."""
+    hd = q.shape[-1]
+    if (_fast(q) and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and hd & (hd - 1) == 0
+            and hd >= 2 and k_cache.dtype == q.dtype == k.dtype == v.dtype == v_cache.dtype
+            and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        from engram.model.layers import fused_triton
+
+        return fused_triton.norm_rope_qk_store(q, k, v, wq, wk, eps, cos.reshape(cos.shape[0], hd),
+                                               sin.reshape(sin.shape[0], hd), k_cache, v_cache, slots)
+    norm_rope_store(k, v, wk, eps, cos, sin, k_cache, v_cache, slots)
+    return norm_rope(q, wq, eps, cos, sin)
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

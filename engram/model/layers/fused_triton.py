@@ -7,6 +7,7 @@
   half"), or the rotation alone (``w`` None); x [T, heads, hd], cos/sin [T, hd]; one program per token.
   ``norm_rope_store`` writes the result (and v) straight into the paged KV cache rows of a slot mapping:
   the step's KV write without its two index_copy launches, the stored K bitwise ``norm_rope``'s.
+  ``norm_rope_qk_store`` does a layer's queries and its KV write in one launch (bitwise the two launches).
 * ``silu_mul(g, u)``: SwiGLU's silu(g) * u, elementwise over [rows, cols] views (packed gate/up halves).
 * ``engram_gate_v41(x, kv, q_w, k_w, eps, dead_mask)``: the v41 Engram fusion after the row projection
   (engram/module.py, ``Engram._forward_v41``): both RMS statistics, the gate logit, the gate and x + g*v
@@ -38,13 +39,10 @@ def _rms_norm_kernel(X, W, Y, R, S, n, eps, s_x, s_y, s_r, s_s, BLOCK: tl.conste
 
 
 @triton.jit
-def _norm_rope_kernel(X, W, COS, SIN, Y, SLOTS, V, VY, heads, eps, s_xt, s_xh, s_yt, s_yh, s_c, s_vt, s_vh,
-                      HD: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
-                      STORE: tl.constexpr):
-    t = tl.program_id(0)
-    out = t
-    if STORE:  # rows of the paged cache: the slot of token t; v goes to the same slot of VY
-        out = tl.load(SLOTS + t)
+def _norm_rope_rows(X, W, COS, SIN, Y, V, VY, t, out, heads, eps, s_xt, s_xh, s_yt, s_yh, s_c, s_vt, s_vh,
+                    HD: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
+                    STORE: tl.constexpr):
+    """Token t's heads of X: normed (NORM) and rotated into row ``out`` of Y; with STORE, V's row t too."""
     h = tl.arange(0, BLOCK_H)
     hmask = h < heads
     c = tl.arange(0, HALF)
@@ -69,6 +67,35 @@ def _norm_rope_kernel(X, W, COS, SIN, Y, SLOTS, V, VY, heads, eps, s_xt, s_xh, s
         d = tl.arange(0, HD)
         v = tl.load(V + t * s_vt + h[:, None] * s_vh + d[None, :], mask=m, other=0.0)
         tl.store(VY + out * s_yt + h[:, None] * s_yh + d[None, :], v.to(VY.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _norm_rope_kernel(X, W, COS, SIN, Y, SLOTS, V, VY, heads, eps, s_xt, s_xh, s_yt, s_yh, s_c, s_vt, s_vh,
+                      HD: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
+                      STORE: tl.constexpr):
+    t = tl.program_id(0)
+    out = t
+    if STORE:  # rows of the paged cache: the slot of token t; v goes to the same slot of VY
+        out = tl.load(SLOTS + t)
+    _norm_rope_rows(X, W, COS, SIN, Y, V, VY, t, out, heads, eps, s_xt, s_xh, s_yt, s_yh, s_c, s_vt, s_vh,
+                    HD, HALF, BLOCK_H, NORM, STORE)
+
+
+@triton.jit
+def _norm_rope_qk_kernel(Q, WQ, QY, K, WK, SLOTS, V, KC, VC, COS, SIN, q_heads, k_heads, eps,
+                         s_qt, s_qh, s_qyt, s_qyh, s_kt, s_kh, s_ct, s_ch, s_vt, s_vh, s_c,
+                         HD: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                         NORM_Q: tl.constexpr, NORM_K: tl.constexpr):
+    # programs (t, 0): token t's query heads, as _norm_rope_kernel; (t, 1): its key heads into the cache slot
+    # and v beside them, as _norm_rope_kernel with STORE. Each runs the same code at the same shapes as the
+    # separate launch, so the results are bitwise theirs.
+    t = tl.program_id(0)
+    if tl.program_id(1) == 0:
+        _norm_rope_rows(Q, WQ, COS, SIN, QY, Q, QY, t, t, q_heads, eps, s_qt, s_qh, s_qyt, s_qyh, s_c, 0, 0,
+                        HD, HALF, BLOCK_HQ, NORM_Q, False)
+    else:
+        _norm_rope_rows(K, WK, COS, SIN, KC, V, VC, t, tl.load(SLOTS + t), k_heads, eps, s_kt, s_kh, s_ct, s_ch,
+                        s_c, s_vt, s_vh, HD, HALF, BLOCK_HK, NORM_K, True)
 
 
 @triton.jit
@@ -163,6 +190,25 @@ def norm_rope_store(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, ep
                                 k.stride(0), k.stride(1), k_cache.stride(0), k_cache.stride(1), cos.stride(0),
                                 v.stride(0), v.stride(1), HD=hd, HALF=hd // 2, BLOCK_H=triton.next_power_of_2(heads),
                                 NORM=w is not None, STORE=True, num_warps=4)
+
+
+def norm_rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Tensor | None,
+                       wk: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``norm_rope(q, wq, ...)`` returned and ``norm_rope_store(k, v, wk, ...)`` done, in one launch; q, k, v
+    [T, heads, hd] (last dims contiguous), caches [rows, kv heads, hd] contiguous, slots [T] int64."""
+    t, q_heads, hd = q.shape
+    k_heads = k.shape[1]
+    y = torch.empty_like(q)
+    if t:
+        _norm_rope_qk_kernel[(t, 2)](q, wq if wq is not None else q, y, k, wk if wk is not None else k, slots, v,
+                                     k_cache, v_cache, cos, sin, q_heads, k_heads, eps, q.stride(0), q.stride(1),
+                                     y.stride(0), y.stride(1), k.stride(0), k.stride(1), k_cache.stride(0),
+                                     k_cache.stride(1), v.stride(0), v.stride(1), cos.stride(0), HD=hd,
+                                     HALF=hd // 2, BLOCK_HQ=triton.next_power_of_2(q_heads),
+                                     BLOCK_HK=triton.next_power_of_2(k_heads), NORM_Q=wq is not None,
+                                     NORM_K=wk is not None, num_warps=4)
+    return y
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
