@@ -108,7 +108,8 @@ class HostTable(ResidentTable):
         self.layout = layout if self.scale_cols else "split"  # one buffer either way without scales
         self.values, self.scales = self._storage("pinned", layout, progress, build)
         # values uint8 [rows, >= value_bytes], scales uint8 [rows, scale_cols] | None, both in host memory
-        self.route = HostRoute.decide(self.values, self.device, self.options.route_bands)
+        self.route = HostRoute.decide(self.values, self.device, self.options.route_bands,
+                                      self.options.uva_max_programs)
         self.staging = RowStaging(self.values, self.scales, self.device)
 
     def gather(self, ids: torch.Tensor, out: torch.Tensor | None = None,

@@ -40,6 +40,7 @@ class StoreOptions:
     staged_min_rows: int = RouteBands.staged_min_rows  # CPU-ids batches from this size take the staged route
     sorted_min_rows: int = RouteBands.sorted_min_rows  # batches from this size take the sorted route
     staged_chunk_rows: int = RouteBands.staged_chunk_rows  # rows per pipelined copy of the staged route
+    uva_max_programs: int = 0  # cap on the UVA gather's grid (0: one program per tile), so it holds fewer SMs
     # loading and checks
     load_threads: int = LOAD_THREADS  # workers reading + CRC-checking the files (gpu and host tiers)
     verify: bool = True  # CRC-check every chunk while loading (gpu, host; the disk tier's resident files)
@@ -67,6 +68,7 @@ class StoreOptions:
         _in_range(self, "staged_min_rows", 1)
         _in_range(self, "sorted_min_rows", self.staged_min_rows)
         _in_range(self, "staged_chunk_rows", 1)
+        _in_range(self, "uva_max_programs", 0)
         _in_range(self, "load_threads", 1)
 
     @classmethod

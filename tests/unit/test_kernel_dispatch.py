@@ -33,10 +33,19 @@ def test_unknown_backend_is_rejected():
 
 
 @pytest.mark.parametrize("kw,field", [({"block_r": 24}, "block_r"), ({"num_warps": 3}, "num_warps"),
-                                      ({"programs_per_sm": -2}, "programs_per_sm")])
+                                      ({"programs_per_sm": -2}, "programs_per_sm"),
+                                      ({"max_programs": -1}, "max_programs")])
 def test_launch_config_validates(kw, field):
     with pytest.raises(ValueError, match=field):
         LaunchConfig(**kw)
+
+
+def test_uva_config_caps_only_the_grid():
+    from engram.store.kernels import uva
+
+    assert uva.uva_config(0) is uva.UVA_CONFIG
+    capped = uva.uva_config(16)
+    assert capped.max_programs == 16 and capped.block_r == uva.UVA_CONFIG.block_r
 
 
 def test_launch_config_env(monkeypatch):

@@ -48,6 +48,19 @@ def test_cuda_tiers_match_reference(table, tier, kw):
                 t.gather(torch.tensor([5000], device="cuda"))
 
 
+@pytest.mark.parametrize("programs", [1, 5, 64])
+def test_a_capped_uva_grid_gathers_the_same_rows(table, programs):
+    """uva_max_programs: fewer programs striding over the tiles (what a gather beside other kernels uses)."""
+    path, ref = table
+    with open_table(path, "host", uva_max_programs=programs) as t:
+        assert t.route.max_programs == programs
+        for n in (1, 1000, 4096):
+            ids = torch.randint(0, 5000, (n,), generator=torch.Generator().manual_seed(n))
+            for dev_ids in (ids, ids.cuda()):
+                got = t.gather(dev_ids)
+                assert torch.equal(got.cpu().view(torch.uint8), ref[ids].view(torch.uint8))
+
+
 def test_cuda_out_buffer(table):
     path, ref = table
     with open_table(path, "host") as t:

@@ -21,6 +21,9 @@ class LaunchConfig:
     # compiled kernel's registers, so there is never a second wave); 0 = one program per tile
     programs_per_sm: int = 0
     stream: bool = False  # table rows evict-first, output stores streaming (.cs)
+    # at most this many programs whatever the rule above gives (0: no cap): a gather that runs beside other
+    # kernels (lookup overlap) holds fewer SMs; programs stride over the tiles, so the rows are the same
+    max_programs: int = 0
 
     def __post_init__(self) -> None:
         if self.block_r < 1 or self.block_r & (self.block_r - 1):
@@ -29,6 +32,8 @@ class LaunchConfig:
             raise ValueError(f"LaunchConfig.num_warps={self.num_warps} must be 1, 2, 4, 8 or 16")
         if self.programs_per_sm < -1:
             raise ValueError(f"LaunchConfig.programs_per_sm={self.programs_per_sm} must be >= -1")
+        if self.max_programs < 0:
+            raise ValueError(f"LaunchConfig.max_programs={self.max_programs} must be >= 0 (0: no cap)")
 
 
 def config_from_env() -> LaunchConfig:

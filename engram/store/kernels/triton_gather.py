@@ -63,7 +63,8 @@ def _resident_programs(compiled, num_warps: int) -> int:
 
 def _launch(kernel, n_tiles: int, device: torch.device, cfg: LaunchConfig, args: tuple, consts: dict) -> None:
     """Launch ``kernel`` over ``n_tiles`` tiles: one program per tile, or a persistent grid of SMs x
-    programs_per_sm (-1: the resident count measured from the compiled kernel on its first launch)."""
+    programs_per_sm (-1: the resident count measured from the compiled kernel on its first launch); either
+    capped at ``max_programs`` when set."""
     if cfg.programs_per_sm == 0:
         programs = n_tiles
     else:
@@ -73,6 +74,8 @@ def _launch(kernel, n_tiles: int, device: torch.device, cfg: LaunchConfig, args:
         key = (kernel.fn.__name__, cfg.num_warps, tuple(sorted(consts.items())))
         per_sm = cfg.programs_per_sm if cfg.programs_per_sm > 0 else _RESIDENT.get(key, _FIRST_GUESS)
         programs = min(n_tiles, _SM_COUNT[idx] * per_sm)
+    if cfg.max_programs:
+        programs = min(programs, cfg.max_programs)
     compiled = kernel[(max(1, programs),)](*args, **consts, num_warps=cfg.num_warps)
     if cfg.programs_per_sm == -1 and key not in _RESIDENT:
         _RESIDENT[key] = _resident_programs(compiled, cfg.num_warps)

@@ -15,6 +15,7 @@ what a bare call here uses.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -79,13 +80,19 @@ def route_for(n: int, route: str | None = None, bands: RouteBands = DEFAULT_BAND
     return route
 
 
+def uva_config(max_programs: int = 0) -> LaunchConfig:
+    """UVA_CONFIG, with its grid capped at ``max_programs`` programs when that is not 0."""
+    return dataclasses.replace(UVA_CONFIG, max_programs=max_programs) if max_programs else UVA_CONFIG
+
+
 def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor, row_dtype: str, dim: int,
                 out: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16, *,
-                route: str | None = None, chunk_rows: int = staged.CHUNK_ROWS) -> torch.Tensor:
+                route: str | None = None, chunk_rows: int = staged.CHUNK_ROWS, max_programs: int = 0) -> torch.Tensor:
     """Rows ``ids`` of a pinned host (or device) table, dequantized into a GPU ``out`` [N, dim] ``dtype``.
     ``route``: None = ``route_for``'s choice; "direct", "sorted" or "staged" forces one (a device table
     has no staged route; staged with ids on the GPU copies them to the CPU first, a host sync).
-    ``chunk_rows``: rows per pipelined copy of the staged route. CPU ids should sit in pinned memory: the
+    ``chunk_rows``: rows per pipelined copy of the staged route. ``max_programs``: cap on the UVA kernels'
+    grid (0: one program per tile; the rows do not depend on it). CPU ids should sit in pinned memory: the
     other routes copy them to the GPU with non_blocking=True."""
     from engram.store.kernels import triton_gather  # needs triton; route_for and sort_plan do not
     device = staged.device_for(ids, out)
@@ -97,11 +104,12 @@ def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Te
     ids = ids.to(device, non_blocking=True)  # [N]
     if out is None:
         out = torch.empty(n, dim, dtype=dtype, device=device)  # [N, dim]
+    cfg = uva_config(max_programs)
     if n == 0 or kind != "sorted":
-        return triton_gather.gather_rows(values, scales, ids, row_dtype, dim, out=out, dtype=dtype, cfg=UVA_CONFIG)
+        return triton_gather.gather_rows(values, scales, ids, row_dtype, dim, out=out, dtype=dtype, cfg=cfg)
     plan = sort_plan(ids, values.shape[0])
     triton_gather.gather_rows(values, scales, plan.sorted_ids, row_dtype, dim, out=out, dtype=dtype,
-                              dst=plan.perm, runs=plan.runs, cfg=UVA_CONFIG)
+                              dst=plan.perm, runs=plan.runs, cfg=cfg)
     return triton_gather.copy_duplicates(out, plan.perm, plan.runs)
 
 
