@@ -6,10 +6,11 @@ branches are launched (docs/benchmarks.md: under torch.profiler the decode graph
 after its lookup branch). A stamp is a one-thread kernel that stores the GPU's global timer (ns,
 ``%globaltimer``) into a named slot of a device buffer on the current stream; captured into a graph it
 stamps again on every replay, so after a replay and a synchronisation ``read()`` says when each stamped
-point of the step ran on its stream (``snapshot()`` after each step's launch keeps every step's stamps
-without a synchronisation per step, so the engine keeps its rhythm). Slots are assigned by name on first use, so the same code path at
-capture and at replay writes the same slots. Each stamp is one tiny launch (~2 µs of the stream's time):
-a diagnosis tool, set only by benchmarks and tests (``lookup_stream.CLOCK``), never on a serving path.
+point of the step ran on its stream. ``snapshot()`` after each step's launch keeps every step's stamps
+without a synchronisation per step, so the engine keeps its rhythm. Slots are assigned by name on first
+use, so the same code path at capture and at replay writes the same slots. Each stamp is one tiny launch
+(~2 µs of the stream's time): a diagnosis tool, set only by benchmarks and tests
+(``lookup_stream.CLOCK``), never on a serving path.
 
 On the CPU a stamp takes the host clock at the call (the same API, for what consumes the stamps).
 """
