@@ -158,7 +158,8 @@ def exposure(args) -> int:
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     engine.step()
                     torch.cuda.synchronize()
-                kernels = [(s / 1e3, e / 1e3, st, n) for s, e, st, n in cuda_kernels(prof.profiler.kineto_results.events())]
+                events = prof.profiler.kineto_results.events()
+                kernels = [(s / 1e3, e / 1e3, st, n) for s, e, st, n in cuda_kernels(events)]
                 steps.append(step_timeline(kernels))
         if engine.stats()["graph_replays"] - replays < args.steps:
             raise SystemExit(f"batch {batch}: {engine.stats()['graph_replays'] - replays} of {args.steps} steps "
