@@ -32,6 +32,7 @@ from engram.engine.sampler import SampledTokens, Sampler
 from engram.engine.step import SampleSpec, StepDescription, StepResult, TokenLogprobs
 from engram.model.kv_cache import KVCache
 from engram.hashing import NgramHasher
+from engram.model.layers import l2_prefetch
 from engram.model.layers.fused import FAST_DTYPES
 from engram.transfer import to_host
 
@@ -54,6 +55,8 @@ class Worker:
         self.model = loaded.model
         if self.device.type == "cuda" and dtype in FAST_DTYPES:
             self.model.pack_projections()  # q/k/v and gate/up as one GEMM each (the CPU keeps the plain path)
+            if l2_prefetch.ENABLED:  # ENGRAM_L2_PREFETCH=1: o's weight into L2 during attention, few tokens
+                self.model.prefetch_into_l2(l2_prefetch.WeightPrefetcher(self.device))
         self.tables = loaded.open_tables()  # opened here, on this worker's device
         # lookup_overlap (CUDA): gathers on their own stream, an event per Engram layer (engine/lookup_stream.py)
         self.lookup_stream = (LookupStream(self.device, self.ecfg.layer_ids)
