@@ -10,8 +10,8 @@ sequence (so launch gaps are those of a decode graph), with L2 flushed before ea
 
 * ``cold``: a ``--busy-us`` spin (standing in for attention), then ``F.linear`` (cuBLAS) on one row;
 * ``prefetched``: the same, with a prefetch of the weight into L2 on a second stream during the spin,
-  joined before the GEMV; variants: ``prefetch.global.L2::evict_last`` per 128-B line, or loads with
-  ``evict_last`` whose sum is stored (what a kernel without inline PTX could do);
+  joined before the GEMV; variants: the engine's ``prefetch.global.L2::evict_last`` per 128-B line
+  (model/layers/l2_prefetch.py, ``ENGRAM_L2_PREFETCH``), or loads with ``evict_last`` whose sum is stored;
 * ``gemv_alone`` / ``gemv_after_prefetch``: the GEMV's own time, cold and right after a prefetch.
 
 Prints a JSON line per point and a table: µs per replay, and the saving per step over the model's layers.
@@ -27,17 +27,12 @@ import torch.nn.functional as F
 
 
 def prefetch_kernels():
+    """The engine's prefetch (``lines``: l2_prefetch.prefetch) and, to compare, loads with ``evict_last``
+    whose sum is stored (``loads``: what a kernel without inline PTX could do)."""
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def prefetch_lines(W, nbytes, SINK, BLOCK: tl.constexpr):
-        # one 128-B line per element; the asm's dummy output keeps the instruction in the program
-        offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64) * 128
-        ptrs = W + tl.where(offs < nbytes, offs, 0)
-        r = tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-        tl.store(SINK + tl.program_id(0), tl.sum(r, 0))
+    from engram.model.layers import l2_prefetch
 
     @triton.jit
     def load_evict_last(W, n, SINK, BLOCK: tl.constexpr):
@@ -46,10 +41,7 @@ def prefetch_kernels():
         tl.store(SINK + tl.program_id(0), tl.sum(v.to(tl.int32), 0))
 
     def lines(w: torch.Tensor, sink: torch.Tensor) -> None:
-        nbytes = w.numel() * w.element_size()
-        block = 1024
-        grid = (triton.cdiv(triton.cdiv(nbytes, 128), block),)
-        prefetch_lines[grid](w.view(torch.uint8), nbytes, sink, BLOCK=block, num_warps=4)
+        l2_prefetch.prefetch(w)
 
     def loads(w: torch.Tensor, sink: torch.Tensor) -> None:
         flat = w.view(torch.int32).reshape(-1)
