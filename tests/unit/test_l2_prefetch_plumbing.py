@@ -11,6 +11,7 @@ from engram.engine.engine import LLMEngine
 from engram.engine.sampling_params import SamplingParams
 from engram.model.layers import attention
 from engram.model.loader import load_model
+from tests.engine_runs import drain
 
 CPU, F64 = torch.device("cpu"), torch.float64
 
@@ -40,12 +41,7 @@ def generate(loaded, prefetcher=None):
     for i, n in enumerate((5, 40, 17)):
         engine.add_request(f"r{i}", torch.randint(3, 4096, (n,), generator=g).tolist(),
                            SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2))
-    out = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            c = o.outputs[0]
-            out[o.request_id] = (c.token_ids, [(lp.logprob, lp.top) for lp in c.logprobs])
-    return out
+    return drain(engine)
 
 
 def test_small_steps_prefetch_each_layers_o_weight_and_outputs_do_not_change(monkeypatch):

@@ -14,6 +14,7 @@ from engram.engine.engine import LLMEngine
 from engram.engine.sampling_params import SamplingParams
 from engram.engine.worker import _projectors
 from engram.model.loader import load_model
+from tests.engine_runs import drain
 from engram.module import Projected
 
 CPU, F64 = torch.device("cpu"), torch.float64
@@ -50,12 +51,7 @@ def generate(loaded, stream=None, run_ahead: bool = True):
     for i, n in enumerate((5, 40, 17, 2)):
         engine.add_request(f"r{i}", torch.randint(3, 4096, (n,), generator=g).tolist(),
                            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2))
-    out = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            c = o.outputs[0]
-            out[o.request_id] = (c.token_ids, [(lp.logprob, lp.top) for lp in c.logprobs])
-    return out
+    return drain(engine)
 
 
 def test_staged_projections_through_a_lookup_stream_equal_the_plain_path():
