@@ -83,6 +83,7 @@ from engram.bench.placement_arms import (DEFAULT_A, DEFAULT_B, ArmSpec, arm_stor
 from engram.bench.placement_compare import GraphFallback, run_comparison, table_row
 from engram.bench.stats import ORDERS
 from engram.commands.options import parse_bytes
+from engram.model import kernel_switches
 
 HELP = "Engram table placements / lookup options A/B'd in one process over forced natural decoding (A/A, CI)."
 CUDA_MODEL, CPU_MODEL = "4b-like", "tiny"
@@ -267,8 +268,9 @@ def run(args: argparse.Namespace) -> int:
             loaded = dataclasses.replace(base, tables=tables[placement_of[arm]], tier=arm.tier,
                                          store_options=store_of[arm], lookup_overlap=arm.lookup_overlap,
                                          wkv_run_ahead=arm.wkv_run_ahead)
-            engines[arm] = LLMEngine(loaded, dataclasses.replace(ecfg, async_scheduling=arm.async_scheduling),
-                                     device, dtype)
+            with kernel_switches.applied(dict(arm.switches)):  # captured into the arm's decode graphs
+                engines[arm] = LLMEngine(loaded, dataclasses.replace(ecfg, async_scheduling=arm.async_scheduling),
+                                         device, dtype)
             async_of[arm.name] = engines[arm]._async()
             graphs = engines[arm].executor.worker.graphs
             if device.type == "cuda" and not args.enforce_eager and (

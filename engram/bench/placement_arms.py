@@ -7,11 +7,13 @@ required), ``lookup_overlap`` (bool, default false), ``wkv_run_ahead`` (bool, de
 ids; asked for on host-read tables, a decode step is launched before the step before it is read and waits
 for its tokens inside the launch) and ``options`` (a
 JSON object of table options, engram.store.StoreOptions keys such as ``cache_rows``, ``io``,
-``queue_depth``; default none).
+``queue_depth``; default none) and ``switches`` (a JSON object of kernel switches set while the arm's
+engine is built and measured, engram.model.kernel_switches names such as ``fused_combine``,
+``l2_prefetch``; default none).
 ``parse_arm`` turns it into an ``ArmSpec`` (hashable: one engine per distinct arm) or stops the command
 (SystemExit) naming the option (``--a``, ``--b[1]`` for the first ``--b``) and the offending key: any
 other key, a missing or unknown tier, a non-bool ``lookup_overlap``, ``wkv_run_ahead`` or
-``async_scheduling``, ``options`` not an object.
+``async_scheduling``, ``options`` not an object, an unknown switch or a non-bool switch value.
 
 What the arms share goes in ``--engram-config`` (loader and table options): ``parse_engram_options``
 reads it as RuntimeOptions and refuses ``cpu_offload``, ``lookup_overlap`` and ``wkv_run_ahead``
@@ -32,8 +34,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from engram.model import kernel_switches
+
 TIERS = ("gpu", "host", "disk")
-ARM_KEYS = ("tier", "lookup_overlap", "wkv_run_ahead", "async_scheduling", "options")
+ARM_KEYS = ("tier", "lookup_overlap", "wkv_run_ahead", "async_scheduling", "options", "switches")
 DEFAULT_A = '{"tier": "gpu"}'
 DEFAULT_B = '{"tier": "host", "lookup_overlap": true}'
 ARM_OPTIONS_IN_CONFIG = ("cpu_offload", "lookup_overlap", "wkv_run_ahead")  # set per arm, not shared
@@ -50,6 +54,7 @@ class ArmSpec:
     options: tuple = ()  # the arm's table options as sorted (key, value) pairs (hashable); () for none
     async_scheduling: bool | None = None  # None: the engine's auto choice
     wkv_run_ahead: bool = True
+    switches: tuple = ()  # kernel switches set while the arm's engine is built and run, sorted pairs
 
     def to_dict(self) -> dict:
         out = {"tier": self.tier, "lookup_overlap": self.lookup_overlap}
@@ -59,6 +64,8 @@ class ArmSpec:
             out["async_scheduling"] = self.async_scheduling
         if self.options:
             out["options"] = dict(self.options)
+        if self.switches:
+            out["switches"] = dict(self.switches)
         return out
 
     @property
@@ -94,8 +101,15 @@ def parse_arm(text: str, option: str) -> ArmSpec:
     options = raw.get("options", {})
     if not isinstance(options, dict):
         raise SystemExit(f"{option}: key 'options'={options!r} must be a JSON object of table options")
+    switches = raw.get("switches", {})
+    try:
+        if not isinstance(switches, dict):
+            raise ValueError(f"{switches!r} must be a JSON object of kernel switches")
+        kernel_switches.check(switches)
+    except ValueError as e:
+        raise SystemExit(f"{option}: key 'switches': {e}") from None
     return ArmSpec(raw["tier"], overlap, tuple(sorted(options.items())),  # checked over the shared ones: run()
-                   asynchronous, run_ahead)
+                   asynchronous, run_ahead, tuple(sorted(switches.items())))
 
 
 def _store_options(options: dict, base, option: str):

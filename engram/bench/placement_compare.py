@@ -15,6 +15,7 @@ import sys
 from engram.bench.disk_bound import counter_deltas, disk_summary, hit_rate
 from engram.bench.forced_windows import Windows, check_forced
 from engram.bench.placement_arms import ARM_LABELS, ArmSpec
+from engram.model import kernel_switches
 
 
 class GraphFallback(RuntimeError):
@@ -41,8 +42,9 @@ def arm_measure(engine, arm: ArmSpec, win: Windows, batch: int, s, records: list
     cached = any(getattr(t, "cache", None) is not None for t in engine.executor.worker.tables.values())
 
     def measure() -> float:
-        t = measure_decode(engine, win.prompts, s.decode_steps, s.warmup_tokens, tag=f"placement-{batch}",
-                           forced=win.forced)
+        with kernel_switches.applied(dict(arm.switches)):  # eager steps too (prefill) see the arm's choices
+            t = measure_decode(engine, win.prompts, s.decode_steps, s.warmup_tokens, tag=f"placement-{batch}",
+                               forced=win.forced)
         checked = check_forced(t, win, s.warmup_tokens + s.decode_steps, arm.name)
         expected = s.decode_steps if graphs else 0
         if t.graph_steps != expected:
