@@ -1,24 +1,57 @@
 """Kernel choices an engine fixes when it is built, by name: what a benchmark arm may flip for its engine.
 
-Some fast paths are chosen by module flags that a process reads from the environment (``ENGRAM_*``); a
-decode graph captures whichever was set while the Worker was built. ``applied({"fused_combine": True})``
-sets the named flags for the duration of a ``with`` block and restores them after, so one process can
+Some fast paths are chosen by process-wide flags, read from the environment (``ENGRAM_*``, torch's BLAS
+choice); a decode graph captures whichever was set while the Worker was built.
+``applied({"fused_combine": True})`` sets the named switches for the duration of a ``with`` block and
+restores them after, so one process can
 build engines that differ only in them (engram bench placement's ``switches`` arm key) and compare their
 graph replays, interleaved, with confidence intervals. Unknown names are refused with the known ones.
 
 * ``fused_combine``: decode attention combines its splits inside the split kernel
   (``paged_attention_triton.FUSED_COMBINE``, ``ENGRAM_FUSED_COMBINE``; CUDA with triton only);
 * ``l2_prefetch``: each layer prefetches its o weight into L2 during attention at batch <= 8
-  (``l2_prefetch.ENABLED``, ``ENGRAM_L2_PREFETCH``).
+  (``l2_prefetch.ENABLED``, ``ENGRAM_L2_PREFETCH``);
+* ``cublaslt``: torch's matmuls go through cuBLASLt instead of cuBLAS
+  (``torch.backends.cuda.preferred_blas_library``, ``TORCH_BLAS_PREFER_CUBLASLT=1``; its heuristics may
+  pick other GEMV kernels for the decode step's projections, e.g. without cuBLAS's split-K reduce).
 """
 from __future__ import annotations
 
 import contextlib
 import importlib
 
-SWITCHES = {  # name -> (module, attribute)
-    "fused_combine": ("engram.model.layers.paged_attention_triton", "FUSED_COMBINE"),
-    "l2_prefetch": ("engram.model.layers.l2_prefetch", "ENABLED"),
+
+def _module_flag(module_name: str, attr: str):
+    """(get, set) of a module attribute, importing the module on first use."""
+    def module():
+        try:
+            return importlib.import_module(module_name)
+        except ImportError as e:
+            raise RuntimeError(f"needs {module_name}, which cannot be imported here: {e}") from None
+
+    return (lambda: getattr(module(), attr)), (lambda value: setattr(module(), attr, value))
+
+
+def _blas_lt():
+    """(get, set) of torch's preferred BLAS library being cuBLASLt (CUDA builds only)."""
+    import torch
+
+    def get() -> bool:
+        return torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
+
+    def set_(value: bool) -> None:
+        try:
+            torch.backends.cuda.preferred_blas_library("cublaslt" if value else "cublas")
+        except RuntimeError as e:
+            raise RuntimeError(f"cannot choose the BLAS library here: {e}") from None
+
+    return get, set_
+
+
+SWITCHES = {  # name -> (get, set)
+    "fused_combine": _module_flag("engram.model.layers.paged_attention_triton", "FUSED_COMBINE"),
+    "l2_prefetch": _module_flag("engram.model.layers.l2_prefetch", "ENABLED"),
+    "cublaslt": _blas_lt(),
 }
 
 
@@ -33,21 +66,20 @@ def check(switches: dict) -> None:
 
 @contextlib.contextmanager
 def applied(switches: dict):
-    """Set the named flags inside the block, restore them after. RuntimeError when a switch's module cannot
-    be imported here (e.g. fused_combine without triton)."""
+    """Set the named switches inside the block, restore them after. RuntimeError naming the switch when it
+    cannot be set here (fused_combine without triton, cublaslt without CUDA)."""
     check(switches)
     old = []
     try:
         for name, value in switches.items():
-            module_name, attr = SWITCHES[name]
+            get, set_ = SWITCHES[name]
             try:
-                module = importlib.import_module(module_name)
-            except ImportError as e:
-                raise RuntimeError(f"kernel switch {name!r} needs {module_name}, which cannot be imported "
-                                   f"here: {e}") from None
-            old.append((module, attr, getattr(module, attr)))
-            setattr(module, attr, value)
+                before = get()
+                set_(value)
+            except RuntimeError as e:
+                raise RuntimeError(f"kernel switch {name!r} {e}") from None
+            old.append((set_, before))
         yield
     finally:
-        for module, attr, value in reversed(old):
-            setattr(module, attr, value)
+        for set_, value in reversed(old):
+            set_(value)
