@@ -112,27 +112,35 @@ class LookupExecutor:
         whose reads still run (after the first, which the model needs at once) goes to ``deferred`` as
         (handle, finish) instead, for ``StagedRows.rows`` to wait for when its layer asks."""
         handles: dict = {}
-        if patch is None or not self.takes_device_ids():
-            # host ids: every layer's lookup is submitted before any is waited for (disk reads overlap)
-            host_ids = step.engram_row_ids if patch is None else self._host_ids(step, patch)
-            handles = {lid: self.tables[lid].submit(ids.reshape(-1), dtype=self.fetch_dtype)
-                       for lid, ids in host_ids.items()}  # [T * n_cols] each, CPU int64
+        try:
+            if patch is None or not self.takes_device_ids():
+                # host ids: every layer's lookup is submitted before any is waited for (disk reads overlap)
+                host_ids = step.engram_row_ids if patch is None else self._host_ids(step, patch)
+                for lid, ids in host_ids.items():  # [T * n_cols] each, CPU int64
+                    handles[lid] = self.tables[lid].submit(ids.reshape(-1), dtype=self.fetch_dtype)
 
-            def fetch(lid: int, ids: torch.Tensor) -> torch.Tensor:
-                return handles[lid].wait()
-        else:
-            def fetch(lid: int, ids: torch.Tensor) -> torch.Tensor:  # device ids, patched where tokens are in flight
-                dev_ids = patch.patched(to_device(ids, self.device), patch.row_ids[lid])  # [T, n_cols]
-                return self.tables[lid].gather(dev_ids.reshape(-1), dtype=self.fetch_dtype)
-        rows = {}
-        for i, (lid, ids) in enumerate(step.engram_row_ids.items()):
-            finish = functools.partial(self._finish, shape=ids.shape)
-            if i > 0 and lid in handles and not handles[lid].done():
-                deferred[lid] = (handles[lid], finish)
-                continue
-            rows[lid] = finish(fetch(lid, ids))
-            done(lid, rows)
-        return rows
+                def fetch(lid: int, ids: torch.Tensor) -> torch.Tensor:
+                    return handles[lid].wait()
+            else:
+                def fetch(lid: int, ids: torch.Tensor) -> torch.Tensor:  # device ids, patched where tokens are in flight
+                    dev_ids = patch.patched(to_device(ids, self.device), patch.row_ids[lid])  # [T, n_cols]
+                    return self.tables[lid].gather(dev_ids.reshape(-1), dtype=self.fetch_dtype)
+            rows = {}
+            for i, (lid, ids) in enumerate(step.engram_row_ids.items()):
+                finish = functools.partial(self._finish, shape=ids.shape)
+                if i > 0 and lid in handles and not handles[lid].done():
+                    deferred[lid] = (handles[lid], finish)
+                    continue
+                rows[lid] = finish(fetch(lid, ids))
+                done(lid, rows)
+            return rows
+        except BaseException:
+            # A failed read (or submit) fails this step only: every lookup it started is dropped, so none
+            # keeps its table's in-flight slot (max_inflight) once the step is gone. Consumed handles ignore it.
+            deferred.clear()
+            for handle in handles.values():
+                handle.cancel()
+            raise
 
     def _host_ids(self, step: StepDescription, patch: PendingPatch) -> dict[int, torch.Tensor]:
         """Every layer's row ids [T, n_cols] with the pending rows patched in, on the host: patched on the
