@@ -53,9 +53,14 @@ class SlowTable:
         self.fail_next: BaseException | None = None  # the next lookup's wait raises this
 
     def submit(self, ids, dtype=torch.bfloat16):
+        self.log.append(f"submit {self.layer_id}")
         fail, self.fail_next = self.fail_next, None
         self.handles.append(SlowHandle(self._table.submit(ids, dtype=dtype), self.layer_id, self.log, fail))
         return self.handles[-1]
+
+    def gather(self, ids, *args, **kwargs):  # a lookup on the caller's thread (the first Engram layer's)
+        self.log.append(f"gather {self.layer_id}")
+        return self._table.gather(ids, *args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._table, name)
@@ -85,12 +90,15 @@ def test_a_later_layer_waits_for_its_reads_when_the_model_reaches_it(tiny):
     assert log.index("wait 3") > log.index("layer 2") and log.index("wait 3") > log.index("layer 3")
 
 
-def test_the_first_engram_layer_is_never_deferred(tiny):
+def test_the_first_engram_layer_is_read_on_the_calling_thread_after_the_others_are_submitted(tiny):
+    """The model needs the first Engram layer's rows at once: its lookup runs on the caller's thread (no
+    hand-off to its table's thread), after the later layers' lookups have started, and is never deferred."""
     step = hand_built_step(tiny, [5, 6, 7, 8, 9], CFG.block_size)
     log: list[str] = []
-    worker, _ = worker_with_slow_tables((1, 3), log)
+    worker, tables = worker_with_slow_tables((1, 3), log)
     worker.execute(step)
-    assert log.index("wait 1") < log.index("layer 0") < log.index("wait 3")
+    assert not tables[1].handles and len(tables[3].handles) == 1  # layer 1 gathered, layer 3 submitted
+    assert log.index("submit 3") < log.index("gather 1") < log.index("layer 0") < log.index("wait 3")
 
 
 def test_reads_a_failed_forward_never_reached_are_cancelled(tiny):
