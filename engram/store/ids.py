@@ -28,8 +28,13 @@ def check_range(ids: torch.Tensor, rows: int, what: Any) -> None:
     this never touches the GPU; on a GPU the clean path costs one reduction and one sync."""
     if ids.numel() == 0:
         return
-    lo, hi = torch.aminmax(ids)
-    if bool((lo < 0) | (hi >= rows)):
+    if ids.device.type == "cpu":  # numpy: a lookup's few hundred ids in ~3 µs, where five torch ops take ~40
+        a = ids.numpy()
+        bad = bool(a.min() < 0 or a.max() >= rows)
+    else:
+        lo, hi = torch.aminmax(ids)
+        bad = bool((lo < 0) | (hi >= rows))
+    if bad:
         pos = int(((ids < 0) | (ids >= rows)).nonzero()[0, 0])
         raise IndexError(f"row id {int(ids[pos])} (position {pos}) is out of range for table {what} with "
                          f"{rows} rows")
