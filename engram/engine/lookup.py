@@ -10,9 +10,10 @@ one (``lookup_overlap``, CUDA: engine/lookup_stream.py) the gathers — and each
 rows (``Engram.project``, the WKV run-ahead), which needs no hidden state — are issued on that stream, an
 event per layer, and ``StagedRows.rows`` makes the consuming layer wait for its own layer's event only.
 Tables that read on the host in the background (the disk tier): the later layers' lookups are submitted
-first, then the first layer's, which the model needs at once, runs on the calling thread (no hand-off to its
-table's thread and back: ~8 % of a batch-1 staging on the CPU machine); a later layer whose reads are still running when the step is staged is *deferred*: its ``rows`` waits for the
-reads when the model reaches that layer, so the layers before it compute (and, on a GPU, are launched)
+first, then the first layer's, which the model needs at once, runs on the calling thread (no hand-off to
+its table's thread and back: ~8 % of a batch-1 staging on the CPU machine); a later layer whose reads are
+still running when the step is staged is *deferred*: its ``rows`` waits for the reads when the model
+reaches that layer, so the layers before it compute (and, on a GPU, are launched)
 while its reads complete. Deferred rows are finished on the consuming stream and projected by the layer
 itself (the same kernels: outputs are bitwise those of staging everything first).
 """

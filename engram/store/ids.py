@@ -28,7 +28,7 @@ def check_range(ids: torch.Tensor, rows: int, what: Any) -> None:
     this never touches the GPU; on a GPU the clean path costs one reduction and one sync."""
     if ids.numel() == 0:
         return
-    if ids.device.type == "cpu":  # numpy: a lookup's few hundred ids in ~3 µs, where five torch ops take ~40
+    if ids.device.type == "cpu":  # numpy: a decode lookup's ids in 2.7 µs, where the torch ops take 5
         a = ids.numpy()
         bad = bool(a.min() < 0 or a.max() >= rows)
     else:
