@@ -40,9 +40,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_num_seqs: int = 64) -> 
                    help="share of the GPU the process may fill; the KV cache gets what a profiled step leaves")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: decode steps run eagerly")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="launch step N+1 before reading step N (default: on for CUDA where the tables gather ids on "
-                        "the device; asked for with the disk tier or a hot-row cache, a launch waits for the "
-                        "tokens in flight)")
+                   help="launch step N+1 before reading step N (default: on for CUDA; with the disk tier or a "
+                        "hot-row cache a launch waits for the tokens in flight)")
 
 
 BYTE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30,

@@ -4,10 +4,9 @@
 engine reads (rank 0's); ``launch(step)`` and ``collect(handle)`` are its two halves, which async
 scheduling splits so that the engine describes the next step while the device runs this one;
 ``takes_pending_tokens()`` says whether the Workers accept steps whose inputs are the previous step's
-sampled tokens, ``pending_tokens_stay_on_device()`` whether they launch such steps without waiting for
-those tokens (what makes async scheduling the default on CUDA); ``stats()`` gathers the Workers'
-counters. ``UniProcExecutor`` holds one Worker in this process and calls it directly. A multi-process executor (tensor/pipeline parallel) keeps this
-interface: it pickles the StepDescription once (plain CPU data), broadcasts it to its Workers (a
+sampled tokens (what async scheduling needs); ``stats()`` gathers the Workers' counters.
+``UniProcExecutor`` holds one Worker in this process and calls it directly. A multi-process executor
+(tensor/pipeline parallel) keeps this interface: it pickles the StepDescription once (plain CPU data), broadcasts it to its Workers (a
 shared-memory ring or ``torch.distributed.broadcast_object_list`` on a gloo group), each Worker runs
 ``execute`` on its shard, and only rank 0 sends the StepResult back.
 """
@@ -38,9 +37,6 @@ class Executor:
     def takes_pending_tokens(self) -> bool:
         return False
 
-    def pending_tokens_stay_on_device(self) -> bool:
-        return False
-
     def stats(self) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -60,9 +56,6 @@ class UniProcExecutor(Executor):
 
     def takes_pending_tokens(self) -> bool:
         return self.worker.takes_pending_tokens()
-
-    def pending_tokens_stay_on_device(self) -> bool:
-        return self.worker.pending_tokens_stay_on_device()
 
     def stats(self) -> dict[str, Any]:
         return self.worker.stats()

@@ -159,11 +159,6 @@ class Worker:
         executor can, over any tables (host-read ones wait for the tokens inside ``launch``)."""
         return type(self.lookup) is LookupExecutor
 
-    def pending_tokens_stay_on_device(self) -> bool:
-        """Whether steps with pending tokens launch without waiting for them: every table gathers ids the
-        device produced as device work (CUDA: tier gpu, tier host without a hot-row cache)."""
-        return self.takes_pending_tokens() and self.lookup.takes_device_ids()
-
     def _free(self, seq_ids: list[int]) -> None:
         self.runner.free(seq_ids)
 

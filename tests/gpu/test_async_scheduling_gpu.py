@@ -54,17 +54,17 @@ def test_async_equals_sync_bitwise_and_runs_ahead(tmp_path, tier):
 @pytest.mark.parametrize("tier,options", [("host", {"cache_rows": 64}), ("disk", {"io": "buffered"}),
                                           ("disk", {"io": "buffered", "cache_rows": 64})],
                          ids=["host-cache", "disk", "disk-cache"])
-def test_tables_that_need_host_ids_take_tokens_in_flight_when_asked(tmp_path, tier, options):
+def test_tables_that_need_host_ids_take_tokens_in_flight_by_default(tmp_path, tier, options):
     loaded = load_model("tiny", tier=tier, dtype=torch.bfloat16, device=CUDA, cache_dir=tmp_path, progress=False,
                         engram_config=options)
     cfg = dict(max_num_seqs=4, max_model_len=128)
-    auto = LLMEngine(loaded, EngineConfig(**cfg), CUDA, torch.bfloat16)
-    assert not auto._async()  # auto: only where the tables take device ids without a host sync
-    want, ahead = generate(auto, 4)
+    sync = LLMEngine(loaded, EngineConfig(async_scheduling=False, **cfg), CUDA, torch.bfloat16)
+    want, ahead = generate(sync, 4)
     assert ahead == 0 and all(len(t) == 24 for t, _ in want)
-    asked = LLMEngine(loaded, EngineConfig(async_scheduling=True, **cfg), CUDA, torch.bfloat16)
-    replays = asked.stats()["graph_replays"]
-    got, ahead = generate(asked, 4)  # the same batches, the same tokens
+    auto = LLMEngine(loaded, EngineConfig(**cfg), CUDA, torch.bfloat16)
+    assert auto._async()  # auto: on CUDA for every tier (host-read tables wait for the tokens in the launch)
+    replays = auto.stats()["graph_replays"]
+    got, ahead = generate(auto, 4)  # the same batches, the same tokens
     assert got == want
     assert ahead >= 20  # decode steps were launched before the step before them was read
-    assert asked.stats()["graph_replays"] - replays >= 20
+    assert auto.stats()["graph_replays"] - replays >= 20

@@ -292,4 +292,4 @@ def test_host_read_tables_take_tokens_in_flight(tmp_path, monkeypatch, options):
     assert got == want and {k: rows[k] for k in want_rows} == want_rows  # a stop computes one more, dropped
     assert sum(resolved) == rec.pending_rows > 0  # every token in flight was resolved on the host
     assert rec.pending_rows > 0 and rec.overlapped() > 5
-    assert engine.executor.takes_pending_tokens() and not engine.executor.pending_tokens_stay_on_device()
+    assert engine.executor.takes_pending_tokens()
