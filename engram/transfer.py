@@ -14,11 +14,13 @@ import torch
 
 def to_device(data: torch.Tensor | Sequence, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """A CPU tensor (or a list, built as ``dtype``) on ``device``; CUDA copies come from pinned memory,
-    non-blocking (the caching host allocator keeps the pinned buffer alive until the copy is done)."""
+    non-blocking (the caching host allocator keeps the pinned buffer alive until the copy is done). A
+    non-contiguous CPU tensor (a column slice of packed rows) is made contiguous first, so the copy is one
+    pinned transfer rather than a pageable one."""
     t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
     if device.type != "cuda" or t.device.type == "cuda":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return t.contiguous().pin_memory().to(device, non_blocking=True)
 
 
 def to_host(tensors: list, device: torch.device) -> list:

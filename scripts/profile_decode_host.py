@@ -23,14 +23,18 @@ import statistics
 import time
 
 
+LOOKUPS, FETCH, READS = "tables: submitted lookups", "tables:   page fetches", "tables:     reads"
+
+
 def timed_phases(engine, steps: int) -> dict[str, float]:
     """Mean wall ms per step of the step and its phases on the engine's thread, timed by wrapping them:
     the whole step, the executor's launch and collect, and inside launch the lookups' staging
     (``LookupExecutor.submit``: for the disk tier, its reads of the first Engram layer) and the decode
     graph's replay (``DecodeGraphs.run``, which copies each piece's rows in and, piecewise, waits for later
     layers' reads) or the eager forward (``ModelRunner.run``); with async scheduling over host-read tables
-    the wait for the sampled tokens (``LookupExecutor._host_ids``). On the tables' own threads (summed over
-    the tables, per step): each submitted lookup, its page fetch and, inside that, the reads."""
+    the wait for the sampled tokens (``LookupExecutor._host_ids``). Per table, summed over the tables, per
+    step: the submitted lookups on the tables' own threads (the first Engram layer's runs on the engine's
+    thread, inside ``lookup.submit``), every page fetch and, inside those, the reads."""
     import threading
 
     worker = engine.executor.worker
@@ -61,19 +65,18 @@ def timed_phases(engine, steps: int) -> dict[str, float]:
     wrap(worker.runner, "run", "  runner.run")
     wrap(worker.lookup, "_host_ids", "  lookup._host_ids (waits for the sampled tokens)")
     for table in (worker.tables or {}).values():
-        for name, label in (("_lookup", "tables' threads: lookup"), ("_fetch", "tables' threads:   fetch"),
-                            ("reader", None)):
-            if label is None and hasattr(table, "reader"):
-                wrap(table.reader, "read", "tables' threads:     reads")
-            elif label is not None and hasattr(table, name):
-                wrap(table, name, label)
+        if hasattr(table, "_lookup"):  # the disk tier: submitted lookups (the later layers') on its thread
+            wrap(table, "_lookup", LOOKUPS)
+        if hasattr(table, "_fetch"):
+            wrap(table, "_fetch", FETCH)
+        if hasattr(table, "reader"):
+            wrap(table.reader, "read", READS)
     for _ in range(steps):
         engine.step()
     for obj, name in wrapped:
         obj.__dict__.pop(name, None)  # the class's method again
     order = ["step", "launch", "  lookup._host_ids (waits for the sampled tokens)", "  lookup.submit",
-             "  graphs.run", "  runner.run", "collect", "tables' threads: lookup", "tables' threads:   fetch",
-             "tables' threads:     reads"]
+             "  graphs.run", "  runner.run", "collect", LOOKUPS, FETCH, READS]
     return {k: spent[k] / steps * 1e3 for k in order if k in spent}
 
 

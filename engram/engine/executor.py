@@ -6,9 +6,9 @@ scheduling splits so that the engine describes the next step while the device ru
 ``takes_pending_tokens()`` says whether the Workers accept steps whose inputs are the previous step's
 sampled tokens (what async scheduling needs); ``stats()`` gathers the Workers' counters.
 ``UniProcExecutor`` holds one Worker in this process and calls it directly. A multi-process executor
-(tensor/pipeline parallel) keeps this interface: it pickles the StepDescription once (plain CPU data), broadcasts it to its Workers (a
-shared-memory ring or ``torch.distributed.broadcast_object_list`` on a gloo group), each Worker runs
-``execute`` on its shard, and only rank 0 sends the StepResult back.
+(tensor/pipeline parallel) keeps this interface: it pickles the StepDescription once (plain CPU data),
+broadcasts it to its Workers (a shared-memory ring or ``torch.distributed.broadcast_object_list`` on a
+gloo group), each Worker runs ``execute`` on its shard, and only rank 0 sends the StepResult back.
 """
 from __future__ import annotations
 

@@ -64,13 +64,16 @@ class GraphClock:
         """Every ``snapshot`` as {name: ns}, oldest first (synchronises once); clears them."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        rows = [t.cpu().tolist() for t in self._snapshots]
+        rows = [self._named(t) for t in self._snapshots]
         self._snapshots = []
-        return [{name: row[slot] for name, slot in self.names.items()} for row in rows]
+        return rows
 
     def read(self) -> dict[str, int]:
         """{name: ns} of every stamped name, after the device has run what was queued (synchronises)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        values = self.buffer.cpu().tolist()
+        return self._named(self.buffer)
+
+    def _named(self, buffer: torch.Tensor) -> dict[str, int]:
+        values = buffer.cpu().tolist()
         return {name: values[slot] for name, slot in self.names.items()}

@@ -132,7 +132,8 @@ class LookupExecutor:
                 def fetch(lid: int, ids: torch.Tensor) -> torch.Tensor:
                     return handles[lid].wait()
             else:
-                def fetch(lid: int, ids: torch.Tensor) -> torch.Tensor:  # device ids, patched where tokens are in flight
+                # device ids, patched where tokens are in flight
+                def fetch(lid: int, ids: torch.Tensor) -> torch.Tensor:
                     dev_ids = patch.patched(to_device(ids, self.device), patch.row_ids[lid])  # [T, n_cols]
                     return self.tables[lid].gather(dev_ids.reshape(-1), dtype=self.fetch_dtype)
             rows = {}

@@ -140,11 +140,11 @@ class RowCache:
         if n_miss:
             miss_ids = ids.index_select(0, miss_pos)
             mv, ms = fetch(miss_ids)  # backing tiers (host RAM, disk) index with CPU ids
-            mv = _on(mv[:, : self.value_bytes], self.device)  # [M, value_bytes]
+            mv = to_device(mv[:, : self.value_bytes], self.device)  # [M, value_bytes]; host rows via pinned memory
             dev_miss = to_device(miss_pos, self.device)
             vals.index_copy_(0, dev_miss, mv)
             if scales is not None:
-                ms = _on(ms, self.device)
+                ms = to_device(ms, self.device)
                 scales.index_copy_(0, dev_miss, ms)
             self._insert(miss_ids, mv, ms)
         self.hits += u - n_miss
@@ -194,9 +194,3 @@ class RowCache:
         if self._since_aging >= self.capacity:
             self.freq.bitwise_right_shift_(1)
             self._since_aging = 0
-
-
-def _on(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Fetched rows on ``device``: host rows (a fresh tensor from the backing tier) cross from pinned memory
-    without making the host wait; rows already there stay as they are."""
-    return to_device(rows.contiguous(), device) if rows.device.type == "cpu" else rows.to(device)

@@ -83,14 +83,22 @@ def norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Te
     return x * cos + rotate_half(x) * sin
 
 
+def _kv_store_fast(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the fused rope + KV write can run: the fast path's device and dtypes, unit last strides, a
+    power-of-two head dim, caches contiguous and of the inputs' dtype."""
+    hd = k.shape[-1]
+    return (_fast(k) and k.stride(-1) == 1 and v.stride(-1) == 1 and hd & (hd - 1) == 0 and hd >= 2
+            and k_cache.dtype == k.dtype == v.dtype == v_cache.dtype and k_cache.is_contiguous()
+            and v_cache.is_contiguous())
+
+
 def norm_rope_store(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Tensor,
                     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
     """A step's KV write: ``k_cache[slots] = norm_rope(k)``, ``v_cache[slots] = v`` with k, v [T, heads, hd],
     caches [rows, heads, hd] (a paged cache's flat view) and slots [T] int64 (every slot valid). One launch on
     the fast path, which stores bitwise what ``norm_rope`` returns."""
     hd = k.shape[-1]
-    if (_fast(k) and k.stride(-1) == 1 and v.stride(-1) == 1 and hd & (hd - 1) == 0 and hd >= 2
-            and k_cache.dtype == k.dtype == v.dtype == v_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()):
+    if _kv_store_fast(k, v, k_cache, v_cache):
         from engram.model.layers import fused_triton
 
         fused_triton.norm_rope_store(k, v, w, eps, cos.reshape(cos.shape[0], hd), sin.reshape(sin.shape[0], hd),
@@ -107,9 +115,7 @@ def norm_rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: to
     ``norm_rope_store(k, v, wk, ...)``; one launch on the fast path (bitwise the two launches, which is also
     what the reference runs)."""
     hd = q.shape[-1]
-    if (_fast(q) and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and hd & (hd - 1) == 0
-            and hd >= 2 and k_cache.dtype == q.dtype == k.dtype == v.dtype == v_cache.dtype
-            and k_cache.is_contiguous() and v_cache.is_contiguous()):
+    if _kv_store_fast(k, v, k_cache, v_cache) and q.stride(-1) == 1 and q.dtype == k.dtype:
         from engram.model.layers import fused_triton
 
         return fused_triton.norm_rope_qk_store(q, k, v, wq, wk, eps, cos.reshape(cos.shape[0], hd),

@@ -8,8 +8,8 @@ float64 oracle; a parity test runs both over odd sizes):
   group of query heads as the M dimension of its dot products, walks each split in tiles gathered through
   the block table, and writes an unnormalised partial (acc, max, sum) per split; a second kernel combines
   the sequence's splits in order (log-sum-exp), or with ``FUSED_COMBINE`` the split kernel's last program
-  per (sequence, KV head) does, counted by an atomic (bitwise the same result, one launch). Splits keep the chip busy when few sequences decode long
-  contexts; their fixed length makes a sequence's result independent of the batch and of the launch, and
+  per (sequence, KV head) does, counted by an atomic (bitwise the same result, one launch). Splits keep
+  the chip busy when few sequences decode long contexts; their fixed length makes a sequence's result independent of the batch and of the launch, and
   splits past a sequence's end cost nothing, so a CUDA graph sized for max_model_len computes what eager
   does, at eager's cost.
 * **prefill** (chunks of several tokens: fresh prompts, chunked prefill over a cached prefix, recompute):
