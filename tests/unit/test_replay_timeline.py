@@ -82,3 +82,12 @@ def test_the_clock_stamps_named_points_in_order_on_the_cpu():
     clock.stamp("joined")
     with pytest.raises(ValueError, match="slots"):
         clock.stamp("one_more")
+
+
+def test_the_exposure_bound_is_read_to_the_clocks_resolution():
+    from engram.bench.replay_timeline import STAMP_RESOLUTION_US, meets_exposure_bound
+    assert meets_exposure_bound(1e-13, 0.0)  # float noise of a zero wait against a zero bound
+    assert meets_exposure_bound(0.6, 0.0)
+    assert not meets_exposure_bound(STAMP_RESOLUTION_US + 0.1, 0.0)
+    assert meets_exposure_bound(100.5, 100.0)  # bound_us already carries the 1.1 x
+    assert not meets_exposure_bound(102.0, 100.0)

@@ -100,3 +100,29 @@ def test_open_table_refuses_before_loading(tmp_path):
         open_table(d, "gpu", device="cpu")
     with pytest.raises(MemoryPreflightError, match="tier 'host'"):
         open_table(d, "host", device="cpu")
+
+
+def _cgroup(tmp_path, files: dict) -> str:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    return str(tmp_path)
+
+
+def test_cgroup_budget_does_not_count_reclaimable_page_cache_as_used(tmp_path):
+    """A cgroup at 60 of 64 GiB used, 50 of them inactive page cache, has 54 GiB to give (v2 and v1)."""
+    from engram.store.preflight import cgroup_available
+
+    gib = 1 << 30
+    v2 = _cgroup(tmp_path / "v2", {"memory.max": f"{64 * gib}\n", "memory.current": f"{60 * gib}\n",
+                                   "memory.stat": f"anon {8 * gib}\nactive_file {2 * gib}\n"
+                                                  f"inactive_file {50 * gib}\n"})
+    assert cgroup_available(v2) == 54 * gib
+    v1 = _cgroup(tmp_path / "v1", {"memory/memory.limit_in_bytes": f"{64 * gib}\n",
+                                   "memory/memory.usage_in_bytes": f"{60 * gib}\n",
+                                   "memory/memory.stat": f"inactive_file {1}\ntotal_inactive_file {50 * gib}\n"})
+    assert cgroup_available(v1) == 54 * gib
+    no_stat = _cgroup(tmp_path / "nostat", {"memory.max": f"{64 * gib}\n", "memory.current": f"{60 * gib}\n"})
+    assert cgroup_available(no_stat) == 4 * gib
+    unlimited = _cgroup(tmp_path / "max", {"memory.max": "max\n", "memory.current": f"{60 * gib}\n"})
+    assert cgroup_available(unlimited) is None
