@@ -109,7 +109,7 @@ class HostTable(ResidentTable):
         self.values, self.scales = self._storage("pinned", layout, progress, build)
         # values uint8 [rows, >= value_bytes], scales uint8 [rows, scale_cols] | None, both in host memory
         self.route = HostRoute.decide(self.values, self.device, self.options.route_bands,
-                                      self.options.uva_max_programs)
+                                      self.options.uva_max_programs, self.options.uva_tiles_per_program)
         self.staging = RowStaging(self.values, self.scales, self.device)
 
     def gather(self, ids: torch.Tensor, out: torch.Tensor | None = None,

@@ -24,19 +24,21 @@ KERNELS = ("uva", "reference")
 
 @dataclass(frozen=True)
 class HostRoute:
-    """The read path of one host table: ``kernel`` ("uva" | "reference"), the UVA ``bands`` and the cap on
-    the UVA kernels' grid (``max_programs``, 0: none; StoreOptions.uva_max_programs)."""
+    """The read path of one host table: ``kernel`` ("uva" | "reference"), the UVA ``bands`` and the UVA
+    kernels' grid: a cap (``max_programs``, 0: none; StoreOptions.uva_max_programs) and a spread
+    (``tiles_per_program``, 1: one program per tile; StoreOptions.uva_tiles_per_program)."""
 
     kernel: str
     bands: RouteBands
     max_programs: int = 0
+    tiles_per_program: int = 1
 
     @classmethod
     def decide(cls, values: torch.Tensor, device: torch.device, bands: RouteBands,
-               max_programs: int = 0) -> "HostRoute":
+               max_programs: int = 0, tiles_per_program: int = 1) -> "HostRoute":
         """The route of a table whose bytes are ``values`` serving rows on ``device``."""
         uva = device.type == "cuda" and kernels.fast_path(values) == "uva"
-        return cls("uva" if uva else "reference", bands, max_programs)
+        return cls("uva" if uva else "reference", bands, max_programs, tiles_per_program)
 
     def route(self, n: int, ids_on_cpu: bool) -> str:
         """"reference", or the UVA route ("direct" | "staged" | "sorted") of a batch of ``n`` ids."""
@@ -54,4 +56,5 @@ class HostRoute:
         if route != "staged":
             ids = to_device(ids, device)
         return uva.gather_rows(values, scales, ids, row_dtype, dim, out=out, dtype=dtype, route=route,
-                               chunk_rows=self.bands.staged_chunk_rows, max_programs=self.max_programs)
+                               chunk_rows=self.bands.staged_chunk_rows, max_programs=self.max_programs,
+                               tiles_per_program=self.tiles_per_program)

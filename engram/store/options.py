@@ -40,7 +40,10 @@ class StoreOptions:
     staged_min_rows: int = RouteBands.staged_min_rows  # CPU-ids batches from this size take the staged route
     sorted_min_rows: int = RouteBands.sorted_min_rows  # batches from this size take the sorted route
     staged_chunk_rows: int = RouteBands.staged_chunk_rows  # rows per pipelined copy of the staged route
-    uva_max_programs: int = 0  # cap on the UVA gather's grid (0: one program per tile), so it holds fewer SMs
+    uva_max_programs: int = 0  # cap on the UVA gather's grid (0: none), so it holds fewer SMs
+    # each UVA gather program takes up to this many 16-row tiles, at least 8 programs (1: one program per
+    # tile): a gather beside the main stream holds few SMs (docs/store.md, "The UVA gather's grid")
+    uva_tiles_per_program: int = 24
     # loading and checks
     load_threads: int = LOAD_THREADS  # workers reading + CRC-checking the files (gpu and host tiers)
     verify: bool = True  # CRC-check every chunk while loading (gpu, host; the disk tier's resident files)
@@ -69,6 +72,7 @@ class StoreOptions:
         _in_range(self, "sorted_min_rows", self.staged_min_rows)
         _in_range(self, "staged_chunk_rows", 1)
         _in_range(self, "uva_max_programs", 0)
+        _in_range(self, "uva_tiles_per_program", 1)
         _in_range(self, "load_threads", 1)
 
     @classmethod

@@ -34,7 +34,8 @@ def test_unknown_backend_is_rejected():
 
 @pytest.mark.parametrize("kw,field", [({"block_r": 24}, "block_r"), ({"num_warps": 3}, "num_warps"),
                                       ({"programs_per_sm": -2}, "programs_per_sm"),
-                                      ({"max_programs": -1}, "max_programs")])
+                                      ({"max_programs": -1}, "max_programs"),
+                                      ({"tiles_per_program": 0}, "tiles_per_program")])
 def test_launch_config_validates(kw, field):
     with pytest.raises(ValueError, match=field):
         LaunchConfig(**kw)
@@ -46,6 +47,21 @@ def test_uva_config_caps_only_the_grid():
     assert uva.uva_config(0) is uva.UVA_CONFIG
     capped = uva.uva_config(16)
     assert capped.max_programs == 16 and capped.block_r == uva.UVA_CONFIG.block_r
+    spread = uva.uva_config(0, 24)
+    assert spread.tiles_per_program == 24 and spread.max_programs == 0 and spread.stream == uva.UVA_CONFIG.stream
+
+
+def test_a_spread_grid_grows_with_the_batch_from_a_floor():
+    """The grids measured on the H200 (docs/store.md): a 64-token decode step of a V4.1 layer (1536 rows,
+    96 tiles) gets 8 programs, a 256-token one (384 tiles) 16; a batch-1 step's 2 tiles keep one each."""
+    from engram.store.kernels.launch_config import SPREAD_MIN_PROGRAMS, spread_programs
+
+    assert spread_programs(96, 24) == 8 == SPREAD_MIN_PROGRAMS
+    assert spread_programs(384, 24) == 16
+    assert spread_programs(385, 24) == 17  # a partial share still gets its program
+    assert spread_programs(2, 24) == 2 and spread_programs(0, 24) == 0
+    assert spread_programs(12288, 24) == 512  # a prefill chunk of 8192 tokens
+    assert spread_programs(1000, 1) == 1000  # 1: one program per tile
 
 
 def test_launch_config_env(monkeypatch):

@@ -48,12 +48,13 @@ def test_cuda_tiers_match_reference(table, tier, kw):
                 t.gather(torch.tensor([5000], device="cuda"))
 
 
-@pytest.mark.parametrize("programs", [1, 5, 64])
-def test_a_capped_uva_grid_gathers_the_same_rows(table, programs):
-    """uva_max_programs: fewer programs striding over the tiles (what a gather beside other kernels uses)."""
+@pytest.mark.parametrize("programs,tiles_per_program", [(1, 1), (5, 1), (64, 1), (0, 1), (0, 24), (0, 3)])
+def test_a_capped_uva_grid_gathers_the_same_rows(table, programs, tiles_per_program):
+    """uva_max_programs / uva_tiles_per_program: fewer programs striding over the tiles (what a gather
+    beside other kernels uses; (0, 24) is the default, (0, 1) one program per tile)."""
     path, ref = table
-    with open_table(path, "host", uva_max_programs=programs) as t:
-        assert t.route.max_programs == programs
+    with open_table(path, "host", uva_max_programs=programs, uva_tiles_per_program=tiles_per_program) as t:
+        assert (t.route.max_programs, t.route.tiles_per_program) == (programs, tiles_per_program)
         for n in (1, 1000, 4096):
             ids = torch.randint(0, 5000, (n,), generator=torch.Generator().manual_seed(n))
             for dev_ids in (ids, ids.cuda()):

@@ -31,6 +31,7 @@ def table(tmp_path_factory):
     ("max_inflight", 0, "must be >= 1"), ("chunk_pages", 0, "must be >= 1"), ("load_threads", 0, "must be >= 1"),
     ("staged_chunk_rows", 0, "must be >= 1"), ("verify", "yes", "must be true or false"),
     ("uva_max_programs", -1, "must be >= 0"),
+    ("uva_tiles_per_program", 0, "must be >= 1"),
     ("count_unique", 1, "must be true or false"), ("queue_depth", True, "must be int"),
     ("queue_depth", 6.0, "must be int"), ("sorted_min_rows", 10, "must be >= 32768"),
 ])
@@ -88,8 +89,8 @@ def test_open_table_refuses_bad_options_before_reading(tmp_path):
 
 def test_host_route_is_decided_at_open(table, monkeypatch, backend):
     bands = {"staged_min_rows": 100, "sorted_min_rows": 1000, "staged_chunk_rows": 7}
-    with open_table(table, "host", "cpu", uva_max_programs=12, **bands) as t:
-        assert t.route == HostRoute("reference", RouteBands(100, 1000, 7), 12)  # no CUDA rows: torch on the CPU
+    with open_table(table, "host", "cpu", uva_max_programs=12, uva_tiles_per_program=3, **bands) as t:
+        assert t.route == HostRoute("reference", RouteBands(100, 1000, 7), 12, 3)  # no CUDA rows: torch on the CPU
         calls = []
         monkeypatch.setattr(kernels, "fast_path", lambda *a, **k: calls.append(a) or "uva")
         backend("triton")  # neither the backend nor the dispatch is consulted again per lookup

@@ -24,6 +24,9 @@ class LaunchConfig:
     # at most this many programs whatever the rule above gives (0: no cap): a gather that runs beside other
     # kernels (lookup overlap) holds fewer SMs; programs stride over the tiles, so the rows are the same
     max_programs: int = 0
+    # > 1: at most max(SPREAD_MIN_PROGRAMS, ceil(tiles / this)) programs, a grid that grows with the batch
+    # (spread_programs); 1: no such limit
+    tiles_per_program: int = 1
 
     def __post_init__(self) -> None:
         if self.block_r < 1 or self.block_r & (self.block_r - 1):
@@ -34,6 +37,20 @@ class LaunchConfig:
             raise ValueError(f"LaunchConfig.programs_per_sm={self.programs_per_sm} must be >= -1")
         if self.max_programs < 0:
             raise ValueError(f"LaunchConfig.max_programs={self.max_programs} must be >= 0 (0: no cap)")
+        if self.tiles_per_program < 1:
+            raise ValueError(f"LaunchConfig.tiles_per_program={self.tiles_per_program} must be >= 1")
+
+
+SPREAD_MIN_PROGRAMS = 8  # the fewest programs tiles_per_program leaves a gather of more tiles than this
+
+
+def spread_programs(n_tiles: int, tiles_per_program: int) -> int:
+    """How many programs a grid of ``n_tiles`` tiles may use under ``tiles_per_program``: each program takes
+    up to that many tiles, never fewer than SPREAD_MIN_PROGRAMS programs, never more than one per tile
+    (``tiles_per_program`` 1: one program per tile)."""
+    if tiles_per_program <= 1:
+        return n_tiles
+    return min(n_tiles, max(SPREAD_MIN_PROGRAMS, -(-n_tiles // tiles_per_program)))
 
 
 def config_from_env() -> LaunchConfig:

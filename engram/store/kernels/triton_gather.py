@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engram.store.kernels.launch_config import LaunchConfig, config_from_env
+from engram.store.kernels.launch_config import LaunchConfig, config_from_env, spread_programs
 from engram.store.kernels.reference import ROW_TORCH_DTYPES
 
 ROW_KINDS = {"mxfp8": 0, "bf16": 1, "fp16": 2, "fp32": 3}
@@ -64,7 +64,7 @@ def _resident_programs(compiled, num_warps: int) -> int:
 def _launch(kernel, n_tiles: int, device: torch.device, cfg: LaunchConfig, args: tuple, consts: dict) -> None:
     """Launch ``kernel`` over ``n_tiles`` tiles: one program per tile, or a persistent grid of SMs x
     programs_per_sm (-1: the resident count measured from the compiled kernel on its first launch); either
-    capped at ``max_programs`` when set."""
+    capped at ``max_programs`` when set and spread by ``tiles_per_program`` (launch_config.spread_programs)."""
     if cfg.programs_per_sm == 0:
         programs = n_tiles
     else:
@@ -74,6 +74,7 @@ def _launch(kernel, n_tiles: int, device: torch.device, cfg: LaunchConfig, args:
         key = (kernel.fn.__name__, cfg.num_warps, tuple(sorted(consts.items())))
         per_sm = cfg.programs_per_sm if cfg.programs_per_sm > 0 else _RESIDENT.get(key, _FIRST_GUESS)
         programs = min(n_tiles, _SM_COUNT[idx] * per_sm)
+    programs = min(programs, spread_programs(n_tiles, cfg.tiles_per_program))
     if cfg.max_programs:
         programs = min(programs, cfg.max_programs)
     compiled = kernel[(max(1, programs),)](*args, **consts, num_warps=cfg.num_warps)

@@ -80,19 +80,24 @@ def route_for(n: int, route: str | None = None, bands: RouteBands = DEFAULT_BAND
     return route
 
 
-def uva_config(max_programs: int = 0) -> LaunchConfig:
-    """UVA_CONFIG, with its grid capped at ``max_programs`` programs when that is not 0."""
-    return dataclasses.replace(UVA_CONFIG, max_programs=max_programs) if max_programs else UVA_CONFIG
+def uva_config(max_programs: int = 0, tiles_per_program: int = 1) -> LaunchConfig:
+    """UVA_CONFIG, with its grid capped at ``max_programs`` programs when that is not 0 and spread at
+    ``tiles_per_program`` tiles a program when that is above 1 (launch_config.spread_programs)."""
+    if not max_programs and tiles_per_program == 1:
+        return UVA_CONFIG
+    return dataclasses.replace(UVA_CONFIG, max_programs=max_programs, tiles_per_program=tiles_per_program)
 
 
 def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor, row_dtype: str, dim: int,
                 out: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16, *,
-                route: str | None = None, chunk_rows: int = staged.CHUNK_ROWS, max_programs: int = 0) -> torch.Tensor:
+                route: str | None = None, chunk_rows: int = staged.CHUNK_ROWS, max_programs: int = 0,
+                tiles_per_program: int = 1) -> torch.Tensor:
     """Rows ``ids`` of a pinned host (or device) table, dequantized into a GPU ``out`` [N, dim] ``dtype``.
     ``route``: None = ``route_for``'s choice; "direct", "sorted" or "staged" forces one (a device table
     has no staged route; staged with ids on the GPU copies them to the CPU first, a host sync).
     ``chunk_rows``: rows per pipelined copy of the staged route. ``max_programs``: cap on the UVA kernels'
-    grid (0: one program per tile; the rows do not depend on it). CPU ids should sit in pinned memory: the
+    grid (0: one program per tile), ``tiles_per_program``: a grid that grows with the batch (1: one program
+    per tile); the rows depend on neither. CPU ids should sit in pinned memory: the
     other routes copy them to the GPU with non_blocking=True."""
     from engram.store.kernels import triton_gather  # needs triton; route_for and sort_plan do not
     device = staged.device_for(ids, out)
@@ -104,7 +109,7 @@ def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Te
     ids = ids.to(device, non_blocking=True)  # [N]
     if out is None:
         out = torch.empty(n, dim, dtype=dtype, device=device)  # [N, dim]
-    cfg = uva_config(max_programs)
+    cfg = uva_config(max_programs, tiles_per_program)
     if n == 0 or kind != "sorted":
         return triton_gather.gather_rows(values, scales, ids, row_dtype, dim, out=out, dtype=dtype, cfg=cfg)
     plan = sort_plan(ids, values.shape[0])
