@@ -13,8 +13,8 @@ import torch
 from engram.store import kernels
 from engram.store.base import ResidentTable, StorageBuild, Tier
 from engram.store.format import TableManifest
-from engram.store.ids import to_device
 from engram.store.options import StoreOptions
+from engram.transfer import to_device
 
 
 def default_device(device: torch.device | str | None) -> torch.device:

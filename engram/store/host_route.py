@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from engram.store import kernels
-from engram.store.ids import to_device
 from engram.store.kernels import reference
 from engram.store.kernels.uva import RouteBands
+from engram.transfer import to_device
 
 KERNELS = ("uva", "reference")
 

@@ -1,4 +1,5 @@
-"""Row ids on their way into a lookup: their form, their range check, their copy to the device.
+"""Row ids on their way into a lookup: their form and their range check (their copy to the device is
+``engram.transfer.to_device``).
 
 The contract every tier follows (see TableBackend.check_ids): ids that arrive on the CPU are
 range-checked on the CPU (a reduction over host memory, no device work) and reach the GPU through pinned
@@ -39,12 +40,3 @@ def check_range(ids: torch.Tensor, rows: int, what: Any) -> None:
         raise IndexError(f"row id {int(ids[pos])} (position {pos}) is out of range for table {what} with "
                          f"{rows} rows")
 
-
-def to_device(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``ids`` on ``device`` without a host sync: CPU ids go through pinned memory (torch's caching host
-    allocator, which reuses a block only after its copy ran) with ``non_blocking=True``."""
-    if ids.device == device or device.type == "cpu":
-        return ids.to(device)
-    if ids.device.type == "cpu" and not ids.is_pinned():
-        ids = ids.pin_memory()
-    return ids.to(device, non_blocking=True)
