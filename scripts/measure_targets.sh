@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Re-measure the open targets of docs/benchmarks.md ("Where the targets stand") on a CUDA machine, one
+# part per call (each fits the device machine's 10-minute command limit; minutes measured on the H200).
+#
+#   scripts/measure_targets.sh PART [OUTDIR]
+#
+# PART:
+#   tests      make device-test                                                      (~4.5 min)
+#   engine     4b-like decode/prefill, tiers gpu and host, HF peer, top kernels       (~6 min)
+#   host-4b    4b-like, ~33 GiB pinned per Engram layer vs HBM, batch 1 and 64         (~3 min)
+#   host-8b    the same for 8b-like                                                   (~4 min)
+#   exposure   the first Engram layer's wait inside replays, batch 64 and 256          (~1 min)
+#   disk       disk tier (O_DIRECT) vs its bound, batch 1 and 64; then the batch-1 phases (~6 min)
+#
+# OUTDIR (default $OUT, else bench/results) receives <date>-<what>-<commit>.{json,log}. ENGRAM_COMMIT
+# names the commit when the tree is not a git checkout (a snapshot copied to the machine).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+part=${1:?usage: scripts/measure_targets.sh tests|engine|host-4b|host-8b|exposure|disk [OUTDIR]}
+out=${2:-${OUT:-bench/results}}
+mkdir -p "$out"
+commit=${ENGRAM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export ENGRAM_COMMIT=$commit
+stamp="$(date +%Y-%m-%d)"
+big='"tables_in_memory": true, "load_threads": 16, "table_rows": 131000000'
+started=$(date +%s)
+
+run() {  # run NAME COMMAND...: the command's output into NAME.log, its exit status reported
+    local name=$1
+    shift
+    echo "+ $*" | tee "$out/$stamp-$name-$commit.log"
+    "$@" >>"$out/$stamp-$name-$commit.log" 2>&1
+    local rc=$?
+    echo "$name: exit $rc after $(($(date +%s) - started)) s; log $out/$stamp-$name-$commit.log"
+    return $rc
+}
+
+case $part in
+tests)
+    run device-test make device-test PYTEST_ARGS=-rfE
+    ;;
+engine)
+    run engine-4b-like python3 -u -m engram bench engine --models 4b-like --tiers gpu,host \
+        --batch-sizes 1,64,256 --kernels 6 --out "$out/$stamp-engine-4b-like-$commit.json"
+    ;;
+host-4b | host-8b)
+    model=${part#host-}-like
+    run "placement-$model-big-b1-b64" python3 -u -m engram bench placement --model "$model" \
+        --engram-config "{$big}" --a '{"tier": "gpu"}' --b '{"tier": "host", "lookup_overlap": true}' \
+        --batch-sizes 1,64 --out "$out/$stamp-placement-$model-big-b1-b64-$commit.json"
+    ;;
+exposure)
+    run exposure-host-b64-b256 python3 -u scripts/trace_lookup_overlap.py --tier host \
+        --engram-config "{$big}" --steps 8 --batches 64,256 \
+        --out "$out/$stamp-exposure-host-b64-b256-$commit.json"
+    ;;
+disk)
+    cache=${ENGRAM_CACHE_DIR:-/tmp/engram-tables}
+    run placement-disk-4b-like python3 -u -m engram bench placement --model 4b-like --cache-dir "$cache" \
+        --engram-config '{"load_threads": 16, "table_rows": 31000000}' \
+        --a '{"tier": "host", "lookup_overlap": true}' \
+        --b '{"tier": "disk", "lookup_overlap": true, "options": {"io": "direct", "queue_depth": 64}}' \
+        --batch-sizes 1,64 --out "$out/$stamp-placement-disk-4b-like-$commit.json"
+    run profile-disk-4b-like-b1 python3 -u scripts/profile_decode_host.py --tier disk --cache-dir "$cache" \
+        --engram-config '{"io": "direct", "queue_depth": 64}' --steps 40
+    ;;
+*)
+    echo "unknown part '$part': tests, engine, host-4b, host-8b, exposure or disk" >&2
+    exit 2
+    ;;
+esac
