@@ -11,6 +11,8 @@ graph replays, interleaved, with confidence intervals. Unknown names are refused
   (``paged_attention_triton.FUSED_COMBINE``, ``ENGRAM_FUSED_COMBINE``; CUDA with triton only);
 * ``l2_prefetch``: each layer prefetches its o weight into L2 during attention at batch <= 8
   (``l2_prefetch.ENABLED``, ``ENGRAM_L2_PREFETCH``);
+* ``pdl``: the decode step's small Triton kernels are launched with programmatic dependent launch
+  (``pdl.ENABLED``, ``ENGRAM_PDL``; Hopper or newer);
 * ``cublaslt``: torch's matmuls go through cuBLASLt instead of cuBLAS
   (``torch.backends.cuda.preferred_blas_library``, ``TORCH_BLAS_PREFER_CUBLASLT=1``; its heuristics may
   pick other GEMV kernels for the decode step's projections, e.g. without cuBLAS's split-K reduce).
@@ -51,6 +53,7 @@ def _blas_lt():
 SWITCHES = {  # name -> (get, set)
     "fused_combine": _module_flag("engram.model.layers.paged_attention_triton", "FUSED_COMBINE"),
     "l2_prefetch": _module_flag("engram.model.layers.l2_prefetch", "ENABLED"),
+    "pdl": _module_flag("engram.model.layers.pdl", "ENABLED"),
     "cublaslt": _blas_lt(),
 }
 

@@ -22,9 +22,23 @@ import torch
 import triton
 import triton.language as tl
 
+from engram.model.layers.pdl import launch_options
+
 
 @triton.jit
-def _rms_norm_kernel(X, W, Y, R, S, n, eps, s_x, s_y, s_r, s_s, BLOCK: tl.constexpr, ADD: tl.constexpr):
+def pdl_enter(USE_PDL: tl.constexpr):
+    """First thing in a kernel launched with programmatic dependent launch (engram/model/layers/pdl.py): wait
+    until the kernel before it has finished and its writes are visible, then let the kernel after it be
+    scheduled. Nothing without USE_PDL."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _rms_norm_kernel(X, W, Y, R, S, n, eps, s_x, s_y, s_r, s_s, BLOCK: tl.constexpr, ADD: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK)
     mask = c < n
@@ -72,7 +86,8 @@ def _norm_rope_rows(X, W, COS, SIN, Y, V, VY, t, out, heads, eps, s_xt, s_xh, s_
 @triton.jit
 def _norm_rope_kernel(X, W, COS, SIN, Y, SLOTS, V, VY, heads, eps, s_xt, s_xh, s_yt, s_yh, s_c, s_vt, s_vh,
                       HD: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
-                      STORE: tl.constexpr):
+                      STORE: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     out = t
     if STORE:  # rows of the paged cache: the slot of token t; v goes to the same slot of VY
@@ -85,10 +100,11 @@ def _norm_rope_kernel(X, W, COS, SIN, Y, SLOTS, V, VY, heads, eps, s_xt, s_xh, s
 def _norm_rope_qk_kernel(Q, WQ, QY, K, WK, SLOTS, V, KC, VC, COS, SIN, q_heads, k_heads, eps,
                          s_qt, s_qh, s_qyt, s_qyh, s_kt, s_kh, s_ct, s_ch, s_vt, s_vh, s_c,
                          HD: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                         NORM_Q: tl.constexpr, NORM_K: tl.constexpr):
+                         NORM_Q: tl.constexpr, NORM_K: tl.constexpr, USE_PDL: tl.constexpr):
     # programs (t, 0): token t's query heads, as _norm_rope_kernel; (t, 1): its key heads into the cache slot
     # and v beside them, as _norm_rope_kernel with STORE. Each runs the same code at the same shapes as the
     # separate launch, so the results are bitwise theirs.
+    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     if tl.program_id(1) == 0:
         _norm_rope_rows(Q, WQ, COS, SIN, QY, Q, QY, t, t, q_heads, eps, s_qt, s_qh, s_qyt, s_qyh, s_c, 0, 0,
@@ -99,7 +115,8 @@ def _norm_rope_qk_kernel(Q, WQ, QY, K, WK, SLOTS, V, KC, VC, COS, SIN, q_heads, 
 
 
 @triton.jit
-def _silu_mul_kernel(G, U, Y, n, cols, s_g, s_u, BLOCK: tl.constexpr):
+def _silu_mul_kernel(G, U, Y, n, cols, s_g, s_u, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
     r = i // cols
@@ -165,7 +182,7 @@ def _rms_norm(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: flo
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, w, y, r2, s, n, eps, x2.stride(0), y.stride(0), r2.stride(0), s.stride(0),
                                          BLOCK=triton.next_power_of_2(n), ADD=r is not None,
-                                         num_warps=4 if n <= 2048 else 8)
+                                         num_warps=4 if n <= 2048 else 8, **launch_options(x.device))
     return (s.view(x.shape) if r is not None else None), y.view(x.shape)
 
 
@@ -176,7 +193,8 @@ def norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Te
     if t:
         _norm_rope_kernel[(t,)](x, w if w is not None else x, cos, sin, y, x, x, y, heads, eps, x.stride(0), x.stride(1),
                                 y.stride(0), y.stride(1), cos.stride(0), 0, 0, HD=hd, HALF=hd // 2,
-                                BLOCK_H=triton.next_power_of_2(heads), NORM=w is not None, STORE=False, num_warps=4)
+                                BLOCK_H=triton.next_power_of_2(heads), NORM=w is not None, STORE=False, num_warps=4,
+                                **launch_options(x.device))
     return y
 
 
@@ -189,7 +207,7 @@ def norm_rope_store(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, ep
         _norm_rope_kernel[(t,)](k, w if w is not None else k, cos, sin, k_cache, slots, v, v_cache, heads, eps,
                                 k.stride(0), k.stride(1), k_cache.stride(0), k_cache.stride(1), cos.stride(0),
                                 v.stride(0), v.stride(1), HD=hd, HALF=hd // 2, BLOCK_H=triton.next_power_of_2(heads),
-                                NORM=w is not None, STORE=True, num_warps=4)
+                                NORM=w is not None, STORE=True, num_warps=4, **launch_options(k.device))
 
 
 def norm_rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Tensor | None,
@@ -207,7 +225,7 @@ def norm_rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: to
                                      k_cache.stride(1), v.stride(0), v.stride(1), cos.stride(0), HD=hd,
                                      HALF=hd // 2, BLOCK_HQ=triton.next_power_of_2(q_heads),
                                      BLOCK_HK=triton.next_power_of_2(k_heads), NORM_Q=wq is not None,
-                                     NORM_K=wk is not None, num_warps=4)
+                                     NORM_K=wk is not None, num_warps=4, **launch_options(q.device))
     return y
 
 
@@ -218,5 +236,6 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     y = torch.empty(rows, cols, dtype=g.dtype, device=g.device)
     n = rows * cols
     if n:
-        _silu_mul_kernel[(triton.cdiv(n, 1024),)](g, u, y, n, cols, g.stride(0), u.stride(0), BLOCK=1024, num_warps=4)
+        _silu_mul_kernel[(triton.cdiv(n, 1024),)](g, u, y, n, cols, g.stride(0), u.stride(0), BLOCK=1024, num_warps=4,
+                                                  **launch_options(g.device))
     return y

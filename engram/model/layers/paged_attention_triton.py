@@ -31,6 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engram.model.layers.fused_triton import pdl_enter
+from engram.model.layers.pdl import launch_options
+
 
 @triton.jit
 def _kv_tile_scores(q, K, V, BT, seq, kvh, pos, valid, c, cmask, s_bt, s_kb, s_ks, s_kh,
@@ -86,7 +89,9 @@ def _decode_split_kernel(Q, K, V, BT, SEQ, TOK, LENS, O, ML, scale, split_len,
                          s_qt, s_qh, s_kb, s_ks, s_kh, s_bt, s_od, s_oh, s_os, s_md, s_mh,
                          CNT, OUT, s_ot, s_oh2,
                          G: tl.constexpr, BLOCK_G: tl.constexpr, HD: tl.constexpr, BLOCK_HD: tl.constexpr,
-                         BS: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, COMBINE: tl.constexpr):
+                         BS: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, COMBINE: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     d = tl.program_id(0)
     kvh = tl.program_id(1)
     seq = tl.load(SEQ + d)
@@ -153,7 +158,8 @@ def _decode_split_kernel(Q, K, V, BT, SEQ, TOK, LENS, O, ML, scale, split_len,
 
 @triton.jit
 def _decode_combine_kernel(O, ML, TOK, LENS, OUT, split_len, s_od, s_oh, s_os, s_md, s_mh, s_ot, s_oh2,
-                           HD: tl.constexpr, BLOCK_HD: tl.constexpr):
+                           HD: tl.constexpr, BLOCK_HD: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     d = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.arange(0, BLOCK_HD)
@@ -283,12 +289,13 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
         cnt, out, out.stride(0), out.stride(1),
         G=g, BLOCK_G=_pow2(g), HD=hd, BLOCK_HD=_pow2(hd), BS=bs, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, COMBINE=combine, num_warps=num_warps,
-        **({} if num_stages is None else {"num_stages": num_stages}))
+        **({} if num_stages is None else {"num_stages": num_stages}), **launch_options(q.device))
     if combine:
         return
     _decode_combine_kernel[(d, nh)](
         part, ml, tokens, lens, out, SPLIT_LEN, part.stride(0), part.stride(1), part.stride(2), ml.stride(0),
-        ml.stride(1), out.stride(0), out.stride(1), HD=hd, BLOCK_HD=_pow2(hd), num_warps=1)
+        ml.stride(1), out.stride(0), out.stride(1), HD=hd, BLOCK_HD=_pow2(hd), num_warps=1,
+        **launch_options(q.device))
 
 
 def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -1,0 +1,47 @@
+"""Programmatic dependent launch (PDL) of the decode step's small Triton kernels (Hopper and newer).
+
+A kernel launched with PDL may be scheduled while the kernel before it on its stream is still running; its
+programs then wait on the device (``griddepcontrol.wait``: every program of the kernel before has finished
+and its memory is visible) before they read or write anything, and release the kernel after them
+(``griddepcontrol.launch_dependents``) at once. So nothing a kernel computes changes, and its outputs are
+bitwise the same; what it can save is the gap between two dependent kernels, which at batch 1 is a fair
+share of the ~6 small launches per layer (norms, q/k rope and KV write, attention's split and combine,
+SwiGLU). Captured into a CUDA graph, the launch becomes a programmatic edge between the two kernel nodes.
+
+``ENABLED`` (``ENGRAM_PDL=1``; kernel switch ``pdl``) is off until the H200 measures it. Kernels take
+``USE_PDL: tl.constexpr`` and call ``pdl_enter(USE_PDL)`` (fused_triton.py) first; their launches add
+``**launch_options(device)``. The Engram gate kernel, which follows a wait on the lookup stream's event,
+is not launched this way.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def _flag(name: str) -> bool:
+    value = os.environ.get(name, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={value!r}: must be 0 or 1")
+    return value == "1"
+
+
+ENABLED = _flag("ENGRAM_PDL")
+_CAPABLE: dict[int, bool] = {}  # device index -> compute capability >= 9.0
+
+
+def active(device: torch.device) -> bool:
+    """Whether launches on ``device`` use PDL: ENABLED, a CUDA device, compute capability 9.0 or newer."""
+    if not ENABLED or device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPABLE:
+        _CAPABLE[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return _CAPABLE[idx]
+
+
+def launch_options(device: torch.device) -> dict:
+    """Keyword arguments of a Triton launch on ``device``: the kernel's ``USE_PDL`` constexpr and, when it is
+    true, Triton's ``launch_pdl`` launch option."""
+    return {"USE_PDL": True, "launch_pdl": True} if active(device) else {"USE_PDL": False}
