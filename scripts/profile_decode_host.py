@@ -23,38 +23,52 @@ import statistics
 import time
 
 
-LOOKUPS, FETCH, READS = "tables: submitted lookups", "tables:   page fetches", "tables:     reads"
+ENGINE_PHASES = ("step", "launch", "  lookup._host_ids (waits for the sampled tokens)", "  lookup.submit",
+                 "  graphs.run", "  runner.run", "collect")
+# a table's lookup and its parts, timed on whichever thread runs them (the first Engram layer's on the
+# engine's thread, inside lookup.submit; the later layers' on their tables' threads)
+TABLE_PHASES = ("lookup", "  dedupe", "  page fetch", "    reads", "  rows to the device", "  decode",
+                "finish (dtype, shape)", "projection (run-ahead)")
 
 
-def timed_phases(engine, steps: int) -> dict[str, float]:
-    """Mean wall ms per step of the step and its phases on the engine's thread, timed by wrapping them:
-    the whole step, the executor's launch and collect, and inside launch the lookups' staging
-    (``LookupExecutor.submit``: for the disk tier, its reads of the first Engram layer) and the decode
-    graph's replay (``DecodeGraphs.run``, which copies each piece's rows in and, piecewise, waits for later
-    layers' reads) or the eager forward (``ModelRunner.run``); with async scheduling over host-read tables
-    the wait for the sampled tokens (``LookupExecutor._host_ids``). Per table, summed over the tables, per
-    step: the submitted lookups on the tables' own threads (the first Engram layer's runs on the engine's
-    thread, inside ``lookup.submit``), every page fetch and, inside those, the reads."""
+def timed_phases(engine, steps: int) -> dict[str, tuple[float, float]]:
+    """Mean wall ms per step of the step and its phases, timed by wrapping them, as (on the engine's thread,
+    on other threads): the whole step, the executor's launch and collect, inside launch the lookups' staging
+    (``LookupExecutor.submit``) and the decode graph's replay (``DecodeGraphs.run``, which copies each
+    piece's rows in and, piecewise, waits for later layers' reads) or the eager forward
+    (``ModelRunner.run``); with async scheduling over host-read tables the wait for the sampled tokens
+    (``LookupExecutor._host_ids``). Then, summed over the tables, a lookup (``table.gather`` on the engine's
+    thread, ``table._lookup`` on a table's) and its parts: dedupe, page fetch (and its reads), the packed rows'
+    copy to the device, the decode (``kernels.gather_rows``), the executor's finish and the run-ahead
+    projection."""
     import threading
 
-    worker = engine.executor.worker
-    spent: dict[str, float] = {}
-    mutex = threading.Lock()  # the tables' threads add to ``spent`` too
-    wrapped: list[tuple[object, str]] = []
+    import engram.store.base as base
+    from engram.store import kernels
 
-    def wrap(obj, name: str, label: str) -> None:
-        real = getattr(obj, name)
+    worker = engine.executor.worker
+    spent: dict[tuple[str, bool], float] = {}
+    mutex = threading.Lock()  # the tables' threads add to ``spent`` too
+    wrapped: list[tuple[object, str, object]] = []
+    engine_thread = threading.get_ident()
+
+    def wrap(obj, name, label: str) -> None:  # obj: an object, a module, or a dict (name: its key)
+        real = obj[name] if isinstance(obj, dict) else getattr(obj, name)
 
         def timed(*a, **k):
             t = time.perf_counter()
             try:
                 return real(*a, **k)
             finally:
+                key = (label, threading.get_ident() == engine_thread)
                 with mutex:
-                    spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
+                    spent[key] = spent.get(key, 0.0) + time.perf_counter() - t
 
-        setattr(obj, name, timed)
-        wrapped.append((obj, name))
+        if isinstance(obj, dict):
+            obj[name] = timed
+        else:
+            setattr(obj, name, timed)
+        wrapped.append((obj, name, real))
 
     wrap(engine, "step", "step")
     wrap(engine.executor, "launch", "launch")
@@ -64,20 +78,37 @@ def timed_phases(engine, steps: int) -> dict[str, float]:
         wrap(worker.graphs, "run", "  graphs.run")
     wrap(worker.runner, "run", "  runner.run")
     wrap(worker.lookup, "_host_ids", "  lookup._host_ids (waits for the sampled tokens)")
+    wrap(worker.lookup, "_finish", "finish (dtype, shape)")
+    for lid in list(worker.lookup.projectors or {}):
+        wrap(worker.lookup.projectors, lid, "projection (run-ahead)")
+    wrap(base, "to_device", "  rows to the device")
+    wrap(kernels, "gather_rows", "  decode")
     for table in (worker.tables or {}).values():
+        wrap(table, "gather", "lookup")
         if hasattr(table, "_lookup"):  # the disk tier: submitted lookups (the later layers') on its thread
-            wrap(table, "_lookup", LOOKUPS)
+            wrap(table, "_lookup", "lookup")
+        wrap(table, "_dedupe", "  dedupe")
         if hasattr(table, "_fetch"):
-            wrap(table, "_fetch", FETCH)
+            wrap(table, "_fetch", "  page fetch")
         if hasattr(table, "reader"):
-            wrap(table.reader, "read", READS)
-    for _ in range(steps):
-        engine.step()
-    for obj, name in wrapped:
-        obj.__dict__.pop(name, None)  # the class's method again
-    order = ["step", "launch", "  lookup._host_ids (waits for the sampled tokens)", "  lookup.submit",
-             "  graphs.run", "  runner.run", "collect", LOOKUPS, FETCH, READS]
-    return {k: spent[k] / steps * 1e3 for k in order if k in spent}
+            wrap(table.reader, "read", "    reads")
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        for obj, name, real in reversed(wrapped):
+            if isinstance(obj, dict):
+                obj[name] = real
+            elif isinstance(obj, type(base)):
+                setattr(obj, name, real)  # a module function
+            else:
+                obj.__dict__.pop(name, None)  # the class's method again
+    out = {}
+    for k in ENGINE_PHASES + TABLE_PHASES:
+        on, off = spent.get((k, True), 0.0), spent.get((k, False), 0.0)
+        if on or off:
+            out[k] = (on / steps * 1e3, off / steps * 1e3)
+    return out
 
 
 def main() -> int:
@@ -129,9 +160,10 @@ def main() -> int:
           f"{statistics.median(times):.3f} median, {max(times):.3f} max ({args.steps} steps, "
           f"graph replays so far {engine.stats().get('graph_replays')})")
     phases = timed_phases(engine, args.steps)
-    print("phases, ms per step (wall on the engine's thread; nested phases are inside launch / collect):")
-    for name, ms in phases.items():
-        print(f"  {name:16s} {ms:8.3f}")
+    print("phases, ms per step (wall time, summed over the tables; indented phases run inside the one above)")
+    print(f"  {'phase':50s} {'engine thread':>14s} {'other threads':>14s}")
+    for name, (on, off) in phases.items():
+        print(f"  {name:50s} {on:14.3f} {off:14.3f}")
     prof = cProfile.Profile()  # Python >= 3.12: calls on the tables' threads show up here too
     prof.enable()
     for _ in range(args.steps):

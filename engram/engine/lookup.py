@@ -20,6 +20,7 @@ itself (the same kernels: outputs are bitwise those of staging everything first)
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -30,6 +31,14 @@ from engram.engine.step import StepDescription
 from engram.module import Projected
 from engram.store.base import CompletedLookup
 from engram.transfer import to_device
+
+# Over host-read tables, the first Engram layer's lookup runs alone, and the later layers' are submitted only
+# once it has its rows (ENGRAM_FIRST_LOOKUP_ALONE=1; kernel switch ``first_lookup_alone``). The model needs the
+# first layer's rows at once, the later ones only after the layers between have run; a lookup of 24 rows
+# took 1.0 ms alone and 1.7-1.9 ms beside a second table's lookup on the CPU machine (its reads share the
+# disk: 1.4 ms beside the second table's reads alone; the rest is the two threads' Python under one GIL).
+# Off until the H200 measures what it does to the disk tier's step.
+FIRST_LOOKUP_ALONE = os.environ.get("ENGRAM_FIRST_LOOKUP_ALONE", "0") == "1"
 
 
 class StagedRows:
@@ -120,14 +129,23 @@ class LookupExecutor:
                 # host ids: the later layers' lookups are submitted first (their disk reads overlap), then the
                 # first layer's, which the model needs at once, runs on this thread (no hand-off to its
                 # table's thread and back)
+                # (FIRST_LOOKUP_ALONE: the first layer's alone, then the later layers')
                 host_ids = step.engram_row_ids if patch is None else self._host_ids(step, patch)
                 layers = list(host_ids)
-                for lid in layers[1:]:  # [T * n_cols] each, CPU int64
-                    handles[lid] = self.tables[lid].submit(host_ids[lid].reshape(-1), dtype=self.fetch_dtype)
+                alone = FIRST_LOOKUP_ALONE
+
+                def submit_later() -> None:
+                    for lid in layers[1:]:  # [T * n_cols] each, CPU int64
+                        handles[lid] = self.tables[lid].submit(host_ids[lid].reshape(-1), dtype=self.fetch_dtype)
+
+                if not alone:
+                    submit_later()
                 if layers:
                     first = layers[0]
                     handles[first] = CompletedLookup(
                         self.tables[first].gather(host_ids[first].reshape(-1), dtype=self.fetch_dtype))
+                if alone:
+                    submit_later()
 
                 def fetch(lid: int, ids: torch.Tensor) -> torch.Tensor:
                     return handles[lid].wait()

@@ -1,11 +1,11 @@
-"""Kernel choices an engine fixes when it is built, by name: what a benchmark arm may flip for its engine.
+"""Kernel and lookup-order choices by name: what a benchmark arm may flip for its engine.
 
 Some fast paths are chosen by process-wide flags, read from the environment (``ENGRAM_*``, torch's BLAS
-choice); a decode graph captures whichever was set while the Worker was built.
-``applied({"fused_combine": True})`` sets the named switches for the duration of a ``with`` block and
-restores them after, so one process can
-build engines that differ only in them (engram bench placement's ``switches`` arm key) and compare their
-graph replays, interleaved, with confidence intervals. Unknown names are refused with the known ones.
+choice); a decode graph captures whichever was set while the Worker was built, and the lookup order is read
+at every step. ``applied({"fused_combine": True})`` sets the named switches for the duration of a ``with``
+block and restores them after, so one process can build engines that differ only in them (engram bench
+placement's ``switches`` arm key, set while the arm's engine is built and while it is measured) and compare
+them, interleaved, with confidence intervals. Unknown names are refused with the known ones.
 
 * ``fused_combine``: decode attention combines its splits inside the split kernel
   (``paged_attention_triton.FUSED_COMBINE``, ``ENGRAM_FUSED_COMBINE``; CUDA with triton only);
@@ -13,6 +13,9 @@ graph replays, interleaved, with confidence intervals. Unknown names are refused
   (``l2_prefetch.ENABLED``, ``ENGRAM_L2_PREFETCH``);
 * ``pdl``: the decode step's small Triton kernels are launched with programmatic dependent launch
   (``pdl.ENABLED``, ``ENGRAM_PDL``; Hopper or newer);
+* ``first_lookup_alone``: over host-read tables (the disk tier, hot-row caches) the first Engram layer's
+  lookup runs alone before the later layers' are submitted (``lookup.FIRST_LOOKUP_ALONE``,
+  ``ENGRAM_FIRST_LOOKUP_ALONE``; read at every step, so it takes effect while set);
 * ``cublaslt``: torch's matmuls go through cuBLASLt instead of cuBLAS
   (``torch.backends.cuda.preferred_blas_library``, ``TORCH_BLAS_PREFER_CUBLASLT=1``; its heuristics may
   pick other GEMV kernels for the decode step's projections, e.g. without cuBLAS's split-K reduce).
@@ -54,6 +57,7 @@ SWITCHES = {  # name -> (get, set)
     "fused_combine": _module_flag("engram.model.layers.paged_attention_triton", "FUSED_COMBINE"),
     "l2_prefetch": _module_flag("engram.model.layers.l2_prefetch", "ENABLED"),
     "pdl": _module_flag("engram.model.layers.pdl", "ENABLED"),
+    "first_lookup_alone": _module_flag("engram.engine.lookup", "FIRST_LOOKUP_ALONE"),
     "cublaslt": _blas_lt(),
 }
 

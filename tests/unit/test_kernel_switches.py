@@ -17,7 +17,7 @@ def test_a_switch_is_set_inside_the_block_and_restored_after_even_on_error():
 
 
 def test_unknown_names_and_non_bools_are_refused_before_anything_changes():
-    known = "known: \\['fused_combine', 'l2_prefetch', 'pdl', 'cublaslt'\\]"
+    known = "known: \\['fused_combine', 'l2_prefetch', 'pdl', 'first_lookup_alone', 'cublaslt'\\]"
     with pytest.raises(ValueError, match="unknown kernel switch 'l2'; " + known):
         with kernel_switches.applied({"l2": True}):
             pass  # entering the block is what raises

@@ -1,0 +1,61 @@
+"""ENGRAM_FIRST_LOOKUP_ALONE (engram/engine/lookup.py): over host-read tables the first Engram layer's lookup
+runs alone and the later layers' are submitted once it has its rows; off, they are submitted first. Either
+way the tokens are the same (real disk tables, CPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engram
+from engram.engine import lookup
+from engram.engine.sampling_params import SamplingParams
+
+
+class Recording:
+    """A table wrapper that records the order of gathers, submits and the ends of gathers."""
+
+    def __init__(self, table, lid: int, log: list):
+        self._t, self._lid, self._log = table, lid, log
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+    def gather(self, *a, **k):
+        self._log.append(("gather", self._lid))
+        try:
+            return self._t.gather(*a, **k)
+        finally:
+            self._log.append(("gathered", self._lid))
+
+    def submit(self, *a, **k):
+        self._log.append(("submit", self._lid))
+        return self._t.submit(*a, **k)
+
+
+def generate(tmp_path, monkeypatch, alone: bool, log: list | None = None):
+    monkeypatch.setattr(lookup, "FIRST_LOOKUP_ALONE", alone)
+    llm = engram.LLM("tiny", tier="disk", dtype=torch.float32, cache_dir=str(tmp_path), max_num_seqs=4)
+    worker = llm.engine.executor.worker
+    if log is not None:
+        worker.lookup.tables = {lid: Recording(t, lid, log) for lid, t in worker.lookup.tables.items()}
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompts = [[5 + i, 17, 99, 4 + 3 * i, 8] * (1 + i) for i in range(3)]
+    return [(o.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in o.outputs[0].logprobs])
+            for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("alone", [False, True])
+def test_the_order_of_a_steps_lookups(tmp_path, monkeypatch, alone):
+    log: list = []
+    generate(tmp_path, monkeypatch, alone, log)
+    first, later = 1, 3  # the tiny preset's Engram layers
+    step = log[:3]  # the first step: one gather (first layer) and one submit (the later layer)
+    if alone:
+        assert step == [("gather", first), ("gathered", first), ("submit", later)]
+    else:
+        assert step == [("submit", later), ("gather", first), ("gathered", first)]
+    assert log.count(("gather", first)) == log.count(("submit", later)) > 1
+
+
+def test_the_tokens_do_not_depend_on_the_order(tmp_path, monkeypatch):
+    assert generate(tmp_path, monkeypatch, True) == generate(tmp_path, monkeypatch, False)
