@@ -119,7 +119,8 @@ class LookupExecutor:
     def _wait(self, layer_id: int, staged) -> None:
         self.stream.wait(layer_id, *(staged.tensors if isinstance(staged, Projected) else (staged,)))
 
-    def _stage(self, step: StepDescription, patch: PendingPatch | None, done, deferred: dict) -> dict[int, torch.Tensor]:
+    def _stage(self, step: StepDescription, patch: PendingPatch | None, done,
+               deferred: dict) -> dict[int, torch.Tensor]:
         """Every layer's rows [T, n_cols, D] on the current stream, ``done(layer, rows)`` after each; a layer
         whose reads still run (after the first, which the model needs at once) goes to ``deferred`` as
         (handle, finish) instead, for ``StagedRows.rows`` to wait for when its layer asks."""

@@ -4,8 +4,8 @@ A backend serves rows of one table by id: ``gather`` returns dequantized rows [N
 the packed row bytes [N, row_bytes] (values then scale bytes, no padding: 264 B for a V4.1 MXFP8 row),
 ``submit`` starts a lookup and returns a handle, ``stats`` counts the work. Ids arriving on the CPU are
 range-checked there (an out-of-range id raises IndexError naming it and the table size); ids arriving on a
-GPU are trusted unless ``StoreOptions.check_device_ids`` (engram/store/ids.py says why); N may be 0. The base class holds the
-shared path (check, dedupe, hot-row cache, decode through ``engram.store.kernels``); a tier provides
+GPU are trusted unless ``StoreOptions.check_device_ids`` (engram/store/ids.py says why); N may be 0. The base
+class holds the shared path (check, dedupe, hot-row cache, decode through ``engram.store.kernels``); a tier provides
 ``_fetch(ids)`` and may override ``gather`` with a fused path (``ResidentTable``: gpu and host, whose bytes
 are all in memory). Tiers know nothing about models or plans.
 """

@@ -127,7 +127,8 @@ class DiskTable(TableBackend):
         self._extra = {"disk_rows": 0, "inflight": 0, "inflight_bytes": 0, "corrupt_pages": 0}
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-disk")  # submit()
         self._io = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="engram-disk-io")  # 2 chunks queued
-        self.scrubber = Scrubber(self.reader, self.pages, self._count_corrupt) if self.options.background_verify else None
+        self.scrubber = (Scrubber(self.reader, self.pages, self._count_corrupt) if self.options.background_verify
+                         else None)
 
     @classmethod
     def open(cls, directory: str | os.PathLike, **kwargs: Any) -> "DiskTable":

@@ -58,7 +58,8 @@ class StoreOptions:
             v = getattr(self, f.name)
             kind = bool if f.type == "bool" else int if f.type == "int" else str
             if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
-                raise ValueError(f"{PREFIX}.{f.name}={v!r}: must be {'true or false' if kind is bool else kind.__name__}")
+                expected = "true or false" if kind is bool else kind.__name__
+                raise ValueError(f"{PREFIX}.{f.name}={v!r}: must be {expected}")
         _one_of(self, "cache_policy", POLICIES)
         _one_of(self, "io", IO_MODES)
         _one_of(self, "host_layout", LAYOUTS)

@@ -70,7 +70,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, hd]: per-head RMSNorm with weight ``w`` (skipped when None), then rotary embedding with
     cos/sin [T, 1, hd] ("rotate half", HF layout) -> same shape and dtype."""
     hd = x.shape[-1]

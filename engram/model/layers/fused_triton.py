@@ -186,13 +186,14 @@ def _rms_norm(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: flo
     return (s.view(x.shape) if r is not None else None), y.view(x.shape)
 
 
-def norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, hd] (hd a power of two, last dim contiguous), cos/sin [T, hd] -> rotated (normed) x."""
     t, heads, hd = x.shape
     y = torch.empty_like(x)
     if t:
-        _norm_rope_kernel[(t,)](x, w if w is not None else x, cos, sin, y, x, x, y, heads, eps, x.stride(0), x.stride(1),
-                                y.stride(0), y.stride(1), cos.stride(0), 0, 0, HD=hd, HALF=hd // 2,
+        _norm_rope_kernel[(t,)](x, w if w is not None else x, cos, sin, y, x, x, y, heads, eps, x.stride(0),
+                                x.stride(1), y.stride(0), y.stride(1), cos.stride(0), 0, 0, HD=hd, HALF=hd // 2,
                                 BLOCK_H=triton.next_power_of_2(heads), NORM=w is not None, STORE=False, num_warps=4,
                                 **launch_options(x.device))
     return y

@@ -27,7 +27,8 @@ def set_backend(name: str) -> str:
 
 def uses_triton(q: torch.Tensor) -> bool:
     """Whether ``paged_attention`` takes the Triton path for these queries."""
-    return SWITCH.fast(q.is_cuda and q.dtype in FAST_DTYPES and importable("engram.model.layers.paged_attention_triton"),
+    eligible = q.is_cuda and q.dtype in FAST_DTYPES and importable("engram.model.layers.paged_attention_triton")
+    return SWITCH.fast(eligible,
                        f"{q.dtype} queries on {q.device} (needs CUDA, triton and one of {FAST_DTYPES})")
 
 
