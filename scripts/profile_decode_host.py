@@ -42,6 +42,7 @@ def timed_phases(engine, steps: int) -> dict[str, tuple[float, float]]:
     copy to the device, the decode (``kernels.gather_rows``), the executor's finish and the run-ahead
     projection."""
     import threading
+    import types
 
     import engram.store.base as base
     from engram.store import kernels
@@ -99,7 +100,7 @@ def timed_phases(engine, steps: int) -> dict[str, tuple[float, float]]:
         for obj, name, real in reversed(wrapped):
             if isinstance(obj, dict):
                 obj[name] = real
-            elif isinstance(obj, type(base)):
+            elif isinstance(obj, types.ModuleType):
                 setattr(obj, name, real)  # a module function
             else:
                 obj.__dict__.pop(name, None)  # the class's method again

@@ -127,10 +127,9 @@ class LookupExecutor:
         handles: dict = {}
         try:
             if patch is None or not self.takes_device_ids():
-                # host ids: the later layers' lookups are submitted first (their disk reads overlap), then the
-                # first layer's, which the model needs at once, runs on this thread (no hand-off to its
-                # table's thread and back)
-                # (FIRST_LOOKUP_ALONE: the first layer's alone, then the later layers')
+                # host ids: the first layer's lookup, which the model needs at once, runs on this thread (no
+                # hand-off to its table's thread and back); the later layers' are submitted before it (their
+                # disk reads overlap it) or, with FIRST_LOOKUP_ALONE, after it
                 host_ids = step.engram_row_ids if patch is None else self._host_ids(step, patch)
                 layers = list(host_ids)
                 alone = FIRST_LOOKUP_ALONE

@@ -69,7 +69,7 @@ def _read_stat(path: str, key: str) -> int:
             if name == key:
                 return int(value)
     except (OSError, ValueError):
-        pass
+        return 0
     return 0
 
 

@@ -105,14 +105,15 @@ def _decode_split_kernel(Q, K, V, BT, SEQ, TOK, LENS, O, ML, scale, split_len,
     cmask = c < HD
     # Programs past the sequence's splits (a graph's grid is sized for max_model_len) skip even the query
     # load: at batch 1 under `engram serve` (40 K tokens) 316 of a KV head's 320 programs have nothing to do.
-    if tl.program_id(2) < tl.cdiv(length, split_len):
+    n_splits = tl.cdiv(length, split_len)
+    if tl.program_id(2) < n_splits:
         q = tl.load(Q + tok * s_qt + heads[:, None] * s_qh + c[None, :], mask=gmask[:, None] & cmask[None, :],
                     other=0.0)
         n = tl.arange(0, BLOCK_N)
         # Program p of the launch's P computes splits p, p + P, ... of its sequence's own ceil(length /
         # split_len): each split alone, in key order, as it would with one program per split; splits past the
         # sequence's end are neither computed nor stored (the combine reads only the used ones).
-        for sp in range(tl.program_id(2), tl.cdiv(length, split_len), tl.num_programs(2)):
+        for sp in range(tl.program_id(2), n_splits, tl.num_programs(2)):
             lo = sp * split_len
             hi = tl.minimum(lo + split_len, length)
             m = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -143,7 +144,7 @@ def _decode_split_kernel(Q, K, V, BT, SEQ, TOK, LENS, O, ML, scale, split_len,
             ll = tl.zeros([BLOCK_G], tl.float32)
             out = tl.zeros([BLOCK_G, BLOCK_HD], tl.float32)
             om = gmask[:, None] & cmask[None, :]
-            for sp in range(0, tl.cdiv(length, split_len)):
+            for sp in range(0, n_splits):
                 ml_ptr = ML + d * s_md + heads * s_mh + sp * 2
                 ms = tl.load(ml_ptr, mask=gmask, other=float("-inf"), cache_modifier=".cg")
                 ls = tl.load(ml_ptr + 1, mask=gmask, other=0.0, cache_modifier=".cg")

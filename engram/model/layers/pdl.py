@@ -41,7 +41,11 @@ def active(device: torch.device) -> bool:
     return _CAPABLE[idx]
 
 
+_ON = {"USE_PDL": True, "launch_pdl": True}
+_OFF = {"USE_PDL": False}
+
+
 def launch_options(device: torch.device) -> dict:
-    """Keyword arguments of a Triton launch on ``device``: the kernel's ``USE_PDL`` constexpr and, when it is
-    true, Triton's ``launch_pdl`` launch option."""
-    return {"USE_PDL": True, "launch_pdl": True} if active(device) else {"USE_PDL": False}
+    """Keyword arguments of a Triton launch on ``device`` (read-only): the kernel's ``USE_PDL`` constexpr
+    and, when it is true, Triton's ``launch_pdl`` launch option."""
+    return _ON if active(device) else _OFF

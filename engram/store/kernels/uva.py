@@ -16,6 +16,7 @@ what a bare call here uses.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -80,9 +81,11 @@ def route_for(n: int, route: str | None = None, bands: RouteBands = DEFAULT_BAND
     return route
 
 
+@functools.lru_cache(maxsize=None)
 def uva_config(max_programs: int = 0, tiles_per_program: int = 1) -> LaunchConfig:
     """UVA_CONFIG, with its grid capped at ``max_programs`` programs when that is not 0 and spread at
-    ``tiles_per_program`` tiles a program when that is above 1 (launch_config.spread_programs)."""
+    ``tiles_per_program`` tiles a program when that is above 1 (launch_config.spread_programs). One object
+    per pair: a host table asks for it at every gather."""
     if not max_programs and tiles_per_program == 1:
         return UVA_CONFIG
     return dataclasses.replace(UVA_CONFIG, max_programs=max_programs, tiles_per_program=tiles_per_program)
