@@ -91,3 +91,14 @@ def importable(module: str) -> bool:
     except ImportError:
         return False
     return True
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """A boolean switch from environment variable ``name``: "1" on, "0" off, unset ``default``; any other value
+    raises ValueError naming the variable."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={value!r}: must be 0 or 1")
+    return value == "1"

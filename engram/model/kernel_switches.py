@@ -12,10 +12,10 @@ them, interleaved, with confidence intervals. Unknown names are refused with the
 * ``l2_prefetch``: each layer prefetches its o weight into L2 during attention at batch <= 8
   (``l2_prefetch.ENABLED``, ``ENGRAM_L2_PREFETCH``);
 * ``pdl``: the decode step's small Triton kernels are launched with programmatic dependent launch
-  (``pdl.ENABLED``, ``ENGRAM_PDL``; Hopper or newer);
+  (``pdl.ENABLED``, ``ENGRAM_PDL``; Hopper or newer; on by default);
 * ``first_lookup_alone``: over host-read tables (the disk tier, hot-row caches) the first Engram layer's
   lookup runs alone before the later layers' are submitted (``lookup.FIRST_LOOKUP_ALONE``,
-  ``ENGRAM_FIRST_LOOKUP_ALONE``; read at every step, so it takes effect while set);
+  ``ENGRAM_FIRST_LOOKUP_ALONE``; read at every step, so it takes effect while set; on by default);
 * ``cublaslt``: torch's matmuls go through cuBLASLt instead of cuBLAS
   (``torch.backends.cuda.preferred_blas_library``, ``TORCH_BLAS_PREFER_CUBLASLT=1``; its heuristics may
   pick other GEMV kernels for the decode step's projections, e.g. without cuBLAS's split-K reduce).

@@ -1,7 +1,9 @@
 """ENGRAM_FIRST_LOOKUP_ALONE (engram/engine/lookup.py): over host-read tables the first Engram layer's lookup
-runs alone and the later layers' are submitted once it has its rows; off, they are submitted first. Either
-way the tokens are the same (real disk tables, CPU)."""
+runs alone and the later layers' are submitted once it has its rows (the default); off, they are submitted
+first. Either way the tokens are the same (real disk tables, CPU)."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -42,6 +44,11 @@ def generate(tmp_path, monkeypatch, alone: bool, log: list | None = None):
     prompts = [[5 + i, 17, 99, 4 + 3 * i, 8] * (1 + i) for i in range(3)]
     return [(o.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in o.outputs[0].logprobs])
             for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.skipif("ENGRAM_FIRST_LOOKUP_ALONE" in os.environ, reason="the environment sets the flag")
+def test_on_by_default():
+    assert lookup.FIRST_LOOKUP_ALONE is True
 
 
 @pytest.mark.parametrize("alone", [False, True])

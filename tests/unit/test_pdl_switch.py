@@ -1,28 +1,40 @@
-"""Programmatic dependent launch's switch (engram/model/layers/pdl.py) on any machine: off by default, never on
-the CPU, a bad ENGRAM_PDL refused by name, the kernel switch flips it. Its kernels: tests/gpu/test_pdl.py."""
+"""Programmatic dependent launch's switch (engram/model/layers/pdl.py) on any machine: on by default, off with
+ENGRAM_PDL=0, never on the CPU, a bad ENGRAM_PDL refused by name, the kernel switch flips it. Its kernels:
+tests/gpu/test_pdl.py."""
 from __future__ import annotations
+
+import importlib
 
 import pytest
 import torch
 
+from engram.fast_path import env_flag
 from engram.model import kernel_switches
 from engram.model.layers import pdl
 
 
-def test_off_by_default_and_never_on_the_cpu(monkeypatch):
+@pytest.fixture
+def reload_pdl():
+    """Reloads pdl under the test's environment; reloads it again afterwards, under the restored one."""
+    yield lambda: importlib.reload(pdl)
+    importlib.reload(pdl)
+
+
+def test_on_by_default_off_with_zero_and_never_on_the_cpu(monkeypatch, reload_pdl):
     monkeypatch.delenv("ENGRAM_PDL", raising=False)
-    assert pdl._flag("ENGRAM_PDL") is False
-    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert reload_pdl().ENABLED is True
     assert not pdl.active(torch.device("cpu"))
     assert pdl.launch_options(torch.device("cpu")) == {"USE_PDL": False}
+    monkeypatch.setenv("ENGRAM_PDL", "0")
+    assert reload_pdl().ENABLED is False
 
 
-def test_a_bad_value_is_refused_by_name(monkeypatch):
+def test_a_bad_value_is_refused_by_name(monkeypatch, reload_pdl):
     monkeypatch.setenv("ENGRAM_PDL", "yes")
     with pytest.raises(ValueError, match="ENGRAM_PDL='yes': must be 0 or 1"):
-        pdl._flag("ENGRAM_PDL")
+        reload_pdl()
     monkeypatch.setenv("ENGRAM_PDL", "1")
-    assert pdl._flag("ENGRAM_PDL") is True
+    assert env_flag("ENGRAM_PDL", default=False) is True
 
 
 def test_the_kernel_switch_sets_and_restores_it():

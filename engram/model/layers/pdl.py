@@ -8,26 +8,21 @@ bitwise the same; what it can save is the gap between two dependent kernels, whi
 share of the ~6 small launches per layer (norms, q/k rope and KV write, attention's split and combine,
 SwiGLU). Captured into a CUDA graph, the launch becomes a programmatic edge between the two kernel nodes.
 
-``ENABLED`` (``ENGRAM_PDL=1``; kernel switch ``pdl``) is off until the H200 measures it. Kernels take
+``ENABLED`` (``ENGRAM_PDL``, default 1; ``ENGRAM_PDL=0`` or kernel switch ``pdl`` false turns it off) is on:
+interleaved against launches without it on the H200 (4b-like, tier gpu, dd3c115) the decode step was 3.20 %
+faster at batch 1 (95 % CI 3.19-3.25 %) and 1.00 % at batch 64 (0.76-1.19 %). Kernels take
 ``USE_PDL: tl.constexpr`` and call ``pdl_enter(USE_PDL)`` (fused_triton.py) first; their launches add
 ``**launch_options(device)``. The Engram gate kernel, which follows a wait on the lookup stream's event,
 is not launched this way.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-
-def _flag(name: str) -> bool:
-    value = os.environ.get(name, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{name}={value!r}: must be 0 or 1")
-    return value == "1"
+from engram.fast_path import env_flag
 
 
-ENABLED = _flag("ENGRAM_PDL")
+ENABLED = env_flag("ENGRAM_PDL", default=True)
 _CAPABLE: dict[int, bool] = {}  # device index -> compute capability >= 9.0
 
 
