@@ -29,7 +29,9 @@ is measured for ``--raw-read-seconds`` (``--raw-read-pages`` pages per call). Ev
 deltas of its tables' counters over the timed steps, with hit_rate and read_ops_per_step; per disk arm and
 comparison the hit rates cold and warm, and, when the run has a host-tier arm, the bound
 bound_ms = host step ms + read ops per step / raw read ops/s x 1000 with ratio = disk step ms / bound_ms and
-target_met = ratio <= 1.1: engram/bench/disk_bound.py. On CUDA the disk tier's decode steps replay CUDA
+target_met = ratio <= 1.1, and after the comparison one lookup's reads timed as a raw call for
+``--raw-read-seconds`` / 4, which gives the latency floor (floor_ms, floor_ratio): engram/bench/disk_bound.py.
+On CUDA the disk tier's decode steps replay CUDA
 graphs too (its rows are copied in before the replay), so the graph-replay check below holds for every tier.
 
 Forced natural decoding: the corpus (``--corpus``, default the committed bench/corpus/natural-v1.jsonl,
@@ -75,7 +77,8 @@ import json
 import sys
 from pathlib import Path
 
-from engram.bench.disk_bound import BOUND_FACTOR, DISK_COLUMNS, NO_HOST_ARM, add_bounds, disk_rows, measure_raw_reads
+from engram.bench.disk_bound import (BOUND_FACTOR, DISK_COLUMNS, NO_HOST_ARM, add_bounds, disk_rows,
+                                     measure_lookup_reads, measure_raw_reads)
 from engram.bench.engine_bench import _free_memory, _ints
 from engram.bench.forced_windows import corpus_stream, cut_windows
 from engram.bench.placement_arms import (DEFAULT_A, DEFAULT_B, ArmSpec, arm_store_options, parse_arm,
@@ -301,6 +304,10 @@ def run(args: argparse.Namespace) -> int:
                         disk[label] = (raw, fresh, placement_of[arm])
                 say(f"batch {b}: A {arm_a.name} vs B {arm_b.name}")
                 result, comparison = run_comparison(engines, arm_a, arm_b, k, b, win, s, ab_cfg, args.quiet, disk)
+                for label, d in comparison.get("disk", {}).items():  # one lookup's reads as a raw call, after
+                    tabs = tables[disk[label][2]]
+                    d["lookup_reads"] = measure_lookup_reads(tabs, d["read_ops_per_step_median"],
+                                                             args.raw_read_seconds / 4, opts.seed)
                 comparisons.append(comparison)
                 rows.append(table_row(result, comparison))
                 if args.plot:
@@ -347,7 +354,8 @@ def run(args: argparse.Namespace) -> int:
         if any(r["bound ms"] is None for r in drows):
             print(f"disk arms: {NO_HOST_ARM} (add an arm with tier host)")
         else:
-            print(f"disk arms: bound = host step ms + read ops/step / raw reads/s; target ratio <= {BOUND_FACTOR}")
+            print(f"disk arms: bound = host step ms + read ops/step / raw reads/s; target ratio <= {BOUND_FACTOR}; "
+                  "floor = host step ms + one lookup's reads as a raw call")
     for c in comparisons:
         for w in c["ab"]["warnings"]:
             print(f"warning: batch {c['batch']} b{c['b_index']}: {w}")

@@ -4,6 +4,7 @@ their forced ids, the result JSON holds what the docs promise, and a bad arm sto
 anything loads. Disk arms with per-arm table options: the raw read rate, per-sample table counters, hit
 rates cold and warm and the bound against the host arm. Also ``measure_decode(..., forced=...)``."""
 import json
+import math
 import types
 
 import numpy as np
@@ -286,9 +287,19 @@ def test_disk_arms_record_raw_reads_counters_hit_rates_and_the_bound(tmp_path, c
         bound = d["host_step_ms_median"] + d["read_ops_per_step_median"] / raw["read_ops_per_s"] * 1e3
         assert d["bound_ms"] == pytest.approx(bound) and d["ratio"] == pytest.approx(d["step_ms_median"] / bound)
         assert d["target_met"] is (d["ratio"] <= 1.1)
+        # the floor: one lookup's reads (read ops per step over the arm's two tables) as a raw call
+        lr = d["lookup_reads"]
+        if d["read_ops_per_step_median"] == 0:  # every row a cache hit: no lookup read anything
+            assert lr is None and d["floor_ms"] is None
+        else:
+            assert lr["pages"] == math.ceil(d["read_ops_per_step_median"] / 2) and lr["calls"] >= 1
+            assert lr["us_per_call_p50"] > 0
+            assert d["floor_ms"] == pytest.approx(d["host_step_ms_median"] + lr["us_per_call_p50"] / 1e3)
+            assert d["floor_ratio"] == pytest.approx(d["step_ms_median"] / d["floor_ms"])
     assert comps[0]["disk"]["B"]["read_ops_per_step_median"] > 0  # without a cache every step reads the disk
     printed = capsys.readouterr().out
     assert "raw reads/s" in printed and "bound ms" in printed and "target ratio <= 1.1" in printed
+    assert "floor ms" in printed and "floor = host step ms + one lookup's reads as a raw call" in printed
 
 
 def test_disk_arm_without_a_host_arm_says_the_bound_is_not_computed(tmp_path, capsys):
