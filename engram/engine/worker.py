@@ -32,7 +32,6 @@ from engram.engine.sampler import SampledTokens, Sampler
 from engram.engine.step import SampleSpec, StepDescription, StepResult, TokenLogprobs
 from engram.model.kv_cache import KVCache
 from engram.hashing import NgramHasher
-from engram.model.layers import l2_prefetch
 from engram.model.layers.fused import FAST_DTYPES
 from engram.transfer import to_host
 
@@ -55,9 +54,6 @@ class Worker:
         self.model = loaded.model
         if self.device.type == "cuda" and dtype in FAST_DTYPES:
             self.model.pack_projections()  # q/k/v and gate/up as one GEMM each (the CPU keeps the plain path)
-            # ENGRAM_L2_PREFETCH=1: o's weight into L2 during attention at a few tokens (set or cleared: engines
-            # of one process may share the model and choose differently, kernel_switches)
-            self.model.prefetch_into_l2(l2_prefetch.WeightPrefetcher(self.device) if l2_prefetch.ENABLED else None)
         self.tables = loaded.open_tables()  # opened here, on this worker's device
         # lookup_overlap (CUDA): gathers on their own stream, an event per Engram layer (engine/lookup_stream.py)
         self.lookup_stream = (LookupStream(self.device, self.ecfg.layer_ids)

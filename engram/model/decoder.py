@@ -116,12 +116,6 @@ class EngramDecoder(nn.Module):
             layer.self_attn.pack()
             layer.mlp.pack()
 
-    def prefetch_into_l2(self, prefetcher) -> None:
-        """Every layer prefetches its o projection's weight into L2 during its attention, for steps of a few
-        tokens (``l2_prefetch.WeightPrefetcher``; None turns it off)."""
-        for layer in self.model.layers:
-            layer.self_attn.l2_prefetch = prefetcher
-
     @property
     def engram_layers(self) -> dict[int, Engram]:
         return {l.layer_id: l.engram for l in self.model.layers if l.engram is not None}

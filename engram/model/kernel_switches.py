@@ -2,15 +2,11 @@
 
 Some fast paths are chosen by process-wide flags, read from the environment (``ENGRAM_*``, torch's BLAS
 choice); a decode graph captures whichever was set while the Worker was built, and the lookup order is read
-at every step. ``applied({"fused_combine": True})`` sets the named switches for the duration of a ``with``
-block and restores them after, so one process can build engines that differ only in them (engram bench
+at every step. ``applied({"pdl": False})`` sets the named switches for the duration of a ``with`` block
+and restores them after, so one process can build engines that differ only in them (engram bench
 placement's ``switches`` arm key, set while the arm's engine is built and while it is measured) and compare
 them, interleaved, with confidence intervals. Unknown names are refused with the known ones.
 
-* ``fused_combine``: decode attention combines its splits inside the split kernel
-  (``paged_attention_triton.FUSED_COMBINE``, ``ENGRAM_FUSED_COMBINE``; CUDA with triton only);
-* ``l2_prefetch``: each layer prefetches its o weight into L2 during attention at batch <= 8
-  (``l2_prefetch.ENABLED``, ``ENGRAM_L2_PREFETCH``);
 * ``pdl``: the decode step's small Triton kernels are launched with programmatic dependent launch
   (``pdl.ENABLED``, ``ENGRAM_PDL``; Hopper or newer; on by default);
 * ``first_lookup_alone``: over host-read tables (the disk tier, hot-row caches) the first Engram layer's
@@ -54,8 +50,6 @@ def _blas_lt():
 
 
 SWITCHES = {  # name -> (get, set)
-    "fused_combine": _module_flag("engram.model.layers.paged_attention_triton", "FUSED_COMBINE"),
-    "l2_prefetch": _module_flag("engram.model.layers.l2_prefetch", "ENABLED"),
     "pdl": _module_flag("engram.model.layers.pdl", "ENABLED"),
     "first_lookup_alone": _module_flag("engram.engine.lookup", "FIRST_LOOKUP_ALONE"),
     "cublaslt": _blas_lt(),
@@ -74,7 +68,7 @@ def check(switches: dict) -> None:
 @contextlib.contextmanager
 def applied(switches: dict):
     """Set the named switches inside the block, restore them after. RuntimeError naming the switch when it
-    cannot be set here (fused_combine without triton, cublaslt without CUDA)."""
+    cannot be set here (cublaslt without CUDA)."""
     check(switches)
     old = []
     try:

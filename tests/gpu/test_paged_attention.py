@@ -97,39 +97,6 @@ def test_a_sequence_is_computed_the_same_whatever_the_launch():
     assert torch.equal(alone[1].view(torch.uint8), outs[0][1].view(torch.uint8))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", [1, 4, 5])
-def test_the_fused_combine_is_bitwise_the_combine_kernel(dtype, case):
-    """The split kernel's last program per (sequence, KV head) combining (an atomic count, reset by it) gives
-    the two-launch bits: eagerly, with 1 program or many per sequence, again and again on the same
-    counters, and replayed from a CUDA graph; the counters are zero after every launch."""
-    from engram.model.layers import paged_attention_triton as tri
-
-    q_lens, past = CASES[case]
-    q_lens = [1] * len(q_lens)  # decode steps
-    q, kv, meta = random_step(q_lens, past, 8, 4, 128, 16, dtype, seed=case)
-    args = (q, kv.k[0], kv.v[0], meta.block_tables, meta.decode_seqs, meta.decode_tokens, meta.decode_lens,
-            meta.decode_max_len)
-    for programs in (tri.DECODE_PROGRAMS, 1, 7):
-        want = torch.full_like(q, float("nan"))
-        tri.decode(*args, want, 128 ** -0.5, target_programs=programs, fused_combine=False)
-        for _ in range(20):
-            got = torch.full_like(q, float("nan"))
-            tri.decode(*args, got, 128 ** -0.5, target_programs=programs, fused_combine=True)
-            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-        assert int(tri._counters(q.device, 1).abs().sum()) == 0
-    out = torch.full_like(q, float("nan"))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        tri.decode(*args, out, 128 ** -0.5, fused_combine=True)
-    for _ in range(20):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
-    assert int(tri._counters(q.device, 1).abs().sum()) == 0
-
-
 def test_backend_switch_forces_the_reference():
     q, kv, meta = random_step([3, 1], [4, 9], 2, 2, 16, 8, torch.bfloat16, seed=1)
     old = pa.set_backend("torch")

@@ -86,10 +86,10 @@ def test_check_forced_names_the_arm_sequence_and_position():
     ("--b", '{"tier": "disk", "async_scheduling": "yes"}',
      r"--b\[1\]: key 'async_scheduling'='yes' must be true or false"),
     ("--a", '{"tier": "gpu", "device": "cuda"}', r"--a: unknown key 'device'"),
-    ("--b", '{"tier": "gpu", "switches": {"fused_combin": true}}',
-     r"--b\[1\]: key 'switches': unknown kernel switch 'fused_combin'; known: \['fused_combine'"),
-    ("--b", '{"tier": "gpu", "switches": {"l2_prefetch": 1}}',
-     r"--b\[1\]: key 'switches': kernel switch 'l2_prefetch'=1 must be true or false"),
+    ("--b", '{"tier": "gpu", "switches": {"first_lookup": false}}',
+     r"--b\[1\]: key 'switches': unknown kernel switch 'first_lookup'; known: \['pdl', 'first_lookup_alone'"),
+    ("--b", '{"tier": "gpu", "switches": {"pdl": 0}}',
+     r"--b\[1\]: key 'switches': kernel switch 'pdl'=0 must be true or false"),
     ("--b", '{"tier": "gpu", "switches": [1]}', r"--b\[1\]: key 'switches': \[1\] must be a JSON object"),
     ("--a", '["gpu"]', r"--a: expected a JSON object"),
 ])
@@ -170,23 +170,24 @@ def test_placement_bench_runs_both_tiers_interleaved_and_writes_every_field(tmp_
 
 
 def test_an_arms_switches_are_set_while_its_engine_is_built_and_measured(tmp_path, monkeypatch):
-    """Arm B with ``switches``: the flag is on while B's engine is built and while B runs, off for A (the
-    Worker reads l2_prefetch.ENABLED when it is built); the record names B's switches."""
+    """Arm B with ``switches``: the flag is flipped while B's engine is built and while B runs, left as it is
+    for A (the decode graphs capture pdl.ENABLED when the Worker builds them); the record names B's switches."""
     from engram.engine import worker as worker_mod
-    from engram.model.layers import l2_prefetch
+    from engram.model.layers import pdl
 
     seen = []
     real_init = worker_mod.Worker.__init__
 
     def spy(self, *a, **k):
-        seen.append(l2_prefetch.ENABLED)
+        seen.append(pdl.ENABLED)
         real_init(self, *a, **k)
 
     monkeypatch.setattr(worker_mod.Worker, "__init__", spy)
-    b = {"tier": "gpu", "lookup_overlap": False, "switches": {"l2_prefetch": True}}
+    before = pdl.ENABLED  # on by default
+    b = {"tier": "gpu", "lookup_overlap": False, "switches": {"pdl": not before}}
     out = tmp_path / "p.json"
     assert main(["bench", "placement", *FAST, "--batch-sizes", "1", "--b", json.dumps(b), "--out", str(out)]) == 0
-    assert seen == [False, True] and l2_prefetch.ENABLED is False  # A's engine, B's engine; restored after
+    assert seen == [before, not before] and pdl.ENABLED is before  # A's engine, B's engine; restored after
     assert json.loads(out.read_text())["result"]["arms"]["B"] == [b]
 
 

@@ -16,7 +16,6 @@ from torch import nn
 
 from engram.model.kv_cache import KVCache
 from engram.model.layers.fused import norm_rope, norm_rope_qk_store
-from engram.model.layers.l2_prefetch import MAX_TOKENS as L2_PREFETCH_MAX_TOKENS
 from engram.model.layers.norm import RMSNorm
 from engram.model.layers.packed_linear import pack_linears
 from engram.model.layers.paged_attention import PREFILL_BLOCK_M, paged_attention
@@ -107,7 +106,6 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm and self.owns_kv else None
         self.eps = cfg.rms_norm_eps
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # packed q/k/v weight, once packed
-        self.l2_prefetch = None  # l2_prefetch.WeightPrefetcher: o's weight into L2 during attention (few tokens)
 
     def pack(self) -> None:
         """Run q/k/v (or q alone on a KV-sharing layer) as one GEMM from now on (packed_linear.py)."""
@@ -124,9 +122,6 @@ class Attention(nn.Module):
         else:
             q = self.q_proj(x)
             k, v = (self.k_proj(x), self.v_proj(x)) if self.owns_kv else (None, None)
-        prefetch = self.l2_prefetch if self.l2_prefetch is not None and t <= L2_PREFETCH_MAX_TOKENS else None
-        if prefetch is not None:  # the bus is mostly idle until o_proj: bring its weight into L2 meanwhile
-            prefetch.start(self.o_proj.weight)
         q = q.view(t, self.num_heads, self.head_dim)
         if self.owns_kv:
             k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, n_kv, hd]
@@ -141,8 +136,6 @@ class Attention(nn.Module):
         else:
             q = norm_rope(q, _weight(self.q_norm), self.eps, cos, sin)  # [T, nh, hd]
         o = paged_attention(q, kv, self.kv_source, meta, self.scale)  # [T, nh, hd]
-        if prefetch is not None:
-            prefetch.finish()
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -7,12 +7,10 @@ float64 oracle; a parity test runs both over odd sizes):
   SPLIT_LEN; a program per (sequence, KV head) — or a few, striding over the splits — holds the whole GQA
   group of query heads as the M dimension of its dot products, walks each split in tiles gathered through
   the block table, and writes an unnormalised partial (acc, max, sum) per split; a second kernel combines
-  the sequence's splits in order (log-sum-exp), or with ``FUSED_COMBINE`` the split kernel's last program
-  per (sequence, KV head) does, counted by an atomic (bitwise the same result, one launch). Splits keep
-  the chip busy when few sequences decode long contexts; their fixed length makes a sequence's result
-  independent of the batch and of the launch, and splits past a sequence's end are not computed (their
-  programs exit before loading the query), so a CUDA graph sized for max_model_len computes what eager
-  does, at nearly eager's cost.
+  the sequence's splits in order (log-sum-exp). Splits keep the chip busy when few sequences decode long
+  contexts; their fixed length makes a sequence's result independent of the batch and of the launch, and
+  splits past a sequence's end are not computed (their programs exit before loading the query), so a CUDA
+  graph sized for max_model_len computes what eager does, at nearly eager's cost.
 * **prefill** (chunks of several tokens: fresh prompts, chunked prefill over a cached prefix, recompute):
   flash-attention over packed varlen queries, one program per (query tile of one sequence, query head),
   causal with the chunk's offset into its context (query i sits at position ctx - q_len + i).
@@ -25,8 +23,6 @@ KV heads by h // (nh // n_kv). float32 inputs use IEEE fp32 dot products (no TF3
 test compares against a plain fp32 reference. Only CUDA; importing needs triton.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -79,19 +75,10 @@ def _online_softmax_update(acc, m, l, s, v, IEEE: tl.constexpr, EMPTY_ROWS: tl.c
 
 
 @triton.jit
-def _fence_gpu():
-    """Every thread of the program: its earlier stores become visible GPU-wide before its later memory
-    operations (release), and its later loads see what other programs published before theirs (acquire)."""
-    tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _decode_split_kernel(Q, K, V, BT, SEQ, TOK, LENS, O, ML, scale, split_len,
                          s_qt, s_qh, s_kb, s_ks, s_kh, s_bt, s_od, s_oh, s_os, s_md, s_mh,
-                         CNT, OUT, s_ot, s_oh2,
                          G: tl.constexpr, BLOCK_G: tl.constexpr, HD: tl.constexpr, BLOCK_HD: tl.constexpr,
-                         BS: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, COMBINE: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         BS: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     d = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -131,35 +118,6 @@ def _decode_split_kernel(Q, K, V, BT, SEQ, TOK, LENS, O, ML, scale, split_len,
             ml_ptr = ML + d * s_md + heads * s_mh + sp * 2
             tl.store(ml_ptr, m, mask=gmask)
             tl.store(ml_ptr + 1, l, mask=gmask)
-    if COMBINE:
-        # The last of the (sequence, KV head)'s programs to finish folds its splits, in order, exactly as
-        # _decode_combine_kernel does per head (the same float32 operations element by element), and resets
-        # the counter for the next launch: one launch instead of two.
-        _fence_gpu()  # this program's partials are published before its count
-        tl.debug_barrier()
-        cnt = CNT + d * tl.num_programs(1) + kvh
-        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
-            _fence_gpu()  # and the others' partials are seen by every thread of this one
-            mm = tl.full([BLOCK_G], float("-inf"), tl.float32)
-            ll = tl.zeros([BLOCK_G], tl.float32)
-            out = tl.zeros([BLOCK_G, BLOCK_HD], tl.float32)
-            om = gmask[:, None] & cmask[None, :]
-            for sp in range(0, n_splits):
-                ml_ptr = ML + d * s_md + heads * s_mh + sp * 2
-                ms = tl.load(ml_ptr, mask=gmask, other=float("-inf"), cache_modifier=".cg")
-                ls = tl.load(ml_ptr + 1, mask=gmask, other=0.0, cache_modifier=".cg")
-                o = tl.load(O + d * s_od + heads[:, None] * s_oh + sp * s_os + c[None, :], mask=om, other=0.0,
-                            cache_modifier=".cg")
-                m_new = tl.maximum(mm, ms)
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                a = tl.exp(mm - m_safe)
-                b = tl.exp(ms - m_safe)
-                out = out * a[:, None] + o * b[:, None]
-                ll = ll * a + ls * b
-                mm = m_new
-            o_ptr = OUT + tok * s_ot + heads[:, None] * s_oh2 + c[None, :]
-            tl.store(o_ptr, (out / ll[:, None]).to(OUT.dtype.element_ty), mask=om)
-            tl.store(cnt, 0)
 
 
 @triton.jit
@@ -234,25 +192,6 @@ DECODE_BLOCK_N = 64  # keys per tile of the decode kernel (divides SPLIT_LEN)
 # 4096 against 8192: the same launch up to 16 sequences, 7 % faster at 64 sequences, 1.5 % at 256 (H200 sweep,
 # docs/benchmarks.md); the results do not depend on it.
 DECODE_PROGRAMS = 4096
-# The split kernel's last program per (sequence, KV head) combines the splits (one launch instead of two,
-# bitwise the same: tests/gpu/test_paged_attention.py). ENGRAM_FUSED_COMBINE=1 turns it on until its H200
-# measurement decides the default.
-FUSED_COMBINE = os.environ.get("ENGRAM_FUSED_COMBINE", "0") == "1"
-_COUNTERS: dict[int, list[torch.Tensor]] = {}  # per device: combine counters, newest last (old ones stay alive)
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least ``n`` zeroed int32 counters on ``device``, reset to zero by every launch that uses them. A larger
-    set is allocated beside the old (never instead of it: a captured graph keeps the address it was given);
-    never during a capture, whose eager warm-up at the same size allocates first."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    have = _COUNTERS.setdefault(idx, [])
-    if not have or have[-1].numel() < n:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"decode attention: {n} combine counters needed inside a CUDA-graph capture; "
-                               "run the launch once eagerly at this size first")
-        have.append(torch.zeros(max(n, 2 * have[-1].numel() if have else 1024), dtype=torch.int32, device=device))
-    return have[-1]
 
 
 def _pow2(x: int, floor: int = 16) -> int:
@@ -262,7 +201,7 @@ def _pow2(x: int, floor: int = 16) -> int:
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
            seqs: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor, max_len: int, out: torch.Tensor,
            scale: float, block_n: int = DECODE_BLOCK_N, target_programs: int = DECODE_PROGRAMS,
-           num_warps: int = 4, num_stages: int | None = None, fused_combine: bool | None = None) -> None:
+           num_warps: int = 4, num_stages: int | None = None) -> None:
     """One new token per sequence: out[tokens[d]] = attention of q[tokens[d]] over the first lens[d] keys of
     sequence seqs[d]. q, out [T, nh, hd]; caches [NB, BS, n_kv, hd]; block_tables [S, W] int64; ``max_len``
     bounds lens (host number). Keys are split in fixed runs of SPLIT_LEN, so a sequence's result does not
@@ -272,10 +211,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     graph captured for a long max_len (40 K tokens) does no work for splits its sequences do not reach.
     ``block_n`` (keys per tile; it changes the summation order, so one value serves every launch),
     ``target_programs``, ``num_warps``, ``num_stages``: launch knobs for tuning sweeps
-    (scripts/bench_decode_attention.py); the defaults are what the engine runs. ``fused_combine`` (None:
-    FUSED_COMBINE): the split kernel's last program per (sequence, KV head) combines, no second launch; the
-    output is bitwise the two-launch one. Launches that use the counters of one device must run one at a
-    time (stream order), as a model's layers do."""
+    (scripts/bench_decode_attention.py); the defaults are what the engine runs."""
     if SPLIT_LEN % block_n:
         raise ValueError(f"block_n={block_n} must divide SPLIT_LEN={SPLIT_LEN}")
     d = seqs.numel()
@@ -286,18 +222,13 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     programs = max(1, min(num_splits, target_programs // max(1, d * n_kv)))
     part = torch.empty(d, nh, num_splits, hd, dtype=torch.float32, device=q.device)  # [D, nh, S, hd]
     ml = torch.empty(d, nh, num_splits, 2, dtype=torch.float32, device=q.device)  # [D, nh, S, (max, sum)]
-    combine = FUSED_COMBINE if fused_combine is None else fused_combine
-    cnt = _counters(q.device, d * n_kv) if combine else part
     _decode_split_kernel[(d, n_kv, programs)](
         q, k_cache, v_cache, block_tables, seqs, tokens, lens, part, ml, scale, SPLIT_LEN,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1),
-        cnt, out, out.stride(0), out.stride(1),
         G=g, BLOCK_G=_pow2(g), HD=hd, BLOCK_HD=_pow2(hd), BS=bs, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, COMBINE=combine, num_warps=num_warps,
+        IEEE=q.dtype == torch.float32, num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}), **launch_options(q.device))
-    if combine:
-        return
     _decode_combine_kernel[(d, nh)](
         part, ml, tokens, lens, out, SPLIT_LEN, part.stride(0), part.stride(1), part.stride(2), ml.stride(0),
         ml.stride(1), out.stride(0), out.stride(1), HD=hd, BLOCK_HD=_pow2(hd), num_warps=1,
