@@ -12,8 +12,6 @@ them, interleaved, with confidence intervals. Unknown names are refused with the
 * ``first_lookup_alone``: over host-read tables (the disk tier, hot-row caches) the first Engram layer's
   lookup runs alone before the later layers' are submitted (``lookup.FIRST_LOOKUP_ALONE``,
   ``ENGRAM_FIRST_LOOKUP_ALONE``; read at every step, so it takes effect while set; on by default);
-* ``gemv``: the decoder layers' projections at 1-4 rows run the PDL-launched Triton GEMV instead of cuBLAS
-  (``gemv.SWITCH`` "auto" when true, "torch" when false; ``ENGRAM_GEMV``);
 * ``cublaslt``: torch's matmuls go through cuBLASLt instead of cuBLAS
   (``torch.backends.cuda.preferred_blas_library``, ``TORCH_BLAS_PREFER_CUBLASLT=1``; its heuristics may
   pick other GEMV kernels for the decode step's projections, e.g. without cuBLAS's split-K reduce).
@@ -51,20 +49,9 @@ def _blas_lt():
     return get, set_
 
 
-def _gemv():
-    """(get, set) of the small-batch GEMV switch being "auto" (true) or "torch" (false)."""
-    def switch():
-        from engram.model.layers import gemv
-
-        return gemv.SWITCH
-
-    return (lambda: switch().value != "torch"), (lambda value: switch().set("auto" if value else "torch"))
-
-
 SWITCHES = {  # name -> (get, set)
     "pdl": _module_flag("engram.model.layers.pdl", "ENABLED"),
     "first_lookup_alone": _module_flag("engram.engine.lookup", "FIRST_LOOKUP_ALONE"),
-    "gemv": _gemv(),
     "cublaslt": _blas_lt(),
 }
 

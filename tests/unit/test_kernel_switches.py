@@ -17,7 +17,7 @@ def test_a_switch_is_set_inside_the_block_and_restored_after_even_on_error():
 
 
 def test_unknown_names_and_non_bools_are_refused_before_anything_changes():
-    known = "known: \\['pdl', 'first_lookup_alone', 'gemv', 'cublaslt'\\]"
+    known = "known: \\['pdl', 'first_lookup_alone', 'cublaslt'\\]"
     with pytest.raises(ValueError, match="unknown kernel switch 'pd'; " + known):
         with kernel_switches.applied({"pd": False}):
             pass  # entering the block is what raises
@@ -39,19 +39,3 @@ def test_a_switch_that_cannot_be_set_here_says_so_and_leaves_the_others_as_they_
             with kernel_switches.applied({"pdl": not before, "cublaslt": True}):
                 pass  # entering the block is what raises
         assert pdl.ENABLED is before  # the one set before the failure is restored
-
-
-def test_the_gemv_switch_chooses_auto_or_torch_and_restores_it_as_a_bool():
-    from engram.model.layers import gemv
-
-    old = gemv.SWITCH.set("torch")
-    try:
-        with kernel_switches.applied({"gemv": True}):
-            assert gemv.SWITCH.value == "auto"
-        assert gemv.SWITCH.value == "torch"
-        gemv.SWITCH.set("triton")
-        with kernel_switches.applied({"gemv": False}):
-            assert gemv.SWITCH.value == "torch"
-        assert gemv.SWITCH.value == "auto"  # on again: the switch is a bool, so "triton" comes back as "auto"
-    finally:
-        gemv.SWITCH.set(old)

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engram.model.kv_cache import KVCache
 from engram.model.layers.fused import norm_rope, norm_rope_qk_store
-from engram.model.layers.gemv import linear, project
 from engram.model.layers.norm import RMSNorm
 from engram.model.layers.packed_linear import pack_linears
 from engram.model.layers.paged_attention import PREFILL_BLOCK_M, paged_attention
@@ -118,10 +118,10 @@ class Attention(nn.Module):
         t = x.shape[0]
         nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if self.qkv is not None:
-            q, k, v = linear(x, *self.qkv).split([nq, nkv, nkv], dim=-1)  # views of one [T, nq + 2 nkv]
+            q, k, v = F.linear(x, *self.qkv).split([nq, nkv, nkv], dim=-1)  # views of one [T, nq + 2 nkv]
         else:
-            q = project(self.q_proj, x)
-            k, v = (project(self.k_proj, x), project(self.v_proj, x)) if self.owns_kv else (None, None)
+            q = self.q_proj(x)
+            k, v = (self.k_proj(x), self.v_proj(x)) if self.owns_kv else (None, None)
         q = q.view(t, self.num_heads, self.head_dim)
         if self.owns_kv:
             k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, n_kv, hd]
@@ -136,7 +136,7 @@ class Attention(nn.Module):
         else:
             q = norm_rope(q, _weight(self.q_norm), self.eps, cos, sin)  # [T, nh, hd]
         o = paged_attention(q, kv, self.kv_source, meta, self.scale)  # [T, nh, hd]
-        return project(self.o_proj, o.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
 def _weight(norm: RMSNorm | None) -> torch.Tensor | None:

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engram.model.layers.fused import silu_mul
-from engram.model.layers.gemv import linear, project
 from engram.model.layers.packed_linear import pack_linears
 
 
@@ -25,7 +25,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            g, u = linear(x, *self.gate_up).split(self.intermediate_size, dim=-1)  # views of one [T, 2I]
+            g, u = F.linear(x, *self.gate_up).split(self.intermediate_size, dim=-1)  # views of one [T, 2I]
         else:
-            g, u = project(self.gate_proj, x), project(self.up_proj, x)
-        return project(self.down_proj, silu_mul(g, u))  # [T, H]
+            g, u = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(silu_mul(g, u))  # [T, H]
