@@ -8,12 +8,12 @@
 #   tests      make device-test                                                      (~4.5 min)
 #   engine     4b-like decode/prefill, tiers gpu and host, top kernels (no HF peer: its compile alone
 #              takes minutes; the peer target is met by 2x)                           (~5 min)
-#   switches   4b-like tier gpu: each switch still off by default against the default, batch 1 and 64 (~4 min)
+#   switches   4b-like tier gpu: the default against pdl off and against cublaslt on, batch 1 and 64 (~4 min)
 #   host-4b    4b-like, ~33 GiB pinned per Engram layer vs HBM, batch 1 and 64         (~3 min)
 #   host-8b    the same for 8b-like                                                   (~4 min)
 #   exposure   the first Engram layer's wait inside replays, batch 64 and 256          (~1 min)
-#   disk       disk tier (O_DIRECT) vs its bound, batch 1 and 64, with and without first_lookup_alone;
-#              then the batch-1 phases                                                (~7 min)
+#   disk       disk tier (O_DIRECT) vs its bound and its latency floor, batch 1 and 64; then the batch-1
+#              phases                                                                 (~5 min)
 #
 # OUTDIR (default $OUT, else bench/results) receives <date>-<what>-<commit>.{json,log}. ENGRAM_COMMIT
 # names the commit when the tree is not a git checkout (a snapshot copied to the machine).
@@ -50,7 +50,7 @@ engine)
 switches)
     gpu='{"tier": "gpu", "lookup_overlap": true'
     run placement-switches-4b-like python3 -u -m engram bench placement --model 4b-like --a "$gpu}" \
-        --b "$gpu, \"switches\": {\"pdl\": true}}" --b "$gpu, \"switches\": {\"cublaslt\": true}}" \
+        --b "$gpu, \"switches\": {\"pdl\": false}}" --b "$gpu, \"switches\": {\"cublaslt\": true}}" \
         --batch-sizes 1,64 --out "$out/$stamp-placement-switches-4b-like-$commit.json"
     ;;
 host-4b | host-8b)
@@ -70,8 +70,6 @@ disk)
         --engram-config '{"load_threads": 16, "table_rows": 31000000}' \
         --a '{"tier": "host", "lookup_overlap": true}' \
         --b '{"tier": "disk", "lookup_overlap": true, "options": {"io": "direct", "queue_depth": 64}}' \
-        --b '{"tier": "disk", "lookup_overlap": true, "options": {"io": "direct", "queue_depth": 64},
-              "switches": {"first_lookup_alone": true}}' \
         --batch-sizes 1,64 --out "$out/$stamp-placement-disk-4b-like-$commit.json"
     run profile-disk-4b-like-b1 python3 -u scripts/profile_decode_host.py --tier disk --cache-dir "$cache" \
         --engram-config '{"io": "direct", "queue_depth": 64}' --steps 40

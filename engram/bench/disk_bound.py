@@ -162,5 +162,6 @@ def disk_rows(comparisons: list[dict]) -> list[dict]:
              "host step ms": d["host_step_ms_median"], "read ops/step": d["read_ops_per_step_median"],
              "raw reads/s": d["raw_read_ops_per_s"], "bound ms": d["bound_ms"], "ratio": d["ratio"],
              "lookup reads ms": d["lookup_reads"]["us_per_call_p50"] / 1e3 if d.get("lookup_reads") else None,
-             "floor ms": d["floor_ms"], "floor ratio": d["floor_ratio"], "hit warm-up": d["hit_rate_cold_warmup"], "hit cold": d["hit_rate_cold"], "hit warm": d["hit_rate_warm"]}
+             "floor ms": d["floor_ms"], "floor ratio": d["floor_ratio"], "hit warm-up": d["hit_rate_cold_warmup"],
+             "hit cold": d["hit_rate_cold"], "hit warm": d["hit_rate_warm"]}
             for c in comparisons for label, d in c.get("disk", {}).items()]

@@ -31,8 +31,8 @@ comparison the hit rates cold and warm, and, when the run has a host-tier arm, t
 bound_ms = host step ms + read ops per step / raw read ops/s x 1000 with ratio = disk step ms / bound_ms and
 target_met = ratio <= 1.1, and after the comparison one lookup's reads timed as a raw call for
 ``--raw-read-seconds`` / 4, which gives the latency floor (floor_ms, floor_ratio): engram/bench/disk_bound.py.
-On CUDA the disk tier's decode steps replay CUDA
-graphs too (its rows are copied in before the replay), so the graph-replay check below holds for every tier.
+On CUDA the disk tier's decode steps replay CUDA graphs too (its rows are copied in before the replay), so
+the graph-replay check below holds for every tier.
 
 Forced natural decoding: the corpus (``--corpus``, default the committed bench/corpus/natural-v1.jsonl,
 SHA-256 checked) is tokenized with the loaded model's tokenizer into one token stream; for batch size B
