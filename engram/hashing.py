@@ -117,7 +117,8 @@ class NgramHasher:
         self._check_lookback(lookback, b)
         ext = torch.cat([lookback.to(x.device, torch.int64), x], dim=1)  # [B, W + T]
         # windows[b, p, s] = id at position p - s
-        idx = torch.arange(t, device=x.device).unsqueeze(1) + self.window - torch.arange(self.window + 1, device=x.device)
+        idx = (torch.arange(t, device=x.device).unsqueeze(1) + self.window
+               - torch.arange(self.window + 1, device=x.device))
         windows = ext[:, idx]  # [B, T, max_ngram]
         return self._hash_ids(self._undead(windows), layer_id)
 

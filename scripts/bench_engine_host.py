@@ -119,7 +119,8 @@ def main() -> None:
     print(f"{'batch':>5} {'frozen':>6} {'mean':>7} {'median':>7} {'p90':>7} {'max':>7} {'gc %':>5} "
           f"{'longest full gc':>15}")
     for r in rows:
-        print(f"{r['batch']:>5} {str(r['heap_frozen']):>6} {r['ms_mean']:7.2f} {r['ms_median']:7.2f} {r['ms_p90']:7.2f} "
+        print(f"{r['batch']:>5} {str(r['heap_frozen']):>6} {r['ms_mean']:7.2f} {r['ms_median']:7.2f} "
+              f"{r['ms_p90']:7.2f} "
               f"{r['ms_max']:7.2f} {100 * r['gc_share']:5.1f} {r['gc_longest_full_ms']:13.1f} ms")
 
 

@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="tokenizer.json to write")
     args = p.parse_args(argv)
     if args.vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise SystemExit(f"--vocab-size={args.vocab_size}: needs at least {256 + len(SPECIAL_TOKENS)} (bytes + specials)")
+        raise SystemExit(f"--vocab-size={args.vocab_size}: needs at least {256 + len(SPECIAL_TOKENS)} "
+                         "(bytes + specials)")
     texts, manifest = corpus()
     tok = train(texts, args.vocab_size)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,8 @@ the check that every arm emitted them.
 
 A random-weight model decoding freely repeats one token, which hashes to a few Engram rows and flatters
 every placement. So the corpus is tokenized with the presets' tokenizer (``corpus.load_tokenizer("builtin")``;
-with the corpus's own tokenizer the recorded counts are checked too) and its prompts and continuations are concatenated in corpus order into one token stream
+with the corpus's own tokenizer the recorded counts are checked too) and its prompts and continuations are
+concatenated in corpus order into one token stream
 (``corpus_stream``; ValueError for an id outside the model's vocabulary, nothing is mapped). For batch
 size B, sequence i takes the window at offset o_i = i * len(stream) // B, wrapping around a short
 stream (``cut_windows``): prompt = its first ``context_len`` ids, forced = the next max_tokens ids,

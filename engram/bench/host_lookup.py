@@ -26,7 +26,8 @@ def _pin(src: torch.Tensor, variant: str) -> torch.Tensor:
     return pin_tensor(src, method=variant)
 
 
-def host_table(gib: float, variant: str = "register-thp", layout: str = "split") -> tuple[dict, torch.Tensor, torch.Tensor]:
+def host_table(gib: float, variant: str = "register-thp",
+               layout: str = "split") -> tuple[dict, torch.Tensor, torch.Tensor]:
     """A pinned table of ``gib`` GiB of values: seconds to pin and to the first lookup (kernel compiled
     before). ``layout`` "split": values [R, 256] and scales [R, 8] apart; "packed": one [R, 272] buffer of
     values, scales, padding (the host tier's layout), returned as the two views."""

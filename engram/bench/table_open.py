@@ -62,7 +62,8 @@ def open_once(directory: Path, tier: str, cache: str, device) -> dict:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return {"tier": tier, "cache": cache, "table_GiB": round(nbytes / 2**30, 2), "table_bytes": nbytes, "open_s": round(t1 - t0, 3),
+    return {"tier": tier, "cache": cache, "table_GiB": round(nbytes / 2**30, 2), "table_bytes": nbytes,
+            "open_s": round(t1 - t0, 3),
             "first_lookup_s": round(t2 - t1, 4), "open_to_rows_s": round(t2 - t0, 3),
             "GBps": round(nbytes / (t2 - t0) / 1e9, 2)}
 

@@ -75,7 +75,8 @@ def window(bench, values: torch.Tensor, rep_ms: int, sizes=(1 << 14, 1 << 18)) -
     return out
 
 
-def packed_copy(values: torch.Tensor, scales: torch.Tensor, stride: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def packed_copy(values: torch.Tensor, scales: torch.Tensor,
+                stride: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A pinned [R, stride] table whose rows are values then scales then zeros; returns (buffer, values view,
     scales view). Filled row block by row block through the GPU (the bench's tables are random anyway)."""
     from engram.store.pinning import pin_tensor
@@ -89,7 +90,8 @@ def packed_copy(values: torch.Tensor, scales: torch.Tensor, stride: int) -> tupl
     return buf, buf[:, :vb], buf[:, vb:vb + sc]
 
 
-def layout(bench, layouts: dict, rep_ms: int, lim: dict, sizes=(1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 22)) -> list[dict]:
+def layout(bench, layouts: dict, rep_ms: int, lim: dict,
+           sizes=(1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 22)) -> list[dict]:
     """uva.gather_rows (dequant to bf16, route as shipped) per host layout ({name: (values, scales)});
     every layout must gather the same bytes."""
     from engram.store.kernels import uva

@@ -76,7 +76,8 @@ def _print_plan(plan: Any, allocations: list[Any]) -> None:
     if g.engram_layers:
         print(f"inputs: Engram layers {_ranges(list(g.engram_layers))} need the step's token ids and lookbacks")
     print(f"legal cut points: {_ranges(list(plan.legal_cut_points)) or 'none'}")
-    print(f"partition: {','.join(map(str, plan.partition))} ({plan.origin}; largest stage cost {plan.max_stage_cost:g})")
+    print(f"partition: {','.join(map(str, plan.partition))} "
+          f"({plan.origin}; largest stage cost {plan.max_stage_cost:g})")
     for s, a in zip(plan.stages, allocations):
         parts = [f"kv caches {_ranges(list(a.kv_cache_layers)) or '-'}"]
         if a.index_cache_layers:

@@ -7,7 +7,8 @@ slot mapping, block tables [B, max_blocks] and each Engram layer's row ids [B, n
 buffer and one non-blocking copy. When every table gathers device ids as device work alone (tier gpu, tier
 host without a hot-row cache: ``gathers_on_device``), the gathers (+ MXFP8 dequant) are captured in the
 graph, reading the row-id buffer into the static rows [B, n_cols, head_dim] (with ``lookup_overlap`` on a
-branch of the graph forked at its start, joined at each Engram layer: engine/lookup_stream.py); otherwise (disk tier, hot-row
+branch of the graph forked at its start, joined at each Engram layer: engine/lookup_stream.py); otherwise
+(disk tier, hot-row
 caches) the lookup executor stages the rows eagerly and they are copied in before the replay. Stale rows
 (with the lookup branch): no Python runs inside a replay, so the branch tags each layer's rows with the
 replayed step's plan id (a static buffer filled with the other inputs) and the consuming layer compares

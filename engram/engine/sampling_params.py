@@ -3,7 +3,8 @@
 Validated in ``__post_init__`` (ValueError naming the field and value). ``temperature == 0`` means greedy;
 ``seed`` gives the request its own random stream, so its tokens do not depend on what else is batched.
 ``n > 1`` (independent choices) is fanned out by ``LLM.generate`` and the server into n requests of
-n = 1, choice j seeded ``seed + j``; the engine itself runs one sequence per request. ``logprobs=k`` returns each generated token's logprob and the top-k of its
+n = 1, choice j seeded ``seed + j``; the engine itself runs one sequence per request. ``logprobs=k`` returns
+each generated token's logprob and the top-k of its
 step (raw model distribution); ``prompt_logprobs=k`` the same for every prompt token after the first
 (what evaluation harnesses score). ``forced_token_ids`` (benchmarks: forced natural decoding) makes decode
 steps sample as usual and then emit the next token of that continuation instead; past its end tokens

@@ -135,7 +135,8 @@ class StepPipeline:
             return False
         total = seq.num_scheduled_tokens
         p = seq.params
-        return total >= self.max_model_len or (p.max_tokens is not None and total - seq.num_prompt_tokens >= p.max_tokens)
+        return total >= self.max_model_len or (p.max_tokens is not None
+                                               and total - seq.num_prompt_tokens >= p.max_tokens)
 
     def _collect_or_rerun(self, launched: "Launched") -> list[RequestOutput]:
         """Read a launched step; if that fails, drop the step launched after it (its inputs were this one's

@@ -142,7 +142,8 @@ class Worker:
                                "branch had not yet gathered for this step (a missing wait on the lookup stream)")
         # Debug check, after the stale flags (which name the layers): with no later step launched, the lookup
         # stream must have finished with this step's tokens (every gather it ran was waited for by a layer).
-        if self.lookup_stream is not None and self.pending.last_step_id == step.step_id and not self.lookup_stream.idle():
+        if (self.lookup_stream is not None and self.pending.last_step_id == step.step_id
+                and not self.lookup_stream.idle()):
             raise RuntimeError(f"step {step.step_id}: the lookup stream still runs after the step's tokens were read "
                                "(a gather no layer waited for)")
         result = StepResult(step.step_id, tokens, _logprobs(logprobs, step.samples, tokens))

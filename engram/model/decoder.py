@@ -65,7 +65,8 @@ class DecoderLayer(nn.Module):
                 normed = self.input_layernorm(x)
             else:
                 x, normed = add_rms_norm(x, delta, self.input_layernorm.weight, self.input_layernorm.eps)
-            x, normed = add_rms_norm(x, self.self_attn(normed, cos, sin, meta, kv), self.post_attention_layernorm.weight,
+            x, normed = add_rms_norm(x, self.self_attn(normed, cos, sin, meta, kv),
+                                     self.post_attention_layernorm.weight,
                                      self.post_attention_layernorm.eps)
             return x.unsqueeze(1), self.mlp(normed)
         y = self.self_attn(self.input_layernorm(self.attn_hc.collapse(h)), cos, sin, meta, kv)  # [T, H]

@@ -93,7 +93,8 @@ def _param_generator(seed: int, name: str, device: torch.device) -> torch.Genera
 def init_random_weights(model: nn.Module, seed: int, on_device: bool | None = None) -> None:
     """Fill every parameter deterministically (see module docstring). Norm weights are 1, biases 0,
     linear weights N(0, 0.02) (output projections scaled by 1/sqrt(2 * layers); Engram projections scaled
-    so that, over the random preset tables, their output is about N(0, 0.08)), Engram gate weights 1 + N(0, 0.1), hyper-connections near
+    so that, over the random preset tables, their output is about N(0, 0.08)), Engram gate weights 1 + N(0, 0.1),
+    hyper-connections near
     a plain residual, anything else N(0, 0.02). Values are drawn on the CPU (identical whatever the
     model's device) unless ``on_device`` or, by default, the model has more than HOST_INIT_MAX_PARAMS
     parameters (4b-like / 8b-like: drawing billions of values on the CPU would take minutes)."""

@@ -155,7 +155,8 @@ def parse_partition(text: str, origin: str = "partition") -> tuple[int, ...]:
 
 
 def _format_edge(e: SharingEdge, stage_of: Sequence[int]) -> str:
-    return f"{e.kind} source layer {e.source} (stage {stage_of[e.source]}) -> layer {e.consumer} (stage {stage_of[e.consumer]})"
+    return (f"{e.kind} source layer {e.source} (stage {stage_of[e.source]}) -> layer {e.consumer} "
+            f"(stage {stage_of[e.consumer]})")
 
 
 def crossing_edges(graph: SharingGraph, partition: Sequence[int]) -> list[SharingEdge]:

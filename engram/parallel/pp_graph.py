@@ -125,7 +125,8 @@ def sharing_graph(config: str | os.PathLike | dict) -> SharingGraph:
         missing = [x for x in kv if x not in index]
         if missing:
             raise field_error("kv_source_layer_ids", list(kv),
-                              f"kv source layer {missing[0]} is not an index source (index_source_layer_ids={list(index)})")
+                              f"kv source layer {missing[0]} is not an index source "
+                              f"(index_source_layer_ids={list(index)})")
 
     cand = hf.get("candidate_source_layer_id")
     cand = -1 if cand is None else cand
@@ -140,7 +141,8 @@ def sharing_graph(config: str | os.PathLike | dict) -> SharingGraph:
             raise field_error("candidate_source_layer_id", cand, f"is out of range [0, {n}) (num_hidden_layers={n})")
         if index is None or cand not in index:
             raise field_error("candidate_source_layer_id", cand,
-                              f"is not an index source (index_source_layer_ids={None if index is None else list(index)})")
+                              "is not an index source "
+                              f"(index_source_layer_ids={None if index is None else list(index)})")
 
     edges: list[SharingEdge] = []
     if kv is not None:

@@ -16,5 +16,6 @@ from engram.store.writer import TableWriter, write_table
 
 Table = TableBackend
 
-__all__ = ["LookupHandle", "MemoryPreflightError", "RowCache", "StoreOptions", "Table", "TableBackend", "TableFormatError",
+__all__ = ["LookupHandle", "MemoryPreflightError", "RowCache", "StoreOptions", "Table", "TableBackend",
+           "TableFormatError",
            "TableManifest", "TableWriter", "Tier", "open_table", "read_manifest", "verify_table", "write_table"]

@@ -201,7 +201,8 @@ def random_chunk(seed: int, k: int, n: int, dim: int, row_dtype: str, buf: tuple
     return (torch.randn(n, dim, generator=gen).mul_(0.05).to(ROW_TORCH_DTYPES[row_dtype]),)
 
 
-def _random_mxfp8(n: int, dim: int, gen: torch.Generator, buf: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def _random_mxfp8(n: int, dim: int, gen: torch.Generator,
+                  buf: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """n random MXFP8 rows written into ``buf`` = (words, scale words, scratch) int64 buffers:
     (uint8 [n, dim] E4M3 bytes without NaN encodings, uint8 [n, dim/32] scale bytes in [118, 125])."""
     words, sw, t = buf[0][: n * dim // 8], buf[1][: n * dim // SCALE_BLOCK // 8 + 1], buf[2][: n * dim // 8]
@@ -240,7 +241,8 @@ def convert_random(out: str | os.PathLike, rows: int, dim: int, seed: int = 0, r
         return random_chunk(seed, k, n, dim, row_dtype, ring[k % len(ring)])
 
     meta = {"source": "random", "seed": seed}
-    with TableWriter(out, rows, dim, row_dtype, layer_id=layer_id, fingerprint=_fingerprint(config, layer_id, rows, dim),
+    with TableWriter(out, rows, dim, row_dtype, layer_id=layer_id,
+                     fingerprint=_fingerprint(config, layer_id, rows, dim),
                      meta=meta, progress=progress, desc=Path(out).name,
                      chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES) as w, \
             cf.ThreadPoolExecutor(workers, thread_name_prefix="engram-random") as pool:

@@ -175,7 +175,8 @@ def read_manifest(directory: str | os.PathLike, check_sizes: bool = True) -> Tab
     version = get("format_version", int)
     if version not in READABLE_VERSIONS:
         raise TableFormatError(mpath, _key_offset(text, "format_version"),
-                               f"format_version {version} is not supported (this build reads {list(READABLE_VERSIONS)})")
+                               f"format_version {version} is not supported "
+                               f"(this build reads {list(READABLE_VERSIONS)})")
     row_dtype = get("row_dtype", str, ok=lambda v: v in ITEMSIZE, rule=f" (one of {sorted(ITEMSIZE)})")
     rows = get("rows", int, ok=lambda v: v >= 1, rule=" (>= 1)")
     page = get("page_size", int, ok=lambda v: v >= 512 and v & (v - 1) == 0, rule=" (a power of two >= 512)")

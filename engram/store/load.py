@@ -6,7 +6,8 @@ bytes side by side, see ``load_packed``). Host targets ("ram"; "pinned": page-lo
 engram.store.pinning when CUDA exists, else RAM) are filled in ONE parallel pass: worker threads each take
 checksum chunks, pread them from the page cache straight into the destination (or into a small per-thread
 buffer when rows are rearranged), CRC them and move on, so no second full copy of the table is ever held;
-a device target is read the same way into two pinned windows whose copies overlap the next window's reads. A bad chunk raises TableFormatError naming
+a device target is read the same way into two pinned windows whose copies overlap the next window's reads.
+A bad chunk raises TableFormatError naming
 the file and the chunk's byte offset, and nothing loaded so far is kept (nor pinned).
 
 engram/store/build.py returns the same tensors for a table whose rows are made in memory instead of read

@@ -301,7 +301,8 @@ def _install(tmp: Path, target: Path, sync: bool) -> None:
 
 
 def write_table(directory: str | os.PathLike, values: torch.Tensor, scales: torch.Tensor | None = None,
-                meta: dict[str, Any] | None = None, *, chunk_rows: int = 1 << 18, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                meta: dict[str, Any] | None = None, *, chunk_rows: int = 1 << 18,
+                chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                 progress: bool = False) -> TableManifest:
     """Write an in-memory table. values [R, D]: float8_e4m3fn (with scales uint8 / float8_e8m0fnu [R, D/32])
     or bfloat16 / float16 / float32 (no scales). ``meta`` keys ``layer_id`` and ``fingerprint`` go to the

@@ -120,7 +120,8 @@ def test_memory_budget_too_small_fails_at_start(tiny):
         engine_for(tiny, num_kv_blocks=3, max_model_len=64)
     fits = engine_for(tiny, kv_cache_memory=16_000_000, max_model_len=512)
     m = fits.executor.worker.memory
-    assert m.num_blocks * m.bytes_per_block + m.staging_bytes <= 16_000_000 < (m.num_blocks + 1) * m.bytes_per_block + m.staging_bytes
+    assert (m.num_blocks * m.bytes_per_block + m.staging_bytes <= 16_000_000
+            < (m.num_blocks + 1) * m.bytes_per_block + m.staging_bytes)
 
 
 def test_abort_frees_blocks_and_silences_the_request(tiny):

@@ -48,7 +48,8 @@ def test_cuda_float64_rows_and_tokens_equal_the_cpu_path(tmp_path):
 def test_cuda_bf16_tiers_give_bitwise_equal_rows_and_tokens(tmp_path, tier):
     tiny = load_model("tiny", dtype=torch.bfloat16, device=CUDA, cache_dir=tmp_path, progress=False)
     options = {"io": "buffered", "cache_rows": 500} if tier == "disk" else {}
-    other = dataclasses.replace(tiny, tables={}, tier=tier, store_options=StoreOptions(**options))  # the Worker opens them
+    other = dataclasses.replace(tiny, tables={}, tier=tier,
+                                store_options=StoreOptions(**options))  # the Worker opens them
     reqs = prompts(16, seed=7)
     ref, ref_engine, _ = run(tiny, reqs, record=True, max_num_seqs=16, max_num_batched_tokens=64)
     got, engine, _ = run(other, reqs, record=True, max_num_seqs=16, max_num_batched_tokens=64)

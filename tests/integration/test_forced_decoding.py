@@ -65,7 +65,8 @@ def test_prompt_logprobs_score_every_prompt_token_once_across_chunks_and_preempt
     from tests.oracles.reference import prefill_logits
 
     tiny = load_model("tiny", dtype=torch.float64, device=CPU, progress=False)
-    prompts = [tiny.tokenizer.encode(t).ids for t in ("The table store serves rows " * 6, "Batching packs prompts " * 9)]
+    prompts = [tiny.tokenizer.encode(t).ids
+               for t in ("The table store serves rows " * 6, "Batching packs prompts " * 9)]
     want = []
     for p in prompts:
         logp = prefill_logits(tiny, p).log_softmax(-1)  # [L, vocab]

@@ -29,7 +29,8 @@ def _stream_body(max_tokens):
 
 
 def test_full_queue_answers_503_with_retry_after(cache_dir, tmp_path):
-    s = ServerProcess(["tiny", "--threads", "1", "--max-num-seqs", "1", "--max-waiting", "0"], cache_dir, tmp_path / "log").wait_ready()
+    s = ServerProcess(["tiny", "--threads", "1", "--max-num-seqs", "1", "--max-waiting", "0"], cache_dir,
+                      tmp_path / "log").wait_ready()
 
     async def burst():
         body = {"model": "tiny", "prompt": "Streams that outlive", "max_tokens": 1500, "ignore_eos": True}
@@ -43,7 +44,8 @@ def test_full_queue_answers_503_with_retry_after(cache_dir, tmp_path):
         assert len(ok) + len(full) == 8 and ok and full
         assert all(int(r.headers["Retry-After"]) >= 1 and r.json()["error"]["code"] == 503 for r in full)
         assert all(r.json()["usage"]["completion_tokens"] == 1500 for r in ok)
-        assert httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}).status_code == 200
+        assert httpx.post(s.url + "/v1/completions",
+                          json={"model": "tiny", "prompt": "x", "max_tokens": 2}).status_code == 200
     finally:
         s.stop()
 

@@ -21,7 +21,8 @@ class StepRows:
     def __init__(self, tables: dict, hasher: NgramHasher, compressed_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                  lookback: torch.Tensor, dtype: torch.dtype):
         self.tables, self.dtype = tables, dtype
-        self.row_ids = hasher.hash_step_reference(compressed_ids, cu_seqlens, lookback)[0]  # torch code: {layer: [T, n_cols]}
+        self.row_ids = hasher.hash_step_reference(compressed_ids, cu_seqlens,
+                                                  lookback)[0]  # torch code: {layer: [T, n_cols]}
 
     def __call__(self, layer_id: int) -> torch.Tensor:
         ids = self.row_ids[layer_id]  # [T, n_cols]

@@ -63,7 +63,8 @@ def id_sets(n_rows: int, seed: int = 1) -> dict[str, torch.Tensor]:
         "random_1000": torch.randint(0, n_rows, (1000,), generator=g),
         "all_same_77": torch.full((77,), 5, dtype=torch.int64),
         # heavy-tailed (Zipf-like, exponent 1.2): a few ids repeat thousands of times
-        "zipf_20000": (torch.rand(20000, generator=g, dtype=torch.float64) ** (-1 / 1.2) - 1).long().clamp(max=n_rows - 1),
+        "zipf_20000": (torch.rand(20000, generator=g, dtype=torch.float64) ** (-1 / 1.2)
+                       - 1).long().clamp(max=n_rows - 1),
         "perm_odd": torch.randperm(n_rows, generator=g)[: n_rows - 2],
     }
 

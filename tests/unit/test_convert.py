@@ -35,7 +35,8 @@ def v41_checkpoint(tmp_path):
     ck.mkdir()
     save_file({"layers.1.engram.embed.weight": w1, "layers.1.engram.embed.scale": s1.view(torch.float8_e8m0fnu),
                "layers.1.engram.q_weight": torch.zeros(2, 32, dtype=torch.bfloat16)}, ck / "model-00001.safetensors")
-    save_file({"model.layers.4.engram.embed.weight": w4, "model.layers.4.engram.embed.scale": s4.view(torch.float8_e8m0fnu),
+    save_file({"model.layers.4.engram.embed.weight": w4,
+               "model.layers.4.engram.embed.scale": s4.view(torch.float8_e8m0fnu),
                "embed_tokens.weight": torch.zeros(4, 4)}, ck / "model-00002.safetensors")
     return ck, {1: (w1, s1), 4: (w4, s4)}
 
@@ -122,7 +123,8 @@ def test_cli_random_per_layer_and_single(tmp_path, capsys):
     cfg = engram.EngramConfig.preset("tiny")
     for lid in cfg.layer_ids:
         m = read_manifest(tmp_path / "t" / f"layer_{lid}")
-        assert (m.rows, m.dim, m.layer_id, m.fingerprint) == (cfg.table_rows(lid), cfg.head_dim, lid, cfg.fingerprint(lid))
+        assert (m.rows, m.dim, m.layer_id, m.fingerprint) == (cfg.table_rows(lid), cfg.head_dim, lid,
+                                                              cfg.fingerprint(lid))
     assert main(["convert", "--random", "--rows", "1000", "--dim", "64", "--seed", "3", "--out", str(tmp_path / "r"),
                  "--no-progress"]) == 0
     assert read_manifest(tmp_path / "r").rows == 1000

@@ -213,7 +213,8 @@ def test_hit_rate_command_end_to_end(corpus_file, tmp_path, capsys):
             last = layer["growth"][-1]  # text order and serving order touch the same rows
             assert last["tokens"] == case["tokens"] and last["distinct_rows"] == layer["distinct_rows"]
             assert 0 < last["per_token"] <= case["engram"]["n_cols"]
-            assert sum(last[f"per_token_order_{n}"] for n in case["engram"]["orders"]) == pytest.approx(last["per_token"])
+            assert sum(last[f"per_token_order_{n}"]
+                       for n in case["engram"]["orders"]) == pytest.approx(last["per_token"])
 
 
 def test_hit_rate_command_errors(corpus_file):

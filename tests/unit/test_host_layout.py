@@ -75,7 +75,8 @@ def test_packed_views_have_the_documented_strides(tables, name):
 def test_packed_equals_split_and_gpu_tier(tables, name):
     m = tables[name]
     gpu = open_table(m.path, "gpu", device="cpu")
-    packed, split = HostTable(m, "cpu", options=StoreOptions(host_layout="packed")), HostTable(m, "cpu", options=StoreOptions(host_layout="split"))
+    packed, split = (HostTable(m, "cpu", options=StoreOptions(host_layout="packed")),
+                     HostTable(m, "cpu", options=StoreOptions(host_layout="split")))
     cached = HostTable(m, "cpu", RowCache(64, m.value_bytes, m.scale_cols, device="cpu"),
                        StoreOptions(host_layout="packed"))
     for _ in range(2):  # second pass: the cache is warm
@@ -178,7 +179,8 @@ def test_packed_pinned_uva_gather_equals_split(tables, name):
     m = tables[name]
     gc.collect()  # earlier tests' tables (and errors holding them) go first
     before = pinned_stats()
-    packed, split = HostTable(m, options=StoreOptions(host_layout="packed")), HostTable(m, options=StoreOptions(host_layout="split"))
+    packed, split = (HostTable(m, options=StoreOptions(host_layout="packed")),
+                     HostTable(m, options=StoreOptions(host_layout="split")))
     assert packed.values.is_pinned() and packed.scales.is_pinned()
     assert pinned_stats()["regions"] == before["regions"] + 3  # one packed region; split pins two files
     assert kernels.fast_path(packed.values) == ("uva" if kernels.triton_available() else None)

@@ -55,7 +55,8 @@ def test_fetch_results_never_alias_the_buffer(tables):
     want = (a_vals.clone(), a_scales.clone())
     b_vals, b_scales = t.staging.fetch(b_ids)  # rewrites the buffer a was gathered into
     assert torch.equal(a_vals, want[0]) and torch.equal(a_scales, want[1])
-    assert torch.equal(a_vals, t.values.index_select(0, a_ids)) and torch.equal(b_scales, t.scales.index_select(0, b_ids))
+    assert (torch.equal(a_vals, t.values.index_select(0, a_ids))
+            and torch.equal(b_scales, t.scales.index_select(0, b_ids)))
     buf = t.staging._buf
     for x in (a_vals, a_scales, b_vals, b_scales):
         assert x.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()

@@ -34,7 +34,8 @@ def test_inspect_text_pad_id_is_the_hashers(capsys):
 
     assert main(["inspect", "--preset", "tiny", "--text", "a b", "--json"]) == 0
     pad = json.loads(capsys.readouterr().out)["text"]["compressed_pad_id"]
-    assert pad == NgramHasher.from_tokenizer(EngramConfig.preset("tiny"), CompressedTokenizer.from_file(TOKENIZER_FILE)).pad_id
+    assert pad == NgramHasher.from_tokenizer(EngramConfig.preset("tiny"),
+                                             CompressedTokenizer.from_file(TOKENIZER_FILE)).pad_id
 
 
 @pytest.mark.parametrize("name", config_names())
@@ -51,7 +52,8 @@ def test_inspect_config_file_and_unknown_names(capsys):
     assert main(["inspect", "--config", str(shipped_config_path("deepseek-v4.1-flash")), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["layout"] == layout_report(EngramConfig.preset("deepseek-v4.1-flash"))
     assert main(["inspect", "--preset", "huge"]) == 2
-    assert "config name 'huge' is unknown; known: ['4b-like', '8b-like', 'deepseek-v4.1-flash'," in capsys.readouterr().err
+    assert ("config name 'huge' is unknown; known: ['4b-like', '8b-like', 'deepseek-v4.1-flash',"
+            in capsys.readouterr().err)
     assert main(["inspect", "--config", "huge.json"]) == 2
     assert "--config='huge.json': no such file or directory, and not a config name" in capsys.readouterr().err
 

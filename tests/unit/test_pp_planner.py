@@ -13,7 +13,8 @@ from engram.parallel.pp import (PARTITION_ENV, Stage, best_partition, crossing_e
 from engram.parallel.pp_graph import sharing_graph
 from tests.pp_configs import V41_FLASH
 
-EDGE_LINE = re.compile(r"^  (kv|index|index_k|candidate) source layer (\d+) \(stage (\d+)\) -> layer (\d+) \(stage (\d+)\)$")
+EDGE_LINE = re.compile(r"^  (kv|index|index_k|candidate) source layer (\d+) \(stage (\d+)\) "
+                       r"-> layer (\d+) \(stage (\d+)\)$")
 
 
 def plan(pp, partition=None, env=None, **kw):

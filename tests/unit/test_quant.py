@@ -52,7 +52,8 @@ def test_byte_255_is_e8m0_nan():
 
 def test_error_bound_for_widely_varying_magnitudes():
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(512, 256, generator=g) * torch.exp(torch.randn(512, 8, 1, generator=g) * 8).repeat_interleave(32, 1).reshape(512, 256)
+    x = torch.randn(512, 256, generator=g) * torch.exp(
+        torch.randn(512, 8, 1, generator=g) * 8).repeat_interleave(32, 1).reshape(512, 256)
     v, s = quantize_mxfp8(x)
     y = dequantize_mxfp8(v, s, torch.float32)
     amax = x.reshape(512, 8, 32).abs().amax(-1, keepdim=True)

@@ -9,7 +9,8 @@ SIDE, MAIN = 7, 143
 def step(lookup_len: float, gate_at: float, main_start: float = 0.0):
     """A replay: gathers of layers 1 and 15 on the side stream from t=0; on the main stream the embedding
     and layer 0 as 100 µs of kernels with 1 µs gaps from ``main_start``, then layer 1's gate at ``gate_at``."""
-    side = [(0.0, lookup_len * 0.8, SIDE, "_gather_rows_kernel"), (lookup_len * 0.8 + 0.5, lookup_len, SIDE, "nvjet_wkv"),
+    side = [(0.0, lookup_len * 0.8, SIDE, "_gather_rows_kernel"),
+            (lookup_len * 0.8 + 0.5, lookup_len, SIDE, "nvjet_wkv"),
             (lookup_len + 1, lookup_len + 50, SIDE, "_gather_rows_kernel")]
     main, t = [], main_start
     while t + 10 <= main_start + 100:

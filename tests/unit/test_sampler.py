@@ -99,7 +99,8 @@ def test_min_tokens_masks_eos_and_stop_tokens():
     logits[:, 9] = 100.0  # EOS would win
     logits[:, 4] = 50.0
     s = Sampler()
-    early = sample(s, logits, [req(n_out=0, eos=9, temperature=0.0, min_tokens=2), req(n_out=2, eos=9, temperature=0.0, min_tokens=2)])
+    early = sample(s, logits, [req(n_out=0, eos=9, temperature=0.0, min_tokens=2),
+                               req(n_out=2, eos=9, temperature=0.0, min_tokens=2)])
     assert early.tolist() == [4, 9]
     logits[:, 4] = 200.0
     stopped = sample(s, logits, [req(n_out=1, eos=9, temperature=0.0, min_tokens=3, stop_token_ids=[4])] * 2)
@@ -109,7 +110,8 @@ def test_min_tokens_masks_eos_and_stop_tokens():
 def test_forced_tokens_replace_the_sampled_ones_after_sampling_as_usual():
     logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(2))
     forced = [7, 11]
-    reqs = [req(n_out=0, temperature=0.0, forced_token_ids=forced), req(n_out=1, temperature=0.0, forced_token_ids=forced),
+    reqs = [req(n_out=0, temperature=0.0, forced_token_ids=forced),
+            req(n_out=1, temperature=0.0, forced_token_ids=forced),
             req(n_out=2, temperature=0.0, forced_token_ids=forced)]  # the third is past the continuation
     assert sample(Sampler(), logits, reqs).tolist() == [7, 11, int(logits[2].argmax())]
     # a sampled row draws even when forced: the shared stream advances as in real decode
@@ -137,7 +139,8 @@ def test_logprobs_are_the_raw_log_softmax_of_the_emitted_token_and_the_top_k():
                                       ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
                                       ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
                                       ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-                                      ({"logprobs": 21}, "logprobs"), ({"seed": 2**70}, "seed"), ({"forced_token_ids": [-3]}, "forced_token_ids")])
+                                      ({"logprobs": 21}, "logprobs"), ({"seed": 2**70}, "seed"),
+                                      ({"forced_token_ids": [-3]}, "forced_token_ids")])
 def test_sampling_params_validation_names_the_field(kw, field):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}="):
         SamplingParams(**kw)

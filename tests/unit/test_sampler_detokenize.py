@@ -67,7 +67,8 @@ def test_batched_step_detokenization_equals_one_token_at_a_time():
     from engram.model.presets import TOKENIZER_FILE
 
     tok = Tokenizer.from_file(str(TOKENIZER_FILE))
-    texts = ["The table store serves rows, «ünïcødé» and 漢字 too.", "stop here ### and more", "<|eos|> special"]
+    texts = ["The table store serves rows, «ünïcødé» and 漢字 too.", "stop here ### and more",
+             "<|eos|> special"]
     seqs = [tok.encode(t).ids for t in texts]
     skips = [True, False, True]  # one batch mixes both settings
     one = [IncrementalDetokenizer(tok, [5, 6], ["###"], skip_special_tokens=k) for k in skips]

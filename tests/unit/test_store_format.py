@@ -121,7 +121,8 @@ def test_wrong_size_in_manifest(table_dir):
     assert e.value.offset == (table_dir / MANIFEST).read_text().find('"bytes"')
 
 
-@pytest.mark.parametrize("field,value,needle", [("row_stride", 128, "row_stride"), ("format_version", 9, "not supported"),
+@pytest.mark.parametrize("field,value,needle", [("row_stride", 128, "row_stride"),
+                                                ("format_version", 9, "not supported"),
                                                 ("row_dtype", "int4", "row_dtype"), ("scale_block", 16, "scale_block")])
 def test_bad_manifest_fields(table_dir, field, value, needle):
     doc = json.loads((table_dir / MANIFEST).read_text())

@@ -76,7 +76,8 @@ def test_preset_tables_equal_the_generated_files(tmp_path, small_chunks):
             assert t.manifest.fingerprint == f.manifest.fingerprint and t.rows == f.rows
             assert torch.equal(t.gather_raw(all_ids), f.gather_raw(all_ids))
             assert torch.equal(_bits(t.gather(ids)), _bits(f.gather(ids)))
-            assert torch.equal(_bits(t.submit(ids, dtype=torch.float32).wait()), _bits(f.gather(ids, dtype=torch.float32)))
+            assert torch.equal(_bits(t.submit(ids, dtype=torch.float32).wait()),
+                               _bits(f.gather(ids, dtype=torch.float32)))
             assert t.gathers_on_device == f.gathers_on_device
             assert t.stats() == f.stats()
             assert str(t.manifest.path) == f"memory:random-seed{SEED}/layer{lid}"
@@ -124,7 +125,8 @@ def test_disk_tier_and_checkpoints_are_refused(tmp_path):
 
 def test_memory_preflight_runs_before_anything_is_built(monkeypatch):
     cfg = preset_config("tiny").engram
-    monkeypatch.setattr(preflight, "machine_budget", lambda device=None: preflight.MemoryBudget(ram=1 << 16, device=None))
+    monkeypatch.setattr(preflight, "machine_budget",
+                        lambda device=None: preflight.MemoryBudget(ram=1 << 16, device=None))
     with pytest.raises(MemoryPreflightError, match="table memory:random-seed0/layer1 .* does not fit on tier 'host'"):
         open_random_table(cfg, 1, 0, "host", "cpu", progress=False)
     assert open_random_table(cfg, 1, 0, "host", "cpu", StoreOptions(check_memory=False), progress=False).rows
