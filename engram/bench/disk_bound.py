@@ -63,44 +63,40 @@ def hit_rate(counts: dict, cached: bool) -> float | None:
     return counts["hits"] / looked if cached and looked else None
 
 
-def measure_raw_reads(tables: dict, seconds: float, pages: int, seed: int) -> dict:
-    """The disk's random 4 KiB read rate, now: ``engram.bench.lookup.raw_cell`` on the values.bin of the first
-    Engram layer's table, with the io mode that table's reader has in effect and its queue depth; cold (the
-    file dropped from the page cache before every call) when that io is buffered. One unrecorded call, then
-    calls for ``seconds``."""
+def _raw_calls(tables: dict, pages: int, seconds: float, seed: int) -> tuple:
+    """``engram.bench.lookup.raw_cell`` calls of ``pages`` random pages of the first Engram layer's
+    values.bin, with the io mode that table's reader has in effect and its queue depth (cold, the file dropped
+    from the page cache before every call, when that io is buffered): one unrecorded call (the pool's threads,
+    the buffer's first touch), then calls for ``seconds``. Returns (layer, reader, cell, cell.result())."""
     from engram.bench.lookup import raw_cell
 
     lid = min(tables)
     reader = tables[lid].reader
-    group = {"io": reader.io, "queue_depth": reader.queue_depth}
-    cold = reader.io == "buffered"
-    cell = raw_cell(Path(reader.path), group, pages, seed, cold)
-    cell.step()  # warm-up: the pool's threads, the buffer's first touch
-    cell.run(seconds)
-    r = cell.result()
-    return {"layer": lid, "io": reader.io, "io_requested": reader.io_requested, "queue_depth": reader.queue_depth,
-            "cold": cold, "pages_per_call": pages, "calls": r["batches"], "seconds": sum(cell.times),
-            "read_ops_per_s": r["read_ops_per_s"], "disk_MB_per_s": r["disk_MB_per_s"],
-            "us_per_call_p50": r["us_per_batch_p50"]}
-
-
-def measure_lookup_reads(tables: dict, read_ops_per_step: float | None, seconds: float, seed: int) -> dict | None:
-    """How long one lookup's reads take as a raw call: ``raw_cell`` calls of ceil(read ops per step / number of
-    tables) random pages of the first table's values.bin (its io and queue depth) for ``seconds``, after one
-    unrecorded call; None when a step read nothing (every row a cache hit)."""
-    import math
-
-    from engram.bench.lookup import raw_cell
-
-    if not read_ops_per_step:
-        return None
-    pages = math.ceil(read_ops_per_step / len(tables))
-    reader = tables[min(tables)].reader
     cell = raw_cell(Path(reader.path), {"io": reader.io, "queue_depth": reader.queue_depth}, pages, seed,
                     reader.io == "buffered")
     cell.step()
     cell.run(seconds)
-    r = cell.result()
+    return lid, reader, cell, cell.result()
+
+
+def measure_raw_reads(tables: dict, seconds: float, pages: int, seed: int) -> dict:
+    """The disk's random 4 KiB read rate, now: ``_raw_calls`` of ``pages`` pages a call for ``seconds``."""
+    lid, reader, cell, r = _raw_calls(tables, pages, seconds, seed)
+    return {"layer": lid, "io": reader.io, "io_requested": reader.io_requested, "queue_depth": reader.queue_depth,
+            "cold": reader.io == "buffered", "pages_per_call": pages, "calls": r["batches"],
+            "seconds": sum(cell.times), "read_ops_per_s": r["read_ops_per_s"], "disk_MB_per_s": r["disk_MB_per_s"],
+            "us_per_call_p50": r["us_per_batch_p50"]}
+
+
+def measure_lookup_reads(tables: dict, read_ops_per_step: float | None, seconds: float, seed: int) -> dict | None:
+    """How long one lookup's reads take as a raw call: ``_raw_calls`` of ceil(read ops per step / number of
+    tables) pages a call for ``seconds``; None when a step read nothing (every row a cache hit)."""
+    import math
+
+    if not read_ops_per_step:
+        return None
+    pages = math.ceil(read_ops_per_step / len(tables))
+    _, _, _, r = _raw_calls(tables, pages, seconds, seed)
     return {"pages": pages, "calls": r["batches"], "us_per_call_p50": r["us_per_batch_p50"]}
 
 

@@ -47,9 +47,12 @@ class GraphClock:
 
     def stamp(self, name: str) -> None:
         """Write the time into ``name``'s slot when the current stream reaches this point."""
-        slot = self.names.setdefault(name, len(self.names))
-        if slot >= self.buffer.numel():
-            raise ValueError(f"GraphClock: {len(self.names)} names exceed its {self.buffer.numel()} slots ({name!r})")
+        slot = self.names.get(name)
+        if slot is None:  # a new name: refused before it is registered, so read() never meets a slot past the end
+            if len(self.names) >= self.buffer.numel():
+                raise ValueError(f"GraphClock: {len(self.names) + 1} names exceed its {self.buffer.numel()} slots "
+                                 f"({name!r})")
+            slot = self.names[name] = len(self.names)
         if self.device.type == "cuda":
             _stamp_kernel()[(1,)](self.buffer, slot, num_warps=1)
         else:
