@@ -9,16 +9,19 @@ layer's rows with the id of the step it is running; rows staged for another step
 one (``lookup_overlap``, CUDA: engine/lookup_stream.py) the gathers — and each layer's projection of its
 rows (``Engram.project``, the WKV run-ahead), which needs no hidden state — are issued on that stream, an
 event per layer, and ``StagedRows.rows`` makes the consuming layer wait for its own layer's event only.
-Tables that read on the host in the background (the disk tier): the later layers' lookups are submitted
-first, then the first layer's, which the model needs at once, runs on the calling thread (no hand-off to
-its table's thread and back: ~8 % of a batch-1 staging on the CPU machine); a later layer whose reads are
-still running when the step is staged is *deferred*: its ``rows`` waits for the reads when the model
-reaches that layer, so the layers before it compute (and, on a GPU, are launched)
-while its reads complete. Deferred rows are finished on the consuming stream and projected by the layer
-itself (the same kernels: outputs are bitwise those of staging everything first).
+Tables that read on the host in the background (the disk tier): the first layer's lookup runs on the
+calling thread (no hand-off to its table's thread and back: ~8 % of a batch-1 staging on the CPU machine),
+and with FIRST_LOOKUP_ALONE (the default) only when the model reaches that layer (``ChainedLookups``), so
+the layers before it (embedding, layer 0: a graph piece) run on the device while it reads; the later
+layers' lookups are submitted right after it. A later layer whose reads are still running when the step
+is staged is *deferred*: its ``rows`` waits for the reads when the model reaches that layer, so the layers
+before it compute (and, on a GPU, are launched) while its reads complete. Deferred rows are finished on
+the consuming stream and projected by the layer itself (the same kernels: outputs are bitwise those of
+staging everything first).
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import functools
 
 import torch
@@ -29,11 +32,12 @@ from engram.engine.pending import PendingPatch
 from engram.engine.step import StepDescription
 from engram.fast_path import env_flag
 from engram.module import Projected
-from engram.store.base import CompletedLookup
+from engram.store.base import CompletedLookup, LookupHandle
 from engram.transfer import to_device
 
 # Over host-read tables, the first Engram layer's lookup runs alone, and the later layers' are submitted only
-# once it has its rows (ENGRAM_FIRST_LOOKUP_ALONE, default 1; kernel switch ``first_lookup_alone``). The model
+# once it has its rows (ENGRAM_FIRST_LOOKUP_ALONE, default 1; kernel switch ``first_lookup_alone``); over the
+# disk tier it also waits until the model reaches its layer (ChainedLookups). The model
 # needs the first layer's rows at once, the later ones only after the layers between have run; a lookup of 24
 # rows took 1.0 ms alone and 1.7-1.9 ms beside a second table's lookup on the CPU machine (its reads share the
 # disk: 1.4 ms beside the second table's reads alone; the rest is the two threads' Python under one GIL). On
@@ -74,6 +78,61 @@ class StagedRows:
         while self._deferred:
             _, (handle, _) = self._deferred.popitem()
             handle.cancel()
+
+
+class ChainedLookups:
+    """A step's lookups over disk tables when the first one runs alone and late: ``handle(layer)`` gives each
+    layer a handle that is not done until the chain ran; the first ``wait`` on any of them runs the first
+    layer's lookup on the waiting thread (``gather_first() -> rows``: the model has reached that layer, the
+    layers before it are queued on the device) and then submits the later layers' (``submit_later() ->
+    {layer: handle}``), whose reads overlap the layers up to theirs. Cancelling before the chain ran cancels
+    all of it (nothing was read); after, it cancels that layer's read. An error of the first lookup or of the
+    submits is raised to every waiter."""
+
+    def __init__(self, first: int, gather_first, submit_later):
+        self.first = first
+        self._gather_first, self._submit_later = gather_first, submit_later
+        self._handles: dict | None = None  # layer -> the real handle, once the chain ran
+        self._error: BaseException | None = None
+        self._cancelled = False
+
+    def handle(self, layer_id: int) -> "Chained":
+        return Chained(self, layer_id)
+
+    def run(self) -> dict:
+        if self._handles is None:
+            if self._cancelled:
+                raise cf.CancelledError("this step's lookups were cancelled")
+            if self._error is not None:
+                raise self._error
+            try:
+                rows = self._gather_first()
+                self._handles = {self.first: CompletedLookup(rows), **self._submit_later()}
+            except BaseException as e:
+                self._error = e
+                raise
+        return self._handles
+
+
+class Chained(LookupHandle):
+    """One layer's handle in a ``ChainedLookups``."""
+
+    def __init__(self, chain: ChainedLookups, layer_id: int):
+        self.chain, self.layer_id = chain, layer_id
+
+    def wait(self) -> torch.Tensor:
+        return self.chain.run()[self.layer_id].wait()
+
+    def done(self) -> bool:
+        handles = self.chain._handles
+        return handles is not None and handles[self.layer_id].done()
+
+    def cancel(self) -> bool:
+        handles = self.chain._handles
+        if handles is None:
+            self.chain._cancelled = True
+            return True
+        return handles[self.layer_id].cancel()
 
 
 class LookupExecutor:
@@ -134,19 +193,26 @@ class LookupExecutor:
                 host_ids = step.engram_row_ids if patch is None else self._host_ids(step, patch)
                 layers = list(host_ids)
                 alone = FIRST_LOOKUP_ALONE
+                # over the disk tier the first lookup waits until the model reaches its layer (see above)
+                lazy = alone and bool(layers) and getattr(self.tables[layers[0]], "reads_from_disk", False)
 
-                def submit_later() -> None:
-                    for lid in layers[1:]:  # [T * n_cols] each, CPU int64
-                        handles[lid] = self.tables[lid].submit(host_ids[lid].reshape(-1), dtype=self.fetch_dtype)
+                def gather_first() -> torch.Tensor:
+                    return self.tables[layers[0]].gather(host_ids[layers[0]].reshape(-1), dtype=self.fetch_dtype)
 
-                if not alone:
-                    submit_later()
-                if layers:
-                    first = layers[0]
-                    handles[first] = CompletedLookup(
-                        self.tables[first].gather(host_ids[first].reshape(-1), dtype=self.fetch_dtype))
-                if alone:
-                    submit_later()
+                def submit_later() -> dict:
+                    return {lid: self.tables[lid].submit(host_ids[lid].reshape(-1), dtype=self.fetch_dtype)
+                            for lid in layers[1:]}  # [T * n_cols] each, CPU int64
+
+                if lazy:
+                    chain = ChainedLookups(layers[0], gather_first, submit_later)
+                    handles.update({lid: chain.handle(lid) for lid in layers})
+                else:
+                    if not alone:
+                        handles.update(submit_later())
+                    if layers:
+                        handles[layers[0]] = CompletedLookup(gather_first())
+                    if alone:
+                        handles.update(submit_later())
 
                 def fetch(lid: int, ids: torch.Tensor) -> torch.Tensor:
                     return handles[lid].wait()
@@ -158,7 +224,7 @@ class LookupExecutor:
             rows = {}
             for i, (lid, ids) in enumerate(step.engram_row_ids.items()):
                 finish = functools.partial(self._finish, shape=ids.shape)
-                if i > 0 and lid in handles and not handles[lid].done():
+                if lid in handles and not handles[lid].done() and (i > 0 or isinstance(handles[lid], Chained)):
                     deferred[lid] = (handles[lid], finish)
                     continue
                 rows[lid] = finish(fetch(lid, ids))

@@ -89,6 +89,9 @@ class TableBackend:
 
     tier: Tier
     host_backed = True  # the rows live host-side (RAM, pinned, disk): _fetch takes CPU ids
+    # a lookup waits for disk reads (the disk tier): the engine runs the first such layer's lookup only when
+    # the model reaches that layer, so the layers before it run meanwhile (engine/lookup.py)
+    reads_from_disk = False
 
     def __init__(self, manifest: TableManifest, device: torch.device, cache: Any = None,
                  options: StoreOptions | None = None) -> None:

@@ -30,6 +30,7 @@ from engram.store.format import TableManifest, read_manifest
 from engram.store.load import load_file
 from engram.store.options import StoreOptions
 from engram.store.page_crc import CorruptPageError, PageChecker
+from engram.store.page_slabs import SlabPool
 from engram.store.reader import PAGE, PageReader, aligned_pages
 from engram.store.scrub import Scrubber
 
@@ -111,6 +112,7 @@ class DiskTable(TableBackend):
     every page (``stats()``: verify_state, verified_pages)."""
 
     tier = Tier.DISK
+    reads_from_disk = True
 
     def __init__(self, manifest: TableManifest, device: str | torch.device = "cpu", cache: Any = None,
                  options: StoreOptions | None = None):
@@ -124,6 +126,10 @@ class DiskTable(TableBackend):
         # uint8 [rows, scale_cols] resident (CRC-checked while read, like the gpu/host tiers' loads), or None
         self.scales = (load_file(manifest, "scales", "ram", self.options.verify).view(self.rows, self.scale_cols)
                        if "scales" in manifest.files else None)
+        self._scales_np = self.scales.numpy() if self.scales is not None else None
+        # one-read lookups (_gather_direct): pinned on CUDA, where the decode kernel reads them over UVA
+        self._slabs = (SlabPool(self.page, self.stride, self.scale_cols, pinned=self.device.type == "cuda")
+                       if self.stride <= self.page else None)
         self._extra = {"disk_rows": 0, "inflight": 0, "inflight_bytes": 0, "corrupt_pages": 0}
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-disk")  # submit()
         self._io = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="engram-disk-io")  # 2 chunks queued
@@ -171,6 +177,10 @@ class DiskTable(TableBackend):
         """``gather`` of ids that ``check_ids`` returned (``submit`` checks them once, on the caller's thread)."""
         n = ids.numel()
         self._check_out(out, n, dtype)
+        if n and self.cache is None and self._slabs is not None:
+            rows = self._gather_direct(ids, out, dtype)
+            if rows is not None:
+                return rows
         if self.cache is not None or self.device.type != "cpu" or n == 0:
             return self._gather_deduped(ids, out, dtype)
         uniq, inverse = self._dedupe(ids)  # [U], [N]
@@ -182,6 +192,58 @@ class DiskTable(TableBackend):
 
         self._fetch(uniq, on_rows=decode)
         return torch.index_select(rows, 0, inverse, out=out) if out is not None else rows.index_select(0, inverse)
+
+    def _gather_direct(self, ids: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """A lookup whose distinct pages fit one read of at most ``chunk_pages`` (every decode step's; None
+        otherwise, and the chunked path serves it): its pages are read in one batched call into a slab
+        (page_slabs.py) and checked against their CRC32Cs, each distinct id's scale bytes are put at its row's
+        buffer position, and one gather over the slab decodes every id, repeats included, straight into
+        [N, dim]: no row is copied out of the pages on the host, nothing is moved to the device first (on
+        CUDA the kernel reads the pinned slab over UVA), and the buffers are reused across lookups."""
+        ids_np = ids.numpy()
+        uniq, inverse = np.unique(ids_np, return_inverse=True)  # [U] ascending, [N]
+        per_page = self._slabs.rows_per_page
+        page_of = uniq // per_page  # [U], ascending
+        first = np.empty(len(uniq), dtype=bool)  # the first distinct id of each page
+        first[:1] = True
+        np.not_equal(page_of[1:], page_of[:-1], out=first[1:])
+        pages = page_of[first]  # [P]
+        n_pages, n = len(pages), len(ids_np)
+        if n_pages > self.options.chunk_pages:
+            return None
+        self._count(lookups=1, rows=n, unique_rows=len(uniq))
+        slab = self._slabs.acquire(n_pages, n)
+        try:
+            offsets = pages * self.page
+            self.reader.read(offsets, slab.data, self.page, slab.crcs, self.page)
+            self._check_pages(offsets, slab.data, self.page, slab.crcs)  # before any row is decoded
+            slot_u = (np.cumsum(first) - 1) * per_page + uniq % per_page  # [U]: buffer row of each distinct id
+            np.take(slot_u, inverse.reshape(-1), out=slab.slots.numpy()[:n])
+            rows_used = n_pages * per_page
+            scales = None
+            if slab.scales is not None:
+                slab.scales.numpy()[slot_u] = self._scales_np[uniq]
+                scales = slab.scales[:rows_used]
+            values = slab.data.view(-1, self.stride)[:rows_used]  # [P * per_page, stride]
+            rows = self._decode_slab(values, scales, slab.slots[:n], slab.pinned, out, dtype)
+        finally:  # on CUDA the slab is reused only once the work queued on this stream has run
+            self._slabs.release(slab, torch.cuda.current_stream(self.device) if slab.pinned else None)
+        self._count(read_ops=n_pages, bytes_read=n_pages * self.page)
+        with self._lock:
+            self._extra["disk_rows"] += len(uniq)
+        return rows
+
+    def _decode_slab(self, values: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, pinned: bool,
+                     out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``slots`` of a slab dequantized into [N, dim] on ``self.device``: from a pinned slab by the UVA
+        kernel (its ids copied from the pinned slots without a host wait), else by ``kernels.gather_rows``."""
+        if out is None and self.device.type != "cpu":
+            out = torch.empty(slots.numel(), self.dim, dtype=dtype, device=self.device)
+        if pinned and kernels.get_backend() != "torch" and kernels.triton_available():
+            from engram.store.kernels import uva
+            return uva.gather_rows(values, scales, slots, self.row_dtype, self.dim, out=out, dtype=dtype,
+                                   route="direct")
+        return kernels.gather_rows(values, scales, slots, self.row_dtype, self.dim, out=out, dtype=dtype)
 
     def _plan(self, ids: torch.Tensor) -> tuple[list[tuple[np.ndarray, int, int, torch.Tensor | None]], int, int]:
         """Read plan for unique ascending ``ids``: chunks of (file offsets int64 [k], first row, end row, slot

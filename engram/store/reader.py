@@ -142,9 +142,10 @@ def _pool(queue_depth: int):
         return pool
 
 
-def aligned_pages(n: int) -> torch.Tensor:
-    """A page-aligned uint8 buffer [n, PAGE] (O_DIRECT needs the buffer address aligned too)."""
-    raw = torch.empty(n * PAGE + PAGE, dtype=torch.uint8)
+def aligned_pages(n: int, pin: bool = False) -> torch.Tensor:
+    """A page-aligned uint8 buffer [n, PAGE] (O_DIRECT needs the buffer address aligned too); in pinned
+    memory with ``pin`` (needs CUDA)."""
+    raw = torch.empty(n * PAGE + PAGE, dtype=torch.uint8, pin_memory=pin)
     skip = (-raw.data_ptr()) % PAGE
     return raw[skip:skip + n * PAGE].view(n, PAGE)  # keeps `raw` alive through the view's storage
 

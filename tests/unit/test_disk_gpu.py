@@ -30,3 +30,28 @@ def test_disk_rows_on_cuda_equal_gpu_tier(tmp_path, cache_rows):
     assert (disk.stats()["hits"] > 0) == bool(cache_rows)
     disk.close()
     gpu.close()
+
+
+def test_a_slab_is_not_reused_while_its_decode_is_queued(tmp_path):
+    """One-read lookups decode from a pinned slab over UVA after the host has moved on: a lookup whose
+    decode waits behind a delayed stream keeps its slab until the decode ran, so the next lookup reads
+    into another one (reusing it would overwrite the pages under the queued kernel: wrong rows)."""
+    g = torch.Generator().manual_seed(2)
+    vals, scales = quantize_mxfp8(torch.randn(4000, 256, generator=g))
+    write_table(tmp_path / "t", vals, scales)
+    gpu = open_table(tmp_path / "t", tier="gpu", device="cuda")
+    disk = open_table(tmp_path / "t", tier="disk", device="cuda", queue_depth=8)
+    a_ids, b_ids = torch.randint(0, 4000, (24,), generator=g), torch.randint(0, 4000, (24,), generator=g)
+    disk.gather(b_ids)  # one idle slab
+    torch.cuda.synchronize()
+    slow = torch.cuda.Stream()
+    with torch.cuda.stream(slow):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s: the decode below is queued behind it
+        a = disk.gather(a_ids)
+    b = disk.gather(b_ids)  # the idle slab is a's: still read by a's queued decode, so b takes a new one
+    torch.cuda.synchronize()
+    assert len(disk._slabs._idle) == 2
+    assert torch.equal(a.view(torch.uint8), gpu.gather(a_ids.cuda()).view(torch.uint8))
+    assert torch.equal(b.view(torch.uint8), gpu.gather(b_ids.cuda()).view(torch.uint8))
+    disk.close()
+    gpu.close()

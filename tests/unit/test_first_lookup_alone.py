@@ -64,5 +64,22 @@ def test_the_order_of_a_steps_lookups(tmp_path, monkeypatch, alone):
     assert log.count(("gather", first)) == log.count(("submit", later)) > 1
 
 
+def test_over_the_disk_tier_the_first_lookup_waits_for_its_layer(tmp_path, monkeypatch):
+    """The first Engram layer's lookup runs when the model reaches that layer (after layer 0 ran), then the
+    later layer's is submitted; every step, prefill and decode."""
+    log: list = []
+    monkeypatch.setattr(lookup, "FIRST_LOOKUP_ALONE", True)
+    llm = engram.LLM("tiny", tier="disk", dtype=torch.float32, cache_dir=str(tmp_path), max_num_seqs=4)
+    worker = llm.engine.executor.worker
+    worker.lookup.tables = {lid: Recording(t, lid, log) for lid, t in worker.lookup.tables.items()}
+    for i in (0, 1):
+        worker.model.model.layers[i].register_forward_pre_hook(lambda m, a, i=i: log.append(("layer", i)))
+    llm.generate([[5, 17, 99, 4, 8]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    steps = [log[k:k + 5] for k in range(0, len(log), 5)]
+    assert len(steps) == 4 and len(log) == 20
+    for step in steps:
+        assert step == [("layer", 0), ("layer", 1), ("gather", 1), ("gathered", 1), ("submit", 3)]
+
+
 def test_the_tokens_do_not_depend_on_the_order(tmp_path, monkeypatch):
     assert generate(tmp_path, monkeypatch, True) == generate(tmp_path, monkeypatch, False)

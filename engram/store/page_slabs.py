@@ -1,0 +1,93 @@
+"""Reusable read buffers of the disk tier's one-read lookups (``DiskTable``'s direct path).
+
+A ``PageSlab`` holds what one lookup needs between its reads and its decode: the pages it reads
+(page-aligned, as O_DIRECT wants), their CRC32Cs as the reader computed them, the buffer row of every id
+asked for (``slots``) and, for MXFP8 tables, each read row's scale bytes at that row's buffer position, so
+one gather over the slab decodes the lookup: ids index ``values`` and ``scales`` alike.
+
+On CUDA the slab is pinned memory and the decode kernel reads it over PCIe (UVA) while the host goes on:
+a slab is handed out again only once the device work that reads it has run (``release`` records an event
+on the stream that read it; ``acquire`` takes only slabs whose event has passed and never waits for one,
+allocating another instead). Without CUDA the slab is plain memory, decoded on the host before release.
+Slabs grow to the largest lookup seen (a power of two of pages) and at most ``keep`` idle ones are kept;
+one over that is dropped once its event has passed (its pinned memory may go back to torch's allocator
+only then: a kernel may still be reading it).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engram.store.reader import PAGE, aligned_pages
+
+
+@dataclass(eq=False)  # a slab is itself: compared by identity
+class PageSlab:
+    """Buffers for up to ``pages`` pages of ``page_size`` bytes and ``rows`` asked-for ids."""
+
+    pages: int
+    rows: int
+    data: torch.Tensor  # uint8 [pages * page_size // PAGE, PAGE], page-aligned
+    crcs: np.ndarray  # uint32 [pages]: each read page's CRC32C, written by the reader
+    slots: torch.Tensor  # int64 [rows]: buffer row (of ``data`` viewed as [-1, stride]) of each id
+    scales: torch.Tensor | None  # uint8 [pages * rows_per_page, scale_cols], by buffer row (mxfp8)
+    pinned: bool
+    done: "torch.cuda.Event | None" = None  # recorded after the last device work reading this slab
+
+    def ready(self) -> bool:
+        """No device work still reads this slab."""
+        return self.done is None or self.done.query()
+
+
+class SlabPool:
+    """Slabs of one table: ``acquire(pages, rows)`` a slab at least that big, ``release(slab)`` when the
+    lookup's decode is queued (on CUDA, ``stream`` is where it was queued). Thread-safe."""
+
+    def __init__(self, page_size: int, stride: int, scale_cols: int, pinned: bool, keep: int = 2):
+        if page_size % PAGE:
+            raise ValueError(f"page_size={page_size} is not a multiple of {PAGE}")
+        self.page_size, self.stride, self.scale_cols = page_size, stride, scale_cols
+        self.rows_per_page = page_size // stride
+        self.pinned = pinned
+        self.keep = keep
+        self._idle: list[PageSlab] = []
+        self._retired: list[PageSlab] = []  # dropped slabs whose device work has not run yet
+        self._lock = threading.Lock()
+
+    def _new(self, pages: int, rows: int) -> PageSlab:
+        pages = 1 << max(4, (pages - 1).bit_length())  # >= 16 pages, a power of two
+        rows = 1 << max(6, (rows - 1).bit_length())
+        data = aligned_pages(pages * (self.page_size // PAGE), pin=self.pinned)
+        slots = torch.empty(rows, dtype=torch.int64, pin_memory=self.pinned)
+        scales = (torch.empty(pages * self.rows_per_page, self.scale_cols, dtype=torch.uint8, pin_memory=self.pinned)
+                  if self.scale_cols else None)
+        return PageSlab(pages, rows, data, np.empty(pages, dtype=np.uint32), slots, scales, self.pinned)
+
+    def acquire(self, pages: int, rows: int) -> PageSlab:
+        with self._lock:
+            self._retired = [s for s in self._retired if not s.ready()]
+            for i, slab in enumerate(self._idle):
+                if slab.ready() and slab.pages >= pages and slab.rows >= rows:
+                    return self._idle.pop(i)
+        return self._new(pages, rows)
+
+    def release(self, slab: PageSlab, stream: "torch.cuda.Stream | None" = None) -> None:
+        """Give ``slab`` back; on CUDA after recording its event on ``stream`` (the decode's)."""
+        if slab.pinned and stream is not None:
+            slab.done = torch.cuda.Event()
+            slab.done.record(stream)
+        with self._lock:
+            self._idle.append(slab)
+            if len(self._idle) > self.keep:  # drop the smallest; it is freed once nothing reads it
+                self._idle.sort(key=lambda s: (s.pages, s.rows), reverse=True)
+                self._retired.append(self._idle.pop())
+
+    @property
+    def idle_bytes(self) -> int:
+        """Bytes held by idle slabs (tests, stats)."""
+        with self._lock:
+            return sum(s.data.numel() + s.slots.numel() * 8 + (s.scales.numel() if s.scales is not None else 0)
+                       for s in self._idle)

@@ -1,0 +1,100 @@
+"""The disk tier's one-read lookups (DiskTable._gather_direct, store/page_slabs.py): a lookup whose pages fit
+``chunk_pages`` is one batched read into a reused slab, decoded in one gather over it, bitwise equal to the
+in-memory reference; bigger ones take the chunked path; a failed read or a corrupt page gives the slab back."""
+from __future__ import annotations
+
+import errno
+
+import pytest
+import torch
+
+from engram.store.disk import open_disk_table
+from engram.store.page_crc import CorruptPageError
+from engram.store.page_slabs import SlabPool
+from engram.store.reader import DiskReadError, Fault
+from tests.unit.test_disk import make_rows
+from engram.store.writer import write_table
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    d = tmp_path_factory.mktemp("direct") / "mx"
+    vals, scales, ref = make_rows(3001, 256, "mxfp8")  # 16 rows per 4 KiB page
+    write_table(d, vals, scales)
+    return d, ref
+
+
+def reads(t) -> list:
+    """The offsets of every batched read ``t`` makes from now on."""
+    calls: list = []
+    t.reader.fault_hook = lambda offs: calls.append(offs.tolist())
+    return calls
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_a_small_lookup_is_one_read_into_a_reused_slab(table):
+    d, ref = table
+    with open_disk_table(d, io="buffered") as t:
+        calls = reads(t)
+        ids = torch.tensor([40, 17, 17, 3000, 16, 41, 2999, 17])  # pages 2, 1, 187 (twice), repeats
+        for dt in (torch.bfloat16, torch.float32):
+            assert same_bits(t.gather(ids, dtype=dt), ref(ids, dt))
+        assert calls == [[4096, 2 * 4096, 187 * 4096]] * 2  # each lookup: its distinct pages, ascending, once
+        slab = t._slabs._idle[0]
+        assert t.gather(torch.tensor([5]), dtype=torch.float32) is not None and t._slabs._idle == [slab]
+        s = t.stats()
+        assert (s["lookups"], s["rows"], s["unique_rows"], s["read_ops"], s["disk_rows"]) == (3, 17, 13, 7, 13)
+
+
+def test_lookups_over_chunk_pages_take_the_chunked_path(table):
+    d, ref = table
+    with open_disk_table(d, io="buffered", chunk_pages=3) as t:
+        calls = reads(t)
+        small, big = torch.tensor([0, 16, 32]), torch.arange(0, 8 * 16, 16)  # 3 pages, 8 pages
+        assert same_bits(t.gather(small), ref(small, torch.bfloat16)) and len(calls) == 1
+        assert same_bits(t.gather(big), ref(big, torch.bfloat16))
+        assert len(calls) == 1 + 3  # 3 + 3 + 2 pages, read in three calls
+        assert len(t._slabs._idle) == 1  # only the small lookup used a slab
+
+
+@pytest.mark.parametrize("fault", ["read", "crc"])
+def test_a_failed_lookup_gives_its_slab_back(table, tmp_path, fault):
+    d, ref = table
+    ids = torch.tensor([5, 100, 2000])  # pages 0, 6, 125
+    with open_disk_table(d, io="buffered") as t:
+        if fault == "read":
+            armed = [Fault(index=1, err=errno.EIO)]
+            t.reader.fault_hook = lambda offs: armed.pop() if armed else None
+            with pytest.raises(DiskReadError):
+                t.gather(ids)
+        else:
+            t.pages.crcs = t.pages.crcs.copy()
+            t.pages.crcs[6] ^= 1  # page 6's stored checksum no longer matches its bytes
+            with pytest.raises(CorruptPageError, match="page 6 "):
+                t.gather(ids)
+            t.pages.crcs[6] ^= 1
+        assert len(t._slabs._idle) == 1
+        assert same_bits(t.gather(ids), ref(ids, torch.bfloat16))
+        assert len(t._slabs._idle) == 1  # the same slab again
+
+
+def test_slab_pool_grows_and_keeps_at_most_keep_idle():
+    pool = SlabPool(4096, 256, 8, pinned=False, keep=2)
+    a = pool.acquire(3, 10)
+    assert (a.pages, a.rows) == (16, 64) and a.data.data_ptr() % 4096 == 0 and a.scales.shape == (16 * 16, 8)
+    b = pool.acquire(100, 2000)
+    assert (b.pages, b.rows) == (128, 2048)
+    pool.release(a)
+    pool.release(b)
+    assert pool.acquire(20, 10) is b  # the first idle slab big enough
+    pool.release(b)
+    c = pool.acquire(1, 1)
+    assert c is a
+    pool.release(c)
+    pool.release(pool._new(30, 100))  # 32 pages
+    assert len(pool._idle) == 2 and a not in pool._idle  # the smallest idle slab went (nothing read it)
+    with pytest.raises(ValueError, match="page_size=1000"):
+        SlabPool(1000, 256, 8, pinned=False)
