@@ -24,11 +24,12 @@ import time
 
 
 ENGINE_PHASES = ("step", "launch", "  lookup._host_ids (waits for the sampled tokens)", "  lookup.submit",
-                 "  graphs.run", "  runner.run", "collect")
+                 "  graphs.run", "    graph replays (host side of the launches)", "  runner.run", "collect")
 # a table's lookup and its parts, timed on whichever thread runs them (the first Engram layer's on the
-# engine's thread, inside lookup.submit; the later layers' on their tables' threads)
-TABLE_PHASES = ("lookup", "  dedupe", "  page fetch", "    reads", "  rows to the device", "  decode",
-                "finish (dtype, shape)", "projection (run-ahead)")
+# engine's thread, inside lookup.submit, or over the disk tier inside graphs.run / runner.run when the model
+# reaches its layer; the later layers' on their tables' threads)
+TABLE_PHASES = ("lookup", "  one-read lookup", "    reads", "    decode from the slab", "  dedupe", "  page fetch",
+                "  rows to the device", "  decode", "finish (dtype, shape)", "projection (run-ahead)")
 
 
 def timed_phases(engine, steps: int) -> dict[str, tuple[float, float]]:
@@ -38,11 +39,14 @@ def timed_phases(engine, steps: int) -> dict[str, tuple[float, float]]:
     piece's rows in and, piecewise, waits for later layers' reads) or the eager forward
     (``ModelRunner.run``); with async scheduling over host-read tables the wait for the sampled tokens
     (``LookupExecutor._host_ids``). Then, summed over the tables, a lookup (``table.gather`` on the engine's
-    thread, ``table._lookup`` on a table's) and its parts: dedupe, page fetch (and its reads), the packed rows'
-    copy to the device, the decode (``kernels.gather_rows``), the executor's finish and the run-ahead
-    projection."""
+    thread, ``table._lookup`` on a table's) and its parts: the disk tier's one-read lookup (its reads and its
+    decode from the slab), or dedupe, page fetch (and its reads), the packed rows' copy to the device, the
+    decode (``kernels.gather_rows``); the executor's finish and the run-ahead projection; inside the graph
+    replay the host side of the graph launches."""
     import threading
     import types
+
+    import torch
 
     import engram.store.base as base
     from engram.store import kernels
@@ -77,6 +81,7 @@ def timed_phases(engine, steps: int) -> dict[str, tuple[float, float]]:
     wrap(worker.lookup, "submit", "  lookup.submit")
     if worker.graphs is not None:
         wrap(worker.graphs, "run", "  graphs.run")
+        wrap(torch.cuda.CUDAGraph, "replay", "    graph replays (host side of the launches)")
     wrap(worker.runner, "run", "  runner.run")
     wrap(worker.lookup, "_host_ids", "  lookup._host_ids (waits for the sampled tokens)")
     wrap(worker.lookup, "_finish", "finish (dtype, shape)")
@@ -88,6 +93,9 @@ def timed_phases(engine, steps: int) -> dict[str, tuple[float, float]]:
         wrap(table, "gather", "lookup")
         if hasattr(table, "_lookup"):  # the disk tier: submitted lookups (the later layers') on its thread
             wrap(table, "_lookup", "lookup")
+        if hasattr(table, "_gather_direct"):  # the disk tier's one-read lookups (page_slabs.py)
+            wrap(table, "_gather_direct", "  one-read lookup")
+            wrap(table, "_decode_slab", "    decode from the slab")
         wrap(table, "_dedupe", "  dedupe")
         if hasattr(table, "_fetch"):
             wrap(table, "_fetch", "  page fetch")
@@ -100,8 +108,8 @@ def timed_phases(engine, steps: int) -> dict[str, tuple[float, float]]:
         for obj, name, real in reversed(wrapped):
             if isinstance(obj, dict):
                 obj[name] = real
-            elif isinstance(obj, types.ModuleType):
-                setattr(obj, name, real)  # a module function
+            elif isinstance(obj, (types.ModuleType, type)):
+                setattr(obj, name, real)  # a module function, a class's method
             else:
                 obj.__dict__.pop(name, None)  # the class's method again
     out = {}

@@ -90,8 +90,17 @@ def test_the_host_waits_for_a_later_layers_rows_after_the_pieces_before_it_launc
             return self.inner.cancel()
 
     monkeypatch.setattr(table, "submit", lambda ids, dtype=torch.bfloat16: LoggedHandle(real(ids, dtype=dtype)))
+    first_table = worker.lookup.tables[1]
+    real_gather = first_table.gather
+
+    def logged_gather(*a, **k):
+        log.append("gather 1")
+        return real_gather(*a, **k)
+
+    monkeypatch.setattr(first_table, "gather", logged_gather)
     generate(engine, n=4)
     decode = [i for i, e in enumerate(log) if e == "piece 0"]
     assert decode, "no piecewise replay ran"
-    first = decode[-1]  # the last decode step: piece 0, piece 1, then the wait for layer 3, then piece 2
-    assert log[first:first + 4] == ["piece 0", "piece 1", "wait 3", "piece 2"]
+    first = decode[-1]  # the last decode step: piece 0 (embedding, layer 0) is launched before layer 1's
+    # lookup runs (ChainedLookups), then piece 1, the wait for layer 3's reads, piece 2
+    assert log[first:first + 5] == ["piece 0", "gather 1", "piece 1", "wait 3", "piece 2"]
