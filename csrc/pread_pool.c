@@ -1,5 +1,6 @@
 /* engram.store._pread_pool: a GIL-free batched pread reader for the disk tier, and the CRC32C of the pages
- * it returns (crc32c.h: crc32c, crc32c_pages, crc32c_impl; see the end of this file).
+ * it returns (crc32c.h: crc32c, crc32c_pages, crc32c_impl; see the end of this file), and the read plan of one
+ * disk-tier lookup (slab_plan, slab_check: csrc/slab_plan.c).
  *
  * Pool(threads) starts `threads` pthreads that live as long as the pool. Pool.read(fd, offsets, size, out)
  * reads len(offsets) blocks of `size` bytes, block i from file offset offsets[i] into out[i*size:(i+1)*size],
@@ -375,7 +376,16 @@ static PyObject *mod_crc32c_impl(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(i
     return PyUnicode_FromString(crc32c_hw ? "sse4.2" : "table");
 }
 
+/* csrc/slab_plan.c: the read plan of one lookup and its check */
+PyObject *engram_slab_plan(PyObject *mod, PyObject *args);
+PyObject *engram_slab_check(PyObject *mod, PyObject *args);
+
 static PyMethodDef module_methods[] = {
+    {"slab_plan", engram_slab_plan, METH_VARARGS,
+     "slab_plan(ids, rows_per_page, page_size, offsets, slots, uniq, uslots) -> (n_pages, n_unique)"},
+    {"slab_check", engram_slab_check, METH_VARARGS,
+     "slab_check(n_pages, offsets, page_size, got, expected, n_unique, uniq, uslots, scales, scale_cols, "
+     "slab_scales) -> (n_bad, first_bad)"},
     {"crc32c", mod_crc32c, METH_VARARGS, "crc32c(data, crc=0) -> int: CRC32C of data continuing from crc."},
     {"crc32c_pages", mod_crc32c_pages, METH_VARARGS,
      "crc32c_pages(data, page_size, out): the CRC32C of each page of data as native uint32 into out."},

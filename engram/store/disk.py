@@ -29,7 +29,8 @@ from engram.store.base import LookupHandle, TableBackend, Tier
 from engram.store.format import TableManifest, read_manifest
 from engram.store.load import load_file
 from engram.store.options import StoreOptions
-from engram.store.page_crc import CorruptPageError, PageChecker
+from engram.store import slab_plan
+from engram.store.page_crc import CorruptPageError, PageChecker, page_error
 from engram.store.page_slabs import SlabPool
 from engram.store.reader import PAGE, PageReader, aligned_pages
 from engram.store.scrub import Scrubber
@@ -177,10 +178,8 @@ class DiskTable(TableBackend):
         """``gather`` of ids that ``check_ids`` returned (``submit`` checks them once, on the caller's thread)."""
         n = ids.numel()
         self._check_out(out, n, dtype)
-        if n and self.cache is None and self._slabs is not None:
-            rows = self._gather_direct(ids, out, dtype)
-            if rows is not None:
-                return rows
+        if 0 < n <= self.options.chunk_pages and self.cache is None and self._slabs is not None:
+            return self._gather_direct(ids, out, dtype)
         if self.cache is not None or self.device.type != "cpu" or n == 0:
             return self._gather_deduped(ids, out, dtype)
         uniq, inverse = self._dedupe(ids)  # [U], [N]
@@ -193,44 +192,37 @@ class DiskTable(TableBackend):
         self._fetch(uniq, on_rows=decode)
         return torch.index_select(rows, 0, inverse, out=out) if out is not None else rows.index_select(0, inverse)
 
-    def _gather_direct(self, ids: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-        """A lookup whose distinct pages fit one read of at most ``chunk_pages`` (every decode step's; None
-        otherwise, and the chunked path serves it): its pages are read in one batched call into a slab
-        (page_slabs.py) and checked against their CRC32Cs, each distinct id's scale bytes are put at its row's
-        buffer position, and one gather over the slab decodes every id, repeats included, straight into
-        [N, dim]: no row is copied out of the pages on the host, nothing is moved to the device first (on
-        CUDA the kernel reads the pinned slab over UVA), and the buffers are reused across lookups."""
+    def _gather_direct(self, ids: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """A lookup of at most ``chunk_pages`` ids (every decode step's), so of at most that many pages: its
+        distinct pages are read in one batched call into a slab (page_slabs.py) and checked against their
+        CRC32Cs, each distinct id's scale bytes are put at its row's buffer position (slab_plan.py: C, or
+        numpy), and one gather over the slab decodes every id, repeats included, straight into [N, dim]: no
+        row is copied out of the pages on the host, nothing is moved to the device first (on CUDA the kernel
+        reads the pinned slab over UVA), and the buffers are reused across lookups."""
         ids_np = ids.numpy()
-        uniq, inverse = np.unique(ids_np, return_inverse=True)  # [U] ascending, [N]
-        per_page = self._slabs.rows_per_page
-        page_of = uniq // per_page  # [U], ascending
-        first = np.empty(len(uniq), dtype=bool)  # the first distinct id of each page
-        first[:1] = True
-        np.not_equal(page_of[1:], page_of[:-1], out=first[1:])
-        pages = page_of[first]  # [P]
-        n_pages, n = len(pages), len(ids_np)
-        if n_pages > self.options.chunk_pages:
-            return None
-        self._count(lookups=1, rows=n, unique_rows=len(uniq))
-        slab = self._slabs.acquire(n_pages, n)
+        n = len(ids_np)
+        slab = self._slabs.acquire(n, n)
         try:
-            offsets = pages * self.page
+            n_pages, n_unique = slab_plan.plan(ids_np, self._slabs.rows_per_page, self.page, slab)
+            self._count(lookups=1, rows=n, unique_rows=n_unique)
+            offsets = slab.offsets[:n_pages]
             self.reader.read(offsets, slab.data, self.page, slab.crcs, self.page)
-            self._check_pages(offsets, slab.data, self.page, slab.crcs)  # before any row is decoded
-            slot_u = (np.cumsum(first) - 1) * per_page + uniq % per_page  # [U]: buffer row of each distinct id
-            np.take(slot_u, inverse.reshape(-1), out=slab.slots.numpy()[:n])
-            rows_used = n_pages * per_page
-            scales = None
-            if slab.scales is not None:
-                slab.scales.numpy()[slot_u] = self._scales_np[uniq]
-                scales = slab.scales[:rows_used]
-            values = slab.data.view(-1, self.stride)[:rows_used]  # [P * per_page, stride]
+            n_bad, first_bad = slab_plan.check(slab, n_pages, n_unique, self.page, self.pages.crcs, self._scales_np)
+            if n_bad:  # before any row is decoded
+                self._count_corrupt(n_bad)
+                p = int(offsets[first_bad]) // self.page
+                err = page_error(self.pages.path, p, self.page, int(self.pages.crcs[p]), int(slab.crcs[first_bad]))
+                err.bad_pages = n_bad
+                raise err
+            rows_used = n_pages * self._slabs.rows_per_page
+            scales = slab.scales[:rows_used] if slab.scales is not None else None
+            values = slab.data.view(-1, self.stride)[:rows_used]  # [P * rows_per_page, stride]
             rows = self._decode_slab(values, scales, slab.slots[:n], slab.pinned, out, dtype)
         finally:  # on CUDA the slab is reused only once the work queued on this stream has run
             self._slabs.release(slab, torch.cuda.current_stream(self.device) if slab.pinned else None)
         self._count(read_ops=n_pages, bytes_read=n_pages * self.page)
         with self._lock:
-            self._extra["disk_rows"] += len(uniq)
+            self._extra["disk_rows"] += n_unique
         return rows
 
     def _decode_slab(self, values: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, pinned: bool,

@@ -1,9 +1,9 @@
 """Reusable read buffers of the disk tier's one-read lookups (``DiskTable``'s direct path).
 
-A ``PageSlab`` holds what one lookup needs between its reads and its decode: the pages it reads
-(page-aligned, as O_DIRECT wants), their CRC32Cs as the reader computed them, the buffer row of every id
-asked for (``slots``) and, for MXFP8 tables, each read row's scale bytes at that row's buffer position, so
-one gather over the slab decodes the lookup: ids index ``values`` and ``scales`` alike.
+A ``PageSlab`` holds what one lookup needs between its reads and its decode: its read plan (slab_plan.py),
+the pages it reads (page-aligned, as O_DIRECT wants), their CRC32Cs as the reader computed them, the buffer
+row of every id asked for (``slots``) and, for MXFP8 tables, each read row's scale bytes at that row's
+buffer position, so one gather over the slab decodes the lookup: ids index ``values`` and ``scales`` alike.
 
 On CUDA the slab is pinned memory and the decode kernel reads it over PCIe (UVA) while the host goes on:
 a slab is handed out again only once the device work that reads it has run (``release`` records an event
@@ -35,6 +35,9 @@ class PageSlab:
     slots: torch.Tensor  # int64 [rows]: buffer row (of ``data`` viewed as [-1, stride]) of each id
     scales: torch.Tensor | None  # uint8 [pages * rows_per_page, scale_cols], by buffer row (mxfp8)
     pinned: bool
+    offsets: np.ndarray  # int64 [pages]: the plan (slab_plan.py): byte offset of each page read
+    uniq: np.ndarray  # int64 [rows]: the distinct ids, ascending
+    uslots: np.ndarray  # int64 [rows]: the buffer row of each distinct id
     done: "torch.cuda.Event | None" = None  # recorded after the last device work reading this slab
 
     def ready(self) -> bool:
@@ -64,7 +67,8 @@ class SlabPool:
         slots = torch.empty(rows, dtype=torch.int64, pin_memory=self.pinned)
         scales = (torch.empty(pages * self.rows_per_page, self.scale_cols, dtype=torch.uint8, pin_memory=self.pinned)
                   if self.scale_cols else None)
-        return PageSlab(pages, rows, data, np.empty(pages, dtype=np.uint32), slots, scales, self.pinned)
+        return PageSlab(pages, rows, data, np.empty(pages, dtype=np.uint32), slots, scales, self.pinned,
+                        np.empty(pages, dtype=np.int64), np.empty(rows, dtype=np.int64), np.empty(rows, dtype=np.int64))
 
     def acquire(self, pages: int, rows: int) -> PageSlab:
         with self._lock:

@@ -69,7 +69,8 @@ def test_over_the_disk_tier_the_first_lookup_waits_for_its_layer(tmp_path, monke
     later layer's is submitted; every step, prefill and decode."""
     log: list = []
     monkeypatch.setattr(lookup, "FIRST_LOOKUP_ALONE", True)
-    llm = engram.LLM("tiny", tier="disk", dtype=torch.float32, cache_dir=str(tmp_path), max_num_seqs=4)
+    llm = engram.LLM("tiny", tier="disk", dtype=torch.float32, cache_dir=str(tmp_path), max_num_seqs=4,
+                     enforce_eager=True)  # the hooks below see eager layers (tests/gpu: the graph pieces' order)
     worker = llm.engine.executor.worker
     worker.lookup.tables = {lid: Recording(t, lid, log) for lid, t in worker.lookup.tables.items()}
     for i in (0, 1):

@@ -1,0 +1,56 @@
+"""The read plan of one disk-tier lookup into a slab, and its check: C (csrc/slab_plan.c) or numpy.
+
+``plan(ids, rows_per_page, page_size, slab)`` fills the slab's plan arrays from ids int64 [N] (in range,
+N <= the slab's rows): ``offsets[:P]`` the byte offset of each distinct page, ascending; ``uniq[:U]`` each
+distinct id, ascending, and ``uslots[:U]`` its row in the page buffer (page index * rows_per_page + id %
+rows_per_page); ``slots[:N]`` that row for every id asked. Returns (P, U).
+
+``check(slab, n_pages, n_unique, page_size, expected, scales)`` compares each read page's CRC32C
+(``slab.crcs``, as the reader computed them) with the stored ones (``expected``, uint32 [table pages]) and,
+when all match, puts each distinct id's scale bytes (``scales``: uint8 [rows, scale_cols] or None) at its
+buffer row of ``slab.scales``. Returns (bad pages, index of the first or -1).
+
+The C versions run when the reader backend is "c" (engram.store.reader: ``ENGRAM_READER``, built with the
+pread pool); the numpy ones are the reference and give the same arrays (tests/unit/test_slab_plan.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engram.store import reader
+from engram.store.page_slabs import PageSlab
+
+
+def plan(ids: np.ndarray, rows_per_page: int, page_size: int, slab: PageSlab) -> tuple[int, int]:
+    slots = slab.slots.numpy()
+    if reader.active_backend() == "c":
+        return reader._pread_pool.slab_plan(ids, rows_per_page, page_size, slab.offsets, slots, slab.uniq,
+                                            slab.uslots)
+    n = len(ids)
+    uniq, inverse = np.unique(ids, return_inverse=True)  # [U] ascending, [N]
+    page_of = uniq // rows_per_page  # [U], ascending
+    first = np.empty(len(uniq), dtype=bool)  # the first distinct id of each page
+    first[:1] = True
+    np.not_equal(page_of[1:], page_of[:-1], out=first[1:])
+    pages = page_of[first]  # [P]
+    uslots = (np.cumsum(first) - 1) * rows_per_page + uniq % rows_per_page  # [U]
+    p, u = len(pages), len(uniq)
+    slab.offsets[:p] = pages * page_size
+    slab.uniq[:u], slab.uslots[:u] = uniq, uslots
+    np.take(uslots, inverse.reshape(-1), out=slots[:n])
+    return p, u
+
+
+def check(slab: PageSlab, n_pages: int, n_unique: int, page_size: int, expected: np.ndarray,
+          scales: np.ndarray | None) -> tuple[int, int]:
+    placed = slab.scales.numpy() if scales is not None else None
+    if reader.active_backend() == "c":
+        return reader._pread_pool.slab_check(n_pages, slab.offsets, page_size, slab.crcs, expected, n_unique,
+                                             slab.uniq, slab.uslots, scales, scales.shape[1] if scales is not None
+                                             else 0, placed)
+    bad = np.flatnonzero(slab.crcs[:n_pages] != expected[slab.offsets[:n_pages] // page_size])
+    if len(bad):
+        return len(bad), int(bad[0])
+    if scales is not None:
+        placed[slab.uslots[:n_unique]] = scales[slab.uniq[:n_unique]]
+    return 0, -1
