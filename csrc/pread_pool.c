@@ -21,7 +21,9 @@
  *
  * Work distribution: a worker attaches to the oldest job with unclaimed blocks (under the pool mutex),
  * then claims blocks one at a time with an atomic counter (no lock per read), so a job keeps `threads`
- * reads in flight until its tail. Not fork-safe: reader.py rebuilds the pool in a forked child.
+ * reads in flight until its tail. The calling thread claims blocks of its own job too, so its first read
+ * starts at once (waking a sleeping worker costs tens of microseconds on a virtual machine) and a job of
+ * n blocks wakes at most n - 1 workers. Not fork-safe: reader.py rebuilds the pool in a forked child.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -97,6 +99,59 @@ static int read_block(Job *j, Py_ssize_t i, int *err, Py_ssize_t *got) {
     return 0;
 }
 
+typedef struct {
+    Py_ssize_t finished; /* blocks this thread claimed */
+    Py_ssize_t fail;     /* its lowest failing block, or -1 */
+    int err;
+    Py_ssize_t got;
+} Share;
+
+/* Claims blocks of j one at a time until none is left, reading (and checksumming) each: one thread's share. */
+static Share take_share(Job *j) {
+    Share s = {0, -1, 0, 0};
+    for (;;) {
+        Py_ssize_t i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (i >= j->n) break;
+        s.finished++;
+        if (__atomic_load_n(&j->failed, __ATOMIC_RELAXED)) continue;
+        int err;
+        Py_ssize_t got;
+        if (read_block(j, i, &err, &got) != 0) {
+            __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+            if (s.fail < 0 || i < s.fail) { s.fail = i; s.err = err; s.got = got; }
+        } else if (j->crc_page > 0) { /* checksum the block's pages while they are hot in this core's cache */
+            Py_ssize_t per = j->size / j->crc_page;
+            const char *src = j->out + i * j->size;
+            for (Py_ssize_t k = 0; k < per; k++)
+                j->crc_out[i * per + k] = crc32c_update(0, src + k * j->crc_page, (size_t)j->crc_page);
+        }
+    }
+    return s;
+}
+
+/* Under p->mu, after a share: every block of j is claimed, so j leaves the queue (wherever it is: the
+ * caller's own share may end while an older job is still at the head); the share is counted and the thread
+ * detaches, waking the caller when j is complete. */
+static void end_share(Pool *p, Job *j, Share s) {
+    Job **link = &p->head, *prev = NULL;
+    while (*link != NULL && *link != j) {
+        prev = *link;
+        link = &(*link)->link;
+    }
+    if (*link == j) {
+        *link = j->link;
+        if (p->tail == j) p->tail = prev;
+    }
+    if (s.fail >= 0 && (j->fail_index < 0 || s.fail < j->fail_index)) {
+        j->fail_index = s.fail;
+        j->fail_errno = s.err;
+        j->fail_got = s.got;
+    }
+    j->done += s.finished;
+    j->attached--;
+    if (j->done == j->n && j->attached == 0) pthread_cond_signal(&j->cv_done);
+}
+
 static void *worker(void *arg) {
     Pool *p = (Pool *)arg;
     pthread_mutex_lock(&p->mu);
@@ -106,40 +161,9 @@ static void *worker(void *arg) {
         Job *j = p->head;
         j->attached++;
         pthread_mutex_unlock(&p->mu);
-
-        Py_ssize_t finished = 0, my_fail = -1, my_got = 0;
-        int my_err = 0;
-        for (;;) {
-            Py_ssize_t i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-            if (i >= j->n) break;
-            finished++;
-            if (__atomic_load_n(&j->failed, __ATOMIC_RELAXED)) continue;
-            int err;
-            Py_ssize_t got;
-            if (read_block(j, i, &err, &got) != 0) {
-                __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
-                if (my_fail < 0 || i < my_fail) { my_fail = i; my_err = err; my_got = got; }
-            } else if (j->crc_page > 0) { /* checksum the block's pages while they are hot in this core's cache */
-                Py_ssize_t per = j->size / j->crc_page;
-                const char *src = j->out + i * j->size;
-                for (Py_ssize_t k = 0; k < per; k++)
-                    j->crc_out[i * per + k] = crc32c_update(0, src + k * j->crc_page, (size_t)j->crc_page);
-            }
-        }
-
+        Share s = take_share(j);
         pthread_mutex_lock(&p->mu);
-        if (p->head == j) { /* every block of j is claimed: take it off the queue */
-            p->head = j->link;
-            if (p->head == NULL) p->tail = NULL;
-        }
-        if (my_fail >= 0 && (j->fail_index < 0 || my_fail < j->fail_index)) {
-            j->fail_index = my_fail;
-            j->fail_errno = my_err;
-            j->fail_got = my_got;
-        }
-        j->done += finished;
-        j->attached--;
-        if (j->done == j->n && j->attached == 0) pthread_cond_signal(&j->cv_done);
+        end_share(p, j, s);
     }
     pthread_mutex_unlock(&p->mu);
     return NULL;
@@ -266,11 +290,16 @@ static PyObject *Pool_read(Pool *self, PyObject *args, PyObject *kwds) {
     pthread_mutex_lock(&self->mu);
     if (self->tail) self->tail->link = &j; else self->head = &j;
     self->tail = &j;
-    if (n >= self->nthreads) {
+    j.attached = 1; /* the calling thread reads a share too: its first read starts without a wake-up */
+    if (n - 1 >= self->nthreads) {
         pthread_cond_broadcast(&self->cv_work);
-    } else { /* wake only as many workers as there are blocks */
-        for (Py_ssize_t k = 0; k < n; k++) pthread_cond_signal(&self->cv_work);
+    } else { /* wake only as many workers as there are blocks besides the caller's first */
+        for (Py_ssize_t k = 0; k < n - 1; k++) pthread_cond_signal(&self->cv_work);
     }
+    pthread_mutex_unlock(&self->mu);
+    Share mine = take_share(&j);
+    pthread_mutex_lock(&self->mu);
+    end_share(self, &j, mine);
     while (j.done < j.n || j.attached > 0) pthread_cond_wait(&j.cv_done, &self->mu);
     pthread_mutex_unlock(&self->mu);
     Py_END_ALLOW_THREADS
