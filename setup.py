@@ -1,4 +1,4 @@
-"""Builds the optional C disk reader (csrc/pread_pool.c + csrc/slab_plan.c -> engram.store._pread_pool).
+"""Builds the optional C disk reader (csrc/pread_pool.c, slab_plan.c, aio_reader.c -> engram.store._pread_pool).
 
 The extension is optional: when no compiler is present the build goes on without it and the disk tier
 falls back to its pure-Python reader (it warns once at first use).
@@ -9,7 +9,7 @@ setup(
     ext_modules=[
         Extension(
             "engram.store._pread_pool",
-            sources=["csrc/pread_pool.c", "csrc/slab_plan.c"],
+            sources=["csrc/pread_pool.c", "csrc/slab_plan.c", "csrc/aio_reader.c"],
             depends=["csrc/crc32c.h"],
             extra_compile_args=["-O2", "-pthread"],
             extra_link_args=["-pthread"],

@@ -1,6 +1,7 @@
 /* engram.store._pread_pool: a GIL-free batched pread reader for the disk tier, and the CRC32C of the pages
  * it returns (crc32c.h: crc32c, crc32c_pages, crc32c_impl; see the end of this file), and the read plan of one
- * disk-tier lookup (slab_plan, slab_check: csrc/slab_plan.c).
+ * disk-tier lookup (slab_plan, slab_check: csrc/slab_plan.c); Aio, the same reads through Linux AIO for
+ * O_DIRECT files (csrc/aio_reader.c).
  *
  * Pool(threads) starts `threads` pthreads that live as long as the pool. Pool.read(fd, offsets, size, out)
  * reads len(offsets) blocks of `size` bytes, block i from file offset offsets[i] into out[i*size:(i+1)*size],
@@ -405,6 +406,9 @@ static PyObject *mod_crc32c_impl(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(i
     return PyUnicode_FromString(crc32c_hw ? "sse4.2" : "table");
 }
 
+/* csrc/aio_reader.c: batched O_DIRECT reads through Linux AIO */
+extern PyTypeObject EngramAioType;
+
 /* csrc/slab_plan.c: the read plan of one lookup and its check */
 PyObject *engram_slab_plan(PyObject *mod, PyObject *args);
 PyObject *engram_slab_check(PyObject *mod, PyObject *args);
@@ -430,10 +434,11 @@ static struct PyModuleDef moduledef = {
 
 PyMODINIT_FUNC PyInit__pread_pool(void) {
     crc32c_init();
-    if (PyType_Ready(&PoolType) < 0) return NULL;
+    if (PyType_Ready(&PoolType) < 0 || PyType_Ready(&EngramAioType) < 0) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL) return NULL;
-    if (PyModule_AddObjectRef(m, "Pool", (PyObject *)&PoolType) < 0) {
+    if (PyModule_AddObjectRef(m, "Pool", (PyObject *)&PoolType) < 0 ||
+        PyModule_AddObjectRef(m, "Aio", (PyObject *)&EngramAioType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

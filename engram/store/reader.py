@@ -1,8 +1,10 @@
 """Batched page reads from one file: ``PageReader.read(offsets, out)`` fills ``out`` with whole pages.
 
 The fast path is the C pthread pool ``engram.store._pread_pool`` (csrc/pread_pool.c), which releases the
-GIL and keeps ``queue_depth`` preads in flight; without it (no compiler at install time) a pure-Python
-thread pool returns identical bytes, with one warning per process. ``io="direct"`` opens the file with
+GIL and keeps ``queue_depth`` preads in flight, and for ``io="direct"`` the same extension's Linux AIO
+reader (csrc/aio_reader.c: one ``io_submit`` per batch, ``queue_depth`` reads in flight, no thread woken per
+read; ``AIO``); without the extension (no compiler at install time) a pure-Python thread pool returns
+identical bytes, with one warning per process. ``io="direct"`` opens the file with
 O_DIRECT (reads bypass the page cache; buffers must be page-aligned, see ``aligned_pages``) and
 ``io="buffered"`` goes through the page cache. Any failed, short or stale read raises ``DiskReadError``
 naming the file and byte offset; only that call fails, the next one reads afresh. ``ENGRAM_READER``
@@ -23,7 +25,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from engram.fast_path import FastPathSwitch
+from engram.fast_path import FastPathSwitch, env_flag
 from engram.store.crc32c import crc32c_pages
 
 PAGE = 4096  # read unit and O_DIRECT alignment: 4 KiB covers every logical block size in use
@@ -45,6 +47,12 @@ SWITCH = FastPathSwitch(
     fallback_warning=f"engram: the C disk reader is not built ({_IMPORT_ERROR}); using the slower pure-Python "
                      "thread-pool reader (reinstall with a C compiler to build csrc/pread_pool.c)")
 _pools: dict[tuple[str, int], object] = {}  # (backend, queue depth) -> pool shared by every reader
+# O_DIRECT reads through Linux AIO (csrc/aio_reader.c: one io_submit per batch, no thread woken per read;
+# ENGRAM_AIO=0 keeps them on the thread pool). Buffered reads always use the pool: AIO reads the page
+# cache synchronously.
+AIO = env_flag("ENGRAM_AIO", default=True)
+_aio_local = threading.local()
+_aio_broken = False  # io_setup failed once: the pool reads O_DIRECT too
 _pools_pid = os.getpid()
 _pools_lock = threading.Lock()
 
@@ -127,10 +135,34 @@ class _PythonPool:
         self._ex.shutdown(wait=True)
 
 
-def _pool(queue_depth: int):
-    """The process-wide pool for this backend and depth (rebuilt in a forked child: threads do not fork)."""
+def _aio(queue_depth: int):
+    """This thread's Linux AIO context of ``queue_depth`` slots (csrc/aio_reader.c), or None where the kernel
+    refuses one (then the pool reads); one per thread, since a context hands completions to whoever waits."""
+    global _aio_broken
+    per = getattr(_aio_local, "by_depth", None)
+    if per is None or _aio_local.pid != os.getpid():  # a forked child builds its own
+        per = _aio_local.by_depth = {}
+        _aio_local.pid = os.getpid()
+    ctx = per.get(queue_depth)
+    if ctx is None and not _aio_broken:
+        try:
+            ctx = per[queue_depth] = _pread_pool.Aio(queue_depth)
+        except OSError as e:
+            _aio_broken = True
+            warnings.warn(f"engram: Linux AIO is unavailable ({e}); O_DIRECT reads go through the thread pool",
+                          RuntimeWarning, stacklevel=3)
+    return ctx
+
+
+def _pool(queue_depth: int, io: str = "buffered"):
+    """What reads a batch: with the C backend and io="direct", this thread's AIO context (``AIO``); else the
+    process-wide pool for this backend and depth (rebuilt in a forked child: threads do not fork)."""
     global _pools_pid
     kind = "c" if SWITCH.use_fast(stacklevel=2) else "python"  # the first fallback under "auto" warns
+    if kind == "c" and io == "direct" and AIO:
+        ctx = _aio(queue_depth)
+        if ctx is not None:
+            return ctx
     with _pools_lock:
         if os.getpid() != _pools_pid:
             _pools.clear()
@@ -241,12 +273,12 @@ class PageReader:
         with self._lock:  # a reopen swaps the fd; reads themselves run concurrently
             self._check_same_file(int(offsets[0]))
             fd = self._fd
-        pool = _pool(self.queue_depth)
+        pool = _pool(self.queue_depth, self._io)
         buf = out.numpy()
         kw = {}
         if fault is not None:
             kw.update(inject_index=fault.index, inject_errno=fault.err, inject_got=fault.got)
-        in_pool = crcs is not None and isinstance(pool, _pread_pool.Pool if _pread_pool else ())
+        in_pool = crcs is not None and isinstance(pool, (_pread_pool.Pool, _pread_pool.Aio) if _pread_pool else ())
         if crcs is not None:
             if crc_page < 1 or size % crc_page or crcs.dtype != np.uint32 or len(crcs) < n * (size // crc_page):
                 raise ValueError(f"crcs must be uint32 with >= {n * max(1, size // max(1, crc_page))} entries and "

@@ -221,3 +221,54 @@ print("ok")
 """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+@pytest.mark.skipif(not rd.c_available(), reason="the C reader is not built")
+def test_direct_reads_go_through_a_thread_local_aio_context_equal_to_the_pool(tmp_path, monkeypatch):
+    """io="direct" with the C backend reads through Linux AIO (one context per thread), giving the pool's
+    bytes and checksums; ENGRAM_AIO off (``AIO``) keeps them on the pool; a read past the end is a short read."""
+    from engram.store.crc32c import crc32c_pages
+
+    old = rd.set_backend("c")
+    try:
+        data = make_file(tmp_path / "v.bin", 64)
+        r = PageReader(tmp_path / "v.bin", io="direct", queue_depth=8)
+        if r.io != "direct":
+            pytest.skip("this file system refuses O_DIRECT")
+        assert isinstance(rd._pool(8, "direct"), rd._pread_pool.Aio)
+        assert isinstance(rd._pool(8, "buffered"), rd._pread_pool.Pool)
+        offs = np.random.default_rng(3).integers(0, 64, 40) * PAGE  # more blocks than the depth, repeats
+        got = {}
+        for aio in (True, False):
+            monkeypatch.setattr(rd, "AIO", aio)
+            out, crcs = aligned_pages(40), np.zeros(40, dtype=np.uint32)
+            r.read(offs, out, crcs=crcs)
+            got[aio] = out.numpy().reshape(-1).copy(), crcs
+        assert isinstance(rd._pool(8, "direct"), rd._pread_pool.Pool)
+        monkeypatch.setattr(rd, "AIO", True)
+        assert np.array_equal(got[True][0], expected(data, offs, PAGE))
+        assert np.array_equal(got[True][0], got[False][0]) and np.array_equal(got[True][1], got[False][1])
+        assert np.array_equal(got[True][1], crc32c_pages(got[True][0], PAGE))
+        with pytest.raises(DiskReadError, match="short read: 0 of 4096 bytes") as ei:
+            r.read(np.array([PAGE, 64 * PAGE], dtype=np.int64), aligned_pages(2))
+        assert ei.value.offset == 64 * PAGE
+        contexts, errors = [], []
+
+        def loop(seed):  # threads read at once, each through its own context
+            contexts.append(rd._pool(8, "direct"))  # held: no context is freed and its id reused
+            rng = np.random.default_rng(seed)
+            for _ in range(50):
+                o = rng.integers(0, 64, int(rng.integers(1, 30))) * PAGE
+                out = aligned_pages(len(o))
+                r.read(o, out)
+                if not np.array_equal(out.numpy().reshape(-1), expected(data, o, PAGE)):
+                    errors.append(seed)
+
+        threads = [threading.Thread(target=loop, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == [] and len({id(c) for c in contexts}) == 4
+    finally:
+        rd.set_backend(old)
