@@ -13,7 +13,7 @@
 #   host-8b    the same for 8b-like                                                   (~4 min)
 #   exposure   the first Engram layer's wait inside replays, batch 64 and 256          (~1 min)
 #   disk       disk tier (O_DIRECT) vs its bound and its latency floor, batch 1 and 64; then the batch-1
-#              phases                                                                 (~5 min)
+#              phases and one lookup's read latency back to back and after an idle gap   (~5 min)
 #
 # OUTDIR (default $OUT, else bench/results) receives <date>-<what>-<commit>.{json,log}. ENGRAM_COMMIT
 # names the commit when the tree is not a git checkout (a snapshot copied to the machine).
@@ -73,6 +73,8 @@ disk)
         --batch-sizes 1,64 --out "$out/$stamp-placement-disk-4b-like-$commit.json"
     run profile-disk-4b-like-b1 python3 -u scripts/profile_decode_host.py --tier disk --cache-dir "$cache" \
         --engram-config '{"io": "direct", "queue_depth": 64}' --steps 40
+    run read-latency-gaps python3 -u scripts/read_latency.py "$(find "$cache" -name values.bin | head -1)" \
+        --seconds 1 --gaps-ms 0,4 --depths 8,24,64
     ;;
 *)
     echo "unknown part '$part': tests, engine, switches, host-4b, host-8b, exposure or disk" >&2
