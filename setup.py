@@ -10,7 +10,7 @@ setup(
         Extension(
             "engram.store._pread_pool",
             sources=["csrc/pread_pool.c", "csrc/slab_plan.c", "csrc/aio_reader.c"],
-            depends=["csrc/crc32c.h"],
+            depends=["csrc/crc32c.h", "csrc/read_call.h"],
             extra_compile_args=["-O2", "-pthread"],
             extra_link_args=["-pthread"],
             optional=True,

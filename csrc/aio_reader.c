@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include "crc32c.h"
+#include "read_call.h"
 
 typedef struct {
     PyObject_HEAD
@@ -115,31 +116,14 @@ static void fail_block(Batch *b, Py_ssize_t i, int err, Py_ssize_t got) {
     }
 }
 
-static void block_done(Batch *b, Py_ssize_t i) {
-    if (b->crc_page <= 0) return;
-    Py_ssize_t per = b->size / b->crc_page;
-    const char *src = b->out + i * b->size;
-    for (Py_ssize_t k = 0; k < per; k++)
-        b->crc_out[i * per + k] = crc32c_update(0, src + k * b->crc_page, (size_t)b->crc_page);
-}
-
 /* A block that came back short: the rest with pread (EOF then shows as a short read). */
 static void finish_short(Batch *b, Py_ssize_t i, Py_ssize_t have) {
-    char *dst = b->out + i * b->size;
-    while (have < b->size) {
-        ssize_t r = pread(b->fd, dst + have, (size_t)(b->size - have), (off_t)b->offsets[i] + have);
-        if (r < 0) {
-            if (errno == EINTR) continue;
-            fail_block(b, i, errno, have);
-            return;
-        }
-        if (r == 0) {
-            fail_block(b, i, 0, have);
-            return;
-        }
-        have += r;
-    }
-    block_done(b, i);
+    int err;
+    Py_ssize_t got;
+    if (pread_full(b->fd, b->out + i * b->size, b->size, b->offsets[i], have, &err, &got) != 0)
+        fail_block(b, i, err, got);
+    else
+        crc_block(b->out, i, b->size, b->crc_page, b->crc_out);
 }
 
 /* Runs without the GIL. Returns 0, or an errno of the context itself (io_submit / io_getevents failing). */
@@ -206,65 +190,38 @@ static int run_batch(Aio *self, Batch *b, Py_ssize_t inject_index, int inject_er
             inflight--;
             if (res < 0) fail_block(b, i, (int)-res, 0);
             else if (res < b->size) finish_short(b, i, (Py_ssize_t)res);
-            else block_done(b, i);
+            else crc_block(b->out, i, b->size, b->crc_page, b->crc_out);
         }
     }
     return 0;
 }
 
 static PyObject *Aio_read(Aio *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"fd", "offsets", "size", "out", "inject_index", "inject_errno", "inject_got",
-                             "crc_out", "crc_page", NULL};
-    int fd, inject_errno = 0;
-    Py_ssize_t size, inject_index = -1, inject_got = 0, crc_page = 0;
-    Py_buffer offs, out, crc = {0};
     if (!self->ctx) {
         PyErr_SetString(PyExc_RuntimeError, "Aio is closed");
         return NULL;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iy*nw*|ninw*n", kwlist, &fd, &offs, &size, &out,
-                                     &inject_index, &inject_errno, &inject_got, &crc, &crc_page))
-        return NULL;
-    PyObject *result = NULL;
-    Py_ssize_t n = offs.len / (Py_ssize_t)sizeof(int64_t);
-    if (size < 1 || size > (Py_ssize_t)1 << 40 || offs.len % (Py_ssize_t)sizeof(int64_t) != 0 || out.len < n * size) {
-        PyErr_Format(PyExc_ValueError, "size=%zd, %zd offset bytes and an out of %zd bytes do not fit together",
-                     size, offs.len, out.len);
-        goto done;
-    }
-    if (n >= ((Py_ssize_t)1 << 47)) {
+    ReadCall c;
+    if (read_call_parse(args, kwds, &c) < 0) return NULL;
+    if (c.n >= ((Py_ssize_t)1 << 47)) { /* a block's index shares aio_data with its iocb slot (16 bits) */
+        read_call_release(&c);
         PyErr_SetString(PyExc_ValueError, "too many blocks");
-        goto done;
+        return NULL;
     }
-    if (crc.buf != NULL || crc_page != 0) {
-        if (crc.buf == NULL || crc_page < 1 || size % crc_page != 0 ||
-            crc.len < n * (size / crc_page) * (Py_ssize_t)sizeof(uint32_t)) {
-            PyErr_Format(PyExc_ValueError, "crc_out needs crc_page >= 1 dividing size=%zd and 4 bytes per page",
-                         size);
-            goto done;
-        }
-    }
-    Batch b = {fd, (const int64_t *)offs.buf, size, n, (char *)out.buf, crc.buf != NULL ? crc_page : 0,
-               (uint32_t *)crc.buf, -1, 0, 0};
+    Batch b = {c.fd, (const int64_t *)c.offs.buf, c.size, c.n, (char *)c.out.buf, c.crc_page,
+               (uint32_t *)c.crc.buf, -1, 0, 0};
     int ctx_err = 0;
-    if (n > 0) {
+    if (c.n > 0) {
         Py_BEGIN_ALLOW_THREADS
-        ctx_err = run_batch(self, &b, inject_index, inject_errno, inject_got);
+        ctx_err = run_batch(self, &b, c.inject_index, c.inject_errno, c.inject_got);
         Py_END_ALLOW_THREADS
     }
+    read_call_release(&c);
     if (ctx_err) {
         errno = ctx_err;
-        PyErr_SetFromErrno(PyExc_OSError);
-    } else if (b.fail_index < 0) {
-        result = Py_NewRef(Py_None);
-    } else {
-        result = Py_BuildValue("(nin)", b.fail_index, b.fail_errno, b.fail_got);
+        return PyErr_SetFromErrno(PyExc_OSError);
     }
-done:
-    PyBuffer_Release(&offs);
-    PyBuffer_Release(&out);
-    if (crc.obj != NULL) PyBuffer_Release(&crc);
-    return result;
+    return read_call_result(b.fail_index, b.fail_errno, b.fail_got);
 }
 
 static PyObject *Aio_get_depth(Aio *self, void *Py_UNUSED(closure)) {

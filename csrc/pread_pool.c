@@ -33,6 +33,7 @@
 #include <pthread.h>
 
 #include "crc32c.h"
+#include "read_call.h"
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
@@ -72,32 +73,14 @@ typedef struct {
     int stop;
 } Pool;
 
-/* Reads block i of job j in full (retrying EINTR and partial reads); returns 0 or fills *err / *got. */
+/* Reads block i of job j in full (or fails it as injected); returns 0 or fills *err / *got. */
 static int read_block(Job *j, Py_ssize_t i, int *err, Py_ssize_t *got) {
-    char *dst = j->out + i * j->size;
-    off_t off = (off_t)j->offsets[i];
-    Py_ssize_t have = 0;
     if (i == j->inject_index) {
         *err = j->inject_errno;
         *got = j->inject_errno ? 0 : (j->inject_got < j->size ? j->inject_got : j->size - 1);
         return -1;
     }
-    while (have < j->size) {
-        ssize_t r = pread(j->fd, dst + have, (size_t)(j->size - have), off + have);
-        if (r < 0) {
-            if (errno == EINTR) continue;
-            *err = errno;
-            *got = have;
-            return -1;
-        }
-        if (r == 0) { /* end of file: a short read */
-            *err = 0;
-            *got = have;
-            return -1;
-        }
-        have += r;
-    }
-    return 0;
+    return pread_full(j->fd, j->out + i * j->size, j->size, j->offsets[i], 0, err, got);
 }
 
 typedef struct {
@@ -120,11 +103,8 @@ static Share take_share(Job *j) {
         if (read_block(j, i, &err, &got) != 0) {
             __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
             if (s.fail < 0 || i < s.fail) { s.fail = i; s.err = err; s.got = got; }
-        } else if (j->crc_page > 0) { /* checksum the block's pages while they are hot in this core's cache */
-            Py_ssize_t per = j->size / j->crc_page;
-            const char *src = j->out + i * j->size;
-            for (Py_ssize_t k = 0; k < per; k++)
-                j->crc_out[i * per + k] = crc32c_update(0, src + k * j->crc_page, (size_t)j->crc_page);
+        } else {
+            crc_block(j->out, i, j->size, j->crc_page, j->crc_out);
         }
     }
     return s;
@@ -229,62 +209,30 @@ static void Pool_dealloc(Pool *self) {
 }
 
 static PyObject *Pool_read(Pool *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"fd", "offsets", "size", "out", "inject_index", "inject_errno", "inject_got",
-                             "crc_out", "crc_page", NULL};
-    int fd, inject_errno = 0;
-    Py_ssize_t size, inject_index = -1, inject_got = 0, crc_page = 0;
-    Py_buffer offs, out, crc = {0};
     if (self->threads == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Pool is closed");
         return NULL;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iy*nw*|ninw*n", kwlist, &fd, &offs, &size, &out,
-                                     &inject_index, &inject_errno, &inject_got, &crc, &crc_page))
-        return NULL;
-    PyObject *result = NULL;
-    Py_ssize_t n = offs.len / (Py_ssize_t)sizeof(int64_t);
-    if (size < 1) {
-        PyErr_Format(PyExc_ValueError, "size=%zd: must be >= 1", size);
-        goto done;
-    }
-    if (offs.len % (Py_ssize_t)sizeof(int64_t) != 0) {
-        PyErr_Format(PyExc_ValueError, "offsets must hold int64 values, got %zd bytes", offs.len);
-        goto done;
-    }
-    if (out.len < n * size) {
-        PyErr_Format(PyExc_ValueError, "out holds %zd bytes but %zd blocks of %zd bytes need %zd",
-                     out.len, n, size, n * size);
-        goto done;
-    }
-    if (crc.buf != NULL || crc_page != 0) {
-        if (crc.buf == NULL || crc_page < 1 || size % crc_page != 0) {
-            PyErr_Format(PyExc_ValueError, "crc_out needs crc_page >= 1 dividing size=%zd (crc_page=%zd)",
-                         size, crc_page);
-            goto done;
-        }
-        if (crc.len < n * (size / crc_page) * (Py_ssize_t)sizeof(uint32_t)) {
-            PyErr_Format(PyExc_ValueError, "crc_out holds %zd bytes but %zd pages need %zd", crc.len,
-                         n * (size / crc_page), n * (size / crc_page) * (Py_ssize_t)sizeof(uint32_t));
-            goto done;
-        }
-    }
+    ReadCall c;
+    if (read_call_parse(args, kwds, &c) < 0) return NULL;
+    Py_ssize_t n = c.n;
     if (n == 0) {
-        result = Py_NewRef(Py_None);
-        goto done;
+        read_call_release(&c);
+        Py_RETURN_NONE;
     }
     Job j;
     memset(&j, 0, sizeof j);
-    j.fd = fd;
-    j.offsets = (const int64_t *)offs.buf;
-    j.size = size;
-    j.out = (char *)out.buf;
+    j.fd = c.fd;
+    j.offsets = (const int64_t *)c.offs.buf;
+    j.size = c.size;
+    j.out = (char *)c.out.buf;
     j.n = n;
     j.fail_index = -1;
-    j.inject_index = inject_index;
-    j.inject_errno = inject_errno;
-    j.inject_got = inject_got;
-    j.crc_page = crc.buf != NULL ? crc_page : 0;
-    j.crc_out = (uint32_t *)crc.buf;
+    j.inject_index = c.inject_index;
+    j.inject_errno = c.inject_errno;
+    j.inject_got = c.inject_got;
+    j.crc_page = c.crc_page;
+    j.crc_out = (uint32_t *)c.crc.buf;
     pthread_cond_init(&j.cv_done, NULL);
 
     Py_BEGIN_ALLOW_THREADS
@@ -305,17 +253,8 @@ static PyObject *Pool_read(Pool *self, PyObject *args, PyObject *kwds) {
     pthread_mutex_unlock(&self->mu);
     Py_END_ALLOW_THREADS
     pthread_cond_destroy(&j.cv_done);
-
-    if (j.fail_index < 0) {
-        result = Py_NewRef(Py_None);
-    } else {
-        result = Py_BuildValue("(nin)", j.fail_index, j.fail_errno, j.fail_got);
-    }
-done:
-    PyBuffer_Release(&offs);
-    PyBuffer_Release(&out);
-    if (crc.obj != NULL) PyBuffer_Release(&crc);
-    return result;
+    read_call_release(&c);
+    return read_call_result(j.fail_index, j.fail_errno, j.fail_got);
 }
 
 static PyObject *Pool_close(Pool *self, PyObject *Py_UNUSED(ignored)) {
