@@ -12,8 +12,9 @@
 #   host-4b    4b-like, ~33 GiB pinned per Engram layer vs HBM, batch 1 and 64         (~3 min)
 #   host-8b    the same for 8b-like                                                   (~4 min)
 #   exposure   the first Engram layer's wait inside replays, batch 64 and 256          (~1 min)
-#   disk       disk tier (O_DIRECT) vs its bound and its latency floor, batch 1 and 64; then the batch-1
-#              phases and one lookup's read latency back to back and after an idle gap   (~5 min)
+#   disk       disk tier (O_DIRECT) vs its bound and its latency floor, batch 1 and 64, with its rows
+#              decoded outside and inside the decode graphs; then the batch-1 phases and one lookup's read
+#              latency back to back and after an idle gap (~5 min with one disk arm; not yet run with two)
 #
 # OUTDIR (default $OUT, else bench/results) receives <date>-<what>-<commit>.{json,log}. ENGRAM_COMMIT
 # names the commit when the tree is not a git checkout (a snapshot copied to the machine).
@@ -70,6 +71,8 @@ disk)
         --engram-config '{"load_threads": 16, "table_rows": 31000000}' \
         --a '{"tier": "host", "lookup_overlap": true}' \
         --b '{"tier": "disk", "lookup_overlap": true, "options": {"io": "direct", "queue_depth": 64}}' \
+        --b '{"tier": "disk", "lookup_overlap": true, "options": {"io": "direct", "queue_depth": 64},
+              "switches": {"disk_decode_in_graph": true}}' \
         --batch-sizes 1,64 --out "$out/$stamp-placement-disk-4b-like-$commit.json"
     run profile-disk-4b-like-b1 python3 -u scripts/profile_decode_host.py --tier disk --cache-dir "$cache" \
         --engram-config '{"io": "direct", "queue_depth": 64}' --steps 40

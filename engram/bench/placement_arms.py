@@ -9,7 +9,7 @@ for its tokens inside the launch) and ``options`` (a
 JSON object of table options, engram.store.StoreOptions keys such as ``cache_rows``, ``io``,
 ``queue_depth``; default none) and ``switches`` (a JSON object of kernel switches set while the arm's
 engine is built and measured, engram.model.kernel_switches names: ``pdl``, ``first_lookup_alone``,
-``cublaslt``; default none).
+``cublaslt``, ``disk_decode_in_graph``; default none).
 ``parse_arm`` turns it into an ``ArmSpec`` (hashable: one engine per distinct arm) or stops the command
 (SystemExit) naming the option (``--a``, ``--b[1]`` for the first ``--b``) and the offending key: any
 other key, a missing or unknown tier, a non-bool ``lookup_overlap``, ``wkv_run_ahead`` or

@@ -35,6 +35,7 @@ from engram.engine.lookup import StagedRows
 from engram.engine.lookup_stream import LookupStream
 from engram.engine.pending import PendingPatch
 from engram.engine.step import StepDescription
+from engram.fast_path import env_flag
 from engram.module import Projected
 from engram.model.inputs import StepInputs
 from engram.model.layers import paged_attention as pa
@@ -47,6 +48,13 @@ log = logging.getLogger(__name__)
 # while the layers before it replay (tests/gpu/test_piecewise_graphs.py). On unless
 # ENGRAM_PIECEWISE_GRAPHS=0 (one graph per bucket, every row copied in before it).
 PIECEWISE = os.environ.get("ENGRAM_PIECEWISE_GRAPHS", "1") != "0"
+# Disk tables' rows decoded inside the pieces (ENGRAM_DISK_DECODE_IN_GRAPH=1, kernel switch
+# ``disk_decode_in_graph``; off by default until measured on a GPU): each such Engram layer gets a slab of its
+# table (store/page_slabs.py, pinned) sized for the largest bucket; a step's lookup only reads the pages into
+# it (``DiskTable.read_slab``), and the piece that starts with the layer decodes the slab with the UVA gather
+# it captured (``DiskTable.decode_slab``, reading the slots over UVA too), so no decode kernel is launched
+# from Python and no rows are copied in on the step's critical path.
+DISK_DECODE_IN_GRAPH = env_flag("ENGRAM_DISK_DECODE_IN_GRAPH", default=False)
 
 
 def piece_ranges(engram_layer_ids, num_layers: int) -> list[tuple[int, int, int | None]]:
@@ -128,6 +136,12 @@ class DecodeGraphs:
         self.ranges = (piece_ranges(self.rows, len(model.model.layers))
                        if PIECEWISE and self.tables is None and self.rows else [])
         self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        # DISK_DECODE_IN_GRAPH: {layer: its disk table} and a slab each, read by the executor, decoded in the piece
+        self.slab_tables = ({lid: t for lid, t in (tables or {}).items()
+                             if lid in self.rows and getattr(t, "slab_reads", False) and t.cache is None}
+                            if DISK_DECODE_IN_GRAPH and self.ranges else {})
+        self.slabs = {lid: t.new_slab(b * self.n_cols) for lid, t in self.slab_tables.items()}
+        self._slab_decoded = {lid: torch.cuda.Event() for lid in self.slabs}
         self.replays = 0
         self._warned_too_large = False
         self.pool = torch.cuda.graph_pool_handle()
@@ -224,6 +238,8 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks its kernels
             self._forward(size, inputs)
+            for lid in self.slabs:
+                self._decode_slab(lid, size)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self.ranges:
             self._capture_pieces(size, inputs)
@@ -233,16 +249,24 @@ class DecodeGraphs:
             logits = self._forward(size, inputs)  # [size, vocab] float32
         self.graphs[size], self.logits[size] = graph, logits
 
+    def _decode_slab(self, layer_id: int, size: int) -> None:
+        """Layer ``layer_id``'s slab decoded into its static rows [size, n_cols, D] (captured in its piece)."""
+        rows = self.rows[layer_id][:size]
+        self.slab_tables[layer_id].decode_slab(self.slabs[layer_id], size * self.n_cols,
+                                               out=rows.view(-1, rows.shape[-1]))
+
     def _capture_pieces(self, size: int, inputs: StepInputs) -> None:
         """One graph per layer range, in the shared pool: the first also embeds, the last also makes the
         logits; each reads the streams the one before it wrote (tensors of the pool, kept alive by the
         state), so replaying them in order is the whole step."""
         pieces, state, logits = [], None, None
-        for k, (lo, hi, _) in enumerate(self.ranges):
+        for k, (lo, hi, lid) in enumerate(self.ranges):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 if state is None:
                     state = self.model.forward_begin(inputs, self.kv)
+                if lid in self.slabs:
+                    self._decode_slab(lid, size)
                 self.model.forward_layers(state, lo, hi)
                 if k == len(self.ranges) - 1:
                     logits = self.model.compute_logits(self.model.forward_end(state))  # [size, vocab] float32
@@ -280,8 +304,13 @@ class DecodeGraphs:
         if self.ranges:  # each piece's rows right before it: the host waits for them while earlier pieces run
             for graph, (_, _, lid) in zip(self.pieces[size], self.ranges):
                 if lid is not None:
-                    self.rows[lid][:s].copy_(staged.rows(lid, step.step_id))
+                    rows = staged.rows(lid, step.step_id)  # a slab layer: None once its pages are in the slab
+                    if lid not in self.slabs:
+                        self.rows[lid][:s].copy_(rows)
                 graph.replay()
+                if lid in self.slabs:  # the next read into the slab waits until this replay decoded it
+                    self._slab_decoded[lid].record()
+                    self.slabs[lid].done = self._slab_decoded[lid]
         else:
             if self.tables is None:
                 for lid, buf in self.rows.items():

@@ -154,17 +154,20 @@ class LookupExecutor:
         # WKV run-ahead (with a stream): layer id -> Engram.project of its rows, run on the lookup stream too
         self.projectors = projectors if stream is not None else None
 
-    def submit(self, step: StepDescription, patch: PendingPatch | None = None, project: bool = True) -> StagedRows:
+    def submit(self, step: StepDescription, patch: PendingPatch | None = None, project: bool = True,
+               slabs: dict | None = None) -> StagedRows:
         """Stage every layer's rows of ``step``. With a ``patch`` (async scheduling: some row ids exist only
         on the device) the ids are uploaded and patched there; tables that gather device ids as device work
         gather from them, and the others (host-read tables: the disk tier, hot-row caches; every table on the
         CPU) get them on the host, one synchronisation for all layers, which waits for the step that sampled
         the pending tokens, and are then submitted like host ids. ``project``: with a
         lookup stream and projectors, stage each layer's projection instead of its rows (False: the rows, for
-        a decode graph that projects them itself)."""
+        a decode graph that projects them itself). ``slabs``: {layer: a slab of that layer's disk table} whose
+        layers are read into the slab and not decoded (a decode graph that decodes them itself:
+        engine/cuda_graphs.py); ``rows`` of such a layer returns None once its pages are in."""
         deferred: dict = {}
         if self.stream is None:
-            return StagedRows(step.step_id, self._stage(step, patch, lambda lid, rows: None, deferred),
+            return StagedRows(step.step_id, self._stage(step, patch, lambda lid, rows: None, deferred, slabs),
                               deferred=deferred)
 
         def done(layer_id: int, rows: dict) -> None:
@@ -173,18 +176,20 @@ class LookupExecutor:
             self.stream.done(layer_id)
 
         with self.stream.issue(*([patch.rows, *patch.row_ids.values()] if patch is not None else [])):
-            rows = self._stage(step, patch, done, deferred)
+            rows = self._stage(step, patch, done, deferred, slabs)
         return StagedRows(step.step_id, rows, ready=self._wait, deferred=deferred)
 
     def _wait(self, layer_id: int, staged) -> None:
         self.stream.wait(layer_id, *(staged.tensors if isinstance(staged, Projected) else (staged,)))
 
-    def _stage(self, step: StepDescription, patch: PendingPatch | None, done,
-               deferred: dict) -> dict[int, torch.Tensor]:
+    def _stage(self, step: StepDescription, patch: PendingPatch | None, done, deferred: dict,
+               slabs: dict | None = None) -> dict[int, torch.Tensor]:
         """Every layer's rows [T, n_cols, D] on the current stream, ``done(layer, rows)`` after each; a layer
         whose reads still run (after the first, which the model needs at once) goes to ``deferred`` as
-        (handle, finish) instead, for ``StagedRows.rows`` to wait for when its layer asks."""
+        (handle, finish) instead, for ``StagedRows.rows`` to wait for when its layer asks. Layers in
+        ``slabs`` are read into their slab (always chained and deferred; their rows are None)."""
         handles: dict = {}
+        slabs = slabs or {}
         try:
             if patch is None or not self.takes_device_ids():
                 # host ids: the first layer's lookup, which the model needs at once, runs on this thread (no
@@ -194,13 +199,18 @@ class LookupExecutor:
                 layers = list(host_ids)
                 alone = FIRST_LOOKUP_ALONE
                 # over the disk tier the first lookup waits until the model reaches its layer (see above)
-                lazy = alone and bool(layers) and getattr(self.tables[layers[0]], "reads_from_disk", False)
+                lazy = bool(layers) and (bool(slabs) or alone and getattr(self.tables[layers[0]], "reads_from_disk",
+                                                                          False))
 
-                def gather_first() -> torch.Tensor:
-                    return self.tables[layers[0]].gather(host_ids[layers[0]].reshape(-1), dtype=self.fetch_dtype)
+                def gather_first() -> torch.Tensor | None:
+                    first = layers[0]
+                    if first in slabs:
+                        return self.tables[first].read_slab(host_ids[first].reshape(-1), slabs[first])
+                    return self.tables[first].gather(host_ids[first].reshape(-1), dtype=self.fetch_dtype)
 
                 def submit_later() -> dict:
-                    return {lid: self.tables[lid].submit(host_ids[lid].reshape(-1), dtype=self.fetch_dtype)
+                    return {lid: self.tables[lid].submit(host_ids[lid].reshape(-1), dtype=self.fetch_dtype,
+                                                         **({"into": slabs[lid]} if lid in slabs else {}))
                             for lid in layers[1:]}  # [T * n_cols] each, CPU int64
 
                 if lazy:
@@ -223,7 +233,7 @@ class LookupExecutor:
                     return self.tables[lid].gather(dev_ids.reshape(-1), dtype=self.fetch_dtype)
             rows = {}
             for i, (lid, ids) in enumerate(step.engram_row_ids.items()):
-                finish = functools.partial(self._finish, shape=ids.shape)
+                finish = _read_only if lid in slabs else functools.partial(self._finish, shape=ids.shape)
                 if lid in handles and not handles[lid].done() and (i > 0 or isinstance(handles[lid], Chained)):
                     deferred[lid] = (handles[lid], finish)
                     continue
@@ -259,6 +269,11 @@ class LookupExecutor:
     def stats(self) -> dict[int, dict[str, int]]:
         """Each table's counters (lookups, rows, hits, misses, bytes_read, ...), by Engram layer id."""
         return {lid: t.stats() for lid, t in self.tables.items()}
+
+
+def _read_only(nothing: None) -> None:
+    """The finish of a layer read into a slab: nothing to decode here (its decode graph does it)."""
+    return nothing
 
 
 def staging_bytes(cfg: EngramConfig, max_tokens: int, dtype: torch.dtype) -> int:

@@ -107,7 +107,8 @@ class Worker:
         if skip:
             staged = None
         elif type(self.lookup) is LookupExecutor:  # a graph step projects its rows inside the graph
-            staged = self.lookup.submit(step, patch, project=not graph)
+            slabs = self.graphs.slabs if graph else None  # disk rows the graph decodes (DISK_DECODE_IN_GRAPH)
+            staged = self.lookup.submit(step, patch, project=not graph, **({"slabs": slabs} if slabs else {}))
         else:
             staged = self.lookup.submit(step)
         try:

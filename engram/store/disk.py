@@ -31,7 +31,7 @@ from engram.store.load import load_file
 from engram.store.options import StoreOptions
 from engram.store import slab_plan
 from engram.store.page_crc import CorruptPageError, PageChecker, page_error
-from engram.store.page_slabs import SlabPool
+from engram.store.page_slabs import PageSlab, SlabPool
 from engram.store.reader import PAGE, PageReader, aligned_pages
 from engram.store.scrub import Scrubber
 
@@ -203,27 +203,33 @@ class DiskTable(TableBackend):
         n = len(ids_np)
         slab = self._slabs.acquire(n, n)
         try:
-            n_pages, n_unique = slab_plan.plan(ids_np, self._slabs.rows_per_page, self.page, slab)
-            self._count(lookups=1, rows=n, unique_rows=n_unique)
-            offsets = slab.offsets[:n_pages]
-            self.reader.read(offsets, slab.data, self.page, slab.crcs, self.page)
-            n_bad, first_bad = slab_plan.check(slab, n_pages, n_unique, self.page, self.pages.crcs, self._scales_np)
-            if n_bad:  # before any row is decoded
-                self._count_corrupt(n_bad)
-                p = int(offsets[first_bad]) // self.page
-                err = page_error(self.pages.path, p, self.page, int(self.pages.crcs[p]), int(slab.crcs[first_bad]))
-                err.bad_pages = n_bad
-                raise err
+            n_pages = self._read_into(ids_np, slab)
             rows_used = n_pages * self._slabs.rows_per_page
             scales = slab.scales[:rows_used] if slab.scales is not None else None
             values = slab.data.view(-1, self.stride)[:rows_used]  # [P * rows_per_page, stride]
-            rows = self._decode_slab(values, scales, slab.slots[:n], slab.pinned, out, dtype)
+            return self._decode_slab(values, scales, slab.slots[:n], slab.pinned, out, dtype)
         finally:  # on CUDA the slab is reused only once the work queued on this stream has run
             self._slabs.release(slab, torch.cuda.current_stream(self.device) if slab.pinned else None)
+
+    def _read_into(self, ids_np: np.ndarray, slab: PageSlab) -> int:
+        """A one-read lookup's host part: plan, read, check the pages (CorruptPageError before anything is
+        decoded), place the scales; counts the lookup. Returns the number of pages read."""
+        n = len(ids_np)
+        n_pages, n_unique = slab_plan.plan(ids_np, self._slabs.rows_per_page, self.page, slab)
+        self._count(lookups=1, rows=n, unique_rows=n_unique)
+        offsets = slab.offsets[:n_pages]
+        self.reader.read(offsets, slab.data, self.page, slab.crcs, self.page)
+        n_bad, first_bad = slab_plan.check(slab, n_pages, n_unique, self.page, self.pages.crcs, self._scales_np)
+        if n_bad:
+            self._count_corrupt(n_bad)
+            p = int(offsets[first_bad]) // self.page
+            err = page_error(self.pages.path, p, self.page, int(self.pages.crcs[p]), int(slab.crcs[first_bad]))
+            err.bad_pages = n_bad
+            raise err
         self._count(read_ops=n_pages, bytes_read=n_pages * self.page)
         with self._lock:
             self._extra["disk_rows"] += n_unique
-        return rows
+        return n_pages
 
     def _decode_slab(self, values: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, pinned: bool,
                      out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -236,6 +242,48 @@ class DiskTable(TableBackend):
             return uva.gather_rows(values, scales, slots, self.row_dtype, self.dim, out=out, dtype=dtype,
                                    route="direct")
         return kernels.gather_rows(values, scales, slots, self.row_dtype, self.dim, out=out, dtype=dtype)
+
+    # ----------------------------------------------------------------- a caller's slab (decode graphs)
+    @property
+    def slab_reads(self) -> bool:
+        """Whether this table reads into slabs (rows of at most a page: ``new_slab`` works)."""
+        return self._slabs is not None
+
+    def new_slab(self, rows: int) -> PageSlab:
+        """A slab of this table for lookups of up to ``rows`` ids, owned by the caller (a decode graph keeps
+        one per Engram layer: engine/cuda_graphs.py): pinned on CUDA, zero-filled, every slot row 0."""
+        if self._slabs is None:
+            raise ValueError(f"{self.manifest.path}: rows of {self.stride} B span pages; no slab reads")
+        slab = self._slabs.new(rows, rows)
+        slab.data.zero_()
+        slab.slots.zero_()
+        if slab.scales is not None:
+            slab.scales.zero_()
+        return slab
+
+    def read_slab(self, ids: torch.Tensor | Any, slab: PageSlab) -> None:
+        """Read rows ``ids`` into the caller's ``slab`` (``new_slab``): a one-read lookup without its decode,
+        which ``decode_slab`` runs (a decode graph captures it). Waits first, if need be, for the device work
+        that last read the slab (``slab.done``, recorded by its owner)."""
+        ids = self.check_ids(ids)
+        if ids.numel() > slab.rows:
+            raise ValueError(f"{ids.numel()} ids do not fit a slab of {slab.rows}")
+        if not slab.ready():
+            slab.done.synchronize()
+        self._read_into(ids.numpy(), slab)
+
+    def decode_slab(self, slab: PageSlab, n: int, out: torch.Tensor) -> torch.Tensor:
+        """The rows of the first ``n`` slots of ``slab`` dequantized into ``out`` [n, dim] (its dtype): one
+        gather over the slab's whole capacity, reading the slots where they are (pinned memory, over UVA on
+        CUDA), so the launch does not depend on what a read planned and a CUDA graph can hold it; slots past
+        the last read point at rows the slab holds (``new_slab`` starts them at 0)."""
+        values = slab.data.view(-1, self.stride)  # [pages * rows_per_page, stride]
+        slots = slab.slots[:n]
+        if slab.pinned and kernels.get_backend() != "torch" and kernels.triton_available():
+            from engram.store.kernels import triton_gather, uva
+            return triton_gather.gather_rows(values, slab.scales, slots, self.row_dtype, self.dim, out=out,
+                                             dtype=out.dtype, cfg=uva.UVA_CONFIG, ids_pinned=True)
+        return kernels.gather_rows(values, slab.scales, slots, self.row_dtype, self.dim, out=out, dtype=out.dtype)
 
     def _plan(self, ids: torch.Tensor) -> tuple[list[tuple[np.ndarray, int, int, torch.Tensor | None]], int, int]:
         """Read plan for unique ascending ``ids``: chunks of (file offsets int64 [k], first row, end row, slot
@@ -313,10 +361,14 @@ class DiskTable(TableBackend):
         return vals, scales  # host memory: the caller moves them to self.device
 
     # ----------------------------------------------------------------- bounded prefetch
-    def submit(self, ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> DiskLookup:
-        """Start a lookup on the worker thread; raises InflightLimitError past ``max_inflight``."""
+    def submit(self, ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+               into: PageSlab | None = None) -> DiskLookup:
+        """Start a lookup on the worker thread; raises InflightLimitError past ``max_inflight``. ``into``: read
+        the rows into that slab instead (``read_slab``); ``wait`` then returns None."""
         ids = self.check_ids(ids)
-        nbytes = ids.numel() * self.dim * dtype.itemsize
+        if into is not None and ids.numel() > into.rows:
+            raise ValueError(f"{ids.numel()} ids do not fit a slab of {into.rows}")
+        nbytes = 0 if into is not None else ids.numel() * self.dim * dtype.itemsize
         with self._lock:
             if self._extra["inflight"] >= self.options.max_inflight:
                 raise InflightLimitError(
@@ -325,15 +377,22 @@ class DiskTable(TableBackend):
             self._extra["inflight"] += 1
             self._extra["inflight_bytes"] += nbytes
         try:
-            future = self._pool.submit(self._lookup, ids, dtype)
+            future = self._pool.submit(self._lookup, ids, dtype, into)
         except RuntimeError:  # executor shut down by close()
             self._release_slot(nbytes)
             raise RuntimeError(f"table {self.manifest.path} is closed") from None
         return DiskLookup(self, future, nbytes)
 
-    def _lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+    def _lookup(self, ids: torch.Tensor, dtype: torch.dtype,
+                into: PageSlab | None = None) -> tuple[torch.Tensor | None, "torch.cuda.Event | None"]:
         """A submitted lookup, on the table's thread: the rows and, on CUDA, an event recorded after the work
-        that produced them on this thread's stream (the consumer runs on another thread and stream)."""
+        that produced them on this thread's stream (the consumer runs on another thread and stream); with
+        ``into``, (None, None) once the rows are in that slab."""
+        if into is not None:
+            if not into.ready():
+                into.done.synchronize()
+            self._read_into(ids.numpy(), into)
+            return None, None
         rows = self._gather_checked(ids, None, dtype)
         if rows.device.type != "cuda":
             return rows, None

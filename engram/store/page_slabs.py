@@ -60,7 +60,8 @@ class SlabPool:
         self._retired: list[PageSlab] = []  # dropped slabs whose device work has not run yet
         self._lock = threading.Lock()
 
-    def _new(self, pages: int, rows: int) -> PageSlab:
+    def new(self, pages: int, rows: int) -> PageSlab:
+        """A slab of at least ``pages`` pages and ``rows`` ids, outside the pool (``acquire`` hands them out)."""
         pages = 1 << max(4, (pages - 1).bit_length())  # >= 16 pages, a power of two
         rows = 1 << max(6, (rows - 1).bit_length())
         data = aligned_pages(pages * (self.page_size // PAGE), pin=self.pinned)
@@ -76,7 +77,7 @@ class SlabPool:
             for i, slab in enumerate(self._idle):
                 if slab.ready() and slab.pages >= pages and slab.rows >= rows:
                     return self._idle.pop(i)
-        return self._new(pages, rows)
+        return self.new(pages, rows)
 
     def release(self, slab: PageSlab, stream: "torch.cuda.Stream | None" = None) -> None:
         """Give ``slab`` back; on CUDA after recording its event on ``stream`` (the decode's)."""

@@ -104,3 +104,22 @@ def test_the_host_waits_for_a_later_layers_rows_after_the_pieces_before_it_launc
     first = decode[-1]  # the last decode step: piece 0 (embedding, layer 0) is launched before layer 1's
     # lookup runs (ChainedLookups), then piece 1, the wait for layer 3's reads, piece 2
     assert log[first:first + 5] == ["piece 0", "gather 1", "piece 1", "wait 3", "piece 2"]
+
+
+def test_disk_rows_decoded_inside_the_pieces_equal_rows_copied_in(tmp_path, monkeypatch):
+    """DISK_DECODE_IN_GRAPH: the step's lookups only read pages into each layer's slab and the piece decodes
+    it; tokens and logprobs are bitwise those of rows decoded on the host side and copied in."""
+    monkeypatch.setattr(cuda_graphs, "PIECEWISE", True)
+    monkeypatch.setattr(cuda_graphs, "DISK_DECODE_IN_GRAPH", False)
+    copied = generate(LLMEngine(disk_model(tmp_path, {"io": "buffered"}), EngineConfig(**CFG), CUDA, torch.float32))
+    monkeypatch.setattr(cuda_graphs, "DISK_DECODE_IN_GRAPH", True)
+    engine = LLMEngine(disk_model(tmp_path, {"io": "buffered"}), EngineConfig(**CFG), CUDA, torch.float32)
+    graphs = engine.executor.worker.graphs
+    assert sorted(graphs.slabs) == [1, 3]
+    reads = []
+    for lid, table in graphs.slab_tables.items():
+        real = table.read_slab
+        monkeypatch.setattr(table, "read_slab",
+                            lambda ids, slab, real=real, lid=lid: (reads.append(lid), real(ids, slab))[1])
+    assert generate(engine) == copied
+    assert engine.stats()["graph_replays"] > 0 and reads.count(1) > 0  # the first layer read into its slab

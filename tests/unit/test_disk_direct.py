@@ -94,7 +94,54 @@ def test_slab_pool_grows_and_keeps_at_most_keep_idle():
     c = pool.acquire(1, 1)
     assert c is a
     pool.release(c)
-    pool.release(pool._new(30, 100))  # 32 pages
+    pool.release(pool.new(30, 100))  # 32 pages
     assert len(pool._idle) == 2 and a not in pool._idle  # the smallest idle slab went (nothing read it)
     with pytest.raises(ValueError, match="page_size=1000"):
         SlabPool(1000, 256, 8, pinned=False)
+
+
+def test_a_callers_slab_is_read_then_decoded_like_a_gather(table):
+    """read_slab + decode_slab (what a decode graph does with its own slab) give the gather's rows; submit
+    with ``into`` reads on the table's thread and returns None; slots past the last read stay valid rows."""
+    d, ref = table
+    with open_disk_table(d, io="buffered") as t:
+        slab = t.new_slab(64)
+        assert slab.slots.numpy().tolist() == [0] * slab.rows and not slab.data.any()
+        ids = torch.tensor([40, 17, 17, 3000, 16, 41, 2999, 17, 5, 6])
+        t.read_slab(ids, slab)
+        out = torch.empty(10, 256, dtype=torch.float32)
+        assert t.decode_slab(slab, 10, out) is out and same_bits(out, ref(ids, torch.float32))
+        assert (slab.slots.numpy()[10:] == 0).all()
+        wide = torch.empty(slab.rows, 256, dtype=torch.float32)
+        t.decode_slab(slab, slab.rows, wide)  # the whole capacity decodes (what a bigger bucket reads)
+        assert same_bits(wide[:10], out)
+        later = torch.tensor([2000, 7, 2001])
+        assert t.submit(later, into=slab).wait() is None
+        t.decode_slab(slab, 3, out[:3])
+        assert same_bits(out[:3], ref(later, torch.float32))
+        assert t.stats()["lookups"] == 2 and t.stats()["inflight"] == 0
+        with pytest.raises(ValueError, match="65 ids do not fit a slab of 64"):
+            t.read_slab(torch.zeros(65, dtype=torch.int64), slab)
+        with pytest.raises(ValueError, match="65 ids do not fit a slab of 64"):
+            t.submit(torch.zeros(65, dtype=torch.int64), into=slab)
+
+
+def test_the_executor_reads_slab_layers_and_hands_out_no_rows(tmp_path):
+    """LookupExecutor.submit(slabs=...): those layers' pages go into the slabs (rows(layer) is None) and a
+    decode of each slab equals the rows the executor stages without slabs."""
+    import engram
+    from tests.unit.test_worker import hand_built_step
+
+    llm = engram.LLM("tiny", tier="disk", dtype=torch.float32, device="cpu", cache_dir=str(tmp_path))
+    lookup = llm.engine.executor.worker.lookup
+    step = hand_built_step(llm.loaded, llm.loaded.tokenizer.encode("slabs for the decode graph").ids, 8)
+    plain = lookup.submit(step)
+    rows = {lid: plain.rows(lid, step.step_id) for lid in step.engram_row_ids}  # [T, n_cols, D]
+    slabs = {lid: t.new_slab(256) for lid, t in lookup.tables.items()}
+    staged = lookup.submit(step, slabs=slabs)
+    for lid, ids in step.engram_row_ids.items():
+        assert staged.rows(lid, step.step_id) is None
+        n = ids.numel()
+        out = torch.empty(n, rows[lid].shape[-1], dtype=torch.float32)
+        lookup.tables[lid].decode_slab(slabs[lid], n, out)
+        assert same_bits(out, rows[lid].reshape(n, -1))

@@ -55,3 +55,35 @@ def test_a_slab_is_not_reused_while_its_decode_is_queued(tmp_path):
     assert torch.equal(b.view(torch.uint8), gpu.gather(b_ids.cuda()).view(torch.uint8))
     disk.close()
     gpu.close()
+
+
+def test_a_pinned_slab_decodes_on_the_gpu_reading_its_slots_over_uva(tmp_path):
+    """decode_slab on CUDA: the UVA gather reads the pinned slab and its pinned slots (no copy to the device),
+    bitwise the gpu tier's rows; in a captured graph too, replayed after the slab was read again."""
+    g = torch.Generator().manual_seed(3)
+    vals, scales = quantize_mxfp8(torch.randn(4000, 256, generator=g))
+    write_table(tmp_path / "t", vals, scales)
+    gpu = open_table(tmp_path / "t", tier="gpu", device="cuda")
+    disk = open_table(tmp_path / "t", tier="disk", device="cuda", queue_depth=8)
+    slab = disk.new_slab(48)
+    assert slab.pinned and slab.slots.is_pinned()
+    out = torch.empty(48, 256, dtype=torch.bfloat16, device="cuda")
+    ids = torch.randint(0, 4000, (48,), generator=g)
+    disk.read_slab(ids, slab)
+    disk.decode_slab(slab, 48, out)
+    assert torch.equal(out.view(torch.uint8), gpu.gather(ids.cuda()).view(torch.uint8))
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(graph):
+            disk.decode_slab(slab, 48, out)
+    torch.cuda.current_stream().wait_stream(side)
+    for _ in range(3):
+        ids = torch.randint(0, 4000, (48,), generator=g)
+        torch.cuda.synchronize()  # the last replay has read the slab
+        disk.read_slab(ids, slab)
+        graph.replay()
+        assert torch.equal(out.view(torch.uint8), gpu.gather(ids.cuda()).view(torch.uint8))
+    disk.close()
+    gpu.close()

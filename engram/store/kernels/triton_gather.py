@@ -223,14 +223,18 @@ def _check_table(values: torch.Tensor, scales: torch.Tensor | None, row_dtype: s
 def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor, row_dtype: str, dim: int,
                 out: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16, *,
                 dst: torch.Tensor | None = None, runs: torch.Tensor | None = None,
-                cfg: LaunchConfig | None = None) -> torch.Tensor:
-    """Rows ``ids`` (int32/int64 [N] on the GPU) of ``values`` (GPU or pinned host) dequantized into
-    ``out`` [M, dim] ``dtype`` on the GPU: row ids[i] goes to out[dst[i]] (dst default: i), skipped where
-    runs[i] != i (runs: int64 [N], first position of i's run of equal sorted ids; see copy_duplicates).
-    ``out`` defaults to a new [N, dim] tensor on ids' device."""
+                cfg: LaunchConfig | None = None, ids_pinned: bool = False) -> torch.Tensor:
+    """Rows ``ids`` (int32/int64 [N] on the GPU, or with ``ids_pinned`` and ``out`` given in pinned host
+    memory, which the kernel reads over UVA, as a decode graph's slab decode does: the caller vouches for
+    the pinning, which cannot be asked while a graph is captured) of ``values`` (GPU or pinned host)
+    dequantized into ``out`` [M, dim] ``dtype`` on the GPU: row ids[i] goes to out[dst[i]] (dst default: i),
+    skipped where runs[i] != i (runs: int64 [N], first position of i's run of equal sorted ids; see
+    copy_duplicates). ``out`` defaults to a new [N, dim] tensor on ids' device."""
     _check_table(values, scales, row_dtype, dim)
-    if not ids.is_cuda:
-        raise ValueError(f"ids must be on a CUDA device, got {ids.device}")
+    if not ids.is_cuda and not (ids_pinned and ids.device.type == "cpu" and out is not None and dst is None
+                                and runs is None):
+        raise ValueError(f"ids must be on a CUDA device (or, with ids_pinned and out, in pinned host memory), "
+                         f"got {ids.device}")
     if dtype not in OUT_KINDS:
         raise ValueError(f"dtype={dtype} is not one of {tuple(OUT_KINDS)}")
     cfg = cfg or CONFIG
@@ -250,9 +254,10 @@ def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Te
         SCALE_U64=row_dtype == "mxfp8" and nb == 8 and dim == 256 and (sc.data_ptr() | sc.stride(0)) % 8 == 0,
         CAST_VIA_F32=row_dtype in ("bf16", "fp16") and dtype != torch.float32 and ROW_TORCH_DTYPES[row_dtype] != dtype,
         HAS_DST=dst is not None, HAS_RUNS=runs is not None, STREAM=cfg.stream)
-    args = (kernel_arg(values), kernel_arg(sc), ids, dst if dst is not None else ids,
-            runs if runs is not None else ids, out, n)
-    _launch(_gather_rows_kernel, triton.cdiv(n, cfg.block_r), ids.device, cfg, args, consts)
+    ids_arg = kernel_arg(ids)
+    args = (kernel_arg(values), kernel_arg(sc), ids_arg, dst if dst is not None else ids_arg,
+            runs if runs is not None else ids_arg, out, n)
+    _launch(_gather_rows_kernel, triton.cdiv(n, cfg.block_r), out.device, cfg, args, consts)
     return out
 
 
