@@ -214,6 +214,12 @@ static PyObject *Aio_read(Aio *self, PyObject *args, PyObject *kwds) {
     if (c.n > 0) {
         Py_BEGIN_ALLOW_THREADS
         ctx_err = run_batch(self, &b, c.inject_index, c.inject_errno, c.inject_got);
+        if (ctx_err) { /* reads may still be in flight into `out`: io_destroy waits for them; then a fresh
+                          context, so this object keeps reading (or reports itself closed) */
+            syscall(SYS_io_destroy, self->ctx);
+            self->ctx = 0;
+            if (syscall(SYS_io_setup, self->depth, &self->ctx) != 0) self->ctx = 0;
+        }
         Py_END_ALLOW_THREADS
     }
     read_call_release(&c);
