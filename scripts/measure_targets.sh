@@ -76,6 +76,9 @@ disk)
         --batch-sizes 1,64 --out "$out/$stamp-placement-disk-4b-like-$commit.json"
     run profile-disk-4b-like-b1 python3 -u scripts/profile_decode_host.py --tier disk --cache-dir "$cache" \
         --engram-config '{"io": "direct", "queue_depth": 64}' --steps 40
+    ENGRAM_DISK_DECODE_IN_GRAPH=1 run profile-disk-decode-in-graph-4b-like-b1 python3 -u \
+        scripts/profile_decode_host.py --tier disk --cache-dir "$cache" \
+        --engram-config '{"io": "direct", "queue_depth": 64}' --steps 40
     run read-latency-gaps python3 -u scripts/read_latency.py "$(find "$cache" -name values.bin | head -1)" \
         --seconds 1 --gaps-ms 0,4 --depths 8,24,64
     ;;

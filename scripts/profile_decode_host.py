@@ -28,8 +28,9 @@ ENGINE_PHASES = ("step", "launch", "  lookup._host_ids (waits for the sampled to
 # a table's lookup and its parts, timed on whichever thread runs them (the first Engram layer's on the
 # engine's thread, inside lookup.submit, or over the disk tier inside graphs.run / runner.run when the model
 # reaches its layer; the later layers' on their tables' threads)
-TABLE_PHASES = ("lookup", "  one-read lookup", "    reads", "    decode from the slab", "  dedupe", "  page fetch",
-                "  rows to the device", "  decode", "finish (dtype, shape)", "projection (run-ahead)")
+TABLE_PHASES = ("lookup", "  one-read lookup", "    plan, read, check (into the slab)", "      reads",
+                "    decode from the slab", "  dedupe", "  page fetch", "  rows to the device", "  decode",
+                "finish (dtype, shape)", "projection (run-ahead)")
 
 
 def timed_phases(engine, steps: int) -> dict[str, tuple[float, float]]:
@@ -95,12 +96,14 @@ def timed_phases(engine, steps: int) -> dict[str, tuple[float, float]]:
             wrap(table, "_lookup", "lookup")
         if hasattr(table, "_gather_direct"):  # the disk tier's one-read lookups (page_slabs.py)
             wrap(table, "_gather_direct", "  one-read lookup")
+            wrap(table, "_read_into", "    plan, read, check (into the slab)")
             wrap(table, "_decode_slab", "    decode from the slab")
+            wrap(table, "read_slab", "lookup")  # into a decode graph's slab (DISK_DECODE_IN_GRAPH)
         wrap(table, "_dedupe", "  dedupe")
         if hasattr(table, "_fetch"):
             wrap(table, "_fetch", "  page fetch")
         if hasattr(table, "reader"):
-            wrap(table.reader, "read", "    reads")
+            wrap(table.reader, "read", "      reads")
     try:
         for _ in range(steps):
             engine.step()
