@@ -272,3 +272,27 @@ def test_direct_reads_go_through_a_thread_local_aio_context_equal_to_the_pool(tm
         assert errors == [] and len({id(c) for c in contexts}) == 4
     finally:
         rd.set_backend(old)
+
+
+@pytest.mark.skipif(not rd.c_available(), reason="the C reader is not built")
+def test_a_kernel_that_refuses_aio_leaves_direct_reads_on_the_pool(tmp_path, monkeypatch):
+    """io_setup failing (no AIO in the kernel, aio-max-nr spent): one warning, then the pool reads O_DIRECT."""
+
+    def refuse(depth):
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    old = rd.set_backend("c")
+    try:
+        monkeypatch.setattr(rd, "_aio_local", threading.local())  # no context made by earlier tests
+        monkeypatch.setattr(rd, "_aio_broken", False)
+        monkeypatch.setattr(rd._pread_pool, "Aio", refuse)
+        data = make_file(tmp_path / "v.bin", 8)
+        r = PageReader(tmp_path / "v.bin", io="direct", queue_depth=4)
+        offs = np.array([3 * PAGE, 0], dtype=np.int64)
+        out = aligned_pages(2)
+        with pytest.warns(RuntimeWarning, match="Linux AIO is unavailable"):
+            r.read(offs, out)
+        assert np.array_equal(out.numpy().reshape(-1), expected(data, offs, PAGE))
+        assert rd._aio_broken and isinstance(rd._pool(4, "direct"), rd._pread_pool.Pool)
+    finally:
+        rd.set_backend(old)
