@@ -7,8 +7,9 @@ tier, so rows are bitwise equal to the gpu tier's. Every page read is checked ag
 ``values.crc32c`` sidecar, resident like the scales) before a row is cut out of it: a corrupt page fails
 that lookup with CorruptPageError naming the file and byte offset, counts in ``corrupt_pages`` and never
 reaches the hot-row cache. Format-1 tables (no sidecar) are refused with the command that adds it.
-``submit`` runs lookups on this table's worker thread, at most ``max_inflight`` unconsumed at a time; a read
-failure fails that lookup only. The tier knows nothing about models or plans.
+``submit`` runs lookups on this table's worker thread (a ``DiskLookup``, disk_lookup.py), at most
+``max_inflight`` unconsumed at a time; a read failure fails that lookup only. The tier knows nothing about
+models or plans.
 
     values.bin  |<- page p (4096 B) ->|      row r lives in page r // (4096 // stride), slot r % (4096 // stride)
                 | r0 | r1 | ... | r15 |      (V4.1: 256-B rows, 16 per page: a cold row costs a whole page)
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
-import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from engram.store import kernels
-from engram.store.base import LookupHandle, TableBackend, Tier
+from engram.store.base import TableBackend, Tier
+from engram.store.disk_lookup import DiskLookup, InflightLimitError
 from engram.store.format import TableManifest, read_manifest
 from engram.store.load import load_file
 from engram.store.options import StoreOptions
@@ -34,77 +35,6 @@ from engram.store.page_crc import CorruptPageError, PageChecker, page_error
 from engram.store.page_slabs import PageSlab, SlabPool
 from engram.store.reader import PAGE, PageReader, aligned_pages
 from engram.store.scrub import Scrubber
-
-
-class InflightLimitError(RuntimeError):
-    """More lookups submitted than ``max_inflight`` allows without waiting or cancelling."""
-
-
-class DiskLookup(LookupHandle):
-    """A lookup running (or queued) on a DiskTable's worker thread; see LookupHandle for the contract.
-
-    The handle holds its depth slot and its rows until ``wait()`` consumes them or ``cancel()`` drops them.
-    A lookup cancelled while its reads run finishes those reads in the background, then frees its rows
-    and its slot at once; ``wait`` on it raises CancelledError.
-    """
-
-    def __init__(self, table: "DiskTable", future: cf.Future, nbytes: int):
-        self._table = table
-        self._future = future
-        self._nbytes = nbytes  # bytes of the rows this lookup returns, counted while held
-        self._lock = threading.Lock()
-        self._released = False
-        self._cancelled = False
-        future.add_done_callback(self._on_done)
-
-    def _release(self) -> None:
-        with self._lock:
-            if self._released:
-                return
-            self._released = True
-        self._table._release_slot(self._nbytes)
-
-    def _on_done(self, fut: cf.Future) -> None:
-        if self._cancelled:  # nobody will consume these rows: drop them (the future is their only owner)
-            self._future = None
-            self._release()
-
-    def wait(self, timeout: float | None = None) -> torch.Tensor:
-        """The rows, usable on the caller's current stream: on CUDA that stream waits for the device work
-        that produced them on the table's thread (an event), and the rows are marked used by it."""
-        fut = self._future
-        if self._cancelled or fut is None:
-            raise cf.CancelledError("this lookup was cancelled")
-        try:
-            rows, ready = fut.result(timeout)  # re-raises the lookup's error (e.g. DiskReadError)
-        finally:
-            if fut.done():
-                self._release()
-        if ready is not None:
-            stream = torch.cuda.current_stream(rows.device)
-            stream.wait_event(ready)
-            rows.record_stream(stream)  # the allocator must not reuse them while this stream may read them
-        return rows
-
-    def done(self) -> bool:
-        fut = self._future
-        return self._cancelled or fut is None or fut.done()  # a cancelled wait() raises at once
-
-    def cancel(self) -> bool:
-        """Drop the lookup; True when it had not started (no read was issued)."""
-        with self._lock:
-            if self._released and not self._cancelled:
-                return False  # already consumed by wait()
-            self._cancelled = True
-        fut = self._future
-        if fut is None:
-            return False
-        dropped = fut.cancel()
-        if dropped or fut.done():
-            self._future = None
-            self._release()
-        # A running lookup releases in _on_done; the future keeps its rows only until then.
-        return dropped
 
 
 class DiskTable(TableBackend):
@@ -237,7 +167,7 @@ class DiskTable(TableBackend):
         kernel (its ids copied from the pinned slots without a host wait), else by ``kernels.gather_rows``."""
         if out is None and self.device.type != "cpu":
             out = torch.empty(slots.numel(), self.dim, dtype=dtype, device=self.device)
-        if pinned and kernels.get_backend() != "torch" and kernels.triton_available():
+        if _uva_decodes(pinned):
             from engram.store.kernels import uva
             return uva.gather_rows(values, scales, slots, self.row_dtype, self.dim, out=out, dtype=dtype,
                                    route="direct")
@@ -266,8 +196,11 @@ class DiskTable(TableBackend):
         which ``decode_slab`` runs (a decode graph captures it). Waits first, if need be, for the device work
         that last read the slab (``slab.done``, recorded by its owner)."""
         ids = self.check_ids(ids)
-        if ids.numel() > slab.rows:
-            raise ValueError(f"{ids.numel()} ids do not fit a slab of {slab.rows}")
+        _check_fits(ids, slab)
+        self._read_into_owned(ids, slab)
+
+    def _read_into_owned(self, ids: torch.Tensor, slab: PageSlab) -> None:
+        """``read_slab`` of checked ids that fit: after the device work that last read the slab."""
         if not slab.ready():
             slab.done.synchronize()
         self._read_into(ids.numpy(), slab)
@@ -279,7 +212,7 @@ class DiskTable(TableBackend):
         the last read point at rows the slab holds (``new_slab`` starts them at 0)."""
         values = slab.data.view(-1, self.stride)  # [pages * rows_per_page, stride]
         slots = slab.slots[:n]
-        if slab.pinned and kernels.get_backend() != "torch" and kernels.triton_available():
+        if _uva_decodes(slab.pinned):
             from engram.store.kernels import triton_gather, uva
             return triton_gather.gather_rows(values, slab.scales, slots, self.row_dtype, self.dim, out=out,
                                              dtype=out.dtype, cfg=uva.UVA_CONFIG, ids_pinned=True)
@@ -366,8 +299,8 @@ class DiskTable(TableBackend):
         """Start a lookup on the worker thread; raises InflightLimitError past ``max_inflight``. ``into``: read
         the rows into that slab instead (``read_slab``); ``wait`` then returns None."""
         ids = self.check_ids(ids)
-        if into is not None and ids.numel() > into.rows:
-            raise ValueError(f"{ids.numel()} ids do not fit a slab of {into.rows}")
+        if into is not None:
+            _check_fits(ids, into)
         nbytes = 0 if into is not None else ids.numel() * self.dim * dtype.itemsize
         with self._lock:
             if self._extra["inflight"] >= self.options.max_inflight:
@@ -389,9 +322,7 @@ class DiskTable(TableBackend):
         that produced them on this thread's stream (the consumer runs on another thread and stream); with
         ``into``, (None, None) once the rows are in that slab."""
         if into is not None:
-            if not into.ready():
-                into.done.synchronize()
-            self._read_into(ids.numpy(), into)
+            self._read_into_owned(ids, into)
             return None, None
         rows = self._gather_checked(ids, None, dtype)
         if rows.device.type != "cuda":
@@ -435,6 +366,16 @@ class DiskTable(TableBackend):
         self._io.shutdown(wait=True)
         super().close()
         self.reader.close()
+
+
+def _check_fits(ids: torch.Tensor, slab: PageSlab) -> None:
+    if ids.numel() > slab.rows:
+        raise ValueError(f"{ids.numel()} ids do not fit a slab of {slab.rows}")
+
+
+def _uva_decodes(pinned: bool) -> bool:
+    """Whether a slab is decoded by the UVA gather kernel (pinned, Triton usable, backend not "torch")."""
+    return pinned and kernels.get_backend() != "torch" and kernels.triton_available()
 
 
 def open_disk_table(directory: str | Path, device: str | torch.device = "cpu", cache: Any = None,

@@ -1,0 +1,86 @@
+"""The handle of a disk-tier lookup submitted to its table's worker thread (``DiskTable.submit``), and the error
+of one submitted past ``max_inflight``. The handle holds its table's in-flight slot (and counts its rows'
+bytes) until ``wait()`` consumes the rows or ``cancel()`` drops them."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+from engram.store.base import LookupHandle
+
+if TYPE_CHECKING:
+    from engram.store.disk import DiskTable
+
+
+class InflightLimitError(RuntimeError):
+    """More lookups submitted than ``max_inflight`` allows without waiting or cancelling."""
+
+
+class DiskLookup(LookupHandle):
+    """A lookup running (or queued) on a DiskTable's worker thread; see LookupHandle for the contract.
+
+    The handle holds its depth slot and its rows until ``wait()`` consumes them or ``cancel()`` drops them.
+    A lookup cancelled while its reads run finishes those reads in the background, then frees its rows
+    and its slot at once; ``wait`` on it raises CancelledError.
+    """
+
+    def __init__(self, table: "DiskTable", future: cf.Future, nbytes: int):
+        self._table = table
+        self._future = future
+        self._nbytes = nbytes  # bytes of the rows this lookup returns, counted while held
+        self._lock = threading.Lock()
+        self._released = False
+        self._cancelled = False
+        future.add_done_callback(self._on_done)
+
+    def _release(self) -> None:
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        self._table._release_slot(self._nbytes)
+
+    def _on_done(self, fut: cf.Future) -> None:
+        if self._cancelled:  # nobody will consume these rows: drop them (the future is their only owner)
+            self._future = None
+            self._release()
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        """The rows, usable on the caller's current stream: on CUDA that stream waits for the device work
+        that produced them on the table's thread (an event), and the rows are marked used by it."""
+        fut = self._future
+        if self._cancelled or fut is None:
+            raise cf.CancelledError("this lookup was cancelled")
+        try:
+            rows, ready = fut.result(timeout)  # re-raises the lookup's error (e.g. DiskReadError)
+        finally:
+            if fut.done():
+                self._release()
+        if ready is not None:
+            stream = torch.cuda.current_stream(rows.device)
+            stream.wait_event(ready)
+            rows.record_stream(stream)  # the allocator must not reuse them while this stream may read them
+        return rows
+
+    def done(self) -> bool:
+        fut = self._future
+        return self._cancelled or fut is None or fut.done()  # a cancelled wait() raises at once
+
+    def cancel(self) -> bool:
+        """Drop the lookup; True when it had not started (no read was issued)."""
+        with self._lock:
+            if self._released and not self._cancelled:
+                return False  # already consumed by wait()
+            self._cancelled = True
+        fut = self._future
+        if fut is None:
+            return False
+        dropped = fut.cancel()
+        if dropped or fut.done():
+            self._future = None
+            self._release()
+        # A running lookup releases in _on_done; the future keeps its rows only until then.
+        return dropped
