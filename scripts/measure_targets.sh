@@ -12,16 +12,16 @@
 #   host-4b    4b-like, ~33 GiB pinned per Engram layer vs HBM, batch 1 and 64         (~3 min)
 #   host-8b    the same for 8b-like                                                   (~4 min)
 #   exposure   the first Engram layer's wait inside replays, batch 64 and 256          (~1 min)
-#   disk       disk tier (O_DIRECT) vs its bound and its latency floor, batch 1 and 64, with its rows
-#              decoded outside and inside the decode graphs; then the batch-1 phases and one lookup's read
-#              latency back to back and after an idle gap (~5 min with one disk arm; not yet run with two)
+#   disk       disk tier (O_DIRECT) vs its bound and its latency floor, batch 1 and 64; then the batch-1
+#              phases and one lookup's read latency back to back and after an idle gap   (~5 min)
+#   disk-switch  batch 1, disk rows decoded inside the decode graphs (the default) against outside (~4 min)
 #
 # OUTDIR (default $OUT, else bench/results) receives <date>-<what>-<commit>.{json,log}. ENGRAM_COMMIT
 # names the commit when the tree is not a git checkout (a snapshot copied to the machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-part=${1:?usage: scripts/measure_targets.sh tests|engine|switches|host-4b|host-8b|exposure|disk [OUTDIR]}
+part=${1:?usage: scripts/measure_targets.sh tests|engine|switches|host-4b|host-8b|exposure|disk|disk-switch [OUTDIR]}
 out=${2:-${OUT:-bench/results}}
 mkdir -p "$out"
 commit=${ENGRAM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -65,25 +65,28 @@ exposure)
         --engram-config "{$big}" --steps 8 --batches 64,256 \
         --out "$out/$stamp-exposure-host-b64-b256-$commit.json"
     ;;
-disk)
+disk | disk-switch)
     cache=${ENGRAM_CACHE_DIR:-/tmp/engram-tables}
+    disk='{"tier": "disk", "lookup_overlap": true, "options": {"io": "direct", "queue_depth": 64}'
+    if [ "$part" = disk-switch ]; then  # batch 1, rows decoded inside the decode graphs (default) or outside
+        run placement-disk-switch-4b-like python3 -u -m engram bench placement --model 4b-like \
+            --cache-dir "$cache" --engram-config '{"load_threads": 16, "table_rows": 31000000}' \
+            --a '{"tier": "host", "lookup_overlap": true}' --b "$disk}" \
+            --b "$disk, \"switches\": {\"disk_decode_in_graph\": false}}" \
+            --batch-sizes 1 --out "$out/$stamp-placement-disk-switch-4b-like-$commit.json"
+        exit
+    fi
     run placement-disk-4b-like python3 -u -m engram bench placement --model 4b-like --cache-dir "$cache" \
         --engram-config '{"load_threads": 16, "table_rows": 31000000}' \
-        --a '{"tier": "host", "lookup_overlap": true}' \
-        --b '{"tier": "disk", "lookup_overlap": true, "options": {"io": "direct", "queue_depth": 64}}' \
-        --b '{"tier": "disk", "lookup_overlap": true, "options": {"io": "direct", "queue_depth": 64},
-              "switches": {"disk_decode_in_graph": true}}' \
+        --a '{"tier": "host", "lookup_overlap": true}' --b "$disk}" \
         --batch-sizes 1,64 --out "$out/$stamp-placement-disk-4b-like-$commit.json"
     run profile-disk-4b-like-b1 python3 -u scripts/profile_decode_host.py --tier disk --cache-dir "$cache" \
-        --engram-config '{"io": "direct", "queue_depth": 64}' --steps 40
-    ENGRAM_DISK_DECODE_IN_GRAPH=1 run profile-disk-decode-in-graph-4b-like-b1 python3 -u \
-        scripts/profile_decode_host.py --tier disk --cache-dir "$cache" \
         --engram-config '{"io": "direct", "queue_depth": 64}' --steps 40
     run read-latency-gaps python3 -u scripts/read_latency.py "$(find "$cache" -name values.bin | head -1)" \
         --seconds 1 --gaps-ms 0,4 --depths 8,24,64
     ;;
 *)
-    echo "unknown part '$part': tests, engine, switches, host-4b, host-8b, exposure or disk" >&2
+    echo "unknown part '$part': tests, engine, switches, host-4b, host-8b, exposure, disk or disk-switch" >&2
     exit 2
     ;;
 esac

@@ -14,7 +14,7 @@ them, interleaved, with confidence intervals. Unknown names are refused with the
   ``ENGRAM_FIRST_LOOKUP_ALONE``; read at every step, so it takes effect while set; on by default);
 * ``disk_decode_in_graph``: disk tables' rows are decoded inside the piecewise decode graphs from a slab the
   step's lookup reads into (``cuda_graphs.DISK_DECODE_IN_GRAPH``, ``ENGRAM_DISK_DECODE_IN_GRAPH``; read when a
-  Worker's graphs are captured; off by default);
+  Worker's graphs are captured; on by default);
 * ``cublaslt``: torch's matmuls go through cuBLASLt instead of cuBLAS
   (``torch.backends.cuda.preferred_blas_library``, ``TORCH_BLAS_PREFER_CUBLASLT=1``; its heuristics may
   pick other GEMV kernels for the decode step's projections, e.g. without cuBLAS's split-K reduce).
