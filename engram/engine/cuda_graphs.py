@@ -107,6 +107,7 @@ class DecodeGraphs:
         self.host_in = [torch.zeros(n, dtype=torch.long).pin_memory() for _ in range(2)]
         self._copied = [torch.cuda.Event() for _ in range(2)]
         self._turn = 0
+        self._begun: tuple[int, int, int] | None = None  # (step id, bucket, next piece) after begin()
         self.dev_in = torch.zeros(n, dtype=torch.long, device=device)
         self._host_np = [buf.numpy() for buf in self.host_in]
         self._host = [self._views(buf, b) for buf in self._host_np]  # numpy views of the pinned buffers
@@ -274,12 +275,9 @@ class DecodeGraphs:
             pieces.append(graph)
         self.pieces[size], self.logits[size] = pieces, logits
 
-    @torch.inference_mode()
-    def run(self, step: StepDescription, staged: StagedRows | None, patch: PendingPatch | None = None) -> torch.Tensor:
-        """Fill the static buffers from the step, replay its bucket's graph -> logits [S, vocab] (a view that
-        the next replay overwrites: sample from it first). ``staged``: the lookup executor's rows, needed
-        unless the gathers are in the graph (then, if given, they were counted by the executor). ``patch``:
-        pending tokens (async scheduling), written into the static token and row-id buffers on the device."""
+    def _fill_inputs(self, step: StepDescription, patch: PendingPatch | None) -> int:
+        """The step's tokens, positions, KV slots, block tables and row ids into the static inputs of its
+        bucket (padded), patched on the device with the pending tokens -> the bucket size."""
         s = step.num_seqs
         size = next(b for b in self.buckets if b >= s)
         turn, self._turn = self._turn, 1 - self._turn
@@ -302,8 +300,36 @@ class DecodeGraphs:
             self.token_ids.index_copy_(0, patch.rows, patch.token_ids)
             for lid, ids in self.row_ids.items():
                 ids.index_copy_(0, patch.rows, patch.row_ids[lid])
+        return size
+
+    @torch.inference_mode()
+    def begin(self, step: StepDescription, patch: PendingPatch | None = None) -> None:
+        """The part of ``run`` that needs no Engram rows, queued now: the step's inputs and, piecewise, the
+        pieces before the first Engram layer (embedding, layer 0). ``run`` of the same step then replays the
+        rest. The worker calls it before it waits for the step's row ids on the host, so the device goes on
+        from the step before to these pieces while the host reads the first Engram layer's rows."""
+        size = self._fill_inputs(step, patch)
+        k = 0
+        while k < len(self.ranges) and self.ranges[k][2] is None:
+            self.pieces[size][k].replay()
+            k += 1
+        self._begun = (step.step_id, size, k)
+
+    @torch.inference_mode()
+    def run(self, step: StepDescription, staged: StagedRows | None, patch: PendingPatch | None = None) -> torch.Tensor:
+        """Fill the static buffers from the step, replay its bucket's graph -> logits [S, vocab] (a view that
+        the next replay overwrites: sample from it first). ``staged``: the lookup executor's rows, needed
+        unless the gathers are in the graph (then, if given, they were counted by the executor). ``patch``:
+        pending tokens (async scheduling), written into the static token and row-id buffers on the device.
+        After ``begin(step)`` only what it left: the pieces from the first Engram layer on."""
+        s = step.num_seqs
+        begun, self._begun = self._begun, None
+        if begun is not None and begun[0] == step.step_id:
+            _, size, first = begun
+        else:
+            size, first = self._fill_inputs(step, patch), 0
         if self.ranges:  # each piece's rows right before it: the host waits for them while earlier pieces run
-            for graph, (_, _, lid) in zip(self.pieces[size], self.ranges):
+            for graph, (_, _, lid) in list(zip(self.pieces[size], self.ranges))[first:]:
                 if lid is not None:
                     rows = staged.rows(lid, step.step_id)  # a slab layer: None once its pages are in the slab
                     if lid not in self.slabs:

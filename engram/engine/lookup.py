@@ -155,7 +155,7 @@ class LookupExecutor:
         self.projectors = projectors if stream is not None else None
 
     def submit(self, step: StepDescription, patch: PendingPatch | None = None, project: bool = True,
-               slabs: dict | None = None) -> StagedRows:
+               slabs: dict | None = None, host_ids: HostIds | None = None) -> StagedRows:
         """Stage every layer's rows of ``step``. With a ``patch`` (async scheduling: some row ids exist only
         on the device) the ids are uploaded and patched there; tables that gather device ids as device work
         gather from them, and the others (host-read tables: the disk tier, hot-row caches; every table on the
@@ -164,11 +164,12 @@ class LookupExecutor:
         lookup stream and projectors, stage each layer's projection instead of its rows (False: the rows, for
         a decode graph that projects them itself). ``slabs``: {layer: a slab of that layer's disk table} whose
         layers are read into the slab and not decoded (a decode graph that decodes them itself:
-        engine/cuda_graphs.py); ``rows`` of such a layer returns None once its pages are in."""
+        engine/cuda_graphs.py); ``rows`` of such a layer returns None once its pages are in. ``host_ids``:
+        ``start_host_ids(step, patch)``, called earlier, for the host-read tables (else it is called here)."""
         deferred: dict = {}
         if self.stream is None:
-            return StagedRows(step.step_id, self._stage(step, patch, lambda lid, rows: None, deferred, slabs),
-                              deferred=deferred)
+            return StagedRows(step.step_id, self._stage(step, patch, lambda lid, rows: None, deferred, slabs,
+                                                        host_ids), deferred=deferred)
 
         def done(layer_id: int, rows: dict) -> None:
             if project and self.projectors:  # the layer gets its rows' projection (Engram.project), made ahead
@@ -176,14 +177,14 @@ class LookupExecutor:
             self.stream.done(layer_id)
 
         with self.stream.issue(*([patch.rows, *patch.row_ids.values()] if patch is not None else [])):
-            rows = self._stage(step, patch, done, deferred, slabs)
+            rows = self._stage(step, patch, done, deferred, slabs, host_ids)
         return StagedRows(step.step_id, rows, ready=self._wait, deferred=deferred)
 
     def _wait(self, layer_id: int, staged) -> None:
         self.stream.wait(layer_id, *(staged.tensors if isinstance(staged, Projected) else (staged,)))
 
     def _stage(self, step: StepDescription, patch: PendingPatch | None, done, deferred: dict,
-               slabs: dict | None = None) -> dict[int, torch.Tensor]:
+               slabs: dict | None = None, early: HostIds | None = None) -> dict[int, torch.Tensor]:
         """Every layer's rows [T, n_cols, D] on the current stream, ``done(layer, rows)`` after each; a layer
         whose reads still run (after the first, which the model needs at once) goes to ``deferred`` as
         (handle, finish) instead, for ``StagedRows.rows`` to wait for when its layer asks. Layers in
@@ -195,7 +196,8 @@ class LookupExecutor:
                 # host ids: the first layer's lookup, which the model needs at once, runs on this thread (no
                 # hand-off to its table's thread and back); the later layers' are submitted before it (their
                 # disk reads overlap it) or, with FIRST_LOOKUP_ALONE, after it
-                host_ids = step.engram_row_ids if patch is None else self._host_ids(step, patch)
+                host_ids = (step.engram_row_ids if patch is None else early.wait() if early is not None else
+                            self._host_ids(step, patch))
                 layers = list(host_ids)
                 alone = FIRST_LOOKUP_ALONE
                 # over the disk tier the first lookup waits until the model reaches its layer (see above)
@@ -248,13 +250,35 @@ class LookupExecutor:
                 handle.cancel()
             raise
 
+    def start_host_ids(self, step: StepDescription, patch: PendingPatch) -> "HostIds":
+        """Every layer's row ids [T, n_cols] with the pending rows patched in, on their way to the host:
+        patched on the device (on the lookup stream, if any: after what the main stream has queued so far),
+        then one non-blocking copy for all layers; ``wait()`` on the result waits for the step that sampled
+        the pending tokens and gives the ids. Work the caller queues on the main stream after this call does
+        not delay them (a decode graph's first pieces: DecodeGraphs.begin)."""
+        if self.stream is None:
+            return self._ids_to_host(step, patch)
+        with self.stream.issue(patch.rows, *patch.row_ids.values()):
+            return self._ids_to_host(step, patch)
+
     def _host_ids(self, step: StepDescription, patch: PendingPatch) -> dict[int, torch.Tensor]:
-        """Every layer's row ids [T, n_cols] with the pending rows patched in, on the host: patched on the
-        device, then one copy for all layers (it waits for the step that sampled the pending tokens)."""
+        """The step's row ids on the host, patched and copied on the current stream and waited for now."""
+        return self._ids_to_host(step, patch).wait()
+
+    def _ids_to_host(self, step: StepDescription, patch: PendingPatch) -> "HostIds":
+        """``start_host_ids`` on the current stream."""
         layers = list(step.engram_row_ids)
-        patched = [patch.patched(to_device(step.engram_row_ids[lid], self.device), patch.row_ids[lid])
-                   for lid in layers]
-        return dict(zip(layers, torch.stack(patched).cpu().unbind(0))) if layers else {}
+        if not layers:
+            return HostIds([], None, None)
+        patched = torch.stack([patch.patched(to_device(step.engram_row_ids[lid], self.device), patch.row_ids[lid])
+                               for lid in layers])
+        if self.device.type != "cuda":
+            return HostIds(layers, patched, None)
+        host = torch.empty(patched.shape, dtype=patched.dtype, pin_memory=True)
+        host.copy_(patched, non_blocking=True)
+        arrived = torch.cuda.Event()
+        arrived.record()
+        return HostIds(layers, host, arrived)
 
     def _finish(self, flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """A layer's fetched rows [T * n_cols, head_dim] -> [T, n_cols, D] on the device in the model's dtype."""
@@ -269,6 +293,19 @@ class LookupExecutor:
     def stats(self) -> dict[int, dict[str, int]]:
         """Each table's counters (lookups, rows, hits, misses, bytes_read, ...), by Engram layer id."""
         return {lid: t.stats() for lid, t in self.tables.items()}
+
+
+class HostIds:
+    """A step's patched row ids on their way to the host (``LookupExecutor.start_host_ids``)."""
+
+    def __init__(self, layers: list[int], ids: torch.Tensor | None, arrived: "torch.cuda.Event | None"):
+        self.layers, self._ids, self._arrived = layers, ids, arrived
+
+    def wait(self) -> dict[int, torch.Tensor]:
+        """{layer: [T, n_cols] CPU int64}, once the copy has run."""
+        if self._arrived is not None:
+            self._arrived.synchronize()
+        return dict(zip(self.layers, self._ids.unbind(0))) if self.layers else {}
 
 
 def _read_only(nothing: None) -> None:

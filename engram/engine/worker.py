@@ -108,7 +108,15 @@ class Worker:
             staged = None
         elif type(self.lookup) is LookupExecutor:  # a graph step projects its rows inside the graph
             slabs = self.graphs.slabs if graph else None  # disk rows the graph decodes (DISK_DECODE_IN_GRAPH)
-            staged = self.lookup.submit(step, patch, project=not graph, **({"slabs": slabs} if slabs else {}))
+            if slabs and set(step.engram_row_ids) <= set(slabs):
+                # every layer's rows are read into the graph's slabs: the row ids go to the host first, then
+                # the pieces before the first Engram layer are queued, and only then does the host wait for
+                # the ids (the device runs those pieces while the host reads that layer's pages)
+                host_ids = self.lookup.start_host_ids(step, patch) if patch is not None else None
+                self.graphs.begin(step, patch)
+                staged = self.lookup.submit(step, patch, project=False, slabs=slabs, host_ids=host_ids)
+            else:
+                staged = self.lookup.submit(step, patch, project=not graph, **({"slabs": slabs} if slabs else {}))
         else:
             staged = self.lookup.submit(step)
         try:

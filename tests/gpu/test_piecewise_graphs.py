@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import engram.engine.cuda_graphs as cuda_graphs
+import engram.engine.lookup as lookup_mod
 from engram.engine.config import EngineConfig
 from engram.engine.engine import LLMEngine
 from engram.engine.sampling_params import SamplingParams
@@ -56,8 +57,10 @@ def test_piecewise_replays_equal_the_one_graph_replays_bitwise(tmp_path, monkeyp
     assert engine.stats()["graph_replays"] > 0
 
 
-def test_the_host_waits_for_a_later_layers_rows_after_the_pieces_before_it_launched(tmp_path, monkeypatch):
+@pytest.mark.parametrize("in_graph", [True, False], ids=["decoded-in-graph", "rows-copied-in"])
+def test_the_host_waits_for_a_later_layers_rows_after_the_pieces_before_it_launched(tmp_path, monkeypatch, in_graph):
     monkeypatch.setattr(cuda_graphs, "PIECEWISE", True)
+    monkeypatch.setattr(cuda_graphs, "DISK_DECODE_IN_GRAPH", in_graph)
     engine = LLMEngine(disk_model(tmp_path, {"io": "buffered"}), EngineConfig(**CFG), CUDA, torch.float32)
     worker = engine.executor.worker
     log: list[str] = []
@@ -89,21 +92,35 @@ def test_the_host_waits_for_a_later_layers_rows_after_the_pieces_before_it_launc
         def cancel(self):
             return self.inner.cancel()
 
-    monkeypatch.setattr(table, "submit", lambda ids, dtype=torch.bfloat16: LoggedHandle(real(ids, dtype=dtype)))
+    monkeypatch.setattr(table, "submit", lambda ids, dtype=torch.bfloat16, **kw: LoggedHandle(real(ids, dtype=dtype,
+                                                                                                   **kw)))
     first_table = worker.lookup.tables[1]
-    real_gather = first_table.gather
+    first_lookup = "read_slab" if in_graph else "gather"  # in the graph's slab, or rows copied in
+    real_gather = getattr(first_table, first_lookup)
 
     def logged_gather(*a, **k):
         log.append("gather 1")
         return real_gather(*a, **k)
 
-    monkeypatch.setattr(first_table, "gather", logged_gather)
+    monkeypatch.setattr(first_table, first_lookup, logged_gather)
+    real_ids_wait = lookup_mod.HostIds.wait
+
+    def logged_ids_wait(self):
+        log.append("ids")
+        return real_ids_wait(self)
+
+    monkeypatch.setattr(lookup_mod.HostIds, "wait", logged_ids_wait)
     generate(engine, n=4)
     decode = [i for i, e in enumerate(log) if e == "piece 0"]
     assert decode, "no piecewise replay ran"
     first = decode[-1]  # the last decode step: piece 0 (embedding, layer 0) is launched before layer 1's
-    # lookup runs (ChainedLookups), then piece 1, the wait for layer 3's reads, piece 2
-    assert log[first:first + 5] == ["piece 0", "gather 1", "piece 1", "wait 3", "piece 2"]
+    # lookup runs (ChainedLookups), then piece 1, the wait for layer 3's reads, piece 2; with the rows decoded
+    # in the graph the host waits for the step's row ids only once piece 0 is queued (DecodeGraphs.begin)
+    rest = ["gather 1", "piece 1", "wait 3", "piece 2"]
+    if in_graph:
+        assert log[first:first + 6] == ["piece 0", "ids", *rest]
+    else:
+        assert log[first - 1:first + 5] == ["ids", "piece 0", *rest]
 
 
 def test_disk_rows_decoded_inside_the_pieces_equal_rows_copied_in(tmp_path, monkeypatch):
