@@ -23,8 +23,9 @@ import statistics
 import time
 
 
-ENGINE_PHASES = ("step", "launch", "  lookup._host_ids (waits for the sampled tokens)", "  lookup.submit",
-                 "  graphs.run", "    graph replays (host side of the launches)", "  runner.run", "collect")
+ENGINE_PHASES = ("step", "launch", "  lookup._host_ids (waits for the sampled tokens)",
+                 "  graphs.begin (inputs, the pieces before the first Engram layer)", "  lookup.submit",
+                 "    the row ids' wait (waits for the sampled tokens)", "  graphs.run", "    graph replays (host side of the launches)", "  runner.run", "collect")
 # a table's lookup and its parts, timed on whichever thread runs them (the first Engram layer's on the
 # engine's thread, inside lookup.submit, or over the disk tier inside graphs.run / runner.run when the model
 # reaches its layer; the later layers' on their tables' threads)
@@ -39,7 +40,8 @@ def timed_phases(engine, steps: int) -> dict[str, tuple[float, float]]:
     (``LookupExecutor.submit``) and the decode graph's replay (``DecodeGraphs.run``, which copies each
     piece's rows in and, piecewise, waits for later layers' reads) or the eager forward
     (``ModelRunner.run``); with async scheduling over host-read tables the wait for the sampled tokens
-    (``LookupExecutor._host_ids``). Then, summed over the tables, a lookup (``table.gather`` on the engine's
+    (``LookupExecutor._host_ids``; ``HostIds.wait`` inside it, or inside ``lookup.submit`` when the decode
+    graph queued its first pieces first: ``DecodeGraphs.begin``). Then, summed over the tables, a lookup (``table.gather`` on the engine's
     thread, ``table._lookup`` on a table's) and its parts: the disk tier's one-read lookup (its reads and its
     decode from the slab), or dedupe, page fetch (and its reads), the packed rows' copy to the device, the
     decode (``kernels.gather_rows``); the executor's finish and the run-ahead projection; inside the graph
@@ -49,6 +51,7 @@ def timed_phases(engine, steps: int) -> dict[str, tuple[float, float]]:
 
     import torch
 
+    import engram.engine.lookup as lookup_mod
     import engram.store.base as base
     from engram.store import kernels
 
@@ -82,9 +85,11 @@ def timed_phases(engine, steps: int) -> dict[str, tuple[float, float]]:
     wrap(worker.lookup, "submit", "  lookup.submit")
     if worker.graphs is not None:
         wrap(worker.graphs, "run", "  graphs.run")
+        wrap(worker.graphs, "begin", "  graphs.begin (inputs, the pieces before the first Engram layer)")
         wrap(torch.cuda.CUDAGraph, "replay", "    graph replays (host side of the launches)")
     wrap(worker.runner, "run", "  runner.run")
     wrap(worker.lookup, "_host_ids", "  lookup._host_ids (waits for the sampled tokens)")
+    wrap(lookup_mod.HostIds, "wait", "    the row ids' wait (waits for the sampled tokens)")
     wrap(worker.lookup, "_finish", "finish (dtype, shape)")
     for lid in list(worker.lookup.projectors or {}):
         wrap(worker.lookup.projectors, lid, "projection (run-ahead)")
