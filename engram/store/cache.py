@@ -58,9 +58,6 @@ class RowCache:
         self.values = torch.zeros((self.capacity, value_bytes), dtype=torch.uint8, device=self.device)
         self.scales = (torch.zeros((self.capacity, scale_cols), dtype=torch.uint8, device=self.device)
                        if scale_cols else None)
-        self._values, self._scales = self.values, self.scales  # + overflow rows (reserve_overflow), for slots()
-        self.overflow_rows = 0
-        self._handed_out = False
         self.clock = 0  # lookup calls so far; stamps are 1-based so 0 means "never touched"
         self._since_aging = 0
         self.reset_counters()
@@ -124,7 +121,12 @@ class RowCache:
         Returns (values uint8 [U, value_bytes], scales uint8 [U, scale_cols] | None) on the cache device."""
         ids = ids.cpu()
         u = ids.numel()
-        hit_pos, hit_slots, miss_pos = self._hits(ids)
+        self.clock += 1
+        slots = self.lookup(ids)  # [U]
+        hit = slots >= 0
+        hit_pos = hit.nonzero().squeeze(1)  # [H] positions in ids (host)
+        miss_pos = (~hit).nonzero().squeeze(1)  # [M]
+        hit_slots = slots.index_select(0, hit_pos)
         vals = torch.empty((u, self.value_bytes), dtype=torch.uint8, device=self.device)
         scales = torch.empty((u, self.scale_cols), dtype=torch.uint8, device=self.device) if self.scale_cols else None
         if hit_pos.numel():
@@ -132,99 +134,27 @@ class RowCache:
             vals.index_copy_(0, dev_pos, self.values.index_select(0, dev_slots))
             if scales is not None:
                 scales.index_copy_(0, dev_pos, self.scales.index_select(0, dev_slots))
-        if miss_pos.numel():
-            miss_ids, mv, ms = self._fetch_misses(ids, miss_pos, fetch)
+        self.stamp.view(-1).index_fill_(0, hit_slots, self.clock)
+        self.freq.view(-1).index_add_(0, hit_slots, torch.ones_like(hit_slots))  # ids distinct: slots distinct
+        n_miss = miss_pos.numel()
+        if n_miss:
+            miss_ids = ids.index_select(0, miss_pos)
+            mv, ms = fetch(miss_ids)  # backing tiers (host RAM, disk) index with CPU ids
+            mv = to_device(mv[:, : self.value_bytes], self.device)  # [M, value_bytes]; host rows via pinned memory
             dev_miss = to_device(miss_pos, self.device)
             vals.index_copy_(0, dev_miss, mv)
             if scales is not None:
+                ms = to_device(ms, self.device)
                 scales.index_copy_(0, dev_miss, ms)
             self._insert(miss_ids, mv, ms)
-        self._finish_call(u, miss_pos.numel())
+        self.hits += u - n_miss
+        self.misses += n_miss
+        self._age(u)
         return vals, scales
 
-    def slots(self, ids: torch.Tensor, fetch: Fetch) -> torch.Tensor:
-        """Where the rows of distinct ``ids`` [U] are after this call: int64 [U] on the host, rows of
-        ``storage()`` (the ``fetch`` contract above). Hits where they are cached; misses fetched and cached,
-        and those a full set cannot take (more misses in one set than it has ways untouched by this call) in
-        the overflow rows after the cache's slots (``reserve_overflow``), rewritten by the next call. The
-        bytes are written on the current stream; work queued after this call reads them there."""
-        ids = ids.cpu()
-        u = ids.numel()
-        if u > self.overflow_rows:
-            raise ValueError(f"{u} ids in one call, but the cache reserved {self.overflow_rows} overflow rows "
-                             "(reserve_overflow)")
-        hit_pos, hit_slots, miss_pos = self._hits(ids)
-        slots = torch.empty(u, dtype=torch.int64)
-        slots.index_copy_(0, hit_pos, hit_slots)
-        if miss_pos.numel():
-            miss_ids, mv, ms = self._fetch_misses(ids, miss_pos, fetch)
-            placed = self._insert(miss_ids, mv, ms)  # [M] slot, -1 where the set could not take the row
-            spill = (placed < 0).nonzero().squeeze(1)  # [K]
-            if spill.numel():
-                over = self.capacity + torch.arange(spill.numel())
-                placed.index_copy_(0, spill, over)
-                dev_over, dev_spill = to_device(torch.stack([over, spill]), self.device).unbind(0)
-                self._values.index_copy_(0, dev_over, mv.index_select(0, dev_spill))
-                if self._scales is not None:
-                    self._scales.index_copy_(0, dev_over, ms.index_select(0, dev_spill))
-            slots.index_copy_(0, miss_pos, placed)
-        self._finish_call(u, miss_pos.numel())
-        return slots
-
-    def reserve_overflow(self, rows: int) -> None:
-        """Make ``slots`` able to place up to ``rows`` ids a call (rows after the cache's ``capacity`` in
-        ``storage()``). Keeps what is cached."""
-        if rows <= self.overflow_rows:
-            return
-        if self._handed_out:
-            raise RuntimeError(f"the cache's storage was handed out (storage()) with {self.overflow_rows} overflow "
-                               f"rows; growing it to {rows} would move it under its readers")
-        grown = torch.zeros((self.capacity + rows, self.value_bytes), dtype=torch.uint8, device=self.device)
-        grown[:self.capacity].copy_(self.values)
-        self._values, self.values = grown, grown[:self.capacity]
-        if self._scales is not None:
-            grown = torch.zeros((self.capacity + rows, self.scale_cols), dtype=torch.uint8, device=self.device)
-            grown[:self.capacity].copy_(self.scales)
-            self._scales, self.scales = grown, grown[:self.capacity]
-        self.overflow_rows = rows
-
-    def storage(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(values uint8 [capacity + overflow, value_bytes], scales | None): what ``slots`` index. They stay
-        where they are from now on (a CUDA graph may hold them): ``reserve_overflow`` may not grow them."""
-        self._handed_out = True
-        return self._values, self._scales
-
-    def _hits(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A call's start: the clock ticks, the hits of distinct host ``ids`` are touched (stamp, use count).
-        Returns (hit positions [H], their slots [H], miss positions [M]), positions in ``ids``."""
-        self.clock += 1
-        slots = self.lookup(ids)  # [U]
-        hit = slots >= 0
-        hit_pos = hit.nonzero().squeeze(1)  # [H] positions in ids (host)
-        miss_pos = (~hit).nonzero().squeeze(1)  # [M]
-        hit_slots = slots.index_select(0, hit_pos)
-        self.stamp.view(-1).index_fill_(0, hit_slots, self.clock)
-        self.freq.view(-1).index_add_(0, hit_slots, torch.ones_like(hit_slots))  # ids distinct: slots distinct
-        return hit_pos, hit_slots, miss_pos
-
-    def _fetch_misses(self, ids: torch.Tensor, miss_pos: torch.Tensor,
-                      fetch: Fetch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(miss ids [M] on the host, their values [M, value_bytes] and scales on the cache's device)."""
-        miss_ids = ids.index_select(0, miss_pos)
-        mv, ms = fetch(miss_ids)  # backing tiers (host RAM, disk) index with CPU ids
-        mv = to_device(mv[:, : self.value_bytes], self.device)  # [M, value_bytes]; host rows via pinned memory
-        ms = to_device(ms, self.device) if ms is not None and self.scale_cols else None
-        return miss_ids, mv, ms
-
-    def _finish_call(self, looked_up: int, missed: int) -> None:
-        self.hits += looked_up - missed
-        self.misses += missed
-        self._age(looked_up)
-
-    def _insert(self, ids: torch.Tensor, vals: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    def _insert(self, ids: torch.Tensor, vals: torch.Tensor, scales: torch.Tensor | None) -> None:
         """Place distinct missed ``ids`` [M] (host) in their sets, evicting the lowest-key way not touched this
-        call; ``vals`` / ``scales`` [M, ...] on the cache's device. Returns each id's slot [M] (host), -1 where
-        its set had no way left to give."""
+        call; ``vals`` / ``scales`` [M, ...] on the cache's device."""
         m = ids.numel()
         sets = self.set_of(ids)
         order = torch.argsort(sets, stable=True)  # [M] misses grouped by set
@@ -249,15 +179,12 @@ class RowCache:
         self.tags.view(-1).index_copy_(0, slot, ids.index_select(0, src))
         self.stamp.view(-1).index_fill_(0, slot, self.clock)
         self.freq.view(-1).index_fill_(0, slot, 1)
-        placed = torch.full((m,), -1, dtype=torch.int64)
         if not slot.numel():
-            return placed
-        placed.index_copy_(0, src, slot)
+            return
         dev_slot, dev_src = to_device(torch.stack([slot, src]), self.device).unbind(0)  # one upload
         self.values.index_copy_(0, dev_slot, vals.index_select(0, dev_src))
         if self.scales is not None:
             self.scales.index_copy_(0, dev_slot, scales.index_select(0, dev_src))
-        return placed
 
     def _age(self, looked_up: int) -> None:
         """LFU aging: halve every count once per ``capacity`` rows looked up, so old heat fades."""

@@ -153,37 +153,3 @@ def test_property_cache_is_transparent(batches, policy, capacity, ways):
         misses += int((before < 0).sum())
     assert (c.hits, c.misses) == (hits, misses)
     _check_invariants(c)
-
-
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
-@pytest.mark.parametrize("capacity,ways", [(1, 8), (7, 8), (64, 8), (100, 1), (6000, 16)])
-def test_slots_point_at_the_rows_fetch_returns_and_count_the_same(policy, capacity, ways):
-    """slots(): every id's row is at its slot of storage() (small caches spill into the overflow rows), and
-    the cache decides hits, misses and victims exactly as fetch() would on the same calls."""
-    by_slots, by_fetch = (RowCache(capacity, VB, SC, policy=policy, ways=ways) for _ in range(2))
-    by_slots.reserve_overflow(300)
-    rng = np.random.default_rng(capacity)
-    spilled = 0
-    for step in range(40):
-        ids = torch.from_numpy(np.unique(np.minimum(rng.zipf(1.3, 300), ROWS) - 1))  # skewed, distinct
-        where = by_slots.slots(ids, Backing())
-        values, scales = by_slots.storage()
-        assert torch.equal(values[where], TABLE[ids]) and torch.equal(scales[where], SCALES[ids]), step
-        spilled += int((where >= by_slots.capacity).sum())
-        by_fetch.fetch(ids, Backing())
-        assert by_slots.counters() == by_fetch.counters() and torch.equal(by_slots.tags, by_fetch.tags), step
-    _check_invariants(by_slots)
-    assert (spilled > 0) == (capacity < 300)  # a call of more distinct ids than the cache holds spills
-
-
-def test_slots_refuses_more_ids_than_its_overflow_and_storage_does_not_move_once_handed_out():
-    c = RowCache(64, VB, SC)
-    with pytest.raises(ValueError, match="41 ids in one call, but the cache reserved 0 overflow rows"):
-        c.slots(torch.arange(41), Backing())
-    c.reserve_overflow(40)
-    c.slots(torch.arange(40), Backing())
-    c.reserve_overflow(40)  # no growth: fine
-    values, _ = c.storage()
-    assert values.shape == (64 + 40, VB)
-    with pytest.raises(RuntimeError, match="would move it under its readers"):
-        c.reserve_overflow(41)
