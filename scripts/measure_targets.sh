@@ -15,13 +15,14 @@
 #   disk       disk tier (O_DIRECT) vs its bound and its latency floor, batch 1 and 64; then the batch-1
 #              phases and one lookup's read latency back to back and after an idle gap   (~5 min)
 #   disk-switch  batch 1, disk rows decoded inside the decode graphs (the default) against outside (~4 min)
+#   disk-cache   batch 1 and 64, a 200 K-row hot-row cache in front of the disk tier, hit rates  (~4 min)
 #
 # OUTDIR (default $OUT, else bench/results) receives <date>-<what>-<commit>.{json,log}. ENGRAM_COMMIT
 # names the commit when the tree is not a git checkout (a snapshot copied to the machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-part=${1:?usage: scripts/measure_targets.sh tests|engine|switches|host-4b|host-8b|exposure|disk|disk-switch [OUTDIR]}
+part=${1:?usage: scripts/measure_targets.sh tests|engine|switches|host-4b|host-8b|exposure|disk|disk-switch|disk-cache [OUTDIR]}
 out=${2:-${OUT:-bench/results}}
 mkdir -p "$out"
 commit=${ENGRAM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -65,7 +66,7 @@ exposure)
         --engram-config "{$big}" --steps 8 --batches 64,256 \
         --out "$out/$stamp-exposure-host-b64-b256-$commit.json"
     ;;
-disk | disk-switch)
+disk | disk-switch | disk-cache)
     cache=${ENGRAM_CACHE_DIR:-/tmp/engram-tables}
     disk='{"tier": "disk", "lookup_overlap": true, "options": {"io": "direct", "queue_depth": 64}'
     if [ "$part" = disk-switch ]; then  # batch 1, rows decoded inside the decode graphs (default) or outside
@@ -74,6 +75,13 @@ disk | disk-switch)
             --a '{"tier": "host", "lookup_overlap": true}' --b "$disk}" \
             --b "$disk, \"switches\": {\"disk_decode_in_graph\": false}}" \
             --batch-sizes 1 --out "$out/$stamp-placement-disk-switch-4b-like-$commit.json"
+        exit
+    fi
+    if [ "$part" = disk-cache ]; then
+        run placement-disk-cache-4b-like python3 -u -m engram bench placement --model 4b-like \
+            --cache-dir "$cache" --engram-config '{"load_threads": 16, "table_rows": 31000000}' \
+            --a '{"tier": "host", "lookup_overlap": true}' --b "${disk%\}}, \"cache_rows\": 200000}}" \
+            --batch-sizes 1,64 --out "$out/$stamp-placement-disk-cache-4b-like-$commit.json"
         exit
     fi
     run placement-disk-4b-like python3 -u -m engram bench placement --model 4b-like --cache-dir "$cache" \
@@ -86,7 +94,7 @@ disk | disk-switch)
         --seconds 1 --gaps-ms 0,4 --depths 8,24,64
     ;;
 *)
-    echo "unknown part '$part': tests, engine, switches, host-4b, host-8b, exposure, disk or disk-switch" >&2
+    echo "unknown part '$part': tests, engine, switches, host-4b, host-8b, exposure, disk, disk-switch or disk-cache" >&2
     exit 2
     ;;
 esac

@@ -25,7 +25,8 @@ import time
 
 ENGINE_PHASES = ("step", "launch", "  lookup._host_ids (waits for the sampled tokens)",
                  "  graphs.begin (inputs, the pieces before the first Engram layer)", "  lookup.submit",
-                 "    the row ids' wait (waits for the sampled tokens)", "  graphs.run", "    graph replays (host side of the launches)", "  runner.run", "collect")
+                 "    the row ids' wait (waits for the sampled tokens)", "  graphs.run",
+                 "    graph replays (host side of the launches)", "  runner.run", "collect")
 # a table's lookup and its parts, timed on whichever thread runs them (the first Engram layer's on the
 # engine's thread, inside lookup.submit, or over the disk tier inside graphs.run / runner.run when the model
 # reaches its layer; the later layers' on their tables' threads)
@@ -41,11 +42,11 @@ def timed_phases(engine, steps: int) -> dict[str, tuple[float, float]]:
     piece's rows in and, piecewise, waits for later layers' reads) or the eager forward
     (``ModelRunner.run``); with async scheduling over host-read tables the wait for the sampled tokens
     (``LookupExecutor._host_ids``; ``HostIds.wait`` inside it, or inside ``lookup.submit`` when the decode
-    graph queued its first pieces first: ``DecodeGraphs.begin``). Then, summed over the tables, a lookup (``table.gather`` on the engine's
-    thread, ``table._lookup`` on a table's) and its parts: the disk tier's one-read lookup (its reads and its
-    decode from the slab), or dedupe, page fetch (and its reads), the packed rows' copy to the device, the
-    decode (``kernels.gather_rows``); the executor's finish and the run-ahead projection; inside the graph
-    replay the host side of the graph launches."""
+    graph queued its first pieces first: ``DecodeGraphs.begin``). Then, summed over the tables, a lookup
+    (``table.gather`` on the engine's thread, ``table._lookup`` on a table's) and its parts: the disk tier's
+    one-read lookup (its reads and its decode from the slab), or dedupe, page fetch (and its reads), the
+    packed rows' copy to the device, the decode (``kernels.gather_rows``); the executor's finish and the
+    run-ahead projection; inside the graph replay the host side of the graph launches."""
     import threading
     import types
 

@@ -50,11 +50,13 @@ log = logging.getLogger(__name__)
 PIECEWISE = os.environ.get("ENGRAM_PIECEWISE_GRAPHS", "1") != "0"
 # Disk tables' rows decoded inside the pieces (on unless ENGRAM_DISK_DECODE_IN_GRAPH=0; kernel switch
 # ``disk_decode_in_graph``; a 4b-like batch-1 step on the H200 took 4.33 ms against 4.81 with the rows
-# decoded outside the graph, batch 64 the same within its spread, 498c1bd): each such Engram layer gets a slab of its
-# table (store/page_slabs.py, pinned) sized for the largest bucket; a step's lookup only reads the pages into
-# it (``DiskTable.read_slab``), and the piece that starts with the layer decodes the slab with the UVA gather
-# it captured (``DiskTable.decode_slab``, reading the slots over UVA too), so no decode kernel is launched
-# from Python and no rows are copied in on the step's critical path.
+# decoded outside the graph, batch 64 the same within its spread, 498c1bd): each such Engram layer (a disk
+# table without a hot-row cache) gets a slab of its table (store/page_slabs.py, pinned) sized for the largest
+# bucket; a step's lookup only reads the pages into it (``DiskTable.read_slab``), and the piece that starts
+# with the layer decodes the slab with the UVA gather it captured (``DiskTable.decode_slab``, reading the
+# slots over UVA too), so no decode kernel is launched from Python and no rows are copied in on the step's
+# critical path. When every Engram layer is such a layer the worker queues the first pieces before it waits
+# for the step's row ids (``DecodeGraphs.begin``).
 DISK_DECODE_IN_GRAPH = env_flag("ENGRAM_DISK_DECODE_IN_GRAPH", default=True)
 
 

@@ -17,7 +17,9 @@ layers' lookups are submitted right after it. A later layer whose reads are stil
 is staged is *deferred*: its ``rows`` waits for the reads when the model reaches that layer, so the layers
 before it compute (and, on a GPU, are launched) while its reads complete. Deferred rows are finished on
 the consuming stream and projected by the layer itself (the same kernels: outputs are bitwise those of
-staging everything first).
+staging everything first). With async scheduling the host-read tables need the step's row ids on the host:
+``start_host_ids`` queues their patch and copy, ``HostIds.wait`` waits for them, so a decode graph can queue
+its first pieces in between (engine/worker.py, ``DecodeGraphs.begin``).
 """
 from __future__ import annotations
 
@@ -250,7 +252,7 @@ class LookupExecutor:
                 handle.cancel()
             raise
 
-    def start_host_ids(self, step: StepDescription, patch: PendingPatch) -> "HostIds":
+    def start_host_ids(self, step: StepDescription, patch: PendingPatch) -> HostIds:
         """Every layer's row ids [T, n_cols] with the pending rows patched in, on their way to the host:
         patched on the device (on the lookup stream, if any: after what the main stream has queued so far),
         then one non-blocking copy for all layers; ``wait()`` on the result waits for the step that sampled
@@ -265,7 +267,7 @@ class LookupExecutor:
         """The step's row ids on the host, patched and copied on the current stream and waited for now."""
         return self._ids_to_host(step, patch).wait()
 
-    def _ids_to_host(self, step: StepDescription, patch: PendingPatch) -> "HostIds":
+    def _ids_to_host(self, step: StepDescription, patch: PendingPatch) -> HostIds:
         """``start_host_ids`` on the current stream."""
         layers = list(step.engram_row_ids)
         if not layers:
