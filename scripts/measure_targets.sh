@@ -15,7 +15,8 @@
 #   disk       disk tier (O_DIRECT) vs its bound and its latency floor, batch 1 and 64; then the batch-1
 #              phases and one lookup's read latency back to back and after an idle gap   (~5 min)
 #   disk-switch  batch 1, disk rows decoded inside the decode graphs (the default) against outside (~4 min)
-#   disk-cache   batch 1 and 64, a 200 K-row hot-row cache in front of the disk tier, hit rates  (~4 min)
+#   disk-cache   batch 1 and 64, a 200 K-row hot-row cache in front of the disk tier, hit rates; its batch-1
+#                phases (not yet run)                                                   (~5 min)
 #
 # OUTDIR (default $OUT, else bench/results) receives <date>-<what>-<commit>.{json,log}. ENGRAM_COMMIT
 # names the commit when the tree is not a git checkout (a snapshot copied to the machine).
@@ -82,6 +83,8 @@ disk | disk-switch | disk-cache)
             --cache-dir "$cache" --engram-config '{"load_threads": 16, "table_rows": 31000000}' \
             --a '{"tier": "host", "lookup_overlap": true}' --b "${disk%\}}, \"cache_rows\": 200000}}" \
             --batch-sizes 1,64 --out "$out/$stamp-placement-disk-cache-4b-like-$commit.json"
+        run profile-disk-cache-4b-like-b1 python3 -u scripts/profile_decode_host.py --tier disk --cache-dir "$cache" \
+            --engram-config '{"io": "direct", "queue_depth": 64, "cache_rows": 200000}' --steps 40
         exit
     fi
     run placement-disk-4b-like python3 -u -m engram bench placement --model 4b-like --cache-dir "$cache" \

@@ -31,7 +31,7 @@ ENGINE_PHASES = ("step", "launch", "  lookup._host_ids (waits for the sampled to
 # engine's thread, inside lookup.submit, or over the disk tier inside graphs.run / runner.run when the model
 # reaches its layer; the later layers' on their tables' threads)
 TABLE_PHASES = ("lookup", "  one-read lookup", "    plan, read, check (into the slab)", "      reads",
-                "    decode from the slab", "  dedupe", "  page fetch", "  rows to the device", "  decode",
+                "    decode from the slab", "  dedupe", "  hot-row cache (tags, hits, the misses' reads)", "  page fetch", "  rows to the device", "  decode",
                 "finish (dtype, shape)", "projection (run-ahead)")
 
 
@@ -106,6 +106,8 @@ def timed_phases(engine, steps: int) -> dict[str, tuple[float, float]]:
             wrap(table, "_decode_slab", "    decode from the slab")
             wrap(table, "read_slab", "lookup")  # into a decode graph's slab (DISK_DECODE_IN_GRAPH)
         wrap(table, "_dedupe", "  dedupe")
+        if getattr(table, "cache", None) is not None:
+            wrap(table.cache, "fetch", "  hot-row cache (tags, hits, the misses' reads)")
         if hasattr(table, "_fetch"):
             wrap(table, "_fetch", "  page fetch")
         if hasattr(table, "reader"):
