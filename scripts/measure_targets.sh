@@ -23,7 +23,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-part=${1:?usage: scripts/measure_targets.sh tests|engine|switches|host-4b|host-8b|exposure|disk|disk-switch|disk-cache [OUTDIR]}
+usage="usage: scripts/measure_targets.sh tests|engine|switches|host-4b|host-8b|exposure|disk|disk-switch|disk-cache [OUTDIR]"
+part=${1:?$usage}
 out=${2:-${OUT:-bench/results}}
 mkdir -p "$out"
 commit=${ENGRAM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -97,7 +98,7 @@ disk | disk-switch | disk-cache)
         --seconds 1 --gaps-ms 0,4 --depths 8,24,64
     ;;
 *)
-    echo "unknown part '$part': tests, engine, switches, host-4b, host-8b, exposure, disk, disk-switch or disk-cache" >&2
+    echo "unknown part '$part'; $usage" >&2
     exit 2
     ;;
 esac
