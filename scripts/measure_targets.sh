@@ -23,7 +23,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage="usage: scripts/measure_targets.sh tests|engine|switches|host-4b|host-8b|exposure|disk|disk-switch|disk-cache [OUTDIR]"
+parts="tests|engine|switches|host-4b|host-8b|exposure|disk|disk-switch|disk-cache"
+usage="usage: scripts/measure_targets.sh $parts [OUTDIR]"
 part=${1:?$usage}
 out=${2:-${OUT:-bench/results}}
 mkdir -p "$out"

@@ -31,8 +31,8 @@ ENGINE_PHASES = ("step", "launch", "  lookup._host_ids (waits for the sampled to
 # engine's thread, inside lookup.submit, or over the disk tier inside graphs.run / runner.run when the model
 # reaches its layer; the later layers' on their tables' threads)
 TABLE_PHASES = ("lookup", "  one-read lookup", "    plan, read, check (into the slab)", "      reads",
-                "    decode from the slab", "  dedupe", "  hot-row cache (tags, hits, the misses' reads)", "  page fetch",
-                "  rows to the device", "  decode",
+                "    decode from the slab", "  dedupe", "  hot-row cache (tags, hits, the misses' reads)",
+                "  page fetch", "  rows to the device", "  decode",
                 "finish (dtype, shape)", "projection (run-ahead)")
 
 
