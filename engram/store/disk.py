@@ -164,13 +164,15 @@ class DiskTable(TableBackend):
     def _decode_slab(self, values: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, pinned: bool,
                      out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``slots`` of a slab dequantized into [N, dim] on ``self.device``: from a pinned slab by the UVA
-        kernel (its ids copied from the pinned slots without a host wait), else by ``kernels.gather_rows``."""
+        kernel, which reads the pinned slots over UVA too (nothing is copied to the device first, and a CUDA
+        graph can hold the launch), else by ``kernels.gather_rows``. The caller keeps the slab until the
+        decode has run (``SlabPool.release``'s event, or a decode graph's ``slab.done``)."""
         if out is None and self.device.type != "cpu":
             out = torch.empty(slots.numel(), self.dim, dtype=dtype, device=self.device)
         if _uva_decodes(pinned):
-            from engram.store.kernels import uva
-            return uva.gather_rows(values, scales, slots, self.row_dtype, self.dim, out=out, dtype=dtype,
-                                   route="direct")
+            from engram.store.kernels import triton_gather, uva
+            return triton_gather.gather_rows(values, scales, slots, self.row_dtype, self.dim, out=out, dtype=dtype,
+                                             cfg=uva.UVA_CONFIG, ids_pinned=True)
         return kernels.gather_rows(values, scales, slots, self.row_dtype, self.dim, out=out, dtype=dtype)
 
     # ----------------------------------------------------------------- a caller's slab (decode graphs)
@@ -211,12 +213,7 @@ class DiskTable(TableBackend):
         CUDA), so the launch does not depend on what a read planned and a CUDA graph can hold it; slots past
         the last read point at rows the slab holds (``new_slab`` starts them at 0)."""
         values = slab.data.view(-1, self.stride)  # [pages * rows_per_page, stride]
-        slots = slab.slots[:n]
-        if _uva_decodes(slab.pinned):
-            from engram.store.kernels import triton_gather, uva
-            return triton_gather.gather_rows(values, slab.scales, slots, self.row_dtype, self.dim, out=out,
-                                             dtype=out.dtype, cfg=uva.UVA_CONFIG, ids_pinned=True)
-        return kernels.gather_rows(values, slab.scales, slots, self.row_dtype, self.dim, out=out, dtype=out.dtype)
+        return self._decode_slab(values, slab.scales, slab.slots[:n], slab.pinned, out, out.dtype)
 
     def _plan(self, ids: torch.Tensor) -> tuple[list[tuple[np.ndarray, int, int, torch.Tensor | None]], int, int]:
         """Read plan for unique ascending ``ids``: chunks of (file offsets int64 [k], first row, end row, slot
