@@ -109,6 +109,7 @@ def timed_phases(engine, steps: int) -> dict[str, tuple[float, float]]:
         wrap(table, "_dedupe", "  dedupe")
         if getattr(table, "cache", None) is not None:
             wrap(table.cache, "fetch", "  hot-row cache (tags, hits, the misses' reads)")
+            wrap(table.cache, "slots_np", "  hot-row cache (tags, hits, the misses' reads)")  # decode graphs
         if hasattr(table, "_fetch"):
             wrap(table, "_fetch", "  page fetch")
         if hasattr(table, "reader"):
@@ -180,6 +181,8 @@ def main() -> int:
           f"{statistics.fmean(times):.3f} ms/step mean, "
           f"{statistics.median(times):.3f} median, {max(times):.3f} max ({args.steps} steps, "
           f"graph replays so far {engine.stats().get('graph_replays')})")
+    deciles = statistics.quantiles(times, n=10)
+    print("  step ms by decile (10 % ... 90 %): " + " ".join(f"{q:.2f}" for q in deciles))
     phases = timed_phases(engine, args.steps)
     print("phases, ms per step (wall time, summed over the tables; indented phases run inside the one above)")
     print(f"  {'phase':50s} {'engine thread':>14s} {'other threads':>14s}")

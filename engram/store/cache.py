@@ -12,8 +12,11 @@ lists uploaded non-blocking from pinned memory::
     freq   [n_sets, ways] int64     uses since insert, halved every `capacity` lookups (LFU aging)
     values [n_sets * ways, value_bytes] uint8     slot = set * ways + way
 
-A lookup of N distinct ids is a fixed number of tensor operations (gather the N candidate tag rows, compare,
-sort the misses by set, rank them inside their set, pick victims by key) — no Python loop per row. Rows
+A lookup of N distinct ids is a fixed number of array operations (gather the N candidate tag rows, compare,
+sort the misses by set, rank them inside their set, pick victims by key) — no Python loop per row. They run in
+numpy on views of the bookkeeping tensors: a decode step looks up a few dozen ids per table, where a numpy call
+costs about a microsecond and a torch CPU op several, and the disk tier runs this on the critical path of
+every step. Rows
 touched by the current lookup are never evicted by it, and misses beyond a set's ways in one call are served
 but not cached. The cache only stores bytes it was given, so it can never change what a lookup returns.
 """
@@ -21,12 +24,13 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import torch
 
 from engram.transfer import to_device
 
 POLICIES = ("lru", "lfu")
-_HASH_MUL = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (Fibonacci hashing)
+_HASH_MUL = np.int64(-7046029254386353131)  # 0x9E3779B97F4A7C15 as a signed int64 (Fibonacci hashing)
 SLOT_OVERHEAD_BYTES = 24  # tag + stamp + freq per slot (host memory)
 
 Fetch = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
@@ -55,9 +59,14 @@ class RowCache:
         self.tags = torch.full((self.n_sets, self.ways), -1, **kw)
         self.stamp = torch.zeros((self.n_sets, self.ways), **kw)
         self.freq = torch.zeros((self.n_sets, self.ways), **kw)
+        # numpy views of the same memory (never reallocated: clear() fills in place): what the lookups use
+        self._tags, self._stamp, self._freq = self.tags.numpy(), self.stamp.numpy(), self.freq.numpy()
         self.values = torch.zeros((self.capacity, value_bytes), dtype=torch.uint8, device=self.device)
         self.scales = (torch.zeros((self.capacity, scale_cols), dtype=torch.uint8, device=self.device)
                        if scale_cols else None)
+        self._values, self._scales = self.values, self.scales  # + overflow rows (reserve_overflow), for slots()
+        self.overflow_rows = 0
+        self._handed_out = False
         self.clock = 0  # lookup calls so far; stamps are 1-based so 0 means "never touched"
         self._since_aging = 0
         self.reset_counters()
@@ -103,88 +112,170 @@ class RowCache:
 
     def set_of(self, ids: torch.Tensor) -> torch.Tensor:
         """Set index of each id: int64 [N] in [0, n_sets)."""
-        h = ((ids * _HASH_MUL) >> 32) & 0x7FFFFFFF  # int64 multiply wraps: a 64-bit Fibonacci hash
+        return torch.from_numpy(self._set_of(_host_np(ids)))
+
+    def _set_of(self, ids: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            h = ((ids * _HASH_MUL) >> 32) & 0x7FFFFFFF  # int64 multiply wraps: a 64-bit Fibonacci hash
         return h % self.n_sets
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Slot of each id (int64 [N] on the host, -1 when not cached); pure, touches nothing."""
-        ids = ids.cpu()
-        sets = self.set_of(ids)
-        match = self.tags.index_select(0, sets) == ids.unsqueeze(1)  # [N, ways]
-        way = match.to(torch.int8).argmax(dim=1)
-        return torch.where(match.any(dim=1), sets * self.ways + way, torch.full_like(ids, -1))
+        return torch.from_numpy(self._lookup(_host_np(ids)))
+
+    def _lookup(self, ids: np.ndarray) -> np.ndarray:
+        sets = self._set_of(ids)
+        match = self._tags[sets] == ids[:, None]  # [N, ways]
+        return np.where(match.any(axis=1), sets * self.ways + match.argmax(axis=1), -1)
 
     def fetch(self, ids: torch.Tensor, fetch: Fetch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows of distinct ``ids`` [U]: hits from the cache, the rest from ``fetch(miss_ids)`` (miss ids on the
         CPU; it returns values uint8 [M, >= value_bytes] and scales [M, scale_cols] | None on any device),
         then cached.
         Returns (values uint8 [U, value_bytes], scales uint8 [U, scale_cols] | None) on the cache device."""
-        ids = ids.cpu()
-        u = ids.numel()
-        self.clock += 1
-        slots = self.lookup(ids)  # [U]
-        hit = slots >= 0
-        hit_pos = hit.nonzero().squeeze(1)  # [H] positions in ids (host)
-        miss_pos = (~hit).nonzero().squeeze(1)  # [M]
-        hit_slots = slots.index_select(0, hit_pos)
+        ids = _host_np(ids)
+        u = len(ids)
+        hit_pos, hit_slots, miss_pos = self._hits(ids)
         vals = torch.empty((u, self.value_bytes), dtype=torch.uint8, device=self.device)
         scales = torch.empty((u, self.scale_cols), dtype=torch.uint8, device=self.device) if self.scale_cols else None
-        if hit_pos.numel():
-            dev_pos, dev_slots = to_device(torch.stack([hit_pos, hit_slots]), self.device).unbind(0)  # one upload
+        if len(hit_pos):
+            dev_pos, dev_slots = to_device(torch.from_numpy(np.stack([hit_pos, hit_slots])),
+                                           self.device).unbind(0)  # one upload
             vals.index_copy_(0, dev_pos, self.values.index_select(0, dev_slots))
             if scales is not None:
                 scales.index_copy_(0, dev_pos, self.scales.index_select(0, dev_slots))
-        self.stamp.view(-1).index_fill_(0, hit_slots, self.clock)
-        self.freq.view(-1).index_add_(0, hit_slots, torch.ones_like(hit_slots))  # ids distinct: slots distinct
-        n_miss = miss_pos.numel()
-        if n_miss:
-            miss_ids = ids.index_select(0, miss_pos)
-            mv, ms = fetch(miss_ids)  # backing tiers (host RAM, disk) index with CPU ids
-            mv = to_device(mv[:, : self.value_bytes], self.device)  # [M, value_bytes]; host rows via pinned memory
-            dev_miss = to_device(miss_pos, self.device)
+        if len(miss_pos):
+            miss_ids, mv, ms = self._fetch_misses(ids, miss_pos, fetch)
+            dev_miss = to_device(torch.from_numpy(miss_pos), self.device)
             vals.index_copy_(0, dev_miss, mv)
             if scales is not None:
-                ms = to_device(ms, self.device)
                 scales.index_copy_(0, dev_miss, ms)
             self._insert(miss_ids, mv, ms)
-        self.hits += u - n_miss
-        self.misses += n_miss
-        self._age(u)
+        self._finish_call(u, len(miss_pos))
         return vals, scales
 
-    def _insert(self, ids: torch.Tensor, vals: torch.Tensor, scales: torch.Tensor | None) -> None:
-        """Place distinct missed ``ids`` [M] (host) in their sets, evicting the lowest-key way not touched this
-        call; ``vals`` / ``scales`` [M, ...] on the cache's device."""
-        m = ids.numel()
-        sets = self.set_of(ids)
-        order = torch.argsort(sets, stable=True)  # [M] misses grouped by set
-        s_sorted = sets.index_select(0, order)
-        pos = torch.arange(m)
-        first = torch.ones(m, dtype=torch.bool)
-        first[1:] = s_sorted[1:] != s_sorted[:-1]
-        rank = pos - torch.cummax(torch.where(first, pos, torch.zeros_like(pos)), dim=0).values  # [M] within set
-        tags = self.tags.index_select(0, s_sorted)  # [M, ways]
-        stamp = self.stamp.index_select(0, s_sorted)
-        key = stamp if self.policy == "lru" else (self.freq.index_select(0, s_sorted) << 40) | stamp
-        key = torch.where(tags < 0, torch.full_like(key, -1), key)  # empty ways go first
-        victims = torch.argsort(key, dim=1, stable=True)  # [M, ways] eviction order of each miss's set
-        way = victims.gather(1, rank.clamp(max=self.ways - 1).unsqueeze(1)).squeeze(1)  # [M]
-        victim_stamp = stamp.gather(1, way.unsqueeze(1)).squeeze(1)
-        victim_tag = tags.gather(1, way.unsqueeze(1)).squeeze(1)
-        keep = (rank < self.ways) & (victim_stamp != self.clock)  # never evict what this call touched
-        sel = keep.nonzero().squeeze(1)
-        slot = s_sorted.index_select(0, sel) * self.ways + way.index_select(0, sel)  # [K] distinct slots
-        src = order.index_select(0, sel)  # [K] positions in ids / vals
-        self._evictions += int((victim_tag.index_select(0, sel) >= 0).sum())
-        self.tags.view(-1).index_copy_(0, slot, ids.index_select(0, src))
-        self.stamp.view(-1).index_fill_(0, slot, self.clock)
-        self.freq.view(-1).index_fill_(0, slot, 1)
-        if not slot.numel():
+    def slots(self, ids: torch.Tensor, fetch: Fetch) -> torch.Tensor:
+        """Where the rows of distinct ``ids`` [U] are after this call: int64 [U] on the host, rows of
+        ``storage()`` (the ``fetch`` contract above). Hits where they are cached; misses fetched and cached,
+        and those a full set cannot take (more misses in one set than it has ways untouched by this call) in
+        the overflow rows after the cache's slots (``reserve_overflow``), rewritten by the next call. The
+        bytes are written on the current stream; work queued after this call reads them there."""
+        return torch.from_numpy(self.slots_np(_host_np(ids), fetch))
+
+    def slots_np(self, ids: np.ndarray, fetch: Fetch) -> np.ndarray:
+        """``slots`` of host ids int64 [U] as numpy (the disk tier's decode-graph reads call it per step)."""
+        u = len(ids)
+        if u > self.overflow_rows:
+            raise ValueError(f"{u} ids in one call, but the cache reserved {self.overflow_rows} overflow rows "
+                             "(reserve_overflow)")
+        hit_pos, hit_slots, miss_pos = self._hits(ids)
+        if not len(miss_pos):  # a decode step's usual case
+            self._finish_call(u, 0)
+            return hit_slots
+        slots = np.empty(u, dtype=np.int64)
+        slots[hit_pos] = hit_slots
+        miss_ids, mv, ms = self._fetch_misses(ids, miss_pos, fetch)
+        placed = self._insert(miss_ids, mv, ms)  # [M] slot, -1 where the set could not take the row
+        spill = np.flatnonzero(placed < 0)  # [K]
+        if len(spill):
+            over = self.capacity + np.arange(len(spill))
+            placed[spill] = over
+            dev_over, dev_spill = to_device(torch.from_numpy(np.stack([over, spill])), self.device).unbind(0)
+            self._values.index_copy_(0, dev_over, mv.index_select(0, dev_spill))
+            if self._scales is not None:
+                self._scales.index_copy_(0, dev_over, ms.index_select(0, dev_spill))
+        slots[miss_pos] = placed
+        self._finish_call(u, len(miss_pos))
+        return slots
+
+    def reserve_overflow(self, rows: int) -> None:
+        """Make ``slots`` able to place up to ``rows`` ids a call (rows after the cache's ``capacity`` in
+        ``storage()``). Keeps what is cached."""
+        if rows <= self.overflow_rows:
             return
-        dev_slot, dev_src = to_device(torch.stack([slot, src]), self.device).unbind(0)  # one upload
+        if self._handed_out:
+            raise RuntimeError(f"the cache's storage was handed out (storage()) with {self.overflow_rows} overflow "
+                               f"rows; growing it to {rows} would move it under its readers")
+        grown = torch.zeros((self.capacity + rows, self.value_bytes), dtype=torch.uint8, device=self.device)
+        grown[:self.capacity].copy_(self.values)
+        self._values, self.values = grown, grown[:self.capacity]
+        if self._scales is not None:
+            grown = torch.zeros((self.capacity + rows, self.scale_cols), dtype=torch.uint8, device=self.device)
+            grown[:self.capacity].copy_(self.scales)
+            self._scales, self.scales = grown, grown[:self.capacity]
+        self.overflow_rows = rows
+
+    def storage(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(values uint8 [capacity + overflow, value_bytes], scales | None): what ``slots`` index. They stay
+        where they are from now on (a CUDA graph may hold them): ``reserve_overflow`` may not grow them."""
+        self._handed_out = True
+        return self._values, self._scales
+
+    def _hits(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A call's start: the clock ticks, the hits of distinct host ``ids`` are touched (stamp, use count).
+        Returns (hit positions [H], their slots [H], miss positions [M]), positions in ``ids``."""
+        self.clock += 1
+        slots = self._lookup(ids)  # [U]
+        hit = slots >= 0
+        if hit.all():
+            hit_pos, hit_slots, miss_pos = np.arange(len(ids)), slots, np.empty(0, dtype=np.int64)
+        else:
+            hit_pos, miss_pos = np.flatnonzero(hit), np.flatnonzero(~hit)  # [H], [M] positions in ids
+            hit_slots = slots[hit_pos]
+        self._stamp.reshape(-1)[hit_slots] = self.clock
+        self._freq.reshape(-1)[hit_slots] += 1  # ids distinct: slots distinct
+        return hit_pos, hit_slots, miss_pos
+
+    def _fetch_misses(self, ids: np.ndarray, miss_pos: np.ndarray,
+                      fetch: Fetch) -> tuple[np.ndarray, torch.Tensor, torch.Tensor | None]:
+        """(miss ids [M] on the host, their values [M, value_bytes] and scales on the cache's device)."""
+        miss_ids = ids[miss_pos]
+        mv, ms = fetch(torch.from_numpy(miss_ids))  # backing tiers (host RAM, disk) index with CPU ids
+        mv = to_device(mv[:, : self.value_bytes], self.device)  # [M, value_bytes]; host rows via pinned memory
+        ms = to_device(ms, self.device) if ms is not None and self.scale_cols else None
+        return miss_ids, mv, ms
+
+    def _finish_call(self, looked_up: int, missed: int) -> None:
+        self.hits += looked_up - missed
+        self.misses += missed
+        self._age(looked_up)
+
+    def _insert(self, ids: np.ndarray, vals: torch.Tensor, scales: torch.Tensor | None) -> np.ndarray:
+        """Place distinct missed ``ids`` [M] (host) in their sets, evicting the lowest-key way not touched this
+        call; ``vals`` / ``scales`` [M, ...] on the cache's device. Returns each id's slot [M] (host), -1 where
+        its set had no way left to give."""
+        m = len(ids)
+        sets = self._set_of(ids)
+        order = np.argsort(sets, kind="stable")  # [M] misses grouped by set
+        s_sorted = sets[order]
+        pos = np.arange(m)
+        first = np.ones(m, dtype=bool)
+        first[1:] = s_sorted[1:] != s_sorted[:-1]
+        rank = pos - np.maximum.accumulate(np.where(first, pos, 0))  # [M] rank within its set
+        tags = self._tags[s_sorted]  # [M, ways]
+        stamp = self._stamp[s_sorted]
+        key = stamp if self.policy == "lru" else (self._freq[s_sorted] << 40) | stamp
+        key = np.where(tags < 0, -1, key)  # empty ways go first
+        victims = np.argsort(key, axis=1, kind="stable")  # [M, ways] eviction order of each miss's set
+        way = np.take_along_axis(victims, np.minimum(rank, self.ways - 1)[:, None], axis=1)[:, 0]  # [M]
+        victim_stamp = np.take_along_axis(stamp, way[:, None], axis=1)[:, 0]
+        victim_tag = np.take_along_axis(tags, way[:, None], axis=1)[:, 0]
+        sel = np.flatnonzero((rank < self.ways) & (victim_stamp != self.clock))  # never evict what this call touched
+        slot = s_sorted[sel] * self.ways + way[sel]  # [K] distinct slots
+        src = order[sel]  # [K] positions in ids / vals
+        self._evictions += int((victim_tag[sel] >= 0).sum())
+        self._tags.reshape(-1)[slot] = ids[src]
+        self._stamp.reshape(-1)[slot] = self.clock
+        self._freq.reshape(-1)[slot] = 1
+        placed = np.full(m, -1, dtype=np.int64)
+        if not len(slot):
+            return placed
+        placed[src] = slot
+        dev_slot, dev_src = to_device(torch.from_numpy(np.stack([slot, src])), self.device).unbind(0)  # one upload
         self.values.index_copy_(0, dev_slot, vals.index_select(0, dev_src))
         if self.scales is not None:
             self.scales.index_copy_(0, dev_slot, scales.index_select(0, dev_src))
+        return placed
 
     def _age(self, looked_up: int) -> None:
         """LFU aging: halve every count once per ``capacity`` rows looked up, so old heat fades."""
@@ -194,3 +285,10 @@ class RowCache:
         if self._since_aging >= self.capacity:
             self.freq.bitwise_right_shift_(1)
             self._since_aging = 0
+
+
+def _host_np(ids: torch.Tensor | np.ndarray) -> np.ndarray:
+    """Row ids as a host int64 numpy array (a view where they already are one)."""
+    if isinstance(ids, np.ndarray):
+        return ids.astype(np.int64, copy=False)
+    return ids.cpu().to(torch.int64).numpy()
