@@ -3,14 +3,19 @@ thread plus a profiler summary of the CPU ops of every thread (the disk tier rea
 
     python scripts/profile_decode_host.py [--model 4b-like] [--tier disk] [--batch 1] [--context 512]
         [--engram-config JSON] [--cache-dir DIR] [--steps 50] [--enforce-eager] [--async-scheduling | --no-...]
-        [--top 30]
+        [--top 30] [--warm-cache] [--gpu-gaps]
 
 Builds the engine, decodes ``--batch`` sequences of ``--context`` prompt tokens until every one decodes,
 times ``--steps`` decode steps (wall ms per step, mean and median), then the same number with the step's
 phases timed (launch, collect, the lookups' staging, the graph replay or eager forward), then again under
 ``cProfile`` (the calling thread: the engine, the Worker, the graph replay and every wait) and prints the
 ``--top`` functions by cumulative time, then once more under torch.profiler (CPU activity, every thread),
-printing the ops by self CPU time. A diagnosis tool: the numbers under a profiler are not benchmark numbers.
+printing the ops by self CPU time. ``--gpu-gaps`` profiles the same number of steps with CUDA activity too
+and prints where the GPU sat idle: its busy time per step against the wall time, and the idle gaps summed by
+the kernels around them (which kernel the GPU waited to start). ``--warm-cache`` first decodes the same
+prompts once (greedy: the same tokens, so the same Engram rows), so that a hot-row cache hits on every row
+as in ``engram bench placement``'s rounds. A diagnosis tool: the numbers under a profiler are not benchmark
+numbers.
 """
 from __future__ import annotations
 
@@ -133,6 +138,39 @@ def timed_phases(engine, steps: int) -> dict[str, tuple[float, float]]:
     return out
 
 
+def gpu_gaps(engine, steps: int, top: int) -> None:
+    """Profile ``steps`` engine steps with CUDA activity and print the GPU's busy time per step and its idle
+    gaps (over 2 us) summed by (the kernel before, the kernel after), largest first."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from engram.bench.device_time import busy_intervals_ns, cuda_kernels, union_length
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    events = prof.profiler.kineto_results.events()
+    busy = sorted(busy_intervals_ns(events, "cuda"))
+    kernels = cuda_kernels(events)
+    print(f"GPU under the profiler: {wall / steps * 1e3:.3f} ms wall per step, "
+          f"{union_length(busy) / steps / 1e6:.3f} ms busy")
+    gaps: dict[tuple[str, str], list[float]] = {}
+    reach, before = None, "(start)"
+    for start, end, _, name in kernels:
+        if reach is not None and start - reach > 2000:
+            gaps.setdefault((before[:60], name[:60]), []).append((start - reach) / 1e3)
+        if reach is None or end > reach:
+            reach, before = end, name
+    rows = sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]
+    print(f"  {'idle us/step':>12s} {'gaps/step':>9s} {'median us':>9s}  kernel before -> kernel after")
+    for (a, b), us in rows:
+        print(f"  {sum(us) / steps:12.1f} {len(us) / steps:9.2f} {statistics.median(us):9.1f}  {a} -> {b}")
+
+
 def main() -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -153,16 +191,25 @@ def main() -> int:
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="EngineConfig.async_scheduling (default: the engine's auto choice)")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--warm-cache", action="store_true", help="decode the same prompts once first")
+    ap.add_argument("--gpu-gaps", action="store_true", help="also where the GPU sat idle (CUDA only)")
     args = ap.parse_args()
     llm = engram.LLM(args.model, tier=args.tier, engram_config=json.loads(args.engram_config),
                      cache_dir=args.cache_dir, enforce_eager=args.enforce_eager,
                      async_scheduling=args.async_scheduling,
-                     max_num_seqs=max(args.batch, 1), max_model_len=args.context + 4 * args.steps + 64,
+                     max_num_seqs=max(args.batch, 1), max_model_len=args.context + 5 * args.steps + 96,
                      max_num_batched_tokens=max(2048, args.context))
     engine = llm.engine
     vocab = llm.loaded.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=4 * args.steps + 32, ignore_eos=True)
-    for i, p in enumerate(prompt_ids(args.batch, args.context, vocab, seed=1)):
+    params = SamplingParams(temperature=0.0, max_tokens=5 * args.steps + 64, ignore_eos=True)
+    prompts = prompt_ids(args.batch, args.context, vocab, seed=1)
+    if args.warm_cache:  # greedy: the same tokens again, so the same Engram rows
+        for i, p in enumerate(prompts):
+            engine.add_request(f"w{i}", p, SamplingParams(temperature=0.0, max_tokens=5 * args.steps + 64,
+                                                          ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+    for i, p in enumerate(prompts):
         engine.add_request(f"p{i}", p, params)
     while engine.scheduler.waiting or any(s.num_computed_tokens < len(s.prompt_token_ids)
                                           for s in engine.scheduler.running):
@@ -202,6 +249,8 @@ def main() -> int:
             engine.step()
         sync()
     print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    if args.gpu_gaps and torch.cuda.is_available():
+        gpu_gaps(engine, args.steps, args.top)
     return 0
 
 

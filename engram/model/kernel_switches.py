@@ -15,6 +15,10 @@ them, interleaved, with confidence intervals. Unknown names are refused with the
 * ``disk_decode_in_graph``: disk tables' rows are decoded inside the piecewise decode graphs from a slab the
   step's lookup reads into (``cuda_graphs.DISK_DECODE_IN_GRAPH``, ``ENGRAM_DISK_DECODE_IN_GRAPH``; read when a
   Worker's graphs are captured; on by default);
+* ``split_gemv``: at one to four rows the o and down projections write float32 partials over slices of K
+  that the next fused add + RMSNorm sums, instead of cuBLAS's split-K GEMM and its reduce kernel
+  (``split_linear.ENABLED``, ``ENGRAM_SPLIT_GEMV``; read at every forward, so a decode graph captures
+  whichever was set while it was captured; on by default);
 * ``cublaslt``: torch's matmuls go through cuBLASLt instead of cuBLAS
   (``torch.backends.cuda.preferred_blas_library``, ``TORCH_BLAS_PREFER_CUBLASLT=1``; its heuristics may
   pick other GEMV kernels for the decode step's projections, e.g. without cuBLAS's split-K reduce).
@@ -57,6 +61,7 @@ SWITCHES = {  # name -> (get, set)
     "first_lookup_alone": _module_flag("engram.engine.lookup", "FIRST_LOOKUP_ALONE"),
     "cublaslt": _blas_lt(),
     "disk_decode_in_graph": _module_flag("engram.engine.cuda_graphs", "DISK_DECODE_IN_GRAPH"),
+    "split_gemv": _module_flag("engram.model.layers.split_linear", "ENABLED"),
 }
 
 
