@@ -15,8 +15,8 @@
 #   disk       disk tier (O_DIRECT) vs its bound and its latency floor, batch 1 and 64; then the batch-1
 #              phases and one lookup's read latency back to back and after an idle gap   (~5 min)
 #   disk-switch  batch 1, disk rows decoded inside the decode graphs (the default) against outside (~4 min)
-#   disk-cache   batch 1 and 64, a 200 K-row hot-row cache in front of the disk tier, hit rates; its batch-1
-#                phases (not yet run)                                                   (~5 min)
+#   disk-cache   batch 1 and 64, a 200 K-row hot-row cache in front of the disk tier, hit rates (~4 min);
+#                then its batch-1 phases                                               (~5 min in all)
 #
 # OUTDIR (default $OUT, else bench/results) receives <date>-<what>-<commit>.{json,log}. ENGRAM_COMMIT
 # names the commit when the tree is not a git checkout (a snapshot copied to the machine).
