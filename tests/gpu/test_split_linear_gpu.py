@@ -61,16 +61,10 @@ def test_decode_graphs_replay_bitwise_the_eager_steps_with_partials(monkeypatch)
     from engram.model.loader import random_model
     from engram.model.presets import preset_config
 
+    from tests.unit.test_split_linear import count_partials
+
     monkeypatch.setattr(split_linear, "ENABLED", True)
-    made = []
-    real = split_linear.linear
-
-    def counted(*a, **k):
-        out = real(*a, **k)
-        made.append(isinstance(out, Partials))
-        return out
-
-    monkeypatch.setattr(split_linear, "linear", counted)
+    made = count_partials(monkeypatch)
     loaded = random_model(preset_config("tiny").replace(engram=None, hc_mult=1), dtype=torch.bfloat16,
                           device=CUDA, progress=False)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)

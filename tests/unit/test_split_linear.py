@@ -11,6 +11,20 @@ from engram.model.layers.fused import add_rms_norm
 from engram.model.layers.split_linear import Partials, dense
 
 
+def count_partials(monkeypatch) -> list[bool]:
+    """Wrap split_linear.linear: the returned list gets, per call, whether it returned Partials."""
+    made: list[bool] = []
+    real = split_linear.linear
+
+    def counted(*a, **k):
+        out = real(*a, **k)
+        made.append(isinstance(out, Partials))
+        return out
+
+    monkeypatch.setattr(split_linear, "linear", counted)
+    return made
+
+
 @pytest.fixture
 def on_cpu(monkeypatch):
     monkeypatch.setattr(split_linear, "CPU_TOO", True)
@@ -78,15 +92,7 @@ def test_a_decoder_with_one_stream_hands_partials_on_and_stays_close(on_cpu, mon
 
     cfg = preset_config("tiny").replace(engram=None, hc_mult=1)
     loaded = random_model(cfg, dtype=torch.bfloat16, progress=False)
-    made = []
-    real = split_linear.linear
-
-    def counted(*a, **k):
-        out = real(*a, **k)
-        made.append(isinstance(out, Partials))
-        return out
-
-    monkeypatch.setattr(split_linear, "linear", counted)
+    made = count_partials(monkeypatch)
 
     def run(enabled: bool):
         monkeypatch.setattr(split_linear, "ENABLED", enabled)
