@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engram.model.kv_cache import KVCache
+from engram.model.layers import split_linear
 from engram.model.layers.fused import norm_rope, norm_rope_qk_store
 from engram.model.layers.norm import RMSNorm
 from engram.model.layers.packed_linear import pack_linears
 from engram.model.layers.paged_attention import PREFILL_BLOCK_M, paged_attention
-from engram.model.layers import split_linear
 from engram.model.layers.split_linear import Partials
 from engram.transfer import to_device
 

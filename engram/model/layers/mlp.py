@@ -7,8 +7,8 @@ from torch import nn
 
 from engram.model.layers import split_linear
 from engram.model.layers.fused import silu_mul
-from engram.model.layers.split_linear import Partials
 from engram.model.layers.packed_linear import pack_linears
+from engram.model.layers.split_linear import Partials
 
 
 class MLP(nn.Module):
