@@ -1,6 +1,7 @@
 """Batch-1 projections without cuBLAS's split-K reduce kernel: a diagnosis benchmark (CUDA only).
 
-    python scripts/bench_split_gemv.py [--rows 1,2,4] [--layers 36] [--splits 2,4,8] [--replays 50]
+    python scripts/bench_split_gemv.py [--model 4b-like] [--rows 1,2,4] [--layers 36] [--splits 2,4,8]
+        [--replays 50]
 
 cuBLAS runs the 4b-like o and down projections at one row as split-K GEMMs plus a reduce kernel
 (docs/benchmarks.md). This times, per shape and row count, inside one CUDA graph over ``--layers`` distinct
@@ -18,7 +19,14 @@ import json
 import torch
 import torch.nn.functional as F
 
-SHAPES = {"o": (2560, 4096), "down": (2560, 9728)}  # (N out, K in) of 4b-like
+
+
+def shapes(model: str) -> dict[str, tuple[int, int]]:
+    """(N out, K in) of a preset's o and down projections (4b-like: 2560 x 4096 and 2560 x 9728)."""
+    from engram.model.presets import preset_config
+
+    cfg = preset_config(model)
+    return {"o": (cfg.hidden_size, cfg.num_heads * cfg.head_dim), "down": (cfg.hidden_size, cfg.intermediate_size)}
 
 
 def timed_graph(fn, replays: int) -> float:
@@ -44,6 +52,7 @@ def timed_graph(fn, replays: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="4b-like", help="the preset whose o and down shapes are timed")
     ap.add_argument("--rows", default="1,2,4")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--splits", default="2,4,8")
@@ -52,7 +61,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.manual_seed(0)
     results = []
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in shapes(args.model).items():
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(args.layers)]
         wbytes = n * k * 2
         for m in map(int, args.rows.split(",")):
