@@ -16,6 +16,7 @@ step N+1 before collecting step N; N+1's pending tokens are N's sampled ids, pat
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,8 @@ from engram.model.kv_cache import KVCache
 from engram.hashing import NgramHasher
 from engram.model.layers.fused import FAST_DTYPES
 from engram.transfer import to_host
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -83,6 +86,7 @@ class Worker:
                                     config.block_size, self.memory.num_blocks, self.device, progress=progress,
                                     tables=self.tables, lookup_stream=self.lookup_stream, run_ahead=run_ahead)
                        if use_graphs else None)
+        self._warned_slabs = False  # logged once: a replaced lookup executor makes slab-decoding steps eager
 
     def _profiles_memory(self) -> bool:
         c = self.config
@@ -101,6 +105,14 @@ class Worker:
         if patch is not None and patch.row_ids and type(self.lookup) is not LookupExecutor:
             raise RuntimeError("a replaced lookup executor cannot take pending tokens: run without async scheduling")
         graph = self.graphs is not None and self.graphs.fits(step)
+        if graph and self.graphs.slabs and type(self.lookup) is not LookupExecutor:
+            # the pieces decode their disk layers from slabs that only the default executor reads into; a
+            # replaced one stages rows the graph would not read (it would decode the slab's old pages)
+            if not self._warned_slabs:
+                self._warned_slabs = True
+                _log.info("a replaced lookup executor does not read the decode graphs' disk slabs: decode "
+                          "steps run eager (ENGRAM_DISK_DECODE_IN_GRAPH=0 keeps them in graphs)")
+            graph = False
         # With the gathers in the graph the default executor has nothing to do; a replaced one (recording,
         # overlapping) still sees every step.
         skip = graph and self.graphs.tables is not None and type(self.lookup) is LookupExecutor

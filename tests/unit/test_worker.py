@@ -107,3 +107,43 @@ def test_warmup_step_is_the_largest_step_with_distinct_slots():
     assert step.slot_mapping.tolist() == [0, 1, 2, 3, 4, 5, 6, 8, 9, 10]  # blocks 0, 1, 2 of 4 slots
     assert sorted(step.engram_row_ids) == list(ecfg.layer_ids)
     assert all(ids.shape == (10, ecfg.n_cols) for ids in step.engram_row_ids.values())
+
+
+class _SlabGraphs:
+    """What Worker.launch reads of DecodeGraphs when its pieces decode disk slabs (CPU: no CUDA graphs)."""
+
+    tables = None
+    stale = None
+
+    def __init__(self, worker):
+        self.slabs = {lid: t.new_slab(64) for lid, t in worker.tables.items()}
+        self.replays = 0
+
+    def fits(self, step) -> bool:
+        return all(n == 1 for n in step.num_new_tokens)
+
+    def begin(self, step, patch) -> None:
+        pass
+
+    def run(self, step, staged, patch):
+        self.replays += 1
+        raise AssertionError("a replaced executor's step reached the slab-decoding graph")
+
+
+def test_a_replaced_executor_runs_slab_decoding_steps_eager(tmp_path, caplog):
+    """Decode graphs whose pieces decode disk slabs need the default executor (it reads the pages into the
+    slabs); with a replaced one the step runs eager, with one log line, instead of decoding old pages."""
+    import logging
+
+    import engram
+    from engram.engine.sampling_params import SamplingParams
+
+    llm = engram.LLM("tiny", tier="disk", dtype=torch.float32, device="cpu", cache_dir=str(tmp_path))
+    worker = llm.engine.executor.worker
+    want = llm.generate([[5, 17, 99, 8]], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    worker.graphs = _SlabGraphs(worker)
+    worker.lookup = CountingLookups(worker.lookup)
+    with caplog.at_level(logging.INFO, logger="engram.engine.worker"):
+        got = llm.generate([[5, 17, 99, 8]], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert worker.graphs.replays == 0 and caplog.text.count("does not read the decode graphs' disk slabs") == 1
