@@ -110,24 +110,74 @@ def test_warmup_step_is_the_largest_step_with_distinct_slots():
 
 
 class _SlabGraphs:
-    """What Worker.launch reads of DecodeGraphs when its pieces decode disk slabs (CPU: no CUDA graphs)."""
+    """DecodeGraphs' slab flow on the CPU, without CUDA graphs: what Worker.launch reads of it, and a ``run``
+    that does what the pieces do for disk layers (decode each layer's slab, which the executor read the
+    step's pages into) before the eager forward. The real pieces: tests/gpu/test_piecewise_graphs.py."""
 
     tables = None
     stale = None
 
-    def __init__(self, worker):
-        self.slabs = {lid: t.new_slab(64) for lid, t in worker.tables.items()}
+    def __init__(self, worker, bucket: int):
+        self.worker, self.bucket = worker, bucket
+        n_cols = worker.ecfg.n_cols
+        self.slabs = {lid: t.new_slab(bucket * n_cols) for lid, t in worker.tables.items()}
         self.replays = 0
 
     def fits(self, step) -> bool:
-        return all(n == 1 for n in step.num_new_tokens)
+        return all(n == 1 for n in step.num_new_tokens) and len(step.seq_ids) <= self.bucket
 
     def begin(self, step, patch) -> None:
         pass
 
     def run(self, step, staged, patch):
         self.replays += 1
-        raise AssertionError("a replaced executor's step reached the slab-decoding graph")
+        rows = {}
+        for lid, ids in step.engram_row_ids.items():
+            assert staged.rows(lid, step.step_id) is None  # read into the slab, not staged
+            table = self.worker.tables[lid]
+            out = torch.empty(ids.numel(), table.dim, dtype=self.worker.lookup.fetch_dtype)
+            table.decode_slab(self.slabs[lid], ids.numel(), out)
+            rows[lid] = out.view(*ids.shape, table.dim)
+        return self.worker.runner.run(step, _Decoded(staged, rows), patch)
+
+
+class _Decoded:
+    """Staged rows with the slab layers' rows decoded (what the pieces hand their layers)."""
+
+    def __init__(self, staged, rows: dict):
+        self.staged, self.decoded = staged, rows
+
+    def rows(self, layer_id: int, step_id: int):
+        return self.decoded[layer_id] if layer_id in self.decoded else self.staged.rows(layer_id, step_id)
+
+    def release(self) -> None:
+        self.staged.release()
+
+
+def _disk_llm(tmp_path):
+    import engram
+
+    return engram.LLM("tiny", tier="disk", dtype=torch.float32, device="cpu", cache_dir=str(tmp_path),
+                      max_num_seqs=8, max_num_batched_tokens=48)
+
+
+def _generate(llm, n: int = 8) -> list[list[int]]:
+    from tests.integration.test_engine import prompts
+
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts(n, seed=3), params, use_tqdm=False)]
+
+
+def test_slab_decoding_steps_give_the_eager_tokens(tmp_path):
+    """Mixed lengths with chunked prefill: the decode-only steps read their pages into slabs through the
+    executor (the first layer's on this thread, the later ones' on their tables' threads) and decode them
+    as the pieces do; the tokens are the eager engine's."""
+    want = _generate(_disk_llm(tmp_path))
+    llm = _disk_llm(tmp_path)
+    worker = llm.engine.executor.worker
+    worker.graphs = _SlabGraphs(worker, 8)
+    assert _generate(llm) == want
+    assert worker.graphs.replays > 5
 
 
 def test_a_replaced_executor_runs_slab_decoding_steps_eager(tmp_path, caplog):
@@ -135,15 +185,11 @@ def test_a_replaced_executor_runs_slab_decoding_steps_eager(tmp_path, caplog):
     slabs); with a replaced one the step runs eager, with one log line, instead of decoding old pages."""
     import logging
 
-    import engram
-    from engram.engine.sampling_params import SamplingParams
-
-    llm = engram.LLM("tiny", tier="disk", dtype=torch.float32, device="cpu", cache_dir=str(tmp_path))
+    want = _generate(_disk_llm(tmp_path), 2)
+    llm = _disk_llm(tmp_path)
     worker = llm.engine.executor.worker
-    want = llm.generate([[5, 17, 99, 8]], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
-    worker.graphs = _SlabGraphs(worker)
+    worker.graphs = _SlabGraphs(worker, 8)
     worker.lookup = CountingLookups(worker.lookup)
     with caplog.at_level(logging.INFO, logger="engram.engine.worker"):
-        got = llm.generate([[5, 17, 99, 8]], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
-    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+        assert _generate(llm, 2) == want
     assert worker.graphs.replays == 0 and caplog.text.count("does not read the decode graphs' disk slabs") == 1
