@@ -57,6 +57,10 @@ PIECEWISE = os.environ.get("ENGRAM_PIECEWISE_GRAPHS", "1") != "0"
 # slots over UVA too), so no decode kernel is launched from Python and no rows are copied in on the step's
 # critical path. When every Engram layer is such a layer the worker queues the first pieces before it waits
 # for the step's row ids (``DecodeGraphs.begin``).
+# Only this thread's unsafe CUDA calls may break a capture: another thread's (a table's lookup finishing in
+# the background, which allocates pinned staging or copies to the device) would invalidate a "global"-mode
+# capture of another engine's graphs. vLLM, SGLang and TensorRT's backend capture this way for the same reason.
+CAPTURE_ERROR_MODE = "thread_local"
 DISK_DECODE_IN_GRAPH = env_flag("ENGRAM_DISK_DECODE_IN_GRAPH", default=True)
 
 
@@ -249,7 +253,7 @@ class DecodeGraphs:
             self._capture_pieces(size, inputs)
             return
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=CAPTURE_ERROR_MODE):
             logits = self._forward(size, inputs)  # [size, vocab] float32
         self.graphs[size], self.logits[size] = graph, logits
 
@@ -266,7 +270,7 @@ class DecodeGraphs:
         pieces, state, logits = [], None, None
         for k, (lo, hi, lid) in enumerate(self.ranges):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=CAPTURE_ERROR_MODE):
                 if state is None:
                     state = self.model.forward_begin(inputs, self.kv)
                 if lid in self.slabs:

@@ -114,3 +114,36 @@ def test_engram_gathers_run_inside_the_graph_where_the_tier_allows(tmp_path, tie
     other = LLMEngine(loaded, EngineConfig(max_num_seqs=4, max_model_len=256), CUDA, torch.bfloat16)
     assert [o.token_ids for o in run(other, 4, max_tokens=9, temperature=0.0)] == \
         [o.token_ids for o in run(ref, 4, max_tokens=9, temperature=0.0)]
+
+
+def test_another_threads_cuda_work_does_not_break_the_capture(tiny):
+    """A thread doing unsafe CUDA calls (pinned allocations, pageable copies to the device: what a table's
+    lookup finishing in the background does) while an engine captures its decode graphs: with
+    CAPTURE_ERROR_MODE "thread_local" the capture holds and decode steps replay (in "global" mode any such
+    call invalidates it)."""
+    import threading
+
+    from engram.engine import cuda_graphs
+
+    assert cuda_graphs.CAPTURE_ERROR_MODE == "thread_local"
+    stop, calls, errors = threading.Event(), [0], []
+
+    def busy() -> None:
+        while not stop.is_set():
+            try:
+                torch.empty(1 << 14).pin_memory()
+                torch.ones(256).to(CUDA)  # pageable: a synchronous copy
+                calls[0] += 1
+            except RuntimeError as e:  # in "global" mode these calls fail while another thread captures
+                errors.append(str(e))
+
+    thread = threading.Thread(target=busy, daemon=True)
+    thread.start()
+    try:
+        engine = LLMEngine(tiny, EngineConfig(max_num_seqs=4, max_model_len=256), CUDA, torch.bfloat16)
+    finally:
+        stop.set()
+        thread.join()
+    assert calls[0] > 0 and not errors, errors[:1]
+    outs = run(engine, 2, temperature=0.0)
+    assert all(len(o.token_ids) == 12 for o in outs) and engine.stats()["graph_replays"] > 0
