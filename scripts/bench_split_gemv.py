@@ -7,7 +7,9 @@ cuBLAS runs the 4b-like o and down projections at one row as split-K GEMMs plus 
 (docs/benchmarks.md). This times, per shape and row count, inside one CUDA graph over ``--layers`` distinct
 weights (so nothing stays in L2): ``F.linear`` in bf16 (today's path, reduce included) against a strided-
 batched GEMM over K slices that writes float32 partials (``torch.bmm(..., out_dtype=torch.float32)``), which
-a fused residual add + RMSNorm would sum; also the partials' sum as its own kernel, for reference. Prints a
+a fused residual add + RMSNorm would sum; also the partials' sum as its own kernel, for reference. The
+packed qkv and gate/up projections, which cuBLAS runs without split-K, are timed the same way: whether
+slices alone (more thread blocks over the weight) would be faster. Prints a
 table and a JSON line: microseconds per projection and the fraction of the copy bandwidth (weights' bytes
 over the time, against ``--copy-tbs``).
 """
@@ -22,11 +24,15 @@ import torch.nn.functional as F
 
 
 def shapes(model: str) -> dict[str, tuple[int, int]]:
-    """(N out, K in) of a preset's o and down projections (4b-like: 2560 x 4096 and 2560 x 9728)."""
+    """(N out, K in) of a preset's projections (4b-like: o 2560 x 4096, down 2560 x 9728, and the packed
+    qkv 6144 x 2560 and gate/up 19456 x 2560, which cuBLAS runs without split-K; their partials would have to
+    be summed by the rope and SwiGLU kernels that follow them)."""
     from engram.model.presets import preset_config
 
     cfg = preset_config(model)
-    return {"o": (cfg.hidden_size, cfg.num_heads * cfg.head_dim), "down": (cfg.hidden_size, cfg.intermediate_size)}
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"o": (h, q), "down": (h, cfg.intermediate_size), "qkv": (q + 2 * kv, h),
+            "gate_up": (2 * cfg.intermediate_size, h)}
 
 
 def timed_graph(fn, replays: int) -> float:
