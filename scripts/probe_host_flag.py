@@ -84,8 +84,8 @@ def main() -> int:
 
     def pause(us: float) -> None:
         end = time.perf_counter() + us * 1e-6
-        while time.perf_counter() < end:
-            pass
+        while time.perf_counter() < end:  # spin: a sleep would wake up late by more than the delay
+            continue
 
     flag_us, launch_us, timeouts, early = [], [], 0, 0
     for k in range(1, args.trials + 1):

@@ -27,6 +27,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from engram.store.ids import as_ids
 from engram.transfer import to_device
 
 POLICIES = ("lru", "lfu")
@@ -109,7 +110,7 @@ class RowCache:
 
     def set_of(self, ids: torch.Tensor) -> torch.Tensor:
         """Set index of each id: int64 [N] in [0, n_sets)."""
-        return torch.from_numpy(self._set_of(_host_np(ids)))
+        return torch.from_numpy(self._set_of(_host_ids(ids)))
 
     def _set_of(self, ids: np.ndarray) -> np.ndarray:
         with np.errstate(over="ignore"):
@@ -118,7 +119,7 @@ class RowCache:
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Slot of each id (int64 [N] on the host, -1 when not cached); pure, touches nothing."""
-        return torch.from_numpy(self._lookup(_host_np(ids)))
+        return torch.from_numpy(self._lookup(_host_ids(ids)))
 
     def _lookup(self, ids: np.ndarray) -> np.ndarray:
         sets = self._set_of(ids)
@@ -130,7 +131,7 @@ class RowCache:
         CPU; it returns values uint8 [M, >= value_bytes] and scales [M, scale_cols] | None on any device),
         then cached.
         Returns (values uint8 [U, value_bytes], scales uint8 [U, scale_cols] | None) on the cache device."""
-        ids = _host_np(ids)
+        ids = _host_ids(ids)
         u = len(ids)
         hit_pos, hit_slots, miss_pos = self._hits(ids)
         vals = torch.empty((u, self.value_bytes), dtype=torch.uint8, device=self.device)
@@ -223,8 +224,6 @@ class RowCache:
             self._since_aging = 0
 
 
-def _host_np(ids: torch.Tensor | np.ndarray) -> np.ndarray:
-    """Row ids as a host int64 numpy array (a view where they already are one)."""
-    if isinstance(ids, np.ndarray):
-        return ids.astype(np.int64, copy=False)
-    return ids.cpu().to(torch.int64).numpy()
+def _host_ids(ids: torch.Tensor) -> np.ndarray:
+    """Row ids (any integer tensor, any device) as host int64 numpy (store/ids.py ``as_ids``, then a view)."""
+    return as_ids(ids).cpu().numpy()

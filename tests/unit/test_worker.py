@@ -127,7 +127,7 @@ class _SlabGraphs:
         return all(n == 1 for n in step.num_new_tokens) and len(step.seq_ids) <= self.bucket
 
     def begin(self, step, patch) -> None:
-        pass
+        """The real one queues the pieces before the first Engram layer; eager, ``run`` does the whole step."""
 
     def run(self, step, staged, patch):
         self.replays += 1

@@ -185,8 +185,13 @@ def _rms_norm(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: flo
     x2 = x.reshape(-1, n)
     y = torch.empty_like(x2)
     s = torch.empty_like(x2) if r is not None else y
-    r2 = r if parts else r.reshape(-1, n) if r is not None else x2
-    s_r = r2.stride(-2) if parts else r2.stride(0)
+    if r is None:
+        r2 = x2  # not read (ADD is off)
+    elif parts:
+        r2 = r  # float32 partials [P, M, N]: slice stride r2.stride(0), row stride r2.stride(1)
+    else:
+        r2 = r.reshape(-1, n)
+    s_r = r2.stride(-2)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, w, y, r2, s, n, eps, x2.stride(0), y.stride(0), s_r, s.stride(0),
                                          r2.stride(0) if parts else 0, BLOCK=triton.next_power_of_2(n),
