@@ -12,7 +12,8 @@ phases timed (launch, collect, the lookups' staging, the graph replay or eager f
 ``--top`` functions by cumulative time, then once more under torch.profiler (CPU activity, every thread),
 printing the ops by self CPU time. ``--gpu-gaps`` profiles the same number of steps with CUDA activity too
 and prints where the GPU sat idle: its busy time per step against the wall time, and the idle gaps summed by
-the kernels around them (which kernel the GPU waited to start). ``--warm-cache`` first decodes the same
+the kernels around them (which kernel the GPU waited to start); then each kernel's share of the busy time
+(the part of its interval that extends the union of those before it, so PDL overlap is not counted twice). ``--warm-cache`` first decodes the same
 prompts once (greedy: the same tokens, so the same Engram rows), so that a hot-row cache hits on every row
 as in ``engram bench placement``'s rounds. A diagnosis tool: the numbers under a profiler are not benchmark
 numbers.
@@ -168,6 +169,18 @@ def gpu_gaps(engine, steps: int, top: int) -> None:
     print(f"  {'idle us/step':>12s} {'gaps/step':>9s} {'median us':>9s}  kernel before -> kernel after")
     for (a, b), us in rows:
         print(f"  {sum(us) / steps:12.1f} {len(us) / steps:9.2f} {statistics.median(us):9.1f}  {a} -> {b}")
+    # which kernels the busy time is spent in: each kernel is charged the part of its interval that extends the
+    # union so far (with PDL a kernel resident before its wait overlaps the one in front; the overlap is charged
+    # to the earlier kernel), so the column sums to the busy time
+    shares: dict[str, list[float]] = {}
+    reach = None
+    for start, end, _, name in kernels:
+        gained = end - start if reach is None else max(0, end - max(reach, start))
+        shares.setdefault(name[:70], []).append(gained / 1e3)
+        reach = end if reach is None else max(reach, end)
+    print(f"  {'busy us/step':>12s} {'launches/step':>13s} {'us each':>8s}  kernel (its share of the busy union)")
+    for name, us in sorted(shares.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"  {sum(us) / steps:12.1f} {len(us) / steps:13.1f} {sum(us) / len(us):8.2f}  {name}")
 
 
 def main() -> int:
