@@ -38,10 +38,11 @@ def pdl_enter(USE_PDL: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(X, W, Y, R, S, n, eps, s_x, s_y, s_r, s_s, s_part, BLOCK: tl.constexpr, ADD: tl.constexpr,
                      PARTS: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK)
     mask = c < n
+    w = tl.load(W + c, mask=mask, other=0.0).to(tl.float32)  # a weight: read before the wait (pdl.py)
+    pdl_enter(USE_PDL)
     x = tl.load(X + row * s_x + c, mask=mask, other=0.0)
     if ADD:  # x + r rounded to x's dtype (what torch's add stores), kept, then normalised
         r = tl.load(R + row * s_r + c, mask=mask, other=0.0)
@@ -53,15 +54,33 @@ def _rms_norm_kernel(X, W, Y, R, S, n, eps, s_x, s_y, s_r, s_s, s_part, BLOCK: t
         tl.store(S + row * s_s + c, x, mask=mask)
     x = x.to(tl.float32)
     r = tl.rsqrt(tl.sum(x * x, 0) / n + eps)
-    w = tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + row * s_y + c, (x * r * w).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _norm_rope_rows(X, W, COS, SIN, Y, V, VY, t, out, heads, eps, s_xt, s_xh, s_yt, s_yh, s_c, s_vt, s_vh,
-                    HD: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
+def _norm_rope_consts(W, COS, SIN, t, s_c, HALF: tl.constexpr, NORM: tl.constexpr):
+    """What _norm_rope_rows needs besides its rows, none of it written during a step's layers: the norm weight
+    halves (ones without NORM) and token t's cos/sin halves, float32. Read before the PDL wait (pdl.py)."""
+    c = tl.arange(0, HALF)
+    if NORM:
+        w1 = tl.load(W + c).to(tl.float32)
+        w2 = tl.load(W + HALF + c).to(tl.float32)
+    else:
+        w1 = tl.full([HALF], 1.0, tl.float32)
+        w2 = w1
+    cos1 = tl.load(COS + t * s_c + c).to(tl.float32)
+    cos2 = tl.load(COS + t * s_c + HALF + c).to(tl.float32)
+    sin1 = tl.load(SIN + t * s_c + c).to(tl.float32)
+    sin2 = tl.load(SIN + t * s_c + HALF + c).to(tl.float32)
+    return w1, w2, cos1, cos2, sin1, sin2
+
+
+@triton.jit
+def _norm_rope_rows(X, Y, V, VY, t, out, heads, eps, s_xt, s_xh, s_yt, s_yh, s_vt, s_vh, w1, w2, cos1, cos2,
+                    sin1, sin2, HD: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
                     STORE: tl.constexpr):
-    """Token t's heads of X: normed (NORM) and rotated into row ``out`` of Y; with STORE, V's row t too."""
+    """Token t's heads of X: normed (NORM, weight halves w1/w2) and rotated (cos/sin halves of token t) into row
+    ``out`` of Y; with STORE, V's row t too. The constants come from _norm_rope_consts."""
     h = tl.arange(0, BLOCK_H)
     hmask = h < heads
     c = tl.arange(0, HALF)
@@ -70,16 +89,10 @@ def _norm_rope_rows(X, W, COS, SIN, Y, V, VY, t, out, heads, eps, s_xt, s_xh, s_
     x2 = tl.load(X + t * s_xt + h[:, None] * s_xh + HALF + c[None, :], mask=m, other=0.0).to(tl.float32)
     if NORM:
         r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HD + eps)  # [H]
-        w1 = tl.load(W + c).to(tl.float32)
-        w2 = tl.load(W + HALF + c).to(tl.float32)
         x1 = x1 * r[:, None] * w1[None, :]
         x2 = x2 * r[:, None] * w2[None, :]
-    cos1 = tl.load(COS + t * s_c + c).to(tl.float32)[None, :]
-    cos2 = tl.load(COS + t * s_c + HALF + c).to(tl.float32)[None, :]
-    sin1 = tl.load(SIN + t * s_c + c).to(tl.float32)[None, :]
-    sin2 = tl.load(SIN + t * s_c + HALF + c).to(tl.float32)[None, :]
-    y1 = x1 * cos1 - x2 * sin1
-    y2 = x2 * cos2 + x1 * sin2
+    y1 = x1 * cos1[None, :] - x2 * sin1[None, :]
+    y2 = x2 * cos2[None, :] + x1 * sin2[None, :]
     tl.store(Y + out * s_yt + h[:, None] * s_yh + c[None, :], y1.to(Y.dtype.element_ty), mask=m)
     tl.store(Y + out * s_yt + h[:, None] * s_yh + HALF + c[None, :], y2.to(Y.dtype.element_ty), mask=m)
     if STORE:
@@ -92,13 +105,14 @@ def _norm_rope_rows(X, W, COS, SIN, Y, V, VY, t, out, heads, eps, s_xt, s_xh, s_
 def _norm_rope_kernel(X, W, COS, SIN, Y, SLOTS, V, VY, heads, eps, s_xt, s_xh, s_yt, s_yh, s_c, s_vt, s_vh,
                       HD: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
                       STORE: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     out = t
-    if STORE:  # rows of the paged cache: the slot of token t; v goes to the same slot of VY
+    if STORE:  # rows of the paged cache: the slot of token t (a step input); v goes to the same slot of VY
         out = tl.load(SLOTS + t)
-    _norm_rope_rows(X, W, COS, SIN, Y, V, VY, t, out, heads, eps, s_xt, s_xh, s_yt, s_yh, s_c, s_vt, s_vh,
-                    HD, HALF, BLOCK_H, NORM, STORE)
+    w1, w2, cos1, cos2, sin1, sin2 = _norm_rope_consts(W, COS, SIN, t, s_c, HALF, NORM)
+    pdl_enter(USE_PDL)
+    _norm_rope_rows(X, Y, V, VY, t, out, heads, eps, s_xt, s_xh, s_yt, s_yh, s_vt, s_vh, w1, w2, cos1, cos2,
+                    sin1, sin2, HD, HALF, BLOCK_H, NORM, STORE)
 
 
 @triton.jit
@@ -109,14 +123,18 @@ def _norm_rope_qk_kernel(Q, WQ, QY, K, WK, SLOTS, V, KC, VC, COS, SIN, q_heads, 
     # programs (t, 0): token t's query heads, as _norm_rope_kernel; (t, 1): its key heads into the cache slot
     # and v beside them, as _norm_rope_kernel with STORE. Each runs the same code at the same shapes as the
     # separate launch, so the results are bitwise theirs.
-    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     if tl.program_id(1) == 0:
-        _norm_rope_rows(Q, WQ, COS, SIN, QY, Q, QY, t, t, q_heads, eps, s_qt, s_qh, s_qyt, s_qyh, s_c, 0, 0,
-                        HD, HALF, BLOCK_HQ, NORM_Q, False)
+        w1, w2, cos1, cos2, sin1, sin2 = _norm_rope_consts(WQ, COS, SIN, t, s_c, HALF, NORM_Q)
+        pdl_enter(USE_PDL)
+        _norm_rope_rows(Q, QY, Q, QY, t, t, q_heads, eps, s_qt, s_qh, s_qyt, s_qyh, 0, 0, w1, w2, cos1, cos2,
+                        sin1, sin2, HD, HALF, BLOCK_HQ, NORM_Q, False)
     else:
-        _norm_rope_rows(K, WK, COS, SIN, KC, V, VC, t, tl.load(SLOTS + t), k_heads, eps, s_kt, s_kh, s_ct, s_ch,
-                        s_c, s_vt, s_vh, HD, HALF, BLOCK_HK, NORM_K, True)
+        slot = tl.load(SLOTS + t)
+        w1, w2, cos1, cos2, sin1, sin2 = _norm_rope_consts(WK, COS, SIN, t, s_c, HALF, NORM_K)
+        pdl_enter(USE_PDL)
+        _norm_rope_rows(K, KC, V, VC, t, slot, k_heads, eps, s_kt, s_kh, s_ct, s_ch, s_vt, s_vh, w1, w2, cos1,
+                        cos2, sin1, sin2, HD, HALF, BLOCK_HK, NORM_K, True)
 
 
 @triton.jit

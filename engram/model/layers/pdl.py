@@ -14,6 +14,16 @@ faster at batch 1 (95 % CI 3.19-3.25 %) and 1.00 % at batch 64 (0.76-1.19 %). Ke
 ``USE_PDL: tl.constexpr`` and call ``pdl_enter(USE_PDL)`` (fused_triton.py) first; their launches add
 ``**launch_options(device)``. The Engram gate kernel, which follows a wait on the lookup stream's event,
 is not launched this way.
+
+**Reads before the wait.** Every kernel releases the next only after its own wait has returned, and a kernel
+launched without PDL starts only once the one before has finished; so when a kernel's program runs, every
+kernel of its stream but the one just before it has finished and its writes are visible. A kernel may
+therefore read, before its wait, what the kernel just before it does not write: weights, the step's inputs
+(positions, slots, block tables, sequence lengths; copied in before the step's first kernel), cos/sin (made
+before the first layer), and the keys and values of earlier steps. The rms norm reads its weight this way,
+the q/k norm + rope its weights, cos/sin and slot, the decode attention its sequence's length, block table
+and first K/V tile when that tile ends before the step's new key, and its combine the lengths. The first
+test of this rule is tests/gpu/test_pdl.py (bitwise equal outputs with PDL on and off).
 """
 from __future__ import annotations
 
