@@ -16,8 +16,8 @@ float64 oracle; a parity test runs both over odd sizes):
   causal with the chunk's offset into its context (query i sits at position ctx - q_len + i).
 
 Both walk their keys with the same two helpers (inlined by Triton): ``_kv_tile_scores`` gathers a K/V tile
-through the block table (``_kv_tile``) and scores it (``_scores``), ``_online_softmax_update`` folds it into
-the running max, sum and accumulator; each kernel applies its own mask in between (decode: the split's end; prefill: causal).
+through the block table and scores it, ``_online_softmax_update`` folds it into the running max, sum and
+accumulator; each kernel applies its own mask in between (decode: the split's end; prefill: causal).
 Both take q [T, nh, hd] and the cache's K/V [num_blocks, block_size, n_kv, hd] as they are; heads map to
 KV heads by h // (nh // n_kv). float32 inputs use IEEE fp32 dot products (no TF32), so the fp32 parity
 test compares against a plain fp32 reference. Only CUDA; importing needs triton.
@@ -28,37 +28,28 @@ import torch
 import triton
 import triton.language as tl
 
+from engram.fast_path import env_flag
 from engram.model.layers.fused_triton import pdl_enter
 from engram.model.layers.pdl import launch_options
 
 
 @triton.jit
-def _kv_tile(K, V, BT, seq, kvh, pos, valid, c, cmask, s_bt, s_kb, s_ks, s_kh, BS: tl.constexpr):
-    """One tile of keys of sequence ``seq``, KV head ``kvh``, read in place through the block table: the K and
-    V tiles [len(pos), BLOCK_HD]. ``pos`` are the keys' positions, ``valid`` which of them exist (masked
-    loads: K = V = 0 at the others); ``c`` / ``cmask`` index the head dim."""
+def _kv_tile_scores(q, K, V, BT, seq, kvh, pos, valid, c, cmask, s_bt, s_kb, s_ks, s_kh,
+                    BS: tl.constexpr, IEEE: tl.constexpr):
+    """One tile of keys of sequence ``seq``, KV head ``kvh``, read in place through the block table: the
+    raw scores q @ K^T [rows of q, len(pos)] (unscaled, unmasked) and the V tile [len(pos), BLOCK_HD].
+    ``pos`` are the keys' positions, ``valid`` which of them exist (masked loads: K = V = 0 at the others);
+    ``c`` / ``cmask`` index the head dim. IEEE: fp32 dot products without TF32."""
     blk = tl.load(BT + seq * s_bt + pos // BS, mask=valid, other=0).to(tl.int64)
     row = blk * s_kb + (pos % BS) * s_ks + kvh * s_kh
     kv_mask = valid[:, None] & cmask[None, :]
     k = tl.load(K + row[:, None] + c[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + row[:, None] + c[None, :], mask=kv_mask, other=0.0)
-    return k, v
-
-
-@triton.jit
-def _scores(q, k, IEEE: tl.constexpr):
-    """The raw scores q @ K^T [rows of q, rows of k] (unscaled, unmasked). IEEE: fp32 without TF32."""
     if IEEE:
-        return tl.dot(q, tl.trans(k), input_precision="ieee")
-    return tl.dot(q, tl.trans(k))
-
-
-@triton.jit
-def _kv_tile_scores(q, K, V, BT, seq, kvh, pos, valid, c, cmask, s_bt, s_kb, s_ks, s_kh,
-                    BS: tl.constexpr, IEEE: tl.constexpr):
-    """_kv_tile, then its scores: (q @ K^T [rows of q, len(pos)], the V tile)."""
-    k, v = _kv_tile(K, V, BT, seq, kvh, pos, valid, c, cmask, s_bt, s_kb, s_ks, s_kh, BS)
-    return _scores(q, k, IEEE), v
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return s, v
 
 
 @triton.jit
@@ -85,81 +76,66 @@ def _online_softmax_update(acc, m, l, s, v, IEEE: tl.constexpr, EMPTY_ROWS: tl.c
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines at ``ptrs`` (``prefetch.global.L2``; nothing is loaded into registers or
+    L1, so a line written later is still read fresh through L2, the GPU's point of coherence)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _decode_split_kernel(Q, K, V, BT, SEQ, TOK, LENS, O, ML, scale, split_len,
                          s_qt, s_qh, s_kb, s_ks, s_kh, s_bt, s_od, s_oh, s_os, s_md, s_mh,
                          G: tl.constexpr, BLOCK_G: tl.constexpr, HD: tl.constexpr, BLOCK_HD: tl.constexpr,
-                         BS: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+                         BS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+                         PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
     d = tl.program_id(0)
     kvh = tl.program_id(1)
-    first = tl.program_id(2)
     seq = tl.load(SEQ + d)  # step inputs: read before the PDL wait (pdl.py)
     tok = tl.load(TOK + d)
     length = tl.load(LENS + d)
-    g = tl.arange(0, BLOCK_G)
-    c = tl.arange(0, BLOCK_HD)
-    n = tl.arange(0, BLOCK_N)
-    heads = kvh * G + g
-    gmask = g < G
-    cmask = c < HD
     # Programs past the sequence's splits (a graph's grid is sized for max_model_len) skip even the query
     # load: at batch 1 under `engram serve` (40 K tokens) 316 of a KV head's 320 programs have nothing to do.
     n_splits = tl.cdiv(length, split_len)
-    # The first tile of this program's first split, read before the wait when it lies before the step's new key
-    # (position length - 1, which the kernel just before writes): earlier keys were written by earlier steps.
-    lo0 = first * split_len
-    early = (first < n_splits) & (lo0 + BLOCK_N < length)
-    pos0 = lo0 + n
-    k0, v0 = _kv_tile(K, V, BT, seq, kvh, pos0, (pos0 < length) & early, c, cmask, s_bt, s_kb, s_ks, s_kh, BS)
+    if PREFETCH:  # the first split's K/V lines into L2 while the kernel before still runs (see _prefetch_l2)
+        if tl.program_id(2) < n_splits:
+            pos = tl.minimum(tl.program_id(2) * split_len + tl.arange(0, SPLIT), length - 1)
+            blk = tl.load(BT + seq * s_bt + pos // BS).to(tl.int64)
+            row = blk * s_kb + (pos % BS) * s_ks + kvh * s_kh
+            line = tl.arange(0, BLOCK_HD // 64) * 64  # 64 16-bit elements to a line
+            _prefetch_l2(K + row[:, None] + line[None, :])
+            _prefetch_l2(V + row[:, None] + line[None, :])
     pdl_enter(USE_PDL)
-    if first < n_splits:
+    g = tl.arange(0, BLOCK_G)
+    c = tl.arange(0, BLOCK_HD)
+    heads = kvh * G + g
+    gmask = g < G
+    cmask = c < HD
+    if tl.program_id(2) < n_splits:
         q = tl.load(Q + tok * s_qt + heads[:, None] * s_qh + c[None, :], mask=gmask[:, None] & cmask[None, :],
                     other=0.0)
-        hi0 = tl.minimum(lo0 + split_len, length)
-        if lo0 + BLOCK_N >= length:  # not read early: the tile holds the new key
-            k0, v0 = _kv_tile(K, V, BT, seq, kvh, pos0, pos0 < hi0, c, cmask, s_bt, s_kb, s_ks, s_kh, BS)
+        n = tl.arange(0, BLOCK_N)
         # Program p of the launch's P computes splits p, p + P, ... of its sequence's own ceil(length /
         # split_len): each split alone, in key order, as it would with one program per split; splits past the
-        # sequence's end are neither computed nor stored (the combine reads only the used ones). The first
-        # split starts from the tile read above.
-        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_HD], tl.float32)
-        s = tl.where((pos0 < hi0)[None, :], _scores(q, k0, IEEE) * scale, float("-inf"))
-        acc, m, l = _online_softmax_update(acc, m, l, s, v0, IEEE, False)
-        acc, m, l = _split_tiles(acc, m, l, q, K, V, BT, seq, kvh, lo0 + BLOCK_N, hi0, n, c, cmask, scale,
-                                 s_bt, s_kb, s_ks, s_kh, BS, BLOCK_N, IEEE)
-        _store_split(O, ML, acc, m, l, d, heads, first, c, gmask, cmask, s_od, s_oh, s_os, s_md, s_mh)
-        for sp in range(first + tl.num_programs(2), n_splits, tl.num_programs(2)):
+        # sequence's end are neither computed nor stored (the combine reads only the used ones).
+        for sp in range(tl.program_id(2), n_splits, tl.num_programs(2)):
             lo = sp * split_len
+            hi = tl.minimum(lo + split_len, length)
             m = tl.full([BLOCK_G], float("-inf"), tl.float32)
             l = tl.zeros([BLOCK_G], tl.float32)
             acc = tl.zeros([BLOCK_G, BLOCK_HD], tl.float32)
-            acc, m, l = _split_tiles(acc, m, l, q, K, V, BT, seq, kvh, lo, tl.minimum(lo + split_len, length), n,
-                                     c, cmask, scale, s_bt, s_kb, s_ks, s_kh, BS, BLOCK_N, IEEE)
-            _store_split(O, ML, acc, m, l, d, heads, sp, c, gmask, cmask, s_od, s_oh, s_os, s_md, s_mh)
-
-
-@triton.jit
-def _split_tiles(acc, m, l, q, K, V, BT, seq, kvh, start, hi, n, c, cmask, scale, s_bt, s_kb, s_ks, s_kh,
-                 BS: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """Fold the keys [start, hi) of a split into (acc, m, l), a tile of BLOCK_N at a time, in key order."""
-    for n0 in range(start, hi, BLOCK_N):
-        pos = n0 + n
-        valid = pos < hi
-        s, v = _kv_tile_scores(q, K, V, BT, seq, kvh, pos, valid, c, cmask, s_bt, s_kb, s_ks, s_kh, BS, IEEE)
-        s = tl.where(valid[None, :], s * scale, float("-inf"))  # [BLOCK_G, BLOCK_N]
-        # every tile holds a key (n0 < hi) and padded group rows score 0: no row is empty
-        acc, m, l = _online_softmax_update(acc, m, l, s, v, IEEE, False)
-    return acc, m, l
-
-
-@triton.jit
-def _store_split(O, ML, acc, m, l, d, heads, sp, c, gmask, cmask, s_od, s_oh, s_os, s_md, s_mh):
-    """Split sp's unnormalised partial of sequence d: acc into O, (max, sum) into ML."""
-    tl.store(O + d * s_od + heads[:, None] * s_oh + sp * s_os + c[None, :], acc, mask=gmask[:, None] & cmask[None, :])
-    ml_ptr = ML + d * s_md + heads * s_mh + sp * 2
-    tl.store(ml_ptr, m, mask=gmask)
-    tl.store(ml_ptr + 1, l, mask=gmask)
+            for n0 in range(lo, hi, BLOCK_N):
+                pos = n0 + n
+                valid = pos < hi
+                s, v = _kv_tile_scores(q, K, V, BT, seq, kvh, pos, valid, c, cmask, s_bt, s_kb, s_ks, s_kh, BS, IEEE)
+                s = tl.where(valid[None, :], s * scale, float("-inf"))  # [BLOCK_G, BLOCK_N]
+                # every tile holds a key (n0 < hi) and padded group rows score 0: no row is empty
+                acc, m, l = _online_softmax_update(acc, m, l, s, v, IEEE, False)
+            o_ptr = O + d * s_od + heads[:, None] * s_oh + sp * s_os + c[None, :]
+            tl.store(o_ptr, acc, mask=gmask[:, None] & cmask[None, :])
+            ml_ptr = ML + d * s_md + heads * s_mh + sp * 2
+            tl.store(ml_ptr, m, mask=gmask)
+            tl.store(ml_ptr + 1, l, mask=gmask)
 
 
 @triton.jit
@@ -235,6 +211,9 @@ DECODE_BLOCK_N = 64  # keys per tile of the decode kernel (divides SPLIT_LEN)
 # 4096 against 8192: the same launch up to 16 sequences, 7 % faster at 64 sequences, 1.5 % at 256 (H200 sweep,
 # docs/benchmarks.md); the results do not depend on it.
 DECODE_PROGRAMS = 4096
+# The decode split kernel asks L2 for its first split's K/V lines before its PDL wait (16-bit caches, head dim 64,
+# 128 or 256; ENGRAM_ATTN_PREFETCH=0: not); the results do not depend on it.
+L2_PREFETCH = env_flag("ENGRAM_ATTN_PREFETCH", default=True)
 
 
 def _pow2(x: int, floor: int = 16) -> int:
@@ -269,8 +248,9 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
         q, k_cache, v_cache, block_tables, seqs, tokens, lens, part, ml, scale, SPLIT_LEN,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1),
-        G=g, BLOCK_G=_pow2(g), HD=hd, BLOCK_HD=_pow2(hd), BS=bs, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps,
+        G=g, BLOCK_G=_pow2(g), HD=hd, BLOCK_HD=_pow2(hd), BS=bs, BLOCK_N=block_n, SPLIT=SPLIT_LEN,
+        IEEE=q.dtype == torch.float32, PREFETCH=L2_PREFETCH and q.element_size() == 2 and hd in (64, 128, 256),
+        num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}), **launch_options(q.device))
     _decode_combine_kernel[(d, nh)](
         part, ml, tokens, lens, out, SPLIT_LEN, part.stride(0), part.stride(1), part.stride(2), ml.stride(0),

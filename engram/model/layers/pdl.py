@@ -21,9 +21,9 @@ kernel of its stream but the one just before it has finished and its writes are 
 therefore read, before its wait, what the kernel just before it does not write: weights, the step's inputs
 (positions, slots, block tables, sequence lengths; copied in before the step's first kernel), cos/sin (made
 before the first layer), and the keys and values of earlier steps. The rms norm reads its weight this way,
-the q/k norm + rope its weights, cos/sin and slot, the decode attention its sequence's length, block table
-and first K/V tile when that tile ends before the step's new key, and its combine the lengths. The first
-test of this rule is tests/gpu/test_pdl.py (bitwise equal outputs with PDL on and off).
+the q/k norm + rope its weights, cos/sin and slot, the decode attention its sequence's length and block
+table (and it asks L2 for its first split's K/V lines), and its combine the lengths. tests/gpu/test_pdl.py
+runs a layer's kernels with PDL on and off, eager and in a graph, and compares the outputs bitwise.
 """
 from __future__ import annotations
 
