@@ -1,7 +1,6 @@
 """split_linear on CUDA (skipped without a GPU): the strided-batched GEMM's float32 partials against the
 float64 product, the Triton add + RMSNorm summing them bitwise as ``Partials.total`` and the two-op path do,
-the q/k rope + KV write kernel summing packed q/k/v partials bitwise as ``Partials.total``, and an engine
-whose layers have one residual stream (the 4b-like shape) replaying decode graphs bitwise equal
+and an engine whose layers have one residual stream (the 4b-like shape) replaying decode graphs bitwise equal
 to its eager steps with the partials on. The plumbing on the CPU: tests/unit/test_split_linear.py."""
 from __future__ import annotations
 
@@ -87,26 +86,3 @@ def test_decode_graphs_replay_bitwise_the_eager_steps_with_partials(monkeypatch)
             assert engine.stats()["graph_replays"] > 0
     assert True in made
     assert outs[True] == outs[False]
-
-
-def test_the_rope_kernel_sums_packed_qkv_partials_bitwise_as_total(monkeypatch):
-    """The fused q/k rope + KV write's PARTS path (the partials summed in the kernel) against the same kernel
-    over Partials.total(): q and both caches bitwise equal."""
-    from engram.model.layers import fused_triton
-    from tests.unit.test_split_linear import _packed_qkv_case
-
-    monkeypatch.setattr(split_linear, "ENABLED", True)
-    launched = []
-    real = fused_triton.norm_rope_qk_store
-
-    def recorded(*a, parts=False, **k):
-        launched.append(parts)
-        return real(*a, parts=parts, **k)
-
-    monkeypatch.setattr(fused_triton, "norm_rope_qk_store", recorded)
-    fused_sum = _packed_qkv_case(CUDA, parts=True)
-    summed_first = _packed_qkv_case(CUDA, parts=False)
-    assert launched == [True, False]  # both through the kernel, the first with the partials
-    for a, b in zip(fused_sum[:3], summed_first[:3]):
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
-    assert fused_sum[1].any()

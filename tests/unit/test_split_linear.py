@@ -125,38 +125,3 @@ def test_a_decoder_with_one_stream_hands_partials_on_and_stays_close(on_cpu, mon
         assert shared
         for tok, v in shared:
             assert abs(top_a[tok] - v) < 0.1, (tok, top_a[tok], v)
-
-
-def _packed_qkv_case(device, parts: bool, seed: int = 3):
-    """A packed q/k/v projection of one row (4 query heads, 2 KV heads, hd 16) through
-    norm_rope_qk_store_packed, as Partials or summed first; returns (q, k cache, v cache)."""
-    from engram.model.layers.fused import norm_rope_qk_store_packed
-
-    g = torch.Generator(device=device).manual_seed(seed)
-    heads, kv_heads, hd, hidden = 4, 2, 16, 64
-    x = torch.randn(1, hidden, generator=g, device=device).bfloat16()
-    w = (torch.randn((heads + 2 * kv_heads) * hd, hidden, generator=g, device=device) / 8).bfloat16()
-    wq, wk = (torch.rand(hd, generator=g, device=device).bfloat16() for _ in range(2))
-    pos = torch.tensor([5.0], device=device)[:, None] * torch.arange(hd, device=device) / hd
-    cos, sin = pos.cos().bfloat16()[:, None], pos.sin().bfloat16()[:, None]  # [T, 1, hd]
-    kc = torch.zeros(8, kv_heads, hd, dtype=torch.bfloat16, device=device)
-    vc = torch.zeros_like(kc)
-    y = split_linear.linear(x, w)
-    assert isinstance(y, Partials)
-    q = norm_rope_qk_store_packed(y if parts else y.total(), heads, kv_heads, wq, wk, 1e-6, cos, sin, kc, vc,
-                                  torch.tensor([6], device=device))
-    return q, kc, vc, (y.total(), wq, wk, cos, sin)
-
-
-def test_packed_qkv_partials_are_cut_and_summed_as_total(on_cpu):
-    """q, k, v of a packed projection given as Partials: q normed and rotated and the KV write equal the
-    reference ops over Partials.total() cut by hand (the rope and norm written out in fused.py's torch code)."""
-    from engram.model.layers.fused import norm_rope
-
-    q, kc, vc, (total, wq, wk, cos, sin) = _packed_qkv_case(torch.device("cpu"), parts=True)
-    ref_q = norm_rope(total[:, :64].view(1, 4, 16), wq, 1e-6, cos, sin)
-    ref_k = norm_rope(total[:, 64:96].view(1, 2, 16), wk, 1e-6, cos, sin)
-    assert torch.equal(q.view(torch.int16), ref_q.view(torch.int16))
-    assert torch.equal(kc[6].view(torch.int16), ref_k[0].view(torch.int16))
-    assert torch.equal(vc[6].view(torch.int16), total[0, 96:].view(2, 16).view(torch.int16))
-    assert not kc[:6].any() and not kc[7:].any()

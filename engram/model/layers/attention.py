@@ -16,7 +16,7 @@ from torch import nn
 
 from engram.model.kv_cache import KVCache
 from engram.model.layers import split_linear
-from engram.model.layers.fused import norm_rope, norm_rope_qk_store, norm_rope_qk_store_packed
+from engram.model.layers.fused import norm_rope, norm_rope_qk_store
 from engram.model.layers.norm import RMSNorm
 from engram.model.layers.packed_linear import pack_linears
 from engram.model.layers.paged_attention import PREFILL_BLOCK_M, paged_attention
@@ -120,13 +120,6 @@ class Attention(nn.Module):
         projection may return split_linear.Partials (for a caller that adds them in a fused norm)."""
         t = x.shape[0]
         nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if self.qkv is not None and meta.write_keep is None:
-            # one packed GEMM (float32 partials at one to four rows: split_linear), then every slot valid: q's
-            # and k's rope and the KV write in one fused op, which sums the partials
-            q = norm_rope_qk_store_packed(split_linear.linear(x, *self.qkv), self.num_heads, self.num_kv_heads,
-                                          _weight(self.q_norm), _weight(self.k_norm), self.eps, cos, sin,
-                                          *kv.flat(self.layer_id), meta.slot_mapping)  # [T, nh, hd]
-            return self._attend(q, kv, meta, partials)
         if self.qkv is not None:
             q, k, v = F.linear(x, *self.qkv).split([nq, nkv, nkv], dim=-1)  # views of one [T, nq + 2 nkv]
         else:
@@ -145,13 +138,8 @@ class Attention(nn.Module):
                          keep=meta.write_keep)
         else:
             q = norm_rope(q, _weight(self.q_norm), self.eps, cos, sin)  # [T, nh, hd]
-        return self._attend(q, kv, meta, partials)
-
-    def _attend(self, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata,
-                partials: bool) -> torch.Tensor | Partials:
-        """Attention of the normed, rotated q [T, nh, hd] over the cache (this step's K/V written), then o."""
         o = paged_attention(q, kv, self.kv_source, meta, self.scale)  # [T, nh, hd]
-        o = o.reshape(q.shape[0], self.num_heads * self.head_dim)
+        o = o.reshape(t, self.num_heads * self.head_dim)
         if partials:
             return split_linear.linear(o, self.o_proj.weight, self.o_proj.bias)
         return self.o_proj(o)

@@ -1,6 +1,5 @@
 """Small ops with a fused CUDA path: ``rms_norm``, ``add_rms_norm``, ``norm_rope``, ``norm_rope_store``,
-``norm_rope_qk_store`` (and ``norm_rope_qk_store_packed`` over a packed projection), ``silu_mul``, one
-signature each.
+``norm_rope_qk_store``, ``silu_mul``, one signature each.
 
 The torch code here is the reference (any device, any dtype, float64 included) and what the CPU runs; on
 CUDA, for bf16 / fp16 / fp32 tensors, the Triton kernels of fused_triton.py take over (one launch each
@@ -134,31 +133,6 @@ def norm_rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: to
                                                sin.reshape(sin.shape[0], hd), k_cache, v_cache, slots)
     norm_rope_store(k, v, wk, eps, cos, sin, k_cache, v_cache, slots)
     return norm_rope(q, wq, eps, cos, sin)
-
-
-def norm_rope_qk_store_packed(qkv: torch.Tensor | Partials, heads: int, kv_heads: int, wq: torch.Tensor | None,
-                              wk: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                              k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``norm_rope_qk_store`` of a packed q/k/v projection [T, (heads + 2 kv_heads) * hd] (hd: the caches' last
-    dim), cut into its q, k, v. Given as split_linear.Partials, the fast path sums the float32 partials in its
-    one launch (in order, rounded to the caches' dtype: bitwise ``Partials.total``); elsewhere they are summed
-    first. Returns q normed and rotated, [T, heads, hd]."""
-    hd = k_cache.shape[-1]
-    t = qkv.shape[0]
-    sizes = [heads * hd, kv_heads * hd, kv_heads * hd]
-    if isinstance(qkv, Partials):
-        p = qkv.parts
-        if (_fast(p) and p.is_contiguous() and hd & (hd - 1) == 0 and hd >= 2 and k_cache.dtype == qkv.dtype
-                and v_cache.dtype == qkv.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()):
-            from engram.model.layers import fused_triton
-
-            q, k, v = (part.view(p.shape[0], t, -1, hd) for part in p.split(sizes, dim=-1))
-            return fused_triton.norm_rope_qk_store(q, k, v, wq, wk, eps, cos.reshape(cos.shape[0], hd),
-                                                   sin.reshape(sin.shape[0], hd), k_cache, v_cache, slots,
-                                                   parts=True)
-        qkv = qkv.total()
-    q, k, v = (part.view(t, -1, hd) for part in qkv.split(sizes, dim=-1))
-    return norm_rope_qk_store(q, k, v, wq, wk, eps, cos, sin, k_cache, v_cache, slots)
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

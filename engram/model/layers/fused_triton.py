@@ -76,31 +76,17 @@ def _norm_rope_consts(W, COS, SIN, t, s_c, HALF: tl.constexpr, NORM: tl.constexp
 
 
 @triton.jit
-def _load_summed(P, mask, s_part, PARTS: tl.constexpr, DT: tl.constexpr):
-    """The values at P; with PARTS > 0, P holds float32 partials PARTS slices of s_part apart, returned summed
-    in order in float32 and rounded to DT (split_linear.Partials.total)."""
-    x = tl.load(P, mask=mask, other=0.0)
-    if PARTS > 0:
-        for i in tl.static_range(1, PARTS):
-            x = x + tl.load(P + i * s_part, mask=mask, other=0.0)
-        x = x.to(DT)
-    return x
-
-
-@triton.jit
-def _norm_rope_rows(X, Y, V, VY, t, out, heads, eps, s_xt, s_xh, s_yt, s_yh, s_vt, s_vh, s_part, w1, w2, cos1,
-                    cos2, sin1, sin2, HD: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                    NORM: tl.constexpr, STORE: tl.constexpr, PARTS: tl.constexpr):
+def _norm_rope_rows(X, Y, V, VY, t, out, heads, eps, s_xt, s_xh, s_yt, s_yh, s_vt, s_vh, w1, w2, cos1, cos2,
+                    sin1, sin2, HD: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
+                    STORE: tl.constexpr):
     """Token t's heads of X: normed (NORM, weight halves w1/w2) and rotated (cos/sin halves of token t) into row
-    ``out`` of Y; with STORE, V's row t too. The constants come from _norm_rope_consts. PARTS > 0: X and V are
-    float32 partials (_load_summed), rounded to Y's dtype."""
+    ``out`` of Y; with STORE, V's row t too. The constants come from _norm_rope_consts."""
     h = tl.arange(0, BLOCK_H)
     hmask = h < heads
     c = tl.arange(0, HALF)
     m = hmask[:, None]
-    dt = Y.dtype.element_ty
-    x1 = _load_summed(X + t * s_xt + h[:, None] * s_xh + c[None, :], m, s_part, PARTS, dt).to(tl.float32)
-    x2 = _load_summed(X + t * s_xt + h[:, None] * s_xh + HALF + c[None, :], m, s_part, PARTS, dt).to(tl.float32)
+    x1 = tl.load(X + t * s_xt + h[:, None] * s_xh + c[None, :], mask=m, other=0.0).to(tl.float32)  # [H, hd/2]
+    x2 = tl.load(X + t * s_xt + h[:, None] * s_xh + HALF + c[None, :], mask=m, other=0.0).to(tl.float32)
     if NORM:
         r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HD + eps)  # [H]
         x1 = x1 * r[:, None] * w1[None, :]
@@ -111,7 +97,7 @@ def _norm_rope_rows(X, Y, V, VY, t, out, heads, eps, s_xt, s_xh, s_yt, s_yh, s_v
     tl.store(Y + out * s_yt + h[:, None] * s_yh + HALF + c[None, :], y2.to(Y.dtype.element_ty), mask=m)
     if STORE:
         d = tl.arange(0, HD)
-        v = _load_summed(V + t * s_vt + h[:, None] * s_vh + d[None, :], m, s_part, PARTS, VY.dtype.element_ty)
+        v = tl.load(V + t * s_vt + h[:, None] * s_vh + d[None, :], mask=m, other=0.0)
         tl.store(VY + out * s_yt + h[:, None] * s_yh + d[None, :], v.to(VY.dtype.element_ty), mask=m)
 
 
@@ -125,30 +111,30 @@ def _norm_rope_kernel(X, W, COS, SIN, Y, SLOTS, V, VY, heads, eps, s_xt, s_xh, s
         out = tl.load(SLOTS + t)
     w1, w2, cos1, cos2, sin1, sin2 = _norm_rope_consts(W, COS, SIN, t, s_c, HALF, NORM)
     pdl_enter(USE_PDL)
-    _norm_rope_rows(X, Y, V, VY, t, out, heads, eps, s_xt, s_xh, s_yt, s_yh, s_vt, s_vh, 0, w1, w2, cos1, cos2,
-                    sin1, sin2, HD, HALF, BLOCK_H, NORM, STORE, 0)
+    _norm_rope_rows(X, Y, V, VY, t, out, heads, eps, s_xt, s_xh, s_yt, s_yh, s_vt, s_vh, w1, w2, cos1, cos2,
+                    sin1, sin2, HD, HALF, BLOCK_H, NORM, STORE)
 
 
 @triton.jit
 def _norm_rope_qk_kernel(Q, WQ, QY, K, WK, SLOTS, V, KC, VC, COS, SIN, q_heads, k_heads, eps,
-                         s_qt, s_qh, s_qyt, s_qyh, s_kt, s_kh, s_ct, s_ch, s_vt, s_vh, s_c, s_part,
+                         s_qt, s_qh, s_qyt, s_qyh, s_kt, s_kh, s_ct, s_ch, s_vt, s_vh, s_c,
                          HD: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                         NORM_Q: tl.constexpr, NORM_K: tl.constexpr, PARTS: tl.constexpr, USE_PDL: tl.constexpr):
+                         NORM_Q: tl.constexpr, NORM_K: tl.constexpr, USE_PDL: tl.constexpr):
     # programs (t, 0): token t's query heads, as _norm_rope_kernel; (t, 1): its key heads into the cache slot
     # and v beside them, as _norm_rope_kernel with STORE. Each runs the same code at the same shapes as the
-    # separate launch, so the results are bitwise theirs. PARTS > 0: q, k, v are float32 partials.
+    # separate launch, so the results are bitwise theirs.
     t = tl.program_id(0)
     if tl.program_id(1) == 0:
         w1, w2, cos1, cos2, sin1, sin2 = _norm_rope_consts(WQ, COS, SIN, t, s_c, HALF, NORM_Q)
         pdl_enter(USE_PDL)
-        _norm_rope_rows(Q, QY, Q, QY, t, t, q_heads, eps, s_qt, s_qh, s_qyt, s_qyh, 0, 0, s_part, w1, w2, cos1,
-                        cos2, sin1, sin2, HD, HALF, BLOCK_HQ, NORM_Q, False, PARTS)
+        _norm_rope_rows(Q, QY, Q, QY, t, t, q_heads, eps, s_qt, s_qh, s_qyt, s_qyh, 0, 0, w1, w2, cos1, cos2,
+                        sin1, sin2, HD, HALF, BLOCK_HQ, NORM_Q, False)
     else:
         slot = tl.load(SLOTS + t)
         w1, w2, cos1, cos2, sin1, sin2 = _norm_rope_consts(WK, COS, SIN, t, s_c, HALF, NORM_K)
         pdl_enter(USE_PDL)
-        _norm_rope_rows(K, KC, V, VC, t, slot, k_heads, eps, s_kt, s_kh, s_ct, s_ch, s_vt, s_vh, s_part, w1, w2,
-                        cos1, cos2, sin1, sin2, HD, HALF, BLOCK_HK, NORM_K, True, PARTS)
+        _norm_rope_rows(K, KC, V, VC, t, slot, k_heads, eps, s_kt, s_kh, s_ct, s_ch, s_vt, s_vh, w1, w2, cos1,
+                        cos2, sin1, sin2, HD, HALF, BLOCK_HK, NORM_K, True)
 
 
 @triton.jit
@@ -259,26 +245,20 @@ def norm_rope_store(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, ep
 
 def norm_rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Tensor | None,
                        wk: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                       parts: bool = False) -> torch.Tensor:
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """``norm_rope(q, wq, ...)`` returned and ``norm_rope_store(k, v, wk, ...)`` done, in one launch; q, k, v
-    [T, heads, hd] (last dims contiguous), caches [rows, kv heads, hd] contiguous, slots [T] int64. With
-    ``parts``, q, k, v are float32 partials [P, T, heads, hd] of one split_linear.Partials (the same slice
-    stride), summed first as ``Partials.total`` does and rounded to the caches' dtype."""
-    s_part, n_parts = (q.stride(0), q.shape[0]) if parts else (0, 0)
-    if parts:
-        q, k, v = q[0], k[0], v[0]  # slice 0; the kernel steps to the others by s_part
+    [T, heads, hd] (last dims contiguous), caches [rows, kv heads, hd] contiguous, slots [T] int64."""
     t, q_heads, hd = q.shape
     k_heads = k.shape[1]
-    y = torch.empty(q.shape, dtype=k_cache.dtype if parts else q.dtype, device=q.device)
+    y = torch.empty_like(q)
     if t:
         _norm_rope_qk_kernel[(t, 2)](q, wq if wq is not None else q, y, k, wk if wk is not None else k, slots, v,
                                      k_cache, v_cache, cos, sin, q_heads, k_heads, eps, q.stride(0), q.stride(1),
                                      y.stride(0), y.stride(1), k.stride(0), k.stride(1), k_cache.stride(0),
-                                     k_cache.stride(1), v.stride(0), v.stride(1), cos.stride(0), s_part, HD=hd,
+                                     k_cache.stride(1), v.stride(0), v.stride(1), cos.stride(0), HD=hd,
                                      HALF=hd // 2, BLOCK_HQ=triton.next_power_of_2(q_heads),
                                      BLOCK_HK=triton.next_power_of_2(k_heads), NORM_Q=wq is not None,
-                                     NORM_K=wk is not None, PARTS=n_parts, num_warps=4, **launch_options(q.device))
+                                     NORM_K=wk is not None, num_warps=4, **launch_options(q.device))
     return y
 
 

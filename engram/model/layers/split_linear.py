@@ -7,9 +7,7 @@ of about 2 us, 72 of them a step. Here the GEMM is a strided-batched one over ``
 writes the partials itself (``torch.bmm(..., out_dtype=torch.float32)``, no copy of the weight: each slice
 is a strided view), and the residual add that follows anyway (``fused.add_rms_norm``) sums them in its
 prologue. Measured in a CUDA graph over 36 distinct weights on the H200 (scripts/bench_split_gemv.py,
-docs/benchmarks.md): o 9.7 -> 8.0 us, down 17.5 -> 15.0 us a projection at one row, reduce included. The
-packed q/k/v projection (no split-K in cuBLAS, 11.4 -> 10.8 us) takes the same path; its partials are summed
-by the q/k norm + rope kernel that writes the KV cache (``fused.norm_rope_qk_store_packed``).
+docs/benchmarks.md): o 9.7 -> 8.0 us, down 17.5 -> 15.0 us a projection at one row, reduce included.
 
 ``linear(x, weight, bias)`` returns ``Partials`` where it applies (``ENABLED``, CUDA, 2-D ``x`` of at most
 ``MAX_ROWS`` rows, no bias, a bf16 / fp16 weight whose K divides by ``SPLITS``), else ``F.linear``'s tensor.
