@@ -22,7 +22,8 @@ therefore read, before its wait, what the kernel just before it does not write: 
 (positions, slots, block tables, sequence lengths; copied in before the step's first kernel), cos/sin (made
 before the first layer), and the keys and values of earlier steps. The rms norm reads its weight this way,
 the q/k norm + rope its weights, cos/sin and slot, the decode attention its sequence's length and block
-table (and it asks L2 for its first split's K/V lines), and its combine the lengths. tests/gpu/test_pdl.py
+table (and it asks L2 for its first split's K/V lines), and its combine the lengths. tests/unit/
+test_pdl_early_reads.py parses the kernels and fails on an early read not in that list; tests/gpu/test_pdl.py
 runs a layer's kernels with PDL on and off, eager and in a graph, and compares the outputs bitwise.
 """
 from __future__ import annotations
