@@ -15,8 +15,8 @@ and prints where the GPU sat idle: its busy time per step against the wall time,
 the kernels around them (which kernel the GPU waited to start); then each kernel's share of the busy time
 (the part of its interval that extends the union of those before it, so PDL overlap is not counted twice).
 ``--warm-cache`` first decodes the same prompts once (greedy: the same tokens, so the same Engram rows), so
-that a hot-row cache hits on every row as in ``engram bench placement``'s rounds. A diagnosis tool: the numbers under a profiler are not benchmark
-numbers.
+that a hot-row cache hits on every row as in ``engram bench placement``'s rounds. A diagnosis tool: the numbers
+under a profiler are not benchmark numbers.
 """
 from __future__ import annotations
 
