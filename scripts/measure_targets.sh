@@ -17,13 +17,15 @@
 #   disk-switch  batch 1, disk rows decoded inside the decode graphs (the default) against outside (~4 min)
 #   disk-cache   batch 1 and 64, a 200 K-row hot-row cache in front of the disk tier, hit rates (~4 min);
 #                then its batch-1 phases                                               (~5 min in all)
+#   disk-cache-gaps  the same cache arm profiled: host phases and where the GPU idles, batch 1 with every
+#                row a hit and batch 64 (scripts/profile_decode_host.py --gpu-gaps; not yet timed)
 #
 # OUTDIR (default $OUT, else bench/results) receives <date>-<what>-<commit>.{json,log}. ENGRAM_COMMIT
 # names the commit when the tree is not a git checkout (a snapshot copied to the machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-parts="tests|engine|switches|host-4b|host-8b|exposure|disk|disk-switch|disk-cache"
+parts="tests|engine|switches|host-4b|host-8b|exposure|disk|disk-switch|disk-cache|disk-cache-gaps"
 usage="usage: scripts/measure_targets.sh $parts [OUTDIR]"
 part=${1:?$usage}
 out=${2:-${OUT:-bench/results}}
@@ -69,9 +71,17 @@ exposure)
         --engram-config "{$big}" --steps 8 --batches 64,256 \
         --out "$out/$stamp-exposure-host-b64-b256-$commit.json"
     ;;
-disk | disk-switch | disk-cache)
+disk | disk-switch | disk-cache | disk-cache-gaps)
     cache=${ENGRAM_CACHE_DIR:-/tmp/engram-tables}
     disk='{"tier": "disk", "lookup_overlap": true, "options": {"io": "direct", "queue_depth": 64}'
+    if [ "$part" = disk-cache-gaps ]; then  # the cache arm's tables (31 M rows a layer), profiled
+        cfg='{"io": "direct", "queue_depth": 64, "cache_rows": 200000, "load_threads": 16, "table_rows": 31000000}'
+        run gaps-disk-cache-4b-like-b1 python3 -u scripts/profile_decode_host.py --tier disk --cache-dir "$cache" \
+            --engram-config "$cfg" --steps 40 --warm-cache --gpu-gaps
+        run gaps-disk-cache-4b-like-b64 python3 -u scripts/profile_decode_host.py --tier disk --cache-dir "$cache" \
+            --engram-config "$cfg" --batch 64 --steps 20 --gpu-gaps
+        exit
+    fi
     if [ "$part" = disk-switch ]; then  # batch 1, rows decoded inside the decode graphs (default) or outside
         run placement-disk-switch-4b-like python3 -u -m engram bench placement --model 4b-like \
             --cache-dir "$cache" --engram-config '{"load_threads": 16, "table_rows": 31000000}' \
