@@ -24,6 +24,7 @@ torch attention reference. ``replays`` counts replays, so tests can tell a silen
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import time
@@ -335,7 +336,7 @@ class DecodeGraphs:
         else:
             size, first = self._fill_inputs(step, patch), 0
         if self.ranges:  # each piece's rows right before it: the host waits for them while earlier pieces run
-            for graph, (_, _, lid) in list(zip(self.pieces[size], self.ranges))[first:]:
+            for graph, (_, _, lid) in itertools.islice(zip(self.pieces[size], self.ranges), first, None):
                 if lid is not None:
                     rows = staged.rows(lid, step.step_id)  # a slab layer: None once its pages are in the slab
                     if lid not in self.slabs:

@@ -78,7 +78,7 @@ def _pointer_names(nodes) -> tuple[set[str], set[str]]:
                         prefetched.add(n.id)
                         inside.add(id(n))
         for n in ast.walk(node):
-            if isinstance(n, ast.Name) and n.id.isupper() and id(n) not in inside and n.id not in ("USE_PDL",):
+            if isinstance(n, ast.Name) and n.id.isupper() and id(n) not in inside:
                 plain.add(n.id)
     return plain, prefetched
 
@@ -108,7 +108,7 @@ def k(X, W, Y, USE_PDL: tl.constexpr):
     tl.store(Y, x * w)
 '''
     node = ast.parse(src).body[0]
-    assert _pointer_names(_before_wait(node.body))[0] - {"USE_PDL"} == {"W", "X"}
+    assert _pointer_names(_before_wait(node.body))[0] == {"W", "X"}
     branchy = '''
 def k(Q, K, S, USE_PDL: tl.constexpr):
     if tl.program_id(1) == 0:

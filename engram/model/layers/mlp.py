@@ -32,5 +32,5 @@ class MLP(nn.Module):
         else:
             g, u = self.gate_proj(x), self.up_proj(x)
         if partials:
-            return split_linear.linear(silu_mul(g, u), self.down_proj.weight)
+            return split_linear.linear(silu_mul(g, u), self.down_proj.weight, self.down_proj.bias)
         return self.down_proj(silu_mul(g, u))  # [T, H]
