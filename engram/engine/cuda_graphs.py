@@ -344,6 +344,9 @@ class DecodeGraphs:
                 if lid in self.slabs:  # the next read into the slab waits until this replay decoded it
                     self._slab_decoded[lid].record()
                     self.slabs[lid].done = self._slab_decoded[lid]
+                    cache = getattr(self.slab_tables[lid], "cache", None)
+                    if cache is not None:  # writes into the cache's storage wait for this replay's gather
+                        cache.note_read(self._slab_decoded[lid])
         else:
             if self.tables is None:
                 for lid, buf in self.rows.items():

@@ -68,6 +68,7 @@ class RowCache:
         self._values, self._scales = self.values, self.scales  # + overflow rows (reserve_overflow), for slots()
         self.overflow_rows = 0
         self._handed_out = False
+        self.reads: dict[int, "torch.cuda.Event"] = {}  # stream -> an event after its last read of the storage
         self.clock = 0  # lookup calls so far; stamps are 1-based so 0 means "never touched"
         self._since_aging = 0
         self.reset_counters()
@@ -145,6 +146,7 @@ class RowCache:
             vals.index_copy_(0, dev_pos, self.values.index_select(0, dev_slots))
             if scales is not None:
                 scales.index_copy_(0, dev_pos, self.scales.index_select(0, dev_slots))
+            self.note_read()
         if len(miss_pos):
             miss_ids, mv, ms = self._fetch_misses(ids, miss_pos, fetch)
             dev_miss = to_device(torch.from_numpy(miss_pos), self.device)
@@ -182,6 +184,7 @@ class RowCache:
             over = self.capacity + np.arange(len(spill))
             placed[spill] = over
             dev_over, dev_spill = to_device(torch.from_numpy(np.stack([over, spill])), self.device).unbind(0)
+            self._wait_readers()
             self._values.index_copy_(0, dev_over, mv.index_select(0, dev_spill))
             if self._scales is not None:
                 self._scales.index_copy_(0, dev_over, ms.index_select(0, dev_spill))
@@ -273,10 +276,31 @@ class RowCache:
             return placed
         placed[src] = slot
         dev_slot, dev_src = to_device(torch.from_numpy(np.stack([slot, src])), self.device).unbind(0)  # one upload
+        self._wait_readers()
         self.values.index_copy_(0, dev_slot, vals.index_select(0, dev_src))
         if self.scales is not None:
             self.scales.index_copy_(0, dev_slot, scales.index_select(0, dev_src))
         return placed
+
+    def _wait_readers(self) -> None:
+        """Writes into the storage wait (on the current stream) for every stream's last read of it: a decode
+        graph's gather reads cache slots on the main stream, and a later lookup may run on another (the lookup
+        stream, a table's thread) while that gather is still queued."""
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            for event in list(self.reads.values()):
+                stream.wait_event(event)
+
+    def note_read(self, event: "torch.cuda.Event | None" = None) -> None:
+        """The storage was just read on the current stream (``event``: already recorded there after the read,
+        as a decode graph records one after each replay)."""
+        if self.device.type != "cuda":
+            return
+        stream = torch.cuda.current_stream(self.device)
+        if event is None:
+            event = torch.cuda.Event()
+            event.record(stream)
+        self.reads[stream.stream_id] = event
 
     def _age(self, looked_up: int) -> None:
         """LFU aging: halve every count once per ``capacity`` rows looked up, so old heat fades."""
