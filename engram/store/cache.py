@@ -163,7 +163,7 @@ class RowCache:
         and those a full set cannot take (more misses in one set than it has ways untouched by this call) in
         the overflow rows after the cache's slots (``reserve_overflow``), rewritten by the next call. The
         bytes are written on the current stream; work queued after this call reads them there."""
-        return torch.from_numpy(self.slots_np(_host_np(ids), fetch))
+        return torch.from_numpy(self.slots_np(_host_ids(ids), fetch))
 
     def slots_np(self, ids: np.ndarray, fetch: Fetch) -> np.ndarray:
         """``slots`` of host ids int64 [U] as numpy (the disk tier's decode-graph reads call it per step)."""
