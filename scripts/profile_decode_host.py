@@ -115,6 +115,7 @@ def timed_phases(engine, steps: int) -> dict[str, tuple[float, float]]:
         wrap(table, "_dedupe", "  dedupe")
         if getattr(table, "cache", None) is not None:
             wrap(table.cache, "fetch", "  hot-row cache (tags, hits, the misses' reads)")
+            wrap(table.cache, "slots_np", "  hot-row cache (tags, hits, the misses' reads)")  # decode graphs
         if hasattr(table, "_fetch"):
             wrap(table, "_fetch", "  page fetch")
         if hasattr(table, "reader"):

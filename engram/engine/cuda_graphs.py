@@ -147,7 +147,7 @@ class DecodeGraphs:
         self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
         # DISK_DECODE_IN_GRAPH: {layer: its disk table} and a slab each, read by the executor, decoded in the piece
         self.slab_tables = ({lid: t for lid, t in (tables or {}).items()
-                             if lid in self.rows and getattr(t, "slab_reads", False) and t.cache is None}
+                             if lid in self.rows and getattr(t, "slab_reads", False)}
                             if DISK_DECODE_IN_GRAPH and self.ranges else {})
         self.slabs = {lid: t.new_slab(b * self.n_cols) for lid, t in self.slab_tables.items()}
         self._slab_decoded = {lid: torch.cuda.Event() for lid in self.slabs}
@@ -345,6 +345,9 @@ class DecodeGraphs:
                 if lid in self.slabs:  # the next read into the slab waits until this replay decoded it
                     self._slab_decoded[lid].record()
                     self.slabs[lid].done = self._slab_decoded[lid]
+                    cache = getattr(self.slab_tables[lid], "cache", None)
+                    if cache is not None:  # writes into the cache's storage wait for this replay's gather
+                        cache.note_read(self._slab_decoded[lid])
         else:
             if self.tables is None:
                 for lid, buf in self.rows.items():

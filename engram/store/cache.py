@@ -65,6 +65,10 @@ class RowCache:
         self.values = torch.zeros((self.capacity, value_bytes), dtype=torch.uint8, device=self.device)
         self.scales = (torch.zeros((self.capacity, scale_cols), dtype=torch.uint8, device=self.device)
                        if scale_cols else None)
+        self._values, self._scales = self.values, self.scales  # + overflow rows (reserve_overflow), for slots()
+        self.overflow_rows = 0
+        self._handed_out = False
+        self.reads: dict[int, "torch.cuda.Event"] = {}  # stream -> an event after its last read of the storage
         self.clock = 0  # lookup calls so far; stamps are 1-based so 0 means "never touched"
         self._since_aging = 0
         self.reset_counters()
@@ -142,6 +146,7 @@ class RowCache:
             vals.index_copy_(0, dev_pos, self.values.index_select(0, dev_slots))
             if scales is not None:
                 scales.index_copy_(0, dev_pos, self.scales.index_select(0, dev_slots))
+            self.note_read()
         if len(miss_pos):
             miss_ids, mv, ms = self._fetch_misses(ids, miss_pos, fetch)
             dev_miss = to_device(torch.from_numpy(miss_pos), self.device)
@@ -151,6 +156,64 @@ class RowCache:
             self._insert(miss_ids, mv, ms)
         self._finish_call(u, len(miss_pos))
         return vals, scales
+
+    def slots(self, ids: torch.Tensor, fetch: Fetch) -> torch.Tensor:
+        """Where the rows of distinct ``ids`` [U] are after this call: int64 [U] on the host, rows of
+        ``storage()`` (the ``fetch`` contract above). Hits where they are cached; misses fetched and cached,
+        and those a full set cannot take (more misses in one set than it has ways untouched by this call) in
+        the overflow rows after the cache's slots (``reserve_overflow``), rewritten by the next call. The
+        bytes are written on the current stream; work queued after this call reads them there."""
+        return torch.from_numpy(self.slots_np(_host_ids(ids), fetch))
+
+    def slots_np(self, ids: np.ndarray, fetch: Fetch) -> np.ndarray:
+        """``slots`` of host ids int64 [U] as numpy (the disk tier's decode-graph reads call it per step)."""
+        u = len(ids)
+        if u > self.overflow_rows:
+            raise ValueError(f"{u} ids in one call, but the cache reserved {self.overflow_rows} overflow rows "
+                             "(reserve_overflow)")
+        hit_pos, hit_slots, miss_pos = self._hits(ids)
+        if not len(miss_pos):  # a decode step's usual case
+            self._finish_call(u, 0)
+            return hit_slots
+        slots = np.empty(u, dtype=np.int64)
+        slots[hit_pos] = hit_slots
+        miss_ids, mv, ms = self._fetch_misses(ids, miss_pos, fetch)
+        placed = self._insert(miss_ids, mv, ms)  # [M] slot, -1 where the set could not take the row
+        spill = np.flatnonzero(placed < 0)  # [K]
+        if len(spill):
+            over = self.capacity + np.arange(len(spill))
+            placed[spill] = over
+            dev_over, dev_spill = to_device(torch.from_numpy(np.stack([over, spill])), self.device).unbind(0)
+            self._wait_readers()
+            self._values.index_copy_(0, dev_over, mv.index_select(0, dev_spill))
+            if self._scales is not None:
+                self._scales.index_copy_(0, dev_over, ms.index_select(0, dev_spill))
+        slots[miss_pos] = placed
+        self._finish_call(u, len(miss_pos))
+        return slots
+
+    def reserve_overflow(self, rows: int) -> None:
+        """Make ``slots`` able to place up to ``rows`` ids a call (rows after the cache's ``capacity`` in
+        ``storage()``). Keeps what is cached."""
+        if rows <= self.overflow_rows:
+            return
+        if self._handed_out:
+            raise RuntimeError(f"the cache's storage was handed out (storage()) with {self.overflow_rows} overflow "
+                               f"rows; growing it to {rows} would move it under its readers")
+        grown = torch.zeros((self.capacity + rows, self.value_bytes), dtype=torch.uint8, device=self.device)
+        grown[:self.capacity].copy_(self.values)
+        self._values, self.values = grown, grown[:self.capacity]
+        if self._scales is not None:
+            grown = torch.zeros((self.capacity + rows, self.scale_cols), dtype=torch.uint8, device=self.device)
+            grown[:self.capacity].copy_(self.scales)
+            self._scales, self.scales = grown, grown[:self.capacity]
+        self.overflow_rows = rows
+
+    def storage(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(values uint8 [capacity + overflow, value_bytes], scales | None): what ``slots`` index. They stay
+        where they are from now on (a CUDA graph may hold them): ``reserve_overflow`` may not grow them."""
+        self._handed_out = True
+        return self._values, self._scales
 
     def _hits(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A call's start: the clock ticks, the hits of distinct host ``ids`` are touched (stamp, use count).
@@ -181,9 +244,10 @@ class RowCache:
         self.misses += missed
         self._age(looked_up)
 
-    def _insert(self, ids: np.ndarray, vals: torch.Tensor, scales: torch.Tensor | None) -> None:
+    def _insert(self, ids: np.ndarray, vals: torch.Tensor, scales: torch.Tensor | None) -> np.ndarray:
         """Place distinct missed ``ids`` [M] (host) in their sets, evicting the lowest-key way not touched this
-        call; ``vals`` / ``scales`` [M, ...] on the cache's device."""
+        call; ``vals`` / ``scales`` [M, ...] on the cache's device. Returns each id's slot [M] (host), -1 where
+        its set had no way left to give."""
         m = len(ids)
         sets = self._set_of(ids)
         order = np.argsort(sets, kind="stable")  # [M] misses grouped by set
@@ -207,12 +271,36 @@ class RowCache:
         self._tags.reshape(-1)[slot] = ids[src]
         self._stamp.reshape(-1)[slot] = self.clock
         self._freq.reshape(-1)[slot] = 1
+        placed = np.full(m, -1, dtype=np.int64)
         if not len(slot):
-            return
+            return placed
+        placed[src] = slot
         dev_slot, dev_src = to_device(torch.from_numpy(np.stack([slot, src])), self.device).unbind(0)  # one upload
+        self._wait_readers()
         self.values.index_copy_(0, dev_slot, vals.index_select(0, dev_src))
         if self.scales is not None:
             self.scales.index_copy_(0, dev_slot, scales.index_select(0, dev_src))
+        return placed
+
+    def _wait_readers(self) -> None:
+        """Writes into the storage wait (on the current stream) for every stream's last read of it: a decode
+        graph's gather reads cache slots on the main stream, and a later lookup may run on another (the lookup
+        stream, a table's thread) while that gather is still queued."""
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            for event in list(self.reads.values()):
+                stream.wait_event(event)
+
+    def note_read(self, event: "torch.cuda.Event | None" = None) -> None:
+        """The storage was just read on the current stream (``event``: already recorded there after the read,
+        as a decode graph records one after each replay)."""
+        if self.device.type != "cuda":
+            return
+        stream = torch.cuda.current_stream(self.device)
+        if event is None:
+            event = torch.cuda.Event()
+            event.record(stream)
+        self.reads[stream.stream_id] = event
 
     def _age(self, looked_up: int) -> None:
         """LFU aging: halve every count once per ``capacity`` rows looked up, so old heat fades."""

@@ -183,10 +183,13 @@ class DiskTable(TableBackend):
 
     def new_slab(self, rows: int) -> PageSlab:
         """A slab of this table for lookups of up to ``rows`` ids, owned by the caller (a decode graph keeps
-        one per Engram layer: engine/cuda_graphs.py): pinned on CUDA, zero-filled, every slot row 0."""
+        one per Engram layer: engine/cuda_graphs.py): pinned on CUDA, zero-filled, every slot row 0. With a
+        hot-row cache the slab holds only the slots, which index the cache's storage (``read_slab``)."""
         if self._slabs is None:
             raise ValueError(f"{self.manifest.path}: rows of {self.stride} B span pages; no slab reads")
-        slab = self._slabs.new(rows, rows)
+        if self.cache is not None:
+            self.cache.reserve_overflow(rows)
+        slab = self._slabs.new(1 if self.cache is not None else rows, rows)
         slab.data.zero_()
         slab.slots.zero_()
         if slab.scales is not None:
@@ -196,7 +199,9 @@ class DiskTable(TableBackend):
     def read_slab(self, ids: torch.Tensor | Any, slab: PageSlab) -> None:
         """Read rows ``ids`` into the caller's ``slab`` (``new_slab``): a one-read lookup without its decode,
         which ``decode_slab`` runs (a decode graph captures it). Waits first, if need be, for the device work
-        that last read the slab (``slab.done``, recorded by its owner)."""
+        that last read the slab (``slab.done``, recorded by its owner). With a hot-row cache the rows go
+        through the cache instead (``RowCache.slots``: misses read and cached, on the current stream) and the
+        slab's slots point at them in the cache's storage."""
         ids = self.check_ids(ids)
         _check_fits(ids, slab)
         self._read_into_owned(ids, slab)
@@ -205,15 +210,26 @@ class DiskTable(TableBackend):
         """``read_slab`` of checked ids that fit: after the device work that last read the slab."""
         if not slab.ready():
             slab.done.synchronize()
-        self._read_into(ids.numpy(), slab)
+        if self.cache is None:
+            self._read_into(ids.numpy(), slab)
+            return
+        ids_np = ids.numpy()  # numpy from here: a few dozen ids a step, microseconds a call (cache.py)
+        uniq, inverse = np.unique(ids_np, return_inverse=True)  # [U], [N]
+        self._count(lookups=1, rows=len(ids_np), unique_rows=len(uniq))
+        with self._cache_mutex:
+            where = self.cache.slots_np(uniq, self._fetch)  # [U]
+        np.take(where, inverse, out=slab.slots.numpy()[:len(ids_np)])
 
     def decode_slab(self, slab: PageSlab, n: int, out: torch.Tensor) -> torch.Tensor:
         """The rows of the first ``n`` slots of ``slab`` dequantized into ``out`` [n, dim] (its dtype): one
         gather over the slab's whole capacity, reading the slots where they are (pinned memory, over UVA on
         CUDA), so the launch does not depend on what a read planned and a CUDA graph can hold it; slots past
         the last read point at rows the slab holds (``new_slab`` starts them at 0)."""
-        values = slab.data.view(-1, self.stride)  # [pages * rows_per_page, stride]
-        return self._decode_slab(values, slab.scales, slab.slots[:n], slab.pinned, out, out.dtype)
+        if self.cache is not None:  # the slots index the cache's storage (read_slab)
+            values, scales = self.cache.storage()
+        else:
+            values, scales = slab.data.view(-1, self.stride), slab.scales  # [pages * rows_per_page, stride]
+        return self._decode_slab(values, scales, slab.slots[:n], slab.pinned, out, out.dtype)
 
     def _plan(self, ids: torch.Tensor) -> tuple[list[tuple[np.ndarray, int, int, torch.Tensor | None]], int, int]:
         """Read plan for unique ascending ``ids``: chunks of (file offsets int64 [k], first row, end row, slot
@@ -317,10 +333,15 @@ class DiskTable(TableBackend):
                 into: PageSlab | None = None) -> tuple[torch.Tensor | None, "torch.cuda.Event | None"]:
         """A submitted lookup, on the table's thread: the rows and, on CUDA, an event recorded after the work
         that produced them on this thread's stream (the consumer runs on another thread and stream); with
-        ``into``, (None, None) once the rows are in that slab."""
+        ``into``, (None, None) once the rows are in that slab ((None, event) with a cache on CUDA: its inserts
+        are device work)."""
         if into is not None:
             self._read_into_owned(ids, into)
-            return None, None
+            if self.cache is None or self.device.type != "cuda":
+                return None, None
+            ready = torch.cuda.Event()  # after the cache's inserts, which the slab's slots may point at
+            ready.record(torch.cuda.current_stream(self.device))
+            return None, ready
         rows = self._gather_checked(ids, None, dtype)
         if rows.device.type != "cuda":
             return rows, None

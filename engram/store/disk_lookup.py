@@ -60,9 +60,10 @@ class DiskLookup(LookupHandle):
             if fut.done():
                 self._release()
         if ready is not None:
-            stream = torch.cuda.current_stream(rows.device)
+            stream = torch.cuda.current_stream(None if rows is None else rows.device)
             stream.wait_event(ready)
-            rows.record_stream(stream)  # the allocator must not reuse them while this stream may read them
+            if rows is not None:  # None: rows read into a caller's slab
+                rows.record_stream(stream)  # the allocator must not reuse them while this stream may read them
         return rows
 
     def done(self) -> bool:

@@ -123,14 +123,19 @@ def test_the_host_waits_for_a_later_layers_rows_after_the_pieces_before_it_launc
         assert log[first - 1:first + 5] == ["ids", "piece 0", *rest]
 
 
-def test_disk_rows_decoded_inside_the_pieces_equal_rows_copied_in(tmp_path, monkeypatch):
-    """DISK_DECODE_IN_GRAPH: the step's lookups only read pages into each layer's slab and the piece decodes
-    it; tokens and logprobs are bitwise those of rows decoded on the host side and copied in."""
+@pytest.mark.parametrize("options", [{"io": "buffered"}, {"io": "buffered", "cache_rows": 300},
+                                     {"io": "buffered", "cache_rows": 16}],
+                         ids=["disk", "disk-cache", "disk-cache-spilling"])
+def test_disk_rows_decoded_inside_the_pieces_equal_rows_copied_in(tmp_path, monkeypatch, options):
+    """DISK_DECODE_IN_GRAPH: the step's lookups only read pages into each layer's slab (with a hot-row cache:
+    through the cache, the slots pointing into its storage, a cache of 16 rows spilling into its overflow
+    rows) and the piece decodes them; tokens and logprobs are bitwise those of rows decoded on the host side
+    and copied in."""
     monkeypatch.setattr(cuda_graphs, "PIECEWISE", True)
     monkeypatch.setattr(cuda_graphs, "DISK_DECODE_IN_GRAPH", False)
-    copied = generate(LLMEngine(disk_model(tmp_path, {"io": "buffered"}), EngineConfig(**CFG), CUDA, torch.float32))
+    copied = generate(LLMEngine(disk_model(tmp_path, options), EngineConfig(**CFG), CUDA, torch.float32))
     monkeypatch.setattr(cuda_graphs, "DISK_DECODE_IN_GRAPH", True)
-    engine = LLMEngine(disk_model(tmp_path, {"io": "buffered"}), EngineConfig(**CFG), CUDA, torch.float32)
+    engine = LLMEngine(disk_model(tmp_path, options), EngineConfig(**CFG), CUDA, torch.float32)
     graphs = engine.executor.worker.graphs
     assert sorted(graphs.slabs) == [1, 3]
     reads = []

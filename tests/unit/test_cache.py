@@ -155,6 +155,40 @@ def test_property_cache_is_transparent(batches, policy, capacity, ways):
     _check_invariants(c)
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("capacity,ways", [(1, 8), (7, 8), (64, 8), (100, 1), (6000, 16)])
+def test_slots_point_at_the_rows_fetch_returns_and_count_the_same(policy, capacity, ways):
+    """slots(): every id's row is at its slot of storage() (small caches spill into the overflow rows), and
+    the cache decides hits, misses and victims exactly as fetch() would on the same calls."""
+    by_slots, by_fetch = (RowCache(capacity, VB, SC, policy=policy, ways=ways) for _ in range(2))
+    by_slots.reserve_overflow(300)
+    rng = np.random.default_rng(capacity)
+    spilled = 0
+    for step in range(40):
+        ids = torch.from_numpy(np.unique(np.minimum(rng.zipf(1.3, 300), ROWS) - 1))  # skewed, distinct
+        where = by_slots.slots(ids, Backing())
+        values, scales = by_slots.storage()
+        assert torch.equal(values[where], TABLE[ids]) and torch.equal(scales[where], SCALES[ids]), step
+        spilled += int((where >= by_slots.capacity).sum())
+        by_fetch.fetch(ids, Backing())
+        assert by_slots.counters() == by_fetch.counters() and torch.equal(by_slots.tags, by_fetch.tags), step
+    _check_invariants(by_slots)
+    assert (spilled > 0) == (capacity < 300)  # a call of more distinct ids than the cache holds spills
+
+
+def test_slots_refuses_more_ids_than_its_overflow_and_storage_does_not_move_once_handed_out():
+    c = RowCache(64, VB, SC)
+    with pytest.raises(ValueError, match="41 ids in one call, but the cache reserved 0 overflow rows"):
+        c.slots(torch.arange(41), Backing())
+    c.reserve_overflow(40)
+    c.slots(torch.arange(40), Backing())
+    c.reserve_overflow(40)  # no growth: fine
+    values, _ = c.storage()
+    assert values.shape == (64 + 40, VB)
+    with pytest.raises(RuntimeError, match="would move it under its readers"):
+        c.reserve_overflow(41)
+
+
 def _reference_call(tags, stamp, freq, clock, ids, n_sets, ways, policy, set_of):
     """One lookup call of the set-associative cache, row by row in plain Python (the policy as cache.py's
     docstring states it): touch the hits; then the misses, in order within their set, take that set's ways in
@@ -190,10 +224,10 @@ def _reference_call(tags, stamp, freq, clock, ids, n_sets, ways, policy, set_of)
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("capacity,ways", [(8, 8), (64, 4), (96, 8), (50, 1)])
 def test_vectorized_policy_equals_the_row_by_row_reference(policy, capacity, ways):
-    """fetch() (numpy, vectorized) against the plain-Python policy: the same slot for every id after each call
-    (-1: served, not cached), the same tags, stamps and counts, the same evictions; small caches so sets
-    overflow within a call."""
+    """slots() (numpy, vectorized) against the plain-Python policy: the same slot for every id, the same tags,
+    stamps and counts after every call, the same evictions; small caches so sets overflow within a call."""
     c = RowCache(capacity, VB, SC, policy=policy, ways=ways)
+    c.reserve_overflow(200)
     tags = [[-1] * c.ways for _ in range(c.n_sets)]
     stamp = [[0] * c.ways for _ in range(c.n_sets)]
     freq = [[0] * c.ways for _ in range(c.n_sets)]
@@ -201,12 +235,11 @@ def test_vectorized_policy_equals_the_row_by_row_reference(policy, capacity, way
     total_evicted = 0
     for call in range(1, 60):
         ids = np.unique(np.minimum(rng.zipf(1.4, int(rng.integers(1, 200))), ROWS) - 1)
-        c.fetch(torch.from_numpy(ids), Backing())
-        where = c.lookup(torch.from_numpy(ids))
+        where = c.slots(torch.from_numpy(ids), Backing())
         expect, evicted = _reference_call(tags, stamp, freq, call, ids.tolist(), c.n_sets, c.ways, policy,
                                           lambda i: int(c.set_of(torch.tensor([i]))[0]))
         got = where.tolist()
-        assert got == expect, call
+        assert [g if g < c.capacity else -1 for g in got] == expect, call
         assert c.tags.tolist() == tags and c.stamp.tolist() == stamp, call
         if policy == "lfu" and c._since_aging == 0:  # aging halves the counts after this call
             freq = [[f >> 1 for f in row] for row in freq]

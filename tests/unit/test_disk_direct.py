@@ -126,6 +126,32 @@ def test_a_callers_slab_is_read_then_decoded_like_a_gather(table):
             t.submit(torch.zeros(65, dtype=torch.int64), into=slab)
 
 
+@pytest.mark.parametrize("cache_rows", [8, 4096], ids=["spilling", "holding"])
+def test_a_callers_slab_over_a_cached_table_points_into_the_cache(table, cache_rows):
+    """With a hot-row cache read_slab goes through it (misses read and cached, the slots index the cache's
+    storage) and decode_slab gives the gather's rows; a repeat is all hits and reads nothing; a cache too
+    small for one lookup spills the rest into its overflow rows, still the right rows."""
+    from engram.store.cache import RowCache
+
+    d, ref = table
+    cache = RowCache(cache_rows, 256, 8, ways=8)
+    with open_disk_table(d, io="buffered", cache=cache) as t:
+        slab = t.new_slab(64)
+        assert cache.overflow_rows == 64 and slab.pages == 16  # the slab holds slots only
+        ids = torch.tensor([40, 17, 17, 3000, 16, 41, 2999, 17, 5, 6, 600, 1200])
+        out = torch.empty(12, 256, dtype=torch.float32)
+        for expect_hits in (False, cache_rows > 12):
+            read_before = t.stats()["read_ops"]
+            t.read_slab(ids, slab)
+            assert same_bits(t.decode_slab(slab, 12, out), ref(ids, torch.float32))
+            assert (t.stats()["read_ops"] == read_before) == expect_hits
+        # 10 distinct ids: held, the repeat hits all; spilling, the 8 the set kept hit and 2 are read again
+        assert (t.stats()["hits"], t.stats()["misses"]) == ((10, 10) if cache_rows > 12 else (8, 12))
+        later = torch.tensor([2000, 7, 2001])
+        assert t.submit(later, into=slab).wait() is None
+        assert same_bits(t.decode_slab(slab, 3, out[:3]), ref(later, torch.float32))
+
+
 def test_the_executor_reads_slab_layers_and_hands_out_no_rows(tmp_path):
     """LookupExecutor.submit(slabs=...): those layers' pages go into the slabs (rows(layer) is None) and a
     decode of each slab equals the rows the executor stages without slabs."""

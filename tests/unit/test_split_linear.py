@@ -1,5 +1,5 @@
 """split_linear: small-batch projections as float32 partials summed by the fused add + RMSNorm (CPU, through
-the test-only CPU_TOO knob; tests/gpu/test_split_linear_gpu.py runs the CUDA GEMM and the Triton sum)."""
+the test-only CPU_TOO knob; tests/gpu/test_split_linear.py runs the CUDA GEMM and the Triton sum)."""
 from __future__ import annotations
 
 import pytest

@@ -154,11 +154,12 @@ class _Decoded:
         self.staged.release()
 
 
-def _disk_llm(tmp_path):
+def _disk_llm(tmp_path, cache_rows: int = 0):
     import engram
 
     return engram.LLM("tiny", tier="disk", dtype=torch.float32, device="cpu", cache_dir=str(tmp_path),
-                      max_num_seqs=8, max_num_batched_tokens=48)
+                      max_num_seqs=8, max_num_batched_tokens=48,
+                      engram_config={"cache_rows": cache_rows} if cache_rows else None)
 
 
 def _generate(llm, n: int = 8) -> list[list[int]]:
@@ -168,16 +169,23 @@ def _generate(llm, n: int = 8) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts(n, seed=3), params, use_tqdm=False)]
 
 
-def test_slab_decoding_steps_give_the_eager_tokens(tmp_path):
+@pytest.mark.parametrize("cache_rows", [0, 40], ids=["no-cache", "40-row-cache"])
+def test_slab_decoding_steps_give_the_eager_tokens(tmp_path, cache_rows):
     """Mixed lengths with chunked prefill: the decode-only steps read their pages into slabs through the
     executor (the first layer's on this thread, the later ones' on their tables' threads) and decode them
-    as the pieces do; the tokens are the eager engine's."""
-    want = _generate(_disk_llm(tmp_path))
-    llm = _disk_llm(tmp_path)
+    as the pieces do; the tokens are the eager engine's. With a hot-row cache the slabs hold slots into the
+    cache's storage (a 40-row cache: evictions and overflow rows every step), between prefill chunks that
+    go through the cache's fetch."""
+    want = _generate(_disk_llm(tmp_path, cache_rows))
+    llm = _disk_llm(tmp_path, cache_rows)
     worker = llm.engine.executor.worker
     worker.graphs = _SlabGraphs(worker, 8)
     assert _generate(llm) == want
     assert worker.graphs.replays > 5
+    caches = [t.cache for t in worker.tables.values()]
+    assert all((c is not None) == bool(cache_rows) for c in caches)
+    if cache_rows:  # the slab steps went through the cache, and the cache spilled rows past its slots
+        assert all(c.counters()["hits"] > 0 and c.counters()["evictions"] > 0 for c in caches)
 
 
 def test_a_replaced_executor_runs_slab_decoding_steps_eager(tmp_path, caplog):
