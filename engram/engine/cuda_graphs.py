@@ -41,6 +41,7 @@ from engram.module import Projected
 from engram.model.inputs import StepInputs
 from engram.model.layers import paged_attention as pa
 from engram.model.layers.attention import AttentionMetadata
+from engram.store.kernels import cache_probe
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,11 @@ PIECEWISE = os.environ.get("ENGRAM_PIECEWISE_GRAPHS", "1") != "0"
 # capture of another engine's graphs. vLLM, SGLang and TensorRT's backend capture this way for the same reason.
 CAPTURE_ERROR_MODE = "thread_local"
 DISK_DECODE_IN_GRAPH = env_flag("ENGRAM_DISK_DECODE_IN_GRAPH", default=True)
+# Slabs over a hot-row cache find their slots on the device (store/kernels/cache_probe.py): the piece probes the
+# cache's mirrored tags and waits for the host's lookup only when a row is missing, so a decode step whose rows
+# are all cached never waits for the host; the worker then queues the whole step before its lookups
+# (``begin(whole=True)``). On unless ENGRAM_CACHE_PROBE=0 (the host's slots, waited for before each piece).
+CACHE_PROBE = env_flag("ENGRAM_CACHE_PROBE", default=True)
 
 
 def piece_ranges(engram_layer_ids, num_layers: int) -> list[tuple[int, int, int | None]]:
@@ -109,7 +115,18 @@ class DecodeGraphs:
         # Engram row ids per layer (in-graph lookups)], staged in pinned memory and copied with one non-blocking
         # copy per step. Two pinned buffers take turns: with async scheduling a step is filled while the copy
         # of the one before may still be queued; an event per buffer says when its copy has run.
-        self.layer_ids = list(self.tables) if self.tables else []
+        # Piecewise (PIECEWISE, rows copied in, an Engram model): per bucket one graph per layer range
+        engram_layers = list(ecfg.layer_ids) if ecfg else []
+        self.ranges = (piece_ranges(engram_layers, len(model.model.layers))
+                       if PIECEWISE and self.tables is None and engram_layers else [])
+        # DISK_DECODE_IN_GRAPH: {layer: its disk table} and a slab each, read by the executor, decoded in the piece
+        self.slab_tables = ({lid: t for lid, t in (tables or {}).items()
+                             if lid in engram_layers and getattr(t, "slab_reads", False)}
+                            if DISK_DECODE_IN_GRAPH and self.ranges else {})
+        self.slabs = {lid: t.new_slab(b * self.n_cols) for lid, t in self.slab_tables.items()}
+        # Slabs over a hot-row cache find their slots on the device (CACHE_PROBE): their row ids are inputs too
+        self.probed = [lid for lid, slab in self.slabs.items() if slab.probe is not None] if CACHE_PROBE else []
+        self.layer_ids = list(self.tables) if self.tables else list(self.probed)
         n = b * (4 + self.max_blocks + self.n_cols * len(self.layer_ids)) + 1  # + the step's plan id (last)
         self.host_in = [torch.zeros(n, dtype=torch.long).pin_memory() for _ in range(2)]
         self._copied = [torch.cuda.Event() for _ in range(2)]
@@ -128,6 +145,8 @@ class DecodeGraphs:
         self.row_tags = torch.full((len(self.layer_ids),), -1, dtype=torch.long, device=device) if checks else None
         self.stale = torch.zeros(len(self.layer_ids), dtype=torch.bool, device=device) if checks else None
         self.context_lens.fill_(1)
+        for lid in self.probed:  # padding everywhere until a step fills them: the capture warm-up must not wait
+            self.row_ids[lid].fill_(-1)
         self.slot_mapping.fill_(null_block * block_size)
         self.block_tables.fill_(null_block)
         self.arange = torch.arange(b + 1, dtype=torch.long, device=device)
@@ -141,16 +160,14 @@ class DecodeGraphs:
                            for lid in self.rows} if ahead else {})
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        # Piecewise (PIECEWISE, rows copied in, an Engram model): per bucket one graph per layer range
-        self.ranges = (piece_ranges(self.rows, len(model.model.layers))
-                       if PIECEWISE and self.tables is None and self.rows else [])
         self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        # DISK_DECODE_IN_GRAPH: {layer: its disk table} and a slab each, read by the executor, decoded in the piece
-        self.slab_tables = ({lid: t for lid, t in (tables or {}).items()
-                             if lid in self.rows and getattr(t, "slab_reads", False)}
-                            if DISK_DECODE_IN_GRAPH and self.ranges else {})
-        self.slabs = {lid: t.new_slab(b * self.n_cols) for lid, t in self.slab_tables.items()}
-        self._slab_decoded = {lid: torch.cuda.Event() for lid in self.slabs}
+        # an event after each replay that decoded a slab, two a slab taking turns: a probed step's lookup waits
+        # for the step before's while this step's is being recorded
+        self._slab_decoded = {lid: [torch.cuda.Event(), torch.cuda.Event()] for lid in self.slabs}
+        self._slab_turn = 0
+        # each probed layer's resolve status (cache_probe: FOUND, WAITED, FAILED), read back with the tokens
+        self.probe_status = torch.zeros(len(self.probed), dtype=torch.int32, device=device) if self.probed else None
+        self.probe_counts = {"found": 0, "waited": 0}  # probed layers of collected steps, by status
         self.replays = 0
         self._warned_too_large = False
         self.pool = torch.cuda.graph_pool_handle()
@@ -261,8 +278,13 @@ class DecodeGraphs:
     def _decode_slab(self, layer_id: int, size: int) -> None:
         """Layer ``layer_id``'s slab decoded into its static rows [size, n_cols, D] (captured in its piece)."""
         rows = self.rows[layer_id][:size]
+        probe = {}
+        if layer_id in self.probed:  # slots found on the device (store/kernels/cache_probe.py)
+            i = self.probed.index(layer_id)
+            probe = dict(ids=self.row_ids[layer_id][:size].reshape(-1), plan=self.plan_id,
+                         status=self.probe_status[i:i + 1])
         self.slab_tables[layer_id].decode_slab(self.slabs[layer_id], size * self.n_cols,
-                                               out=rows.view(-1, rows.shape[-1]))
+                                               out=rows.view(-1, rows.shape[-1]), **probe)
 
     def _capture_pieces(self, size: int, inputs: StepInputs) -> None:
         """One graph per layer range, in the shared pool: the first also embeds, the last also makes the
@@ -299,7 +321,7 @@ class DecodeGraphs:
         tables[:s, :bt.shape[1]] = np.where(bt >= 0, bt, self.null_block)
         for lid, ids in row_ids.items():
             ids[:s] = step.engram_row_ids[lid].numpy()  # [S, n_cols]
-            ids[s:size] = 0  # padding sequences read row 0
+            ids[s:size] = -1 if self.probed else 0  # padding: no row (a probe skips it), or row 0 (a gather)
         self._host_np[turn][-1] = step.step_id  # the plan id the lookup branch tags its rows with
         self.dev_in.copy_(self.host_in[turn], non_blocking=True)
         self._copied[turn].record()
@@ -309,18 +331,74 @@ class DecodeGraphs:
                 ids.index_copy_(0, patch.rows, patch.row_ids[lid])
         return size
 
+    @property
+    def flags(self) -> torch.Tensor | None:
+        """What the Worker reads back with a graph step's tokens and hands to ``check_flags``: the lookup
+        branch's stale-row flags, or the probed layers' statuses (never both: those are disk tables)."""
+        return self.stale if self.stale is not None else self.probe_status
+
+    def check_flags(self, step_id: int, flags: torch.Tensor) -> None:
+        """Raise when a host copy of ``flags`` marks a layer: it read rows that were not its step's. Counts
+        the probed layers' statuses (``probe_counts``)."""
+        if self.stale is not None:
+            if not bool(flags.any()):
+                return
+            layers = [lid for lid, bad in zip(self.layer_ids, flags.tolist()) if bad]
+            raise RuntimeError(f"step {step_id}: stale Engram rows: layer(s) {layers} read rows their lookup "
+                               "branch had not yet gathered for this step (a missing wait on the lookup stream)")
+        status = flags.tolist()
+        self.probe_counts["waited"] += sum(st == cache_probe.WAITED for st in status)
+        self.probe_counts["found"] += sum(st == cache_probe.FOUND for st in status)
+        layers = [lid for lid, st in zip(self.probed, status) if st == cache_probe.FAILED]
+        if not layers:
+            return
+        raise RuntimeError(f"step {step_id}: Engram layer(s) {layers} waited for rows their lookup did not "
+                           "deliver (the lookup failed, or the wait gave up after cache_probe.SPIN_LIMIT reads)")
+
+    @property
+    def probes_all(self) -> bool:
+        """Whether every Engram layer's piece finds its rows without the host (all slabs probed): ``begin`` may
+        then queue the whole step before the step's lookups run."""
+        return bool(self.probed) and len(self.probed) == len(self.rows)
+
     @torch.inference_mode()
-    def begin(self, step: StepDescription, patch: PendingPatch | None = None) -> None:
+    def begin(self, step: StepDescription, patch: PendingPatch | None = None, whole: bool = False) -> None:
         """The part of ``run`` that needs no Engram rows, queued now: the step's inputs and, piecewise, the
-        pieces before the first Engram layer (embedding, layer 0). ``run`` of the same step then replays the
-        rest. The worker calls it before it waits for the step's row ids on the host, so the device goes on
-        from the step before to these pieces while the host reads the first Engram layer's rows."""
+        pieces before the first Engram layer (embedding, layer 0); with ``whole`` (``probes_all``) every
+        piece, since each finds its rows on the device and waits only for rows its lookup has yet to read.
+        ``run`` of the same step then replays the rest (or only waits for the lookups). The worker calls it
+        before it waits for the step's row ids on the host, so the device goes on from the step before to
+        these pieces while the host reads the first Engram layer's rows."""
         size = self._fill_inputs(step, patch)
         k = 0
-        while k < len(self.ranges) and self.ranges[k][2] is None:
-            self.pieces[size][k].replay()
+        self._slab_turn = 1 - self._slab_turn
+        while k < len(self.ranges) and (whole or self.ranges[k][2] is None):
+            self._replay_piece(size, k)
             k += 1
         self._begun = (step.step_id, size, k)
+
+    def _replay_piece(self, size: int, k: int) -> None:
+        """Replay piece ``k`` of bucket ``size``; after a piece that decodes a slab, an event (``_settle``)."""
+        self.pieces[size][k].replay()
+        lid = self.ranges[k][2]
+        if lid in self.slabs:
+            self._slab_decoded[lid][self._slab_turn].record()
+
+    def _settle(self) -> None:
+        """After a step's lookups: each slab's next lookup waits for this step's decode of it (``slab.done``),
+        and so do the next writes into a cache's storage. Not sooner: this step's lookup (which writes the
+        slots) must not wait for this step's piece, which may be waiting for that lookup."""
+        for lid, slab in self.slabs.items():
+            slab.done = self._slab_decoded[lid][self._slab_turn]
+            cache = getattr(self.slab_tables[lid], "cache", None)
+            if cache is not None:  # writes into the cache's storage wait for this replay's gather
+                cache.note_read(slab.done)
+
+    def _abort_probes(self, step_id: int) -> None:
+        """A step's lookup failed: pieces still waiting for a probed layer's flag give up (failed) at once."""
+        with torch.cuda.stream(torch.cuda.Stream(self.device)):  # not behind a waiting piece
+            for lid in self.probed:
+                cache_probe.signal(self.slabs[lid].probe.flag, step_id, ok=False)
 
     @torch.inference_mode()
     def run(self, step: StepDescription, staged: StagedRows | None, patch: PendingPatch | None = None) -> torch.Tensor:
@@ -328,26 +406,34 @@ class DecodeGraphs:
         the next replay overwrites: sample from it first). ``staged``: the lookup executor's rows, needed
         unless the gathers are in the graph (then, if given, they were counted by the executor). ``patch``:
         pending tokens (async scheduling), written into the static token and row-id buffers on the device.
-        After ``begin(step)`` only what it left: the pieces from the first Engram layer on."""
+        After ``begin(step)`` only what it left: the pieces from the first Engram layer on, then the lookups
+        of layers whose pieces ``begin`` queued already (probed slabs)."""
         s = step.num_seqs
         begun, self._begun = self._begun, None
         if begun is not None and begun[0] == step.step_id:
             _, size, first = begun
         else:
-            size, first = self._fill_inputs(step, patch), 0
+            self._begun = None
+            self.begin(step, patch)
+            _, size, first = self._begun
+            self._begun = None
         if self.ranges:  # each piece's rows right before it: the host waits for them while earlier pieces run
-            for graph, (_, _, lid) in itertools.islice(zip(self.pieces[size], self.ranges), first, None):
-                if lid is not None:
-                    rows = staged.rows(lid, step.step_id)  # a slab layer: None once its pages are in the slab
-                    if lid not in self.slabs:
-                        self.rows[lid][:s].copy_(rows)
-                graph.replay()
-                if lid in self.slabs:  # the next read into the slab waits until this replay decoded it
-                    self._slab_decoded[lid].record()
-                    self.slabs[lid].done = self._slab_decoded[lid]
-                    cache = getattr(self.slab_tables[lid], "cache", None)
-                    if cache is not None:  # writes into the cache's storage wait for this replay's gather
-                        cache.note_read(self._slab_decoded[lid])
+            try:
+                for lid in [lid for _, _, lid in self.ranges[:first] if lid is not None]:
+                    staged.rows(lid, step.step_id)  # queued already (probed): the lookup runs now
+                for k in range(first, len(self.ranges)):
+                    lid = self.ranges[k][2]
+                    if lid is not None:
+                        rows = staged.rows(lid, step.step_id)  # a slab layer: None once its pages are in the slab
+                        if lid not in self.slabs:
+                            self.rows[lid][:s].copy_(rows)
+                    self._replay_piece(size, k)
+            except BaseException:
+                if self.probed:
+                    self._abort_probes(step.step_id)
+                raise
+            finally:
+                self._settle()
         else:
             if self.tables is None:
                 for lid, buf in self.rows.items():

@@ -209,12 +209,14 @@ class LookupExecutor:
                 def gather_first() -> torch.Tensor | None:
                     first = layers[0]
                     if first in slabs:
-                        return self.tables[first].read_slab(host_ids[first].reshape(-1), slabs[first])
+                        return self.tables[first].read_slab(host_ids[first].reshape(-1), slabs[first],
+                                                            plan=step.step_id)
                     return self.tables[first].gather(host_ids[first].reshape(-1), dtype=self.fetch_dtype)
 
                 def submit_later() -> dict:
                     return {lid: self.tables[lid].submit(host_ids[lid].reshape(-1), dtype=self.fetch_dtype,
-                                                         **({"into": slabs[lid]} if lid in slabs else {}))
+                                                         **({"into": slabs[lid], "plan": step.step_id}
+                                                            if lid in slabs else {}))
                             for lid in layers[1:]}  # [T * n_cols] each, CPU int64
 
                 if lazy:

@@ -46,7 +46,7 @@ class LaunchedStep:
     step: StepDescription
     sampled: SampledTokens  # host copies (in flight until ``sampled.ready``)
     prompt_scores: tuple | None  # host copies of the prompt logprob scores, when the step asked for them
-    stale: torch.Tensor | None = None  # graph steps with the lookup branch: host copy of each layer's stale-row flag
+    flags: torch.Tensor | None = None  # graph steps: host copy of DecodeGraphs.flags (stale rows, failed waits)
 
 
 class Worker:
@@ -125,7 +125,8 @@ class Worker:
                 # the pieces before the first Engram layer are queued, and only then does the host wait for
                 # the ids (the device runs those pieces while the host reads that layer's pages)
                 host_ids = self.lookup.start_host_ids(step, patch) if patch is not None else None
-                self.graphs.begin(step, patch)
+                # pieces that find their rows on the device (cached disk tables) are all queued at once
+                self.graphs.begin(step, patch, whole=self.graphs.probes_all)
                 staged = self.lookup.submit(step, patch, project=False, slabs=slabs, host_ids=host_ids)
             else:
                 staged = self.lookup.submit(step, patch, project=not graph, **({"slabs": slabs} if slabs else {}))
@@ -144,23 +145,21 @@ class Worker:
         # prefill chunks only, which run eager: the scores come from the runner
         scores = self.runner.prompt_scores if step.prompt_logprobs else None
         out = [sampled.token_ids, sampled.logprobs, sampled.top_logprobs, sampled.top_token_ids]
-        stale = self.graphs.stale if graph else None  # read back with the tokens (cuda_graphs.py: stale rows)
-        host = to_host(out + list(scores or ()) + ([stale] if stale is not None else []), self.device)
+        flags = self.graphs.flags if graph else None  # read back with the tokens (cuda_graphs.py)
+        host = to_host(out + list(scores or ()) + ([flags] if flags is not None else []), self.device)
         ready = torch.cuda.Event() if self.device.type == "cuda" else None
         if ready is not None:
             ready.record()
         n = 4 + len(scores or ())
         return LaunchedStep(step, SampledTokens(*host[:4], ready=ready), tuple(host[4:n]) if scores else None,
-                            host[n] if stale is not None else None)
+                            host[n] if flags is not None else None)
 
     def collect(self, launched: LaunchedStep) -> StepResult:
         """Wait for a launched step's tokens (the step's one host synchronisation) -> its StepResult."""
         step = launched.step
         tokens, logprobs = read_tokens(launched.sampled)  # module-level: found by the sync test
-        if launched.stale is not None and bool(launched.stale.any()):
-            layers = [lid for lid, bad in zip(self.graphs.layer_ids, launched.stale.tolist()) if bad]
-            raise RuntimeError(f"step {step.step_id}: stale Engram rows: layer(s) {layers} read rows their lookup "
-                               "branch had not yet gathered for this step (a missing wait on the lookup stream)")
+        if launched.flags is not None:
+            self.graphs.check_flags(step.step_id, launched.flags)
         # Debug check, after the stale flags (which name the layers): with no later step launched, the lookup
         # stream must have finished with this step's tokens (every gather it ran was waited for by a layer).
         if (self.lookup_stream is not None and self.pending.last_step_id == step.step_id

@@ -16,7 +16,9 @@ A lookup of N distinct ids is a fixed number of array operations (gather the N c
 sort the misses by set, rank them inside their set, pick victims by key) — no Python loop per row. They run in
 numpy on views of the bookkeeping tensors: a decode step looks up a few dozen ids per table, where a numpy call
 costs about a microsecond and a torch CPU op several, and the disk tier runs this on the critical path of
-every step. Rows
+every step. The
+tags can also be mirrored on ``device`` (``mirror_tags``) for a decode graph that finds its slots there without
+the host (store/kernels/cache_probe.py). Rows
 touched by the current lookup are never evicted by it, and misses beyond a set's ways in one call are served
 but not cached. The cache only stores bytes it was given, so it can never change what a lookup returns.
 """
@@ -28,10 +30,11 @@ import numpy as np
 import torch
 
 from engram.store.ids import as_ids
+from engram.store.kernels.cache_probe import HASH_MUL
 from engram.transfer import to_device
 
 POLICIES = ("lru", "lfu")
-_HASH_MUL = np.int64(-7046029254386353131)  # 0x9E3779B97F4A7C15 as a signed int64 (Fibonacci hashing)
+_HASH_MUL = np.int64(HASH_MUL)  # 0x9E3779B97F4A7C15 as a signed int64 (Fibonacci hashing)
 SLOT_OVERHEAD_BYTES = 24  # tag + stamp + freq per slot (host memory)
 
 Fetch = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
@@ -69,6 +72,7 @@ class RowCache:
         self.overflow_rows = 0
         self._handed_out = False
         self.reads: dict[int, "torch.cuda.Event"] = {}  # stream -> an event after its last read of the storage
+        self.dev_tags: torch.Tensor | None = None  # the tags mirrored on ``device`` (mirror_tags), for device probes
         self.clock = 0  # lookup calls so far; stamps are 1-based so 0 means "never touched"
         self._since_aging = 0
         self.reset_counters()
@@ -103,6 +107,17 @@ class RowCache:
         self.tags.fill_(-1)
         self.stamp.zero_()
         self.freq.zero_()
+        if self.dev_tags is not None:
+            self._wait_readers()
+            self.dev_tags.fill_(-1)
+
+    def mirror_tags(self) -> torch.Tensor:
+        """The tags [n_sets, ways] mirrored on the cache's device from now on, for pieces that find their slots
+        there (store/kernels/cache_probe.py): every insert writes its tags into the mirror on the current
+        stream, after the rows' bytes, so a tag found there means its row is in place."""
+        if self.dev_tags is None:
+            self.dev_tags = self.tags.to(self.device, copy=True)
+        return self.dev_tags
 
     def __len__(self) -> int:
         """Rows currently cached."""
@@ -275,11 +290,14 @@ class RowCache:
         if not len(slot):
             return placed
         placed[src] = slot
-        dev_slot, dev_src = to_device(torch.from_numpy(np.stack([slot, src])), self.device).unbind(0)  # one upload
+        dev_slot, dev_src, dev_ids = to_device(torch.from_numpy(np.stack([slot, src, ids[src]])),
+                                               self.device).unbind(0)  # one upload
         self._wait_readers()
         self.values.index_copy_(0, dev_slot, vals.index_select(0, dev_src))
         if self.scales is not None:
             self.scales.index_copy_(0, dev_slot, scales.index_select(0, dev_src))
+        if self.dev_tags is not None:  # after the bytes (mirror_tags)
+            self.dev_tags.view(-1).index_copy_(0, dev_slot, dev_ids)
         return placed
 
     def _wait_readers(self) -> None:

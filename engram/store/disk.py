@@ -17,6 +17,7 @@ models or plans.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -31,8 +32,9 @@ from engram.store.format import TableManifest, read_manifest
 from engram.store.load import load_file
 from engram.store.options import StoreOptions
 from engram.store import slab_plan
+from engram.store.kernels import cache_probe
 from engram.store.page_crc import CorruptPageError, PageChecker, page_error
-from engram.store.page_slabs import PageSlab, SlabPool
+from engram.store.page_slabs import PageSlab, SlabPool, SlotProbe
 from engram.store.reader import PAGE, PageReader, aligned_pages
 from engram.store.scrub import Scrubber
 
@@ -61,6 +63,7 @@ class DiskTable(TableBackend):
         # one-read lookups (_gather_direct): pinned on CUDA, where the decode kernel reads them over UVA
         self._slabs = (SlabPool(self.page, self.stride, self.scale_cols, pinned=self.device.type == "cuda")
                        if self.stride <= self.page else None)
+        self._cache_stream: "torch.cuda.Stream | None" = None  # a probed slab's cache work (_probe_stream)
         self._extra = {"disk_rows": 0, "inflight": 0, "inflight_bytes": 0, "corrupt_pages": 0}
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-disk")  # submit()
         self._io = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="engram-disk-io")  # 2 chunks queued
@@ -184,7 +187,9 @@ class DiskTable(TableBackend):
     def new_slab(self, rows: int) -> PageSlab:
         """A slab of this table for lookups of up to ``rows`` ids, owned by the caller (a decode graph keeps
         one per Engram layer: engine/cuda_graphs.py): pinned on CUDA, zero-filled, every slot row 0. With a
-        hot-row cache the slab holds only the slots, which index the cache's storage (``read_slab``)."""
+        hot-row cache the slab holds only the slots, which index the cache's storage (``read_slab``), and a
+        ``probe`` (page_slabs.SlotProbe): the cache's tags are mirrored on its device from now on, so the
+        decode can find the slots there (``decode_slab`` with ``ids``)."""
         if self._slabs is None:
             raise ValueError(f"{self.manifest.path}: rows of {self.stride} B span pages; no slab reads")
         if self.cache is not None:
@@ -194,42 +199,78 @@ class DiskTable(TableBackend):
         slab.slots.zero_()
         if slab.scales is not None:
             slab.scales.zero_()
+        if self.cache is not None:
+            self.cache.mirror_tags()
+            dev = self.cache.device
+            slab.probe = SlotProbe(torch.zeros(rows, dtype=torch.int64, device=dev),
+                                   torch.full((1,), -1, dtype=torch.int64, device=dev))
         return slab
 
-    def read_slab(self, ids: torch.Tensor | Any, slab: PageSlab) -> None:
+    def read_slab(self, ids: torch.Tensor | Any, slab: PageSlab, plan: int | None = None) -> None:
         """Read rows ``ids`` into the caller's ``slab`` (``new_slab``): a one-read lookup without its decode,
         which ``decode_slab`` runs (a decode graph captures it). Waits first, if need be, for the device work
         that last read the slab (``slab.done``, recorded by its owner). With a hot-row cache the rows go
-        through the cache instead (``RowCache.slots``: misses read and cached, on the current stream) and the
-        slab's slots point at them in the cache's storage."""
+        through the cache instead (``RowCache.slots``: misses read and cached) and the slab's slots point at
+        them in the cache's storage; its device work runs on the table's cache stream, which then signals the
+        slab's flag for ``plan`` (the step's plan id; cache_probe.signal), and the caller's current stream
+        waits for it."""
         ids = self.check_ids(ids)
         _check_fits(ids, slab)
-        self._read_into_owned(ids, slab)
+        self._read_into_owned(ids, slab, plan)
+        if self._probe_stream(slab) is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._probe_stream(slab))
 
-    def _read_into_owned(self, ids: torch.Tensor, slab: PageSlab) -> None:
+    def _read_into_owned(self, ids: torch.Tensor, slab: PageSlab, plan: int | None = None) -> None:
         """``read_slab`` of checked ids that fit: after the device work that last read the slab."""
         if not slab.ready():
             slab.done.synchronize()
         if self.cache is None:
             self._read_into(ids.numpy(), slab)
             return
-        ids_np = ids.numpy()  # numpy from here: a few dozen ids a step, microseconds a call (cache.py)
-        uniq, inverse = np.unique(ids_np, return_inverse=True)  # [U], [N]
-        self._count(lookups=1, rows=len(ids_np), unique_rows=len(uniq))
-        with self._cache_mutex:
-            where = self.cache.slots_np(uniq, self._fetch)  # [U]
-        np.take(where, inverse, out=slab.slots.numpy()[:len(ids_np)])
+        stream = self._probe_stream(slab)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            try:
+                ids_np = ids.numpy()  # numpy from here: a few dozen ids a step, microseconds a call (cache.py)
+                uniq, inverse = np.unique(ids_np, return_inverse=True)  # [U], [N]
+                self._count(lookups=1, rows=len(ids_np), unique_rows=len(uniq))
+                with self._cache_mutex:
+                    where = self.cache.slots_np(uniq, self._fetch)  # [U]
+                np.take(where, inverse, out=slab.slots.numpy()[:len(ids_np)])
+            except BaseException:
+                if slab.probe is not None and plan is not None:  # a piece waiting for it fails, not hangs
+                    cache_probe.signal(slab.probe.flag, plan, ok=False)
+                raise
+            if slab.probe is not None and plan is not None:
+                cache_probe.signal(slab.probe.flag, plan)
 
-    def decode_slab(self, slab: PageSlab, n: int, out: torch.Tensor) -> torch.Tensor:
+    def _probe_stream(self, slab: PageSlab) -> "torch.cuda.Stream | None":
+        """The stream of a probed slab's cache work on CUDA (one per table, made on first use), else None: a
+        piece may be waiting for the lookup's flag on the consumer's stream, so the lookup must not queue
+        behind it."""
+        if slab.probe is None or self.device.type != "cuda":
+            return None
+        if self._cache_stream is None:
+            self._cache_stream = torch.cuda.Stream(self.device)
+        return self._cache_stream
+
+    def decode_slab(self, slab: PageSlab, n: int, out: torch.Tensor, ids: torch.Tensor | None = None,
+                    plan: torch.Tensor | None = None, status: torch.Tensor | None = None) -> torch.Tensor:
         """The rows of the first ``n`` slots of ``slab`` dequantized into ``out`` [n, dim] (its dtype): one
         gather over the slab's whole capacity, reading the slots where they are (pinned memory, over UVA on
         CUDA), so the launch does not depend on what a read planned and a CUDA graph can hold it; slots past
-        the last read point at rows the slab holds (``new_slab`` starts them at 0)."""
-        if self.cache is not None:  # the slots index the cache's storage (read_slab)
-            values, scales = self.cache.storage()
-        else:
+        the last read point at rows the slab holds (``new_slab`` starts them at 0). With a hot-row cache and
+        the step's row ids ``ids`` [n] on the cache's device (-1: padding), its plan id ``plan`` [1] and a
+        ``status`` (int32 [1]), the slots are found in the cache's mirrored tags on the device, waiting for the
+        step's lookup only when a row is missing (cache_probe.resolve_slots)."""
+        if self.cache is None:
             values, scales = slab.data.view(-1, self.stride), slab.scales  # [pages * rows_per_page, stride]
-        return self._decode_slab(values, scales, slab.slots[:n], slab.pinned, out, out.dtype)
+            return self._decode_slab(values, scales, slab.slots[:n], slab.pinned, out, out.dtype)
+        values, scales = self.cache.storage()  # the slots index the cache's storage (read_slab)
+        if ids is None:
+            return self._decode_slab(values, scales, slab.slots[:n], slab.pinned, out, out.dtype)
+        slots = cache_probe.resolve_slots(ids, self.cache.dev_tags, slab.slots, slab.probe.flag, plan,
+                                          slab.probe.slots, status)
+        return self._decode_slab(values, scales, slots[:n], False, out, out.dtype)
 
     def _plan(self, ids: torch.Tensor) -> tuple[list[tuple[np.ndarray, int, int, torch.Tensor | None]], int, int]:
         """Read plan for unique ascending ``ids``: chunks of (file offsets int64 [k], first row, end row, slot
@@ -308,9 +349,9 @@ class DiskTable(TableBackend):
 
     # ----------------------------------------------------------------- bounded prefetch
     def submit(self, ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
-               into: PageSlab | None = None) -> DiskLookup:
+               into: PageSlab | None = None, plan: int | None = None) -> DiskLookup:
         """Start a lookup on the worker thread; raises InflightLimitError past ``max_inflight``. ``into``: read
-        the rows into that slab instead (``read_slab``); ``wait`` then returns None."""
+        the rows into that slab instead (``read_slab``, which signals ``plan``); ``wait`` then returns None."""
         ids = self.check_ids(ids)
         if into is not None:
             _check_fits(ids, into)
@@ -323,24 +364,24 @@ class DiskTable(TableBackend):
             self._extra["inflight"] += 1
             self._extra["inflight_bytes"] += nbytes
         try:
-            future = self._pool.submit(self._lookup, ids, dtype, into)
+            future = self._pool.submit(self._lookup, ids, dtype, into, plan)
         except RuntimeError:  # executor shut down by close()
             self._release_slot(nbytes)
             raise RuntimeError(f"table {self.manifest.path} is closed") from None
         return DiskLookup(self, future, nbytes)
 
-    def _lookup(self, ids: torch.Tensor, dtype: torch.dtype,
-                into: PageSlab | None = None) -> tuple[torch.Tensor | None, "torch.cuda.Event | None"]:
+    def _lookup(self, ids: torch.Tensor, dtype: torch.dtype, into: PageSlab | None = None,
+                plan: int | None = None) -> tuple[torch.Tensor | None, "torch.cuda.Event | None"]:
         """A submitted lookup, on the table's thread: the rows and, on CUDA, an event recorded after the work
         that produced them on this thread's stream (the consumer runs on another thread and stream); with
         ``into``, (None, None) once the rows are in that slab ((None, event) with a cache on CUDA: its inserts
         are device work)."""
         if into is not None:
-            self._read_into_owned(ids, into)
+            self._read_into_owned(ids, into, plan)
             if self.cache is None or self.device.type != "cuda":
                 return None, None
             ready = torch.cuda.Event()  # after the cache's inserts, which the slab's slots may point at
-            ready.record(torch.cuda.current_stream(self.device))
+            ready.record(self._probe_stream(into) or torch.cuda.current_stream(self.device))
             return None, ready
         rows = self._gather_checked(ids, None, dtype)
         if rows.device.type != "cuda":

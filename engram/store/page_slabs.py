@@ -24,6 +24,16 @@ import torch
 from engram.store.reader import PAGE, aligned_pages
 
 
+@dataclass(eq=False)
+class SlotProbe:
+    """What a decode-graph piece needs to find a cached disk table's slots on the device
+    (store/kernels/cache_probe.py): the slots it resolved, and the flag the host's lookup of the step
+    signals (``2 * plan`` done, ``2 * plan + 1`` failed; -1 before any), both on the cache's device."""
+
+    slots: torch.Tensor  # int64 [rows]
+    flag: torch.Tensor  # int64 [1]
+
+
 @dataclass(eq=False)  # a slab is itself: compared by identity
 class PageSlab:
     """Buffers for up to ``pages`` pages of ``page_size`` bytes and ``rows`` asked-for ids."""
@@ -39,6 +49,7 @@ class PageSlab:
     uniq: np.ndarray  # int64 [rows]: the distinct ids, ascending
     uslots: np.ndarray  # int64 [rows]: the buffer row of each distinct id
     done: "torch.cuda.Event | None" = None  # recorded after the last device work reading this slab
+    probe: "SlotProbe | None" = None  # a decode graph's slab over a hot-row cache: its slots found on the device
 
     def ready(self) -> bool:
         """No device work still reads this slab."""

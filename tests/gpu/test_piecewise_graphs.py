@@ -123,25 +123,38 @@ def test_the_host_waits_for_a_later_layers_rows_after_the_pieces_before_it_launc
         assert log[first - 1:first + 5] == ["ids", "piece 0", *rest]
 
 
+@pytest.mark.parametrize("probe", [True, False], ids=["probed", "host-slots"])
 @pytest.mark.parametrize("options", [{"io": "buffered"}, {"io": "buffered", "cache_rows": 300},
-                                     {"io": "buffered", "cache_rows": 16}],
-                         ids=["disk", "disk-cache", "disk-cache-spilling"])
-def test_disk_rows_decoded_inside_the_pieces_equal_rows_copied_in(tmp_path, monkeypatch, options):
+                                     {"io": "buffered", "cache_rows": 16}, {"io": "buffered", "cache_rows": 50_000}],
+                         ids=["disk", "disk-cache", "disk-cache-spilling", "disk-cache-whole"])
+def test_disk_rows_decoded_inside_the_pieces_equal_rows_copied_in(tmp_path, monkeypatch, options, probe):
     """DISK_DECODE_IN_GRAPH: the step's lookups only read pages into each layer's slab (with a hot-row cache:
     through the cache, the slots pointing into its storage, a cache of 16 rows spilling into its overflow
     rows) and the piece decodes them; tokens and logprobs are bitwise those of rows decoded on the host side
-    and copied in."""
+    and copied in. With CACHE_PROBE the pieces over a cache find their slots on the device, queued before the
+    step's lookups: they wait for new rows, and a second pass over a cache that holds the tables finds every
+    row without waiting."""
+    if probe and "cache_rows" not in options:
+        pytest.skip("no cache to probe")
     monkeypatch.setattr(cuda_graphs, "PIECEWISE", True)
     monkeypatch.setattr(cuda_graphs, "DISK_DECODE_IN_GRAPH", False)
+    monkeypatch.setattr(cuda_graphs, "CACHE_PROBE", probe)
     copied = generate(LLMEngine(disk_model(tmp_path, options), EngineConfig(**CFG), CUDA, torch.float32))
     monkeypatch.setattr(cuda_graphs, "DISK_DECODE_IN_GRAPH", True)
     engine = LLMEngine(disk_model(tmp_path, options), EngineConfig(**CFG), CUDA, torch.float32)
     graphs = engine.executor.worker.graphs
     assert sorted(graphs.slabs) == [1, 3]
+    assert graphs.probes_all == probe
     reads = []
     for lid, table in graphs.slab_tables.items():
         real = table.read_slab
-        monkeypatch.setattr(table, "read_slab",
-                            lambda ids, slab, real=real, lid=lid: (reads.append(lid), real(ids, slab))[1])
+        monkeypatch.setattr(table, "read_slab", lambda ids, slab, plan=None, real=real, lid=lid: (
+            reads.append(lid), real(ids, slab, plan))[1])
     assert generate(engine) == copied
     assert engine.stats()["graph_replays"] > 0 and reads.count(1) > 0  # the first layer read into its slab
+    if probe:
+        assert graphs.probe_counts["waited"] > 0
+        if options["cache_rows"] > 1000:
+            waited = graphs.probe_counts["waited"]
+            assert generate(engine) == copied
+            assert graphs.probe_counts["found"] > 0 and graphs.probe_counts["waited"] == waited

@@ -112,32 +112,61 @@ def test_warmup_step_is_the_largest_step_with_distinct_slots():
 class _SlabGraphs:
     """DecodeGraphs' slab flow on the CPU, without CUDA graphs: what Worker.launch reads of it, and a ``run``
     that does what the pieces do for disk layers (decode each layer's slab, which the executor read the
-    step's pages into) before the eager forward. The real pieces: tests/gpu/test_piecewise_graphs.py."""
+    step's pages into) before the eager forward. Over a hot-row cache it does it in the device's order: each
+    layer's slots are resolved from the cache's mirrored tags before the step's lookups run (cache_probe,
+    the torch reference, which cannot wait: a layer with a missing row is resolved again after the lookups,
+    as a waiting piece would be). The real pieces: tests/gpu/test_piecewise_graphs.py."""
 
     tables = None
     stale = None
+    flags = None
 
     def __init__(self, worker, bucket: int):
         self.worker, self.bucket = worker, bucket
         n_cols = worker.ecfg.n_cols
         self.slabs = {lid: t.new_slab(bucket * n_cols) for lid, t in worker.tables.items()}
+        self.probed = [lid for lid, slab in self.slabs.items() if slab.probe is not None]
+        self.probes_all = bool(self.probed) and len(self.probed) == len(self.slabs)
         self.replays = 0
+        self.counts = {"found": 0, "waited": 0}
 
     def fits(self, step) -> bool:
         return all(n == 1 for n in step.num_new_tokens) and len(step.seq_ids) <= self.bucket
 
-    def begin(self, step, patch) -> None:
-        """The real one queues the pieces before the first Engram layer; eager, ``run`` does the whole step."""
+    def begin(self, step, patch, whole: bool = False) -> None:
+        """The real one queues the pieces before the first Engram layer (all of them with ``whole``); eager,
+        ``run`` does the whole step."""
+        self.whole = whole
+
+    def _decode(self, lid: int, step, ids: torch.Tensor, status: torch.Tensor | None = None) -> torch.Tensor:
+        table = self.worker.tables[lid]
+        out = torch.empty(ids.numel(), table.dim, dtype=self.worker.lookup.fetch_dtype)
+        probe = {}
+        if status is not None:
+            probe = dict(ids=ids.reshape(-1), plan=torch.tensor([step.step_id]), status=status)
+        table.decode_slab(self.slabs[lid], ids.numel(), out, **probe)
+        return out.view(*ids.shape, table.dim)
 
     def run(self, step, staged, patch):
+        from engram.store.kernels import cache_probe
+
         self.replays += 1
         rows = {}
+        status = {lid: torch.zeros(1, dtype=torch.int32) for lid in self.probed}
+        if self.whole:  # the pieces resolve their slots before the lookups; those that found every row decode
+            for lid in self.probed:
+                ids = step.engram_row_ids[lid]
+                decoded = self._decode(lid, step, ids, status[lid])
+                found = int(status[lid]) == cache_probe.FOUND
+                if found:
+                    rows[lid] = decoded
+                self.counts["found" if found else "waited"] += 1  # a piece that did not find them waits
         for lid, ids in step.engram_row_ids.items():
             assert staged.rows(lid, step.step_id) is None  # read into the slab, not staged
-            table = self.worker.tables[lid]
-            out = torch.empty(ids.numel(), table.dim, dtype=self.worker.lookup.fetch_dtype)
-            table.decode_slab(self.slabs[lid], ids.numel(), out)
-            rows[lid] = out.view(*ids.shape, table.dim)
+            if lid not in rows:
+                rows[lid] = self._decode(lid, step, ids, status.get(lid))
+                if lid in status:
+                    assert int(status[lid]) != cache_probe.FAILED  # its lookup signalled the flag
         return self.worker.runner.run(step, _Decoded(staged, rows), patch)
 
 
@@ -169,13 +198,15 @@ def _generate(llm, n: int = 8) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts(n, seed=3), params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("cache_rows", [0, 40], ids=["no-cache", "40-row-cache"])
+@pytest.mark.parametrize("cache_rows", [0, 40, 20000], ids=["no-cache", "40-row-cache", "whole-table-cache"])
 def test_slab_decoding_steps_give_the_eager_tokens(tmp_path, cache_rows):
     """Mixed lengths with chunked prefill: the decode-only steps read their pages into slabs through the
     executor (the first layer's on this thread, the later ones' on their tables' threads) and decode them
     as the pieces do; the tokens are the eager engine's. With a hot-row cache the slabs hold slots into the
     cache's storage (a 40-row cache: evictions and overflow rows every step), between prefill chunks that
-    go through the cache's fetch."""
+    go through the cache's fetch, and each layer's slots are first looked for on the device before the
+    step's lookups (store/kernels/cache_probe.py): with a cache that holds whole tables, a second pass's
+    decode steps find every row there."""
     want = _generate(_disk_llm(tmp_path, cache_rows))
     llm = _disk_llm(tmp_path, cache_rows)
     worker = llm.engine.executor.worker
@@ -184,8 +215,14 @@ def test_slab_decoding_steps_give_the_eager_tokens(tmp_path, cache_rows):
     assert worker.graphs.replays > 5
     caches = [t.cache for t in worker.tables.values()]
     assert all((c is not None) == bool(cache_rows) for c in caches)
-    if cache_rows:  # the slab steps went through the cache, and the cache spilled rows past its slots
+    if cache_rows == 40:  # the slab steps went through the cache, and the cache spilled rows past its slots
         assert all(c.counters()["hits"] > 0 and c.counters()["evictions"] > 0 for c in caches)
+    if cache_rows:  # new rows every decode step: the pieces waited for their lookups
+        assert worker.graphs.probes_all and worker.graphs.counts["waited"] > 0
+    if cache_rows > 1000:  # the same requests again: their rows are cached, the pieces find them on the device
+        waited = worker.graphs.counts["waited"]
+        assert _generate(llm) == want
+        assert worker.graphs.counts["found"] > 0 and worker.graphs.counts["waited"] == waited
 
 
 def test_a_replaced_executor_runs_slab_decoding_steps_eager(tmp_path, caplog):
