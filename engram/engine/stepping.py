@@ -143,7 +143,9 @@ class StepPipeline:
         tokens) and re-run this one's batch synchronously, isolating the failing requests."""
         try:
             return self._collect(launched)
-        except Exception:
+        except Exception as e:
+            log.warning("step %d failed (%s: %s): its sequences run again, isolated", launched.step_id,
+                        type(e).__name__, e)
             dropped, self._inflight = self._inflight, None
             if dropped is not None:
                 try:
@@ -164,6 +166,8 @@ class StepPipeline:
         try:
             return self._run(batch)
         except Exception as e:  # nothing was committed: find who fails, run the others
+            log.warning("a step of %d sequences failed (%s: %s): they run again, isolated", len(batch.seqs),
+                        type(e).__name__, e)
             if len(batch.seqs) == 1:
                 e.request_ids = [batch.seqs[0].request_id]  # the caller fails (or retries) only this one
                 raise
