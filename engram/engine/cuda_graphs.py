@@ -64,10 +64,12 @@ PIECEWISE = os.environ.get("ENGRAM_PIECEWISE_GRAPHS", "1") != "0"
 # capture of another engine's graphs. vLLM, SGLang and TensorRT's backend capture this way for the same reason.
 CAPTURE_ERROR_MODE = "thread_local"
 DISK_DECODE_IN_GRAPH = env_flag("ENGRAM_DISK_DECODE_IN_GRAPH", default=True)
-# Slabs over a hot-row cache find their slots on the device (store/kernels/cache_probe.py): the piece probes the
-# cache's mirrored tags and waits for the host's lookup only when a row is missing, so a decode step whose rows
-# are all cached never waits for the host; the worker then queues the whole step before its lookups
-# (``begin(whole=True)``). On unless ENGRAM_CACHE_PROBE=0 (the host's slots, waited for before each piece).
+# Slabs over a hot-row cache find their rows on the device (store/kernels/cache_probe.py): the piece probes the
+# cache's mirrored tags and waits for the host's lookup (a pinned flag) only when a row is missing, so a decode
+# step whose rows are all cached never waits for the host; the worker then queues the whole step before its
+# lookups (``begin(whole=True)``), and ``run`` waits for them, then caches the rows they read
+# (``DiskTable.admit_probed``: device work only once no piece waits). On unless ENGRAM_CACHE_PROBE=0 (the
+# host's slots, waited for before each piece).
 CACHE_PROBE = env_flag("ENGRAM_CACHE_PROBE", default=True)
 
 
@@ -396,9 +398,8 @@ class DecodeGraphs:
 
     def _abort_probes(self, step_id: int) -> None:
         """A step's lookup failed: pieces still waiting for a probed layer's flag give up (failed) at once."""
-        with torch.cuda.stream(torch.cuda.Stream(self.device)):  # not behind a waiting piece
-            for lid in self.probed:
-                cache_probe.signal(self.slabs[lid].probe.flag, step_id, ok=False)
+        for lid in self.probed:
+            cache_probe.signal(self.slabs[lid].probe.flag, step_id, ok=False)
 
     @torch.inference_mode()
     def run(self, step: StepDescription, staged: StagedRows | None, patch: PendingPatch | None = None) -> torch.Tensor:
@@ -433,6 +434,8 @@ class DecodeGraphs:
                     self._abort_probes(step.step_id)
                 raise
             finally:
+                for lid in self.probed:  # no piece waits for a flag now: the rows read go into the caches
+                    self.slab_tables[lid].admit_probed(self.slabs[lid])
                 self._settle()
         else:
             if self.tables is None:

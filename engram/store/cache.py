@@ -207,6 +207,23 @@ class RowCache:
         self._finish_call(u, len(miss_pos))
         return slots
 
+    def split(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The first half of a call whose caller reads the misses itself (a probed decode slab: disk.py): the
+        clock ticks and the hits of distinct host ``ids`` are touched. Returns (hit positions [H], their
+        slots [H], miss positions [M]); ``admit`` ends the call."""
+        return self._hits(ids)
+
+    def admit(self, miss_ids: np.ndarray, vals: torch.Tensor | None, scales: torch.Tensor | None, looked_up: int,
+              missed: int | None = None) -> None:
+        """The second half: cache the missed ``miss_ids`` [M] (host) with their rows (values uint8
+        [M, >= value_bytes] and scales, on any device), written on the current stream, and count the call
+        (``looked_up`` distinct ids, ``missed`` of them missed: default M)."""
+        if len(miss_ids):
+            mv = to_device(vals[:, : self.value_bytes], self.device)
+            ms = to_device(scales, self.device) if scales is not None and self.scale_cols else None
+            self._insert(miss_ids, mv, ms)
+        self._finish_call(looked_up, len(miss_ids) if missed is None else missed)
+
     def reserve_overflow(self, rows: int) -> None:
         """Make ``slots`` able to place up to ``rows`` ids a call (rows after the cache's ``capacity`` in
         ``storage()``). Keeps what is cached."""

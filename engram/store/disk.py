@@ -144,12 +144,14 @@ class DiskTable(TableBackend):
         finally:  # on CUDA the slab is reused only once the work queued on this stream has run
             self._slabs.release(slab, torch.cuda.current_stream(self.device) if slab.pinned else None)
 
-    def _read_into(self, ids_np: np.ndarray, slab: PageSlab) -> int:
+    def _read_into(self, ids_np: np.ndarray, slab: PageSlab, count: bool = True) -> int:
         """A one-read lookup's host part: plan, read, check the pages (CorruptPageError before anything is
-        decoded), place the scales; counts the lookup. Returns the number of pages read."""
+        decoded), place the scales; counts the lookup (unless ``count`` is False: the caller did). Returns
+        the number of pages read."""
         n = len(ids_np)
         n_pages, n_unique = slab_plan.plan(ids_np, self._slabs.rows_per_page, self.page, slab)
-        self._count(lookups=1, rows=n, unique_rows=n_unique)
+        if count:
+            self._count(lookups=1, rows=n, unique_rows=n_unique)
         offsets = slab.offsets[:n_pages]
         self.reader.read(offsets, slab.data, self.page, slab.crcs, self.page)
         n_bad, first_bad = slab_plan.check(slab, n_pages, n_unique, self.page, self.pages.crcs, self._scales_np)
@@ -187,38 +189,37 @@ class DiskTable(TableBackend):
     def new_slab(self, rows: int) -> PageSlab:
         """A slab of this table for lookups of up to ``rows`` ids, owned by the caller (a decode graph keeps
         one per Engram layer: engine/cuda_graphs.py): pinned on CUDA, zero-filled, every slot row 0. With a
-        hot-row cache the slab holds only the slots, which index the cache's storage (``read_slab``), and a
-        ``probe`` (page_slabs.SlotProbe): the cache's tags are mirrored on its device from now on, so the
-        decode can find the slots there (``decode_slab`` with ``ids``)."""
+        hot-row cache its slots index the cache's storage (``read_slab``), and it gets a ``probe``
+        (page_slabs.SlotProbe): the cache's tags are mirrored on its device from now on, so the decode can find
+        the rows there (``decode_slab`` with ``ids``), its pages holding the rows a step reads from disk."""
         if self._slabs is None:
             raise ValueError(f"{self.manifest.path}: rows of {self.stride} B span pages; no slab reads")
         if self.cache is not None:
             self.cache.reserve_overflow(rows)
-        slab = self._slabs.new(1 if self.cache is not None else rows, rows)
+        slab = self._slabs.new(rows, rows)
         slab.data.zero_()
         slab.slots.zero_()
         if slab.scales is not None:
             slab.scales.zero_()
         if self.cache is not None:
             self.cache.mirror_tags()
-            dev = self.cache.device
-            slab.probe = SlotProbe(torch.zeros(rows, dtype=torch.int64, device=dev),
-                                   torch.full((1,), -1, dtype=torch.int64, device=dev))
+            pin = self.cache.device.type == "cuda"
+            plan = torch.zeros(3, rows, dtype=torch.int64, pin_memory=pin)
+            plan[cache_probe.RUNS] = -1
+            slab.probe = SlotProbe(torch.zeros(3, rows, dtype=torch.int64, device=self.cache.device), plan,
+                                   torch.full((1,), -1, dtype=torch.int64, pin_memory=pin))
         return slab
 
     def read_slab(self, ids: torch.Tensor | Any, slab: PageSlab, plan: int | None = None) -> None:
         """Read rows ``ids`` into the caller's ``slab`` (``new_slab``): a one-read lookup without its decode,
         which ``decode_slab`` runs (a decode graph captures it). Waits first, if need be, for the device work
         that last read the slab (``slab.done``, recorded by its owner). With a hot-row cache the rows go
-        through the cache instead (``RowCache.slots``: misses read and cached) and the slab's slots point at
-        them in the cache's storage; its device work runs on the table's cache stream, which then signals the
-        slab's flag for ``plan`` (the step's plan id; cache_probe.signal), and the caller's current stream
-        waits for it."""
+        through the cache, and the slab's slots point at them in the cache's storage; with the slab's probe
+        and the step's ``plan`` id, the lookup only writes the step's plan into the probe and signals it
+        (``_read_probed``), and ``admit_probed`` caches what it read."""
         ids = self.check_ids(ids)
         _check_fits(ids, slab)
         self._read_into_owned(ids, slab, plan)
-        if self._probe_stream(slab) is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._probe_stream(slab))
 
     def _read_into_owned(self, ids: torch.Tensor, slab: PageSlab, plan: int | None = None) -> None:
         """``read_slab`` of checked ids that fit: after the device work that last read the slab."""
@@ -227,26 +228,69 @@ class DiskTable(TableBackend):
         if self.cache is None:
             self._read_into(ids.numpy(), slab)
             return
+        if slab.probe is not None and plan is not None:
+            self._read_probed(ids.numpy(), slab, plan)
+            return
+        ids_np = ids.numpy()  # numpy from here: a few dozen ids a step, microseconds a call (cache.py)
+        uniq, inverse = np.unique(ids_np, return_inverse=True)  # [U], [N]
+        self._count(lookups=1, rows=len(ids_np), unique_rows=len(uniq))
+        with self._cache_mutex:
+            where = self.cache.slots_np(uniq, self._fetch)  # [U]
+        np.take(where, inverse, out=slab.slots.numpy()[:len(ids_np)])
+
+    def _read_probed(self, ids_np: np.ndarray, slab: PageSlab, plan: int) -> None:
+        """A probed slab's lookup, host work only (cache_probe: deadlock freedom): the cache's bookkeeping of
+        the hits, the misses' pages read into the slab, the plan (cache slot, slab row, run per position) and
+        the flag written into the probe's pinned memory; the rows read are kept for ``admit_probed``."""
+        probe = slab.probe
+        if probe.pending is not None:  # never admitted (its step failed): counted, its rows not cached
+            miss_ids, _, _, looked_up = probe.pending
+            probe.pending = None
+            with self._cache_mutex:
+                self.cache.admit(miss_ids[:0], None, None, looked_up, missed=len(miss_ids))
+        uniq, inverse = np.unique(ids_np, return_inverse=True)  # [U], [N]
+        n, u = len(ids_np), len(uniq)
+        self._count(lookups=1, rows=n, unique_rows=u)
+        try:
+            with self._cache_mutex:
+                hit_pos, hit_slots, miss_pos = self.cache.split(uniq)
+            slot_u, row_u = np.zeros(u, dtype=np.int64), np.full(u, -1, dtype=np.int64)
+            slot_u[hit_pos] = hit_slots
+            m = len(miss_pos)
+            if m:
+                self._read_into(uniq[miss_pos], slab, count=False)  # pages + slab.slots[:M]
+                row_u[miss_pos] = slab.slots.numpy()[:m]
+            host = probe.plan.numpy()
+            host[cache_probe.SLOTS, :n] = slot_u[inverse]
+            rows = row_u[inverse]
+            host[cache_probe.ROWS, :n] = np.maximum(rows, 0)
+            host[cache_probe.RUNS, :n] = np.where(rows >= 0, np.arange(n), -1)
+            where = slab.slots[:m]
+            values = slab.data.view(-1, self.stride).index_select(0, where)  # [M, stride], host copies
+            scales = slab.scales.index_select(0, where) if slab.scales is not None else None
+        except BaseException:
+            cache_probe.signal(probe.flag, plan, ok=False)  # a piece waiting for it fails, not hangs
+            raise
+        probe.pending = (uniq[miss_pos], values, scales, u)
+        cache_probe.signal(probe.flag, plan)
+
+    def admit_probed(self, slab: PageSlab) -> None:
+        """Cache the rows the slab's last probed lookup read (``RowCache.admit``: device work, on the table's
+        cache stream, which the current stream then waits for), ending that lookup. The slab's owner calls it
+        once no piece waits for a flag any more (a decode graph: after the step's lookups), so nothing here can
+        wait for a piece that waits for the host. No-op without a pending lookup."""
+        pending, slab.probe.pending = slab.probe.pending, None
+        if pending is None:
+            return
         stream = self._probe_stream(slab)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            try:
-                ids_np = ids.numpy()  # numpy from here: a few dozen ids a step, microseconds a call (cache.py)
-                uniq, inverse = np.unique(ids_np, return_inverse=True)  # [U], [N]
-                self._count(lookups=1, rows=len(ids_np), unique_rows=len(uniq))
-                with self._cache_mutex:
-                    where = self.cache.slots_np(uniq, self._fetch)  # [U]
-                np.take(where, inverse, out=slab.slots.numpy()[:len(ids_np)])
-            except BaseException:
-                if slab.probe is not None and plan is not None:  # a piece waiting for it fails, not hangs
-                    cache_probe.signal(slab.probe.flag, plan, ok=False)
-                raise
-            if slab.probe is not None and plan is not None:
-                cache_probe.signal(slab.probe.flag, plan)
+            with self._cache_mutex:
+                self.cache.admit(*pending)
+        if stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
 
     def _probe_stream(self, slab: PageSlab) -> "torch.cuda.Stream | None":
-        """The stream of a probed slab's cache work on CUDA (one per table, made on first use), else None: a
-        piece may be waiting for the lookup's flag on the consumer's stream, so the lookup must not queue
-        behind it."""
+        """The stream of a probed slab's cache work on CUDA (one per table, made on first use), else None."""
         if slab.probe is None or self.device.type != "cuda":
             return None
         if self._cache_stream is None:
@@ -258,19 +302,30 @@ class DiskTable(TableBackend):
         """The rows of the first ``n`` slots of ``slab`` dequantized into ``out`` [n, dim] (its dtype): one
         gather over the slab's whole capacity, reading the slots where they are (pinned memory, over UVA on
         CUDA), so the launch does not depend on what a read planned and a CUDA graph can hold it; slots past
-        the last read point at rows the slab holds (``new_slab`` starts them at 0). With a hot-row cache and
-        the step's row ids ``ids`` [n] on the cache's device (-1: padding), its plan id ``plan`` [1] and a
-        ``status`` (int32 [1]), the slots are found in the cache's mirrored tags on the device, waiting for the
-        step's lookup only when a row is missing (cache_probe.resolve_slots)."""
+        the last read point at rows the slab holds (``new_slab`` starts them at 0). With a hot-row cache the
+        slots index the cache's storage; with the step's row ids ``ids`` [n] on the cache's device (-1:
+        padding), its plan id ``plan`` [1] and a ``status`` (int32 [1]), the rows are found in the cache's
+        mirrored tags on the device, and only when one is missing does the decode wait for the step's lookup
+        and follow its plan: cached rows from the storage, the others from the slab's pages
+        (cache_probe.resolve_slots)."""
         if self.cache is None:
             values, scales = slab.data.view(-1, self.stride), slab.scales  # [pages * rows_per_page, stride]
             return self._decode_slab(values, scales, slab.slots[:n], slab.pinned, out, out.dtype)
         values, scales = self.cache.storage()  # the slots index the cache's storage (read_slab)
         if ids is None:
             return self._decode_slab(values, scales, slab.slots[:n], slab.pinned, out, out.dtype)
-        slots = cache_probe.resolve_slots(ids, self.cache.dev_tags, slab.slots, slab.probe.flag, plan,
-                                          slab.probe.slots, status)
-        return self._decode_slab(values, scales, slots[:n], False, out, out.dtype)
+        where = cache_probe.resolve_slots(ids, self.cache.dev_tags, slab.probe.plan, slab.probe.flag, plan,
+                                          slab.probe.resolved, status)
+        self._decode_slab(values, scales, where[cache_probe.SLOTS, :n], False, out, out.dtype)
+        pages, page_scales = slab.data.view(-1, self.stride), slab.scales  # the rows read this step
+        rows, runs = where[cache_probe.ROWS, :n], where[cache_probe.RUNS, :n]
+        if _uva_decodes(slab.pinned) and out.is_cuda:
+            from engram.store.kernels import triton_gather, uva
+            return triton_gather.gather_rows(pages, page_scales, rows, self.row_dtype, self.dim, out=out,
+                                             dtype=out.dtype, runs=runs, cfg=uva.UVA_CONFIG)
+        read = torch.nonzero(runs >= 0).reshape(-1)  # the reference: positions read from disk this step
+        out[read] = kernels.gather_rows(pages, page_scales, rows[read], self.row_dtype, self.dim, dtype=out.dtype)
+        return out
 
     def _plan(self, ids: torch.Tensor) -> tuple[list[tuple[np.ndarray, int, int, torch.Tensor | None]], int, int]:
         """Read plan for unique ascending ``ids``: chunks of (file offsets int64 [k], first row, end row, slot
@@ -375,13 +430,13 @@ class DiskTable(TableBackend):
         """A submitted lookup, on the table's thread: the rows and, on CUDA, an event recorded after the work
         that produced them on this thread's stream (the consumer runs on another thread and stream); with
         ``into``, (None, None) once the rows are in that slab ((None, event) with a cache on CUDA: its inserts
-        are device work)."""
+        are device work; a probed slab's wait for ``admit_probed``)."""
         if into is not None:
             self._read_into_owned(ids, into, plan)
-            if self.cache is None or self.device.type != "cuda":
+            if self.cache is None or self.device.type != "cuda" or (into.probe is not None and plan is not None):
                 return None, None
             ready = torch.cuda.Event()  # after the cache's inserts, which the slab's slots may point at
-            ready.record(self._probe_stream(into) or torch.cuda.current_stream(self.device))
+            ready.record(torch.cuda.current_stream(self.device))
             return None, ready
         rows = self._gather_checked(ids, None, dtype)
         if rows.device.type != "cuda":

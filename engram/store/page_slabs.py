@@ -26,12 +26,15 @@ from engram.store.reader import PAGE, aligned_pages
 
 @dataclass(eq=False)
 class SlotProbe:
-    """What a decode-graph piece needs to find a cached disk table's slots on the device
-    (store/kernels/cache_probe.py): the slots it resolved, and the flag the host's lookup of the step
-    signals (``2 * plan`` done, ``2 * plan + 1`` failed; -1 before any), both on the cache's device."""
+    """What a decode-graph piece needs to find a cached disk table's rows on the device
+    (store/kernels/cache_probe.py): where it resolved them (int64 [3, rows] on the cache's device: cache slot,
+    row in the slab's pages, run), the host lookup's plan of the same shape (pinned) and the flag it signals
+    (int64 [1], pinned: ``2 * plan`` planned, ``2 * plan + 1`` failed; -1 before any)."""
 
-    slots: torch.Tensor  # int64 [rows]
-    flag: torch.Tensor  # int64 [1]
+    resolved: torch.Tensor
+    plan: torch.Tensor
+    flag: torch.Tensor
+    pending: tuple | None = None  # the last lookup's rows read, until DiskTable.admit_probed caches them
 
 
 @dataclass(eq=False)  # a slab is itself: compared by identity

@@ -1,6 +1,6 @@
 """The Triton probe of a hot-row cache's mirrored tags (store/kernels/cache_probe.py) on a GPU (skipped
-elsewhere): bitwise the torch reference's slots; a resolve with a missing row waits for the flag, then takes
-the host's slots as they were when the flag was set; a failed lookup or a wait that gives up reports FAILED;
+elsewhere): bitwise the torch reference's outputs; a resolve with a missing row waits for the pinned flag, then
+takes the host's plan as it was when the flag was set; a failed lookup or a wait that gives up reports FAILED;
 and it runs inside a CUDA graph."""
 from __future__ import annotations
 
@@ -33,10 +33,11 @@ def _cache(rows: int = 4096, ways: int = 8) -> tuple[RowCache, torch.Tensor]:
 
 
 def _inputs(n: int):
-    host = torch.arange(n, dtype=torch.int64).pin_memory()
-    return (host, torch.full((1,), -1, dtype=torch.int64, device="cuda"), torch.tensor([7], device="cuda"),
-            torch.full((n,), -5, dtype=torch.int64, device="cuda"), torch.full((1,), -1, dtype=torch.int32,
-                                                                               device="cuda"))
+    """(the host plan [3, n] pinned, the flag [1] pinned, the plan id [1], out [3, n], status [1])."""
+    host = torch.stack([torch.arange(n), torch.arange(n) + 1000, torch.full((n,), -1)]).pin_memory()
+    return (host, torch.full((1,), -1, dtype=torch.int64).pin_memory(), torch.tensor([7], device="cuda"),
+            torch.full((3, n), -5, dtype=torch.int64, device="cuda"),
+            torch.full((1,), -1, dtype=torch.int32, device="cuda"))
 
 
 @pytest.mark.parametrize("n", [1, 33, 1024, 3000])
@@ -58,24 +59,24 @@ def test_kernel_matches_the_reference(n):
         assert int(status) == (cache_probe.WAITED if missing else cache_probe.FOUND)
 
 
-def test_a_missing_row_waits_for_the_flag_and_takes_the_hosts_slots_then():
+def test_a_missing_row_waits_for_the_flag_and_takes_the_hosts_plan_then():
     cache, tags = _cache()
     n = 64
     ids = torch.full((n,), 10**9, dtype=torch.int64, device="cuda")
     host, flag, plan, out, status = _inputs(n)
-    host.fill_(0)
-    waiter, signaller = torch.cuda.Stream(), torch.cuda.Stream()
+    host.zero_()
+    waiter = torch.cuda.Stream()
     with torch.cuda.stream(waiter):
         cache_probe.resolve_slots(ids, tags, host, flag, plan, out, status)
     time.sleep(0.05)
     assert not waiter.query()  # still waiting
-    host.copy_(torch.arange(100, 100 + n))  # the host's lookup writes its slots, then signals
-    with torch.cuda.stream(signaller):
-        cache_probe.signal(flag, 6)  # an older step's: not this one
-        time.sleep(0.01)
-        cache_probe.signal(flag, 7)
+    host.copy_(torch.stack([torch.arange(100, 100 + n), torch.arange(n), torch.arange(n)]))  # the plan, then
+    cache_probe.signal(flag, 6)  # an older step's flag: not this one
+    time.sleep(0.01)
+    assert not waiter.query()
+    cache_probe.signal(flag, 7)
     waiter.synchronize()
-    assert int(status) == cache_probe.WAITED and out.tolist() == list(range(100, 100 + n))
+    assert int(status) == cache_probe.WAITED and torch.equal(out.cpu(), host)
 
 
 def test_a_failed_lookup_or_a_wait_that_gives_up_reports_failed():
@@ -85,8 +86,7 @@ def test_a_failed_lookup_or_a_wait_that_gives_up_reports_failed():
     waiter = torch.cuda.Stream()
     with torch.cuda.stream(waiter):
         cache_probe.resolve_slots(ids, tags, host, flag, plan, out, status)
-    with torch.cuda.stream(torch.cuda.Stream()):
-        cache_probe.signal(flag, 7, ok=False)
+    cache_probe.signal(flag, 7, ok=False)
     waiter.synchronize()
     assert int(status) == cache_probe.FAILED
     host, flag, plan, out, status = _inputs(8)
@@ -114,10 +114,10 @@ def test_resolve_inside_a_cuda_graph():
         ids.copy_(cached)
         if missing:
             ids[3] = 10**9
-            host.copy_(torch.arange(step, step + n))
+            host[0].copy_(torch.arange(step, step + n))
             cache_probe.signal(flag, step)
         graph.replay()
         torch.cuda.synchronize()
         want = (torch.arange(step, step + n) if missing else cache.lookup(cached.cpu())).tolist()
-        assert out.tolist() == want
+        assert out[cache_probe.SLOTS].tolist() == want
         assert int(status) == (cache_probe.WAITED if missing else cache_probe.FOUND)

@@ -8,6 +8,7 @@ each Engram layer.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -127,7 +128,7 @@ def test_the_host_waits_for_a_later_layers_rows_after_the_pieces_before_it_launc
 @pytest.mark.parametrize("options", [{"io": "buffered"}, {"io": "buffered", "cache_rows": 300},
                                      {"io": "buffered", "cache_rows": 16}, {"io": "buffered", "cache_rows": 50_000}],
                          ids=["disk", "disk-cache", "disk-cache-spilling", "disk-cache-whole"])
-def test_disk_rows_decoded_inside_the_pieces_equal_rows_copied_in(tmp_path, monkeypatch, options, probe):
+def test_disk_rows_decoded_inside_the_pieces_equal_rows_copied_in(tmp_path, monkeypatch, caplog, options, probe):
     """DISK_DECODE_IN_GRAPH: the step's lookups only read pages into each layer's slab (with a hot-row cache:
     through the cache, the slots pointing into its storage, a cache of 16 rows spilling into its overflow
     rows) and the piece decodes them; tokens and logprobs are bitwise those of rows decoded on the host side
@@ -150,11 +151,15 @@ def test_disk_rows_decoded_inside_the_pieces_equal_rows_copied_in(tmp_path, monk
         real = table.read_slab
         monkeypatch.setattr(table, "read_slab", lambda ids, slab, plan=None, real=real, lid=lid: (
             reads.append(lid), real(ids, slab, plan))[1])
-    assert generate(engine) == copied
+    with caplog.at_level(logging.WARNING, logger="engram.engine.stepping"):
+        assert generate(engine) == copied
+    assert not caplog.records, "a step failed and ran again"  # e.g. a piece's wait that gave up
     assert engine.stats()["graph_replays"] > 0 and reads.count(1) > 0  # the first layer read into its slab
     if probe:
         assert graphs.probe_counts["waited"] > 0
         if options["cache_rows"] > 1000:
             waited = graphs.probe_counts["waited"]
-            assert generate(engine) == copied
+            with caplog.at_level(logging.WARNING, logger="engram.engine.stepping"):
+                assert generate(engine) == copied
+            assert not caplog.records
             assert graphs.probe_counts["found"] > 0 and graphs.probe_counts["waited"] == waited

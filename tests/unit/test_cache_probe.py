@@ -75,17 +75,17 @@ def test_resolve_slots_reference_statuses():
     cache.reserve_overflow(8)
     tags = cache.mirror_tags()
     cache.slots_np(np.array([3, 5, 7], dtype=np.int64), _fetch)
-    host = torch.tensor([11, 12, 13, 14], dtype=torch.int64)  # stands for the host's slots of a later call
+    host = torch.tensor([[11, 12, 13, 14], [0, 2, 0, 0], [-1, 1, -1, -1]])  # a later call's plan: 9 read
     flag, plan = torch.tensor([-1]), torch.tensor([4])
-    out, status = torch.full((4,), -7, dtype=torch.int64), torch.zeros(1, dtype=torch.int32)
+    out, status = torch.full((3, 4), -7, dtype=torch.int64), torch.zeros(1, dtype=torch.int32)
 
     def resolve(ids):
         return cache_probe.resolve_slots(torch.tensor(ids, dtype=torch.int64), tags, host, flag, plan, out, status)
 
     resolve([5, -1, 3, 7])  # all found; padding gets slot 0 and does not wait
     assert int(status) == cache_probe.FOUND
-    assert out.tolist() == [int(cache.lookup(torch.tensor([5]))), 0, int(cache.lookup(torch.tensor([3]))),
-                            int(cache.lookup(torch.tensor([7])))]
+    slot = {i: int(cache.lookup(torch.tensor([i]))) for i in (3, 5, 7)}
+    assert out.tolist() == [[slot[5], 0, slot[3], slot[7]], [0, 0, 0, 0], [-1, -1, -1, -1]]
     resolve([5, 9, 3, 7])  # 9 missing, the flag not yet set: the reference cannot wait
     assert int(status) == cache_probe.FAILED
     cache_probe.signal(flag, 3)  # an older step's flag does not count
@@ -99,6 +99,41 @@ def test_resolve_slots_reference_statuses():
     assert int(status) == cache_probe.FAILED
 
 
+@pytest.mark.parametrize("cache_rows", [2, 64], ids=["spilling", "holding"])
+def test_a_probed_slab_read_signals_its_plan_or_its_failure(tmp_path, cache_rows):
+    """A probed slab's lookup (DiskTable._read_probed) writes the step's plan and signals the flag: cached rows
+    by slot, the others read into the slab's pages, cached only by ``admit_probed``. The decode gives the
+    table's rows bitwise (MXFP8 rows: their scales too): it follows the plan (cached rows from the storage,
+    the rest from the pages) until a cache that holds the rows finds them all on the second step. A read that
+    fails (a corrupt page) signals the failure, so a waiting piece gives up instead of hanging."""
+    from engram.store.disk import open_disk_table
+    from engram.store.writer import write_table
+    from tests.unit.test_disk import make_rows
+
+    d = tmp_path / "mx"
+    vals, scales, ref = make_rows(3001, 256, "mxfp8")
+    write_table(d, vals, scales)
+    with open_disk_table(d, io="buffered", cache=RowCache(cache_rows, 256, 8, ways=2)) as t:
+        slab = t.new_slab(32)
+        ids = torch.tensor([5, 9, 5, 2000, 7, 9, 100], dtype=torch.int64)
+        want = ref(ids, torch.float32)
+        for step in (3, 4):
+            t.read_slab(ids, slab, plan=step)
+            assert int(slab.probe.flag) == 2 * step
+            out = torch.empty(len(ids), want.shape[1])
+            status = torch.zeros(1, dtype=torch.int32)
+            t.decode_slab(slab, len(ids), out, ids=ids, plan=torch.tensor([step]), status=status)
+            assert int(status) == (cache_probe.FOUND if cache_rows > 2 and step == 4 else cache_probe.WAITED)
+            assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+            t.admit_probed(slab)  # the rows read go into the cache after the step
+        t.pages.crcs = t.pages.crcs.copy()
+        t.pages.crcs[1] ^= 1  # page 1 (rows 16..31) no longer matches its checksum
+        t.cache.clear()
+        with pytest.raises(Exception, match="page 1 "):
+            t.read_slab(torch.tensor([20, 5]), slab, plan=5)
+        assert int(slab.probe.flag) == 2 * 5 + 1
+
+
 def test_clear_empties_the_mirror():
     cache = RowCache(32, VB, ways=4)
     cache.reserve_overflow(8)
@@ -108,3 +143,22 @@ def test_clear_empties_the_mirror():
     cache.clear()
     assert bool((mirror == -1).all()) and torch.equal(mirror, cache.tags)
     assert (cache_probe.probe(torch.arange(5), mirror) == -1).all()
+
+
+def test_a_probed_lookup_never_admitted_is_counted_and_its_rows_dropped(tmp_path):
+    """A step that failed after its lookup never admits its rows: the table's next probed lookup counts it
+    (hits and misses) and goes on; the rows it read are not cached."""
+    from engram.store.disk import open_disk_table
+    from engram.store.writer import write_table
+    from tests.unit.test_disk import make_rows
+
+    d = tmp_path / "mx"
+    vals, scales, ref = make_rows(300, 256, "mxfp8")
+    write_table(d, vals, scales)
+    with open_disk_table(d, io="buffered", cache=RowCache(64, 256, 8, ways=4)) as t:
+        slab = t.new_slab(8)
+        t.read_slab(torch.tensor([1, 2, 3]), slab, plan=1)  # never admitted
+        t.read_slab(torch.tensor([1, 4]), slab, plan=2)
+        t.admit_probed(slab)
+        assert (t.stats()["hits"], t.stats()["misses"]) == (0, 5)
+        assert len(t.cache) == 2 and (t.cache.lookup(torch.tensor([1, 4])) >= 0).all()

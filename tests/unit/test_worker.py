@@ -167,6 +167,8 @@ class _SlabGraphs:
                 rows[lid] = self._decode(lid, step, ids, status.get(lid))
                 if lid in status:
                     assert int(status[lid]) != cache_probe.FAILED  # its lookup signalled the flag
+        for lid in self.probed:  # then the rows read go into the caches (DecodeGraphs.run does the same)
+            self.worker.tables[lid].admit_probed(self.slabs[lid])
         return self.worker.runner.run(step, _Decoded(staged, rows), patch)
 
 

@@ -1,31 +1,34 @@
 """A hot-row cache probed on the device: a decode step's slots into the cache's storage, found without the host.
 
 A disk table behind a hot-row cache (store/cache.py) keeps its policy on the host, but mirrors the cache's tags
-on the device (``RowCache.dev_tags``: every insert's tags are written there on the cache's stream, after the
-rows' bytes). A decode-graph piece resolves its layer's slots from that mirror (``resolve_slots``): each row id
-is hashed to its set exactly as the host hashes it and compared with the set's ways. When every id is found the
-piece gathers at once, and the host's lookup of the step (the policy's stamps) runs beside it; when any id is
-missing the piece waits for the step's flag, which the host's lookup writes on the cache's stream once the
-misses are read and cached (``signal``), and then takes every slot from the host's list (the slab's pinned
-``slots``). So the device only waits for the host when a row has to come from disk.
+on the device (``RowCache.dev_tags``: every insert writes its tags there after the rows' bytes). A decode-graph
+piece resolves its layer's rows from that mirror (``resolve_slots``): each row id is hashed to its set exactly
+as the host hashes it and compared with the set's ways. When every id is found the piece gathers from the
+cache's storage at once, and the host's lookup of the step (the policy's stamps) runs beside it. When an id is
+missing the piece waits for the step's flag and then follows the host's plan for every position: cached rows
+by their slot, missing rows from the pages the lookup read into the slab's pinned buffer (a second gather over
+UVA). So the device waits for the host only when a row has to come from disk, and only for its read.
+
+Deadlock freedom: the work that sets a flag is host work only (the cache's bookkeeping, the disk reads into
+pinned memory, the plan and the flag written into pinned memory). The rows are put into the cache after the
+flag (device work on the table's cache stream), so no CUDA call that might wait for the device (an allocation
+that frees cached blocks, a pinned allocation) runs while a piece may be waiting.
 
 Why the mirror can be trusted: the host's tags at the start of a step's lookup are the mirror after every
-earlier lookup's writes, which the piece is ordered after (an earlier piece either waited for their flag or
-found the rows those writes inserted, each tag written after its row's bytes). A lookup never evicts a row it
-finds, so an id the piece finds is still there when it is read, and an id only the piece finds (inserted by
-the same step's lookup, whose tag it saw) has its bytes in place. Rows placed past the cache's ways (overflow
-rows) never enter the mirror: they always make the piece wait.
+earlier lookup's writes, which the step's pieces are ordered after (the consumer's stream waits for the cache
+stream after each step's pieces). A lookup never evicts a row it finds, so an id the piece finds is still there
+when it is read; an id found because the same step's insert already landed has its bytes in place (bytes are
+written before tags). Rows a full set cannot take never enter the mirror: the piece always waits for them.
 
-The flag holds ``2 * plan id`` once a step's lookup succeeded and ``2 * plan id + 1`` when it failed
-(``signal(..., ok=False)``). Each resolve writes a ``status``: FOUND (every row in the mirror), WAITED (took the
-host's slots after the flag) or FAILED (the flag said failed, or the wait gave up after ``SPIN_LIMIT`` reads of
-it). The Worker reads it back with the sampled tokens and raises on FAILED: the step fails loudly rather than
-decode rows that never arrived.
+The flag (pinned host int64) holds ``2 * plan id`` once a step's lookup has its plan and ``2 * plan id + 1``
+when it failed (``signal(..., ok=False)``). Each resolve writes a ``status``: FOUND (every row in the mirror),
+WAITED (followed the host's plan) or FAILED (the flag said failed, or the wait gave up after ``SPIN_LIMIT``
+reads of it). The Worker reads it back with the sampled tokens and raises on FAILED: the step fails loudly
+rather than decode rows that never arrived.
 
 ``resolve_slots`` runs the Triton kernel on CUDA (one program: a decode step has at most a few thousand ids)
-and the torch reference elsewhere; the reference cannot wait, so on the CPU it treats an unset flag as a
-failed wait. Bitwise: both return the same int64 slots (tests/unit/test_cache_probe.py,
-tests/gpu/test_cache_probe_gpu.py).
+and the torch reference elsewhere; the reference cannot wait, so it treats an unset flag as a failed wait.
+Bitwise: both write the same int64 outputs (tests/unit/test_cache_probe.py, tests/gpu/test_cache_probe_gpu.py).
 """
 from __future__ import annotations
 
@@ -34,8 +37,9 @@ import torch
 from engram.store.kernels import triton_available
 
 HASH_MUL = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64: store/cache.py's set hash
-SPIN_LIMIT = 200_000_000  # reads of the flag before a wait gives up (tens of seconds on an H200)
+SPIN_LIMIT = 20_000_000  # reads of the pinned flag (~1 us each over PCIe) before a wait gives up
 FOUND, WAITED, FAILED = 0, 1, 2  # a resolve's status
+SLOTS, ROWS, RUNS = 0, 1, 2  # the host plan's rows: cache slot, row in the slab's pages, run (i: read, -1: cached)
 
 
 def set_of(ids: torch.Tensor, n_sets: int) -> torch.Tensor:
@@ -45,29 +49,31 @@ def set_of(ids: torch.Tensor, n_sets: int) -> torch.Tensor:
 
 
 def signal(flag: torch.Tensor, plan_id: int, ok: bool = True) -> None:
-    """A step's lookup has finished (``ok``) or failed: the flag a waiting piece reads, written on the current
-    stream after the work queued there (the lookup's inserts into the cache)."""
-    flag.fill_(2 * plan_id + (0 if ok else 1))
+    """A step's lookup has its plan in place (``ok``) or failed: a host write of the pinned ``flag`` that a
+    waiting piece reads (after every host write before it: the plan)."""
+    flag.numpy()[0] = 2 * plan_id + (0 if ok else 1)
 
 
-def resolve_slots(ids: torch.Tensor, tags: torch.Tensor, host_slots: torch.Tensor, flag: torch.Tensor,
+def resolve_slots(ids: torch.Tensor, tags: torch.Tensor, plan_host: torch.Tensor, flag: torch.Tensor,
                   plan: torch.Tensor, out: torch.Tensor, status: torch.Tensor, *,
                   spin_limit: int | None = None) -> torch.Tensor:
-    """Slots into the cache's storage of ``ids`` (int64 [N] on the tags' device; -1 marks a padding position,
-    which gets slot 0 and never waits): found in ``tags`` (int64 [n_sets, ways], the device mirror), or, when
-    any id is missing, all of them from ``host_slots`` (int64 [>= N], pinned host memory on CUDA) once
-    ``flag`` (int64 [1]) reads ``2 * plan`` (``plan``: int64 [1], the step's plan id). Writes ``out`` [N] and
-    ``status`` (int32 [1]: FOUND, WAITED or FAILED). No host synchronisation on CUDA, so a CUDA graph can
-    hold it."""
+    """Where the rows of ``ids`` (int64 [N] on the tags' device; -1 marks a padding position, which reads
+    cache slot 0 and never waits) come from, into ``out`` (int64 [3, >= N]: SLOTS, ROWS, RUNS): found in
+    ``tags`` (int64 [n_sets, ways], the device mirror): their slots, and RUNS -1 (nothing to read from the
+    slab); or, when any id is missing, the host's plan ``plan_host`` (int64 [3, >= N], pinned on CUDA:
+    cache slots of cached rows, slab rows of read ones, RUNS i where position i was read, else -1), once
+    ``flag`` (int64 [1], pinned) reads ``2 * plan`` (``plan``: int64 [1], the step's plan id). Writes
+    ``status`` (int32 [1]: FOUND, WAITED or FAILED). No host synchronisation on CUDA: a CUDA graph can hold
+    it."""
     n = ids.numel()
-    if out.numel() < n or tags.dim() != 2 or ids.dtype != torch.int64 or tags.dtype != torch.int64:
-        raise ValueError(f"resolve_slots: ids {tuple(ids.shape)} {ids.dtype}, tags {tuple(tags.shape)} {tags.dtype}, "
+    if out.shape[0] != 3 or out.shape[1] < n or tags.dim() != 2 or ids.dtype != torch.int64:
+        raise ValueError(f"resolve_slots: ids {tuple(ids.shape)} {ids.dtype}, tags {tuple(tags.shape)}, "
                          f"out {tuple(out.shape)}")
     if ids.is_cuda and triton_available():
-        _resolve_triton(ids, tags, host_slots, flag, plan, out, status,
+        _resolve_triton(ids, tags, plan_host, flag, plan, out, status,
                         SPIN_LIMIT if spin_limit is None else spin_limit)
         return out
-    return resolve_slots_reference(ids, tags, host_slots, flag, plan, out, status)
+    return resolve_slots_reference(ids, tags, plan_host, flag, plan, out, status)
 
 
 def probe(ids: torch.Tensor, tags: torch.Tensor) -> torch.Tensor:
@@ -78,30 +84,33 @@ def probe(ids: torch.Tensor, tags: torch.Tensor) -> torch.Tensor:
     return torch.where(match.any(dim=1), sets * ways + match.to(torch.int8).argmax(dim=1), -1)
 
 
-def resolve_slots_reference(ids: torch.Tensor, tags: torch.Tensor, host_slots: torch.Tensor, flag: torch.Tensor,
+def resolve_slots_reference(ids: torch.Tensor, tags: torch.Tensor, plan_host: torch.Tensor, flag: torch.Tensor,
                             plan: torch.Tensor, out: torch.Tensor, status: torch.Tensor) -> torch.Tensor:
     """``resolve_slots`` in torch; cannot wait: an unset flag when an id is missing is a failed wait."""
     n = ids.numel()
     slots = probe(ids, tags)  # [N]
     if bool(((slots < 0) & (ids >= 0)).any()):
         ok = int(flag.reshape(-1)[0]) == 2 * int(plan.reshape(-1)[0])
-        out[:n].copy_(host_slots[:n])
+        out[:, :n].copy_(plan_host[:, :n])
         status.fill_(WAITED if ok else FAILED)
         return out
-    out[:n].copy_(slots.clamp_min(0))
+    out[SLOTS, :n].copy_(slots.clamp_min(0))
+    out[ROWS, :n].zero_()
+    out[RUNS, :n].fill_(-1)
     status.fill_(FOUND)
     return out
 
 
-def _resolve_triton(ids, tags, host_slots, flag, plan, out, status, spin_limit: int) -> None:
+def _resolve_triton(ids, tags, plan_host, flag, plan, out, status, spin_limit: int) -> None:
     import triton
 
     from engram.store.kernels.triton_gather import kernel_arg
 
     n = ids.numel()
     block = min(1024, max(32, triton.next_power_of_2(n)))
-    _kernel()[(1,)](ids, tags, kernel_arg(host_slots), flag, plan, out, status, n, tags.shape[0], HASH_MUL,
-                    spin_limit, WAYS=tags.shape[1], BLOCK=block, num_warps=4)
+    _kernel()[(1,)](ids, tags, kernel_arg(plan_host), kernel_arg(flag), plan, out, status, n, tags.shape[0],
+                    plan_host.stride(0), out.stride(0), HASH_MUL, spin_limit, WAYS=tags.shape[1], BLOCK=block,
+                    num_warps=4)
 
 
 _KERNEL = None
@@ -115,10 +124,10 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def _resolve_slots_kernel(IDS, TAGS, HOST_SLOTS, FLAG, PLAN, OUT, STATUS, N, N_SETS, MUL, SPIN_LIMIT,
-                              WAYS: tl.constexpr, BLOCK: tl.constexpr):
+    def _resolve_slots_kernel(IDS, TAGS, PLAN_HOST, FLAG, PLAN, OUT, STATUS, N, N_SETS, HOST_STRIDE, OUT_STRIDE,
+                              MUL, SPIN_LIMIT, WAYS: tl.constexpr, BLOCK: tl.constexpr):
         misses = 0
-        for start in range(0, N, BLOCK):  # probe the mirror; slots found (or 0) into OUT
+        for start in range(0, N, BLOCK):  # probe the mirror: slots found (or 0), nothing to read from the slab
             offs = start + tl.arange(0, BLOCK)
             inside = offs < N
             ids = tl.load(IDS + offs, mask=inside, other=-1)
@@ -130,8 +139,10 @@ def _kernel():
                 slot = tl.where((tag == ids) & (slot < 0), sets * WAYS + w, slot)
             misses += tl.sum((valid & (slot < 0)).to(tl.int32), axis=0)
             tl.store(OUT + offs, tl.where(slot >= 0, slot, 0), mask=inside)
+            tl.store(OUT + OUT_STRIDE + offs, tl.zeros([BLOCK], tl.int64), mask=inside)
+            tl.store(OUT + 2 * OUT_STRIDE + offs, tl.full([BLOCK], -1, tl.int64), mask=inside)
         status = misses * 0  # FOUND
-        if misses > 0:  # wait for the host's lookup of this step, then take its slots
+        if misses > 0:  # wait for the host's lookup of this step, then follow its plan
             want = tl.load(PLAN) * 2
             seen = tl.load(FLAG, volatile=True)
             spins = 0
@@ -142,7 +153,9 @@ def _kernel():
             for start in range(0, N, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 inside = offs < N
-                tl.store(OUT + offs, tl.load(HOST_SLOTS + offs, mask=inside, other=0, volatile=True), mask=inside)
+                for r in tl.static_range(3):
+                    v = tl.load(PLAN_HOST + r * HOST_STRIDE + offs, mask=inside, other=0, volatile=True)
+                    tl.store(OUT + r * OUT_STRIDE + offs, v, mask=inside)
         tl.store(STATUS, status)
 
     _KERNEL = _resolve_slots_kernel
