@@ -125,9 +125,9 @@ class DecodeGraphs:
         self.slab_tables = ({lid: t for lid, t in (tables or {}).items()
                              if lid in engram_layers and getattr(t, "slab_reads", False)}
                             if DISK_DECODE_IN_GRAPH and self.ranges else {})
-        self.slabs = {lid: t.new_slab(b * self.n_cols) for lid, t in self.slab_tables.items()}
-        # Slabs over a hot-row cache find their slots on the device (CACHE_PROBE): their row ids are inputs too
-        self.probed = [lid for lid, slab in self.slabs.items() if slab.probe is not None] if CACHE_PROBE else []
+        self.slabs = {lid: t.new_slab(b * self.n_cols, probe=CACHE_PROBE) for lid, t in self.slab_tables.items()}
+        # Slabs over a hot-row cache find their rows on the device (CACHE_PROBE): their row ids are inputs too
+        self.probed = [lid for lid, slab in self.slabs.items() if slab.probe is not None]
         self.layer_ids = list(self.tables) if self.tables else list(self.probed)
         n = b * (4 + self.max_blocks + self.n_cols * len(self.layer_ids)) + 1  # + the step's plan id (last)
         self.host_in = [torch.zeros(n, dtype=torch.long).pin_memory() for _ in range(2)]

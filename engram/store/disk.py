@@ -186,10 +186,11 @@ class DiskTable(TableBackend):
         """Whether this table reads into slabs (rows of at most a page: ``new_slab`` works)."""
         return self._slabs is not None
 
-    def new_slab(self, rows: int) -> PageSlab:
+    def new_slab(self, rows: int, probe: bool = True) -> PageSlab:
         """A slab of this table for lookups of up to ``rows`` ids, owned by the caller (a decode graph keeps
         one per Engram layer: engine/cuda_graphs.py): pinned on CUDA, zero-filled, every slot row 0. With a
-        hot-row cache its slots index the cache's storage (``read_slab``), and it gets a ``probe``
+        hot-row cache its slots index the cache's storage (``read_slab``), and unless ``probe`` is False it
+        gets a ``probe``
         (page_slabs.SlotProbe): the cache's tags are mirrored on its device from now on, so the decode can find
         the rows there (``decode_slab`` with ``ids``), its pages holding the rows a step reads from disk."""
         if self._slabs is None:
@@ -201,7 +202,7 @@ class DiskTable(TableBackend):
         slab.slots.zero_()
         if slab.scales is not None:
             slab.scales.zero_()
-        if self.cache is not None:
+        if self.cache is not None and probe:
             self.cache.mirror_tags()
             pin = self.cache.device.type == "cuda"
             plan = torch.zeros(3, rows, dtype=torch.int64, pin_memory=pin)
