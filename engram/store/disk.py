@@ -8,8 +8,9 @@ tier, so rows are bitwise equal to the gpu tier's. Every page read is checked ag
 that lookup with CorruptPageError naming the file and byte offset, counts in ``corrupt_pages`` and never
 reaches the hot-row cache. Format-1 tables (no sidecar) are refused with the command that adds it.
 ``submit`` runs lookups on this table's worker thread (a ``DiskLookup``, disk_lookup.py), at most
-``max_inflight`` unconsumed at a time; a read failure fails that lookup only. The tier knows nothing about
-models or plans.
+``max_inflight`` unconsumed at a time; a read failure fails that lookup only. Reads into a slab a caller owns
+(a decode graph's, decoded inside the graph, with a hot-row cache probed on the device) are disk_slabs.py.
+The tier knows nothing about models or plans.
 
     values.bin  |<- page p (4096 B) ->|      row r lives in page r // (4096 // stride), slot r % (4096 // stride)
                 | r0 | r1 | ... | r15 |      (V4.1: 256-B rows, 16 per page: a cold row costs a whole page)
@@ -17,7 +18,6 @@ models or plans.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -32,14 +32,14 @@ from engram.store.format import TableManifest, read_manifest
 from engram.store.load import load_file
 from engram.store.options import StoreOptions
 from engram.store import slab_plan
-from engram.store.kernels import cache_probe
 from engram.store.page_crc import CorruptPageError, PageChecker, page_error
-from engram.store.page_slabs import PageSlab, SlabPool, SlotProbe
+from engram.store.disk_slabs import SlabReads, _check_fits, _uva_decodes
+from engram.store.page_slabs import PageSlab, SlabPool
 from engram.store.reader import PAGE, PageReader, aligned_pages
 from engram.store.scrub import Scrubber
 
 
-class DiskTable(TableBackend):
+class DiskTable(SlabReads, TableBackend):
     """One table served from its files. Resident memory: the scales and the page CRCs (``resident_bytes``)
     plus the cache. ``options.background_verify`` starts a ``Scrubber`` that reads values.bin once, checking
     every page (``stats()``: verify_state, verified_pages)."""
@@ -179,154 +179,6 @@ class DiskTable(TableBackend):
             return triton_gather.gather_rows(values, scales, slots, self.row_dtype, self.dim, out=out, dtype=dtype,
                                              cfg=uva.UVA_CONFIG, ids_pinned=True)
         return kernels.gather_rows(values, scales, slots, self.row_dtype, self.dim, out=out, dtype=dtype)
-
-    # ----------------------------------------------------------------- a caller's slab (decode graphs)
-    @property
-    def slab_reads(self) -> bool:
-        """Whether this table reads into slabs (rows of at most a page: ``new_slab`` works)."""
-        return self._slabs is not None
-
-    def new_slab(self, rows: int, probe: bool = True) -> PageSlab:
-        """A slab of this table for lookups of up to ``rows`` ids, owned by the caller (a decode graph keeps
-        one per Engram layer: engine/cuda_graphs.py): pinned on CUDA, zero-filled, every slot row 0. With a
-        hot-row cache its slots index the cache's storage (``read_slab``), and unless ``probe`` is False it
-        gets a ``probe``
-        (page_slabs.SlotProbe): the cache's tags are mirrored on its device from now on, so the decode can find
-        the rows there (``decode_slab`` with ``ids``), its pages holding the rows a step reads from disk."""
-        if self._slabs is None:
-            raise ValueError(f"{self.manifest.path}: rows of {self.stride} B span pages; no slab reads")
-        if self.cache is not None:
-            self.cache.reserve_overflow(rows)
-        slab = self._slabs.new(rows, rows)
-        slab.data.zero_()
-        slab.slots.zero_()
-        if slab.scales is not None:
-            slab.scales.zero_()
-        if self.cache is not None and probe:
-            self.cache.mirror_tags()
-            pin = self.cache.device.type == "cuda"
-            plan = torch.zeros(3, rows, dtype=torch.int64, pin_memory=pin)
-            plan[cache_probe.RUNS] = -1
-            slab.probe = SlotProbe(torch.zeros(3, rows, dtype=torch.int64, device=self.cache.device), plan,
-                                   torch.full((1,), -1, dtype=torch.int64, pin_memory=pin))
-        return slab
-
-    def read_slab(self, ids: torch.Tensor | Any, slab: PageSlab, plan: int | None = None) -> None:
-        """Read rows ``ids`` into the caller's ``slab`` (``new_slab``): a one-read lookup without its decode,
-        which ``decode_slab`` runs (a decode graph captures it). Waits first, if need be, for the device work
-        that last read the slab (``slab.done``, recorded by its owner). With a hot-row cache the rows go
-        through the cache, and the slab's slots point at them in the cache's storage; with the slab's probe
-        and the step's ``plan`` id, the lookup only writes the step's plan into the probe and signals it
-        (``_read_probed``), and ``admit_probed`` caches what it read."""
-        ids = self.check_ids(ids)
-        _check_fits(ids, slab)
-        self._read_into_owned(ids, slab, plan)
-
-    def _read_into_owned(self, ids: torch.Tensor, slab: PageSlab, plan: int | None = None) -> None:
-        """``read_slab`` of checked ids that fit: after the device work that last read the slab."""
-        if not slab.ready():
-            slab.done.synchronize()
-        if self.cache is None:
-            self._read_into(ids.numpy(), slab)
-            return
-        if slab.probe is not None and plan is not None:
-            self._read_probed(ids.numpy(), slab, plan)
-            return
-        ids_np = ids.numpy()  # numpy from here: a few dozen ids a step, microseconds a call (cache.py)
-        uniq, inverse = np.unique(ids_np, return_inverse=True)  # [U], [N]
-        self._count(lookups=1, rows=len(ids_np), unique_rows=len(uniq))
-        with self._cache_mutex:
-            where = self.cache.slots_np(uniq, self._fetch)  # [U]
-        np.take(where, inverse, out=slab.slots.numpy()[:len(ids_np)])
-
-    def _read_probed(self, ids_np: np.ndarray, slab: PageSlab, plan: int) -> None:
-        """A probed slab's lookup, host work only (cache_probe: deadlock freedom): the cache's bookkeeping of
-        the hits, the misses' pages read into the slab, the plan (cache slot, slab row, run per position) and
-        the flag written into the probe's pinned memory; the rows read are kept for ``admit_probed``."""
-        probe = slab.probe
-        if probe.pending is not None:  # never admitted (its step failed): counted, its rows not cached
-            miss_ids, _, _, looked_up = probe.pending
-            probe.pending = None
-            with self._cache_mutex:
-                self.cache.admit(miss_ids[:0], None, None, looked_up, missed=len(miss_ids))
-        uniq, inverse = np.unique(ids_np, return_inverse=True)  # [U], [N]
-        n, u = len(ids_np), len(uniq)
-        self._count(lookups=1, rows=n, unique_rows=u)
-        try:
-            with self._cache_mutex:
-                hit_pos, hit_slots, miss_pos = self.cache.split(uniq)
-            slot_u, row_u = np.zeros(u, dtype=np.int64), np.full(u, -1, dtype=np.int64)
-            slot_u[hit_pos] = hit_slots
-            m = len(miss_pos)
-            if m:
-                self._read_into(uniq[miss_pos], slab, count=False)  # pages + slab.slots[:M]
-                row_u[miss_pos] = slab.slots.numpy()[:m]
-            host = probe.plan.numpy()
-            host[cache_probe.SLOTS, :n] = slot_u[inverse]
-            rows = row_u[inverse]
-            host[cache_probe.ROWS, :n] = np.maximum(rows, 0)
-            host[cache_probe.RUNS, :n] = np.where(rows >= 0, np.arange(n), -1)
-            where = slab.slots[:m]
-            values = slab.data.view(-1, self.stride).index_select(0, where)  # [M, stride], host copies
-            scales = slab.scales.index_select(0, where) if slab.scales is not None else None
-        except BaseException:
-            cache_probe.signal(probe.flag, plan, ok=False)  # a piece waiting for it fails, not hangs
-            raise
-        probe.pending = (uniq[miss_pos], values, scales, u)
-        cache_probe.signal(probe.flag, plan)
-
-    def admit_probed(self, slab: PageSlab) -> None:
-        """Cache the rows the slab's last probed lookup read (``RowCache.admit``: device work, on the table's
-        cache stream, which the current stream then waits for), ending that lookup. The slab's owner calls it
-        once no piece waits for a flag any more (a decode graph: after the step's lookups), so nothing here can
-        wait for a piece that waits for the host. No-op without a pending lookup."""
-        pending, slab.probe.pending = slab.probe.pending, None
-        if pending is None:
-            return
-        stream = self._probe_stream(slab)
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            with self._cache_mutex:
-                self.cache.admit(*pending)
-        if stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-
-    def _probe_stream(self, slab: PageSlab) -> "torch.cuda.Stream | None":
-        """The stream of a probed slab's cache work on CUDA (one per table, made on first use), else None."""
-        if slab.probe is None or self.device.type != "cuda":
-            return None
-        if self._cache_stream is None:
-            self._cache_stream = torch.cuda.Stream(self.device)
-        return self._cache_stream
-
-    def decode_slab(self, slab: PageSlab, n: int, out: torch.Tensor, ids: torch.Tensor | None = None,
-                    plan: torch.Tensor | None = None, status: torch.Tensor | None = None) -> torch.Tensor:
-        """The rows of the first ``n`` slots of ``slab`` dequantized into ``out`` [n, dim] (its dtype): one
-        gather over the slab's whole capacity, reading the slots where they are (pinned memory, over UVA on
-        CUDA), so the launch does not depend on what a read planned and a CUDA graph can hold it; slots past
-        the last read point at rows the slab holds (``new_slab`` starts them at 0). With a hot-row cache the
-        slots index the cache's storage; with the step's row ids ``ids`` [n] on the cache's device (-1:
-        padding), its plan id ``plan`` [1] and a ``status`` (int32 [1]), the rows are found in the cache's
-        mirrored tags on the device, and only when one is missing does the decode wait for the step's lookup
-        and follow its plan: cached rows from the storage, the others from the slab's pages
-        (cache_probe.resolve_slots)."""
-        if self.cache is None:
-            values, scales = slab.data.view(-1, self.stride), slab.scales  # [pages * rows_per_page, stride]
-            return self._decode_slab(values, scales, slab.slots[:n], slab.pinned, out, out.dtype)
-        values, scales = self.cache.storage()  # the slots index the cache's storage (read_slab)
-        if ids is None:
-            return self._decode_slab(values, scales, slab.slots[:n], slab.pinned, out, out.dtype)
-        where = cache_probe.resolve_slots(ids, self.cache.dev_tags, slab.probe.plan, slab.probe.flag, plan,
-                                          slab.probe.resolved, status)
-        self._decode_slab(values, scales, where[cache_probe.SLOTS, :n], False, out, out.dtype)
-        pages, page_scales = slab.data.view(-1, self.stride), slab.scales  # the rows read this step
-        rows, runs = where[cache_probe.ROWS, :n], where[cache_probe.RUNS, :n]
-        if _uva_decodes(slab.pinned) and out.is_cuda:
-            from engram.store.kernels import triton_gather, uva
-            return triton_gather.gather_rows(pages, page_scales, rows, self.row_dtype, self.dim, out=out,
-                                             dtype=out.dtype, runs=runs, cfg=uva.UVA_CONFIG)
-        read = torch.nonzero(runs >= 0).reshape(-1)  # the reference: positions read from disk this step
-        out[read] = kernels.gather_rows(pages, page_scales, rows[read], self.row_dtype, self.dim, dtype=out.dtype)
-        return out
 
     def _plan(self, ids: torch.Tensor) -> tuple[list[tuple[np.ndarray, int, int, torch.Tensor | None]], int, int]:
         """Read plan for unique ascending ``ids``: chunks of (file offsets int64 [k], first row, end row, slot
@@ -481,16 +333,6 @@ class DiskTable(TableBackend):
         self._io.shutdown(wait=True)
         super().close()
         self.reader.close()
-
-
-def _check_fits(ids: torch.Tensor, slab: PageSlab) -> None:
-    if ids.numel() > slab.rows:
-        raise ValueError(f"{ids.numel()} ids do not fit a slab of {slab.rows}")
-
-
-def _uva_decodes(pinned: bool) -> bool:
-    """Whether a slab is decoded by the UVA gather kernel (pinned, Triton usable, backend not "torch")."""
-    return pinned and kernels.get_backend() != "torch" and kernels.triton_available()
 
 
 def open_disk_table(directory: str | Path, device: str | torch.device = "cpu", cache: Any = None,
