@@ -24,7 +24,6 @@ torch attention reference. ``replays`` counts replays, so tests can tell a silen
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import time
@@ -414,7 +413,6 @@ class DecodeGraphs:
         if begun is not None and begun[0] == step.step_id:
             _, size, first = begun
         else:
-            self._begun = None
             self.begin(step, patch)
             _, size, first = self._begun
             self._begun = None
