@@ -44,7 +44,9 @@ from engram.transfer import to_device
 # rows took 1.0 ms alone and 1.7-1.9 ms beside a second table's lookup on the CPU machine (its reads share the
 # disk: 1.4 ms beside the second table's reads alone; the rest is the two threads' Python under one GIL). On
 # the H200 (4b-like, disk tier, O_DIRECT, dd3c115) a batch-1 step took 5.79 ms against 6.42 ms with both
-# lookups started together (+11 % tokens/s); batch 64 was the same within its A/A envelope.
+# lookups started together (+11 % tokens/s); batch 64 was the same within its A/A envelope. Off, decode-graph
+# slabs (ChainedLookups) submit the later layers' lookups before the first layer's runs: with a hot-row cache
+# probed on the device no piece needs the first layer's rows before the later reads start (not yet measured).
 FIRST_LOOKUP_ALONE = env_flag("ENGRAM_FIRST_LOOKUP_ALONE", default=True)
 
 
@@ -83,17 +85,19 @@ class StagedRows:
 
 
 class ChainedLookups:
-    """A step's lookups over disk tables when the first one runs alone and late: ``handle(layer)`` gives each
+    """A step's lookups over disk tables when the first one runs late: ``handle(layer)`` gives each
     layer a handle that is not done until the chain ran; the first ``wait`` on any of them runs the first
     layer's lookup on the waiting thread (``gather_first() -> rows``: the model has reached that layer, the
     layers before it are queued on the device) and then submits the later layers' (``submit_later() ->
-    {layer: handle}``), whose reads overlap the layers up to theirs. Cancelling before the chain ran cancels
+    {layer: handle}``), whose reads overlap the layers up to theirs; with ``later_first`` (decode-graph slabs
+    without FIRST_LOOKUP_ALONE) it submits them first, so their reads run beside the first layer's. Cancelling before the chain ran cancels
     all of it (nothing was read); after, it cancels that layer's read. An error of the first lookup or of the
     submits is raised to every waiter."""
 
-    def __init__(self, first: int, gather_first, submit_later):
+    def __init__(self, first: int, gather_first, submit_later, later_first: bool = False):
         self.first = first
         self._gather_first, self._submit_later = gather_first, submit_later
+        self._later_first = later_first  # submit the later layers' lookups before the first layer's runs
         self._handles: dict | None = None  # layer -> the real handle, once the chain ran
         self._error: BaseException | None = None
         self._cancelled = False
@@ -107,10 +111,17 @@ class ChainedLookups:
                 raise cf.CancelledError("this step's lookups were cancelled")
             if self._error is not None:
                 raise self._error
+            later = None
             try:
+                if self._later_first:
+                    later = self._submit_later()
                 rows = self._gather_first()
-                self._handles = {self.first: CompletedLookup(rows), **self._submit_later()}
+                if later is None:
+                    later = self._submit_later()
+                self._handles = {self.first: CompletedLookup(rows), **later}
             except BaseException as e:
+                for handle in (later or {}).values():  # submitted, never to be waited for
+                    handle.cancel()
                 self._error = e
                 raise
         return self._handles
@@ -220,7 +231,7 @@ class LookupExecutor:
                             for lid in layers[1:]}  # [T * n_cols] each, CPU int64
 
                 if lazy:
-                    chain = ChainedLookups(layers[0], gather_first, submit_later)
+                    chain = ChainedLookups(layers[0], gather_first, submit_later, later_first=not alone)
                     handles.update({lid: chain.handle(lid) for lid in layers})
                 else:
                     if not alone:

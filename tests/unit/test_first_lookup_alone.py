@@ -84,3 +84,41 @@ def test_over_the_disk_tier_the_first_lookup_waits_for_its_layer(tmp_path, monke
 
 def test_the_tokens_do_not_depend_on_the_order(tmp_path, monkeypatch):
     assert generate(tmp_path, monkeypatch, True) == generate(tmp_path, monkeypatch, False)
+
+
+@pytest.mark.parametrize("later_first", [False, True])
+def test_a_chain_submits_the_later_lookups_after_or_before_the_first(later_first):
+    """ChainedLookups (decode-graph slabs): the first layer's lookup runs on the waiting thread, the later
+    layers' are submitted after it (FIRST_LOOKUP_ALONE) or, ``later_first``, before it; when the first
+    lookup fails, later lookups already submitted are cancelled (none keeps its table's in-flight slot) and
+    every waiter gets the error."""
+    from engram.store.base import CompletedLookup
+
+    log: list = []
+
+    class Handle(CompletedLookup):
+        def cancel(self) -> bool:
+            log.append("cancel 3")
+            return True
+
+    def first():
+        log.append("first 1")
+        return "rows 1"
+
+    def later():
+        log.append("submit 3")
+        return {3: Handle("rows 3")}
+
+    chain = lookup.ChainedLookups(1, first, later, later_first=later_first)
+    assert chain.handle(3).wait() == "rows 3" and chain.handle(1).wait() == "rows 1"
+    assert log == (["submit 3", "first 1"] if later_first else ["first 1", "submit 3"])
+
+    def failing():
+        raise OSError("planted read failure")
+
+    log.clear()
+    chain = lookup.ChainedLookups(1, failing, later, later_first=later_first)
+    for lid in (1, 3):
+        with pytest.raises(OSError, match="planted"):
+            chain.handle(lid).wait()
+    assert log == (["submit 3", "cancel 3"] if later_first else [])
