@@ -162,3 +162,17 @@ def test_a_probed_lookup_never_admitted_is_counted_and_its_rows_dropped(tmp_path
         t.admit_probed(slab)
         assert (t.stats()["hits"], t.stats()["misses"]) == (0, 5)
         assert len(t.cache) == 2 and (t.cache.lookup(torch.tensor([1, 4])) >= 0).all()
+
+
+def test_decode_graphs_count_the_statuses_and_fail_a_step_on_a_failed_wait():
+    """DecodeGraphs.check_flags (what the Worker calls with a graph step's statuses, read back with its
+    tokens) counts found and waited layers and raises on a failed wait, naming the layers."""
+    from engram.engine.cuda_graphs import DecodeGraphs
+
+    graphs = object.__new__(DecodeGraphs)  # its CUDA state is not needed to read back statuses
+    graphs.stale, graphs.probed, graphs.probe_counts = None, [1, 15], {"found": 0, "waited": 0}
+    graphs.check_flags(7, torch.tensor([cache_probe.FOUND, cache_probe.WAITED], dtype=torch.int32))
+    graphs.check_flags(8, torch.tensor([cache_probe.FOUND, cache_probe.FOUND], dtype=torch.int32))
+    assert graphs.probe_counts == {"found": 3, "waited": 1}
+    with pytest.raises(RuntimeError, match=r"step 9: Engram layer\(s\) \[15\] waited for rows"):
+        graphs.check_flags(9, torch.tensor([cache_probe.WAITED, cache_probe.FAILED], dtype=torch.int32))
