@@ -219,9 +219,7 @@ class RowCache:
         [M, >= value_bytes] and scales, on any device), written on the current stream, and count the call
         (``looked_up`` distinct ids, ``missed`` of them missed: default M)."""
         if len(miss_ids):
-            mv = to_device(vals[:, : self.value_bytes], self.device)
-            ms = to_device(scales, self.device) if scales is not None and self.scale_cols else None
-            self._insert(miss_ids, mv, ms)
+            self._insert(miss_ids, *self._on_device(vals, scales))
         self._finish_call(looked_up, len(miss_ids) if missed is None else missed)
 
     def reserve_overflow(self, rows: int) -> None:
@@ -267,9 +265,13 @@ class RowCache:
         """(miss ids [M] on the host, their values [M, value_bytes] and scales on the cache's device)."""
         miss_ids = ids[miss_pos]
         mv, ms = fetch(torch.from_numpy(miss_ids))  # backing tiers (host RAM, disk) index with CPU ids
-        mv = to_device(mv[:, : self.value_bytes], self.device)  # [M, value_bytes]; host rows via pinned memory
-        ms = to_device(ms, self.device) if ms is not None and self.scale_cols else None
-        return miss_ids, mv, ms
+        return miss_ids, *self._on_device(mv, ms)
+
+    def _on_device(self, vals: torch.Tensor, scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows to cache (values [M, >= value_bytes], scales | None, any device) as the cache stores them:
+        values [M, value_bytes] and scales on its device (host rows go through pinned memory)."""
+        mv = to_device(vals[:, : self.value_bytes], self.device)
+        return mv, to_device(scales, self.device) if scales is not None and self.scale_cols else None
 
     def _finish_call(self, looked_up: int, missed: int) -> None:
         self.hits += looked_up - missed

@@ -167,17 +167,24 @@ class DiskTable(SlabReads, TableBackend):
         return n_pages
 
     def _decode_slab(self, values: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, pinned: bool,
-                     out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+                     out: torch.Tensor | None, dtype: torch.dtype, runs: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``slots`` of a slab dequantized into [N, dim] on ``self.device``: from a pinned slab by the UVA
         kernel, which reads the pinned slots over UVA too (nothing is copied to the device first, and a CUDA
-        graph can hold the launch), else by ``kernels.gather_rows``. The caller keeps the slab until the
-        decode has run (``SlabPool.release``'s event, or a decode graph's ``slab.done``)."""
+        graph can hold the launch), else by ``kernels.gather_rows``. ``runs`` (int64 [N], with ``out`` and
+        device slots): only positions i with runs[i] == i are written (triton_gather's contract). The caller
+        keeps the slab until the decode has run (``SlabPool.release``'s event, or a decode graph's
+        ``slab.done``)."""
         if out is None and self.device.type != "cpu":
             out = torch.empty(slots.numel(), self.dim, dtype=dtype, device=self.device)
-        if _uva_decodes(pinned):
+        if _uva_decodes(pinned) and (runs is None or slots.is_cuda):
             from engram.store.kernels import triton_gather, uva
             return triton_gather.gather_rows(values, scales, slots, self.row_dtype, self.dim, out=out, dtype=dtype,
-                                             cfg=uva.UVA_CONFIG, ids_pinned=True)
+                                             cfg=uva.UVA_CONFIG, ids_pinned=runs is None, runs=runs)
+        if runs is not None:  # the reference of runs: the positions that are their own run
+            keep = torch.nonzero(runs == torch.arange(len(runs), device=runs.device)).reshape(-1)
+            out[keep] = kernels.gather_rows(values, scales, slots[keep], self.row_dtype, self.dim, dtype=dtype).to(
+                out.device)
+            return out
         return kernels.gather_rows(values, scales, slots, self.row_dtype, self.dim, out=out, dtype=dtype)
 
     def _plan(self, ids: torch.Tensor) -> tuple[list[tuple[np.ndarray, int, int, torch.Tensor | None]], int, int]:

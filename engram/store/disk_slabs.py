@@ -85,7 +85,7 @@ class SlabReads:
         the flag written into the probe's pinned memory; the rows read are kept for ``admit_probed``."""
         probe = slab.probe
         if probe.pending is not None:  # never admitted (its step failed): counted, its rows not cached
-            miss_ids, _, _, looked_up = probe.pending
+            miss_ids, _, looked_up = probe.pending
             probe.pending = None
             with self._cache_mutex:
                 self.cache.admit(miss_ids[:0], None, None, looked_up, missed=len(miss_ids))
@@ -106,13 +106,11 @@ class SlabReads:
             rows = row_u[inverse]
             host[cache_probe.ROWS, :n] = np.maximum(rows, 0)
             host[cache_probe.RUNS, :n] = np.where(rows >= 0, np.arange(n), -1)
-            where = slab.slots[:m]
-            values = slab.data.view(-1, self.stride).index_select(0, where)  # [M, stride], host copies
-            scales = slab.scales.index_select(0, where) if slab.scales is not None else None
         except BaseException:
             cache_probe.signal(probe.flag, plan, ok=False)  # a piece waiting for it fails, not hangs
             raise
-        probe.pending = (uniq[miss_pos], values, scales, u)
+        # the misses and their rows in the slab's pages, which stay until this slab's next lookup
+        probe.pending = (uniq[miss_pos], slab.slots[:m].clone(), u)
         cache_probe.signal(probe.flag, plan)
 
     def admit_probed(self, slab: PageSlab) -> None:
@@ -123,10 +121,13 @@ class SlabReads:
         pending, slab.probe.pending = slab.probe.pending, None
         if pending is None:
             return
+        miss_ids, where, looked_up = pending
+        values = slab.data.view(-1, self.stride).index_select(0, where)  # [M, stride], host copies of the pages'
+        scales = slab.scales.index_select(0, where) if slab.scales is not None else None
         stream = self._probe_stream(slab)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             with self._cache_mutex:
-                self.cache.admit(*pending)
+                self.cache.admit(miss_ids, values, scales, looked_up)
         if stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(stream)
 
@@ -158,22 +159,14 @@ class SlabReads:
         where = cache_probe.resolve_slots(ids, self.cache.dev_tags, slab.probe.plan, slab.probe.flag, plan,
                                           slab.probe.resolved, status)
         self._decode_slab(values, scales, where[cache_probe.SLOTS, :n], False, out, out.dtype)
-        pages, page_scales = slab.data.view(-1, self.stride), slab.scales  # the rows read this step
-        rows, runs = where[cache_probe.ROWS, :n], where[cache_probe.RUNS, :n]
-        if _uva_decodes(slab.pinned) and out.is_cuda:
-            from engram.store.kernels import triton_gather, uva
-            return triton_gather.gather_rows(pages, page_scales, rows, self.row_dtype, self.dim, out=out,
-                                             dtype=out.dtype, runs=runs, cfg=uva.UVA_CONFIG)
-        read = torch.nonzero(runs >= 0).reshape(-1)  # the reference: positions read from disk this step
-        out[read] = kernels.gather_rows(pages, page_scales, rows[read], self.row_dtype, self.dim, dtype=out.dtype)
-        return out
+        # then the rows read this step, from the slab's pages (positions whose run is -1 are skipped)
+        return self._decode_slab(slab.data.view(-1, self.stride), slab.scales, where[cache_probe.ROWS, :n],
+                                 slab.pinned, out, out.dtype, runs=where[cache_probe.RUNS, :n])
 
 
 def _check_fits(ids: torch.Tensor, slab: PageSlab) -> None:
     if ids.numel() > slab.rows:
         raise ValueError(f"{ids.numel()} ids do not fit a slab of {slab.rows}")
-
-
 
 
 def _uva_decodes(pinned: bool) -> bool:
