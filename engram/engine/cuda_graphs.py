@@ -66,9 +66,10 @@ DISK_DECODE_IN_GRAPH = env_flag("ENGRAM_DISK_DECODE_IN_GRAPH", default=True)
 # Slabs over a hot-row cache find their rows on the device (store/kernels/cache_probe.py): the piece probes the
 # cache's mirrored tags and waits for the host's lookup (a pinned flag) only when a row is missing, so a decode
 # step whose rows are all cached never waits for the host; the worker then queues the whole step before its
-# lookups (``begin(whole=True)``), and ``run`` waits for them, then caches the rows they read
-# (``DiskTable.admit_probed``: device work only once no piece waits). On unless ENGRAM_CACHE_PROBE=0 (the
-# host's slots, waited for before each piece).
+# lookups (``begin(whole=True)``) and runs them on a thread of their own beside its host work
+# (``read_lookups``, engine/step_lookups.py; inline in ``run`` with ENGRAM_BACKGROUND_LOOKUPS=0), then caches
+# the rows they read (``finish_lookups``: DiskTable.admit_probed, device work only once no piece waits). On
+# unless ENGRAM_CACHE_PROBE=0 (the host's slots, waited for before each piece).
 CACHE_PROBE = env_flag("ENGRAM_CACHE_PROBE", default=True)
 
 
@@ -395,6 +396,35 @@ class DecodeGraphs:
             if cache is not None:  # writes into the cache's storage wait for this replay's gather
                 cache.note_read(slab.done)
 
+    def read_lookups(self, step: StepDescription, staged: StagedRows, first: int | None = None,
+                     release: bool = True) -> None:
+        """Run the lookups of the Engram layers whose pieces ``begin`` queued already (probed slabs; all of
+        them when ``first`` is None: the whole step was queued), in layer order: host work only, which signals
+        each layer's flag. The Worker runs it on a thread of its own (engine/step_lookups.py), ``run`` inline.
+        A failed lookup fails the pieces still waiting (``_abort_probes``) and is raised. ``release``: cancel
+        what is left of ``staged`` after (reads a failure part-way left)."""
+        upto = self.ranges if first is None else self.ranges[:first]
+        try:
+            for lid in [lid for _, _, lid in upto if lid is not None]:
+                staged.rows(lid, step.step_id)  # a slab layer: its pages go into the slab, its flag is set
+        except BaseException:
+            self._abort_probes(step.step_id)
+            raise
+        finally:
+            if release:
+                staged.release()
+
+    def finish_lookups(self) -> None:
+        """After a step's lookups (``read_lookups``, on whichever thread): the rows they read go into the
+        caches (``DiskTable.admit_probed``: device work, queued only now that no piece waits for a flag), and
+        each slab's next lookup waits for this step's decode of it (``_settle``). On the engine's thread,
+        before the next step's ``begin``."""
+        try:
+            for lid in self.probed:
+                self.slab_tables[lid].admit_probed(self.slabs[lid])
+        finally:
+            self._settle()
+
     def _abort_probes(self, step_id: int) -> None:
         """A step's lookup failed: pieces still waiting for a probed layer's flag give up (failed) at once."""
         for lid in self.probed:
@@ -407,7 +437,8 @@ class DecodeGraphs:
         unless the gathers are in the graph (then, if given, they were counted by the executor). ``patch``:
         pending tokens (async scheduling), written into the static token and row-id buffers on the device.
         After ``begin(step)`` only what it left: the pieces from the first Engram layer on, then the lookups
-        of layers whose pieces ``begin`` queued already (probed slabs)."""
+        of layers whose pieces ``begin`` queued already (probed slabs). ``staged`` None after a whole
+        ``begin``: nothing is left; the caller runs ``read_lookups`` and ``finish_lookups`` itself."""
         s = step.num_seqs
         begun, self._begun = self._begun, None
         if begun is not None and begun[0] == step.step_id:
@@ -416,10 +447,12 @@ class DecodeGraphs:
             self.begin(step, patch)
             _, size, first = self._begun
             self._begun = None
-        if self.ranges:  # each piece's rows right before it: the host waits for them while earlier pieces run
+        if self.ranges and staged is None:  # the whole step was queued; its lookups run elsewhere
+            if first < len(self.ranges):
+                raise RuntimeError(f"step {step.step_id}: no staged rows, but begin() left pieces to replay")
+        elif self.ranges:  # each piece's rows right before it: the host waits for them while earlier pieces run
             try:
-                for lid in [lid for _, _, lid in self.ranges[:first] if lid is not None]:
-                    staged.rows(lid, step.step_id)  # queued already (probed): the lookup runs now
+                self.read_lookups(step, staged, first, release=False)
                 for k in range(first, len(self.ranges)):
                     lid = self.ranges[k][2]
                     if lid is not None:
@@ -432,9 +465,7 @@ class DecodeGraphs:
                     self._abort_probes(step.step_id)
                 raise
             finally:
-                for lid in self.probed:  # no piece waits for a flag now: the rows read go into the caches
-                    self.slab_tables[lid].admit_probed(self.slabs[lid])
-                self._settle()
+                self.finish_lookups()
         else:
             if self.tables is None:
                 for lid, buf in self.rows.items():

@@ -29,6 +29,7 @@ from engram.engine.lookup_stream import LookupStream
 from engram.engine.memory import MemoryPlan, plan_memory, profile_peak_bytes
 from engram.engine.pending import PendingTokens
 from engram.engine.runner import ModelRunner
+from engram.engine import step_lookups
 from engram.engine.sampler import SampledTokens, Sampler
 from engram.engine.step import SampleSpec, StepDescription, StepResult, TokenLogprobs
 from engram.model.kv_cache import KVCache
@@ -87,6 +88,7 @@ class Worker:
                                     tables=self.tables, lookup_stream=self.lookup_stream, run_ahead=run_ahead)
                        if use_graphs else None)
         self._warned_slabs = False  # logged once: a replaced lookup executor makes slab-decoding steps eager
+        self._lookups = step_lookups.BackgroundLookups()  # a probed decode step's lookups, beside the host work (step_lookups.py)
 
     def _profiles_memory(self) -> bool:
         c = self.config
@@ -99,7 +101,9 @@ class Worker:
 
     def launch(self, step: StepDescription) -> LaunchedStep:
         """Enqueue one step's device work (lookups, forward, sampling) and the non-blocking copy of its
-        tokens to the host; returns without waiting for the device."""
+        tokens to the host; returns without waiting for the device (nor, over probed slabs, for the step's
+        lookups: step_lookups.py)."""
+        self._finish_lookups()  # the step before's, if they run in the background: before this step's pieces
         self._free(step.finished_seq_ids)
         patch = self.pending.patch(step)
         if patch is not None and patch.row_ids and type(self.lookup) is not LookupExecutor:
@@ -125,9 +129,14 @@ class Worker:
                 # the pieces before the first Engram layer are queued, and only then does the host wait for
                 # the ids (the device runs those pieces while the host reads that layer's pages)
                 host_ids = self.lookup.start_host_ids(step, patch) if patch is not None else None
-                # pieces that find their rows on the device (cached disk tables) are all queued at once
-                self.graphs.begin(step, patch, whole=self.graphs.probes_all)
+                # pieces that find their rows on the device (cached disk tables) are all queued at once, and
+                # then their lookups need not hold this thread (step_lookups.py)
+                whole = self.graphs.probes_all
+                self.graphs.begin(step, patch, whole=whole)
                 staged = self.lookup.submit(step, patch, project=False, slabs=slabs, host_ids=host_ids)
+                if whole and step_lookups.BACKGROUND:
+                    self._lookups.start(step.step_id, functools.partial(self.graphs.read_lookups, step, staged))
+                    staged = None  # read_lookups releases it
             else:
                 staged = self.lookup.submit(step, patch, project=not graph, **({"slabs": slabs} if slabs else {}))
         else:
@@ -157,6 +166,10 @@ class Worker:
     def collect(self, launched: LaunchedStep) -> StepResult:
         """Wait for a launched step's tokens (the step's one host synchronisation) -> its StepResult."""
         step = launched.step
+        self._finish_lookups()
+        failed = self._lookups.error(step.step_id)
+        if failed is not None:  # its pieces gave up waiting (FAILED flags); the read's own error says why
+            raise failed
         tokens, logprobs = read_tokens(launched.sampled)  # module-level: found by the sync test
         if launched.flags is not None:
             self.graphs.check_flags(step.step_id, launched.flags)
@@ -170,6 +183,11 @@ class Worker:
         if step.prompt_logprobs:
             result.prompt_logprobs = _prompt_logprobs(launched.prompt_scores, step)
         return result
+
+    def _finish_lookups(self) -> None:
+        """Wait for the lookups started in the background, if any, and cache what they read (on this thread)."""
+        if self._lookups.pending_step is not None:
+            self._lookups.finish(self.graphs.finish_lookups)
 
     def takes_pending_tokens(self) -> bool:
         """Whether ``launch`` can take steps with pending tokens (async scheduling): the default lookup

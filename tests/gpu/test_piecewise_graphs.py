@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 
 import pytest
 import torch
 
 import engram.engine.cuda_graphs as cuda_graphs
 import engram.engine.lookup as lookup_mod
+from engram.engine import step_lookups
 from engram.engine.config import EngineConfig
 from engram.engine.engine import LLMEngine
 from engram.engine.sampling_params import SamplingParams
@@ -125,18 +127,24 @@ def test_the_host_waits_for_a_later_layers_rows_after_the_pieces_before_it_launc
 
 
 @pytest.mark.parametrize("probe", [True, False], ids=["probed", "host-slots"])
+@pytest.mark.parametrize("background", [True, False], ids=["lookups-beside", "lookups-inline"])
 @pytest.mark.parametrize("options", [{"io": "buffered"}, {"io": "buffered", "cache_rows": 300},
                                      {"io": "buffered", "cache_rows": 16}, {"io": "buffered", "cache_rows": 50_000}],
                          ids=["disk", "disk-cache", "disk-cache-spilling", "disk-cache-whole"])
-def test_disk_rows_decoded_inside_the_pieces_equal_rows_copied_in(tmp_path, monkeypatch, caplog, options, probe):
+def test_disk_rows_decoded_inside_the_pieces_equal_rows_copied_in(tmp_path, monkeypatch, caplog, options, probe,
+                                                                  background):
     """DISK_DECODE_IN_GRAPH: the step's lookups only read pages into each layer's slab (with a hot-row cache:
     through the cache, the slots pointing into its storage, a cache of 16 rows spilling into its overflow
     rows) and the piece decodes them; tokens and logprobs are bitwise those of rows decoded on the host side
     and copied in. With CACHE_PROBE the pieces over a cache find their slots on the device, queued before the
     step's lookups: they wait for new rows, and a second pass over a cache that holds the tables finds every
-    row without waiting."""
+    row without waiting. Their lookups run on the Worker's background thread (step_lookups.BACKGROUND) or
+    inline in DecodeGraphs.run."""
     if probe and "cache_rows" not in options:
         pytest.skip("no cache to probe")
+    if not probe and not background:
+        pytest.skip("only probed steps run their lookups in the background")
+    monkeypatch.setattr(step_lookups, "BACKGROUND", background)
     monkeypatch.setattr(cuda_graphs, "PIECEWISE", True)
     monkeypatch.setattr(cuda_graphs, "DISK_DECODE_IN_GRAPH", False)
     monkeypatch.setattr(cuda_graphs, "CACHE_PROBE", probe)
@@ -146,17 +154,19 @@ def test_disk_rows_decoded_inside_the_pieces_equal_rows_copied_in(tmp_path, monk
     graphs = engine.executor.worker.graphs
     assert sorted(graphs.slabs) == [1, 3]
     assert graphs.probes_all == probe
-    reads = []
+    reads, threads = [], set()
     for lid, table in graphs.slab_tables.items():
         real = table.read_slab
         monkeypatch.setattr(table, "read_slab", lambda ids, slab, plan=None, real=real, lid=lid: (
-            reads.append(lid), real(ids, slab, plan))[1])
+            reads.append(lid), threads.add(threading.current_thread().name.split("_")[0]),
+            real(ids, slab, plan))[2])
     with caplog.at_level(logging.WARNING, logger="engram.engine.stepping"):
         assert generate(engine) == copied
     assert not caplog.records, "a step failed and ran again"  # e.g. a piece's wait that gave up
     assert engine.stats()["graph_replays"] > 0 and reads.count(1) > 0  # the first layer read into its slab
-    if probe:
+    if probe:  # the first layer's lookup ran on the waiting thread: the background one, or this one
         assert graphs.probe_counts["waited"] > 0
+        assert ("engram-step-lookups" in threads) == background
         if options["cache_rows"] > 1000:
             waited = graphs.probe_counts["waited"]
             with caplog.at_level(logging.WARNING, logger="engram.engine.stepping"):

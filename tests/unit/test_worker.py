@@ -4,6 +4,7 @@ broadcasts), and metrics read the engine's stats() snapshot even with a swapped 
 from __future__ import annotations
 
 import pickle
+import threading
 
 import pytest
 import torch
@@ -129,6 +130,10 @@ class _SlabGraphs:
         self.probes_all = bool(self.probed) and len(self.probed) == len(self.slabs)
         self.replays = 0
         self.counts = {"found": 0, "waited": 0}
+        self.lookups_ran = threading.Event()  # set by read_lookups
+        self.finished = 0  # finish_lookups calls
+        self.read_on: set[str] = set()  # the threads the lookups ran on (their names' first part)
+        self.failed: list[int] = []  # the step of each layer whose lookup failed (its status FAILED)
 
     def fits(self, step) -> bool:
         return all(n == 1 for n in step.num_new_tokens) and len(step.seq_ids) <= self.bucket
@@ -147,6 +152,25 @@ class _SlabGraphs:
         table.decode_slab(self.slabs[lid], ids.numel(), out, **probe)
         return out.view(*ids.shape, table.dim)
 
+    def read_lookups(self, step, staged) -> None:
+        """The step's lookups (the Worker runs them on its background thread): pages into the slabs."""
+        try:
+            self._read(step, staged)
+        finally:
+            staged.release()
+            self.lookups_ran.set()
+
+    def _read(self, step, staged) -> None:
+        self.read_on.add(threading.current_thread().name.split("_")[0])
+        for lid in step.engram_row_ids:
+            assert staged.rows(lid, step.step_id) is None  # read into the slab, not staged
+
+    def finish_lookups(self) -> None:
+        """Then the rows read go into the caches (DecodeGraphs.finish_lookups does the same)."""
+        self.finished += 1
+        for lid in self.probed:
+            self.worker.tables[lid].admit_probed(self.slabs[lid])
+
     def run(self, step, staged, patch):
         from engram.store.kernels import cache_probe
 
@@ -161,14 +185,18 @@ class _SlabGraphs:
                 if found:
                     rows[lid] = decoded
                 self.counts["found" if found else "waited"] += 1  # a piece that did not find them waits
+        if staged is None:  # the Worker runs the lookups in the background: the pieces wait for their flags
+            assert self.lookups_ran.wait(30)
+            self.lookups_ran.clear()
+        else:
+            self._read(step, staged)
         for lid, ids in step.engram_row_ids.items():
-            assert staged.rows(lid, step.step_id) is None  # read into the slab, not staged
             if lid not in rows:
                 rows[lid] = self._decode(lid, step, ids, status.get(lid))
-                if lid in status:
-                    assert int(status[lid]) != cache_probe.FAILED  # its lookup signalled the flag
-        for lid in self.probed:  # then the rows read go into the caches (DecodeGraphs.run does the same)
-            self.worker.tables[lid].admit_probed(self.slabs[lid])
+                if lid in status and int(status[lid]) == cache_probe.FAILED:  # its lookup failed: the device
+                    self.failed.append(step.step_id)  # pieces go on with the plan's rows; collect raises
+        if staged is not None:
+            self.finish_lookups()
         return self.worker.runner.run(step, _Decoded(staged, rows), patch)
 
 
@@ -182,15 +210,16 @@ class _Decoded:
         return self.decoded[layer_id] if layer_id in self.decoded else self.staged.rows(layer_id, step_id)
 
     def release(self) -> None:
-        self.staged.release()
+        if self.staged is not None:
+            self.staged.release()
 
 
-def _disk_llm(tmp_path, cache_rows: int = 0):
+def _disk_llm(tmp_path, cache_rows: int = 0, **kw):
     import engram
 
     return engram.LLM("tiny", tier="disk", dtype=torch.float32, device="cpu", cache_dir=str(tmp_path),
                       max_num_seqs=8, max_num_batched_tokens=48,
-                      engram_config={"cache_rows": cache_rows} if cache_rows else None)
+                      engram_config={"cache_rows": cache_rows} if cache_rows else None, **kw)
 
 
 def _generate(llm, n: int = 8) -> list[list[int]]:
@@ -225,6 +254,58 @@ def test_slab_decoding_steps_give_the_eager_tokens(tmp_path, cache_rows):
         waited = worker.graphs.counts["waited"]
         assert _generate(llm) == want
         assert worker.graphs.counts["found"] > 0 and worker.graphs.counts["waited"] == waited
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["inline", "background"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_probed_steps_lookups_inline_or_beside_the_host_work(tmp_path, monkeypatch, background, async_scheduling):
+    """Over probed slabs (a hot-row cache) the whole step is queued first; its lookups then run inline or on
+    the Worker's background thread (step_lookups.py), finished (the rows read cached) before the next step
+    is launched or this one collected: the same tokens either way, with and without async scheduling (the
+    next step launched before this one is read)."""
+    from engram.engine import step_lookups
+
+    want = _generate(_disk_llm(tmp_path, 40))
+    monkeypatch.setattr(step_lookups, "BACKGROUND", background)
+    llm = _disk_llm(tmp_path, 40, async_scheduling=async_scheduling)
+    worker = llm.engine.executor.worker
+    worker.graphs = _SlabGraphs(worker, 8)
+    assert _generate(llm) == want
+    assert worker.graphs.replays > 5 and worker.graphs.counts["waited"] > 0 and not worker.graphs.failed
+    assert worker._lookups.pending_step is None  # the last step's lookups were finished when it was read
+    # every step's lookups were finished exactly once (BackgroundLookups.start refuses a second step before)
+    assert worker.graphs.finished == worker.graphs.replays
+    assert worker.graphs.read_on == ({"engram-step-lookups"} if background else {threading.current_thread().name})
+
+
+def test_a_failed_background_lookup_fails_its_step_not_the_server(tmp_path, monkeypatch, caplog):
+    """A read that fails on the background thread fails the pieces waiting for it and its step (collect
+    raises the read's own error); the engine runs the step's sequences again, isolated, and the tokens are
+    those of a clean run."""
+    import errno
+    import logging
+
+    from engram.engine import step_lookups
+    from engram.store.reader import Fault
+
+    want = _generate(_disk_llm(tmp_path, 40))
+    monkeypatch.setattr(step_lookups, "BACKGROUND", True)
+    llm = _disk_llm(tmp_path, 40)
+    worker = llm.engine.executor.worker
+    worker.graphs = _SlabGraphs(worker, 8)
+    table = worker.tables[min(worker.tables)]  # the first layer's: a slab step reads it on the background thread
+    seen = []
+
+    def once(offsets):  # that table's second read on the background thread fails
+        if threading.current_thread().name.startswith("engram-step-lookups"):
+            seen.append(len(offsets))
+            return Fault(0, errno.EIO) if len(seen) == 2 else None
+        return None
+
+    table.reader.fault_hook = once
+    with caplog.at_level(logging.WARNING, logger="engram.engine.stepping"):
+        assert _generate(llm) == want
+    assert len(seen) > 2 and len(set(worker.graphs.failed)) == 1 and "failed (DiskReadError" in caplog.text
 
 
 def test_a_replaced_executor_runs_slab_decoding_steps_eager(tmp_path, caplog):

@@ -1,0 +1,69 @@
+"""A decode step's lookups on a thread of their own, beside the engine's host work (the Worker's part).
+
+When every Engram layer of a decode graph finds its rows on the device (disk tables behind a hot-row cache,
+probed: store/kernels/cache_probe.py), ``DecodeGraphs.begin(whole=True)`` queues the whole step before its
+lookups run, and nothing the host does for the step waits for them: the pieces wait for the lookups' pinned
+flags on the device. The lookups (the disk reads of the rows the caches miss) then run here, on one
+background thread, while the engine's thread launches the sampler, collects the step before,
+post-processes it, schedules, packs and hashes the next step. Run inline, that host work (~4.5 ms a 4b-like
+batch-64 step on the H200, 826e0c8) came after the step's reads and before the next step's, with the disk
+idle; here the next step's reads start as soon as its row ids reach the host.
+
+Order, which the Worker keeps: ``start`` after the step's pieces are queued; ``finish`` before the next
+step's pieces are queued (the next ``launch``) and before the step's tokens are read (``collect``), on the
+engine's thread. ``finish`` waits for the lookups and then calls ``settle`` (DecodeGraphs.finish_lookups:
+the rows read go into the caches, device work queued only once no piece waits for a flag, and each slab's
+next lookup waits for this step's decode of it). A lookup that failed has already failed the pieces waiting
+for it (cache_probe.signal(..., ok=False)); its error is kept for that step's ``collect`` (``error``), which
+raises it, so the step fails loudly with the read's own message and the engine re-runs it.
+
+On unless ENGRAM_BACKGROUND_LOOKUPS=0 (the lookups run inline in ``DecodeGraphs.run``); kernel switch
+``background_lookups``, read at every launch.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+from typing import Callable
+
+from engram.fast_path import env_flag
+
+BACKGROUND = env_flag("ENGRAM_BACKGROUND_LOOKUPS", default=True)
+
+
+class BackgroundLookups:
+    """At most one step's lookups in flight on one thread (made on first use); their errors by step id."""
+
+    def __init__(self) -> None:
+        self._pool: cf.ThreadPoolExecutor | None = None
+        self._pending: tuple[int, cf.Future] | None = None
+        self._errors: dict[int, BaseException] = {}
+
+    @property
+    def pending_step(self) -> int | None:
+        """The step whose lookups were started and not yet finished, if any."""
+        return self._pending[0] if self._pending is not None else None
+
+    def start(self, step_id: int, read: Callable[[], None]) -> None:
+        """Run ``read`` (the step's lookups) on the thread. The previous step's must be finished first."""
+        if self._pending is not None:
+            raise RuntimeError(f"step {step_id}: the lookups of step {self._pending[0]} were never finished")
+        if self._pool is None:
+            self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="engram-step-lookups")
+        self._pending = (step_id, self._pool.submit(read))
+
+    def finish(self, settle: Callable[[], None]) -> None:
+        """Wait for the started lookups, if any, then ``settle()`` on this thread, whether they failed or
+        not (the pieces they fed have run, or given up); a failure is kept for ``error(step_id)``."""
+        if self._pending is None:
+            return
+        (step_id, future), self._pending = self._pending, None
+        err = future.exception()
+        try:
+            settle()
+        finally:
+            if err is not None:
+                self._errors[step_id] = err
+
+    def error(self, step_id: int) -> BaseException | None:
+        """The failure of step ``step_id``'s lookups (once: it is forgotten here), else None."""
+        return self._errors.pop(step_id, None)
