@@ -5,9 +5,10 @@ probed: store/kernels/cache_probe.py), ``DecodeGraphs.begin(whole=True)`` queues
 lookups run, and nothing the host does for the step waits for them: the pieces wait for the lookups' pinned
 flags on the device. The lookups (the disk reads of the rows the caches miss) then run here, on one
 background thread, while the engine's thread launches the sampler, collects the step before,
-post-processes it, schedules, packs and hashes the next step. Run inline, that host work (~4.5 ms a 4b-like
-batch-64 step on the H200, 826e0c8) came after the step's reads and before the next step's, with the disk
-idle; here the next step's reads start as soon as its row ids reach the host.
+post-processes it, schedules, packs and hashes the next step. Run inline, that host work came after the
+step's reads and before the next step's, with the disk idle (a profiled 4b-like batch-64 step on the H200,
+826e0c8: 46.9 ms, of which 42.4 ms in the lookups' ``DecodeGraphs.run``); here the next step's reads start
+as soon as its row ids reach the host.
 
 Order, which the Worker keeps: ``start`` after the step's pieces are queued; ``finish`` before the next
 step's pieces are queued (the next ``launch``) and before the step's tokens are read (``collect``), on the
@@ -17,17 +18,30 @@ next lookup waits for this step's decode of it). A lookup that failed has alread
 for it (cache_probe.signal(..., ok=False)); its error is kept for that step's ``collect`` (``error``), which
 raises it, so the step fails loudly with the read's own message and the engine re-runs it.
 
+The GIL: the lookup thread holds it only between its C reads (numpy bookkeeping, the plan, the flag), but
+each time it wants it back it waits until the engine's thread lets go, and a thread running Python lets go
+only every ``sys.getswitchinterval()`` (5 ms by default). A read of 24 pages plus a numpy call took 0.37 ms
+beside an idle thread and 5.85 ms (p90 11.2 ms) beside one running Python on the CPU machine, 0.91 ms with a
+0.2 ms interval (scripts/gil_handoff.py, docs/disk.md). So the first ``start`` lowers the interpreter's switch
+interval to ``SWITCH_INTERVAL_S`` (never raises it; logged once). It costs a thread running alone nothing:
+the interval only matters when another thread waits for the GIL.
+
 On unless ENGRAM_BACKGROUND_LOOKUPS=0 (the lookups run inline in ``DecodeGraphs.run``); kernel switch
 ``background_lookups``, read at every launch.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
+import sys
 from typing import Callable
 
 from engram.fast_path import env_flag
 
+log = logging.getLogger(__name__)
+
 BACKGROUND = env_flag("ENGRAM_BACKGROUND_LOOKUPS", default=True)
+SWITCH_INTERVAL_S = 2e-4  # the GIL hand-off the lookup thread waits for at most, each time it wants it
 
 
 class BackgroundLookups:
@@ -49,6 +63,7 @@ class BackgroundLookups:
             raise RuntimeError(f"step {step_id}: the lookups of step {self._pending[0]} were never finished")
         if self._pool is None:
             self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="engram-step-lookups")
+            shorten_switch_interval()
         self._pending = (step_id, self._pool.submit(read))
 
     def finish(self, settle: Callable[[], None]) -> None:
@@ -67,3 +82,12 @@ class BackgroundLookups:
     def error(self, step_id: int) -> BaseException | None:
         """The failure of step ``step_id``'s lookups (once: it is forgotten here), else None."""
         return self._errors.pop(step_id, None)
+
+
+def shorten_switch_interval(seconds: float = SWITCH_INTERVAL_S) -> None:
+    """Lower the interpreter's GIL switch interval to ``seconds`` if it is longer (see the module docstring)."""
+    before = sys.getswitchinterval()
+    if before > seconds:
+        sys.setswitchinterval(seconds)
+        log.info("GIL switch interval %.2f ms -> %.2f ms: a step's lookups run on a thread beside the engine's",
+                 before * 1e3, seconds * 1e3)

@@ -4,6 +4,7 @@ broadcasts), and metrics read the engine's stats() snapshot even with a swapped 
 from __future__ import annotations
 
 import pickle
+import sys
 import threading
 
 import pytest
@@ -108,6 +109,15 @@ def test_warmup_step_is_the_largest_step_with_distinct_slots():
     assert step.slot_mapping.tolist() == [0, 1, 2, 3, 4, 5, 6, 8, 9, 10]  # blocks 0, 1, 2 of 4 slots
     assert sorted(step.engram_row_ids) == list(ecfg.layer_ids)
     assert all(ids.shape == (10, ecfg.n_cols) for ids in step.engram_row_ids.values())
+
+
+@pytest.fixture(autouse=True)
+def _switch_interval():
+    """Background lookups lower the interpreter's GIL switch interval (step_lookups.py); the suite's other
+    modules run with the one they started with."""
+    before = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(before)
 
 
 class _SlabGraphs:
@@ -266,6 +276,8 @@ def test_probed_steps_lookups_inline_or_beside_the_host_work(tmp_path, monkeypat
     from engram.engine import step_lookups
 
     want = _generate(_disk_llm(tmp_path, 40))
+    sys.setswitchinterval(0.005)
+    before_si = sys.getswitchinterval()
     monkeypatch.setattr(step_lookups, "BACKGROUND", background)
     llm = _disk_llm(tmp_path, 40, async_scheduling=async_scheduling)
     worker = llm.engine.executor.worker
@@ -276,6 +288,8 @@ def test_probed_steps_lookups_inline_or_beside_the_host_work(tmp_path, monkeypat
     # every step's lookups were finished exactly once (BackgroundLookups.start refuses a second step before)
     assert worker.graphs.finished == worker.graphs.replays
     assert worker.graphs.read_on == ({"engram-step-lookups"} if background else {threading.current_thread().name})
+    # the lookup thread gets the GIL back from a thread running Python within the shortened interval
+    assert (sys.getswitchinterval() < before_si) == background
 
 
 def test_a_failed_background_lookup_fails_its_step_not_the_server(tmp_path, monkeypatch, caplog):
