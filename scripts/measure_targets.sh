@@ -19,13 +19,16 @@
 #                then its batch-1 phases                                               (~5 min in all)
 #   disk-cache-gaps  the same cache arm profiled: host phases and where the GPU idles, batch 1 with every
 #                row a hit and batch 64 (scripts/profile_decode_host.py --gpu-gaps; not yet timed)
+#   disk-cache-b64  batch 64 only, the cache arm (lookups beside the host work, the default) against the
+#                same with its lookups inline (background_lookups false) and with queue depth 128 (its bound
+#                then uses the raw rate at depth 128); then the GIL hand-off on this machine (not yet timed)
 #
 # OUTDIR (default $OUT, else bench/results) receives <date>-<what>-<commit>.{json,log}. ENGRAM_COMMIT
 # names the commit when the tree is not a git checkout (a snapshot copied to the machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-parts="tests|engine|switches|host-4b|host-8b|exposure|disk|disk-switch|disk-cache|disk-cache-gaps"
+parts="tests|engine|switches|host-4b|host-8b|exposure|disk|disk-switch|disk-cache|disk-cache-gaps|disk-cache-b64"
 usage="usage: scripts/measure_targets.sh $parts [OUTDIR]"
 part=${1:?$usage}
 out=${2:-${OUT:-bench/results}}
@@ -71,7 +74,7 @@ exposure)
         --engram-config "{$big}" --steps 8 --batches 64,256 \
         --out "$out/$stamp-exposure-host-b64-b256-$commit.json"
     ;;
-disk | disk-switch | disk-cache | disk-cache-gaps)
+disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b64)
     cache=${ENGRAM_CACHE_DIR:-/tmp/engram-tables}
     disk='{"tier": "disk", "lookup_overlap": true, "options": {"io": "direct", "queue_depth": 64}'
     if [ "$part" = disk-cache-gaps ]; then  # the cache arm's tables (31 M rows a layer), profiled
@@ -88,6 +91,18 @@ disk | disk-switch | disk-cache | disk-cache-gaps)
             --a '{"tier": "host", "lookup_overlap": true}' --b "$disk}" \
             --b "$disk, \"switches\": {\"disk_decode_in_graph\": false}}" \
             --batch-sizes 1 --out "$out/$stamp-placement-disk-switch-4b-like-$commit.json"
+        exit
+    fi
+    if [ "$part" = disk-cache-b64 ]; then
+        cached="${disk%\}}, \"cache_rows\": 200000}"
+        run placement-disk-cache-b64-4b-like python3 -u -m engram bench placement --model 4b-like \
+            --cache-dir "$cache" --engram-config '{"load_threads": 16, "table_rows": 31000000}' \
+            --a '{"tier": "host", "lookup_overlap": true}' --b "$cached}" \
+            --b "$cached, \"switches\": {\"background_lookups\": false}}" \
+            --b "${cached/\"queue_depth\": 64/\"queue_depth\": 128}}" \
+            --batch-sizes 64 --out "$out/$stamp-placement-disk-cache-b64-4b-like-$commit.json"
+        run gil-handoff python3 -u scripts/gil_handoff.py "$(find "$cache" -name values.bin | head -1)" \
+            --out "$out/$stamp-gil-handoff-$commit.json"
         exit
     fi
     if [ "$part" = disk-cache ]; then

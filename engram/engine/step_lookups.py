@@ -36,6 +36,8 @@ import logging
 import sys
 from typing import Callable
 
+import torch
+
 from engram.fast_path import env_flag
 
 log = logging.getLogger(__name__)
@@ -47,7 +49,8 @@ SWITCH_INTERVAL_S = 2e-4  # the GIL hand-off the lookup thread waits for at most
 class BackgroundLookups:
     """At most one step's lookups in flight on one thread (made on first use); their errors by step id."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device  # made the thread's current CUDA device (a Worker's may not be the first)
         self._pool: cf.ThreadPoolExecutor | None = None
         self._pending: tuple[int, cf.Future] | None = None
         self._errors: dict[int, BaseException] = {}
@@ -62,7 +65,10 @@ class BackgroundLookups:
         if self._pending is not None:
             raise RuntimeError(f"step {step_id}: the lookups of step {self._pending[0]} were never finished")
         if self._pool is None:
-            self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="engram-step-lookups")
+            cuda = self.device is not None and self.device.type == "cuda"
+            self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="engram-step-lookups",
+                                               initializer=torch.cuda.set_device if cuda else None,
+                                               initargs=(self.device,) if cuda else ())
             shorten_switch_interval()
         self._pending = (step_id, self._pool.submit(read))
 

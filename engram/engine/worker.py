@@ -88,7 +88,7 @@ class Worker:
                                     tables=self.tables, lookup_stream=self.lookup_stream, run_ahead=run_ahead)
                        if use_graphs else None)
         self._warned_slabs = False  # logged once: a replaced lookup executor makes slab-decoding steps eager
-        self._lookups = step_lookups.BackgroundLookups()  # a probed decode step's lookups, beside the host work (step_lookups.py)
+        self._lookups = step_lookups.BackgroundLookups(self.device)  # a probed decode step's lookups, beside the host work (step_lookups.py)
 
     def _profiles_memory(self) -> bool:
         c = self.config

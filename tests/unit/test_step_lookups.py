@@ -1,0 +1,72 @@
+"""engine/step_lookups.py: a decode step's lookups on a thread beside the engine's host work."""
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+
+from engram.engine import step_lookups
+from engram.engine.step_lookups import BackgroundLookups
+
+
+@pytest.fixture(autouse=True)
+def _switch_interval():
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    yield
+    sys.setswitchinterval(before)
+
+
+def test_the_lookups_run_on_their_thread_and_settle_runs_on_the_caller_after_them():
+    lookups = BackgroundLookups()
+    release, order = threading.Event(), []
+
+    def read():
+        release.wait(5)
+        order.append(("read", threading.current_thread().name.split("_")[0]))
+
+    lookups.start(7, read)
+    assert lookups.pending_step == 7
+    release.set()
+    lookups.finish(lambda: order.append(("settle", threading.current_thread().name)))
+    assert order == [("read", "engram-step-lookups"), ("settle", threading.current_thread().name)]
+    assert lookups.pending_step is None and lookups.error(7) is None
+    lookups.finish(lambda: order.append("again"))  # nothing pending: no settle
+    assert order[-1] != "again"
+    assert sys.getswitchinterval() == pytest.approx(step_lookups.SWITCH_INTERVAL_S)
+
+
+def test_a_second_step_before_the_first_is_finished_is_refused():
+    lookups = BackgroundLookups()
+    lookups.start(1, lambda: None)
+    with pytest.raises(RuntimeError, match="step 2: the lookups of step 1 were never finished"):
+        lookups.start(2, lambda: None)
+    lookups.finish(lambda: None)
+    lookups.start(2, lambda: None)
+    lookups.finish(lambda: None)
+
+
+def test_a_failed_lookup_is_kept_for_its_step_once_and_settle_still_runs():
+    lookups = BackgroundLookups()
+    settled = []
+
+    def read():
+        raise OSError(5, "Input/output error")
+
+    lookups.start(3, read)
+    lookups.finish(lambda: settled.append(True))
+    assert settled == [True]
+    assert lookups.error(4) is None
+    err = lookups.error(3)
+    assert isinstance(err, OSError) and err.errno == 5
+    assert lookups.error(3) is None  # given once
+
+
+def test_the_switch_interval_is_only_ever_lowered():
+    sys.setswitchinterval(1e-4)
+    step_lookups.shorten_switch_interval()
+    assert sys.getswitchinterval() == pytest.approx(1e-4)
+    sys.setswitchinterval(0.005)
+    step_lookups.shorten_switch_interval()
+    assert sys.getswitchinterval() == pytest.approx(step_lookups.SWITCH_INTERVAL_S)
