@@ -21,7 +21,9 @@
 #                row a hit and batch 64 (scripts/profile_decode_host.py --gpu-gaps; not yet timed)
 #   disk-cache-b64  batch 64 only, the cache arm (lookups beside the host work, the default) against the
 #                same with its lookups inline (background_lookups false) and with queue depth 128 (its bound
-#                then uses the raw rate at depth 128); then the GIL hand-off on this machine (not yet timed)
+#                then uses the raw rate at depth 128); then the GIL hand-off and two layers' read schedules
+#                (serial, side by side, one call) on this machine (scripts/gil_handoff.py, read_schedule.py;
+#                not yet timed)
 #
 # OUTDIR (default $OUT, else bench/results) receives <date>-<what>-<commit>.{json,log}. ENGRAM_COMMIT
 # names the commit when the tree is not a git checkout (a snapshot copied to the machine).
@@ -103,6 +105,8 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b64)
             --batch-sizes 64 --out "$out/$stamp-placement-disk-cache-b64-4b-like-$commit.json"
         run gil-handoff python3 -u scripts/gil_handoff.py "$(find "$cache" -name values.bin | head -1)" \
             --out "$out/$stamp-gil-handoff-$commit.json"
+        run read-schedule python3 -u scripts/read_schedule.py "$(find "$cache" -name values.bin | head -1)" \
+            --out "$out/$stamp-read-schedule-$commit.json"
         exit
     fi
     if [ "$part" = disk-cache ]; then
