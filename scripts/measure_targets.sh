@@ -20,8 +20,7 @@
 #   disk-cache-gaps  the same cache arm profiled: host phases and where the GPU idles, batch 1 with every
 #                row a hit and batch 64 (scripts/profile_decode_host.py --gpu-gaps; not yet timed)
 #   disk-cache-b64  batch 64 only, the cache arm (lookups beside the host work, the default) against the
-#                same with its lookups inline (background_lookups false) and with queue depth 128 (its bound
-#                then uses the raw rate at depth 128); then the GIL hand-off and two layers' read schedules
+#                same with its lookups inline (background_lookups false); then the GIL hand-off and two layers' read schedules
 #                (serial, side by side, one call) on this machine (scripts/gil_handoff.py, read_schedule.py;
 #                not yet timed)
 #
@@ -101,7 +100,6 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b64)
             --cache-dir "$cache" --engram-config '{"load_threads": 16, "table_rows": 31000000}' \
             --a '{"tier": "host", "lookup_overlap": true}' --b "$cached}" \
             --b "$cached, \"switches\": {\"background_lookups\": false}}" \
-            --b "${cached/\"queue_depth\": 64/\"queue_depth\": 128}}" \
             --batch-sizes 64 --out "$out/$stamp-placement-disk-cache-b64-4b-like-$commit.json"
         run gil-handoff python3 -u scripts/gil_handoff.py "$(find "$cache" -name values.bin | head -1)" \
             --out "$out/$stamp-gil-handoff-$commit.json"

@@ -401,14 +401,14 @@ class DecodeGraphs:
         """Run the lookups of the Engram layers whose pieces ``begin`` queued already (probed slabs; all of
         them when ``first`` is None: the whole step was queued), in layer order: host work only, which signals
         each layer's flag. The Worker runs it on a thread of its own (engine/step_lookups.py), ``run`` inline.
-        A failed lookup fails the pieces still waiting (``_abort_probes``) and is raised. ``release``: cancel
+        A failed lookup fails the pieces still waiting (``abort_lookups``) and is raised. ``release``: cancel
         what is left of ``staged`` after (reads a failure part-way left)."""
         upto = self.ranges if first is None else self.ranges[:first]
         try:
             for lid in [lid for _, _, lid in upto if lid is not None]:
                 staged.rows(lid, step.step_id)  # a slab layer: its pages go into the slab, its flag is set
         except BaseException:
-            self._abort_probes(step.step_id)
+            self.abort_lookups(step.step_id)
             raise
         finally:
             if release:
@@ -425,8 +425,9 @@ class DecodeGraphs:
         finally:
             self._settle()
 
-    def _abort_probes(self, step_id: int) -> None:
-        """A step's lookup failed: pieces still waiting for a probed layer's flag give up (failed) at once."""
+    def abort_lookups(self, step_id: int) -> None:
+        """A step's lookups failed or will not run: pieces still waiting for a probed layer's flag give up
+        (failed) at once."""
         for lid in self.probed:
             cache_probe.signal(self.slabs[lid].probe.flag, step_id, ok=False)
 
@@ -462,7 +463,7 @@ class DecodeGraphs:
                     self._replay_piece(size, k)
             except BaseException:
                 if self.probed:
-                    self._abort_probes(step.step_id)
+                    self.abort_lookups(step.step_id)
                 raise
             finally:
                 self.finish_lookups()

@@ -66,9 +66,10 @@ class BackgroundLookups:
             raise RuntimeError(f"step {step_id}: the lookups of step {self._pending[0]} were never finished")
         if self._pool is None:
             cuda = self.device is not None and self.device.type == "cuda"
+            index = (self.device.index if self.device.index is not None else torch.cuda.current_device()) if cuda else 0
             self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="engram-step-lookups",
                                                initializer=torch.cuda.set_device if cuda else None,
-                                               initargs=(self.device,) if cuda else ())
+                                               initargs=(index,) if cuda else ())
             shorten_switch_interval()
         self._pending = (step_id, self._pool.submit(read))
 

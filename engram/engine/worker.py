@@ -133,10 +133,18 @@ class Worker:
                 # then their lookups need not hold this thread (step_lookups.py)
                 whole = self.graphs.probes_all
                 self.graphs.begin(step, patch, whole=whole)
-                staged = self.lookup.submit(step, patch, project=False, slabs=slabs, host_ids=host_ids)
-                if whole and step_lookups.BACKGROUND:
-                    self._lookups.start(step.step_id, functools.partial(self.graphs.read_lookups, step, staged))
-                    staged = None  # read_lookups releases it
+                staged = None
+                try:
+                    staged = self.lookup.submit(step, patch, project=False, slabs=slabs, host_ids=host_ids)
+                    if whole and step_lookups.BACKGROUND:
+                        self._lookups.start(step.step_id, functools.partial(self.graphs.read_lookups, step, staged))
+                        staged = None  # read_lookups releases it
+                except BaseException:
+                    if whole:  # the queued pieces must not wait for lookups that will not run
+                        self.graphs.abort_lookups(step.step_id)
+                    if staged is not None:
+                        staged.release()
+                    raise
             else:
                 staged = self.lookup.submit(step, patch, project=not graph, **({"slabs": slabs} if slabs else {}))
         else:

@@ -144,6 +144,7 @@ class _SlabGraphs:
         self.finished = 0  # finish_lookups calls
         self.read_on: set[str] = set()  # the threads the lookups ran on (their names' first part)
         self.failed: list[int] = []  # the step of each layer whose lookup failed (its status FAILED)
+        self.aborted: list[int] = []  # steps whose lookups were never started (abort_lookups)
 
     def fits(self, step) -> bool:
         return all(n == 1 for n in step.num_new_tokens) and len(step.seq_ids) <= self.bucket
@@ -174,6 +175,10 @@ class _SlabGraphs:
         self.read_on.add(threading.current_thread().name.split("_")[0])
         for lid in step.engram_row_ids:
             assert staged.rows(lid, step.step_id) is None  # read into the slab, not staged
+
+    def abort_lookups(self, step_id: int) -> None:
+        """The real one fails the pieces still waiting for the step's flags."""
+        self.aborted.append(step_id)
 
     def finish_lookups(self) -> None:
         """Then the rows read go into the caches (DecodeGraphs.finish_lookups does the same)."""
@@ -320,6 +325,33 @@ def test_a_failed_background_lookup_fails_its_step_not_the_server(tmp_path, monk
     with caplog.at_level(logging.WARNING, logger="engram.engine.stepping"):
         assert _generate(llm) == want
     assert len(seen) > 2 and len(set(worker.graphs.failed)) == 1 and "failed (DiskReadError" in caplog.text
+
+
+def test_lookups_that_cannot_start_fail_the_queued_pieces_and_the_step(tmp_path, monkeypatch, caplog):
+    """The whole step is queued before its lookups start: if they cannot start (the background thread
+    broken, the row ids' wait failing), the pieces are told to give up at once (abort_lookups) instead of
+    waiting for flags nobody will set, and the step fails and runs again."""
+    import logging
+
+    from engram.engine import step_lookups
+
+    want = _generate(_disk_llm(tmp_path, 40))
+    monkeypatch.setattr(step_lookups, "BACKGROUND", True)
+    llm = _disk_llm(tmp_path, 40)
+    worker = llm.engine.executor.worker
+    worker.graphs = _SlabGraphs(worker, 8)
+    real, calls = worker._lookups.start, []
+
+    def broken_once(step_id, read):
+        calls.append(step_id)
+        if len(calls) == 2:
+            raise RuntimeError("the lookup thread is gone")
+        return real(step_id, read)
+
+    monkeypatch.setattr(worker._lookups, "start", broken_once)
+    with caplog.at_level(logging.WARNING, logger="engram.engine.stepping"):
+        assert _generate(llm) == want
+    assert worker.graphs.aborted == [calls[1]] and "the lookup thread is gone" in caplog.text
 
 
 def test_a_replaced_executor_runs_slab_decoding_steps_eager(tmp_path, caplog):
