@@ -174,7 +174,7 @@ class Worker:
     def collect(self, launched: LaunchedStep) -> StepResult:
         """Wait for a launched step's tokens (the step's one host synchronisation) -> its StepResult."""
         step = launched.step
-        self._finish_lookups()
+        self._finish_lookups(upto=step.step_id)  # never the next step's: that would wait for its reads here
         failed = self._lookups.error(step.step_id)
         if failed is not None:  # its pieces gave up waiting (FAILED flags); the read's own error says why
             raise failed
@@ -192,9 +192,11 @@ class Worker:
             result.prompt_logprobs = _prompt_logprobs(launched.prompt_scores, step)
         return result
 
-    def _finish_lookups(self) -> None:
-        """Wait for the lookups started in the background, if any, and cache what they read (on this thread)."""
-        if self._lookups.pending_step is not None:
+    def _finish_lookups(self, upto: int | None = None) -> None:
+        """Wait for the lookups started in the background, if any (of a step up to ``upto``), and cache what
+        they read (on this thread)."""
+        pending = self._lookups.pending_step
+        if pending is not None and (upto is None or pending <= upto):
             self._lookups.finish(self.graphs.finish_lookups)
 
     def takes_pending_tokens(self) -> bool:

@@ -145,6 +145,7 @@ class _SlabGraphs:
         self.read_on: set[str] = set()  # the threads the lookups ran on (their names' first part)
         self.failed: list[int] = []  # the step of each layer whose lookup failed (its status FAILED)
         self.aborted: list[int] = []  # steps whose lookups were never started (abort_lookups)
+        self.events: list[tuple[str, int]] = []  # ("read" | "finish" | "collected", step id), in order
 
     def fits(self, step) -> bool:
         return all(n == 1 for n in step.num_new_tokens) and len(step.seq_ids) <= self.bucket
@@ -173,6 +174,7 @@ class _SlabGraphs:
 
     def _read(self, step, staged) -> None:
         self.read_on.add(threading.current_thread().name.split("_")[0])
+        self.events.append(("read", step.step_id))
         for lid in step.engram_row_ids:
             assert staged.rows(lid, step.step_id) is None  # read into the slab, not staged
 
@@ -183,6 +185,7 @@ class _SlabGraphs:
     def finish_lookups(self) -> None:
         """Then the rows read go into the caches (DecodeGraphs.finish_lookups does the same)."""
         self.finished += 1
+        self.events.append(("finish", [step for what, step in self.events if what == "read"][-1]))
         for lid in self.probed:
             self.worker.tables[lid].admit_probed(self.slabs[lid])
 
@@ -287,8 +290,30 @@ def test_probed_steps_lookups_inline_or_beside_the_host_work(tmp_path, monkeypat
     llm = _disk_llm(tmp_path, 40, async_scheduling=async_scheduling)
     worker = llm.engine.executor.worker
     worker.graphs = _SlabGraphs(worker, 8)
+    real_collect = worker.collect
+
+    def collect(launched):
+        worker.graphs.events.append(("collecting", launched.step.step_id))
+        result = real_collect(launched)
+        worker.graphs.events.append(("collected", launched.step.step_id))
+        return result
+
+    monkeypatch.setattr(worker, "collect", collect)
     assert _generate(llm) == want
     assert worker.graphs.replays > 5 and worker.graphs.counts["waited"] > 0 and not worker.graphs.failed
+    # a step's lookups are finished before it is collected, and collecting a step never waits for a later one's
+    # (with async scheduling the next step is launched, its lookups started, before this one is read)
+    events = worker.graphs.events
+    collecting = None
+    for what, step in events:
+        if what == "read":
+            assert events.index(("finish", step)) < events.index(("collected", step))
+        collecting = step if what == "collecting" else None if what == "collected" else collecting
+        if what == "finish" and collecting is not None:
+            assert step <= collecting, f"collecting step {collecting} waited for the lookups of step {step}"
+    if background and async_scheduling:  # the next step's lookups were left pending while a step was read
+        assert any(events.index(("read", s + 1)) < i < events.index(("finish", s + 1))
+                   for i, (w, s) in enumerate(events) if w == "collected" and ("read", s + 1) in events)
     assert worker._lookups.pending_step is None  # the last step's lookups were finished when it was read
     # every step's lookups were finished exactly once (BackgroundLookups.start refuses a second step before)
     assert worker.graphs.finished == worker.graphs.replays
