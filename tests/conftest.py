@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,15 @@ def _private_cache_dir(tmp_path_factory):
         os.environ.pop("ENGRAM_CACHE_DIR", None)
     else:
         os.environ["ENGRAM_CACHE_DIR"] = old
+
+
+@pytest.fixture(autouse=True)
+def _switch_interval():
+    """A Worker with disk tables lowers the interpreter's GIL switch interval (engine/step_lookups.py); every
+    test starts with the one the session started with."""
+    before = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(before)
 
 
 @pytest.fixture

@@ -20,11 +20,13 @@ raises it, so the step fails loudly with the read's own message and the engine r
 
 The GIL: the lookup thread holds it only between its C reads (numpy bookkeeping, the plan, the flag), but
 each time it wants it back it waits until the engine's thread lets go, and a thread running Python lets go
-only every ``sys.getswitchinterval()`` (5 ms by default). A read of 24 pages plus a numpy call took 0.37 ms
-beside an idle thread and 5.85 ms (p90 11.2 ms) beside one running Python on the CPU machine, 0.91 ms with a
-0.2 ms interval (scripts/gil_handoff.py, docs/disk.md). So the first ``start`` lowers the interpreter's switch
-interval to ``SWITCH_INTERVAL_S`` (never raises it; logged once). It costs a thread running alone nothing:
-the interval only matters when another thread waits for the GIL.
+only every ``sys.getswitchinterval()`` (5 ms by default). A read of 24 pages plus a numpy call took 0.42 ms
+beside an idle thread and 26.4 ms beside one running Python on the H200 machine (5.85 ms on the CPU
+machine), 0.86 ms with a 0.2 ms interval (scripts/gil_handoff.py, docs/disk.md). So the first ``start``
+lowers the interpreter's switch interval to ``SWITCH_INTERVAL_S`` (never raises it; logged once), and so does
+a Worker with disk tables, whose later layers read on their tables' threads beside the engine's (and a
+server's) Python. It costs a thread running alone nothing: the interval only matters when another thread
+waits for the GIL.
 
 On unless ENGRAM_BACKGROUND_LOOKUPS=0 (the lookups run inline in ``DecodeGraphs.run``); kernel switch
 ``background_lookups``, read at every launch.

@@ -59,6 +59,8 @@ class Worker:
         if self.device.type == "cuda" and dtype in FAST_DTYPES:
             self.model.pack_projections()  # q/k/v and gate/up as one GEMM each (the CPU keeps the plain path)
         self.tables = loaded.open_tables()  # opened here, on this worker's device
+        if any(getattr(t, "reads_from_disk", False) for t in self.tables.values()):
+            step_lookups.shorten_switch_interval()  # their threads get the GIL back quickly (step_lookups.py)
         # lookup_overlap (CUDA): gathers on their own stream, an event per Engram layer (engine/lookup_stream.py)
         self.lookup_stream = (LookupStream(self.device, self.ecfg.layer_ids)
                               if getattr(loaded, "lookup_overlap", False) and self.ecfg and self.device.type == "cuda"

@@ -11,11 +11,8 @@ from engram.engine.step_lookups import BackgroundLookups
 
 
 @pytest.fixture(autouse=True)
-def _switch_interval():
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(0.005)
-    yield
-    sys.setswitchinterval(before)
+def _default_switch_interval():
+    sys.setswitchinterval(0.005)  # the interpreter's default (tests/conftest.py restores the session's after)
 
 
 def test_the_lookups_run_on_their_thread_and_settle_runs_on_the_caller_after_them():
