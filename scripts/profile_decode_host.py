@@ -6,7 +6,8 @@ thread plus a profiler summary of the CPU ops of every thread (the disk tier rea
         [--top 30] [--warm-cache] [--gpu-gaps]
 
 Builds the engine, decodes ``--batch`` sequences of ``--context`` prompt tokens until every one decodes,
-times ``--steps`` decode steps (wall ms per step, mean and median), then the same number with the step's
+times ``--steps`` decode steps (wall ms per step, mean and median, and the tables' disk reads per step and
+cache hit rate over them), then the same number with the step's
 phases timed (launch, collect, the lookups' staging, the graph replay or eager forward), then again under
 ``cProfile`` (the calling thread: the engine, the Worker, the graph replay and every wait) and prints the
 ``--top`` functions by cumulative time, then once more under torch.profiler (CPU activity, every thread),
@@ -184,6 +185,17 @@ def gpu_gaps(engine, steps: int, top: int) -> None:
         print(f"  {sum(us) / steps:12.1f} {len(us) / steps:13.1f} {sum(us) / len(us):8.2f}  {name}")
 
 
+def _reads(before: dict, after: dict, steps: int) -> str:
+    """The tables' disk reads and hot-row cache hit rate over ``steps`` steps (engine.stats()["tables"]
+    snapshots): what a pass's step time has to be read against (a disk step's bound counts its reads)."""
+    from engram.bench.disk_bound import counter_deltas, hit_rate
+
+    d = counter_deltas(before, after)
+    rate = hit_rate(d, any("hits" in t for t in after.values()))
+    return (f"{d['read_ops'] / steps:.0f} read ops/step over the tables, hit rate "
+            f"{'-' if rate is None else f'{rate:.3f}'}")
+
+
 def main() -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -232,18 +244,23 @@ def main() -> int:
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     times = []
+    before = engine.stats()["tables"]
     for _ in range(args.steps):
         t = time.perf_counter()
         engine.step()
         times.append((time.perf_counter() - t) * 1e3)
     sync()
+    reads = _reads(before, engine.stats()["tables"], args.steps)
     print(f"{args.model} tier {args.tier} batch {args.batch} (async scheduling {engine._async()}): "
           f"{statistics.fmean(times):.3f} ms/step mean, "
           f"{statistics.median(times):.3f} median, {max(times):.3f} max ({args.steps} steps, "
           f"graph replays so far {engine.stats().get('graph_replays')})")
     deciles = statistics.quantiles(times, n=10)
     print("  step ms by decile (10 % ... 90 %): " + " ".join(f"{q:.2f}" for q in deciles))
+    print(f"  {reads}")
+    before = engine.stats()["tables"]
     phases = timed_phases(engine, args.steps)
+    print(f"phases pass: {_reads(before, engine.stats()['tables'], args.steps)}")
     print("phases, ms per step (wall time, summed over the tables; indented phases run inside the one above)")
     print(f"  {'phase':50s} {'engine thread':>14s} {'other threads':>14s}")
     for name, (on, off) in phases.items():
