@@ -98,5 +98,5 @@ def shorten_switch_interval(seconds: float = SWITCH_INTERVAL_S) -> None:
     before = sys.getswitchinterval()
     if before > seconds:
         sys.setswitchinterval(seconds)
-        log.info("GIL switch interval %.2f ms -> %.2f ms: a step's lookups run on a thread beside the engine's",
+        log.info("GIL switch interval %.2f ms -> %.2f ms: disk lookups read on threads beside the engine's",
                  before * 1e3, seconds * 1e3)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from engram.engine import step_lookups
 from engram.engine.config import EngineConfig
 from engram.engine.cuda_graphs import DecodeGraphs, graph_reserve_bytes
 from engram.engine.lookup import LookupExecutor, staging_bytes
@@ -29,7 +30,6 @@ from engram.engine.lookup_stream import LookupStream
 from engram.engine.memory import MemoryPlan, plan_memory, profile_peak_bytes
 from engram.engine.pending import PendingTokens
 from engram.engine.runner import ModelRunner
-from engram.engine import step_lookups
 from engram.engine.sampler import SampledTokens, Sampler
 from engram.engine.step import SampleSpec, StepDescription, StepResult, TokenLogprobs
 from engram.model.kv_cache import KVCache
@@ -90,7 +90,8 @@ class Worker:
                                     tables=self.tables, lookup_stream=self.lookup_stream, run_ahead=run_ahead)
                        if use_graphs else None)
         self._warned_slabs = False  # logged once: a replaced lookup executor makes slab-decoding steps eager
-        self._lookups = step_lookups.BackgroundLookups(self.device)  # a probed decode step's lookups, beside the host work (step_lookups.py)
+        # a probed decode step's lookups, on a thread beside the host work (step_lookups.py)
+        self._lookups = step_lookups.BackgroundLookups(self.device)
 
     def _profiles_memory(self) -> bool:
         c = self.config
