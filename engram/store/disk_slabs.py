@@ -116,8 +116,8 @@ class SlabReads:
     def admit_probed(self, slab: PageSlab) -> None:
         """Cache the rows the slab's last probed lookup read (``RowCache.admit``: device work, on the table's
         cache stream, which the current stream then waits for), ending that lookup. The slab's owner calls it
-        once no piece waits for a flag any more (a decode graph: after the step's lookups), so nothing here can
-        wait for a piece that waits for the host. No-op without a pending lookup."""
+        once no piece waits for a flag any more (DecodeGraphs.finish_lookups: after the step's lookups), so
+        nothing here can wait for a piece that waits for the host. No-op without a pending lookup."""
         pending, slab.probe.pending = slab.probe.pending, None
         if pending is None:
             return
