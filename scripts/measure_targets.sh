@@ -20,9 +20,8 @@
 #   disk-cache-gaps  the same cache arm profiled: host phases and where the GPU idles, batch 1 with every
 #                row a hit and batch 64 (scripts/profile_decode_host.py --gpu-gaps; not yet timed)
 #   disk-cache-b64  batch 64 only, the cache arm (lookups beside the host work, the default) against the
-#                same with its lookups inline (background_lookups false); then the GIL hand-off and two layers' read schedules
-#                (serial, side by side, one call) on this machine (scripts/gil_handoff.py, read_schedule.py)
-#                                                                                      (~7.5 min)
+#                same with its lookups inline (background_lookups false); then the GIL hand-off and two
+#                layers' read schedules on this machine (scripts/gil_handoff.py, read_schedule.py)  (~7.5 min)
 #
 # OUTDIR (default $OUT, else bench/results) receives <date>-<what>-<commit>.{json,log}. ENGRAM_COMMIT
 # names the commit when the tree is not a git checkout (a snapshot copied to the machine).
