@@ -57,6 +57,16 @@ _pools_pid = os.getpid()
 _pools_lock = threading.Lock()
 
 
+_read_start = threading.local()  # per thread: the hook ``on_read_start`` set
+
+
+def on_read_start(hook: Callable[[], None] | None) -> None:
+    """Call ``hook()`` on this thread right before each ``PageReader.read`` hands its pages to the pool (the
+    call that releases the GIL while the reads run); None stops it. engine/step_lookups.py uses it to know
+    when a step's first reads are on their way."""
+    _read_start.hook = hook
+
+
 class DiskReadError(OSError):
     """A page read failed: ``path``, byte ``offset``, ``errno`` (0 for a short or stale read)."""
 
@@ -285,6 +295,9 @@ class PageReader:
                                  f"crc_page={crc_page} must divide size={size}")
             if in_pool:
                 kw.update(crc_out=crcs, crc_page=crc_page)
+        hook = getattr(_read_start, "hook", None)
+        if hook is not None:
+            hook()
         res = pool.read(fd, offsets, size, buf, **kw)
         if res is not None:
             i, err, got = res

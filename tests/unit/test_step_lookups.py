@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 import threading
 
+import numpy as np
 import pytest
 
 from engram.engine import step_lookups
@@ -67,3 +68,41 @@ def test_the_switch_interval_is_only_ever_lowered():
     sys.setswitchinterval(0.005)
     step_lookups.shorten_switch_interval()
     assert sys.getswitchinterval() == pytest.approx(step_lookups.SWITCH_INTERVAL_S)
+
+
+def test_start_returns_once_the_first_read_is_issued(tmp_path, monkeypatch):
+    """``start`` hands the GIL to the lookups until their first read is on its way (reader.on_read_start):
+    what the lookup thread does before its read comes before what the caller does after ``start``."""
+    import time
+
+    from engram.store.reader import PAGE, PageReader, aligned_pages
+
+    monkeypatch.setattr(step_lookups, "HANDOFF_TIMEOUT_S", 30.0)  # the wait ends on the read, not the timeout
+    path = tmp_path / "pages.bin"
+    path.write_bytes(bytes(range(256)) * (4 * PAGE // 256))
+    reader, buf = PageReader(path, io="buffered", queue_depth=4), aligned_pages(2)
+    lookups, order = BackgroundLookups(), []
+
+    def read():
+        time.sleep(0.05)  # host work before the read (the plan): the caller waits for it
+        order.append("planned")
+        reader.read(np.array([0, PAGE], dtype=np.int64), buf)
+        order.append("read")
+
+    lookups.start(1, read)
+    order.append("caller goes on")
+    lookups.finish(lambda: None)
+    assert order.index("planned") < order.index("caller goes on")
+    assert bytes(buf.reshape(-1)[:4].numpy()) == bytes(range(4))
+
+
+def test_start_does_not_wait_for_lookups_that_read_nothing(monkeypatch):
+    """Lookups whose rows were all cached issue no read: ``start`` returns when they end, not at the timeout."""
+    import time
+
+    monkeypatch.setattr(step_lookups, "HANDOFF_TIMEOUT_S", 30.0)
+    lookups = BackgroundLookups()
+    t0 = time.perf_counter()
+    lookups.start(1, lambda: None)
+    assert time.perf_counter() - t0 < 10.0  # far under the 30 s timeout: the end of the lookups woke it
+    lookups.finish(lambda: None)
