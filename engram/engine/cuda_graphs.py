@@ -27,6 +27,7 @@ import contextlib
 import logging
 import os
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -397,16 +398,19 @@ class DecodeGraphs:
                 cache.note_read(slab.done)
 
     def read_lookups(self, step: StepDescription, staged: StagedRows, first: int | None = None,
-                     release: bool = True) -> None:
+                     release: bool = True, after_each: Callable[[], None] | None = None) -> None:
         """Run the lookups of the Engram layers whose pieces ``begin`` queued already (probed slabs; all of
         them when ``first`` is None: the whole step was queued), in layer order: host work only, which signals
         each layer's flag. The Worker runs it on a thread of its own (engine/step_lookups.py), ``run`` inline.
         A failed lookup fails the pieces still waiting (``abort_lookups``) and is raised. ``release``: cancel
-        what is left of ``staged`` after (reads a failure part-way left)."""
+        what is left of ``staged`` after (reads a failure part-way left). ``after_each()``: after each
+        layer's lookup."""
         upto = self.ranges if first is None else self.ranges[:first]
         try:
             for lid in [lid for _, _, lid in upto if lid is not None]:
                 staged.rows(lid, step.step_id)  # a slab layer: its pages go into the slab, its flag is set
+                if after_each is not None:
+                    after_each()
         except BaseException:
             self.abort_lookups(step.step_id)
             raise

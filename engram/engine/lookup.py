@@ -90,9 +90,9 @@ class ChainedLookups:
     layer's lookup on the waiting thread (``gather_first() -> rows``: the model has reached that layer, the
     layers before it are queued on the device) and then submits the later layers' (``submit_later() ->
     {layer: handle}``), whose reads overlap the layers up to theirs; with ``later_first`` (decode-graph slabs
-    without FIRST_LOOKUP_ALONE) it submits them first, so their reads run beside the first layer's. Cancelling before the chain ran cancels
-    all of it (nothing was read); after, it cancels that layer's read. An error of the first lookup or of the
-    submits is raised to every waiter."""
+    without FIRST_LOOKUP_ALONE) it submits them first, so their reads run beside the first layer's.
+    Cancelling before the chain ran cancels all of it (nothing was read); after, it cancels that layer's
+    read. An error of the first lookup or of the submits is raised to every waiter."""
 
     def __init__(self, first: int, gather_first, submit_later, later_first: bool = False):
         self.first = first

@@ -140,7 +140,8 @@ class Worker:
                 try:
                     staged = self.lookup.submit(step, patch, project=False, slabs=slabs, host_ids=host_ids)
                     if whole and step_lookups.BACKGROUND:
-                        self._lookups.start(step.step_id, functools.partial(self.graphs.read_lookups, step, staged))
+                        self._lookups.start(step.step_id, functools.partial(self.graphs.read_lookups, step, staged,
+                                                                            after_each=self._lookups.handed_off))
                         staged = None  # read_lookups releases it
                 except BaseException:
                     if whole:  # the queued pieces must not wait for lookups that will not run

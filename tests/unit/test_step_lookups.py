@@ -106,3 +106,22 @@ def test_start_does_not_wait_for_lookups_that_read_nothing(monkeypatch):
     lookups.start(1, lambda: None)
     assert time.perf_counter() - t0 < 10.0  # far under the 30 s timeout: the end of the lookups woke it
     lookups.finish(lambda: None)
+
+
+def test_start_returns_when_the_lookups_hand_off_without_a_read(monkeypatch):
+    """A first layer whose rows were all cached issues no read on this thread (the next layer's reads run on
+    its table's thread): the lookups call ``handed_off`` and ``start`` returns then, not when they end."""
+    monkeypatch.setattr(step_lookups, "HANDOFF_TIMEOUT_S", 30.0)
+    lookups, order, release = BackgroundLookups(), [], threading.Event()
+
+    def read():
+        order.append("first layer")
+        lookups.handed_off()
+        release.wait(30)  # the later layer's reads, on another thread
+        order.append("later layer")
+
+    lookups.start(1, read)
+    order.append("caller goes on")
+    release.set()
+    lookups.finish(lambda: None)
+    assert order == ["first layer", "caller goes on", "later layer"]

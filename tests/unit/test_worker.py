@@ -155,19 +155,21 @@ class _SlabGraphs:
         table.decode_slab(self.slabs[lid], ids.numel(), out, **probe)
         return out.view(*ids.shape, table.dim)
 
-    def read_lookups(self, step, staged) -> None:
+    def read_lookups(self, step, staged, after_each=None) -> None:
         """The step's lookups (the Worker runs them on its background thread): pages into the slabs."""
         try:
-            self._read(step, staged)
+            self._read(step, staged, after_each)
         finally:
             staged.release()
             self.lookups_ran.set()
 
-    def _read(self, step, staged) -> None:
+    def _read(self, step, staged, after_each=None) -> None:
         self.read_on.add(threading.current_thread().name.split("_")[0])
         self.events.append(("read", step.step_id))
         for lid in step.engram_row_ids:
             assert staged.rows(lid, step.step_id) is None  # read into the slab, not staged
+            if after_each is not None:
+                after_each()
 
     def abort_lookups(self, step_id: int) -> None:
         """The real one fails the pieces still waiting for the step's flags."""
