@@ -27,11 +27,11 @@ import contextlib
 import logging
 import os
 import time
-from typing import Callable
 
 import numpy as np
 import torch
 
+from engram.engine.graph_slabs import SlabSteps
 from engram.engine.lookup import StagedRows
 from engram.engine.lookup_stream import LookupStream
 from engram.engine.pending import PendingPatch
@@ -99,7 +99,7 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
-class DecodeGraphs:
+class DecodeGraphs(SlabSteps):
     def __init__(self, model, kv, ecfg, max_batch: int, max_model_len: int, block_size: int,
                  null_block: int, device: torch.device, progress: bool | None = None, tables: dict | None = None,
                  lookup_stream: LookupStream | None = None, run_ahead: bool = True):
@@ -278,17 +278,6 @@ class DecodeGraphs:
             logits = self._forward(size, inputs)  # [size, vocab] float32
         self.graphs[size], self.logits[size] = graph, logits
 
-    def _decode_slab(self, layer_id: int, size: int) -> None:
-        """Layer ``layer_id``'s slab decoded into its static rows [size, n_cols, D] (captured in its piece)."""
-        rows = self.rows[layer_id][:size]
-        probe = {}
-        if layer_id in self.probed:  # slots found on the device (store/kernels/cache_probe.py)
-            i = self.probed.index(layer_id)
-            probe = dict(ids=self.row_ids[layer_id][:size].reshape(-1), plan=self.plan_id,
-                         status=self.probe_status[i:i + 1])
-        self.slab_tables[layer_id].decode_slab(self.slabs[layer_id], size * self.n_cols,
-                                               out=rows.view(-1, rows.shape[-1]), **probe)
-
     def _capture_pieces(self, size: int, inputs: StepInputs) -> None:
         """One graph per layer range, in the shared pool: the first also embeds, the last also makes the
         logits; each reads the streams the one before it wrote (tensors of the pool, kept alive by the
@@ -358,12 +347,6 @@ class DecodeGraphs:
         raise RuntimeError(f"step {step_id}: Engram layer(s) {layers} waited for rows their lookup did not "
                            "deliver (the lookup failed, or the wait gave up after cache_probe.SPIN_LIMIT reads)")
 
-    @property
-    def probes_all(self) -> bool:
-        """Whether every Engram layer's piece finds its rows without the host (all slabs probed): ``begin`` may
-        then queue the whole step before the step's lookups run."""
-        return bool(self.probed) and len(self.probed) == len(self.rows)
-
     @torch.inference_mode()
     def begin(self, step: StepDescription, patch: PendingPatch | None = None, whole: bool = False) -> None:
         """The part of ``run`` that needs no Engram rows, queued now: the step's inputs and, piecewise, the
@@ -386,54 +369,6 @@ class DecodeGraphs:
         lid = self.ranges[k][2]
         if lid in self.slabs:
             self._slab_decoded[lid][self._slab_turn].record()
-
-    def _settle(self) -> None:
-        """After a step's lookups: each slab's next lookup waits for this step's decode of it (``slab.done``),
-        and so do the next writes into a cache's storage. Not sooner: this step's lookup (which writes the
-        slots) must not wait for this step's piece, which may be waiting for that lookup."""
-        for lid, slab in self.slabs.items():
-            slab.done = self._slab_decoded[lid][self._slab_turn]
-            cache = getattr(self.slab_tables[lid], "cache", None)
-            if cache is not None:  # writes into the cache's storage wait for this replay's gather
-                cache.note_read(slab.done)
-
-    def read_lookups(self, step: StepDescription, staged: StagedRows, first: int | None = None,
-                     release: bool = True, after_each: Callable[[], None] | None = None) -> None:
-        """Run the lookups of the Engram layers whose pieces ``begin`` queued already (probed slabs; all of
-        them when ``first`` is None: the whole step was queued), in layer order: host work only, which signals
-        each layer's flag. The Worker runs it on a thread of its own (engine/step_lookups.py), ``run`` inline.
-        A failed lookup fails the pieces still waiting (``abort_lookups``) and is raised. ``release``: cancel
-        what is left of ``staged`` after (reads a failure part-way left). ``after_each()``: after each
-        layer's lookup."""
-        upto = self.ranges if first is None else self.ranges[:first]
-        try:
-            for lid in [lid for _, _, lid in upto if lid is not None]:
-                staged.rows(lid, step.step_id)  # a slab layer: its pages go into the slab, its flag is set
-                if after_each is not None:
-                    after_each()
-        except BaseException:
-            self.abort_lookups(step.step_id)
-            raise
-        finally:
-            if release:
-                staged.release()
-
-    def finish_lookups(self) -> None:
-        """After a step's lookups (``read_lookups``, on whichever thread): the rows they read go into the
-        caches (``DiskTable.admit_probed``: device work, queued only now that no piece waits for a flag), and
-        each slab's next lookup waits for this step's decode of it (``_settle``). On the engine's thread,
-        before the next step's ``begin``."""
-        try:
-            for lid in self.probed:
-                self.slab_tables[lid].admit_probed(self.slabs[lid])
-        finally:
-            self._settle()
-
-    def abort_lookups(self, step_id: int) -> None:
-        """A step's lookups failed or will not run: pieces still waiting for a probed layer's flag give up
-        (failed) at once."""
-        for lid in self.probed:
-            cache_probe.signal(self.slabs[lid].probe.flag, step_id, ok=False)
 
     @torch.inference_mode()
     def run(self, step: StepDescription, staged: StagedRows | None, patch: PendingPatch | None = None) -> torch.Tensor:
