@@ -199,10 +199,7 @@ class RowCache:
             over = self.capacity + np.arange(len(spill))
             placed[spill] = over
             dev_over, dev_spill = to_device(torch.from_numpy(np.stack([over, spill])), self.device).unbind(0)
-            self._wait_readers()
-            self._values.index_copy_(0, dev_over, mv.index_select(0, dev_spill))
-            if self._scales is not None:
-                self._scales.index_copy_(0, dev_over, ms.index_select(0, dev_spill))
+            self._write(self._values, self._scales, dev_over, mv, ms, dev_spill)
         slots[miss_pos] = placed
         self._finish_call(u, len(miss_pos))
         return slots
@@ -311,13 +308,19 @@ class RowCache:
         placed[src] = slot
         dev_slot, dev_src, dev_ids = to_device(torch.from_numpy(np.stack([slot, src, ids[src]])),
                                                self.device).unbind(0)  # one upload
-        self._wait_readers()
-        self.values.index_copy_(0, dev_slot, vals.index_select(0, dev_src))
-        if self.scales is not None:
-            self.scales.index_copy_(0, dev_slot, scales.index_select(0, dev_src))
+        self._write(self.values, self.scales, dev_slot, vals, scales, dev_src)
         if self.dev_tags is not None:  # after the bytes (mirror_tags)
             self.dev_tags.view(-1).index_copy_(0, dev_slot, dev_ids)
         return placed
+
+    def _write(self, values: torch.Tensor, scales: torch.Tensor | None, dst: torch.Tensor, vals: torch.Tensor,
+               vscales: torch.Tensor | None, src: torch.Tensor) -> None:
+        """Rows ``src`` of ``vals`` / ``vscales`` into rows ``dst`` of the storage ``values`` / ``scales`` (device
+        indices), on the current stream once every reader of the storage is done (``_wait_readers``)."""
+        self._wait_readers()
+        values.index_copy_(0, dst, vals.index_select(0, src))
+        if scales is not None:
+            scales.index_copy_(0, dst, vscales.index_select(0, src))
 
     def _wait_readers(self) -> None:
         """Writes into the storage wait (on the current stream) for every stream's last read of it: a decode

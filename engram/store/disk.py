@@ -33,7 +33,7 @@ from engram.store.load import load_file
 from engram.store.options import StoreOptions
 from engram.store import slab_plan
 from engram.store.page_crc import CorruptPageError, PageChecker, page_error
-from engram.store.disk_slabs import SlabReads, _check_fits, _uva_decodes
+from engram.store.disk_slabs import SlabReads, check_fits
 from engram.store.page_slabs import PageSlab, SlabPool
 from engram.store.reader import PAGE, PageReader, aligned_pages
 from engram.store.scrub import Scrubber
@@ -269,7 +269,7 @@ class DiskTable(SlabReads, TableBackend):
         the rows into that slab instead (``read_slab``, which signals ``plan``); ``wait`` then returns None."""
         ids = self.check_ids(ids)
         if into is not None:
-            _check_fits(ids, into)
+            check_fits(ids, into)
         nbytes = 0 if into is not None else ids.numel() * self.dim * dtype.itemsize
         with self._lock:
             if self._extra["inflight"] >= self.options.max_inflight:
@@ -340,6 +340,11 @@ class DiskTable(SlabReads, TableBackend):
         self._io.shutdown(wait=True)
         super().close()
         self.reader.close()
+
+
+def _uva_decodes(pinned: bool) -> bool:
+    """Whether a slab is decoded by the UVA gather kernel (pinned, Triton usable, backend not "torch")."""
+    return pinned and kernels.get_backend() != "torch" and kernels.triton_available()
 
 
 def open_disk_table(directory: str | Path, device: str | torch.device = "cpu", cache: Any = None,

@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from engram.store import kernels
 from engram.store.kernels import cache_probe
 from engram.store.page_slabs import PageSlab, SlotProbe
 
@@ -59,7 +58,7 @@ class SlabReads:
         and the step's ``plan`` id, the lookup only writes the step's plan into the probe and signals it
         (``_read_probed``), and ``admit_probed`` caches what it read."""
         ids = self.check_ids(ids)
-        _check_fits(ids, slab)
+        check_fits(ids, slab)
         self._read_into_owned(ids, slab, plan)
 
     def _read_into_owned(self, ids: torch.Tensor, slab: PageSlab, plan: int | None = None) -> None:
@@ -164,11 +163,7 @@ class SlabReads:
                                  slab.pinned, out, out.dtype, runs=where[cache_probe.RUNS, :n])
 
 
-def _check_fits(ids: torch.Tensor, slab: PageSlab) -> None:
+def check_fits(ids: torch.Tensor, slab: PageSlab) -> None:
+    """ValueError unless ``ids`` fit ``slab`` (``read_slab``, ``DiskTable.submit(into=)``)."""
     if ids.numel() > slab.rows:
         raise ValueError(f"{ids.numel()} ids do not fit a slab of {slab.rows}")
-
-
-def _uva_decodes(pinned: bool) -> bool:
-    """Whether a slab is decoded by the UVA gather kernel (pinned, Triton usable, backend not "torch")."""
-    return pinned and kernels.get_backend() != "torch" and kernels.triton_available()

@@ -155,11 +155,16 @@ def test_disk_rows_decoded_inside_the_pieces_equal_rows_copied_in(tmp_path, monk
     assert sorted(graphs.slabs) == [1, 3]
     assert graphs.probes_all == probe
     reads, threads = [], set()
+
+    def logged(real, lid):
+        def read_slab(ids, slab, plan=None):
+            reads.append(lid)
+            threads.add(threading.current_thread().name.split("_")[0])
+            return real(ids, slab, plan)
+        return read_slab
+
     for lid, table in graphs.slab_tables.items():
-        real = table.read_slab
-        monkeypatch.setattr(table, "read_slab", lambda ids, slab, plan=None, real=real, lid=lid: (
-            reads.append(lid), threads.add(threading.current_thread().name.split("_")[0]),
-            real(ids, slab, plan))[2])
+        monkeypatch.setattr(table, "read_slab", logged(table.read_slab, lid))
     with caplog.at_level(logging.WARNING, logger="engram.engine.stepping"):
         assert generate(engine) == copied
     assert not caplog.records, "a step failed and ran again"  # e.g. a piece's wait that gave up
