@@ -10,13 +10,15 @@ lookup (a pinned flag) only when a row is missing (store/kernels/cache_probe.py)
 * ``read_lookups`` runs the step's lookups (host work only, which signals each layer's flag): inline in
   ``DecodeGraphs.run``, or on the Worker's background thread (engine/step_lookups.py);
 * ``finish_lookups``, on the engine's thread once they are done, caches the rows they read
-  (``DiskTable.admit_probed``: device work, queued only now that no piece waits for a flag) and lets each
-  slab's next lookup wait for this step's decode of it (``_settle``: two events a slab, taking turns, since a
-  step's lookup must not wait for its own step's piece, which may be waiting for that lookup);
+  (``DiskTable.admit_probed``: device work, queued only now that no piece waits for a flag; on CUDA it
+  copies the rows out of the slab over UVA after the slab's decode) and lets each slab's next lookup wait
+  for this step's decode of it and those copies (``_settle``, then ``admit_probed``'s event: two decode
+  events a slab, taking turns, since a step's lookup must not wait for its own step's piece, which may be
+  waiting for that lookup);
 * ``abort_lookups`` fails the pieces still waiting when the lookups failed or will not run.
 
 The mixin uses DecodeGraphs' ``rows``, ``row_ids``, ``plan_id``, ``n_cols``, ``ranges``, ``slabs``,
-``slab_tables``, ``probed``, ``probe_status`` and ``_slab_decoded`` / ``_slab_turn``.
+``slab_tables``, ``probed``, ``probe_status``, ``last_step_read`` and ``_slab_decoded`` / ``_slab_turn``.
 """
 from __future__ import annotations
 
@@ -81,13 +83,13 @@ class SlabSteps:
     def finish_lookups(self) -> None:
         """After a step's lookups (``read_lookups``, on whichever thread): the rows they read go into the
         caches (``DiskTable.admit_probed``: device work, queued only now that no piece waits for a flag), and
-        each slab's next lookup waits for this step's decode of it (``_settle``). On the engine's thread,
-        before the next step's ``begin``."""
-        try:
-            for lid in self.probed:
-                self.slab_tables[lid].admit_probed(self.slabs[lid])
-        finally:
-            self._settle()
+        each slab's next lookup waits for this step's decode of it (``_settle``, first: the copies out of a
+        slab that ``admit_probed`` queues come after its decode, and the slab's next read waits for them). On
+        the engine's thread, before the next step's ``begin``. ``last_step_read``: whether those lookups read
+        any row from disk (the Worker runs a step's lookups in the background only after one that did)."""
+        self._settle()  # first: admit_probed's device copies out of a slab come after its decode
+        read = [self.slab_tables[lid].admit_probed(self.slabs[lid]) for lid in self.probed]
+        self.last_step_read = any(read)
 
     def abort_lookups(self, step_id: int) -> None:
         """A step's lookups failed or will not run: pieces still waiting for a probed layer's flag give up

@@ -121,3 +121,44 @@ def test_resolve_inside_a_cuda_graph():
         want = (torch.arange(step, step + n) if missing else cache.lookup(cached.cpu())).tolist()
         assert out[cache_probe.SLOTS].tolist() == want
         assert int(status) == (cache_probe.WAITED if missing else cache_probe.FOUND)
+
+
+def test_admit_probed_over_uva_caches_the_bytes_the_host_copies_would(tmp_path):
+    """``DiskTable.admit_probed`` on CUDA copies the rows a probed lookup read straight from the slab's pinned
+    pages over UVA (its slab then waits for that copy: a new ``slab.done``); with the torch backend the host
+    copies them out first (the reference). Five steps of probed lookups over a cache that evicts: both leave
+    the cache bitwise the same (tags, value bytes, MXFP8 scales), and every cached row is the table's row."""
+    from engram.store import kernels
+    from engram.store.disk import open_disk_table
+    from engram.store.writer import write_table
+    from tests.unit.test_disk import make_rows
+
+    d = tmp_path / "mx"
+    vals, scales, _ = make_rows(3001, 256, "mxfp8")
+    write_table(d, vals, scales)
+    states = []
+    for backend in ("torch", "auto"):
+        old = kernels.set_backend(backend)
+        try:
+            with open_disk_table(d, device="cuda", io="buffered",
+                                 cache=RowCache(64, 256, 8, ways=4, device="cuda")) as t:
+                slab = t.new_slab(64)
+                rng = np.random.default_rng(0)
+                for step in range(1, 6):
+                    t.read_slab(torch.from_numpy(rng.integers(0, 3001, 40)), slab, plan=step)
+                    before = slab.done
+                    assert t.admit_probed(slab) > 0
+                    assert (slab.done is not before) == (backend == "auto")
+                torch.cuda.synchronize()
+                values, scale_bytes = t.cache.storage()
+                states.append((t.cache.tags.clone(), values[:64].cpu(), scale_bytes[:64].cpu()))
+        finally:
+            kernels.set_backend(old)
+    for want, got in zip(*states):
+        assert torch.equal(want, got)
+    tags, values, scale_bytes = states[1]
+    held = torch.nonzero(tags.reshape(-1) >= 0).reshape(-1)
+    assert len(held) > 30
+    rows = tags.reshape(-1)[held]
+    assert torch.equal(values[held], vals[rows].view(torch.uint8))
+    assert torch.equal(scale_bytes[held], scales[rows].view(torch.uint8))

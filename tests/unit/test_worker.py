@@ -134,6 +134,8 @@ class _SlabGraphs:
         self.lookups_ran = threading.Event()  # set by read_lookups
         self.finished = 0  # finish_lookups calls
         self.read_on: set[str] = set()  # the threads the lookups ran on (their names' first part)
+        self.read_threads: list[str] = []  # the same, a step's lookups at a time
+        self.last_step_read = True  # DecodeGraphs.last_step_read: whether the last finished lookups read
         self.failed: list[int] = []  # the step of each layer whose lookup failed (its status FAILED)
         self.aborted: list[int] = []  # steps whose lookups were never started (abort_lookups)
         self.events: list[tuple[str, int]] = []  # ("read" | "finish" | "collected", step id), in order
@@ -165,6 +167,7 @@ class _SlabGraphs:
 
     def _read(self, step, staged, after_each=None) -> None:
         self.read_on.add(threading.current_thread().name.split("_")[0])
+        self.read_threads.append(threading.current_thread().name.split("_")[0])
         self.events.append(("read", step.step_id))
         for lid in step.engram_row_ids:
             assert staged.rows(lid, step.step_id) is None  # read into the slab, not staged
@@ -179,8 +182,7 @@ class _SlabGraphs:
         """Then the rows read go into the caches (DecodeGraphs.finish_lookups does the same)."""
         self.finished += 1
         self.events.append(("finish", [step for what, step in self.events if what == "read"][-1]))
-        for lid in self.probed:
-            self.worker.tables[lid].admit_probed(self.slabs[lid])
+        self.last_step_read = any([self.worker.tables[lid].admit_probed(self.slabs[lid]) for lid in self.probed])
 
     def run(self, step, staged, patch):
         from engram.store.kernels import cache_probe
@@ -314,6 +316,29 @@ def test_probed_steps_lookups_inline_or_beside_the_host_work(tmp_path, monkeypat
     # the lookup threads get the GIL back from a thread running Python within the shortened interval (a
     # Worker with disk tables sets it: step_lookups.py)
     assert sys.getswitchinterval() < before_si
+
+
+def test_lookups_run_in_the_background_only_after_a_step_that_read_from_disk(tmp_path, monkeypatch):
+    """A step whose rows were all cached has a fraction of a millisecond of lookups, less than the hand-off
+    to the background thread costs: the Worker runs a step's lookups there only when the step before read
+    from disk (DecodeGraphs.last_step_read). A cache holding whole tables: the first pass reads new rows and
+    goes to the thread; the same requests again find every row cached, and after the pass's first step (the
+    one after a step that read) the lookups run inline. Same tokens throughout."""
+    from engram.engine import step_lookups
+
+    want = _generate(_disk_llm(tmp_path, 20000))
+    monkeypatch.setattr(step_lookups, "BACKGROUND", True)
+    llm = _disk_llm(tmp_path, 20000)
+    worker = llm.engine.executor.worker
+    worker.graphs = graphs = _SlabGraphs(worker, 8)
+    assert _generate(llm) == want
+    assert "engram-step-lookups" in graphs.read_threads
+    first_pass = len(graphs.read_threads)
+    assert _generate(llm) == want
+    second = graphs.read_threads[first_pass:]
+    assert len(second) > 3 and graphs.counts["found"] > 0
+    assert set(second[1:]) == {threading.current_thread().name.split("_")[0]}
+    assert worker._lookups.pending_step is None and graphs.finished == graphs.replays
 
 
 def test_a_failed_background_lookup_fails_its_step_not_the_server(tmp_path, monkeypatch, caplog):
