@@ -19,6 +19,9 @@
 #                then its batch-1 phases                                               (~5 min in all)
 #   disk-cache-gaps  the same cache arm profiled: host phases and where the GPU idles, batch 1 with every
 #                row a hit and batch 64 (scripts/profile_decode_host.py --gpu-gaps; not yet timed)
+#   disk-cache-b1  batch 1 only, the cache arm (every row a hit) and the same with background lookups off;
+#                then both again with the interpreter's GIL switch interval left at 5 ms (ENGRAM_GIL_SWITCH_MS=5):
+#                what the batch-1 step lost between b0e7cc7 (ratio 1.018) and 8da95b4 (1.156)   (not yet timed)
 #   disk-cache-b64  batch 64 only, the cache arm (lookups beside the host work, the default) against the
 #                same with its lookups inline (background_lookups false); then the GIL hand-off and two
 #                layers' read schedules on this machine (scripts/gil_handoff.py, read_schedule.py)  (~7.5 min)
@@ -28,7 +31,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-parts="tests|engine|switches|host-4b|host-8b|exposure|disk|disk-switch|disk-cache|disk-cache-gaps|disk-cache-b64"
+parts="tests|engine|switches|host-4b|host-8b|exposure|disk|disk-switch|disk-cache|disk-cache-gaps"
+parts+="|disk-cache-b1|disk-cache-b64"
 usage="usage: scripts/measure_targets.sh $parts [OUTDIR]"
 part=${1:?$usage}
 out=${2:-${OUT:-bench/results}}
@@ -74,7 +78,7 @@ exposure)
         --engram-config "{$big}" --steps 8 --batches 64,256 \
         --out "$out/$stamp-exposure-host-b64-b256-$commit.json"
     ;;
-disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b64)
+disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b64)
     cache=${ENGRAM_CACHE_DIR:-/tmp/engram-tables}
     disk='{"tier": "disk", "lookup_overlap": true, "options": {"io": "direct", "queue_depth": 64}'
     if [ "$part" = disk-cache-gaps ]; then  # the cache arm's tables (31 M rows a layer), profiled
@@ -91,6 +95,18 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b64)
             --a '{"tier": "host", "lookup_overlap": true}' --b "$disk}" \
             --b "$disk, \"switches\": {\"disk_decode_in_graph\": false}}" \
             --batch-sizes 1 --out "$out/$stamp-placement-disk-switch-4b-like-$commit.json"
+        exit
+    fi
+    if [ "$part" = disk-cache-b1 ]; then
+        cached="${disk%\}}, \"cache_rows\": 200000}"
+        for ms in 0.2 5; do  # 0.2: the default
+            run "placement-disk-cache-b1-gil-${ms}ms-4b-like" env ENGRAM_GIL_SWITCH_MS=$ms python3 -u -m engram bench \
+                placement --model 4b-like --cache-dir "$cache" \
+                --engram-config '{"load_threads": 16, "table_rows": 31000000}' \
+                --a '{"tier": "host", "lookup_overlap": true}' --b "$cached}" \
+                --b "$cached, \"switches\": {\"background_lookups\": false}}" \
+                --batch-sizes 1 --out "$out/$stamp-placement-disk-cache-b1-gil-${ms}ms-4b-like-$commit.json"
+        done
         exit
     fi
     if [ "$part" = disk-cache-b64 ]; then

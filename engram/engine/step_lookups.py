@@ -33,13 +33,19 @@ returned without one (``handed_off``, which the lookups call), or they are done,
 thread, and beside one running Python 0.58 ms (p90 4.9 ms) at a 0.2 ms interval and 11 ms (p90 86 ms) at
 5 ms (the CPU machine).
 
+A step whose rows were all cached has lookups of a fraction of a millisecond (no reads), less than the hand-off
+to the thread and back costs: the Worker runs a step's lookups here only when the step before read from disk
+(``DecodeGraphs.last_step_read``), else inline.
+
 On unless ENGRAM_BACKGROUND_LOOKUPS=0 (the lookups run inline in ``DecodeGraphs.run``); kernel switch
-``background_lookups``, read at every launch.
+``background_lookups``, read at every launch. ENGRAM_GIL_SWITCH_MS sets the shortened switch interval
+(``switch_interval_s``; 5 or more keeps the interpreter's default), for measuring what it costs.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import os
 import sys
 import threading
 from typing import Callable
@@ -52,7 +58,24 @@ from engram.store import reader
 log = logging.getLogger(__name__)
 
 BACKGROUND = env_flag("ENGRAM_BACKGROUND_LOOKUPS", default=True)
-SWITCH_INTERVAL_S = 2e-4  # the GIL hand-off the lookup thread waits for at most, each time it wants it
+
+
+def switch_interval_s(env: dict | None = None) -> float:
+    """The switch interval the lookups' threads get (seconds): ENGRAM_GIL_SWITCH_MS (milliseconds above 0; 5 or
+    more leaves the interpreter's default alone), else 0.2 ms. A malformed value raises ValueError naming it."""
+    value = (os.environ if env is None else env).get("ENGRAM_GIL_SWITCH_MS")
+    if value is None:
+        return 2e-4
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = float("nan")
+    if not ms > 0:
+        raise ValueError(f"ENGRAM_GIL_SWITCH_MS={value!r}: must be a number of milliseconds above 0")
+    return ms / 1e3
+
+
+SWITCH_INTERVAL_S = switch_interval_s()  # the GIL hand-off the lookup thread waits for at most, each time
 HANDOFF_TIMEOUT_S = 5e-3  # ``start`` waits at most this long for the lookups' first read to be issued
 
 
@@ -115,8 +138,10 @@ class BackgroundLookups:
         return self._errors.pop(step_id, None)
 
 
-def shorten_switch_interval(seconds: float = SWITCH_INTERVAL_S) -> None:
-    """Lower the interpreter's GIL switch interval to ``seconds`` if it is longer (see the module docstring)."""
+def shorten_switch_interval(seconds: float | None = None) -> None:
+    """Lower the interpreter's GIL switch interval to ``seconds`` (default ``SWITCH_INTERVAL_S``) if it is
+    longer (see the module docstring)."""
+    seconds = SWITCH_INTERVAL_S if seconds is None else seconds
     before = sys.getswitchinterval()
     if before > seconds:
         sys.setswitchinterval(seconds)
