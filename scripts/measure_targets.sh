@@ -17,8 +17,9 @@
 #   disk-switch  batch 1, disk rows decoded inside the decode graphs (the default) against outside (~4 min)
 #   disk-cache   batch 1 and 64, a 200 K-row hot-row cache in front of the disk tier, hit rates (~4 min);
 #                then its batch-1 phases                                               (~5 min in all)
-#   disk-cache-gaps  the same cache arm profiled: host phases and where the GPU idles, batch 1 with every
-#                row a hit and batch 64 (scripts/profile_decode_host.py --gpu-gaps; not yet timed)
+#   disk-cache-gaps  the same cache arm profiled: each step's period around its reads (read_cycle.py), host
+#                phases and where the GPU idles, batch 1 with every row a hit and batch 64
+#                (scripts/profile_decode_host.py --gpu-gaps)                            (~1 min)
 #   disk-cache-b1  batch 1 only, the cache arm (every row a hit) and the same with background lookups off;
 #                then both again with the interpreter's GIL switch interval left at 5 ms (ENGRAM_GIL_SWITCH_MS=5):
 #                what the batch-1 step lost between b0e7cc7 (ratio 1.018) and 8da95b4 (1.156)   (not yet timed)

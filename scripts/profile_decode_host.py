@@ -7,7 +7,9 @@ thread plus a profiler summary of the CPU ops of every thread (the disk tier rea
 
 Builds the engine, decodes ``--batch`` sequences of ``--context`` prompt tokens until every one decodes,
 times ``--steps`` decode steps (wall ms per step, mean and median, and the tables' disk reads per step and
-cache hit rate over them), then the same number with the step's
+cache hit rate over them); on the disk tier the same number again with host timestamps around the reads (where
+each step's period goes: the tail from the step before's last read to the row ids, the plan, each table's
+reads and the hand-offs between them: engram/bench/read_cycle.py), then the same number with the step's
 phases timed (launch, collect, the lookups' staging, the graph replay or eager forward), then again under
 ``cProfile`` (the calling thread: the engine, the Worker, the graph replay and every wait) and prints the
 ``--top`` functions by cumulative time, then once more under torch.profiler (CPU activity, every thread),
@@ -258,6 +260,10 @@ def main() -> int:
     deciles = statistics.quantiles(times, n=10)
     print("  step ms by decile (10 % ... 90 %): " + " ".join(f"{q:.2f}" for q in deciles))
     print(f"  {reads}")
+    if args.tier == "disk":  # the disk's clock: what each step spends around its reads
+        from engram.bench.read_cycle import format_summary, record_cycles, summarize
+
+        print(format_summary(summarize(record_cycles(engine, args.steps))))
     before = engine.stats()["tables"]
     phases = timed_phases(engine, args.steps)
     print(f"phases pass: {_reads(before, engine.stats()['tables'], args.steps)}")

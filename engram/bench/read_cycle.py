@@ -1,0 +1,172 @@
+"""Where a disk-tier decode step's time goes around its reads: host timestamps, one cycle a step.
+
+The disk tier's bound (docs/benchmarks.md) charges a step its host-tier step plus its reads at the disk's raw
+rate; what a step spends outside its reads is what the bound does not cover. ``record_cycles`` runs engine
+steps with a few host functions wrapped to take timestamps (``time.perf_counter``, any thread):
+
+* each table's ``reader.read`` (its disk reads: first begin and last end of the table's reads in a cycle);
+* ``HostIds.wait`` returning (the step's row ids on the host: with async scheduling they wait for the step
+  before's sampled tokens); without it (synchronous steps) a cycle starts at ``engine.step``;
+* the Worker's ``BackgroundLookups.start`` and ``DecodeGraphs.finish_lookups`` where they run.
+
+A cycle runs from one step's row ids on the host to the next's; ``summarize`` gives, in ms (median and p90
+over the cycles that read from every table), how the time from the step before's last read to this step's
+last read splits:
+
+* ``tail``: the step before's last read -> this step's row ids on the host (the device's layers after the
+  last Engram layer, the sampler, the ids' copy, and whatever the host queued in front of them);
+* ``plan``: the ids -> the first table's first read (hand-off to the lookup's thread, the cache's
+  bookkeeping and the read plan);
+* ``read[L]`` per table L in layer order, and ``between[L]`` from the table before's last read to L's first
+  (the later layer's hand-off and plan);
+* ``period``: their sum, the step's period on the disk's clock; ``reads``: the read intervals' sum.
+
+Engine-side marks, from the step before's last read (negative: before it): ``finish`` (the engine's thread
+done finishing the step before's lookups: waited and cached their rows), ``start`` (this step's lookups
+started on the background thread). A diagnosis tool: the wrappers cost microseconds a call.
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+import types
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Marks:
+    """Timestamps (perf_counter seconds) of one recorded run."""
+    reads: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # layer -> [(begin, end)]
+    ids: list[float] = field(default_factory=list)  # row ids on the host (or a step's start)
+    finish: list[float] = field(default_factory=list)  # the engine done finishing a step's lookups
+    start: list[float] = field(default_factory=list)  # a step's lookups started in the background
+
+
+def record_cycles(engine, steps: int) -> Marks:
+    """Run ``steps`` engine steps with the wrappers in place (removed after) and return their marks."""
+    import engram.engine.lookup as lookup_mod
+
+    worker = engine.executor.worker
+    marks = Marks()
+    lock = threading.Lock()
+    wrapped: list[tuple[object, str, object]] = []  # (object, attribute, the real one)
+
+    def wrap(obj, name: str, on_begin=None, on_end=None) -> None:
+        real = getattr(obj, name)
+
+        def timed(*a, **k):
+            if on_begin is not None:
+                t = time.perf_counter()
+                with lock:
+                    on_begin(t)
+            try:
+                return real(*a, **k)
+            finally:
+                if on_end is not None:
+                    t = time.perf_counter()
+                    with lock:
+                        on_end(t)
+
+        setattr(obj, name, timed)
+        wrapped.append((obj, name, real))
+
+    for lid, table in sorted((worker.tables or {}).items()):
+        if hasattr(table, "reader"):
+            spans = marks.reads.setdefault(lid, [])
+            begun: dict[int, float] = {}  # thread -> begin of its read in flight
+
+            def begin(t, begun=begun):
+                begun[threading.get_ident()] = t
+
+            def end(t, begun=begun, spans=spans):
+                spans.append((begun.pop(threading.get_ident()), t))
+
+            wrap(table.reader, "read", begin, end)
+    async_ids = engine._async()
+    if async_ids:
+        wrap(lookup_mod.HostIds, "wait", on_end=marks.ids.append)
+    else:
+        wrap(engine, "step", on_begin=marks.ids.append)
+    lookups = getattr(worker, "_lookups", None)
+    if lookups is not None:
+        wrap(lookups, "start", on_begin=marks.start.append)
+    if getattr(worker, "graphs", None) is not None and hasattr(worker.graphs, "finish_lookups"):
+        wrap(worker.graphs, "finish_lookups", on_end=marks.finish.append)
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        for obj, name, real in reversed(wrapped):
+            if isinstance(obj, (types.ModuleType, type)):
+                setattr(obj, name, real)
+            else:
+                obj.__dict__.pop(name, None)
+    marks.ids.sort()
+    marks.finish.sort()
+    marks.start.sort()
+    return marks
+
+
+def cycle_rows(marks: Marks) -> list[dict[str, float]]:
+    """One row of intervals (seconds, module docstring) per cycle that read from every table, as did the
+    cycle before it."""
+    layers = sorted(lid for lid, spans in marks.reads.items() if spans)
+    if not layers:
+        return []
+    bounds = marks.ids + [float("inf")]
+    cycles = []  # per cycle: its ids time and, per layer, (first read begin, last read end)
+    for i in range(len(marks.ids)):
+        lo, hi = bounds[i], bounds[i + 1]
+        per = {}
+        for lid in layers:
+            inside = [(b, e) for b, e in marks.reads[lid] if lo <= b < hi]
+            if inside:
+                per[lid] = (min(b for b, _ in inside), max(e for _, e in inside))
+        cycles.append((lo, per))
+    rows = []
+    for (_, before), (ids, per) in zip(cycles, cycles[1:]):
+        if len(before) < len(layers) or len(per) < len(layers):
+            continue
+        last = max(e for _, e in before.values())
+        row = {"tail": ids - last, "plan": per[layers[0]][0] - ids}
+        for k, lid in enumerate(layers):
+            if k:
+                row[f"between[{lid}]"] = per[lid][0] - per[layers[k - 1]][1]
+            row[f"read[{lid}]"] = per[lid][1] - per[lid][0]
+        row["period"] = max(e for _, e in per.values()) - last
+        row["reads"] = sum(row[f"read[{lid}]"] for lid in layers)
+        for name, times in (("finish", marks.finish), ("start", marks.start)):
+            near = [t - last for t in times if last - 0.5 * row["period"] <= t < ids + row["plan"]]
+            if near:
+                row[name] = near[0]
+        rows.append(row)
+    return rows
+
+
+def summarize(marks: Marks) -> dict:
+    """``cycle_rows`` as ms, median and p90 per interval, and the number of cycles; {"cycles": 0} when none
+    read from every table (every row cached, or no disk tables)."""
+    rows = cycle_rows(marks)
+    if not rows:
+        return {"cycles": 0}
+    out: dict = {"cycles": len(rows)}
+    for key in dict.fromkeys(k for row in rows for k in row):  # every interval, in order of appearance
+        values = sorted(row[key] * 1e3 for row in rows if key in row)
+        out[key] = {"median": statistics.median(values), "p90": values[int(0.9 * (len(values) - 1))],
+                    "n": len(values)}
+    return out
+
+
+def format_summary(summary: dict) -> str:
+    """A readable table of ``summarize``'s result."""
+    if not summary.get("cycles"):
+        return "read cycles: none read from every table (every row cached, or no disk tables)"
+    lines = [f"read cycles ({summary['cycles']} steps that read from every table), ms from the step before's "
+             "last read:", f"  {'interval':14s} {'median':>8s} {'p90':>8s}"]
+    for key, v in summary.items():
+        if key != "cycles":
+            lines.append(f"  {key:14s} {v['median']:8.3f} {v['p90']:8.3f}" + (f"  ({v['n']} cycles)"
+                                                                                if v["n"] != summary["cycles"]
+                                                                                else ""))
+    return "\n".join(lines)
