@@ -132,6 +132,10 @@ class SlabReads:
         if pending is None:
             return 0
         miss_ids, where, looked_up = pending
+        if not len(miss_ids):  # every row was cached: only the count (no device work)
+            with self._cache_mutex:
+                self.cache.admit(miss_ids, None, None, looked_up)
+            return 0
         pages = slab.data.view(-1, self.stride)  # [pages * rows_per_page, stride]
         stream = self._probe_stream(slab)
         uva = stream is not None and kernels.fast_path(pages) == "uva"

@@ -125,7 +125,8 @@ def test_a_probed_slab_read_signals_its_plan_or_its_failure(tmp_path, cache_rows
             t.decode_slab(slab, len(ids), out, ids=ids, plan=torch.tensor([step]), status=status)
             assert int(status) == (cache_probe.FOUND if cache_rows > 2 and step == 4 else cache_probe.WAITED)
             assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
-            t.admit_probed(slab)  # the rows read go into the cache after the step
+            read = t.admit_probed(slab)  # the rows read go into the cache after the step; how many were read
+            assert (read == 0) == (cache_rows > 2 and step == 4)
         t.pages.crcs = t.pages.crcs.copy()
         t.pages.crcs[1] ^= 1  # page 1 (rows 16..31) no longer matches its checksum
         t.cache.clear()
