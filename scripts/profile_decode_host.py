@@ -58,37 +58,33 @@ def timed_phases(engine, steps: int) -> dict[str, tuple[float, float]]:
     packed rows' copy to the device, the decode (``kernels.gather_rows``); the executor's finish and the
     run-ahead projection; inside the graph replay the host side of the graph launches."""
     import threading
-    import types
 
     import torch
 
     import engram.engine.lookup as lookup_mod
     import engram.store.base as base
+    from engram.bench.call_patches import CallPatches
     from engram.store import kernels
 
     worker = engine.executor.worker
     spent: dict[tuple[str, bool], float] = {}
     mutex = threading.Lock()  # the tables' threads add to ``spent`` too
-    wrapped: list[tuple[object, str, object]] = []
+    patches = CallPatches()
     engine_thread = threading.get_ident()
 
     def wrap(obj, name, label: str) -> None:  # obj: an object, a module, or a dict (name: its key)
-        real = obj[name] if isinstance(obj, dict) else getattr(obj, name)
+        def make(real):
+            def timed(*a, **k):
+                t = time.perf_counter()
+                try:
+                    return real(*a, **k)
+                finally:
+                    key = (label, threading.get_ident() == engine_thread)
+                    with mutex:
+                        spent[key] = spent.get(key, 0.0) + time.perf_counter() - t
+            return timed
 
-        def timed(*a, **k):
-            t = time.perf_counter()
-            try:
-                return real(*a, **k)
-            finally:
-                key = (label, threading.get_ident() == engine_thread)
-                with mutex:
-                    spent[key] = spent.get(key, 0.0) + time.perf_counter() - t
-
-        if isinstance(obj, dict):
-            obj[name] = timed
-        else:
-            setattr(obj, name, timed)
-        wrapped.append((obj, name, real))
+        patches.wrap(obj, name, make)
 
     wrap(engine, "step", "step")
     wrap(engine.executor, "launch", "launch")
@@ -123,17 +119,9 @@ def timed_phases(engine, steps: int) -> dict[str, tuple[float, float]]:
             wrap(table, "_fetch", "  page fetch")
         if hasattr(table, "reader"):
             wrap(table.reader, "read", "      reads")
-    try:
+    with patches:
         for _ in range(steps):
             engine.step()
-    finally:
-        for obj, name, real in reversed(wrapped):
-            if isinstance(obj, dict):
-                obj[name] = real
-            elif isinstance(obj, (types.ModuleType, type)):
-                setattr(obj, name, real)  # a module function, a class's method
-            else:
-                obj.__dict__.pop(name, None)  # the class's method again
     out = {}
     for k in ENGINE_PHASES + TABLE_PHASES:
         on, off = spent.get((k, True), 0.0), spent.get((k, False), 0.0)

@@ -30,8 +30,9 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-import types
 from dataclasses import dataclass, field
+
+from engram.bench.call_patches import CallPatches
 
 
 @dataclass
@@ -50,26 +51,25 @@ def record_cycles(engine, steps: int) -> Marks:
     worker = engine.executor.worker
     marks = Marks()
     lock = threading.Lock()
-    wrapped: list[tuple[object, str, object]] = []  # (object, attribute, the real one)
+    patches = CallPatches()
 
     def wrap(obj, name: str, on_begin=None, on_end=None) -> None:
-        real = getattr(obj, name)
-
-        def timed(*a, **k):
-            if on_begin is not None:
-                t = time.perf_counter()
-                with lock:
-                    on_begin(t)
-            try:
-                return real(*a, **k)
-            finally:
-                if on_end is not None:
+        def make(real):
+            def stamped(*a, **k):
+                if on_begin is not None:
                     t = time.perf_counter()
                     with lock:
-                        on_end(t)
+                        on_begin(t)
+                try:
+                    return real(*a, **k)
+                finally:
+                    if on_end is not None:
+                        t = time.perf_counter()
+                        with lock:
+                            on_end(t)
+            return stamped
 
-        setattr(obj, name, timed)
-        wrapped.append((obj, name, real))
+        patches.wrap(obj, name, make)
 
     for lid, table in sorted((worker.tables or {}).items()):
         if hasattr(table, "reader"):
@@ -83,8 +83,7 @@ def record_cycles(engine, steps: int) -> Marks:
                 spans.append((begun.pop(threading.get_ident()), t))
 
             wrap(table.reader, "read", begin, end)
-    async_ids = engine._async()
-    if async_ids:
+    if engine._async():
         wrap(lookup_mod.HostIds, "wait", on_end=marks.ids.append)
     else:
         wrap(engine, "step", on_begin=marks.ids.append)
@@ -93,15 +92,9 @@ def record_cycles(engine, steps: int) -> Marks:
         wrap(lookups, "start", on_begin=marks.start.append)
     if getattr(worker, "graphs", None) is not None and hasattr(worker.graphs, "finish_lookups"):
         wrap(worker.graphs, "finish_lookups", on_end=marks.finish.append)
-    try:
+    with patches:
         for _ in range(steps):
             engine.step()
-    finally:
-        for obj, name, real in reversed(wrapped):
-            if isinstance(obj, (types.ModuleType, type)):
-                setattr(obj, name, real)
-            else:
-                obj.__dict__.pop(name, None)
     marks.ids.sort()
     marks.finish.sort()
     marks.start.sort()
