@@ -25,10 +25,10 @@ import torch
 from engram.engine import step_lookups
 from engram.engine.config import EngineConfig
 from engram.engine.cuda_graphs import DecodeGraphs, graph_reserve_bytes
-from engram.engine.lookup import LookupExecutor, staging_bytes
+from engram.engine.lookup import LookupExecutor, StagedRows, staging_bytes
 from engram.engine.lookup_stream import LookupStream
 from engram.engine.memory import MemoryPlan, plan_memory, profile_peak_bytes
-from engram.engine.pending import PendingTokens
+from engram.engine.pending import PendingPatch, PendingTokens
 from engram.engine.runner import ModelRunner
 from engram.engine.sampler import SampledTokens, Sampler
 from engram.engine.step import SampleSpec, StepDescription, StepResult, TokenLogprobs
@@ -128,29 +128,7 @@ class Worker:
         elif type(self.lookup) is LookupExecutor:  # a graph step projects its rows inside the graph
             slabs = self.graphs.slabs if graph else None  # disk rows the graph decodes (DISK_DECODE_IN_GRAPH)
             if slabs and set(step.engram_row_ids) <= set(slabs):
-                # every layer's rows are read into the graph's slabs: the row ids go to the host first, then
-                # the pieces before the first Engram layer are queued, and only then does the host wait for
-                # the ids (the device runs those pieces while the host reads that layer's pages)
-                host_ids = self.lookup.start_host_ids(step, patch) if patch is not None else None
-                # pieces that find their rows on the device (cached disk tables) are all queued at once, and
-                # then their lookups need not hold this thread (step_lookups.py)
-                whole = self.graphs.probes_all
-                self.graphs.begin(step, patch, whole=whole)
-                staged = None
-                try:
-                    staged = self.lookup.submit(step, patch, project=False, slabs=slabs, host_ids=host_ids)
-                    # in the background only after a step that read from disk: a step whose rows were all
-                    # cached has ~0.1 ms of lookups, less than the hand-off to the thread costs
-                    if whole and step_lookups.BACKGROUND and self.graphs.last_step_read:
-                        self._lookups.start(step.step_id, functools.partial(self.graphs.read_lookups, step, staged,
-                                                                            after_each=self._lookups.handed_off))
-                        staged = None  # read_lookups releases it
-                except BaseException:
-                    if whole:  # the queued pieces must not wait for lookups that will not run
-                        self.graphs.abort_lookups(step.step_id)
-                    if staged is not None:
-                        staged.release()
-                    raise
+                staged = self._submit_slab_step(step, patch, slabs)
             else:
                 staged = self.lookup.submit(step, patch, project=not graph, **({"slabs": slabs} if slabs else {}))
         else:
@@ -176,6 +154,32 @@ class Worker:
         n = 4 + len(scores or ())
         return LaunchedStep(step, SampledTokens(*host[:4], ready=ready), tuple(host[4:n]) if scores else None,
                             host[n] if flags is not None else None)
+
+    def _submit_slab_step(self, step: StepDescription, patch: PendingPatch | None, slabs: dict) -> StagedRows | None:
+        """A decode-graph step whose every layer's rows are read into the graph's slabs: the row ids go to the
+        host first, then the pieces before the first Engram layer are queued, and only then does the host wait
+        for the ids (the device runs those pieces while the host reads that layer's pages). Pieces that find
+        their rows on the device (cached disk tables: ``probes_all``) are all queued at once, and their lookups
+        then run on the background thread (step_lookups.py) when the step before read from disk (a step whose
+        rows were all cached has ~0.1 ms of lookups, less than the hand-off costs): None is returned, else the
+        staged rows for ``graphs.run``."""
+        host_ids = self.lookup.start_host_ids(step, patch) if patch is not None else None
+        whole = self.graphs.probes_all
+        self.graphs.begin(step, patch, whole=whole)
+        staged = None
+        try:
+            staged = self.lookup.submit(step, patch, project=False, slabs=slabs, host_ids=host_ids)
+            if whole and step_lookups.BACKGROUND and self.graphs.last_step_read:
+                self._lookups.start(step.step_id, functools.partial(self.graphs.read_lookups, step, staged,
+                                                                    after_each=self._lookups.handed_off))
+                return None  # read_lookups releases the staged rows
+            return staged
+        except BaseException:
+            if whole:  # the queued pieces must not wait for lookups that will not run
+                self.graphs.abort_lookups(step.step_id)
+            if staged is not None:
+                staged.release()
+            raise
 
     def collect(self, launched: LaunchedStep) -> StepResult:
         """Wait for a launched step's tokens (the step's one host synchronisation) -> its StepResult."""

@@ -32,6 +32,8 @@ Bitwise: both write the same int64 outputs (tests/unit/test_cache_probe.py, test
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engram.store.kernels import triton_available
@@ -113,13 +115,9 @@ def _resolve_triton(ids, tags, plan_host, flag, plan, out, status, spin_limit: i
                     num_warps=4)
 
 
-_KERNEL = None
-
-
+@functools.cache
 def _kernel():
-    global _KERNEL
-    if _KERNEL is not None:
-        return _KERNEL
+    """The Triton kernel, defined on first use (triton imports only where CUDA runs)."""
     import triton
     import triton.language as tl
 
@@ -158,5 +156,4 @@ def _kernel():
                     tl.store(OUT + r * OUT_STRIDE + offs, v, mask=inside)
         tl.store(STATUS, status)
 
-    _KERNEL = _resolve_slots_kernel
-    return _KERNEL
+    return _resolve_slots_kernel

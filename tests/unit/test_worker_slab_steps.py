@@ -1,0 +1,317 @@
+"""The Worker's decode-graph steps over disk slabs on the CPU (engine/worker.py ``_submit_slab_step``,
+engine/step_lookups.py): ``_SlabGraphs`` stands in for DecodeGraphs, which needs CUDA graphs (the real one:
+tests/gpu/test_piecewise_graphs.py), emulating its probe order and its lookups inline or in the background.
+The tokens are the eager engine's; lookups finish in order, fail their step only, and go to the background
+thread only after a step that read from disk."""
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+import torch
+
+from engram.engine.sampling_params import SamplingParams
+from tests.unit.test_worker import CountingLookups
+
+
+class _SlabGraphs:
+    """DecodeGraphs' slab flow on the CPU, without CUDA graphs: what Worker.launch reads of it, and a ``run``
+    that does what the pieces do for disk layers (decode each layer's slab, which the executor read the
+    step's pages into) before the eager forward. Over a hot-row cache it does it in the device's order: each
+    layer's slots are resolved from the cache's mirrored tags before the step's lookups run (cache_probe,
+    the torch reference, which cannot wait: a layer with a missing row is resolved again after the lookups,
+    as a waiting piece would be). The real pieces: tests/gpu/test_piecewise_graphs.py."""
+
+    tables = None
+    stale = None
+    flags = None
+
+    def __init__(self, worker, bucket: int):
+        self.worker, self.bucket = worker, bucket
+        n_cols = worker.ecfg.n_cols
+        self.slabs = {lid: t.new_slab(bucket * n_cols) for lid, t in worker.tables.items()}
+        self.probed = [lid for lid, slab in self.slabs.items() if slab.probe is not None]
+        self.probes_all = bool(self.probed) and len(self.probed) == len(self.slabs)
+        self.replays = 0
+        self.counts = {"found": 0, "waited": 0}
+        self.lookups_ran = threading.Event()  # set by read_lookups
+        self.finished = 0  # finish_lookups calls
+        self.read_on: set[str] = set()  # the threads the lookups ran on (their names' first part)
+        self.read_threads: list[str] = []  # the same, a step's lookups at a time
+        self.last_step_read = True  # DecodeGraphs.last_step_read: whether the last finished lookups read
+        self.failed: list[int] = []  # the step of each layer whose lookup failed (its status FAILED)
+        self.aborted: list[int] = []  # steps whose lookups were never started (abort_lookups)
+        self.events: list[tuple[str, int]] = []  # ("read" | "finish" | "collected", step id), in order
+
+    def fits(self, step) -> bool:
+        return all(n == 1 for n in step.num_new_tokens) and len(step.seq_ids) <= self.bucket
+
+    def begin(self, step, patch, whole: bool = False) -> None:
+        """The real one queues the pieces before the first Engram layer (all of them with ``whole``); eager,
+        ``run`` does the whole step."""
+        self.whole = whole
+
+    def _decode(self, lid: int, step, ids: torch.Tensor, status: torch.Tensor | None = None) -> torch.Tensor:
+        table = self.worker.tables[lid]
+        out = torch.empty(ids.numel(), table.dim, dtype=self.worker.lookup.fetch_dtype)
+        probe = {}
+        if status is not None:
+            probe = dict(ids=ids.reshape(-1), plan=torch.tensor([step.step_id]), status=status)
+        table.decode_slab(self.slabs[lid], ids.numel(), out, **probe)
+        return out.view(*ids.shape, table.dim)
+
+    def read_lookups(self, step, staged, after_each=None) -> None:
+        """The step's lookups (the Worker runs them on its background thread): pages into the slabs."""
+        try:
+            self._read(step, staged, after_each)
+        finally:
+            staged.release()
+            self.lookups_ran.set()
+
+    def _read(self, step, staged, after_each=None) -> None:
+        self.read_on.add(threading.current_thread().name.split("_")[0])
+        self.read_threads.append(threading.current_thread().name.split("_")[0])
+        self.events.append(("read", step.step_id))
+        for lid in step.engram_row_ids:
+            assert staged.rows(lid, step.step_id) is None  # read into the slab, not staged
+            if after_each is not None:
+                after_each()
+
+    def abort_lookups(self, step_id: int) -> None:
+        """The real one fails the pieces still waiting for the step's flags."""
+        self.aborted.append(step_id)
+
+    def finish_lookups(self) -> None:
+        """Then the rows read go into the caches (DecodeGraphs.finish_lookups does the same)."""
+        self.finished += 1
+        self.events.append(("finish", [step for what, step in self.events if what == "read"][-1]))
+        self.last_step_read = any([self.worker.tables[lid].admit_probed(self.slabs[lid]) for lid in self.probed])
+
+    def run(self, step, staged, patch):
+        from engram.store.kernels import cache_probe
+
+        self.replays += 1
+        rows = {}
+        status = {lid: torch.zeros(1, dtype=torch.int32) for lid in self.probed}
+        if self.whole:  # the pieces resolve their slots before the lookups; those that found every row decode
+            for lid in self.probed:
+                ids = step.engram_row_ids[lid]
+                decoded = self._decode(lid, step, ids, status[lid])
+                found = int(status[lid]) == cache_probe.FOUND
+                if found:
+                    rows[lid] = decoded
+                self.counts["found" if found else "waited"] += 1  # a piece that did not find them waits
+        if staged is None:  # the Worker runs the lookups in the background: the pieces wait for their flags
+            assert self.lookups_ran.wait(30)
+            self.lookups_ran.clear()
+        else:
+            self._read(step, staged)
+        for lid, ids in step.engram_row_ids.items():
+            if lid not in rows:
+                rows[lid] = self._decode(lid, step, ids, status.get(lid))
+                if lid in status and int(status[lid]) == cache_probe.FAILED:  # its lookup failed: the device
+                    self.failed.append(step.step_id)  # pieces go on with the plan's rows; collect raises
+        if staged is not None:
+            self.finish_lookups()
+        return self.worker.runner.run(step, _Decoded(staged, rows), patch)
+
+
+class _Decoded:
+    """Staged rows with the slab layers' rows decoded (what the pieces hand their layers)."""
+
+    def __init__(self, staged, rows: dict):
+        self.staged, self.decoded = staged, rows
+
+    def rows(self, layer_id: int, step_id: int):
+        return self.decoded[layer_id] if layer_id in self.decoded else self.staged.rows(layer_id, step_id)
+
+    def release(self) -> None:
+        if self.staged is not None:
+            self.staged.release()
+
+
+def _disk_llm(tmp_path, cache_rows: int = 0, **kw):
+    import engram
+
+    return engram.LLM("tiny", tier="disk", dtype=torch.float32, device="cpu", cache_dir=str(tmp_path),
+                      max_num_seqs=8, max_num_batched_tokens=48,
+                      engram_config={"cache_rows": cache_rows} if cache_rows else None, **kw)
+
+
+def _generate(llm, n: int = 8) -> list[list[int]]:
+    from tests.integration.test_engine import prompts
+
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts(n, seed=3), params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40, 20000], ids=["no-cache", "40-row-cache", "whole-table-cache"])
+def test_slab_decoding_steps_give_the_eager_tokens(tmp_path, cache_rows):
+    """Mixed lengths with chunked prefill: the decode-only steps read their pages into slabs through the
+    executor (the first layer's on this thread, the later ones' on their tables' threads) and decode them
+    as the pieces do; the tokens are the eager engine's. With a hot-row cache the slabs hold slots into the
+    cache's storage (a 40-row cache: evictions and overflow rows every step), between prefill chunks that
+    go through the cache's fetch, and each layer's slots are first looked for on the device before the
+    step's lookups (store/kernels/cache_probe.py): with a cache that holds whole tables, a second pass's
+    decode steps find every row there."""
+    want = _generate(_disk_llm(tmp_path, cache_rows))
+    llm = _disk_llm(tmp_path, cache_rows)
+    worker = llm.engine.executor.worker
+    worker.graphs = _SlabGraphs(worker, 8)
+    assert _generate(llm) == want
+    assert worker.graphs.replays > 5
+    caches = [t.cache for t in worker.tables.values()]
+    assert all((c is not None) == bool(cache_rows) for c in caches)
+    if cache_rows == 40:  # the slab steps went through the cache, and the cache spilled rows past its slots
+        assert all(c.counters()["hits"] > 0 and c.counters()["evictions"] > 0 for c in caches)
+    if cache_rows:  # new rows every decode step: the pieces waited for their lookups
+        assert worker.graphs.probes_all and worker.graphs.counts["waited"] > 0
+    if cache_rows > 1000:  # the same requests again: their rows are cached, the pieces find them on the device
+        waited = worker.graphs.counts["waited"]
+        assert _generate(llm) == want
+        assert worker.graphs.counts["found"] > 0 and worker.graphs.counts["waited"] == waited
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["inline", "background"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_probed_steps_lookups_inline_or_beside_the_host_work(tmp_path, monkeypatch, background, async_scheduling):
+    """Over probed slabs (a hot-row cache) the whole step is queued first; its lookups then run inline or on
+    the Worker's background thread (step_lookups.py), finished (the rows read cached) before the next step
+    is launched or this one collected: the same tokens either way, with and without async scheduling (the
+    next step launched before this one is read)."""
+    from engram.engine import step_lookups
+
+    want = _generate(_disk_llm(tmp_path, 40))
+    sys.setswitchinterval(0.005)
+    before_si = sys.getswitchinterval()
+    monkeypatch.setattr(step_lookups, "BACKGROUND", background)
+    llm = _disk_llm(tmp_path, 40, async_scheduling=async_scheduling)
+    worker = llm.engine.executor.worker
+    worker.graphs = _SlabGraphs(worker, 8)
+    real_collect = worker.collect
+
+    def collect(launched):
+        worker.graphs.events.append(("collecting", launched.step.step_id))
+        result = real_collect(launched)
+        worker.graphs.events.append(("collected", launched.step.step_id))
+        return result
+
+    monkeypatch.setattr(worker, "collect", collect)
+    assert _generate(llm) == want
+    assert worker.graphs.replays > 5 and worker.graphs.counts["waited"] > 0 and not worker.graphs.failed
+    # a step's lookups are finished before it is collected, and collecting a step never waits for a later one's
+    # (with async scheduling the next step is launched, its lookups started, before this one is read)
+    events = worker.graphs.events
+    collecting = None
+    for what, step in events:
+        if what == "read":
+            assert events.index(("finish", step)) < events.index(("collected", step))
+        collecting = step if what == "collecting" else None if what == "collected" else collecting
+        if what == "finish" and collecting is not None:
+            assert step <= collecting, f"collecting step {collecting} waited for the lookups of step {step}"
+    if background and async_scheduling:  # the next step's lookups were left pending while a step was read
+        assert any(events.index(("read", s + 1)) < i < events.index(("finish", s + 1))
+                   for i, (w, s) in enumerate(events) if w == "collected" and ("read", s + 1) in events)
+    assert worker._lookups.pending_step is None  # the last step's lookups were finished when it was read
+    # every step's lookups were finished exactly once (BackgroundLookups.start refuses a second step before)
+    assert worker.graphs.finished == worker.graphs.replays
+    assert worker.graphs.read_on == ({"engram-step-lookups"} if background else {threading.current_thread().name})
+    # the lookup threads get the GIL back from a thread running Python within the shortened interval (a
+    # Worker with disk tables sets it: step_lookups.py)
+    assert sys.getswitchinterval() < before_si
+
+
+def test_lookups_run_in_the_background_only_after_a_step_that_read_from_disk(tmp_path, monkeypatch):
+    """A step whose rows were all cached has a fraction of a millisecond of lookups, less than the hand-off
+    to the background thread costs: the Worker runs a step's lookups there only when the step before read
+    from disk (DecodeGraphs.last_step_read). A cache holding whole tables: the first pass reads new rows and
+    goes to the thread; the same requests again find every row cached, and after the pass's first step (the
+    one after a step that read) the lookups run inline. Same tokens throughout."""
+    from engram.engine import step_lookups
+
+    want = _generate(_disk_llm(tmp_path, 20000))
+    monkeypatch.setattr(step_lookups, "BACKGROUND", True)
+    llm = _disk_llm(tmp_path, 20000)
+    worker = llm.engine.executor.worker
+    worker.graphs = graphs = _SlabGraphs(worker, 8)
+    assert _generate(llm) == want
+    assert "engram-step-lookups" in graphs.read_threads
+    first_pass = len(graphs.read_threads)
+    assert _generate(llm) == want
+    second = graphs.read_threads[first_pass:]
+    assert len(second) > 3 and graphs.counts["found"] > 0
+    assert set(second[1:]) == {threading.current_thread().name.split("_")[0]}
+    assert worker._lookups.pending_step is None and graphs.finished == graphs.replays
+
+
+def test_a_failed_background_lookup_fails_its_step_not_the_server(tmp_path, monkeypatch, caplog):
+    """A read that fails on the background thread fails the pieces waiting for it and its step (collect
+    raises the read's own error); the engine runs the step's sequences again, isolated, and the tokens are
+    those of a clean run."""
+    import errno
+    import logging
+
+    from engram.engine import step_lookups
+    from engram.store.reader import Fault
+
+    want = _generate(_disk_llm(tmp_path, 40))
+    monkeypatch.setattr(step_lookups, "BACKGROUND", True)
+    llm = _disk_llm(tmp_path, 40)
+    worker = llm.engine.executor.worker
+    worker.graphs = _SlabGraphs(worker, 8)
+    table = worker.tables[min(worker.tables)]  # the first layer's: a slab step reads it on the background thread
+    seen = []
+
+    def once(offsets):  # that table's second read on the background thread fails
+        if threading.current_thread().name.startswith("engram-step-lookups"):
+            seen.append(len(offsets))
+            return Fault(0, errno.EIO) if len(seen) == 2 else None
+        return None
+
+    table.reader.fault_hook = once
+    with caplog.at_level(logging.WARNING, logger="engram.engine.stepping"):
+        assert _generate(llm) == want
+    assert len(seen) > 2 and len(set(worker.graphs.failed)) == 1 and "failed (DiskReadError" in caplog.text
+
+
+def test_lookups_that_cannot_start_fail_the_queued_pieces_and_the_step(tmp_path, monkeypatch, caplog):
+    """The whole step is queued before its lookups start: if they cannot start (the background thread
+    broken, the row ids' wait failing), the pieces are told to give up at once (abort_lookups) instead of
+    waiting for flags nobody will set, and the step fails and runs again."""
+    import logging
+
+    from engram.engine import step_lookups
+
+    want = _generate(_disk_llm(tmp_path, 40))
+    monkeypatch.setattr(step_lookups, "BACKGROUND", True)
+    llm = _disk_llm(tmp_path, 40)
+    worker = llm.engine.executor.worker
+    worker.graphs = _SlabGraphs(worker, 8)
+    real, calls = worker._lookups.start, []
+
+    def broken_once(step_id, read):
+        calls.append(step_id)
+        if len(calls) == 2:
+            raise RuntimeError("the lookup thread is gone")
+        return real(step_id, read)
+
+    monkeypatch.setattr(worker._lookups, "start", broken_once)
+    with caplog.at_level(logging.WARNING, logger="engram.engine.stepping"):
+        assert _generate(llm) == want
+    assert worker.graphs.aborted == [calls[1]] and "the lookup thread is gone" in caplog.text
+
+
+def test_a_replaced_executor_runs_slab_decoding_steps_eager(tmp_path, caplog):
+    """Decode graphs whose pieces decode disk slabs need the default executor (it reads the pages into the
+    slabs); with a replaced one the step runs eager, with one log line, instead of decoding old pages."""
+    import logging
+
+    want = _generate(_disk_llm(tmp_path), 2)
+    llm = _disk_llm(tmp_path)
+    worker = llm.engine.executor.worker
+    worker.graphs = _SlabGraphs(worker, 8)
+    worker.lookup = CountingLookups(worker.lookup)
+    with caplog.at_level(logging.INFO, logger="engram.engine.worker"):
+        assert _generate(llm, 2) == want
+    assert worker.graphs.replays == 0 and caplog.text.count("does not read the decode graphs' disk slabs") == 1
