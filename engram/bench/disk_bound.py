@@ -16,7 +16,9 @@ the file is dropped from the page cache before every call, O_DIRECT has none).
 Per disk arm and comparison (``disk_summary``): the hit rate of its first warm-up sample and of its first
 recorded sample (cold; the hot-row cache lives as long as its tables, so only an arm's first comparison
 starts from an empty cache: ``fresh_tables``), the median over its recorded samples (warm), the median
-read ops per step and step ms, and the raw read rate. Every sample of a batch size decodes the same
+read ops per step and step ms, the median of the samples' median steps and how many of their steps took
+over twice their sample's median (``slow_steps``: stalls, which a mean step hides), and the raw read rate.
+Every sample of a batch size decodes the same
 windows, so after an arm's first sample a hot-row cache that holds their rows serves them all again: the
 warm hit rate is that of text seen before, the cold ones that of new text.
 
@@ -44,7 +46,7 @@ from pathlib import Path
 
 from engram.bench.placement_arms import ARM_LABELS, ArmSpec
 
-DISK_COLUMNS = ["batch", "disk arm", "step ms", "host step ms", "read ops/step", "raw reads/s", "bound ms", "ratio",
+DISK_COLUMNS = ["batch", "disk arm", "step ms", "step p50 ms", "slow steps", "host step ms", "read ops/step", "raw reads/s", "bound ms", "ratio",
                 "lookup reads ms", "floor ms", "floor ratio", "hit warm-up", "hit cold", "hit warm"]
 COUNTER_KEYS = ("hits", "misses", "read_ops", "disk_rows", "bytes_read", "rows")  # summed over an arm's tables
 BOUND_FACTOR = 1.1  # the issue's target: disk step ms <= 1.1 x (host step ms + misses' reads at the raw rate)
@@ -120,6 +122,8 @@ def disk_summary(arm: ArmSpec, records: list[dict], labels: tuple, raw: dict, fr
             "hit_rate_warm": _median([r["hit_rate"] for r in recorded]),
             "read_ops_per_step_median": _median([r["read_ops_per_step"] for r in recorded]),
             "step_ms_median": _median([r["step_ms"] for r in recorded]),
+            "step_ms_p50_median": _median([r["step_ms_p50"] for r in recorded]),
+            "slow_steps": sum(r["slow_steps"] for r in recorded),
             "host_arm": None, "host_source": None, "host_step_ms_median": None, "bound_ms": None, "ratio": None,
             "target_met": None, "bound_note": NO_HOST_ARM, "lookup_reads": None, "floor_ms": None,
             "floor_ratio": None}
@@ -155,6 +159,7 @@ def add_bounds(comparisons: list[dict]) -> None:
 def disk_rows(comparisons: list[dict]) -> list[dict]:
     """The second table: one row per disk arm per comparison."""
     return [{"batch": c["batch"], "disk arm": f"{label} {json.dumps(d['arm'])}", "step ms": d["step_ms_median"],
+             "step p50 ms": d["step_ms_p50_median"], "slow steps": d["slow_steps"],
              "host step ms": d["host_step_ms_median"], "read ops/step": d["read_ops_per_step_median"],
              "raw reads/s": d["raw_read_ops_per_s"], "bound ms": d["bound_ms"], "ratio": d["ratio"],
              "lookup reads ms": d["lookup_reads"]["us_per_call_p50"] / 1e3 if d.get("lookup_reads") else None,

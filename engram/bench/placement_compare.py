@@ -18,6 +18,9 @@ from engram.bench.placement_arms import ARM_LABELS, ArmSpec
 from engram.model import kernel_switches
 
 
+SLOW_FACTOR = 2.0  # a timed step over this many times its sample's median step is counted as slow
+
+
 class GraphFallback(RuntimeError):
     """Timed decode steps that did not replay a CUDA graph where they should have."""
 
@@ -30,6 +33,17 @@ def _summary(samples: list[dict]) -> dict:
     return {"n": len(samples), "tok_s_median": statistics.median(tok), "tok_s_mean": statistics.fmean(tok),
             "lookup_exposed_ms_per_step_mean": statistics.fmean(exposed),
             "graph_replays": sum(s["graph_replays"] for s in samples), "steps": sum(s["steps"] for s in samples)}
+
+
+def step_spread(wall_s: list[float]) -> dict:
+    """A sample's timed steps beyond their mean: the median step (ms), the longest, how many took over
+    ``SLOW_FACTOR`` x the median (a stall, not a steady cost), and every step's wall time (ms, to the us)."""
+    import statistics
+
+    p50 = statistics.median(wall_s) * 1e3
+    return {"step_ms_p50": p50, "step_ms_max": max(wall_s) * 1e3,
+            "slow_steps": sum(w * 1e3 > SLOW_FACTOR * p50 for w in wall_s),
+            "steps_ms": [round(w * 1e3, 3) for w in wall_s]}
 
 
 def arm_measure(engine, arm: ArmSpec, win: Windows, batch: int, s, records: list[dict]):
@@ -53,7 +67,7 @@ def arm_measure(engine, arm: ArmSpec, win: Windows, batch: int, s, records: list
         counts = counter_deltas(*t.tables)
         value = batch * s.decode_steps / sum(t.wall_s)
         records.append({"arm": arm.name, "tok_s": value, "wall_s": sum(t.wall_s), "steps": s.decode_steps,
-                        "step_ms": sum(t.wall_s) / s.decode_steps * 1e3,
+                        "step_ms": sum(t.wall_s) / s.decode_steps * 1e3, **step_spread(t.wall_s),
                         "lookup_exposed_s": t.lookup_exposed_s, "graph_replays": t.graph_steps,
                         "tokens_checked": checked, "tables": counts, "hit_rate": hit_rate(counts, cached),
                         "read_ops_per_step": counts["read_ops"] / s.decode_steps})

@@ -254,6 +254,11 @@ def test_disk_arms_record_raw_reads_counters_hit_rates_and_the_bound(tmp_path, c
             t = smp["tables"]
             assert t["rows"] == c["batch"] * 4 * rows_per_step  # the timed steps' lookups only
             assert smp["step_ms"] == pytest.approx(smp["wall_s"] / 4 * 1e3)
+            steps = smp["steps_ms"]  # every timed step, and its spread
+            assert len(steps) == 4 and sum(steps) == pytest.approx(smp["wall_s"] * 1e3, abs=4e-3)
+            assert smp["step_ms_p50"] == pytest.approx(sorted(steps)[1] / 2 + sorted(steps)[2] / 2, abs=1e-3)
+            assert smp["step_ms_max"] == pytest.approx(max(steps), abs=1e-3)
+            assert smp["slow_steps"] == sum(x > 2 * smp["step_ms_p50"] + 1e-3 for x in steps)
             assert smp["read_ops_per_step"] == t["read_ops"] / 4
             if smp["label"] != "B":
                 assert smp["hit_rate"] is None and t["disk_rows"] == 0  # the host tier: no cache, no disk
@@ -285,6 +290,8 @@ def test_disk_arms_record_raw_reads_counters_hit_rates_and_the_bound(tmp_path, c
         assert d["host_arm"] == host and d["host_source"] == "same comparison" and d["bound_note"] is None
         assert d["host_step_ms_median"] == pytest.approx(sorted(host_ms)[1] / 2 + sorted(host_ms)[2] / 2)
         assert d["step_ms_median"] == pytest.approx(sum(disk_ms) / 2)
+        assert d["step_ms_p50_median"] == pytest.approx(sum(x["step_ms_p50"] for x in recorded) / 2)
+        assert d["slow_steps"] == sum(x["slow_steps"] for x in recorded)
         bound = d["host_step_ms_median"] + d["read_ops_per_step_median"] / raw["read_ops_per_s"] * 1e3
         assert d["bound_ms"] == pytest.approx(bound) and d["ratio"] == pytest.approx(d["step_ms_median"] / bound)
         assert d["target_met"] is (d["ratio"] <= 1.1)
