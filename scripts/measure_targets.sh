@@ -22,7 +22,7 @@
 #                (scripts/profile_decode_host.py --gpu-gaps)                            (~1 min)
 #   disk-cache-b1  batch 1 only, the cache arm (every row a hit) and the same with background lookups off;
 #                then both again with the interpreter's GIL switch interval left at 5 ms (ENGRAM_GIL_SWITCH_MS=5):
-#                what the batch-1 step lost between b0e7cc7 (ratio 1.018) and 8da95b4 (1.156)   (not yet timed)
+#                what the batch-1 step lost between b0e7cc7 (ratio 1.018) and 8da95b4 (1.156)       (~1.5 min)
 #   disk-cache-b64  batch 64 only, the cache arm (lookups beside the host work, the default) against the
 #                same with its lookups inline (background_lookups false); then the GIL hand-off and two
 #                layers' read schedules on this machine (scripts/gil_handoff.py, read_schedule.py)  (~7.5 min)
