@@ -11,7 +11,10 @@ Raw reads: right before each comparison that involves a disk arm, ``measure_raw_
 disk's random 4 KiB read rate for a given number of seconds (``engram.bench.lookup.raw_cell``: uniformly
 random page reads of the arm's first table's values.bin through a ``PageReader`` with the arm's io mode
 in effect and queue depth, a given number of pages per call, one unrecorded call first; with buffered io
-the file is dropped from the page cache before every call, O_DIRECT has none).
+the file is dropped from the page cache before every call, O_DIRECT has none). The rate drifts within a
+run (on the H200 machine a disk arm's rounds ranged 1165–1737 tok/s while the host tier's agreed within
+1 %), so the same reads also run for a shorter time right before each of a disk arm's samples
+(``sample_rate``, the sample's ``raw_read_ops_per_s``; None for other arms or when turned off).
 
 Per disk arm and comparison (``disk_summary``): the hit rate of its first warm-up sample and of its first
 recorded sample (cold; the hot-row cache lives as long as its tables, so only an arm's first comparison
@@ -26,8 +29,10 @@ The bound (``add_bounds``), against a host-tier arm at the same batch (the other
 comparison when that is on the host tier, else the first B on the host tier at that batch):
 bound_ms = host step ms (median) + read ops per step (median) / raw read ops/s x 1000, ratio = disk step
 ms / bound_ms and target_met = ratio <= ``BOUND_FACTOR`` (1.1). Without a host-tier arm the fields stay
-None and ``bound_note`` is ``NO_HOST_ARM``. ``disk_rows`` makes the second printed table
-(``DISK_COLUMNS``), one row per disk arm per comparison.
+None and ``bound_note`` is ``NO_HOST_ARM``. With per-sample rates, ratio_paired = the median over the
+arm's recorded samples of step ms / (host step ms + the sample's read ops per step / the rate measured right
+before it x 1000): the same bound, each sample held to the disk as it was when the sample ran.
+``disk_rows`` makes the second printed table (``DISK_COLUMNS``), one row per disk arm per comparison.
 
 The latency floor beside the bound: the bound charges a step's reads at the disk's rate with a deep queue,
 but the first Engram layer's reads can start only once the step's tokens are sampled, and the layer needs
@@ -41,13 +46,16 @@ the floor lies above the bound there; at large batches the two meet.
 """
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
+from typing import Callable
 
 from engram.bench.placement_arms import ARM_LABELS, ArmSpec
 
-DISK_COLUMNS = ["batch", "disk arm", "step ms", "step p50 ms", "slow steps", "host step ms", "read ops/step", "raw reads/s", "bound ms", "ratio",
-                "lookup reads ms", "floor ms", "floor ratio", "hit warm-up", "hit cold", "hit warm"]
+DISK_COLUMNS = ["batch", "disk arm", "step ms", "step p50 ms", "slow steps", "host step ms", "read ops/step",
+                "raw reads/s", "bound ms", "ratio", "raw reads/s, samples", "paired ratio", "lookup reads ms",
+                "floor ms", "floor ratio", "hit warm-up", "hit cold", "hit warm"]
 COUNTER_KEYS = ("hits", "misses", "read_ops", "disk_rows", "bytes_read", "rows")  # summed over an arm's tables
 BOUND_FACTOR = 1.1  # the issue's target: disk step ms <= 1.1 x (host step ms + misses' reads at the raw rate)
 NO_HOST_ARM = "bound not computed: no host-tier arm in the run"
@@ -90,6 +98,16 @@ def measure_raw_reads(tables: dict, seconds: float, pages: int, seed: int) -> di
             "us_per_call_p50": r["us_per_batch_p50"]}
 
 
+def sample_rate(tables: dict, seconds: float, pages: int, seed: int) -> Callable[[], float]:
+    """A measure of the disk's read rate (ops/s) to take right before each of an arm's samples:
+    ``measure_raw_reads`` for ``seconds``, each call at pages of its own (the seed advances)."""
+    calls = itertools.count(1)
+
+    def rate() -> float:
+        return measure_raw_reads(tables, seconds, pages, seed + next(calls))["read_ops_per_s"]
+    return rate
+
+
 def measure_lookup_reads(tables: dict, read_ops_per_step: float | None, seconds: float, seed: int) -> dict | None:
     """How long one lookup's reads take as a raw call: ``_raw_calls`` of ceil(read ops per step / number of
     tables) pages a call for ``seconds``; None when a step read nothing (every row a cache hit)."""
@@ -122,10 +140,11 @@ def disk_summary(arm: ArmSpec, records: list[dict], labels: tuple, raw: dict, fr
             "hit_rate_warm": _median([r["hit_rate"] for r in recorded]),
             "read_ops_per_step_median": _median([r["read_ops_per_step"] for r in recorded]),
             "step_ms_median": _median([r["step_ms"] for r in recorded]),
+            "raw_read_ops_per_s_samples_median": _median([r["raw_read_ops_per_s"] for r in recorded]),
             "step_ms_p50_median": _median([r["step_ms_p50"] for r in recorded]),
             "slow_steps": sum(r["slow_steps"] for r in recorded),
             "host_arm": None, "host_source": None, "host_step_ms_median": None, "bound_ms": None, "ratio": None,
-            "target_met": None, "bound_note": NO_HOST_ARM, "lookup_reads": None, "floor_ms": None,
+            "target_met": None, "ratio_paired": None, "bound_note": NO_HOST_ARM, "lookup_reads": None, "floor_ms": None,
             "floor_ratio": None}
 
 
@@ -151,6 +170,10 @@ def add_bounds(comparisons: list[dict]) -> None:
             ratio = d["step_ms_median"] / bound
             d.update(host_arm=host, host_source=source, host_step_ms_median=host_ms, bound_ms=bound, ratio=ratio,
                      target_met=ratio <= BOUND_FACTOR, bound_note=None)
+            if d["raw_read_ops_per_s_samples_median"] is not None:  # each sample against the rate beside it
+                mine = [r for r in c["samples"] if r["label"] in ARM_LABELS[label] and r["round"] >= 0]
+                d["ratio_paired"] = _median([r["step_ms"] / (host_ms + r["read_ops_per_step"] / r["raw_read_ops_per_s"]
+                                                             * 1e3) for r in mine])
             if d.get("lookup_reads"):
                 floor = host_ms + d["lookup_reads"]["us_per_call_p50"] / 1e3
                 d.update(floor_ms=floor, floor_ratio=d["step_ms_median"] / floor)
@@ -162,6 +185,7 @@ def disk_rows(comparisons: list[dict]) -> list[dict]:
              "step p50 ms": d["step_ms_p50_median"], "slow steps": d["slow_steps"],
              "host step ms": d["host_step_ms_median"], "read ops/step": d["read_ops_per_step_median"],
              "raw reads/s": d["raw_read_ops_per_s"], "bound ms": d["bound_ms"], "ratio": d["ratio"],
+             "raw reads/s, samples": d["raw_read_ops_per_s_samples_median"], "paired ratio": d["ratio_paired"],
              "lookup reads ms": d["lookup_reads"]["us_per_call_p50"] / 1e3 if d.get("lookup_reads") else None,
              "floor ms": d["floor_ms"], "floor ratio": d["floor_ratio"], "hit warm-up": d["hit_rate_cold_warmup"],
              "hit cold": d["hit_rate_cold"], "hit warm": d["hit_rate_warm"]}

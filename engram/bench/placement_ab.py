@@ -25,7 +25,8 @@ engram/bench/placement_arms.py. Each B is compared with A in its own interleaved
 The disk tier reads the preset's table files, generated into ``--cache-dir`` (``random_model``; default the
 project's cache): a disk arm with ``tables_in_memory`` in ``--engram-config`` stops the command before
 anything loads. Right before each comparison that involves a disk arm, the disk's random 4 KiB read rate
-is measured for ``--raw-read-seconds`` (``--raw-read-pages`` pages per call). Every sample records the
+is measured for ``--raw-read-seconds`` (``--raw-read-pages`` pages per call), and again for
+``--raw-read-sample-seconds`` right before each of a disk arm's samples (the paired ratio). Every sample records the
 deltas of its tables' counters over the timed steps, with hit_rate and read_ops_per_step; per disk arm and
 comparison the hit rates cold and warm, and, when the run has a host-tier arm, the bound
 bound_ms = host step ms + read ops per step / raw read ops/s x 1000 with ratio = disk step ms / bound_ms and
@@ -78,7 +79,7 @@ import sys
 from pathlib import Path
 
 from engram.bench.disk_bound import (BOUND_FACTOR, DISK_COLUMNS, NO_HOST_ARM, add_bounds, disk_rows,
-                                     measure_lookup_reads, measure_raw_reads)
+                                     measure_lookup_reads, measure_raw_reads, sample_rate)
 from engram.bench.engine_bench import _free_memory, _ints
 from engram.bench.forced_windows import corpus_stream, cut_windows
 from engram.bench.placement_arms import (DEFAULT_A, DEFAULT_B, ArmSpec, arm_store_options, parse_arm,
@@ -114,6 +115,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--raw-read-seconds", type=float, default=2.0, metavar="S",
                    help="disk arms: seconds of plain random 4 KiB reads of the table's file before each comparison "
                         "(the disk's read rate in the bound; default 2)")
+    p.add_argument("--raw-read-sample-seconds", type=float, default=0.25, metavar="S",
+                   help="disk arms: seconds of the same raw reads right before each of the arm's samples too (the "
+                        "paired bound: each sample against the rate of the disk as it was then; 0: off; "
+                        "default 0.25)")
     p.add_argument("--raw-read-pages", type=int, default=16384, metavar="N",
                    help="disk arms: pages per raw read call (default 16384 = 64 MiB, as in engram bench lookup "
                         "--raw-pages)")
@@ -206,9 +211,9 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"{option} is on tier 'disk', which reads the tables from their files, but "
                              f"--engram-config has tables_in_memory=true (tables built in memory, no files): drop "
                              f"tables_in_memory to generate the tables into --cache-dir")
-    if args.raw_read_seconds <= 0 or args.raw_read_pages < 1:
-        raise SystemExit(f"--raw-read-seconds={args.raw_read_seconds} must be > 0 and "
-                         f"--raw-read-pages={args.raw_read_pages} >= 1")
+    if args.raw_read_seconds <= 0 or args.raw_read_pages < 1 or args.raw_read_sample_seconds < 0:
+        raise SystemExit(f"--raw-read-seconds={args.raw_read_seconds} must be > 0, --raw-read-sample-seconds="
+                         f"{args.raw_read_sample_seconds} >= 0 and --raw-read-pages={args.raw_read_pages} >= 1")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(args.dtype, device)
     model = args.model or (CUDA_MODEL if device.type == "cuda" else CPU_MODEL)
@@ -302,8 +307,12 @@ def run(args: argparse.Namespace) -> int:
                         say(f"batch {b}: raw random reads for {label} {arm.name}: {raw['read_ops_per_s']:.4g} ops/s "
                             f"({raw['io']}, queue depth {raw['queue_depth']})")
                         disk[label] = (raw, fresh, placement_of[arm])
+                rates = {label: sample_rate(tables[placement], args.raw_read_sample_seconds, args.raw_read_pages,
+                                            opts.seed) for label, (_, _, placement) in disk.items()
+                         if args.raw_read_sample_seconds > 0}
                 say(f"batch {b}: A {arm_a.name} vs B {arm_b.name}")
-                result, comparison = run_comparison(engines, arm_a, arm_b, k, b, win, s, ab_cfg, args.quiet, disk)
+                result, comparison = run_comparison(engines, arm_a, arm_b, k, b, win, s, ab_cfg, args.quiet, disk,
+                                                    rates)
                 for label, d in comparison.get("disk", {}).items():  # one lookup's reads as a raw call, after
                     tabs = tables[disk[label][2]]
                     d["lookup_reads"] = measure_lookup_reads(tabs, d["read_ops_per_step_median"],
@@ -341,6 +350,7 @@ def run(args: argparse.Namespace) -> int:
                            "decode_steps": s.decode_steps, "warmup_tokens": s.warmup_tokens,
                            "enforce_eager": args.enforce_eager, "ab": dataclasses.asdict(ab_cfg),
                            "raw_read_seconds": args.raw_read_seconds, "raw_read_pages": args.raw_read_pages,
+                           "raw_read_sample_seconds": args.raw_read_sample_seconds,
                            "bound_factor": BOUND_FACTOR},
               "corpus": {"path": args.corpus or DEFAULT_CORPUS_NAME, "sha256": corpus.sha256,
                          "requests": len(corpus.requests), "stream_tokens": int(stream.size)},
@@ -355,7 +365,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"disk arms: {NO_HOST_ARM} (add an arm with tier host)")
         else:
             print(f"disk arms: bound = host step ms + read ops/step / raw reads/s; target ratio <= {BOUND_FACTOR}; "
-                  "floor = host step ms + one lookup's reads as a raw call")
+                  "paired ratio = median over samples of step ms / (host step ms + read ops/step / the raw rate "
+                  "right before the sample); floor = host step ms + one lookup's reads as a raw call")
     for c in comparisons:
         for w in c["ab"]["warnings"]:
             print(f"warning: batch {c['batch']} b{c['b_index']}: {w}")

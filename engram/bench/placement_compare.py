@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Callable
 
 from engram.bench.disk_bound import counter_deltas, disk_summary, hit_rate
 from engram.bench.forced_windows import Windows, check_forced
@@ -46,16 +47,19 @@ def step_spread(wall_s: list[float]) -> dict:
             "steps_ms": [round(w * 1e3, 3) for w in wall_s]}
 
 
-def arm_measure(engine, arm: ArmSpec, win: Windows, batch: int, s, records: list[dict]):
+def arm_measure(engine, arm: ArmSpec, win: Windows, batch: int, s, records: list[dict],
+                raw_rate: Callable[[], float] | None = None):
     """The ``measure`` of ``arm`` at ``batch``: one ``measure_decode`` over the windows, its outputs checked
     against the forced ids and its graph replays against the timed steps; appends the sample's record
-    to ``records`` and returns decode tok/s."""
+    to ``records`` and returns decode tok/s. ``raw_rate``: the disk's read rate, measured right before
+    each sample (``disk_bound.sample_rate``) into the record's ``raw_read_ops_per_s``."""
     from engram.bench.engine_steps import measure_decode
 
     graphs = engine.executor.worker.graphs is not None
     cached = any(getattr(t, "cache", None) is not None for t in engine.executor.worker.tables.values())
 
     def measure() -> float:
+        raw = raw_rate() if raw_rate is not None else None
         with kernel_switches.applied(dict(arm.switches)):  # eager steps too (prefill) see the arm's choices
             t = measure_decode(engine, win.prompts, s.decode_steps, s.warmup_tokens, tag=f"placement-{batch}",
                                forced=win.forced)
@@ -70,20 +74,22 @@ def arm_measure(engine, arm: ArmSpec, win: Windows, batch: int, s, records: list
                         "step_ms": sum(t.wall_s) / s.decode_steps * 1e3, **step_spread(t.wall_s),
                         "lookup_exposed_s": t.lookup_exposed_s, "graph_replays": t.graph_steps,
                         "tokens_checked": checked, "tables": counts, "hit_rate": hit_rate(counts, cached),
-                        "read_ops_per_step": counts["read_ops"] / s.decode_steps})
+                        "read_ops_per_step": counts["read_ops"] / s.decode_steps, "raw_read_ops_per_s": raw})
         return value
     return measure
 
 
 def run_comparison(engines: dict, arm_a: ArmSpec, arm_b: ArmSpec, k: int, batch: int, win: Windows, s,
-                   ab_cfg, quiet: bool, disk: dict | None = None):
+                   ab_cfg, quiet: bool, disk: dict | None = None, rates: dict | None = None):
     """A against the k-th B at ``batch``, interleaved (``stats.run_interleaved``): the ABResult and the
     comparison's JSON record (the ABResult dict, every sample's record in run order, per-arm summaries).
     ``disk``: per disk arm's label ("A" / "B"), (raw read record, fresh_tables, placement name), which adds
-    ``raw_reads`` and ``disk`` (``disk_summary``) to the record."""
+    ``raw_reads`` and ``disk`` (``disk_summary``) to the record; ``rates``: per label, the read rate to
+    measure before each of that arm's samples (``arm_measure``'s ``raw_rate``)."""
     from engram.bench import stats
 
     records: list[dict] = []
+    rates = rates or {}
 
     def progress(r: stats.Run) -> None:
         records[-1].update(index=r.index, label=r.arm, round=r.round)  # the record the run just appended
@@ -93,8 +99,8 @@ def run_comparison(engines: dict, arm_a: ArmSpec, arm_b: ArmSpec, k: int, batch:
                   file=sys.stderr, flush=True)
 
     result = stats.run_interleaved(
-        stats.Arm(f"A: {arm_a.name}", arm_measure(engines[arm_a], arm_a, win, batch, s, records)),
-        stats.Arm(f"B: {arm_b.name}", arm_measure(engines[arm_b], arm_b, win, batch, s, records)),
+        stats.Arm(f"A: {arm_a.name}", arm_measure(engines[arm_a], arm_a, win, batch, s, records, rates.get("A"))),
+        stats.Arm(f"B: {arm_b.name}", arm_measure(engines[arm_b], arm_b, win, batch, s, records, rates.get("B"))),
         ab_cfg, on_run=progress)
     recorded = {label: [r for r in records if r["label"] == label and r["round"] >= 0] for label in result.arms}
     comparison = {"batch": batch, "b_index": k, "a": arm_a.to_dict(), "b": arm_b.to_dict(),

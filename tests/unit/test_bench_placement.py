@@ -193,7 +193,8 @@ def test_an_arms_switches_are_set_while_its_engine_is_built_and_measured(tmp_pat
 
 # ----------------------------------------------------------------- disk arms
 DISK_FAST = ["--batch-sizes", "1,2", "--context-len", "16", "--decode-steps", "4", "--warmup-tokens", "2",
-             "--repeats", "2", "--warmup", "1", "--quiet", "--raw-read-seconds", "0.05", "--raw-read-pages", "64"]
+             "--repeats", "2", "--warmup", "1", "--quiet", "--raw-read-seconds", "0.05", "--raw-read-pages", "64",
+             "--raw-read-sample-seconds", "0.02"]
 
 
 def test_a_bad_options_key_names_the_first_b_and_the_key(monkeypatch):
@@ -215,6 +216,8 @@ def test_a_disk_arm_with_tables_in_memory_stops_before_loading(monkeypatch):
               "--a", '{"tier": "host"}', "--b", '{"tier": "gpu"}', "--b", '{"tier": "disk"}'])
     with pytest.raises(SystemExit, match=r"--raw-read-seconds=0.0 must be > 0"):
         main(["bench", "placement", *DISK_FAST, "--raw-read-seconds", "0"])
+    with pytest.raises(SystemExit, match=r"--raw-read-sample-seconds=-1.0 >= 0"):
+        main(["bench", "placement", *DISK_FAST, "--raw-read-sample-seconds", "-1"])
 
 
 def test_disk_arms_record_raw_reads_counters_hit_rates_and_the_bound(tmp_path, capsys):
@@ -260,6 +263,7 @@ def test_disk_arms_record_raw_reads_counters_hit_rates_and_the_bound(tmp_path, c
             assert smp["step_ms_max"] == pytest.approx(max(steps), abs=1e-3)
             assert smp["slow_steps"] == sum(x > 2 * smp["step_ms_p50"] + 1e-3 for x in steps)
             assert smp["read_ops_per_step"] == t["read_ops"] / 4
+            assert (smp["raw_read_ops_per_s"] is None) is (smp["label"] != "B")  # measured before disk samples
             if smp["label"] != "B":
                 assert smp["hit_rate"] is None and t["disk_rows"] == 0  # the host tier: no cache, no disk
             elif not with_cache:
@@ -295,6 +299,12 @@ def test_disk_arms_record_raw_reads_counters_hit_rates_and_the_bound(tmp_path, c
         bound = d["host_step_ms_median"] + d["read_ops_per_step_median"] / raw["read_ops_per_s"] * 1e3
         assert d["bound_ms"] == pytest.approx(bound) and d["ratio"] == pytest.approx(d["step_ms_median"] / bound)
         assert d["target_met"] is (d["ratio"] <= 1.1)
+        # the paired bound: each recorded sample against the rate measured right before it
+        rates = [x["raw_read_ops_per_s"] for x in recorded]
+        assert min(rates) > 0 and d["raw_read_ops_per_s_samples_median"] == pytest.approx(sum(rates) / 2)
+        paired = [x["step_ms"] / (d["host_step_ms_median"] + x["read_ops_per_step"] / x["raw_read_ops_per_s"] * 1e3)
+                  for x in recorded]
+        assert d["ratio_paired"] == pytest.approx(sum(paired) / 2)
         # the floor: one lookup's reads (read ops per step over the arm's two tables) as a raw call
         lr = d["lookup_reads"]
         if d["read_ops_per_step_median"] == 0:  # every row a cache hit: no lookup read anything
@@ -307,6 +317,7 @@ def test_disk_arms_record_raw_reads_counters_hit_rates_and_the_bound(tmp_path, c
     assert comps[0]["disk"]["B"]["read_ops_per_step_median"] > 0  # without a cache every step reads the disk
     printed = capsys.readouterr().out
     assert "raw reads/s" in printed and "bound ms" in printed and "target ratio <= 1.1" in printed
+    assert "paired ratio" in printed and "raw reads/s, samples" in printed
     assert "floor ms" in printed and "floor = host step ms + one lookup's reads as a raw call" in printed
 
 
@@ -314,10 +325,13 @@ def test_disk_arm_without_a_host_arm_says_the_bound_is_not_computed(tmp_path, ca
     out = tmp_path / "disk.json"
     rc = main(["bench", "placement", *DISK_FAST, "--batch-sizes", "1", "--out", str(out), "--kv-cache-memory",
                "64MiB", "--cache-dir", str(tmp_path / "cache"), "--a", '{"tier": "gpu"}',
-               "--b", '{"tier": "disk", "options": {"io": "buffered"}}'])
+               "--b", '{"tier": "disk", "options": {"io": "buffered"}}', "--raw-read-sample-seconds", "0"])
     assert rc == 0
     (c,) = json.loads(out.read_text())["result"]["comparisons"]
     d = c["disk"]["B"]
     assert d["bound_ms"] is d["ratio"] is d["target_met"] is d["host_step_ms_median"] is None
+    # no reads before the samples (turned off): nothing to pair them with
+    assert {x["raw_read_ops_per_s"] for x in c["samples"]} == {None}
+    assert d["raw_read_ops_per_s_samples_median"] is d["ratio_paired"] is None
     assert d["bound_note"] == disk_bound.NO_HOST_ARM and d["raw_read_ops_per_s"] > 0
     assert disk_bound.NO_HOST_ARM in capsys.readouterr().out
