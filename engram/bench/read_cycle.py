@@ -7,7 +7,8 @@ steps with a few host functions wrapped to take timestamps (``time.perf_counter`
 * each table's ``reader.read`` (its disk reads: first begin and last end of the table's reads in a cycle);
 * ``HostIds.wait`` returning (the step's row ids on the host: with async scheduling they wait for the step
   before's sampled tokens); without it (synchronous steps) a cycle starts at ``engine.step``;
-* the Worker's ``BackgroundLookups.start`` and ``DecodeGraphs.finish_lookups`` where they run.
+* the Worker's ``BackgroundLookups.start``, ``DecodeGraphs.read_lookups`` returning and
+  ``DecodeGraphs.finish_lookups`` (its start and its end) where they run.
 
 A cycle runs from one step's row ids on the host to the next's; ``summarize`` gives, in ms (median and p90
 over the cycles that read from every table), how the time from the step before's last read to this step's
@@ -21,9 +22,11 @@ last read splits:
   (the later layer's hand-off and plan);
 * ``period``: their sum, the step's period on the disk's clock; ``reads``: the read intervals' sum.
 
-Engine-side marks, from the step before's last read (negative: before it): ``finish`` (the engine's thread
-done finishing the step before's lookups: waited and cached their rows), ``start`` (this step's lookups
-started on the background thread). A diagnosis tool: the wrappers cost microseconds a call.
+Engine-side marks, from the step before's last read (negative: before it): ``done`` (the step before's
+lookups returned, on whichever thread ran them), ``settle`` (the engine's thread began finishing them:
+``finish_lookups``), ``finish`` (done finishing them: their rows cached), ``start`` (this step's lookups
+started on the background thread). ``settle - done`` is the engine's thread getting to them, ``finish -
+settle`` the host cost of caching their rows. A diagnosis tool: the wrappers cost microseconds a call.
 """
 from __future__ import annotations
 
@@ -40,6 +43,8 @@ class Marks:
     """Timestamps (perf_counter seconds) of one recorded run."""
     reads: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # layer -> [(begin, end)]
     ids: list[float] = field(default_factory=list)  # row ids on the host (or a step's start)
+    done: list[float] = field(default_factory=list)  # a step's lookups returned (read_lookups)
+    settle: list[float] = field(default_factory=list)  # the engine began finishing a step's lookups
     finish: list[float] = field(default_factory=list)  # the engine done finishing a step's lookups
     start: list[float] = field(default_factory=list)  # a step's lookups started in the background
 
@@ -91,13 +96,13 @@ def record_cycles(engine, steps: int) -> Marks:
     if lookups is not None:
         wrap(lookups, "start", on_begin=marks.start.append)
     if getattr(worker, "graphs", None) is not None and hasattr(worker.graphs, "finish_lookups"):
-        wrap(worker.graphs, "finish_lookups", on_end=marks.finish.append)
+        wrap(worker.graphs, "read_lookups", on_end=marks.done.append)
+        wrap(worker.graphs, "finish_lookups", on_begin=marks.settle.append, on_end=marks.finish.append)
     with patches:
         for _ in range(steps):
             engine.step()
-    marks.ids.sort()
-    marks.finish.sort()
-    marks.start.sort()
+    for times in (marks.ids, marks.done, marks.settle, marks.finish, marks.start):
+        times.sort()
     return marks
 
 
@@ -129,7 +134,8 @@ def cycle_rows(marks: Marks) -> list[dict[str, float]]:
             row[f"read[{lid}]"] = per[lid][1] - per[lid][0]
         row["period"] = max(e for _, e in per.values()) - last
         row["reads"] = sum(row[f"read[{lid}]"] for lid in layers)
-        for name, times in (("finish", marks.finish), ("start", marks.start)):
+        for name, times in (("done", marks.done), ("settle", marks.settle), ("finish", marks.finish),
+                            ("start", marks.start)):
             near = [t - last for t in times if last - 0.5 * row["period"] <= t < ids + row["plan"]]
             if near:
                 row[name] = near[0]

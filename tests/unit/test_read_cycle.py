@@ -15,11 +15,12 @@ def test_cycles_split_the_period_between_tail_plan_reads_and_hand_offs():
     marks = Marks(reads={1: [((1 + 10 * k) * ms, (4 + 10 * k) * ms) for k in range(3)],
                          15: [((5 + 10 * k) * ms, (6 + 10 * k) * ms) for k in range(3)]
                          + [((6.5 + 10 * k) * ms, (8 + 10 * k) * ms) for k in range(3)]},
-                  ids=[0.0, 10 * ms, 20 * ms], finish=[8.5 * ms, 18.5 * ms], start=[9 * ms, 19 * ms])
+                  ids=[0.0, 10 * ms, 20 * ms], done=[8.1 * ms, 18.1 * ms], settle=[8.2 * ms, 18.2 * ms],
+                  finish=[8.5 * ms, 18.5 * ms], start=[9 * ms, 19 * ms])
     got = summarize(marks)
     assert got["cycles"] == 2
     want = {"tail": 2.0, "plan": 1.0, "read[1]": 3.0, "between[15]": 1.0, "read[15]": 3.0, "period": 10.0,
-            "reads": 6.0, "finish": 0.5, "start": 1.0}
+            "reads": 6.0, "done": 0.1, "settle": 0.2, "finish": 0.5, "start": 1.0}
     assert {k: round(v["median"], 9) for k, v in got.items() if k != "cycles"} == want
     assert "tail" in format_summary(got)
 
