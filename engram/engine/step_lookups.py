@@ -11,10 +11,10 @@ step's reads and before the next step's, with the disk idle (a profiled 4b-like 
 as soon as its row ids reach the host.
 
 Order, which the Worker keeps: ``start`` after the step's pieces are queued; ``finish`` before the next
-step's pieces are queued (the next ``launch``) and before the step's tokens are read (``collect``), on the
-engine's thread. ``finish`` waits for the lookups and then calls ``settle`` (DecodeGraphs.finish_lookups:
-the rows read go into the caches, device work queued only once no piece waits for a flag, and each slab's
-next lookup waits for this step's decode of it). A lookup that failed has already failed the pieces waiting
+step's pieces are queued (the next ``launch``, once it has sent that step's row ids to the host) and before
+the step's tokens are read (``collect``), on the engine's thread. ``finish`` waits for the lookups and then
+calls ``settle`` (DecodeGraphs.finish_lookups: the rows read go into the caches, device work queued only
+once no piece waits for a flag, and each slab's next lookup waits for this step's decode of it). A lookup that failed has already failed the pieces waiting
 for it (cache_probe.signal(..., ok=False)); its error is kept for that step's ``collect`` (``error``), which
 raises it, so the step fails loudly with the read's own message and the engine re-runs it.
 

@@ -25,7 +25,7 @@ import torch
 from engram.engine import step_lookups
 from engram.engine.config import EngineConfig
 from engram.engine.cuda_graphs import DecodeGraphs, graph_reserve_bytes
-from engram.engine.lookup import LookupExecutor, StagedRows, staging_bytes
+from engram.engine.lookup import HostIds, LookupExecutor, StagedRows, staging_bytes
 from engram.engine.lookup_stream import LookupStream
 from engram.engine.memory import MemoryPlan, plan_memory, profile_peak_bytes
 from engram.engine.pending import PendingPatch, PendingTokens
@@ -106,7 +106,6 @@ class Worker:
         """Enqueue one step's device work (lookups, forward, sampling) and the non-blocking copy of its
         tokens to the host; returns without waiting for the device (nor, over probed slabs, for the step's
         lookups: step_lookups.py)."""
-        self._finish_lookups()  # the step before's, if they run in the background: before this step's pieces
         self._free(step.finished_seq_ids)
         patch = self.pending.patch(step)
         if patch is not None and patch.row_ids and type(self.lookup) is not LookupExecutor:
@@ -123,14 +122,19 @@ class Worker:
         # With the gathers in the graph the default executor has nothing to do; a replaced one (recording,
         # overlapping) still sees every step.
         skip = graph and self.graphs.tables is not None and type(self.lookup) is LookupExecutor
+        slabs = self.graphs.slabs if graph and type(self.lookup) is LookupExecutor else None  # DISK_DECODE_IN_GRAPH
+        slab_step = not skip and bool(slabs) and set(step.engram_row_ids) <= set(slabs)
+        # The row ids go to the host before the step before's background lookups are finished: their copy then
+        # follows that step's sampler alone, not the copies into the caches that finishing queues, and they
+        # arrive while this thread caches the rows read (step_lookups.py).
+        host_ids = self.lookup.start_host_ids(step, patch) if slab_step and patch is not None else None
+        self._finish_lookups()  # the step before's, if they run in the background: before this step's pieces
         if skip:
             staged = None
+        elif slab_step:
+            staged = self._submit_slab_step(step, patch, slabs, host_ids)
         elif type(self.lookup) is LookupExecutor:  # a graph step projects its rows inside the graph
-            slabs = self.graphs.slabs if graph else None  # disk rows the graph decodes (DISK_DECODE_IN_GRAPH)
-            if slabs and set(step.engram_row_ids) <= set(slabs):
-                staged = self._submit_slab_step(step, patch, slabs)
-            else:
-                staged = self.lookup.submit(step, patch, project=not graph, **({"slabs": slabs} if slabs else {}))
+            staged = self.lookup.submit(step, patch, project=not graph, **({"slabs": slabs} if slabs else {}))
         else:
             staged = self.lookup.submit(step)
         try:
@@ -155,15 +159,16 @@ class Worker:
         return LaunchedStep(step, SampledTokens(*host[:4], ready=ready), tuple(host[4:n]) if scores else None,
                             host[n] if flags is not None else None)
 
-    def _submit_slab_step(self, step: StepDescription, patch: PendingPatch | None, slabs: dict) -> StagedRows | None:
-        """A decode-graph step whose every layer's rows are read into the graph's slabs: the row ids go to the
-        host first, then the pieces before the first Engram layer are queued, and only then does the host wait
-        for the ids (the device runs those pieces while the host reads that layer's pages). Pieces that find
+    def _submit_slab_step(self, step: StepDescription, patch: PendingPatch | None, slabs: dict,
+                          host_ids: HostIds | None) -> StagedRows | None:
+        """A decode-graph step whose every layer's rows are read into the graph's slabs: the row ids went to the
+        host first (``host_ids``, from ``LookupExecutor.start_host_ids`` when the step has pending tokens), then
+        the pieces before the first Engram layer are queued, and only then does the host wait for the ids (the
+        device runs those pieces while the host reads that layer's pages). Pieces that find
         their rows on the device (cached disk tables: ``probes_all``) are all queued at once, and their lookups
         then run on the background thread (step_lookups.py) when the step before read from disk (a step whose
         rows were all cached has ~0.1 ms of lookups, less than the hand-off costs): None is returned, else the
         staged rows for ``graphs.run``."""
-        host_ids = self.lookup.start_host_ids(step, patch) if patch is not None else None
         whole = self.graphs.probes_all
         self.graphs.begin(step, patch, whole=whole)
         staged = None

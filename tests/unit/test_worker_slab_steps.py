@@ -198,6 +198,13 @@ def test_probed_steps_lookups_inline_or_beside_the_host_work(tmp_path, monkeypat
         return result
 
     monkeypatch.setattr(worker, "collect", collect)
+    real_ids = worker.lookup.start_host_ids
+
+    def start_host_ids(step, patch):
+        worker.graphs.events.append(("ids", step.step_id))
+        return real_ids(step, patch)
+
+    monkeypatch.setattr(worker.lookup, "start_host_ids", start_host_ids)
     assert _generate(llm) == want
     assert worker.graphs.replays > 5 and worker.graphs.counts["waited"] > 0 and not worker.graphs.failed
     # a step's lookups are finished before it is collected, and collecting a step never waits for a later one's
@@ -213,6 +220,13 @@ def test_probed_steps_lookups_inline_or_beside_the_host_work(tmp_path, monkeypat
     if background and async_scheduling:  # the next step's lookups were left pending while a step was read
         assert any(events.index(("read", s + 1)) < i < events.index(("finish", s + 1))
                    for i, (w, s) in enumerate(events) if w == "collected" and ("read", s + 1) in events)
+        # and the next step's row ids went to the host before the background lookups were finished (their
+        # copy follows the step before's sampler, not the copies into the caches that finishing queues)
+        assert any(events.index(("ids", s + 1)) < events.index(("finish", s))
+                   for w, s in events if w == "finish" and ("ids", s + 1) in events)
+    for what, step in events:  # whatever the order above, a step's ids come before its lookups read
+        if what == "ids" and ("read", step) in events:
+            assert events.index(("ids", step)) < events.index(("read", step))
     assert worker._lookups.pending_step is None  # the last step's lookups were finished when it was read
     # every step's lookups were finished exactly once (BackgroundLookups.start refuses a second step before)
     assert worker.graphs.finished == worker.graphs.replays
