@@ -31,7 +31,9 @@ bound_ms = host step ms (median) + read ops per step (median) / raw read ops/s x
 ms / bound_ms and target_met = ratio <= ``BOUND_FACTOR`` (1.1). Without a host-tier arm the fields stay
 None and ``bound_note`` is ``NO_HOST_ARM``. With per-sample rates, ratio_paired = the median over the
 arm's recorded samples of step ms / (host step ms + the sample's read ops per step / the rate measured right
-before it x 1000): the same bound, each sample held to the disk as it was when the sample ran.
+before it x 1000): the same bound, each sample held to the disk as it was when the sample ran; with the
+bootstrap interval of that median (``stats.median_ci``, the run's A/B settings) ``paired_target`` is "met"
+when the interval lies at or below ``BOUND_FACTOR``, "missed" when above it, else "undecided".
 ``disk_rows`` makes the second printed table (``DISK_COLUMNS``), one row per disk arm per comparison.
 
 The latency floor beside the bound: the bound charges a step's reads at the disk's rate with a deep queue,
@@ -51,10 +53,12 @@ import json
 from pathlib import Path
 from typing import Callable
 
+from engram.bench import stats
 from engram.bench.placement_arms import ARM_LABELS, ArmSpec
 
 DISK_COLUMNS = ["batch", "disk arm", "step ms", "step p50 ms", "slow steps", "host step ms", "read ops/step",
-                "raw reads/s", "bound ms", "ratio", "raw reads/s, samples", "paired ratio", "lookup reads ms",
+                "raw reads/s", "bound ms", "ratio", "raw reads/s, samples", "paired ratio", "paired CI",
+                "paired target", "lookup reads ms",
                 "floor ms", "floor ratio", "hit warm-up", "hit cold", "hit warm"]
 COUNTER_KEYS = ("hits", "misses", "read_ops", "disk_rows", "bytes_read", "rows")  # summed over an arm's tables
 BOUND_FACTOR = 1.1  # the issue's target: disk step ms <= 1.1 x (host step ms + misses' reads at the raw rate)
@@ -144,11 +148,12 @@ def disk_summary(arm: ArmSpec, records: list[dict], labels: tuple, raw: dict, fr
             "step_ms_p50_median": _median([r["step_ms_p50"] for r in recorded]),
             "slow_steps": sum(r["slow_steps"] for r in recorded),
             "host_arm": None, "host_source": None, "host_step_ms_median": None, "bound_ms": None, "ratio": None,
-            "target_met": None, "ratio_paired": None, "bound_note": NO_HOST_ARM, "lookup_reads": None, "floor_ms": None,
+            "target_met": None, "ratio_paired": None, "ratio_paired_ci": None, "paired_target": None,
+            "bound_note": NO_HOST_ARM, "lookup_reads": None, "floor_ms": None,
             "floor_ratio": None}
 
 
-def add_bounds(comparisons: list[dict]) -> None:
+def add_bounds(comparisons: list[dict], ab_cfg: stats.ABConfig | None = None) -> None:
     """For every disk arm of every comparison, the bound against a host-tier arm at the same batch: the other
     arm of its own comparison when that is on the host tier (interleaved with it), else the first B on the
     host tier at that batch (its comparison's B samples). bound_ms = host step ms + disk read ops per step /
@@ -172,8 +177,12 @@ def add_bounds(comparisons: list[dict]) -> None:
                      target_met=ratio <= BOUND_FACTOR, bound_note=None)
             if d["raw_read_ops_per_s_samples_median"] is not None:  # each sample against the rate beside it
                 mine = [r for r in c["samples"] if r["label"] in ARM_LABELS[label] and r["round"] >= 0]
-                d["ratio_paired"] = _median([r["step_ms"] / (host_ms + r["read_ops_per_step"] / r["raw_read_ops_per_s"]
-                                                             * 1e3) for r in mine])
+                paired = [r["step_ms"] / (host_ms + r["read_ops_per_step"] / r["raw_read_ops_per_s"] * 1e3)
+                          for r in mine]
+                lo, hi = stats.median_ci(paired, ab_cfg or stats.ABConfig())
+                d.update(ratio_paired=_median(paired), ratio_paired_ci=[lo, hi],
+                         paired_target="met" if hi <= BOUND_FACTOR else "missed" if lo > BOUND_FACTOR
+                         else "undecided")
             if d.get("lookup_reads"):
                 floor = host_ms + d["lookup_reads"]["us_per_call_p50"] / 1e3
                 d.update(floor_ms=floor, floor_ratio=d["step_ms_median"] / floor)
@@ -186,6 +195,8 @@ def disk_rows(comparisons: list[dict]) -> list[dict]:
              "host step ms": d["host_step_ms_median"], "read ops/step": d["read_ops_per_step_median"],
              "raw reads/s": d["raw_read_ops_per_s"], "bound ms": d["bound_ms"], "ratio": d["ratio"],
              "raw reads/s, samples": d["raw_read_ops_per_s_samples_median"], "paired ratio": d["ratio_paired"],
+             "paired CI": "{:.4f}…{:.4f}".format(*d["ratio_paired_ci"]) if d["ratio_paired_ci"] else None,
+             "paired target": d["paired_target"],
              "lookup reads ms": d["lookup_reads"]["us_per_call_p50"] / 1e3 if d.get("lookup_reads") else None,
              "floor ms": d["floor_ms"], "floor ratio": d["floor_ratio"], "hit warm-up": d["hit_rate_cold_warmup"],
              "hit cold": d["hit_rate_cold"], "hit warm": d["hit_rate_warm"]}

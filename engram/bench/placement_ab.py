@@ -325,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
                     stats.plot_runs(result, str(png), title=f"batch {b}: A {arm_a.name}\nB {arm_b.name}")
                     say(f"plot: {png}")
         kv_blocks = {arm.name: engines[arm].stats()["kv_blocks_total"] for arm in arms}
-        add_bounds(comparisons)
+        add_bounds(comparisons, ab_cfg)
     finally:
         if frozen:
             thaw_heap()

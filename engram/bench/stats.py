@@ -161,15 +161,21 @@ def compare(num: Sequence[float], den: Sequence[float], cfg: ABConfig,
         if bad:
             raise ValueError(f"arm {name}: samples must be finite and > 0 to form ratios, got {bad[:3]}")
     ratios = block_means(num, cfg.block_rounds) / block_means(den, cfg.block_rounds)  # [blocks]
-    n = ratios.size
+    lo, hi = median_ci(ratios, cfg)
+    return Comparison(num=names[0], den=names[1], estimate=float(np.median(ratios)) - 1.0,
+                      ci_lo=lo - 1.0, ci_hi=hi - 1.0, confidence=cfg.confidence,
+                      n_blocks=ratios.size, block_ratios=ratios.tolist())
+
+
+def median_ci(x: Sequence[float], cfg: ABConfig) -> tuple[float, float]:
+    """The percentile bootstrap interval of the median of ``x`` (``cfg``'s resamples, level and seed)."""
+    a = np.asarray(x, dtype=np.float64)
     rng = np.random.default_rng(cfg.seed)
-    idx = rng.integers(0, n, size=(cfg.n_boot, n))  # [n_boot, blocks] resampled block indices
-    boot = np.median(ratios[idx], axis=1)  # [n_boot]
+    idx = rng.integers(0, a.size, size=(cfg.n_boot, a.size))  # [n_boot, n] resampled indices
+    boot = np.median(a[idx], axis=1)  # [n_boot]
     alpha = 1.0 - cfg.confidence
     lo, hi = np.quantile(boot, [alpha / 2, 1 - alpha / 2])
-    return Comparison(num=names[0], den=names[1], estimate=float(np.median(ratios)) - 1.0,
-                      ci_lo=float(lo) - 1.0, ci_hi=float(hi) - 1.0, confidence=cfg.confidence,
-                      n_blocks=n, block_ratios=ratios.tolist())
+    return float(lo), float(hi)
 
 
 def _pct(x: float) -> str:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from engram.bench import disk_bound, engine_steps, forced_windows
+from engram.bench import disk_bound, engine_steps, forced_windows, stats
 from engram.cli import main
 from engram.commands.options import parse_bytes
 
@@ -305,6 +305,10 @@ def test_disk_arms_record_raw_reads_counters_hit_rates_and_the_bound(tmp_path, c
         paired = [x["step_ms"] / (d["host_step_ms_median"] + x["read_ops_per_step"] / x["raw_read_ops_per_s"] * 1e3)
                   for x in recorded]
         assert d["ratio_paired"] == pytest.approx(sum(paired) / 2)
+        lo, hi = d["ratio_paired_ci"]  # the bootstrap interval of that median, and the verdict it gives
+        assert (lo, hi) == pytest.approx(stats.median_ci(paired, stats.ABConfig(**res["settings"]["ab"])))
+        assert min(paired) <= lo <= d["ratio_paired"] <= hi <= max(paired)
+        assert d["paired_target"] == ("met" if hi <= 1.1 else "missed" if lo > 1.1 else "undecided")
         # the floor: one lookup's reads (read ops per step over the arm's two tables) as a raw call
         lr = d["lookup_reads"]
         if d["read_ops_per_step_median"] == 0:  # every row a cache hit: no lookup read anything
@@ -332,6 +336,6 @@ def test_disk_arm_without_a_host_arm_says_the_bound_is_not_computed(tmp_path, ca
     assert d["bound_ms"] is d["ratio"] is d["target_met"] is d["host_step_ms_median"] is None
     # no reads before the samples (turned off): nothing to pair them with
     assert {x["raw_read_ops_per_s"] for x in c["samples"]} == {None}
-    assert d["raw_read_ops_per_s_samples_median"] is d["ratio_paired"] is None
+    assert d["raw_read_ops_per_s_samples_median"] is d["ratio_paired"] is d["paired_target"] is None
     assert d["bound_note"] == disk_bound.NO_HOST_ARM and d["raw_read_ops_per_s"] > 0
     assert disk_bound.NO_HOST_ARM in capsys.readouterr().out

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engram.bench import report
-from engram.bench.stats import (AA_LABEL, ABConfig, Arm, analyze, block_means, compare, plot_runs,
+from engram.bench.stats import (AA_LABEL, ABConfig, Arm, analyze, block_means, compare, median_ci, plot_runs,
                                 run_interleaved, schedule, timed, verdict)
 
 
@@ -105,6 +105,21 @@ def test_bootstrap_is_reproducible_with_its_seed():
     assert (c1.ci_lo, c1.ci_hi) != (c3.ci_lo, c3.ci_hi)
     assert c1.estimate == c3.estimate  # the point estimate does not depend on the bootstrap
     assert c1.block_ratios == pytest.approx(list(block_means(b, 2) / block_means(a, 2)))
+
+
+def test_median_ci_brackets_the_median_and_narrows_with_the_spread():
+    cfg = ABConfig(seed=3)
+    assert median_ci([1.07] * 10, cfg) == (1.07, 1.07)  # no spread, no width
+    rng = np.random.default_rng(5)
+    wide, narrow = 1 + 0.1 * rng.standard_normal(20), 1 + 0.01 * rng.standard_normal(20)
+    lo, hi = median_ci(wide, cfg)
+    assert lo < np.median(wide) < hi and median_ci(wide, cfg) == (lo, hi)  # reproducible with its seed
+    nlo, nhi = median_ci(narrow, cfg)
+    assert nhi - nlo < (hi - lo) / 5
+    # compare's interval is median_ci of its block ratios
+    a, b = 1 + 0.03 * rng.standard_normal(16), 1.02 + 0.03 * rng.standard_normal(16)
+    c = compare(b, a, ABConfig(repeats=16, seed=3))
+    assert (c.ci_lo + 1, c.ci_hi + 1) == pytest.approx(median_ci(c.block_ratios, ABConfig(repeats=16, seed=3)))
 
 
 def test_unstable_machine_warns_through_the_aa_control():
