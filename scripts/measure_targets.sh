@@ -26,6 +26,9 @@
 #   disk-cache-b64  batch 64 only, the cache arm (lookups beside the host work, the default) against the
 #                same with its lookups inline (background_lookups false); then the GIL hand-off and two
 #                layers' read schedules on this machine (scripts/gil_handoff.py, read_schedule.py)  (~7.5 min)
+#   disk-cache-together  batch 64 only, the cache arm against the same with both tables' lookups submitted
+#                together (kernel switch first_lookup_alone false: their reads side by side, a queue twice as
+#                deep); the paired ratio of each                                              (not yet timed)
 #
 # OUTDIR (default $OUT, else bench/results) receives <date>-<what>-<commit>.{json,log}. ENGRAM_COMMIT
 # names the commit when the tree is not a git checkout (a snapshot copied to the machine).
@@ -33,7 +36,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 parts="tests|engine|switches|host-4b|host-8b|exposure|disk|disk-switch|disk-cache|disk-cache-gaps"
-parts+="|disk-cache-b1|disk-cache-b64"
+parts+="|disk-cache-b1|disk-cache-b64|disk-cache-together"
 usage="usage: scripts/measure_targets.sh $parts [OUTDIR]"
 part=${1:?$usage}
 out=${2:-${OUT:-bench/results}}
@@ -79,7 +82,7 @@ exposure)
         --engram-config "{$big}" --steps 8 --batches 64,256 \
         --out "$out/$stamp-exposure-host-b64-b256-$commit.json"
     ;;
-disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b64)
+disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b64 | disk-cache-together)
     cache=${ENGRAM_CACHE_DIR:-/tmp/engram-tables}
     disk='{"tier": "disk", "lookup_overlap": true, "options": {"io": "direct", "queue_depth": 64}'
     if [ "$part" = disk-cache-gaps ]; then  # the cache arm's tables (31 M rows a layer), profiled
@@ -121,6 +124,15 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b
             --out "$out/$stamp-gil-handoff-$commit.json"
         run read-schedule python3 -u scripts/read_schedule.py "$(find "$cache" -name values.bin | head -1)" \
             --out "$out/$stamp-read-schedule-$commit.json"
+        exit
+    fi
+    if [ "$part" = disk-cache-together ]; then
+        cached="${disk%\}}, \"cache_rows\": 200000}"
+        run placement-disk-cache-together-4b-like python3 -u -m engram bench placement --model 4b-like \
+            --cache-dir "$cache" --engram-config '{"load_threads": 16, "table_rows": 31000000}' \
+            --a '{"tier": "host", "lookup_overlap": true}' --b "$cached}" \
+            --b "$cached, \"switches\": {\"first_lookup_alone\": false}}" \
+            --batch-sizes 64 --out "$out/$stamp-placement-disk-cache-together-4b-like-$commit.json"
         exit
     fi
     if [ "$part" = disk-cache ]; then
