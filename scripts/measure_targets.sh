@@ -93,65 +93,50 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b
             --engram-config "$cfg" --batch 64 --steps 20 --gpu-gaps
         exit
     fi
-    if [ "$part" = disk-switch ]; then  # batch 1, rows decoded inside the decode graphs (default) or outside
-        run placement-disk-switch-4b-like python3 -u -m engram bench placement --model 4b-like \
+    placement() {  # placement NAME BATCHES [VAR=VALUE...] B_ARM...: A (pinned host tables) against each B
+        local name=$1 batches=$2 envs=() bs=()
+        shift 2
+        while [[ $1 == *=* && $1 != "{"* ]]; do envs+=("$1"); shift; done
+        for b in "$@"; do bs+=(--b "$b"); done
+        run "placement-$name-4b-like" env "${envs[@]}" python3 -u -m engram bench placement --model 4b-like \
             --cache-dir "$cache" --engram-config '{"load_threads": 16, "table_rows": 31000000}' \
-            --a '{"tier": "host", "lookup_overlap": true}' --b "$disk}" \
-            --b "$disk, \"switches\": {\"disk_decode_in_graph\": false}}" \
-            --batch-sizes 1 --out "$out/$stamp-placement-disk-switch-4b-like-$commit.json"
-        exit
-    fi
-    if [ "$part" = disk-cache-b1 ]; then
-        cached="${disk%\}}, \"cache_rows\": 200000}"
+            --a '{"tier": "host", "lookup_overlap": true}' "${bs[@]}" \
+            --batch-sizes "$batches" --out "$out/$stamp-placement-$name-4b-like-$commit.json"
+    }
+    cached="${disk%\}}, \"cache_rows\": 200000}"
+    case $part in
+    disk-switch)  # batch 1, rows decoded inside the decode graphs (default) or outside
+        placement disk-switch 1 "$disk}" "$disk, \"switches\": {\"disk_decode_in_graph\": false}}"
+        ;;
+    disk-cache-b1)
         for ms in 0.2 5; do  # 0.2: the default
-            run "placement-disk-cache-b1-gil-${ms}ms-4b-like" env ENGRAM_GIL_SWITCH_MS=$ms python3 -u -m engram bench \
-                placement --model 4b-like --cache-dir "$cache" \
-                --engram-config '{"load_threads": 16, "table_rows": 31000000}' \
-                --a '{"tier": "host", "lookup_overlap": true}' --b "$cached}" \
-                --b "$cached, \"switches\": {\"background_lookups\": false}}" \
-                --batch-sizes 1 --out "$out/$stamp-placement-disk-cache-b1-gil-${ms}ms-4b-like-$commit.json"
+            placement "disk-cache-b1-gil-${ms}ms" 1 ENGRAM_GIL_SWITCH_MS=$ms "$cached}" \
+                "$cached, \"switches\": {\"background_lookups\": false}}"
         done
-        exit
-    fi
-    if [ "$part" = disk-cache-b64 ]; then
-        cached="${disk%\}}, \"cache_rows\": 200000}"
-        run placement-disk-cache-b64-4b-like python3 -u -m engram bench placement --model 4b-like \
-            --cache-dir "$cache" --engram-config '{"load_threads": 16, "table_rows": 31000000}' \
-            --a '{"tier": "host", "lookup_overlap": true}' --b "$cached}" \
-            --b "$cached, \"switches\": {\"background_lookups\": false}}" \
-            --batch-sizes 64 --out "$out/$stamp-placement-disk-cache-b64-4b-like-$commit.json"
+        ;;
+    disk-cache-b64)
+        placement disk-cache-b64 64 "$cached}" "$cached, \"switches\": {\"background_lookups\": false}}"
         run gil-handoff python3 -u scripts/gil_handoff.py "$(find "$cache" -name values.bin | head -1)" \
             --out "$out/$stamp-gil-handoff-$commit.json"
         run read-schedule python3 -u scripts/read_schedule.py "$(find "$cache" -name values.bin | head -1)" \
             --out "$out/$stamp-read-schedule-$commit.json"
-        exit
-    fi
-    if [ "$part" = disk-cache-together ]; then
-        cached="${disk%\}}, \"cache_rows\": 200000}"
-        run placement-disk-cache-together-4b-like python3 -u -m engram bench placement --model 4b-like \
-            --cache-dir "$cache" --engram-config '{"load_threads": 16, "table_rows": 31000000}' \
-            --a '{"tier": "host", "lookup_overlap": true}' --b "$cached}" \
-            --b "$cached, \"switches\": {\"first_lookup_alone\": false}}" \
-            --batch-sizes 64 --out "$out/$stamp-placement-disk-cache-together-4b-like-$commit.json"
-        exit
-    fi
-    if [ "$part" = disk-cache ]; then
-        run placement-disk-cache-4b-like python3 -u -m engram bench placement --model 4b-like \
-            --cache-dir "$cache" --engram-config '{"load_threads": 16, "table_rows": 31000000}' \
-            --a '{"tier": "host", "lookup_overlap": true}' --b "${disk%\}}, \"cache_rows\": 200000}}" \
-            --batch-sizes 1,64 --out "$out/$stamp-placement-disk-cache-4b-like-$commit.json"
+        ;;
+    disk-cache-together)
+        placement disk-cache-together 64 "$cached}" "$cached, \"switches\": {\"first_lookup_alone\": false}}"
+        ;;
+    disk-cache)
+        placement disk-cache 1,64 "$cached}"
         run profile-disk-cache-4b-like-b1 python3 -u scripts/profile_decode_host.py --tier disk --cache-dir "$cache" \
             --engram-config '{"io": "direct", "queue_depth": 64, "cache_rows": 200000}' --steps 40
-        exit
-    fi
-    run placement-disk-4b-like python3 -u -m engram bench placement --model 4b-like --cache-dir "$cache" \
-        --engram-config '{"load_threads": 16, "table_rows": 31000000}' \
-        --a '{"tier": "host", "lookup_overlap": true}' --b "$disk}" \
-        --batch-sizes 1,64 --out "$out/$stamp-placement-disk-4b-like-$commit.json"
-    run profile-disk-4b-like-b1 python3 -u scripts/profile_decode_host.py --tier disk --cache-dir "$cache" \
-        --engram-config '{"io": "direct", "queue_depth": 64}' --steps 40
-    run read-latency-gaps python3 -u scripts/read_latency.py "$(find "$cache" -name values.bin | head -1)" \
-        --seconds 1 --gaps-ms 0,4 --depths 8,24,64
+        ;;
+    disk)
+        placement disk 1,64 "$disk}"
+        run profile-disk-4b-like-b1 python3 -u scripts/profile_decode_host.py --tier disk --cache-dir "$cache" \
+            --engram-config '{"io": "direct", "queue_depth": 64}' --steps 40
+        run read-latency-gaps python3 -u scripts/read_latency.py "$(find "$cache" -name values.bin | head -1)" \
+            --seconds 1 --gaps-ms 0,4 --depths 8,24,64
+        ;;
+    esac
     ;;
 *)
     echo "unknown part '$part'; $usage" >&2
