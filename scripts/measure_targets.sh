@@ -29,6 +29,9 @@
 #   disk-cache-together  batch 64 only, the cache arm against the same with both tables' lookups submitted
 #                together (kernel switch first_lookup_alone false: their reads side by side, a queue twice as
 #                deep); the paired ratio of each                                              (not yet timed)
+#   disk-cache-early-ids  batch 64 only, the cache arm against the same with the next step's row ids sent to
+#                the host after the step's background lookups are finished (early_host_ids false: the order
+#                before 1609d27)                                                              (not yet timed)
 #
 # OUTDIR (default $OUT, else bench/results) receives <date>-<what>-<commit>.{json,log}. ENGRAM_COMMIT
 # names the commit when the tree is not a git checkout (a snapshot copied to the machine).
@@ -36,7 +39,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 parts="tests|engine|switches|host-4b|host-8b|exposure|disk|disk-switch|disk-cache|disk-cache-gaps"
-parts+="|disk-cache-b1|disk-cache-b64|disk-cache-together"
+parts+="|disk-cache-b1|disk-cache-b64|disk-cache-together|disk-cache-early-ids"
 usage="usage: scripts/measure_targets.sh $parts [OUTDIR]"
 part=${1:?$usage}
 out=${2:-${OUT:-bench/results}}
@@ -82,7 +85,8 @@ exposure)
         --engram-config "{$big}" --steps 8 --batches 64,256 \
         --out "$out/$stamp-exposure-host-b64-b256-$commit.json"
     ;;
-disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b64 | disk-cache-together)
+disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b64 | disk-cache-together \
+    | disk-cache-early-ids)
     cache=${ENGRAM_CACHE_DIR:-/tmp/engram-tables}
     disk='{"tier": "disk", "lookup_overlap": true, "options": {"io": "direct", "queue_depth": 64}'
     if [ "$part" = disk-cache-gaps ]; then  # the cache arm's tables (31 M rows a layer), profiled
@@ -123,6 +127,9 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b
         ;;
     disk-cache-together)
         placement disk-cache-together 64 "$cached}" "$cached, \"switches\": {\"first_lookup_alone\": false}}"
+        ;;
+    disk-cache-early-ids)
+        placement disk-cache-early-ids 64 "$cached}" "$cached, \"switches\": {\"early_host_ids\": false}}"
         ;;
     disk-cache)
         placement disk-cache 1,64 "$cached}"

@@ -58,6 +58,10 @@ from engram.store import reader
 log = logging.getLogger(__name__)
 
 BACKGROUND = env_flag("ENGRAM_BACKGROUND_LOOKUPS", default=True)
+# The next step's row ids go to the host before the background lookups of the step before are finished (the
+# Worker's launch): their copy follows that step's sampler alone, not the cache copies that finishing
+# queues. ENGRAM_EARLY_HOST_IDS=0 (kernel switch ``early_host_ids`` false) finishes first, as before 1609d27.
+EARLY_HOST_IDS = env_flag("ENGRAM_EARLY_HOST_IDS", default=True)
 
 
 def switch_interval_s(env: dict | None = None) -> float:

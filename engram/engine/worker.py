@@ -126,9 +126,12 @@ class Worker:
         slab_step = not skip and bool(slabs) and set(step.engram_row_ids) <= set(slabs)
         # The row ids go to the host before the step before's background lookups are finished: their copy then
         # follows that step's sampler alone, not the copies into the caches that finishing queues, and they
-        # arrive while this thread caches the rows read (step_lookups.py).
-        host_ids = self.lookup.start_host_ids(step, patch) if slab_step and patch is not None else None
+        # arrive while this thread caches the rows read (step_lookups.EARLY_HOST_IDS).
+        wants_ids = slab_step and patch is not None
+        host_ids = self.lookup.start_host_ids(step, patch) if wants_ids and step_lookups.EARLY_HOST_IDS else None
         self._finish_lookups()  # the step before's, if they run in the background: before this step's pieces
+        if wants_ids and host_ids is None:
+            host_ids = self.lookup.start_host_ids(step, patch)
         if skip:
             staged = None
         elif slab_step:

@@ -18,6 +18,9 @@ them, interleaved, with confidence intervals. Unknown names are refused with the
 * ``background_lookups``: a decode step whose Engram layers all find their rows on the device (disk tables
   behind a probed hot-row cache) runs its lookups on a thread of its own, beside the engine's host work
   (``step_lookups.BACKGROUND``, ``ENGRAM_BACKGROUND_LOOKUPS``; read at every launch; on by default);
+* ``early_host_ids``: a probed slab step's row ids go to the host before the step before's background
+  lookups are finished, not after (``step_lookups.EARLY_HOST_IDS``, ``ENGRAM_EARLY_HOST_IDS``; read at every
+  launch; on by default);
 * ``split_gemv``: at one to four rows the o and down projections write float32 partials over slices of K
   that the next fused add + RMSNorm sums, instead of cuBLAS's split-K GEMM and its reduce kernel
   (``split_linear.ENABLED``, ``ENGRAM_SPLIT_GEMV``; read at every forward, so a decode graph captures
@@ -65,6 +68,7 @@ SWITCHES = {  # name -> (get, set)
     "cublaslt": _blas_lt(),
     "disk_decode_in_graph": _module_flag("engram.engine.cuda_graphs", "DISK_DECODE_IN_GRAPH"),
     "background_lookups": _module_flag("engram.engine.step_lookups", "BACKGROUND"),
+    "early_host_ids": _module_flag("engram.engine.step_lookups", "EARLY_HOST_IDS"),
     "split_gemv": _module_flag("engram.model.layers.split_linear", "ENABLED"),
 }
 

@@ -173,9 +173,11 @@ def test_slab_decoding_steps_give_the_eager_tokens(tmp_path, cache_rows):
         assert worker.graphs.counts["found"] > 0 and worker.graphs.counts["waited"] == waited
 
 
-@pytest.mark.parametrize("background", [False, True], ids=["inline", "background"])
+@pytest.mark.parametrize("background,early_ids", [(False, True), (True, True), (True, False)],
+                         ids=["inline", "background", "background-ids-after-finish"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_probed_steps_lookups_inline_or_beside_the_host_work(tmp_path, monkeypatch, background, async_scheduling):
+def test_probed_steps_lookups_inline_or_beside_the_host_work(tmp_path, monkeypatch, background, early_ids,
+                                                              async_scheduling):
     """Over probed slabs (a hot-row cache) the whole step is queued first; its lookups then run inline or on
     the Worker's background thread (step_lookups.py), finished (the rows read cached) before the next step
     is launched or this one collected: the same tokens either way, with and without async scheduling (the
@@ -186,6 +188,7 @@ def test_probed_steps_lookups_inline_or_beside_the_host_work(tmp_path, monkeypat
     sys.setswitchinterval(0.005)
     before_si = sys.getswitchinterval()
     monkeypatch.setattr(step_lookups, "BACKGROUND", background)
+    monkeypatch.setattr(step_lookups, "EARLY_HOST_IDS", early_ids)
     llm = _disk_llm(tmp_path, 40, async_scheduling=async_scheduling)
     worker = llm.engine.executor.worker
     worker.graphs = _SlabGraphs(worker, 8)
@@ -221,9 +224,11 @@ def test_probed_steps_lookups_inline_or_beside_the_host_work(tmp_path, monkeypat
         assert any(events.index(("read", s + 1)) < i < events.index(("finish", s + 1))
                    for i, (w, s) in enumerate(events) if w == "collected" and ("read", s + 1) in events)
         # and the next step's row ids went to the host before the background lookups were finished (their
-        # copy follows the step before's sampler, not the copies into the caches that finishing queues)
-        assert any(events.index(("ids", s + 1)) < events.index(("finish", s))
-                   for w, s in events if w == "finish" and ("ids", s + 1) in events)
+        # copy follows the step before's sampler, not the copies into the caches that finishing queues), or
+        # after them with EARLY_HOST_IDS off
+        early = [events.index(("ids", s + 1)) < events.index(("finish", s))
+                 for w, s in events if w == "finish" and ("ids", s + 1) in events]
+        assert any(early) if early_ids else not any(early)
     for what, step in events:  # whatever the order above, a step's ids come before its lookups read
         if what == "ids" and ("read", step) in events:
             assert events.index(("ids", step)) < events.index(("read", step))
