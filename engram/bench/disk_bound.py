@@ -13,17 +13,18 @@ random page reads of the arm's first table's values.bin through a ``PageReader``
 in effect and queue depth, a given number of pages per call, one unrecorded call first; with buffered io
 the file is dropped from the page cache before every call, O_DIRECT has none). The rate drifts within a
 run (on the H200 machine a disk arm's rounds ranged 1165–1737 tok/s while the host tier's agreed within
-1 %), so the same reads also run for a shorter time right before each of a disk arm's samples
-(``sample_rate``, the sample's ``raw_read_ops_per_s``; None for other arms or when turned off).
+1 %), so the same reads also run for a shorter time right before each sample of a disk arm that reads
+with O_DIRECT (``sample_rate``, the sample's ``raw_read_ops_per_s``; None for other arms or when turned off:
+with buffered io the measurement drops the file from the page cache, so the arm's sample would start cold).
 
 Per disk arm and comparison (``disk_summary``): the hit rate of its first warm-up sample and of its first
 recorded sample (cold; the hot-row cache lives as long as its tables, so only an arm's first comparison
 starts from an empty cache: ``fresh_tables``), the median over its recorded samples (warm), the median
 read ops per step and step ms, the median of the samples' median steps and how many of their steps took
 over twice their sample's median (``slow_steps``: stalls, which a mean step hides), and the raw read rate.
-Every sample of a batch size decodes the same
-windows, so after an arm's first sample a hot-row cache that holds their rows serves them all again: the
-warm hit rate is that of text seen before, the cold ones that of new text.
+Every sample of a batch size decodes the same windows, so after an arm's first sample a hot-row cache that
+holds their rows serves them all again: the warm hit rate is that of text seen before, the cold ones that
+of new text.
 
 The bound (``add_bounds``), against a host-tier arm at the same batch (the other arm of the disk arm's own
 comparison when that is on the host tier, else the first B on the host tier at that batch):
@@ -58,8 +59,8 @@ from engram.bench.placement_arms import ARM_LABELS, ArmSpec
 
 DISK_COLUMNS = ["batch", "disk arm", "step ms", "step p50 ms", "slow steps", "host step ms", "read ops/step",
                 "raw reads/s", "bound ms", "ratio", "raw reads/s, samples", "paired ratio", "paired CI",
-                "paired target", "lookup reads ms",
-                "floor ms", "floor ratio", "hit warm-up", "hit cold", "hit warm"]
+                "paired target", "lookup reads ms", "floor ms", "floor ratio", "hit warm-up", "hit cold",
+                "hit warm"]
 COUNTER_KEYS = ("hits", "misses", "read_ops", "disk_rows", "bytes_read", "rows")  # summed over an arm's tables
 BOUND_FACTOR = 1.1  # the issue's target: disk step ms <= 1.1 x (host step ms + misses' reads at the raw rate)
 NO_HOST_ARM = "bound not computed: no host-tier arm in the run"

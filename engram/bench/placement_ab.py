@@ -26,8 +26,8 @@ The disk tier reads the preset's table files, generated into ``--cache-dir`` (``
 project's cache): a disk arm with ``tables_in_memory`` in ``--engram-config`` stops the command before
 anything loads. Right before each comparison that involves a disk arm, the disk's random 4 KiB read rate
 is measured for ``--raw-read-seconds`` (``--raw-read-pages`` pages per call), and again for
-``--raw-read-sample-seconds`` right before each of a disk arm's samples (the paired ratio). Every sample records the
-deltas of its tables' counters over the timed steps, with hit_rate and read_ops_per_step; per disk arm and
+``--raw-read-sample-seconds`` right before each of an O_DIRECT disk arm's samples (the paired ratio).
+Every sample records the deltas of its tables' counters over the timed steps, with hit_rate and read_ops_per_step; per disk arm and
 comparison the hit rates cold and warm, and, when the run has a host-tier arm, the bound
 bound_ms = host step ms + read ops per step / raw read ops/s x 1000 with ratio = disk step ms / bound_ms and
 target_met = ratio <= 1.1, and after the comparison one lookup's reads timed as a raw call for
@@ -116,8 +116,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="disk arms: seconds of plain random 4 KiB reads of the table's file before each comparison "
                         "(the disk's read rate in the bound; default 2)")
     p.add_argument("--raw-read-sample-seconds", type=float, default=0.25, metavar="S",
-                   help="disk arms: seconds of the same raw reads right before each of the arm's samples too (the "
-                        "paired bound: each sample against the rate of the disk as it was then; 0: off; "
+                   help="O_DIRECT disk arms: seconds of the same raw reads right before each of the arm's samples "
+                        "too (the paired bound: each sample against the rate of the disk as it was then; 0: off; "
                         "default 0.25)")
     p.add_argument("--raw-read-pages", type=int, default=16384, metavar="N",
                    help="disk arms: pages per raw read call (default 16384 = 64 MiB, as in engram bench lookup "
@@ -308,8 +308,8 @@ def run(args: argparse.Namespace) -> int:
                             f"({raw['io']}, queue depth {raw['queue_depth']})")
                         disk[label] = (raw, fresh, placement_of[arm])
                 rates = {label: sample_rate(tables[placement], args.raw_read_sample_seconds, args.raw_read_pages,
-                                            opts.seed) for label, (_, _, placement) in disk.items()
-                         if args.raw_read_sample_seconds > 0}
+                                            opts.seed) for label, (raw, _, placement) in disk.items()
+                         if args.raw_read_sample_seconds > 0 and raw["io"] == "direct"}  # (disk_bound.py)
                 say(f"batch {b}: A {arm_a.name} vs B {arm_b.name}")
                 result, comparison = run_comparison(engines, arm_a, arm_b, k, b, win, s, ab_cfg, args.quiet, disk,
                                                     rates)

@@ -263,7 +263,7 @@ def test_disk_arms_record_raw_reads_counters_hit_rates_and_the_bound(tmp_path, c
             assert smp["step_ms_max"] == pytest.approx(max(steps), abs=1e-3)
             assert smp["slow_steps"] == sum(x > 2 * smp["step_ms_p50"] + 1e-3 for x in steps)
             assert smp["read_ops_per_step"] == t["read_ops"] / 4
-            assert (smp["raw_read_ops_per_s"] is None) is (smp["label"] != "B")  # measured before disk samples
+            assert smp["raw_read_ops_per_s"] is None  # buffered io: no raw reads before the samples
             if smp["label"] != "B":
                 assert smp["hit_rate"] is None and t["disk_rows"] == 0  # the host tier: no cache, no disk
             elif not with_cache:
@@ -299,16 +299,7 @@ def test_disk_arms_record_raw_reads_counters_hit_rates_and_the_bound(tmp_path, c
         bound = d["host_step_ms_median"] + d["read_ops_per_step_median"] / raw["read_ops_per_s"] * 1e3
         assert d["bound_ms"] == pytest.approx(bound) and d["ratio"] == pytest.approx(d["step_ms_median"] / bound)
         assert d["target_met"] is (d["ratio"] <= 1.1)
-        # the paired bound: each recorded sample against the rate measured right before it
-        rates = [x["raw_read_ops_per_s"] for x in recorded]
-        assert min(rates) > 0 and d["raw_read_ops_per_s_samples_median"] == pytest.approx(sum(rates) / 2)
-        paired = [x["step_ms"] / (d["host_step_ms_median"] + x["read_ops_per_step"] / x["raw_read_ops_per_s"] * 1e3)
-                  for x in recorded]
-        assert d["ratio_paired"] == pytest.approx(sum(paired) / 2)
-        lo, hi = d["ratio_paired_ci"]  # the bootstrap interval of that median, and the verdict it gives
-        assert (lo, hi) == pytest.approx(stats.median_ci(paired, stats.ABConfig(**res["settings"]["ab"])))
-        assert min(paired) <= lo <= d["ratio_paired"] <= hi <= max(paired)
-        assert d["paired_target"] == ("met" if hi <= 1.1 else "missed" if lo > 1.1 else "undecided")
+        assert d["raw_read_ops_per_s_samples_median"] is d["ratio_paired"] is d["paired_target"] is None
         # the floor: one lookup's reads (read ops per step over the arm's two tables) as a raw call
         lr = d["lookup_reads"]
         if d["read_ops_per_step_median"] == 0:  # every row a cache hit: no lookup read anything
@@ -323,6 +314,35 @@ def test_disk_arms_record_raw_reads_counters_hit_rates_and_the_bound(tmp_path, c
     assert "raw reads/s" in printed and "bound ms" in printed and "target ratio <= 1.1" in printed
     assert "paired ratio" in printed and "raw reads/s, samples" in printed
     assert "floor ms" in printed and "floor = host step ms + one lookup's reads as a raw call" in printed
+
+
+def test_an_o_direct_disk_arm_is_held_to_the_rate_measured_right_before_each_sample(tmp_path):
+    out = tmp_path / "paired.json"
+    direct = {"tier": "disk", "lookup_overlap": False, "options": {"cache_rows": 500, "io": "direct"}}
+    rc = main(["bench", "placement", *DISK_FAST, "--batch-sizes", "1", "--out", str(out), "--kv-cache-memory",
+               "64MiB", "--cache-dir", str(tmp_path / "cache"), "--a", '{"tier": "host", "lookup_overlap": false}',
+               "--b", json.dumps(direct)])
+    assert rc == 0
+    res = json.loads(out.read_text())["result"]
+    (c,) = res["comparisons"]
+    if c["raw_reads"]["B"]["io"] != "direct":
+        pytest.skip("this file system refuses O_DIRECT (the reader fell back to buffered io)")
+    assert res["settings"]["raw_read_sample_seconds"] == 0.02
+    d = c["disk"]["B"]
+    for smp in c["samples"]:  # raw reads right before every sample of the disk arm, warm-ups too
+        assert (smp["raw_read_ops_per_s"] is None) is (smp["label"] != "B")
+        assert smp["raw_read_ops_per_s"] is None or smp["raw_read_ops_per_s"] > 0
+    recorded = [x for x in c["samples"] if x["label"] == "B" and x["round"] >= 0]
+    rates = [x["raw_read_ops_per_s"] for x in recorded]
+    assert d["raw_read_ops_per_s_samples_median"] == pytest.approx(sum(rates) / 2)
+    # each recorded sample against the host step plus its own reads at the rate measured right before it
+    paired = [x["step_ms"] / (d["host_step_ms_median"] + x["read_ops_per_step"] / x["raw_read_ops_per_s"] * 1e3)
+              for x in recorded]
+    assert d["ratio_paired"] == pytest.approx(sum(paired) / 2)
+    lo, hi = d["ratio_paired_ci"]  # the bootstrap interval of that median, and the verdict it gives
+    assert (lo, hi) == pytest.approx(stats.median_ci(paired, stats.ABConfig(**res["settings"]["ab"])))
+    assert min(paired) <= lo <= d["ratio_paired"] <= hi <= max(paired)
+    assert d["paired_target"] == ("met" if hi <= 1.1 else "missed" if lo > 1.1 else "undecided")
 
 
 def test_disk_arm_without_a_host_arm_says_the_bound_is_not_computed(tmp_path, capsys):
