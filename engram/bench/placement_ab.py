@@ -24,16 +24,16 @@ engram/bench/placement_arms.py. Each B is compared with A in its own interleaved
 
 The disk tier reads the preset's table files, generated into ``--cache-dir`` (``random_model``; default the
 project's cache): a disk arm with ``tables_in_memory`` in ``--engram-config`` stops the command before
-anything loads. Right before each comparison that involves a disk arm, the disk's random 4 KiB read rate
-is measured for ``--raw-read-seconds`` (``--raw-read-pages`` pages per call), and again for
-``--raw-read-sample-seconds`` right before each of an O_DIRECT disk arm's samples (the paired ratio).
-Every sample records the deltas of its tables' counters over the timed steps, with hit_rate and read_ops_per_step; per disk arm and
-comparison the hit rates cold and warm, and, when the run has a host-tier arm, the bound
+anything loads. Right before each comparison that involves a disk arm, the disk's random 4 KiB read rate is
+measured for ``--raw-read-seconds`` (``--raw-read-pages`` pages per call), and again for
+``--raw-read-sample-seconds`` right before each of an O_DIRECT disk arm's samples (the paired ratio). Every
+sample records the deltas of its tables' counters over the timed steps, with hit_rate and read_ops_per_step;
+per disk arm and comparison the hit rates cold and warm, and, when the run has a host-tier arm, the bound
 bound_ms = host step ms + read ops per step / raw read ops/s x 1000 with ratio = disk step ms / bound_ms and
 target_met = ratio <= 1.1, and after the comparison one lookup's reads timed as a raw call for
 ``--raw-read-seconds`` / 4, which gives the latency floor (floor_ms, floor_ratio): engram/bench/disk_bound.py.
-On CUDA the disk tier's decode steps replay CUDA graphs too (its rows are copied in before the replay), so
-the graph-replay check below holds for every tier.
+On CUDA the disk tier's decode steps replay CUDA graphs too (its rows are copied in before the replay), so the
+graph-replay check below holds for every tier.
 
 Forced natural decoding: the corpus (``--corpus``, default the committed bench/corpus/natural-v1.jsonl,
 SHA-256 checked) is tokenized with the loaded model's tokenizer into one token stream; for batch size B
