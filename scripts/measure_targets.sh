@@ -23,6 +23,9 @@
 #   disk-cache-b1  batch 1 only, the cache arm (every row a hit) and the same with background lookups off;
 #                then both again with the interpreter's GIL switch interval left at 5 ms (ENGRAM_GIL_SWITCH_MS=5):
 #                what the batch-1 step lost between b0e7cc7 (ratio 1.018) and 8da95b4 (1.156)       (~1.5 min)
+#   disk-cache-b1-sized  batch 1 only, the cache arm in engines built for 1 sequence, then (a second run) for 64
+#                (--max-num-seqs): at 0d2254e batch 1 lost 0-2 % in engines built for batch 1 and 7-12 % in those
+#                built for batch 64                                                           (not yet timed)
 #   disk-cache-b64  batch 64 only, the cache arm (lookups beside the host work, the default) against the
 #                same with its lookups inline (background_lookups false); then the GIL hand-off and two
 #                layers' read schedules on this machine (scripts/gil_handoff.py, read_schedule.py)  (~7.5 min)
@@ -39,7 +42,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 parts="tests|engine|switches|host-4b|host-8b|exposure|disk|disk-switch|disk-cache|disk-cache-gaps"
-parts+="|disk-cache-b1|disk-cache-b64|disk-cache-together|disk-cache-early-ids"
+parts+="|disk-cache-b1|disk-cache-b1-sized|disk-cache-b64|disk-cache-together|disk-cache-early-ids"
 usage="usage: scripts/measure_targets.sh $parts [OUTDIR]"
 part=${1:?$usage}
 out=${2:-${OUT:-bench/results}}
@@ -85,8 +88,8 @@ exposure)
         --engram-config "{$big}" --steps 8 --batches 64,256 \
         --out "$out/$stamp-exposure-host-b64-b256-$commit.json"
     ;;
-disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b64 | disk-cache-together \
-    | disk-cache-early-ids)
+disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b1-sized | disk-cache-b64 \
+    | disk-cache-together | disk-cache-early-ids)
     cache=${ENGRAM_CACHE_DIR:-/tmp/engram-tables}
     disk='{"tier": "disk", "lookup_overlap": true, "options": {"io": "direct", "queue_depth": 64}'
     if [ "$part" = disk-cache-gaps ]; then  # the cache arm's tables (31 M rows a layer), profiled
@@ -97,14 +100,15 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b
             --engram-config "$cfg" --batch 64 --steps 20 --gpu-gaps
         exit
     fi
-    placement() {  # placement NAME BATCHES [VAR=VALUE...] B_ARM...: A (pinned host tables) against each B
-        local name=$1 batches=$2 envs=() bs=()
+    placement() {  # placement NAME BATCHES [VAR=VALUE...] [--OPTION VALUE...] B_ARM...: A (pinned host
+        local name=$1 batches=$2 envs=() opts=() bs=()  # tables) against each B
         shift 2
         while [[ $1 == *=* && $1 != "{"* ]]; do envs+=("$1"); shift; done
+        while [[ $1 == --* ]]; do opts+=("$1" "$2"); shift 2; done
         for b in "$@"; do bs+=(--b "$b"); done
         run "placement-$name-4b-like" env "${envs[@]}" python3 -u -m engram bench placement --model 4b-like \
             --cache-dir "$cache" --engram-config '{"load_threads": 16, "table_rows": 31000000}' \
-            --a '{"tier": "host", "lookup_overlap": true}' "${bs[@]}" \
+            --a '{"tier": "host", "lookup_overlap": true}' "${bs[@]}" "${opts[@]}" \
             --batch-sizes "$batches" --out "$out/$stamp-placement-$name-4b-like-$commit.json"
     }
     cached="${disk%\}}, \"cache_rows\": 200000}"
@@ -127,6 +131,11 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b
         ;;
     disk-cache-together)
         placement disk-cache-together 64 "$cached}" "$cached, \"switches\": {\"first_lookup_alone\": false}}"
+        ;;
+    disk-cache-b1-sized)
+        for seqs in 1 64; do
+            placement "disk-cache-b1-seqs$seqs" 1 --max-num-seqs $seqs "$cached}"
+        done
         ;;
     disk-cache-early-ids)
         placement disk-cache-early-ids 64 "$cached}" "$cached, \"switches\": {\"early_host_ids\": false}}"

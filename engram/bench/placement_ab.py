@@ -128,6 +128,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-tokens", type=int, default=3, help="tokens every sequence decodes before timing")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="engine token budget per step (prefill chunks), raised to the largest batch")
+    p.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                   help="sequences every arm's engine is built for (its decode graphs' buckets, slabs, default KV "
+                        "budget); default: the largest batch; at least that")
     p.add_argument("--kv-cache-memory", type=lambda t: parse_bytes(t, "--kv-cache-memory"), default=None,
                    metavar="BYTES",
                    help="one KV budget for every arm's engine: bytes, or with a unit (512MiB, 8GiB, 8G); default: "
@@ -239,6 +242,12 @@ def run(args: argparse.Namespace) -> int:
                  prefill_shapes=(), prefill_repeats=1, max_num_batched_tokens=args.max_num_batched_tokens,
                  seed=opts.seed, enforce_eager=args.enforce_eager)
     ecfg = engine_config(s, cfg.max_position_embeddings)  # refuses a context too long for the model
+    if args.max_num_seqs is not None:
+        if args.max_num_seqs < ecfg.max_num_seqs:
+            raise SystemExit(f"--max-num-seqs={args.max_num_seqs} must be at least the largest batch "
+                             f"({ecfg.max_num_seqs})")
+        ecfg = dataclasses.replace(ecfg, max_num_seqs=args.max_num_seqs,
+                                   max_num_batched_tokens=max(ecfg.max_num_batched_tokens, args.max_num_seqs))
     corpus_path = Path(args.corpus) if args.corpus else DEFAULT_CORPUS
     try:
         if not corpus_path.is_file():

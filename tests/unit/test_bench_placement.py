@@ -191,6 +191,22 @@ def test_an_arms_switches_are_set_while_its_engine_is_built_and_measured(tmp_pat
     assert json.loads(out.read_text())["result"]["arms"]["B"] == [b]
 
 
+def test_engines_built_for_more_sequences_than_the_largest_batch(tmp_path):
+    """--max-num-seqs sizes every arm's engine (its scheduler, default KV budget) beyond the batches it
+    measures, so a batch-1 run can use engines built like those of a batch-64 run; fewer is refused."""
+    with pytest.raises(SystemExit, match=r"--max-num-seqs=1 must be at least the largest batch \(2\)"):
+        main(["bench", "placement", *FAST, "--max-num-seqs", "1"])
+    out = tmp_path / "p.json"
+    assert main(["bench", "placement", *FAST, "--batch-sizes", "1", "--max-num-seqs", "4", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())["result"]
+    assert res["engine_config"]["max_num_seqs"] == 4 and [c["batch"] for c in res["comparisons"]] == [1]
+    one = tmp_path / "one.json"  # the default budget grows with the sequences the engines are built for
+    assert main(["bench", "placement", *FAST, "--batch-sizes", "1", "--out", str(one)]) == 0
+    small = json.loads(one.read_text())["result"]
+    assert small["engine_config"]["max_num_seqs"] == 1
+    assert res["kv_cache_memory"]["bytes"] > small["kv_cache_memory"]["bytes"]
+
+
 # ----------------------------------------------------------------- disk arms
 DISK_FAST = ["--batch-sizes", "1,2", "--context-len", "16", "--decode-steps", "4", "--warmup-tokens", "2",
              "--repeats", "2", "--warmup", "1", "--quiet", "--raw-read-seconds", "0.05", "--raw-read-pages", "64",
