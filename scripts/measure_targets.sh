@@ -19,7 +19,8 @@
 #                then its batch-1 phases                                               (~5 min in all)
 #   disk-cache-gaps  the same cache arm profiled: each step's period around its reads (read_cycle.py), host
 #                phases and where the GPU idles, batch 1 with every row a hit and batch 64
-#                (scripts/profile_decode_host.py --gpu-gaps)                            (~1 min)
+#                (scripts/profile_decode_host.py --gpu-gaps), then batch 1 again in an engine built for 64
+#                sequences (--max-num-seqs)                                             (~1.5 min)
 #   disk-cache-b1  batch 1 only, the cache arm (every row a hit) and the same with background lookups off;
 #                then both again with the interpreter's GIL switch interval left at 5 ms (ENGRAM_GIL_SWITCH_MS=5):
 #                what the batch-1 step lost between b0e7cc7 (ratio 1.018) and 8da95b4 (1.156)       (~1.5 min)
@@ -98,6 +99,8 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b
             --engram-config "$cfg" --steps 40 --warm-cache --gpu-gaps
         run gaps-disk-cache-4b-like-b64 python3 -u scripts/profile_decode_host.py --tier disk --cache-dir "$cache" \
             --engram-config "$cfg" --batch 64 --steps 20 --gpu-gaps
+        run gaps-disk-cache-4b-like-b1-seqs64 python3 -u scripts/profile_decode_host.py --tier disk \
+            --cache-dir "$cache" --engram-config "$cfg" --steps 40 --warm-cache --gpu-gaps --max-num-seqs 64
         exit
     fi
     placement() {  # placement NAME BATCHES [VAR=VALUE...] [--OPTION VALUE...] B_ARM...: A (pinned host

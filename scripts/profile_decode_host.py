@@ -208,11 +208,15 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--warm-cache", action="store_true", help="decode the same prompts once first")
     ap.add_argument("--gpu-gaps", action="store_true", help="also where the GPU sat idle (CUDA only)")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="sequences the engine is built for (default: --batch; at least that)")
     args = ap.parse_args()
+    if args.max_num_seqs is not None and args.max_num_seqs < args.batch:
+        ap.error(f"--max-num-seqs={args.max_num_seqs} must be at least --batch={args.batch}")
     llm = engram.LLM(args.model, tier=args.tier, engram_config=json.loads(args.engram_config),
                      cache_dir=args.cache_dir, enforce_eager=args.enforce_eager,
                      async_scheduling=args.async_scheduling,
-                     max_num_seqs=max(args.batch, 1), max_model_len=args.context + 5 * args.steps + 96,
+                     max_num_seqs=max(args.batch, args.max_num_seqs or 1), max_model_len=args.context + 5 * args.steps + 96,
                      max_num_batched_tokens=max(2048, args.context))
     engine = llm.engine
     vocab = llm.loaded.model_config.vocab_size
