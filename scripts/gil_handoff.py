@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engram.bench import report
 from engram.bench.report import format_table
 from engram.store.reader import PAGE, PageReader, aligned_pages
 
@@ -79,8 +80,9 @@ def main() -> None:
         other.stop = True
         sys.setswitchinterval(default)
     print(format_table(rows))
-    if args.out:
-        args.out.write_text(json.dumps({"file": args.path.name, "rows": rows}, indent=1) + "\n")
+    if args.out:  # with the commit, machine and settings, as every bench result
+        report.write_result("gil-handoff", {"file": args.path.name, "pages": args.pages, "calls": args.calls,
+                                            "intervals_ms": args.intervals_ms}, {"rows": rows}, out=args.out)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ thread plus a profiler summary of the CPU ops of every thread (the disk tier rea
 
     python scripts/profile_decode_host.py [--model 4b-like] [--tier disk] [--batch 1] [--context 512]
         [--engram-config JSON] [--cache-dir DIR] [--steps 50] [--enforce-eager] [--async-scheduling | --no-...]
-        [--top 30] [--warm-cache] [--gpu-gaps]
+        [--top 30] [--warm-cache] [--gpu-gaps] [--max-num-seqs N]
 
 Builds the engine, decodes ``--batch`` sequences of ``--context`` prompt tokens until every one decodes,
 times ``--steps`` decode steps (wall ms per step, mean and median, and the tables' disk reads per step and
@@ -216,7 +216,8 @@ def main() -> int:
     llm = engram.LLM(args.model, tier=args.tier, engram_config=json.loads(args.engram_config),
                      cache_dir=args.cache_dir, enforce_eager=args.enforce_eager,
                      async_scheduling=args.async_scheduling,
-                     max_num_seqs=max(args.batch, args.max_num_seqs or 1), max_model_len=args.context + 5 * args.steps + 96,
+                     max_num_seqs=max(args.batch, args.max_num_seqs or 1),
+                     max_model_len=args.context + 5 * args.steps + 96,
                      max_num_batched_tokens=max(2048, args.context))
     engine = llm.engine
     vocab = llm.loaded.model_config.vocab_size

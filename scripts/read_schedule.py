@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engram.bench import report
 from engram.bench.report import format_table
 from engram.store.reader import PAGE, PageReader, aligned_pages
 
@@ -82,8 +83,9 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
     print(format_table(rows))
-    if args.out:
-        args.out.write_text(json.dumps({"file": args.path.name, "steps": args.steps, "rows": rows}, indent=1) + "\n")
+    if args.out:  # with the commit, machine and settings, as every bench result
+        report.write_result("read-schedule", {"file": args.path.name, "pages": pages, "depth": depth,
+                                              "steps": args.steps}, {"rows": rows}, out=args.out)
 
 
 if __name__ == "__main__":

@@ -167,11 +167,11 @@ class Worker:
         """A decode-graph step whose every layer's rows are read into the graph's slabs: the row ids went to the
         host first (``host_ids``, from ``LookupExecutor.start_host_ids`` when the step has pending tokens), then
         the pieces before the first Engram layer are queued, and only then does the host wait for the ids (the
-        device runs those pieces while the host reads that layer's pages). Pieces that find
-        their rows on the device (cached disk tables: ``probes_all``) are all queued at once, and their lookups
-        then run on the background thread (step_lookups.py) when the step before read from disk (a step whose
-        rows were all cached has ~0.1 ms of lookups, less than the hand-off costs): None is returned, else the
-        staged rows for ``graphs.run``."""
+        device runs those pieces while the host reads that layer's pages). Pieces that find their rows on the
+        device (cached disk tables: ``probes_all``) are all queued at once, and their lookups then run on the
+        background thread (step_lookups.py) when the step before read from disk (a step whose rows were all
+        cached has ~0.1 ms of lookups, less than the hand-off costs): None is returned, else the staged rows
+        for ``graphs.run``."""
         whole = self.graphs.probes_all
         self.graphs.begin(step, patch, whole=whole)
         staged = None

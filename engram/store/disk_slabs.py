@@ -31,9 +31,9 @@ class SlabReads:
         """A slab of this table for lookups of up to ``rows`` ids, owned by the caller (a decode graph keeps
         one per Engram layer: engine/cuda_graphs.py): pinned on CUDA, zero-filled, every slot row 0. With a
         hot-row cache its slots index the cache's storage (``read_slab``), and unless ``probe`` is False it
-        gets a ``probe``
-        (page_slabs.SlotProbe): the cache's tags are mirrored on its device from now on, so the decode can find
-        the rows there (``decode_slab`` with ``ids``), its pages holding the rows a step reads from disk."""
+        gets a ``probe`` (page_slabs.SlotProbe): the cache's tags are mirrored on its device from now on, so
+        the decode can find the rows there (``decode_slab`` with ``ids``), its pages holding the rows a step
+        reads from disk."""
         if self._slabs is None:
             raise ValueError(f"{self.manifest.path}: rows of {self.stride} B span pages; no slab reads")
         if self.cache is not None:
