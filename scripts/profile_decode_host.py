@@ -3,7 +3,7 @@ thread plus a profiler summary of the CPU ops of every thread (the disk tier rea
 
     python scripts/profile_decode_host.py [--model 4b-like] [--tier disk] [--batch 1] [--context 512]
         [--engram-config JSON] [--cache-dir DIR] [--steps 50] [--enforce-eager] [--async-scheduling | --no-...]
-        [--top 30] [--warm-cache] [--gpu-gaps] [--max-num-seqs N]
+        [--top 30] [--warm-cache] [--gpu-gaps] [--max-num-seqs N] [--callees REGEX]
 
 Builds the engine, decodes ``--batch`` sequences of ``--context`` prompt tokens until every one decodes,
 times ``--steps`` decode steps (wall ms per step, mean and median, and the tables' disk reads per step and
@@ -12,7 +12,8 @@ each step's period goes: the tail from the step before's last read to the row id
 reads and the hand-offs between them: engram/bench/read_cycle.py), then the same number with the step's
 phases timed (launch, collect, the lookups' staging, the graph replay or eager forward), then again under
 ``cProfile`` (the calling thread: the engine, the Worker, the graph replay and every wait) and prints the
-``--top`` functions by cumulative time, then once more under torch.profiler (CPU activity, every thread),
+``--top`` functions by cumulative time (and, with ``--callees``, what the functions whose name matches the
+regular expression spent in each function they called, builtins included: where a call blocks), then once more under torch.profiler (CPU activity, every thread),
 printing the ops by self CPU time. ``--gpu-gaps`` profiles the same number of steps with CUDA activity too
 and prints where the GPU sat idle: its busy time per step against the wall time, and the idle gaps summed by
 the kernels around them (which kernel the GPU waited to start); then each kernel's share of the busy time
@@ -210,6 +211,8 @@ def main() -> int:
     ap.add_argument("--gpu-gaps", action="store_true", help="also where the GPU sat idle (CUDA only)")
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="sequences the engine is built for (default: --batch; at least that)")
+    ap.add_argument("--callees", default=None, metavar="REGEX",
+                    help="also print the callees of the profiled functions whose name matches (pstats)")
     args = ap.parse_args()
     if args.max_num_seqs is not None and args.max_num_seqs < args.batch:
         ap.error(f"--max-num-seqs={args.max_num_seqs} must be at least --batch={args.batch}")
@@ -271,7 +274,10 @@ def main() -> int:
     sync()
     prof.disable()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(args.top)
+    stats = pstats.Stats(prof, stream=out).sort_stats("cumulative")
+    stats.print_stats(args.top)
+    if args.callees:
+        stats.print_callees(args.callees)
     print(out.getvalue())
     with profile(activities=[ProfilerActivity.CPU]) as tprof:
         for _ in range(args.steps):
