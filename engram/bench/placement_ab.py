@@ -26,9 +26,9 @@ The disk tier reads the preset's table files, generated into ``--cache-dir`` (``
 project's cache): a disk arm with ``tables_in_memory`` in ``--engram-config`` stops the command before
 anything loads. Right before each comparison that involves a disk arm, the disk's random 4 KiB read rate is
 measured for ``--raw-read-seconds`` (``--raw-read-pages`` pages per call), and again for
-``--raw-read-sample-seconds`` right before each of an O_DIRECT disk arm's samples (the paired ratio). Every
-sample records the deltas of its tables' counters over the timed steps, with hit_rate and read_ops_per_step;
-per disk arm and comparison the hit rates cold and warm, and, when the run has a host-tier arm, the bound
+``--raw-read-sample-seconds`` right before and right after each of an O_DIRECT disk arm's samples (the paired
+and bracketed ratios). Every sample records the deltas of its tables' counters over the timed steps, with
+hit_rate and read_ops_per_step; per disk arm and comparison the hit rates cold and warm, and, when the run has a host-tier arm, the bound
 bound_ms = host step ms + read ops per step / raw read ops/s x 1000 with ratio = disk step ms / bound_ms and
 target_met = ratio <= 1.1, and after the comparison one lookup's reads timed as a raw call for
 ``--raw-read-seconds`` / 4, which gives the latency floor (floor_ms, floor_ratio): engram/bench/disk_bound.py.
@@ -117,8 +117,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(the disk's read rate in the bound; default 2)")
     p.add_argument("--raw-read-sample-seconds", type=float, default=0.25, metavar="S",
                    help="O_DIRECT disk arms: seconds of the same raw reads right before each of the arm's samples "
-                        "too (the paired bound: each sample against the rate of the disk as it was then; 0: off; "
-                        "default 0.25)")
+                        "and right after its timed steps too (the paired and bracketed bounds: each sample against "
+                        "the rate of the disk as it was then; 0: off; default 0.25)")
     p.add_argument("--raw-read-pages", type=int, default=16384, metavar="N",
                    help="disk arms: pages per raw read call (default 16384 = 64 MiB, as in engram bench lookup "
                         "--raw-pages)")
@@ -375,7 +375,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"disk arms: bound = host step ms + read ops/step / raw reads/s; target ratio <= {BOUND_FACTOR}; "
                   "paired ratio = median over samples of step ms / (host step ms + read ops/step / the raw rate "
-                  "right before the sample); floor = host step ms + one lookup's reads as a raw call")
+                  "right before the sample); bracketed ratio: the same at the harmonic mean of the rates right "
+                  "before and right after it; floor = host step ms + one lookup's reads as a raw call")
     for c in comparisons:
         for w in c["ab"]["warnings"]:
             print(f"warning: batch {c['batch']} b{c['b_index']}: {w}")

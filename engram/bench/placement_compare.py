@@ -52,7 +52,8 @@ def arm_measure(engine, arm: ArmSpec, win: Windows, batch: int, s, records: list
     """The ``measure`` of ``arm`` at ``batch``: one ``measure_decode`` over the windows, its outputs checked
     against the forced ids and its graph replays against the timed steps; appends the sample's record
     to ``records`` and returns decode tok/s. ``raw_rate``: the disk's read rate, measured right before
-    each sample (``disk_bound.sample_rate``) into the record's ``raw_read_ops_per_s``."""
+    each sample (``disk_bound.sample_rate``) into the record's ``raw_read_ops_per_s`` and right after its
+    timed steps into ``raw_read_ops_per_s_after`` (the sample bracketed: disk_bound.py)."""
     from engram.bench.engine_steps import measure_decode
 
     graphs = engine.executor.worker.graphs is not None
@@ -63,6 +64,7 @@ def arm_measure(engine, arm: ArmSpec, win: Windows, batch: int, s, records: list
         with kernel_switches.applied(dict(arm.switches)):  # eager steps too (prefill) see the arm's choices
             t = measure_decode(engine, win.prompts, s.decode_steps, s.warmup_tokens, tag=f"placement-{batch}",
                                forced=win.forced)
+        after = raw_rate() if raw_rate is not None else None
         checked = check_forced(t, win, s.warmup_tokens + s.decode_steps, arm.name)
         expected = s.decode_steps if graphs else 0
         if t.graph_steps != expected:
@@ -74,7 +76,8 @@ def arm_measure(engine, arm: ArmSpec, win: Windows, batch: int, s, records: list
                         "step_ms": sum(t.wall_s) / s.decode_steps * 1e3, **step_spread(t.wall_s),
                         "lookup_exposed_s": t.lookup_exposed_s, "graph_replays": t.graph_steps,
                         "tokens_checked": checked, "tables": counts, "hit_rate": hit_rate(counts, cached),
-                        "read_ops_per_step": counts["read_ops"] / s.decode_steps, "raw_read_ops_per_s": raw})
+                        "read_ops_per_step": counts["read_ops"] / s.decode_steps, "raw_read_ops_per_s": raw,
+                        "raw_read_ops_per_s_after": after})
         return value
     return measure
 

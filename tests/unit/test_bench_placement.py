@@ -279,7 +279,8 @@ def test_disk_arms_record_raw_reads_counters_hit_rates_and_the_bound(tmp_path, c
             assert smp["step_ms_max"] == pytest.approx(max(steps), abs=1e-3)
             assert smp["slow_steps"] == sum(x > 2 * smp["step_ms_p50"] + 1e-3 for x in steps)
             assert smp["read_ops_per_step"] == t["read_ops"] / 4
-            assert smp["raw_read_ops_per_s"] is None  # buffered io: no raw reads before the samples
+            assert smp["raw_read_ops_per_s"] is smp["raw_read_ops_per_s_after"] is None  # buffered io: no raw
+            # reads beside the samples
             if smp["label"] != "B":
                 assert smp["hit_rate"] is None and t["disk_rows"] == 0  # the host tier: no cache, no disk
             elif not with_cache:
@@ -316,6 +317,7 @@ def test_disk_arms_record_raw_reads_counters_hit_rates_and_the_bound(tmp_path, c
         assert d["bound_ms"] == pytest.approx(bound) and d["ratio"] == pytest.approx(d["step_ms_median"] / bound)
         assert d["target_met"] is (d["ratio"] <= 1.1)
         assert d["raw_read_ops_per_s_samples_median"] is d["ratio_paired"] is d["paired_target"] is None
+        assert d["raw_read_ops_per_s_after_median"] is d["ratio_bracketed"] is d["bracketed_target"] is None
         # the floor: one lookup's reads (read ops per step over the arm's two tables) as a raw call
         lr = d["lookup_reads"]
         if d["read_ops_per_step_median"] == 0:  # every row a cache hit: no lookup read anything
@@ -345,9 +347,10 @@ def test_an_o_direct_disk_arm_is_held_to_the_rate_measured_right_before_each_sam
         pytest.skip("this file system refuses O_DIRECT (the reader fell back to buffered io)")
     assert res["settings"]["raw_read_sample_seconds"] == 0.02
     d = c["disk"]["B"]
-    for smp in c["samples"]:  # raw reads right before every sample of the disk arm, warm-ups too
-        assert (smp["raw_read_ops_per_s"] is None) is (smp["label"] != "B")
-        assert smp["raw_read_ops_per_s"] is None or smp["raw_read_ops_per_s"] > 0
+    for smp in c["samples"]:  # raw reads right before and right after every sample of the disk arm, warm-ups too
+        for key in ("raw_read_ops_per_s", "raw_read_ops_per_s_after"):
+            assert (smp[key] is None) is (smp["label"] != "B")
+            assert smp[key] is None or smp[key] > 0
     recorded = [x for x in c["samples"] if x["label"] == "B" and x["round"] >= 0]
     rates = [x["raw_read_ops_per_s"] for x in recorded]
     assert d["raw_read_ops_per_s_samples_median"] == pytest.approx(sum(rates) / 2)
@@ -359,6 +362,16 @@ def test_an_o_direct_disk_arm_is_held_to_the_rate_measured_right_before_each_sam
     assert (lo, hi) == pytest.approx(stats.median_ci(paired, stats.ABConfig(**res["settings"]["ab"])))
     assert min(paired) <= lo <= d["ratio_paired"] <= hi <= max(paired)
     assert d["paired_target"] == ("met" if hi <= 1.1 else "missed" if lo > 1.1 else "undecided")
+    # and against both rates: its reads charged the mean of their time at the rate before and at the rate after
+    after = [x["raw_read_ops_per_s_after"] for x in recorded]
+    assert d["raw_read_ops_per_s_after_median"] == pytest.approx(sum(after) / 2)
+    bracketed = [x["step_ms"] / (d["host_step_ms_median"] + x["read_ops_per_step"] * 1e3
+                                 * (1 / x["raw_read_ops_per_s"] + 1 / x["raw_read_ops_per_s_after"]) / 2)
+                 for x in recorded]
+    assert d["ratio_bracketed"] == pytest.approx(sum(bracketed) / 2)
+    lo, hi = d["ratio_bracketed_ci"]
+    assert (lo, hi) == pytest.approx(stats.median_ci(bracketed, stats.ABConfig(**res["settings"]["ab"])))
+    assert d["bracketed_target"] == ("met" if hi <= 1.1 else "missed" if lo > 1.1 else "undecided")
 
 
 def test_disk_arm_without_a_host_arm_says_the_bound_is_not_computed(tmp_path, capsys):
@@ -371,7 +384,9 @@ def test_disk_arm_without_a_host_arm_says_the_bound_is_not_computed(tmp_path, ca
     d = c["disk"]["B"]
     assert d["bound_ms"] is d["ratio"] is d["target_met"] is d["host_step_ms_median"] is None
     # no reads before the samples (turned off): nothing to pair them with
-    assert {x["raw_read_ops_per_s"] for x in c["samples"]} == {None}
+    assert {x["raw_read_ops_per_s"] for x in c["samples"]} == {x["raw_read_ops_per_s_after"] for x in c["samples"]} \
+        == {None}
     assert d["raw_read_ops_per_s_samples_median"] is d["ratio_paired"] is d["paired_target"] is None
+    assert d["ratio_bracketed"] is d["bracketed_target"] is None
     assert d["bound_note"] == disk_bound.NO_HOST_ARM and d["raw_read_ops_per_s"] > 0
     assert disk_bound.NO_HOST_ARM in capsys.readouterr().out
