@@ -5,7 +5,7 @@
 #   scripts/measure_targets.sh PART [OUTDIR]
 #
 # PART:
-#   tests      make device-test                                                      (~4.5 min)
+#   tests      make device-test                                                      (~4 min)
 #   engine     4b-like decode/prefill, tiers gpu and host, top kernels (no HF peer: its compile alone
 #              takes minutes; the peer target is met by 2x)                           (~5 min)
 #   switches   4b-like tier gpu: the default against pdl off and against cublaslt on, batch 1 and 64 (~4 min)
@@ -20,22 +20,26 @@
 #   disk-cache-gaps  the same cache arm profiled: each step's period around its reads (read_cycle.py), host
 #                phases and where the GPU idles, batch 1 with every row a hit and batch 64
 #                (scripts/profile_decode_host.py --gpu-gaps), then batch 1 again in an engine built for 64
-#                sequences (--max-num-seqs)                                             (~1.5 min)
+#                sequences (--max-num-seqs)                                             (~1.7 min)
+#   disk-cache-callees  batch 64, the cache arm profiled twice (GIL switch interval 0.2 ms, the default, and
+#                5 ms) with the callees of finishing a step's lookups (profile_decode_host.py --callees): where
+#                the engine's thread spends the 4.5 ms it took at 1e2477c to cache the rows a step read    (~3 min)
 #   disk-cache-b1  batch 1 only, the cache arm (every row a hit) and the same with background lookups off;
 #                then both again with the interpreter's GIL switch interval left at 5 ms (ENGRAM_GIL_SWITCH_MS=5):
 #                what the batch-1 step lost between b0e7cc7 (ratio 1.018) and 8da95b4 (1.156)       (~1.5 min)
 #   disk-cache-b1-sized  batch 1 only, the cache arm in engines built for 1 sequence, then (a second run) for 64
 #                (--max-num-seqs): at 0d2254e batch 1 lost 0-2 % in engines built for batch 1 and 7-12 % in those
-#                built for batch 64                                                           (not yet timed)
+#                built for batch 64, at 1e2477c 9 % and 2 %                                   (~1.6 min)
 #   disk-cache-b64  batch 64 only, the cache arm (lookups beside the host work, the default) against the
 #                same with its lookups inline (background_lookups false); then the GIL hand-off and two
 #                layers' read schedules on this machine (scripts/gil_handoff.py, read_schedule.py)  (~7.5 min)
-#   disk-cache-together  batch 64 only, the cache arm against the same with both tables' lookups submitted
-#                together (kernel switch first_lookup_alone false: their reads side by side, a queue twice as
-#                deep); the paired ratio of each                                              (not yet timed)
-#   disk-cache-early-ids  batch 64 only, the cache arm against the same with the next step's row ids sent to
-#                the host after the step's background lookups are finished (early_host_ids false: the order
-#                before 1609d27)                                                              (not yet timed)
+#   disk-cache-together  batch 64 only, the cache arm (A) against the same with both tables' lookups submitted
+#                together (B: kernel switch first_lookup_alone false, their reads side by side, a queue twice as
+#                deep), interleaved: B/A with its CI                                 (not yet timed; ~5 min?)
+#   disk-cache-early-ids  batch 64 only, the cache arm (A) against the same with the next step's row ids sent
+#                to the host after the step's background lookups are finished (B: early_host_ids false, the
+#                order before 1609d27), interleaved                                  (not yet timed; ~5 min?)
+#                (at 1e2477c both ran with a host-tier A and two B arms, which took over 330 s and was cut)
 #
 # OUTDIR (default $OUT, else bench/results) receives <date>-<what>-<commit>.{json,log}. ENGRAM_COMMIT
 # names the commit when the tree is not a git checkout (a snapshot copied to the machine).
@@ -44,6 +48,7 @@ cd "$(dirname "$0")/.."
 
 parts="tests|engine|switches|host-4b|host-8b|exposure|disk|disk-switch|disk-cache|disk-cache-gaps"
 parts+="|disk-cache-b1|disk-cache-b1-sized|disk-cache-b64|disk-cache-together|disk-cache-early-ids"
+parts+="|disk-cache-callees"
 usage="usage: scripts/measure_targets.sh $parts [OUTDIR]"
 part=${1:?$usage}
 out=${2:-${OUT:-bench/results}}
@@ -90,7 +95,7 @@ exposure)
         --out "$out/$stamp-exposure-host-b64-b256-$commit.json"
     ;;
 disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b1-sized | disk-cache-b64 \
-    | disk-cache-together | disk-cache-early-ids)
+    | disk-cache-together | disk-cache-early-ids | disk-cache-callees)
     cache=${ENGRAM_CACHE_DIR:-/tmp/engram-tables}
     disk='{"tier": "disk", "lookup_overlap": true, "options": {"io": "direct", "queue_depth": 64}'
     if [ "$part" = disk-cache-gaps ]; then  # the cache arm's tables (31 M rows a layer), profiled
@@ -103,15 +108,28 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b
             --cache-dir "$cache" --engram-config "$cfg" --steps 40 --warm-cache --gpu-gaps --max-num-seqs 64
         exit
     fi
-    placement() {  # placement NAME BATCHES [VAR=VALUE...] [--OPTION VALUE...] B_ARM...: A (pinned host
-        local name=$1 batches=$2 envs=() opts=() bs=()  # tables) against each B
-        shift 2
+    if [ "$part" = disk-cache-callees ]; then  # where finishing a step's lookups spends its time
+        cfg='{"io": "direct", "queue_depth": 64, "cache_rows": 200000, "load_threads": 16, "table_rows": 31000000}'
+        callees='finish_lookups|admit_probed|\(admit\)|_insert|_write|to_device|gather_raw|_settle'
+        for ms in 0.2 5; do
+            run "callees-disk-cache-4b-like-b64-gil-${ms}ms" env ENGRAM_GIL_SWITCH_MS=$ms python3 -u \
+                scripts/profile_decode_host.py --tier disk --cache-dir "$cache" --engram-config "$cfg" --batch 64 \
+                --steps 20 --top 40 --callees "$callees"
+        done
+        exit
+    fi
+    placement() {  # placement NAME BATCHES [VAR=VALUE...] [--OPTION VALUE...] B_ARM...: A against each B; A is
+        local name=$1 batches=$2 envs=() opts=() bs=() a='{"tier": "host", "lookup_overlap": true}'  # pinned host
+        shift 2  # tables unless the option --a names another arm
         while [[ $1 == *=* && $1 != "{"* ]]; do envs+=("$1"); shift; done
-        while [[ $1 == --* ]]; do opts+=("$1" "$2"); shift 2; done
+        while [[ $1 == --* ]]; do
+            if [ "$1" = --a ]; then a=$2; else opts+=("$1" "$2"); fi
+            shift 2
+        done
         for b in "$@"; do bs+=(--b "$b"); done
         run "placement-$name-4b-like" env "${envs[@]}" python3 -u -m engram bench placement --model 4b-like \
             --cache-dir "$cache" --engram-config '{"load_threads": 16, "table_rows": 31000000}' \
-            --a '{"tier": "host", "lookup_overlap": true}' "${bs[@]}" "${opts[@]}" \
+            --a "$a" "${bs[@]}" "${opts[@]}" \
             --batch-sizes "$batches" --out "$out/$stamp-placement-$name-4b-like-$commit.json"
     }
     cached="${disk%\}}, \"cache_rows\": 200000}"
@@ -132,16 +150,16 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b
         run read-schedule python3 -u scripts/read_schedule.py "$(find "$cache" -name values.bin | head -1)" \
             --out "$out/$stamp-read-schedule-$commit.json"
         ;;
-    disk-cache-together)
-        placement disk-cache-together 64 "$cached}" "$cached, \"switches\": {\"first_lookup_alone\": false}}"
+    disk-cache-together)  # A: the cache arm as it is, B: the switch flipped
+        placement disk-cache-together 64 --a "$cached}" "$cached, \"switches\": {\"first_lookup_alone\": false}}"
         ;;
     disk-cache-b1-sized)
         for seqs in 1 64; do
             placement "disk-cache-b1-seqs$seqs" 1 --max-num-seqs $seqs "$cached}"
         done
         ;;
-    disk-cache-early-ids)
-        placement disk-cache-early-ids 64 "$cached}" "$cached, \"switches\": {\"early_host_ids\": false}}"
+    disk-cache-early-ids)  # A: the cache arm as it is, B: the switch flipped
+        placement disk-cache-early-ids 64 --a "$cached}" "$cached, \"switches\": {\"early_host_ids\": false}}"
         ;;
     disk-cache)
         placement disk-cache 1,64 "$cached}"
