@@ -13,11 +13,12 @@ reads and the hand-offs between them: engram/bench/read_cycle.py), then the same
 phases timed (launch, collect, the lookups' staging, the graph replay or eager forward), then again under
 ``cProfile`` (the calling thread: the engine, the Worker, the graph replay and every wait) and prints the
 ``--top`` functions by cumulative time (and, with ``--callees``, what the functions whose name matches the
-regular expression spent in each function they called, builtins included: where a call blocks), then once more under torch.profiler (CPU activity, every thread),
-printing the ops by self CPU time. ``--gpu-gaps`` profiles the same number of steps with CUDA activity too
-and prints where the GPU sat idle: its busy time per step against the wall time, and the idle gaps summed by
-the kernels around them (which kernel the GPU waited to start); then each kernel's share of the busy time
-(the part of its interval that extends the union of those before it, so PDL overlap is not counted twice).
+regular expression spent in each function they called, builtins included: where a call blocks), then once
+more under torch.profiler (CPU activity, every thread), printing the ops by self CPU time. ``--gpu-gaps``
+profiles the same number of steps with CUDA activity too and prints where the GPU sat idle: its busy time
+per step against the wall time, and the idle gaps summed by the kernels around them (which kernel the GPU
+waited to start); then each kernel's share of the busy time (the part of its interval that extends the union
+of those before it, so PDL overlap is not counted twice).
 ``--warm-cache`` first decodes the same prompts once (greedy: the same tokens, so the same Engram rows), so
 that a hot-row cache hits on every row as in ``engram bench placement``'s rounds. A diagnosis tool: the numbers
 under a profiler are not benchmark numbers.

@@ -153,7 +153,7 @@ def disk_summary(arm: ArmSpec, records: list[dict], labels: tuple, raw: dict, fr
             "read_ops_per_step_median": _median([r["read_ops_per_step"] for r in recorded]),
             "step_ms_median": _median([r["step_ms"] for r in recorded]),
             "raw_read_ops_per_s_samples_median": _median([r["raw_read_ops_per_s"] for r in recorded]),
-            "raw_read_ops_per_s_after_median": _median([r.get("raw_read_ops_per_s_after") for r in recorded]),
+            "raw_read_ops_per_s_after_median": _median([r["raw_read_ops_per_s_after"] for r in recorded]),
             "step_ms_p50_median": _median([r["step_ms_p50"] for r in recorded]),
             "slow_steps": sum(r["slow_steps"] for r in recorded),
             "host_arm": None, "host_source": None, "host_step_ms_median": None, "bound_ms": None, "ratio": None,

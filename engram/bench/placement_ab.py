@@ -28,7 +28,8 @@ anything loads. Right before each comparison that involves a disk arm, the disk'
 measured for ``--raw-read-seconds`` (``--raw-read-pages`` pages per call), and again for
 ``--raw-read-sample-seconds`` right before and right after each of an O_DIRECT disk arm's samples (the paired
 and bracketed ratios). Every sample records the deltas of its tables' counters over the timed steps, with
-hit_rate and read_ops_per_step; per disk arm and comparison the hit rates cold and warm, and, when the run has a host-tier arm, the bound
+hit_rate and read_ops_per_step; per disk arm and comparison the hit rates cold and warm, and, when the run
+has a host-tier arm, the bound
 bound_ms = host step ms + read ops per step / raw read ops/s x 1000 with ratio = disk step ms / bound_ms and
 target_met = ratio <= 1.1, and after the comparison one lookup's reads timed as a raw call for
 ``--raw-read-seconds`` / 4, which gives the latency floor (floor_ms, floor_ratio): engram/bench/disk_bound.py.

@@ -14,9 +14,10 @@ Order, which the Worker keeps: ``start`` after the step's pieces are queued; ``f
 step's pieces are queued (the next ``launch``, once it has sent that step's row ids to the host) and before
 the step's tokens are read (``collect``), on the engine's thread. ``finish`` waits for the lookups and then
 calls ``settle`` (DecodeGraphs.finish_lookups: the rows read go into the caches, device work queued only
-once no piece waits for a flag, and each slab's next lookup waits for this step's decode of it). A lookup that failed has already failed the pieces waiting
-for it (cache_probe.signal(..., ok=False)); its error is kept for that step's ``collect`` (``error``), which
-raises it, so the step fails loudly with the read's own message and the engine re-runs it.
+once no piece waits for a flag, and each slab's next lookup waits for this step's decode of it). A lookup
+that failed has already failed the pieces waiting for it (cache_probe.signal(..., ok=False)); its error is
+kept for that step's ``collect`` (``error``), which raises it, so the step fails loudly with the read's own
+message and the engine re-runs it.
 
 The GIL: the lookup thread holds it only between its C reads (numpy bookkeeping, the plan, the flag), but
 each time it wants it back it waits until the engine's thread lets go, and a thread running Python lets go

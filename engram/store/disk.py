@@ -33,7 +33,7 @@ from engram.store.load import load_file
 from engram.store.options import StoreOptions
 from engram.store import slab_plan
 from engram.store.page_crc import CorruptPageError, PageChecker, page_error
-from engram.store.disk_slabs import SlabReads, check_fits
+from engram.store.disk_slabs import SlabReads, check_fits, uva_decodes
 from engram.store.page_slabs import PageSlab, SlabPool
 from engram.store.reader import PAGE, PageReader, aligned_pages
 from engram.store.scrub import Scrubber
@@ -176,7 +176,7 @@ class DiskTable(SlabReads, TableBackend):
         ``slab.done``)."""
         if out is None and self.device.type != "cpu":
             out = torch.empty(slots.numel(), self.dim, dtype=dtype, device=self.device)
-        if _uva_decodes(pinned) and (runs is None or slots.is_cuda):
+        if uva_decodes(pinned) and (runs is None or slots.is_cuda):
             from engram.store.kernels import triton_gather, uva
             return triton_gather.gather_rows(values, scales, slots, self.row_dtype, self.dim, out=out, dtype=dtype,
                                              cfg=uva.UVA_CONFIG, ids_pinned=runs is None, runs=runs)
@@ -340,11 +340,6 @@ class DiskTable(SlabReads, TableBackend):
         self._io.shutdown(wait=True)
         super().close()
         self.reader.close()
-
-
-def _uva_decodes(pinned: bool) -> bool:
-    """Whether a slab is decoded by the UVA gather kernel (pinned, Triton usable, backend not "torch")."""
-    return pinned and kernels.get_backend() != "torch" and kernels.triton_available()
 
 
 def open_disk_table(directory: str | Path, device: str | torch.device = "cpu", cache: Any = None,

@@ -140,7 +140,7 @@ class SlabReads:
             return 0
         pages = slab.data.view(-1, self.stride)  # [pages * rows_per_page, stride]
         stream = self._probe_stream(slab)
-        uva = stream is not None and kernels.fast_path(pages) == "uva"
+        uva = stream is not None and uva_decodes(slab.pinned)
         if not uva:
             values = pages.index_select(0, where)  # [M, stride], host copies of the pages' rows
             scales = slab.scales.index_select(0, where) if slab.scales is not None else None
@@ -205,3 +205,9 @@ def check_fits(ids: torch.Tensor, slab: PageSlab) -> None:
     """ValueError unless ``ids`` fit ``slab`` (``read_slab``, ``DiskTable.submit(into=)``)."""
     if ids.numel() > slab.rows:
         raise ValueError(f"{ids.numel()} ids do not fit a slab of {slab.rows}")
+
+
+def uva_decodes(pinned: bool) -> bool:
+    """Whether a slab's rows are gathered by the UVA kernel (pinned, Triton usable, backend not "torch"): its
+    decode (``DiskTable._decode_slab``) and the copies out of it into a cache (``admit_probed``)."""
+    return pinned and kernels.get_backend() != "torch" and kernels.triton_available()
