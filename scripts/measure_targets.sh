@@ -43,6 +43,9 @@
 #   disk-cache-early-admit  batch 64 only, the cache arm (A) against the same with each layer's rows cached right
 #                after its own lookup (B: kernel switch early_admit true), interleaved; then the read cycle
 #                with early_admit (profile_decode_host.py, ENGRAM_EARLY_ADMIT=1)      (not yet timed; ~6 min?)
+#   disk-cache-switch-ab  batch 64, one cache-arm engine: the together and early_admit switches each against
+#                the engine as built, samples of 20 steps flipped in turns with an A/A control, and each arm's
+#                read cycle (profile_decode_host.py --switch-ab: short samples on the same disk minute)  (~2 min?)
 #
 # OUTDIR (default $OUT, else bench/results) receives <date>-<what>-<commit>.{json,log}. ENGRAM_COMMIT
 # names the commit when the tree is not a git checkout (a snapshot copied to the machine).
@@ -51,7 +54,7 @@ cd "$(dirname "$0")/.."
 
 parts="tests|engine|switches|host-4b|host-8b|exposure|disk|disk-switch|disk-cache|disk-cache-gaps"
 parts+="|disk-cache-b1|disk-cache-b1-sized|disk-cache-b64|disk-cache-together|disk-cache-early-ids"
-parts+="|disk-cache-callees|disk-cache-early-admit"
+parts+="|disk-cache-callees|disk-cache-early-admit|disk-cache-switch-ab"
 usage="usage: scripts/measure_targets.sh $parts [OUTDIR]"
 part=${1:?$usage}
 out=${2:-${OUT:-bench/results}}
@@ -98,7 +101,8 @@ exposure)
         --out "$out/$stamp-exposure-host-b64-b256-$commit.json"
     ;;
 disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b1-sized | disk-cache-b64 \
-    | disk-cache-together | disk-cache-early-ids | disk-cache-callees | disk-cache-early-admit)
+    | disk-cache-together | disk-cache-early-ids | disk-cache-callees | disk-cache-early-admit \
+    | disk-cache-switch-ab)
     cache=${ENGRAM_CACHE_DIR:-/tmp/engram-tables}
     disk='{"tier": "disk", "lookup_overlap": true, "options": {"io": "direct", "queue_depth": 64}'
     if [ "$part" = disk-cache-gaps ]; then  # the cache arm's tables (31 M rows a layer), profiled
@@ -109,6 +113,13 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b
             --engram-config "$cfg" --batch 64 --steps 20 --gpu-gaps
         run gaps-disk-cache-4b-like-b1-seqs64 python3 -u scripts/profile_decode_host.py --tier disk \
             --cache-dir "$cache" --engram-config "$cfg" --steps 40 --warm-cache --gpu-gaps --max-num-seqs 64
+        exit
+    fi
+    if [ "$part" = disk-cache-switch-ab ]; then  # per-step switches flipped in one engine (read_cycle.switch_ab)
+        cfg='{"io": "direct", "queue_depth": 64, "cache_rows": 200000, "load_threads": 16, "table_rows": 31000000}'
+        run switch-ab-disk-cache-4b-like-b64 python3 -u scripts/profile_decode_host.py --tier disk \
+            --cache-dir "$cache" --engram-config "$cfg" --batch 64 --steps 20 --repeats 10 --switch-ab '{"first_lookup_alone": false}' \
+            --switch-ab '{"early_admit": true}' --out "$out/$stamp-switch-ab-disk-cache-4b-like-b64-$commit.json"
         exit
     fi
     if [ "$part" = disk-cache-callees ]; then  # where finishing a step's lookups spends its time

@@ -4,6 +4,7 @@ thread plus a profiler summary of the CPU ops of every thread (the disk tier rea
     python scripts/profile_decode_host.py [--model 4b-like] [--tier disk] [--batch 1] [--context 512]
         [--engram-config JSON] [--cache-dir DIR] [--steps 50] [--enforce-eager] [--async-scheduling | --no-...]
         [--top 30] [--warm-cache] [--gpu-gaps] [--max-num-seqs N] [--callees REGEX]
+        [--switch-ab JSON ... [--repeats 10] [--out FILE]]
 
 Builds the engine, decodes ``--batch`` sequences of ``--context`` prompt tokens until every one decodes,
 times ``--steps`` decode steps (wall ms per step, mean and median, and the tables' disk reads per step and
@@ -22,6 +23,12 @@ of those before it, so PDL overlap is not counted twice).
 ``--warm-cache`` first decodes the same prompts once (greedy: the same tokens, so the same Engram rows), so
 that a hot-row cache hits on every row as in ``engram bench placement``'s rounds. A diagnosis tool: the numbers
 under a profiler are not benchmark numbers.
+
+``--switch-ab '{"early_admit": true}'`` replaces the passes after the timed steps by an interleaved A/B in this
+one engine (engram/bench/read_cycle.py ``switch_ab``): A as built, B with those per-step kernel switches, an
+A/A control, ``--repeats`` recorded samples of ``--steps`` steps per arm; it prints the verdict, the B/A and
+A'/A intervals and each arm's read cycle, and writes them to ``--out`` (JSON) when given. Given more than
+once, one A/B per switch set, one after the other in the same engine.
 """
 from __future__ import annotations
 
@@ -194,6 +201,7 @@ def main() -> int:
 
     import engram
     from engram.bench.engine_steps import prompt_ids
+    from engram.bench.stats import ABConfig
     from engram.engine.sampling_params import SamplingParams
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -214,22 +222,32 @@ def main() -> int:
                     help="sequences the engine is built for (default: --batch; at least that)")
     ap.add_argument("--callees", default=None, metavar="REGEX",
                     help="also print the callees of the profiled functions whose name matches (pstats)")
+    ap.add_argument("--switch-ab", action="append", default=None, metavar="JSON",
+                    help="per-step kernel switches of a B arm: an interleaved A/B in this engine instead of the "
+                         "profile passes (repeatable: one A/B each)")
+    ap.add_argument("--repeats", type=int, default=10, help="recorded samples per arm of --switch-ab (even)")
+    ap.add_argument("--out", default=None, help="--switch-ab's result JSON")
     args = ap.parse_args()
+    switch_sets = [json.loads(text) for text in args.switch_ab or ()]
+    cfg = ABConfig(repeats=args.repeats) if switch_sets else None
+    # decode steps every sequence must have tokens for: warm-up, timed, read cycle, phases, cProfile, torch
+    # profiler (5 passes); or the A/Bs' samples (three labels each, warm-ups included)
+    passes = 5 if cfg is None else 1 + 3 * (cfg.repeats + cfg.warmup) * len(switch_sets)
     if args.max_num_seqs is not None and args.max_num_seqs < args.batch:
         ap.error(f"--max-num-seqs={args.max_num_seqs} must be at least --batch={args.batch}")
     llm = engram.LLM(args.model, tier=args.tier, engram_config=json.loads(args.engram_config),
                      cache_dir=args.cache_dir, enforce_eager=args.enforce_eager,
                      async_scheduling=args.async_scheduling,
                      max_num_seqs=max(args.batch, args.max_num_seqs or 1),
-                     max_model_len=args.context + 5 * args.steps + 96,
+                     max_model_len=args.context + passes * args.steps + 96,
                      max_num_batched_tokens=max(2048, args.context))
     engine = llm.engine
     vocab = llm.loaded.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=5 * args.steps + 64, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=passes * args.steps + 64, ignore_eos=True)
     prompts = prompt_ids(args.batch, args.context, vocab, seed=1)
     if args.warm_cache:  # greedy: the same tokens again, so the same Engram rows
         for i, p in enumerate(prompts):
-            engine.add_request(f"w{i}", p, SamplingParams(temperature=0.0, max_tokens=5 * args.steps + 64,
+            engine.add_request(f"w{i}", p, SamplingParams(temperature=0.0, max_tokens=passes * args.steps + 64,
                                                           ignore_eos=True))
         while engine.has_unfinished():
             engine.step()
@@ -257,6 +275,8 @@ def main() -> int:
     deciles = statistics.quantiles(times, n=10)
     print("  step ms by decile (10 % ... 90 %): " + " ".join(f"{q:.2f}" for q in deciles))
     print(f"  {reads}")
+    if switch_sets:
+        return _switch_ab(engine, switch_sets, args.steps, cfg, args.out)
     if args.tier == "disk":  # the disk's clock: what each step spends around its reads
         from engram.bench.read_cycle import format_summary, record_cycles, summarize
 
@@ -287,6 +307,28 @@ def main() -> int:
     print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     if args.gpu_gaps and torch.cuda.is_available():
         gpu_gaps(engine, args.steps, args.top)
+    return 0
+
+
+def _switch_ab(engine, switch_sets: list[dict], steps: int, cfg, out: str | None) -> int:
+    """``--switch-ab``: the interleaved A/Bs, one per switch set, printed (and written to ``out``)."""
+    from engram.bench.read_cycle import format_summary, switch_ab
+
+    def progress(run) -> None:
+        print(f"  [{run.index:3d}] {run.arm:2s} {'warm-up' if run.round < 0 else f'round {run.round}'}  "
+              f"{run.value:.3f} ms/step", flush=True)
+
+    done = []
+    for switches in switch_sets:
+        print(f"A/B: as built against {switches}, {cfg.repeats} samples of {steps} steps per arm", flush=True)
+        result, cycles = switch_ab(engine, switches, steps, cfg, on_run=progress)
+        print(result.table())
+        for label, summary in cycles.items():
+            print(f"{label} ({result.arms[label]}): {format_summary(summary)}")
+        done.append({"switches": switches, "steps": steps, "ab": result.to_dict(), "read_cycles": cycles})
+        if out:  # after each A/B: a run cut short keeps what it finished
+            with open(out, "w") as f:
+                json.dump(done, f, indent=1)
     return 0
 
 

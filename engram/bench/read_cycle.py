@@ -27,6 +27,11 @@ lookups returned, on whichever thread ran them), ``settle`` (the engine's thread
 ``finish_lookups``), ``finish`` (done finishing them: their rows cached), ``start`` (this step's lookups
 started on the background thread). ``settle - done`` is the engine's thread getting to them, ``finish -
 settle`` the host cost of caching their rows. A diagnosis tool: the wrappers cost microseconds a call.
+
+``switch_ab`` compares per-step kernel switches (``kernel_switches.PER_STEP``) in one engine: samples of a few
+dozen steps each, the switches flipped between samples, interleaved with an A/A control (engram/bench/stats.py),
+and each arm's read cycle over its samples. Samples that short keep both arms on the same disk minute; the
+placement bench's arms are whole engines, whose samples take seconds each and drift with the disk's rate.
 """
 from __future__ import annotations
 
@@ -36,6 +41,8 @@ import time
 from dataclasses import dataclass, field
 
 from engram.bench.call_patches import CallPatches
+from engram.bench.stats import ABConfig, ABResult, Arm, run_interleaved
+from engram.model import kernel_switches
 
 
 @dataclass
@@ -146,7 +153,11 @@ def cycle_rows(marks: Marks) -> list[dict[str, float]]:
 def summarize(marks: Marks) -> dict:
     """``cycle_rows`` as ms, median and p90 per interval, and the number of cycles; {"cycles": 0} when none
     read from every table (every row cached, or no disk tables)."""
-    rows = cycle_rows(marks)
+    return summarize_rows(cycle_rows(marks))
+
+
+def summarize_rows(rows: list[dict[str, float]]) -> dict:
+    """``summarize`` of cycle rows (those of several recorded runs together)."""
     if not rows:
         return {"cycles": 0}
     out: dict = {"cycles": len(rows)}
@@ -169,3 +180,49 @@ def format_summary(summary: dict) -> str:
                                                                                 if v["n"] != summary["cycles"]
                                                                                 else ""))
     return "\n".join(lines)
+
+
+def switch_ab(engine, switches: dict, steps: int, cfg: ABConfig,
+              on_run=None) -> tuple[ABResult, dict[str, dict]]:
+    """A/B of per-step kernel switches in one running engine: A is the engine as it is, B the same with
+    ``switches`` applied (``kernel_switches.applied``; only names in ``kernel_switches.PER_STEP``: the others
+    are captured into decode graphs, ValueError). Each sample is the mean wall ms of ``steps`` engine steps,
+    recorded with ``record_cycles``; the arms (and the A/A control A') take turns as ``cfg`` says
+    (``stats.run_interleaved``; ``cfg.higher_is_better`` must be False: samples are times). The engine must
+    have enough work left for every sample. A switch flipped between samples may meet a step whose lookups
+    still run in the background; that step's finish follows what its lookups did (graph_slabs.py).
+    Returns the A/B result and each label's read cycle (``summarize_rows`` over its recorded samples)."""
+    kernel_switches.check(switches)
+    other = sorted(set(switches) - set(kernel_switches.PER_STEP))
+    if other:
+        raise ValueError(f"kernel switches {other} are captured into decode graphs, not read at every step: "
+                         f"compare them with engram bench placement (per-step switches: "
+                         f"{list(kernel_switches.PER_STEP)})")
+    if cfg.higher_is_better:
+        raise ValueError("switch_ab's samples are step times: ABConfig.higher_is_better must be False")
+    if steps < 2:
+        raise ValueError(f"steps={steps} must be at least 2 (a read cycle spans two steps)")
+    rows: dict[str, list[dict[str, float]]] = {}
+    current: list[str] = []  # the label of the sample being taken (run_interleaved's on_run names it after)
+
+    def measure(applied: dict):
+        def one() -> float:
+            with kernel_switches.applied(applied):
+                t = time.perf_counter()
+                marks = record_cycles(engine, steps)
+                ms = (time.perf_counter() - t) * 1e3 / steps
+            current.append(cycle_rows(marks))
+            return ms
+        return one
+
+    def note(run) -> None:
+        got = current.pop()
+        if run.round >= 0:
+            rows.setdefault(run.arm, []).extend(got)
+        if on_run is not None:
+            on_run(run)
+
+    now = {name: kernel_switches.SWITCHES[name][0]() for name in switches}
+    result = run_interleaved(Arm(f"as built {now}", measure({})), Arm(f"switches {switches}", measure(switches)),
+                             cfg, on_run=note)
+    return result, {label: summarize_rows(r) for label, r in sorted(rows.items())}

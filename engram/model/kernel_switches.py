@@ -75,6 +75,8 @@ SWITCHES = {  # name -> (get, set)
     "early_admit": _module_flag("engram.engine.graph_slabs", "EARLY_ADMIT"),
     "split_gemv": _module_flag("engram.model.layers.split_linear", "ENABLED"),
 }
+# read at every step or launch, so they take effect between two steps of one engine (read_cycle.switch_ab)
+PER_STEP = ("first_lookup_alone", "background_lookups", "early_host_ids", "early_admit")
 
 
 def check(switches: dict) -> None:

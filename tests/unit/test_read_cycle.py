@@ -56,3 +56,46 @@ def test_a_disk_engine_on_the_cpu(tmp_path, async_scheduling):
     # the wrappers are gone: the reader's read is its class's again
     table = engine.executor.worker.tables[layers[0]]
     assert "read" not in vars(table.reader)
+
+
+def test_switch_ab_flips_per_step_switches_between_samples_of_one_engine(tmp_path, monkeypatch):
+    import engram
+    import engram.engine.lookup as lookup_mod
+    from engram.bench.read_cycle import switch_ab
+    from engram.bench.stats import ABConfig
+    from engram.engine.sampling_params import SamplingParams
+    from tests.integration.test_engine import prompts
+
+    llm = engram.LLM("tiny", tier="disk", dtype=torch.float32, device="cpu", cache_dir=str(tmp_path),
+                     max_num_seqs=4)
+    engine = llm.engine
+    for i, p in enumerate(prompts(4, seed=5)):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True))
+    engine.step()
+    seen = []  # the switch as each step's lookups saw it
+    submit = lookup_mod.LookupExecutor.submit
+    monkeypatch.setattr(lookup_mod.LookupExecutor, "submit",
+                        lambda self, *a, **k: (seen.append(lookup_mod.FIRST_LOOKUP_ALONE), submit(self, *a, **k))[1])
+    runs = []
+    cfg = ABConfig(repeats=2, warmup=1, n_boot=200)
+    result, cycles = switch_ab(engine, {"first_lookup_alone": False}, 4, cfg, on_run=runs.append)
+    assert lookup_mod.FIRST_LOOKUP_ALONE is True  # restored
+    assert [r.arm for r in runs] == ["A", "A'", "B", "A", "A'", "B", "B", "A'", "A"]
+    assert seen == [r.arm != "B" for r in runs for _ in range(4)]  # B's steps, and only those, flipped
+    assert {k: len(v) for k, v in result.samples.items()} == {"A": 2, "A'": 2, "B": 2}
+    assert all(v > 0 for x in result.samples.values() for v in x)
+    assert set(cycles) == {"A", "A'", "B"} and all(c["cycles"] >= 4 for c in cycles.values()), cycles
+    assert set(result.comparisons) == {"B/A", "A'/A"}
+
+
+@pytest.mark.parametrize("switches, cfg_kw, match", [
+    ({"pdl": False}, {}, "captured into decode graphs"),
+    ({"early_admit": 1}, {}, "must be true or false"),
+    ({"early_admit": True}, {"higher_is_better": True}, "step times"),
+])
+def test_switch_ab_refuses_what_it_cannot_compare(switches, cfg_kw, match):
+    from engram.bench.read_cycle import switch_ab
+    from engram.bench.stats import ABConfig
+
+    with pytest.raises(ValueError, match=match):
+        switch_ab(None, switches, 4, ABConfig(repeats=2, **cfg_kw))
