@@ -118,8 +118,9 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b
     if [ "$part" = disk-cache-switch-ab ]; then  # per-step switches flipped in one engine (read_cycle.switch_ab)
         cfg='{"io": "direct", "queue_depth": 64, "cache_rows": 200000, "load_threads": 16, "table_rows": 31000000}'
         run switch-ab-disk-cache-4b-like-b64 python3 -u scripts/profile_decode_host.py --tier disk \
-            --cache-dir "$cache" --engram-config "$cfg" --batch 64 --steps 20 --repeats 10 --switch-ab '{"first_lookup_alone": false}' \
-            --switch-ab '{"early_admit": true}' --out "$out/$stamp-switch-ab-disk-cache-4b-like-b64-$commit.json"
+            --cache-dir "$cache" --engram-config "$cfg" --batch 64 --steps 20 --repeats 10 \
+            --switch-ab '{"first_lookup_alone": false}' --switch-ab '{"early_admit": true}' \
+            --out "$out/$stamp-switch-ab-disk-cache-4b-like-b64-$commit.json"
         exit
     fi
     if [ "$part" = disk-cache-callees ]; then  # where finishing a step's lookups spends its time
