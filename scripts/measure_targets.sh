@@ -35,17 +35,23 @@
 #                layers' read schedules on this machine (scripts/gil_handoff.py, read_schedule.py)  (~7.5 min)
 #   disk-cache-together  batch 64 only, the cache arm (A) against the same with both tables' lookups submitted
 #                together (B: kernel switch first_lookup_alone false, their reads side by side, a queue twice as
-#                deep), interleaved: B/A with its CI                                 (not yet timed; ~5 min?)
+#                deep), interleaved, 6 rounds: B/A with its CI                                     (~6.5 min?)
 #   disk-cache-early-ids  batch 64 only, the cache arm (A) against the same with the next step's row ids sent
 #                to the host after the step's background lookups are finished (B: early_host_ids false, the
-#                order before 1609d27), interleaved                                  (not yet timed; ~5 min?)
-#                (at 1e2477c both ran with a host-tier A and two B arms, which took over 330 s and was cut)
+#                order before 1609d27), interleaved, 6 rounds                                      (~6.5 min?)
+#                (at 1e2477c both ran with a host-tier A and two B arms, which took over 330 s and was cut; at
+#                e77e6d6 one switch's 10 rounds of 3 arms, ~18 s a sample, were cut in round 9: now 6 rounds)
 #   disk-cache-early-admit  batch 64 only, the cache arm (A) against the same with each layer's rows cached right
 #                after its own lookup (B: kernel switch early_admit true), interleaved; then the read cycle
-#                with early_admit (profile_decode_host.py, ENGRAM_EARLY_ADMIT=1)      (not yet timed; ~6 min?)
+#                with early_admit (profile_decode_host.py, ENGRAM_EARLY_ADMIT=1), 6 rounds           (~8 min?)
+#   disk-cache-together-bound  `disk-cache`'s comparison (the pinned host arm against the cache arm, batch 1 and
+#                64, the bound with its paired and bracketed intervals) with the cache arm's first_lookup_alone
+#                false: the target with both tables read together                                   (~4.5 min?)
 #   disk-cache-switch-ab  batch 64, one cache-arm engine: the together and early_admit switches each against
 #                the engine as built, samples of 20 steps flipped in turns with an A/A control, and each arm's
-#                read cycle (profile_decode_host.py --switch-ab: short samples on the same disk minute)  (~2 min?)
+#                read cycle (profile_decode_host.py --switch-ab: short samples on the same disk minute; 122 s at
+#                e3e968a); then batch 1, its own prompts (a cache still filling: some rows read), together
+#                against as built, samples of 40 steps                                               (~3.5 min?)
 #
 # OUTDIR (default $OUT, else bench/results) receives <date>-<what>-<commit>.{json,log}. ENGRAM_COMMIT
 # names the commit when the tree is not a git checkout (a snapshot copied to the machine).
@@ -54,7 +60,7 @@ cd "$(dirname "$0")/.."
 
 parts="tests|engine|switches|host-4b|host-8b|exposure|disk|disk-switch|disk-cache|disk-cache-gaps"
 parts+="|disk-cache-b1|disk-cache-b1-sized|disk-cache-b64|disk-cache-together|disk-cache-early-ids"
-parts+="|disk-cache-callees|disk-cache-early-admit|disk-cache-switch-ab"
+parts+="|disk-cache-callees|disk-cache-early-admit|disk-cache-switch-ab|disk-cache-together-bound"
 usage="usage: scripts/measure_targets.sh $parts [OUTDIR]"
 part=${1:?$usage}
 out=${2:-${OUT:-bench/results}}
@@ -102,7 +108,7 @@ exposure)
     ;;
 disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b1-sized | disk-cache-b64 \
     | disk-cache-together | disk-cache-early-ids | disk-cache-callees | disk-cache-early-admit \
-    | disk-cache-switch-ab)
+    | disk-cache-switch-ab | disk-cache-together-bound)
     cache=${ENGRAM_CACHE_DIR:-/tmp/engram-tables}
     disk='{"tier": "disk", "lookup_overlap": true, "options": {"io": "direct", "queue_depth": 64}'
     if [ "$part" = disk-cache-gaps ]; then  # the cache arm's tables (31 M rows a layer), profiled
@@ -121,6 +127,9 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b
             --cache-dir "$cache" --engram-config "$cfg" --batch 64 --steps 20 --repeats 10 \
             --switch-ab '{"first_lookup_alone": false}' --switch-ab '{"early_admit": true}' \
             --out "$out/$stamp-switch-ab-disk-cache-4b-like-b64-$commit.json"
+        run switch-ab-disk-cache-4b-like-b1 python3 -u scripts/profile_decode_host.py --tier disk \
+            --cache-dir "$cache" --engram-config "$cfg" --batch 1 --steps 40 --repeats 10 \
+            --switch-ab '{"first_lookup_alone": false}' --out "$out/$stamp-switch-ab-disk-cache-4b-like-b1-$commit.json"
         exit
     fi
     if [ "$part" = disk-cache-callees ]; then  # where finishing a step's lookups spends its time
@@ -165,11 +174,15 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b
         run read-schedule python3 -u scripts/read_schedule.py "$(find "$cache" -name values.bin | head -1)" \
             --out "$out/$stamp-read-schedule-$commit.json"
         ;;
+    disk-cache-together-bound)  # the target's comparison, the cache arm reading both tables together
+        placement disk-cache-together-bound 1,64 "$cached, \"switches\": {\"first_lookup_alone\": false}}"
+        ;;
     disk-cache-together)  # A: the cache arm as it is, B: the switch flipped
-        placement disk-cache-together 64 --a "$cached}" "$cached, \"switches\": {\"first_lookup_alone\": false}}"
+        placement disk-cache-together 64 --repeats 6 --a "$cached}" \
+            "$cached, \"switches\": {\"first_lookup_alone\": false}}"
         ;;
     disk-cache-early-admit)  # A: the cache arm as it is, B: the switch flipped; then B's read cycle
-        placement disk-cache-early-admit 64 --a "$cached}" "$cached, \"switches\": {\"early_admit\": true}}"
+        placement disk-cache-early-admit 64 --repeats 6 --a "$cached}" "$cached, \"switches\": {\"early_admit\": true}}"
         cfg='{"io": "direct", "queue_depth": 64, "cache_rows": 200000, "load_threads": 16, "table_rows": 31000000}'
         run gaps-disk-cache-early-admit-4b-like-b64 env ENGRAM_EARLY_ADMIT=1 python3 -u scripts/profile_decode_host.py \
             --tier disk --cache-dir "$cache" --engram-config "$cfg" --batch 64 --steps 20
@@ -180,7 +193,8 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b
         done
         ;;
     disk-cache-early-ids)  # A: the cache arm as it is, B: the switch flipped
-        placement disk-cache-early-ids 64 --a "$cached}" "$cached, \"switches\": {\"early_host_ids\": false}}"
+        placement disk-cache-early-ids 64 --repeats 6 --a "$cached}" \
+            "$cached, \"switches\": {\"early_host_ids\": false}}"
         ;;
     disk-cache)
         placement disk-cache 1,64 "$cached}"
