@@ -203,7 +203,7 @@ def switch_ab(engine, switches: dict, steps: int, cfg: ABConfig,
     if steps < 2:
         raise ValueError(f"steps={steps} must be at least 2 (a read cycle spans two steps)")
     rows: dict[str, list[dict[str, float]]] = {}
-    current: list[str] = []  # the label of the sample being taken (run_interleaved's on_run names it after)
+    taken: list[list[dict[str, float]]] = []  # the last sample's cycle rows, until on_run names its label
 
     def measure(applied: dict):
         def one() -> float:
@@ -211,12 +211,12 @@ def switch_ab(engine, switches: dict, steps: int, cfg: ABConfig,
                 t = time.perf_counter()
                 marks = record_cycles(engine, steps)
                 ms = (time.perf_counter() - t) * 1e3 / steps
-            current.append(cycle_rows(marks))
+            taken.append(cycle_rows(marks))
             return ms
         return one
 
     def note(run) -> None:
-        got = current.pop()
+        got = taken.pop()
         if run.round >= 0:
             rows.setdefault(run.arm, []).extend(got)
         if on_run is not None:

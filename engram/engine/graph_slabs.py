@@ -21,9 +21,10 @@ With ``EARLY_ADMIT`` (kernel switch ``early_admit``, ENGRAM_EARLY_ADMIT=1; off b
 e77e6d6 it took 2 ms of caching off the engine's thread, but the next step's ids arrived no sooner, the
 hand-off between the tables grew, and neither A/B found a difference, docs/benchmarks.md) ``read_lookups``
 caches a layer's rows as soon as its lookup has returned and a later layer's lookup is still to be waited
-for (its reads run on its table's thread meanwhile), on whichever thread runs the lookups; ``finish_lookups`` then caches only the rest and makes the current stream wait for every
-cache stream (``DiskTable.join_probed``). At 1e2477c the engine's thread took 4.5 ms a batch-64 step to cache
-both tables' rows after the last read, while the disk sat idle (docs/benchmarks.md); early, the first
+for (its reads run on its table's thread meanwhile), on whichever thread runs the lookups;
+``finish_lookups`` then caches only the rest and makes the current stream wait for every cache stream
+(``DiskTable.join_probed``). At 1e2477c the engine's thread took 4.5 ms a batch-64 step to cache both
+tables' rows after the last read, while the disk sat idle (docs/benchmarks.md); early, the first
 table's share overlaps the second table's reads. It is safe there: the layer's piece no longer waits for
 its flag (its lookup signalled it), its slab's next read waits for the copies out of it (``slab.done``
 becomes their event, which ``finish_lookups`` then leaves alone), writes into its cache wait for this
