@@ -10,7 +10,11 @@ cache, None without a cache (or without a lookup through it).
 Raw reads: right before each comparison that involves a disk arm, ``measure_raw_reads`` measures the
 disk's random 4 KiB read rate for a given number of seconds (``engram.bench.lookup.raw_cell``: uniformly
 random page reads of the arm's first table's values.bin through a ``PageReader`` with the arm's io mode
-in effect and queue depth, a given number of pages per call, one unrecorded call first; with buffered io
+in effect and the depth its step reads at (``read_depth``: the reader's queue depth, times the arm's tables
+when their lookups read side by side, kernel switch ``first_lookup_alone`` false, with O_DIRECT: each
+table's thread then keeps its own queue full, so a step keeps that many reads in flight and the disk's rate
+is taken there too), a given
+number of pages per call, one unrecorded call first; with buffered io
 the file is dropped from the page cache before every call, O_DIRECT has none). The rate drifts within a
 run (on the H200 machine a disk arm's rounds ranged 1165–1737 tok/s while the host tier's agreed within
 1 %), so the same reads also run for a shorter time right before each sample of a disk arm that reads
@@ -85,38 +89,54 @@ def hit_rate(counts: dict, cached: bool) -> float | None:
     return counts["hits"] / looked if cached and looked else None
 
 
-def _raw_calls(tables: dict, pages: int, seconds: float, seed: int) -> tuple:
+def read_depth(tables: dict, together: bool) -> int:
+    """The reads a disk arm's step keeps in flight: its first table's reader's queue depth, times its tables
+    when their lookups read side by side (``together``: kernel switch ``first_lookup_alone`` false,
+    engine/lookup.py) each on a queue of its own (``reader.queue_per_thread``: O_DIRECT through each table
+    thread's AIO context); else that depth (one table's reads at a time, or one pool shared)."""
+    from engram.store.reader import queue_per_thread
+
+    reader = tables[min(tables)].reader
+    return reader.queue_depth * (len(tables) if together and queue_per_thread(reader.io) else 1)
+
+
+def _raw_calls(tables: dict, pages: int, seconds: float, seed: int, depth: int | None = None) -> tuple:
     """``engram.bench.lookup.raw_cell`` calls of ``pages`` random pages of the first Engram layer's
-    values.bin, with the io mode that table's reader has in effect and its queue depth (cold, the file dropped
-    from the page cache before every call, when that io is buffered): one unrecorded call (the pool's threads,
-    the buffer's first touch), then calls for ``seconds``. Returns (layer, reader, cell, cell.result())."""
+    values.bin, with the io mode that table's reader has in effect, at queue depth ``depth`` (default the
+    reader's; cold, the file dropped from the page cache before every call, when that io is buffered): one
+    unrecorded call (the pool's threads, the buffer's first touch), then calls for ``seconds``. Returns
+    (layer, reader, cell, cell.result())."""
     from engram.bench.lookup import raw_cell
 
     lid = min(tables)
     reader = tables[lid].reader
-    cell = raw_cell(Path(reader.path), {"io": reader.io, "queue_depth": reader.queue_depth}, pages, seed,
+    cell = raw_cell(Path(reader.path), {"io": reader.io, "queue_depth": depth or reader.queue_depth}, pages, seed,
                     reader.io == "buffered")
     cell.step()
     cell.run(seconds)
     return lid, reader, cell, cell.result()
 
 
-def measure_raw_reads(tables: dict, seconds: float, pages: int, seed: int) -> dict:
-    """The disk's random 4 KiB read rate, now: ``_raw_calls`` of ``pages`` pages a call for ``seconds``."""
-    lid, reader, cell, r = _raw_calls(tables, pages, seconds, seed)
-    return {"layer": lid, "io": reader.io, "io_requested": reader.io_requested, "queue_depth": reader.queue_depth,
+def measure_raw_reads(tables: dict, seconds: float, pages: int, seed: int, depth: int | None = None) -> dict:
+    """The disk's random 4 KiB read rate, now: ``_raw_calls`` of ``pages`` pages a call for ``seconds``, at
+    queue depth ``depth`` (default the first table's reader's)."""
+    lid, reader, cell, r = _raw_calls(tables, pages, seconds, seed, depth)
+    return {"layer": lid, "io": reader.io, "io_requested": reader.io_requested,
+            "queue_depth": depth or reader.queue_depth,
             "cold": reader.io == "buffered", "pages_per_call": pages, "calls": r["batches"],
             "seconds": sum(cell.times), "read_ops_per_s": r["read_ops_per_s"], "disk_MB_per_s": r["disk_MB_per_s"],
             "us_per_call_p50": r["us_per_batch_p50"]}
 
 
-def sample_rate(tables: dict, seconds: float, pages: int, seed: int) -> Callable[[], float]:
+def sample_rate(tables: dict, seconds: float, pages: int, seed: int,
+                depth: int | None = None) -> Callable[[], float]:
     """A measure of the disk's read rate (ops/s) to take right before each of an arm's samples:
-    ``measure_raw_reads`` for ``seconds``, each call at pages of its own (the seed advances)."""
+    ``measure_raw_reads`` for ``seconds`` at queue depth ``depth``, each call at pages of its own (the seed
+    advances)."""
     calls = itertools.count(1)
 
     def rate() -> float:
-        return measure_raw_reads(tables, seconds, pages, seed + next(calls))["read_ops_per_s"]
+        return measure_raw_reads(tables, seconds, pages, seed + next(calls), depth)["read_ops_per_s"]
     return rate
 
 

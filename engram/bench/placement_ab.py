@@ -80,7 +80,7 @@ import sys
 from pathlib import Path
 
 from engram.bench.disk_bound import (BOUND_FACTOR, DISK_COLUMNS, NO_HOST_ARM, add_bounds, disk_rows,
-                                     measure_lookup_reads, measure_raw_reads, sample_rate)
+                                     measure_lookup_reads, measure_raw_reads, read_depth, sample_rate)
 from engram.bench.engine_bench import _free_memory, _ints
 from engram.bench.forced_windows import corpus_stream, cut_windows
 from engram.bench.placement_arms import (DEFAULT_A, DEFAULT_B, ArmSpec, arm_store_options, parse_arm,
@@ -313,12 +313,14 @@ def run(args: argparse.Namespace) -> int:
                     if arm.tier == "disk":
                         tabs = tables[placement_of[arm]]
                         fresh = all(t.stats()["lookups"] == 0 for t in tabs.values())
-                        raw = measure_raw_reads(tabs, args.raw_read_seconds, args.raw_read_pages, opts.seed)
+                        depth = read_depth(tabs, together=not arm.switch("first_lookup_alone"))
+                        raw = measure_raw_reads(tabs, args.raw_read_seconds, args.raw_read_pages, opts.seed, depth)
                         say(f"batch {b}: raw random reads for {label} {arm.name}: {raw['read_ops_per_s']:.4g} ops/s "
                             f"({raw['io']}, queue depth {raw['queue_depth']})")
                         disk[label] = (raw, fresh, placement_of[arm])
                 rates = {label: sample_rate(tables[placement], args.raw_read_sample_seconds, args.raw_read_pages,
-                                            opts.seed) for label, (raw, _, placement) in disk.items()
+                                            opts.seed, raw["queue_depth"])
+                         for label, (raw, _, placement) in disk.items()
                          if args.raw_read_sample_seconds > 0 and raw["io"] == "direct"}  # (disk_bound.py)
                 say(f"batch {b}: A {arm_a.name} vs B {arm_b.name}")
                 result, comparison = run_comparison(engines, arm_a, arm_b, k, b, win, s, ab_cfg, args.quiet, disk,

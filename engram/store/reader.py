@@ -164,6 +164,13 @@ def _aio(queue_depth: int):
     return ctx
 
 
+def queue_per_thread(io: str) -> bool:
+    """Whether reads with ``io`` from different threads each keep their own ``queue_depth`` in flight (each
+    thread's AIO context: the C backend, io="direct", Linux AIO), rather than sharing one process-wide pool's
+    (``_pool``): two tables read side by side then keep twice the depth in flight."""
+    return io == "direct" and AIO and not _aio_broken and SWITCH.active() == "c"
+
+
 def _pool(queue_depth: int, io: str = "buffered"):
     """What reads a batch: with the C backend and io="direct", this thread's AIO context (``AIO``); else the
     process-wide pool for this backend and depth (rebuilt in a forked child: threads do not fork)."""

@@ -390,3 +390,27 @@ def test_disk_arm_without_a_host_arm_says_the_bound_is_not_computed(tmp_path, ca
     assert d["ratio_bracketed"] is d["bracketed_target"] is None
     assert d["bound_note"] == disk_bound.NO_HOST_ARM and d["raw_read_ops_per_s"] > 0
     assert disk_bound.NO_HOST_ARM in capsys.readouterr().out
+
+
+def test_a_disk_arm_reading_its_tables_together_is_held_to_the_disk_at_their_summed_depth(tmp_path):
+    """first_lookup_alone false with O_DIRECT: each table's thread keeps its own AIO queue full, so the step
+    keeps tables x depth reads in flight, and the raw rate behind its bound is measured there
+    (disk_bound.read_depth); buffered reads share one pool of that depth, so their rate stays at it."""
+    from engram.model.presets import preset_config
+    from engram.store.reader import queue_per_thread
+
+    out = tmp_path / "together.json"
+    alone = {"tier": "disk", "lookup_overlap": False, "options": {"io": "direct", "queue_depth": 8}}
+    together = {**alone, "switches": {"first_lookup_alone": False}}
+    shared = {**together, "options": {"io": "buffered", "queue_depth": 8}}
+    rc = main(["bench", "placement", *DISK_FAST, "--batch-sizes", "1", "--out", str(out), "--kv-cache-memory",
+               "64MiB", "--cache-dir", str(tmp_path / "cache"), "--a", json.dumps(alone), "--b", json.dumps(together),
+               "--b", json.dumps(shared)])
+    assert rc == 0
+    first, second = json.loads(out.read_text())["result"]["comparisons"]
+    tables = len(preset_config("tiny").engram.layer_ids)
+    assert tables >= 2
+    assert first["raw_reads"]["A"]["queue_depth"] == 8 == second["raw_reads"]["B"]["queue_depth"]
+    if first["raw_reads"]["B"]["io"] != "direct" or not queue_per_thread("direct"):
+        pytest.skip("no O_DIRECT or no Linux AIO here: the reads share the pool")
+    assert first["raw_reads"]["B"]["queue_depth"] == 8 * tables
