@@ -45,13 +45,14 @@
 #                after its own lookup (B: kernel switch early_admit true), interleaved; then the read cycle
 #                with early_admit (profile_decode_host.py, ENGRAM_EARLY_ADMIT=1), 6 rounds           (~8 min?)
 #   disk-cache-together-bound  `disk-cache`'s comparison (the pinned host arm against the cache arm, batch 1 and
-#                64, the bound with its paired and bracketed intervals) with the cache arm's first_lookup_alone
-#                false: the target with both tables read together                                   (~4.5 min?)
-#   disk-cache-switch-ab  batch 64, one cache-arm engine: the together and early_admit switches each against
-#                the engine as built, samples of 20 steps flipped in turns with an A/A control, and each arm's
-#                read cycle (profile_decode_host.py --switch-ab: short samples on the same disk minute; 122 s at
-#                e3e968a); then batch 1, its own prompts (a cache still filling: some rows read), together
-#                against as built, samples of 40 steps                                               (~3.5 min?)
+#                64, the bound with its paired and bracketed intervals) with the cache arm's together_when_deep
+#                on: the target with both tables read together where a step's ids fill the read queue (batch 64;
+#                batch 1 keeps the first alone)                                                      (~4.5 min?)
+#   disk-cache-switch-ab  batch 64, one cache-arm engine: together_when_deep against the engine as built, samples
+#                of 20 steps flipped in turns with an A/A control, and each arm's read cycle (profile_decode_host.py
+#                --switch-ab: short samples on the same disk minute; 122 s for two A/Bs at e3e968a); then batch 1,
+#                its own prompts (a cache still filling: some rows read), first_lookup_alone false (both tables
+#                always together) against as built, samples of 40 steps                                 (~3 min?)
 #
 # OUTDIR (default $OUT, else bench/results) receives <date>-<what>-<commit>.{json,log}. ENGRAM_COMMIT
 # names the commit when the tree is not a git checkout (a snapshot copied to the machine).
@@ -125,7 +126,7 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b
         cfg='{"io": "direct", "queue_depth": 64, "cache_rows": 200000, "load_threads": 16, "table_rows": 31000000}'
         run switch-ab-disk-cache-4b-like-b64 python3 -u scripts/profile_decode_host.py --tier disk \
             --cache-dir "$cache" --engram-config "$cfg" --batch 64 --steps 20 --repeats 10 \
-            --switch-ab '{"first_lookup_alone": false}' --switch-ab '{"early_admit": true}' \
+            --switch-ab '{"together_when_deep": true}' \
             --out "$out/$stamp-switch-ab-disk-cache-4b-like-b64-$commit.json"
         run switch-ab-disk-cache-4b-like-b1 python3 -u scripts/profile_decode_host.py --tier disk \
             --cache-dir "$cache" --engram-config "$cfg" --batch 1 --steps 40 --repeats 10 \
@@ -175,7 +176,7 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b
             --out "$out/$stamp-read-schedule-$commit.json"
         ;;
     disk-cache-together-bound)  # the target's comparison, the cache arm reading both tables together
-        placement disk-cache-together-bound 1,64 "$cached, \"switches\": {\"first_lookup_alone\": false}}"
+        placement disk-cache-together-bound 1,64 "$cached, \"switches\": {\"together_when_deep\": true}}"
         ;;
     disk-cache-together)  # A: the cache arm as it is, B: the switch flipped
         placement disk-cache-together 64 --repeats 6 --a "$cached}" \

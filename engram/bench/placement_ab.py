@@ -186,6 +186,15 @@ def default_kv_budget(cfg, ecfg, dtype, tables_by_tier: dict) -> int:
 
 
 # ----------------------------------------------------------------- the command
+def _reads_together(arm: ArmSpec, tables: dict, step_ids: int) -> bool:
+    """Whether ``arm``'s decode steps of ``step_ids`` row ids a table read its tables side by side
+    (``lookup.reads_together`` under the arm's kernel switches)."""
+    from engram.engine import lookup
+
+    with kernel_switches.applied(dict(arm.switches)):
+        return lookup.reads_together(step_ids, lookup.read_queue_depth(tables[min(tables)]))
+
+
 def run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
@@ -300,6 +309,7 @@ def run(args: argparse.Namespace) -> int:
         frozen = True
 
         comparisons, windows_info, rows = [], {}, []
+        n_cols = base.model_config.engram.n_cols  # row ids per token per table: a decode step's b * n_cols
         for b in batch_sizes:
             max_tokens = decode_max_tokens(b, s.context_len, ecfg.max_num_batched_tokens, s.warmup_tokens,
                                            s.decode_steps, 0)
@@ -313,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
                     if arm.tier == "disk":
                         tabs = tables[placement_of[arm]]
                         fresh = all(t.stats()["lookups"] == 0 for t in tabs.values())
-                        depth = read_depth(tabs, together=not arm.switch("first_lookup_alone"))
+                        depth = read_depth(tabs, together=_reads_together(arm, tabs, b * n_cols))
                         raw = measure_raw_reads(tabs, args.raw_read_seconds, args.raw_read_pages, opts.seed, depth)
                         say(f"batch {b}: raw random reads for {label} {arm.name}: {raw['read_ops_per_s']:.4g} ops/s "
                             f"({raw['io']}, queue depth {raw['queue_depth']})")

@@ -72,11 +72,6 @@ class ArmSpec:
     def name(self) -> str:
         return json.dumps(self.to_dict())
 
-    def switch(self, name: str) -> bool:
-        """Kernel switch ``name`` as the arm runs: its own setting, else the process's (kernel_switches)."""
-        own = dict(self.switches)
-        return own[name] if name in own else kernel_switches.SWITCHES[name][0]()
-
 
 def parse_arm(text: str, option: str) -> ArmSpec:
     """An arm's JSON -> ArmSpec; SystemExit naming ``option`` and the offending key otherwise."""

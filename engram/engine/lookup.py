@@ -48,6 +48,28 @@ from engram.transfer import to_device
 # slabs (ChainedLookups) submit the later layers' lookups before the first layer's runs: with a hot-row cache
 # probed on the device no piece needs the first layer's rows before the later reads start (not yet measured).
 FIRST_LOOKUP_ALONE = env_flag("ENGRAM_FIRST_LOOKUP_ALONE", default=True)
+# With FIRST_LOOKUP_ALONE, a step whose first Engram layer has at least as many row ids as its table keeps
+# reads in flight (its reader's queue depth) still submits the later layers' lookups with it
+# (ENGRAM_TOGETHER_WHEN_DEEP, kernel switch ``together_when_deep``; off by default until its A/B): such a
+# lookup keeps the disk's queue full, so its layer waits for the disk's rate, not its latency, and the later
+# reads beside it keep the queue full through the hand-off between the tables. On the H200 (e3e968a, cached
+# disk tier, batch 64, ~1,500 ids a table against a depth of 64) both tables read together took a step from
+# 48 to 43 ms in one engine; a batch-1 step (24 ids) stays alone, where dd3c115 measured together 11 % slower.
+TOGETHER_WHEN_DEEP = env_flag("ENGRAM_TOGETHER_WHEN_DEEP", default=False)
+
+
+def reads_together(first_ids: int, queue_depth: int | None) -> bool:
+    """Whether a step submits its later Engram layers' lookups before its first layer's runs, their reads
+    beside the first's: FIRST_LOOKUP_ALONE off, or TOGETHER_WHEN_DEEP with the first layer's ``first_ids``
+    row ids filling its table's read queue (``queue_depth``; None for a table that reads no disk: never)."""
+    if not FIRST_LOOKUP_ALONE:
+        return True
+    return TOGETHER_WHEN_DEEP and queue_depth is not None and first_ids >= queue_depth
+
+
+def read_queue_depth(table) -> int | None:
+    """The queue depth of a disk-reading table's reader (DiskTable.reader), else None."""
+    return getattr(getattr(table, "reader", None), "queue_depth", None)
 
 
 class StagedRows:
@@ -208,11 +230,12 @@ class LookupExecutor:
             if patch is None or not self.takes_device_ids():
                 # host ids: the first layer's lookup, which the model needs at once, runs on this thread (no
                 # hand-off to its table's thread and back); the later layers' are submitted before it (their
-                # disk reads overlap it) or, with FIRST_LOOKUP_ALONE, after it
+                # disk reads overlap it) or, with FIRST_LOOKUP_ALONE, after it (reads_together)
                 host_ids = (step.engram_row_ids if patch is None else early.wait() if early is not None else
                             self._host_ids(step, patch))
                 layers = list(host_ids)
-                alone = FIRST_LOOKUP_ALONE
+                alone = not layers or not reads_together(host_ids[layers[0]].numel(),
+                                                         read_queue_depth(self.tables[layers[0]]))
                 # over the disk tier the first lookup waits until the model reaches its layer (see above)
                 lazy = bool(layers) and (bool(slabs) or alone and getattr(self.tables[layers[0]], "reads_from_disk",
                                                                           False))

@@ -12,6 +12,9 @@ them, interleaved, with confidence intervals. Unknown names are refused with the
 * ``first_lookup_alone``: over host-read tables (the disk tier, hot-row caches) the first Engram layer's
   lookup runs alone before the later layers' are submitted (``lookup.FIRST_LOOKUP_ALONE``,
   ``ENGRAM_FIRST_LOOKUP_ALONE``; read at every step, so it takes effect while set; on by default);
+* ``together_when_deep``: with ``first_lookup_alone``, a step whose first layer's row ids fill its table's
+  read queue still submits the later layers' lookups with it (``lookup.TOGETHER_WHEN_DEEP``,
+  ``ENGRAM_TOGETHER_WHEN_DEEP``; read at every step; off by default);
 * ``disk_decode_in_graph``: disk tables' rows are decoded inside the piecewise decode graphs from a slab the
   step's lookup reads into (``cuda_graphs.DISK_DECODE_IN_GRAPH``, ``ENGRAM_DISK_DECODE_IN_GRAPH``; read when a
   Worker's graphs are captured; on by default);
@@ -68,6 +71,7 @@ def _blas_lt():
 SWITCHES = {  # name -> (get, set)
     "pdl": _module_flag("engram.model.layers.pdl", "ENABLED"),
     "first_lookup_alone": _module_flag("engram.engine.lookup", "FIRST_LOOKUP_ALONE"),
+    "together_when_deep": _module_flag("engram.engine.lookup", "TOGETHER_WHEN_DEEP"),
     "cublaslt": _blas_lt(),
     "disk_decode_in_graph": _module_flag("engram.engine.cuda_graphs", "DISK_DECODE_IN_GRAPH"),
     "background_lookups": _module_flag("engram.engine.step_lookups", "BACKGROUND"),
@@ -76,7 +80,7 @@ SWITCHES = {  # name -> (get, set)
     "split_gemv": _module_flag("engram.model.layers.split_linear", "ENABLED"),
 }
 # read at every step or launch, so they take effect between two steps of one engine (read_cycle.switch_ab)
-PER_STEP = ("first_lookup_alone", "background_lookups", "early_host_ids", "early_admit")
+PER_STEP = ("first_lookup_alone", "together_when_deep", "background_lookups", "early_host_ids", "early_admit")
 
 
 def check(switches: dict) -> None:

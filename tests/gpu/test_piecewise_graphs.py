@@ -126,6 +126,7 @@ def test_the_host_waits_for_a_later_layers_rows_after_the_pieces_before_it_launc
         assert log[first - 1:first + 5] == ["ids", "piece 0", *rest]
 
 
+@pytest.mark.parametrize("together", [False, True], ids=["first-alone", "reads-together"])
 @pytest.mark.parametrize("early_admit", [False, True], ids=["admit-after", "admit-early"])
 @pytest.mark.parametrize("probe", [True, False], ids=["probed", "host-slots"])
 @pytest.mark.parametrize("background", [True, False], ids=["lookups-beside", "lookups-inline"])
@@ -133,7 +134,7 @@ def test_the_host_waits_for_a_later_layers_rows_after_the_pieces_before_it_launc
                                      {"io": "buffered", "cache_rows": 16}, {"io": "buffered", "cache_rows": 50_000}],
                          ids=["disk", "disk-cache", "disk-cache-spilling", "disk-cache-whole"])
 def test_disk_rows_decoded_inside_the_pieces_equal_rows_copied_in(tmp_path, monkeypatch, caplog, options, probe,
-                                                                  background, early_admit):
+                                                                  background, early_admit, together):
     """DISK_DECODE_IN_GRAPH: the step's lookups only read pages into each layer's slab (with a hot-row cache:
     through the cache, the slots pointing into its storage, a cache of 16 rows spilling into its overflow
     rows) and the piece decodes them; tokens and logprobs are bitwise those of rows decoded on the host side
@@ -141,7 +142,12 @@ def test_disk_rows_decoded_inside_the_pieces_equal_rows_copied_in(tmp_path, monk
     step's lookups: they wait for new rows, and a second pass over a cache that holds the tables finds every
     row without waiting. Their lookups run on the Worker's background thread (step_lookups.BACKGROUND) or
     inline in DecodeGraphs.run; with graph_slabs.EARLY_ADMIT the first layer's rows are cached while the
-    second layer's lookup reads (from the thread that runs them, on the cache stream, joined at the end)."""
+    second layer's lookup reads (from the thread that runs them, on the cache stream, joined at the end); with
+    the lookups together (lookup.reads_together: FIRST_LOOKUP_ALONE off) the second layer's reads are
+    submitted before the first layer's lookup runs."""
+    if together and not (probe and background):
+        pytest.skip("reads together: measured over probed slabs with background lookups, the cached disk tier")
+    monkeypatch.setattr(lookup_mod, "FIRST_LOOKUP_ALONE", not together)
     if probe and "cache_rows" not in options:
         pytest.skip("no cache to probe")
     if early_admit and not probe:

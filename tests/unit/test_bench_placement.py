@@ -393,24 +393,34 @@ def test_disk_arm_without_a_host_arm_says_the_bound_is_not_computed(tmp_path, ca
 
 
 def test_a_disk_arm_reading_its_tables_together_is_held_to_the_disk_at_their_summed_depth(tmp_path):
-    """first_lookup_alone false with O_DIRECT: each table's thread keeps its own AIO queue full, so the step
-    keeps tables x depth reads in flight, and the raw rate behind its bound is measured there
-    (disk_bound.read_depth); buffered reads share one pool of that depth, so their rate stays at it."""
+    """Tables read side by side with O_DIRECT (first_lookup_alone false, or together_when_deep with a step's ids
+    filling the read queue): each table's thread keeps its own AIO queue full, so the step keeps tables x depth
+    reads in flight, and the raw rate behind its bound is measured there (disk_bound.read_depth); buffered
+    reads share one pool of that depth, so their rate stays at it."""
     from engram.model.presets import preset_config
     from engram.store.reader import queue_per_thread
 
     out = tmp_path / "together.json"
-    alone = {"tier": "disk", "lookup_overlap": False, "options": {"io": "direct", "queue_depth": 8}}
+    n_cols = preset_config("tiny").engram.n_cols
+    alone = {"tier": "disk", "lookup_overlap": False, "options": {"io": "direct", "queue_depth": 2 * n_cols}}
     together = {**alone, "switches": {"first_lookup_alone": False}}
-    shared = {**together, "options": {"io": "buffered", "queue_depth": 8}}
-    rc = main(["bench", "placement", *DISK_FAST, "--batch-sizes", "1", "--out", str(out), "--kv-cache-memory",
-               "64MiB", "--cache-dir", str(tmp_path / "cache"), "--a", json.dumps(alone), "--b", json.dumps(together),
-               "--b", json.dumps(shared)])
+    when_deep = {**alone, "switches": {"together_when_deep": True}}  # batch 1: n_cols ids, batch 2: the depth
+    shared = {**together, "options": {"io": "buffered", "queue_depth": 2 * n_cols}}
+    rc = main(["bench", "placement", *DISK_FAST, "--out", str(out), "--kv-cache-memory", "64MiB", "--cache-dir",
+               str(tmp_path / "cache"), "--a", json.dumps(alone), "--b", json.dumps(together), "--b",
+               json.dumps(when_deep), "--b", json.dumps(shared)])
     assert rc == 0
-    first, second = json.loads(out.read_text())["result"]["comparisons"]
+    comps = json.loads(out.read_text())["result"]["comparisons"]
+    depth = {(c["batch"], c["b_index"], label): c["raw_reads"][label]["queue_depth"] for c in comps
+             for label in ("A", "B")}
     tables = len(preset_config("tiny").engram.layer_ids)
-    assert tables >= 2
-    assert first["raw_reads"]["A"]["queue_depth"] == 8 == second["raw_reads"]["B"]["queue_depth"]
-    if first["raw_reads"]["B"]["io"] != "direct" or not queue_per_thread("direct"):
+    assert tables >= 2 and len(depth) == 12
+    direct = comps[0]["raw_reads"]["B"]["io"] == "direct" and queue_per_thread("direct")
+    summed = 2 * n_cols * (tables if direct else 1)
+    want = {(b, k, "A"): 2 * n_cols for b in (1, 2) for k in (1, 2, 3)}
+    want.update({(b, 1, "B"): summed for b in (1, 2)})  # always together
+    want.update({(1, 2, "B"): 2 * n_cols, (2, 2, "B"): summed})  # together once the ids fill the queue
+    want.update({(b, 3, "B"): 2 * n_cols for b in (1, 2)})  # buffered: one shared pool
+    assert depth == want
+    if not direct:
         pytest.skip("no O_DIRECT or no Linux AIO here: the reads share the pool")
-    assert first["raw_reads"]["B"]["queue_depth"] == 8 * tables

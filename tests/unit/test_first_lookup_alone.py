@@ -122,3 +122,55 @@ def test_a_chain_submits_the_later_lookups_after_or_before_the_first(later_first
         with pytest.raises(OSError, match="planted"):
             chain.handle(lid).wait()
     assert log == (["submit 3", "cancel 3"] if later_first else [])
+
+
+class Counting(Recording):
+    """``Recording`` that also notes how many row ids each gather and submit got."""
+
+    def gather(self, ids, *a, **k):
+        self._log.append(("n", ids.numel()))
+        return super().gather(ids, *a, **k)
+
+    def submit(self, ids, *a, **k):
+        self._log.append(("n", ids.numel()))
+        return super().submit(ids, *a, **k)
+
+
+@pytest.mark.parametrize("deep_rule", [False, True], ids=["alone", "together-when-deep"])
+def test_together_when_deep_submits_with_the_first_only_when_its_ids_fill_the_read_queue(tmp_path, monkeypatch,
+                                                                                          deep_rule):
+    """With TOGETHER_WHEN_DEEP a step whose first layer has at least queue-depth row ids submits the later
+    layer's lookup before the first's runs; a smaller step keeps the first alone (decode steps of one sequence:
+    8 ids against a depth of 16; of three: 24). Without it every step keeps the first alone."""
+    monkeypatch.setattr(lookup, "FIRST_LOOKUP_ALONE", True)
+    monkeypatch.setattr(lookup, "TOGETHER_WHEN_DEEP", deep_rule)
+    log: list = []
+    llm = engram.LLM("tiny", tier="disk", dtype=torch.float32, cache_dir=str(tmp_path), max_num_seqs=4,
+                     engram_config={"queue_depth": 16})
+    worker = llm.engine.executor.worker
+    assert {lookup.read_queue_depth(t) for t in worker.lookup.tables.values()} == {16}
+    worker.lookup.tables = {lid: Counting(t, lid, log) for lid, t in worker.lookup.tables.items()}
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate([[5, 17, 99, 4, 8]], params, use_tqdm=False)  # decode steps of 1 sequence
+    llm.generate([[5 + i, 17, 99, 4 + 3 * i, 8] for i in range(3)], params, use_tqdm=False)  # of 3
+    first, later = 1, 3
+    orders = {}  # ids in the step's first layer -> the step's order of calls
+    for k in range(0, len(log), 5):  # per step: (n, gather first), gathered, (n, submit later) in some order
+        step = log[k:k + 5]
+        calls = [e for e in step if e[0] != "n"]
+        n = {e[1] for e in step if e[0] == "n"}
+        assert len(n) == 1, step  # both layers look up the step's tokens' ids
+        orders.setdefault(n.pop(), set()).add(tuple(calls))
+    alone = (("gather", first), ("gathered", first), ("submit", later))
+    together = (("submit", later), ("gather", first), ("gathered", first))
+    assert orders[8] == {alone} and orders[24] == {together if deep_rule else alone}
+    assert all(o == {together if deep_rule and n >= 16 else alone} for n, o in orders.items()), orders
+
+
+def test_reads_together_is_the_rule_over_both_flags(monkeypatch):
+    for alone_flag, deep, ids, depth, want in [(False, False, 1, 64, True), (True, False, 1000, 64, False),
+                                              (True, True, 63, 64, False), (True, True, 64, 64, True),
+                                              (True, True, 10 ** 6, None, False)]:
+        monkeypatch.setattr(lookup, "FIRST_LOOKUP_ALONE", alone_flag)
+        monkeypatch.setattr(lookup, "TOGETHER_WHEN_DEEP", deep)
+        assert lookup.reads_together(ids, depth) is want, (alone_flag, deep, ids, depth)
