@@ -46,7 +46,8 @@ from engram.transfer import to_device
 # the H200 (4b-like, disk tier, O_DIRECT, dd3c115) a batch-1 step took 5.79 ms against 6.42 ms with both
 # lookups started together (+11 % tokens/s); batch 64 was the same within its A/A envelope. Off, decode-graph
 # slabs (ChainedLookups) submit the later layers' lookups before the first layer's runs: with a hot-row cache
-# probed on the device no piece needs the first layer's rows before the later reads start (not yet measured).
+# probed on the device no piece needs the first layer's rows before the later reads start (batch 64 at e3e968a:
+# 48 -> 43 ms a step in one engine, docs/benchmarks.md).
 FIRST_LOOKUP_ALONE = env_flag("ENGRAM_FIRST_LOOKUP_ALONE", default=True)
 # With FIRST_LOOKUP_ALONE, a step whose first Engram layer has at least as many row ids as its table keeps
 # reads in flight (its reader's queue depth) still submits the later layers' lookups with it
