@@ -11,11 +11,10 @@ Raw reads: right before each comparison that involves a disk arm, ``measure_raw_
 disk's random 4 KiB read rate for a given number of seconds (``engram.bench.lookup.raw_cell``: uniformly
 random page reads of the arm's first table's values.bin through a ``PageReader`` with the arm's io mode
 in effect and the depth its step reads at (``read_depth``: the reader's queue depth, times the arm's tables
-when their lookups read side by side, kernel switch ``first_lookup_alone`` false, with O_DIRECT: each
-table's thread then keeps its own queue full, so a step keeps that many reads in flight and the disk's rate
-is taken there too), a given
-number of pages per call, one unrecorded call first; with buffered io
-the file is dropped from the page cache before every call, O_DIRECT has none). The rate drifts within a
+when their lookups read side by side at that batch, ``lookup.reads_together``, with O_DIRECT: each table's
+thread then keeps its own queue full, so a step keeps that many reads in flight and the disk's rate is taken
+there too), a given number of pages per call, one unrecorded call first; with buffered io the file is dropped
+from the page cache before every call, O_DIRECT has none). The rate drifts within a
 run (on the H200 machine a disk arm's rounds ranged 1165–1737 tok/s while the host tier's agreed within
 1 %), so the same reads also run for a shorter time right before each sample of a disk arm that reads
 with O_DIRECT (``sample_rate``, the sample's ``raw_read_ops_per_s``; None for other arms or when turned off:
@@ -91,9 +90,10 @@ def hit_rate(counts: dict, cached: bool) -> float | None:
 
 def read_depth(tables: dict, together: bool) -> int:
     """The reads a disk arm's step keeps in flight: its first table's reader's queue depth, times its tables
-    when their lookups read side by side (``together``: kernel switch ``first_lookup_alone`` false,
-    engine/lookup.py) each on a queue of its own (``reader.queue_per_thread``: O_DIRECT through each table
-    thread's AIO context); else that depth (one table's reads at a time, or one pool shared)."""
+    when their lookups read side by side (``together``: ``lookup.reads_together``, kernel switches
+    ``first_lookup_alone`` and ``together_when_deep``) each on a queue of its own
+    (``reader.queue_per_thread``: O_DIRECT through each table thread's AIO context); else that depth (one
+    table's reads at a time, or one pool shared)."""
     from engram.store.reader import queue_per_thread
 
     reader = tables[min(tables)].reader
