@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import json
 import pstats
@@ -276,7 +277,10 @@ def main() -> int:
     print("  step ms by decile (10 % ... 90 %): " + " ".join(f"{q:.2f}" for q in deciles))
     print(f"  {reads}")
     if switch_sets:
-        return _switch_ab(engine, switch_sets, args.steps, cfg, args.out)
+        config = {"model": args.model, "tier": args.tier, "batch": args.batch, "context": args.context,
+                  "engram_config": json.loads(args.engram_config), "max_num_seqs": args.max_num_seqs,
+                  "steps": args.steps, "ab": dataclasses.asdict(cfg)}
+        return _switch_ab(engine, switch_sets, args.steps, cfg, args.out, config)
     if args.tier == "disk":  # the disk's clock: what each step spends around its reads
         from engram.bench.read_cycle import format_summary, record_cycles, summarize
 
@@ -310,8 +314,10 @@ def main() -> int:
     return 0
 
 
-def _switch_ab(engine, switch_sets: list[dict], steps: int, cfg, out: str | None) -> int:
-    """``--switch-ab``: the interleaved A/Bs, one per switch set, printed (and written to ``out``)."""
+def _switch_ab(engine, switch_sets: list[dict], steps: int, cfg, out: str | None, config: dict) -> int:
+    """``--switch-ab``: the interleaved A/Bs, one per switch set, printed (and written to ``out`` with the
+    run's ``config``, commit and machine, as every bench result: report.write_result)."""
+    from engram.bench import report
     from engram.bench.read_cycle import format_summary, switch_ab
 
     def progress(run) -> None:
@@ -327,8 +333,7 @@ def _switch_ab(engine, switch_sets: list[dict], steps: int, cfg, out: str | None
             print(f"{label} ({result.arms[label]}): {format_summary(summary)}")
         done.append({"switches": switches, "steps": steps, "ab": result.to_dict(), "read_cycles": cycles})
         if out:  # after each A/B: a run cut short keeps what it finished
-            with open(out, "w") as f:
-                json.dump(done, f, indent=1)
+            report.write_result("switch-ab", config, {"comparisons": done}, out=out)
     return 0
 
 

@@ -121,8 +121,7 @@ def measure_raw_reads(tables: dict, seconds: float, pages: int, seed: int, depth
     """The disk's random 4 KiB read rate, now: ``_raw_calls`` of ``pages`` pages a call for ``seconds``, at
     queue depth ``depth`` (default the first table's reader's)."""
     lid, reader, cell, r = _raw_calls(tables, pages, seconds, seed, depth)
-    return {"layer": lid, "io": reader.io, "io_requested": reader.io_requested,
-            "queue_depth": depth or reader.queue_depth,
+    return {"layer": lid, "io": reader.io, "io_requested": reader.io_requested, "queue_depth": cell.key["queue_depth"],
             "cold": reader.io == "buffered", "pages_per_call": pages, "calls": r["batches"],
             "seconds": sum(cell.times), "read_ops_per_s": r["read_ops_per_s"], "disk_MB_per_s": r["disk_MB_per_s"],
             "us_per_call_p50": r["us_per_batch_p50"]}

@@ -176,7 +176,7 @@ def _pool(queue_depth: int, io: str = "buffered"):
     process-wide pool for this backend and depth (rebuilt in a forked child: threads do not fork)."""
     global _pools_pid
     kind = "c" if SWITCH.use_fast(stacklevel=2) else "python"  # the first fallback under "auto" warns
-    if kind == "c" and io == "direct" and AIO:
+    if queue_per_thread(io):
         ctx = _aio(queue_depth)
         if ctx is not None:
             return ctx
