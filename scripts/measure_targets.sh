@@ -54,6 +54,7 @@
 #                its own prompts (a cache still filling: some rows read), first_lookup_alone false (both tables
 #                always together) against as built, samples of 40 steps                                 (~3 min?)
 #
+# REPEATS=N (environment) sets the rounds of the parts that run engram bench placement, over their own.
 # OUTDIR (default $OUT, else bench/results) receives <date>-<what>-<commit>.{json,log}. ENGRAM_COMMIT
 # names the commit when the tree is not a git checkout (a snapshot copied to the machine).
 set -uo pipefail
@@ -152,6 +153,7 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b
             shift 2
         done
         for b in "$@"; do bs+=(--b "$b"); done
+        [ -n "${REPEATS:-}" ] && opts+=(--repeats "$REPEATS")
         run "placement-$name-4b-like" env "${envs[@]}" python3 -u -m engram bench placement --model 4b-like \
             --cache-dir "$cache" --engram-config '{"load_threads": 16, "table_rows": 31000000}' \
             --a "$a" "${bs[@]}" "${opts[@]}" \

@@ -51,12 +51,14 @@ from engram.transfer import to_device
 FIRST_LOOKUP_ALONE = env_flag("ENGRAM_FIRST_LOOKUP_ALONE", default=True)
 # With FIRST_LOOKUP_ALONE, a step whose first Engram layer has at least as many row ids as its table keeps
 # reads in flight (its reader's queue depth) still submits the later layers' lookups with it
-# (ENGRAM_TOGETHER_WHEN_DEEP, kernel switch ``together_when_deep``; off by default until its A/B): such a
+# (ENGRAM_TOGETHER_WHEN_DEEP, kernel switch ``together_when_deep``; on by default, 0 turns it off): such a
 # lookup keeps the disk's queue full, so its layer waits for the disk's rate, not its latency, and the later
 # reads beside it keep the queue full through the hand-off between the tables. On the H200 (e3e968a, cached
 # disk tier, batch 64, ~1,500 ids a table against a depth of 64) both tables read together took a step from
-# 48 to 43 ms in one engine; a batch-1 step (24 ids) stays alone, where dd3c115 measured together 11 % slower.
-TOGETHER_WHEN_DEEP = env_flag("ENGRAM_TOGETHER_WHEN_DEEP", default=False)
+# 48 to 43 ms in one engine, and at b8dce89 by 6.2 % (B/A, CI -17.5...-1.2 %); with it the cached tier's batch-64
+# step met its bound (1.06 paired, 1.05 bracketed, at the deeper queue's raw rate). A batch-1 step (24 ids)
+# stays alone: both tables together made it 13 % slower at b8dce89 (11 % at dd3c115).
+TOGETHER_WHEN_DEEP = env_flag("ENGRAM_TOGETHER_WHEN_DEEP", default=True)
 
 
 def reads_together(first_ids: int, queue_depth: int | None) -> bool:

@@ -14,7 +14,7 @@ them, interleaved, with confidence intervals. Unknown names are refused with the
   ``ENGRAM_FIRST_LOOKUP_ALONE``; read at every step, so it takes effect while set; on by default);
 * ``together_when_deep``: with ``first_lookup_alone``, a step whose first layer's row ids fill its table's
   read queue still submits the later layers' lookups with it (``lookup.TOGETHER_WHEN_DEEP``,
-  ``ENGRAM_TOGETHER_WHEN_DEEP``; read at every step; off by default);
+  ``ENGRAM_TOGETHER_WHEN_DEEP``; read at every step; on by default);
 * ``disk_decode_in_graph``: disk tables' rows are decoded inside the piecewise decode graphs from a slab the
   step's lookup reads into (``cuda_graphs.DISK_DECODE_IN_GRAPH``, ``ENGRAM_DISK_DECODE_IN_GRAPH``; read when a
   Worker's graphs are captured; on by default);

@@ -148,6 +148,7 @@ def test_disk_rows_decoded_inside_the_pieces_equal_rows_copied_in(tmp_path, monk
     if together and not (probe and background):
         pytest.skip("reads together: measured over probed slabs with background lookups, the cached disk tier")
     monkeypatch.setattr(lookup_mod, "FIRST_LOOKUP_ALONE", not together)
+    monkeypatch.setattr(lookup_mod, "TOGETHER_WHEN_DEEP", False)  # first-alone: every step, whatever its size
     if probe and "cache_rows" not in options:
         pytest.skip("no cache to probe")
     if early_admit and not probe:

@@ -402,7 +402,8 @@ def test_a_disk_arm_reading_its_tables_together_is_held_to_the_disk_at_their_sum
 
     out = tmp_path / "together.json"
     n_cols = preset_config("tiny").engram.n_cols
-    alone = {"tier": "disk", "lookup_overlap": False, "options": {"io": "direct", "queue_depth": 2 * n_cols}}
+    alone = {"tier": "disk", "lookup_overlap": False, "options": {"io": "direct", "queue_depth": 2 * n_cols},
+             "switches": {"together_when_deep": False}}  # the first table alone at every batch
     together = {**alone, "switches": {"first_lookup_alone": False}}
     when_deep = {**alone, "switches": {"together_when_deep": True}}  # batch 1: n_cols ids, batch 2: the depth
     shared = {**together, "options": {"io": "buffered", "queue_depth": 2 * n_cols}}

@@ -36,6 +36,7 @@ class Recording:
 
 def generate(tmp_path, monkeypatch, alone: bool, log: list | None = None):
     monkeypatch.setattr(lookup, "FIRST_LOOKUP_ALONE", alone)
+    monkeypatch.setattr(lookup, "TOGETHER_WHEN_DEEP", False)  # every step alone, whatever its size
     llm = engram.LLM("tiny", tier="disk", dtype=torch.float32, cache_dir=str(tmp_path), max_num_seqs=4)
     worker = llm.engine.executor.worker
     if log is not None:
@@ -49,6 +50,11 @@ def generate(tmp_path, monkeypatch, alone: bool, log: list | None = None):
 @pytest.mark.skipif("ENGRAM_FIRST_LOOKUP_ALONE" in os.environ, reason="the environment sets the flag")
 def test_on_by_default():
     assert lookup.FIRST_LOOKUP_ALONE is True
+
+
+@pytest.mark.skipif("ENGRAM_TOGETHER_WHEN_DEEP" in os.environ, reason="the environment sets the flag")
+def test_together_when_deep_on_by_default():
+    assert lookup.TOGETHER_WHEN_DEEP is True
 
 
 @pytest.mark.parametrize("alone", [False, True])
@@ -69,6 +75,7 @@ def test_over_the_disk_tier_the_first_lookup_waits_for_its_layer(tmp_path, monke
     later layer's is submitted; every step, prefill and decode."""
     log: list = []
     monkeypatch.setattr(lookup, "FIRST_LOOKUP_ALONE", True)
+    monkeypatch.setattr(lookup, "TOGETHER_WHEN_DEEP", False)
     llm = engram.LLM("tiny", tier="disk", dtype=torch.float32, cache_dir=str(tmp_path), max_num_seqs=4,
                      enforce_eager=True)  # the hooks below see eager layers (tests/gpu: the graph pieces' order)
     worker = llm.engine.executor.worker
