@@ -41,9 +41,6 @@
 #                order before 1609d27), interleaved, 6 rounds                                      (~6.5 min?)
 #                (at 1e2477c both ran with a host-tier A and two B arms, which took over 330 s and was cut; at
 #                e77e6d6 one switch's 10 rounds of 3 arms, ~18 s a sample, were cut in round 9: now 6 rounds)
-#   disk-cache-early-admit  batch 64 only, the cache arm (A) against the same with each layer's rows cached right
-#                after its own lookup (B: kernel switch early_admit true), interleaved; then the read cycle
-#                with early_admit (profile_decode_host.py, ENGRAM_EARLY_ADMIT=1), 6 rounds           (~8 min?)
 #   disk-cache-together-bound  `disk-cache`'s comparison (the pinned host arm against the cache arm, batch 1 and
 #                64, the bound with its paired and bracketed intervals) with the cache arm's together_when_deep
 #                on: the target with both tables read together where a step's ids fill the read queue (batch 64;
@@ -62,7 +59,7 @@ cd "$(dirname "$0")/.."
 
 parts="tests|engine|switches|host-4b|host-8b|exposure|disk|disk-switch|disk-cache|disk-cache-gaps"
 parts+="|disk-cache-b1|disk-cache-b1-sized|disk-cache-b64|disk-cache-together|disk-cache-early-ids"
-parts+="|disk-cache-callees|disk-cache-early-admit|disk-cache-switch-ab|disk-cache-together-bound"
+parts+="|disk-cache-callees|disk-cache-switch-ab|disk-cache-together-bound"
 usage="usage: scripts/measure_targets.sh $parts [OUTDIR]"
 part=${1:?$usage}
 out=${2:-${OUT:-bench/results}}
@@ -109,8 +106,8 @@ exposure)
         --out "$out/$stamp-exposure-host-b64-b256-$commit.json"
     ;;
 disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b1-sized | disk-cache-b64 \
-    | disk-cache-together | disk-cache-early-ids | disk-cache-callees | disk-cache-early-admit \
-    | disk-cache-switch-ab | disk-cache-together-bound)
+    | disk-cache-together | disk-cache-early-ids | disk-cache-callees | disk-cache-switch-ab \
+    | disk-cache-together-bound)
     cache=${ENGRAM_CACHE_DIR:-/tmp/engram-tables}
     disk='{"tier": "disk", "lookup_overlap": true, "options": {"io": "direct", "queue_depth": 64}'
     if [ "$part" = disk-cache-gaps ]; then  # the cache arm's tables (31 M rows a layer), profiled
@@ -183,12 +180,6 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b
     disk-cache-together)  # A: the cache arm as it is, B: the switch flipped
         placement disk-cache-together 64 --repeats 6 --a "$cached}" \
             "$cached, \"switches\": {\"first_lookup_alone\": false}}"
-        ;;
-    disk-cache-early-admit)  # A: the cache arm as it is, B: the switch flipped; then B's read cycle
-        placement disk-cache-early-admit 64 --repeats 6 --a "$cached}" "$cached, \"switches\": {\"early_admit\": true}}"
-        cfg='{"io": "direct", "queue_depth": 64, "cache_rows": 200000, "load_threads": 16, "table_rows": 31000000}'
-        run gaps-disk-cache-early-admit-4b-like-b64 env ENGRAM_EARLY_ADMIT=1 python3 -u scripts/profile_decode_host.py \
-            --tier disk --cache-dir "$cache" --engram-config "$cfg" --batch 64 --steps 20
         ;;
     disk-cache-b1-sized)
         for seqs in 1 64; do

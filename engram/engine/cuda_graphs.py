@@ -169,7 +169,6 @@ class DecodeGraphs(SlabSteps):
         self._slab_decoded = {lid: [torch.cuda.Event(), torch.cuda.Event()] for lid in self.slabs}
         self._slab_turn = 0
         self.last_step_read = True  # whether the last finished lookups read from disk (finish_lookups)
-        self._early: dict[int, int] = {}  # layers whose rows read_lookups cached early this step (graph_slabs.py)
         # each probed layer's resolve status (cache_probe: FOUND, WAITED, FAILED), read back with the tokens
         self.probe_status = torch.zeros(len(self.probed), dtype=torch.int32, device=device) if self.probed else None
         self.probe_counts = {"found": 0, "waited": 0}  # probed layers of collected steps, by status

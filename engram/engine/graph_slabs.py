@@ -17,23 +17,13 @@ lookup (a pinned flag) only when a row is missing (store/kernels/cache_probe.py)
   waiting for that lookup);
 * ``abort_lookups`` fails the pieces still waiting when the lookups failed or will not run.
 
-With ``EARLY_ADMIT`` (kernel switch ``early_admit``, ENGRAM_EARLY_ADMIT=1; off by default: on the H200 at
-e77e6d6 it took 2 ms of caching off the engine's thread, but the next step's ids arrived no sooner, the
-hand-off between the tables grew, and neither A/B found a difference, docs/benchmarks.md) ``read_lookups``
-caches a layer's rows as soon as its lookup has returned and a later layer's lookup is still to be waited
-for (its reads run on its table's thread meanwhile), on whichever thread runs the lookups;
-``finish_lookups`` then caches only the rest and makes the current stream wait for every cache stream
-(``DiskTable.join_probed``). At 1e2477c the engine's thread took 4.5 ms a batch-64 step to cache both
-tables' rows after the last read, while the disk sat idle (docs/benchmarks.md); early, the first
-table's share overlaps the second table's reads. It is safe there: the layer's piece no longer waits for
-its flag (its lookup signalled it), its slab's next read waits for the copies out of it (``slab.done``
-becomes their event, which ``finish_lookups`` then leaves alone), writes into its cache wait for this
-step's decode of the slab (``_settle_slab`` first), each table has a cache of its own, and the stream
-join stays on the engine's thread, before the next step's pieces are queued.
+Caching a layer's rows right after its own lookup, while the next layer's reads run (kernel switch
+``early_admit``), was measured on the H200 at e77e6d6 and removed: it took 2 ms of caching off the engine's
+thread, but the next step's ids arrived no sooner and neither A/B found a difference; since ed4aa1c a batch-64
+step reads both tables together anyway (lookup.TOGETHER_WHEN_DEEP, docs/benchmarks.md).
 
 The mixin uses DecodeGraphs' ``rows``, ``row_ids``, ``plan_id``, ``n_cols``, ``ranges``, ``slabs``,
-``slab_tables``, ``probed``, ``probe_status``, ``last_step_read``, ``_slab_decoded`` / ``_slab_turn`` and
-``_early`` (the layers admitted early this step: rows read).
+``slab_tables``, ``probed``, ``probe_status``, ``last_step_read`` and ``_slab_decoded`` / ``_slab_turn``.
 """
 from __future__ import annotations
 
@@ -41,11 +31,7 @@ from typing import Callable
 
 from engram.engine.lookup import StagedRows
 from engram.engine.step import StepDescription
-from engram.fast_path import env_flag
 from engram.store.kernels import cache_probe
-
-# Cache a layer's rows while a later layer's lookup still reads (module docstring); read at every step.
-EARLY_ADMIT = env_flag("ENGRAM_EARLY_ADMIT", default=False)
 
 
 class SlabSteps:
@@ -78,12 +64,6 @@ class SlabSteps:
         if cache is not None:  # writes into the cache's storage wait for this replay's gather
             cache.note_read(slab.done)
 
-    def _admit_early(self, lid: int) -> None:
-        """``EARLY_ADMIT``: layer ``lid``'s lookup returned (its flag is set): cache the rows it read now,
-        without the stream join, which ``finish_lookups`` does."""
-        self._settle_slab(lid)
-        self._early[lid] = self.slab_tables[lid].admit_probed(self.slabs[lid], join=False)
-
     def read_lookups(self, step: StepDescription, staged: StagedRows, first: int | None = None,
                      release: bool = True, after_each: Callable[[], None] | None = None) -> None:
         """Run the lookups of the Engram layers whose pieces ``begin`` queued already (probed slabs; all of
@@ -91,17 +71,14 @@ class SlabSteps:
         each layer's flag. The Worker runs it on a thread of its own (engine/step_lookups.py), ``run`` inline.
         A failed lookup fails the pieces still waiting (``abort_lookups``) and is raised. ``release``: cancel
         what is left of ``staged`` after (reads a failure part-way left). ``after_each()``: after each
-        layer's lookup. With ``EARLY_ADMIT`` each probed layer but the last caches its rows right after its
-        lookup (``_admit_early``), while the later layers' reads run."""
+        layer's lookup."""
         upto = self.ranges if first is None else self.ranges[:first]
         layers = [lid for _, _, lid in upto if lid is not None]
         try:
-            for k, lid in enumerate(layers):
+            for lid in layers:
                 staged.rows(lid, step.step_id)  # a slab layer: its pages go into the slab, its flag is set
                 if after_each is not None:
                     after_each()
-                if EARLY_ADMIT and lid in self.probed and k + 1 < len(layers):
-                    self._admit_early(lid)
         except BaseException:
             self.abort_lookups(step.step_id)
             raise
@@ -115,17 +92,10 @@ class SlabSteps:
         each slab's next lookup waits for this step's decode of it (``_settle_slab``, first: the copies out of a
         slab that ``admit_probed`` queues come after its decode, and the slab's next read waits for them). On
         the engine's thread, before the next step's ``begin``. ``last_step_read``: whether those lookups read
-        any row from disk (the Worker runs a step's lookups in the background only after one that did).
-        Layers that ``read_lookups`` admitted early are only joined: the current stream waits for their
-        cache stream."""
-        early, self._early = self._early, {}
+        any row from disk (the Worker runs a step's lookups in the background only after one that did)."""
         for lid in self.slabs:  # first: admit_probed's device copies out of a slab come after its decode
-            if lid not in early:
-                self._settle_slab(lid)
-        read = [early[lid] if lid in early else self.slab_tables[lid].admit_probed(self.slabs[lid])
-                for lid in self.probed]
-        for lid in early:
-            self.slab_tables[lid].join_probed(self.slabs[lid])
+            self._settle_slab(lid)
+        read = [self.slab_tables[lid].admit_probed(self.slabs[lid]) for lid in self.probed]
         self.last_step_read = any(read)
 
     def abort_lookups(self, step_id: int) -> None:

@@ -24,9 +24,6 @@ them, interleaved, with confidence intervals. Unknown names are refused with the
 * ``early_host_ids``: a probed slab step's row ids go to the host before the step before's background
   lookups are finished, not after (``step_lookups.EARLY_HOST_IDS``, ``ENGRAM_EARLY_HOST_IDS``; read at every
   launch; on by default);
-* ``early_admit``: over probed slabs a layer's rows are cached right after its lookup, while a later layer's
-  reads run, instead of after the step's last lookup (``graph_slabs.EARLY_ADMIT``, ``ENGRAM_EARLY_ADMIT``;
-  read at every step; off by default);
 * ``split_gemv``: at one to four rows the o and down projections write float32 partials over slices of K
   that the next fused add + RMSNorm sums, instead of cuBLAS's split-K GEMM and its reduce kernel
   (``split_linear.ENABLED``, ``ENGRAM_SPLIT_GEMV``; read at every forward, so a decode graph captures
@@ -76,11 +73,10 @@ SWITCHES = {  # name -> (get, set)
     "disk_decode_in_graph": _module_flag("engram.engine.cuda_graphs", "DISK_DECODE_IN_GRAPH"),
     "background_lookups": _module_flag("engram.engine.step_lookups", "BACKGROUND"),
     "early_host_ids": _module_flag("engram.engine.step_lookups", "EARLY_HOST_IDS"),
-    "early_admit": _module_flag("engram.engine.graph_slabs", "EARLY_ADMIT"),
     "split_gemv": _module_flag("engram.model.layers.split_linear", "ENABLED"),
 }
 # read at every step or launch, so they take effect between two steps of one engine (read_cycle.switch_ab)
-PER_STEP = ("first_lookup_alone", "together_when_deep", "background_lookups", "early_host_ids", "early_admit")
+PER_STEP = ("first_lookup_alone", "together_when_deep", "background_lookups", "early_host_ids")
 
 
 def check(switches: dict) -> None:

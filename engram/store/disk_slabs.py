@@ -114,13 +114,12 @@ class SlabReads:
         probe.pending = (uniq[miss_pos], slab.slots[:m].clone(), u)
         cache_probe.signal(probe.flag, plan)
 
-    def admit_probed(self, slab: PageSlab, join: bool = True) -> int:
+    def admit_probed(self, slab: PageSlab) -> int:
         """Cache the rows the slab's last probed lookup read (``RowCache.admit``: device work, on the table's
-        cache stream, which the current stream then waits for unless ``join`` is False: then the caller joins
-        later, ``join_probed``), ending that lookup. The slab's owner calls it once no piece waits for this
-        slab's flag any more (DecodeGraphs.finish_lookups after the step's lookups, or read_lookups right
-        after this layer's with EARLY_ADMIT: engine/graph_slabs.py; ``slab.done`` is then the event of its
-        decode), so nothing here can wait for a piece that waits for the host. Returns how many rows that
+        cache stream, which the current stream then waits for), ending that lookup. The slab's owner calls it
+        once no piece waits for this slab's flag any more (DecodeGraphs.finish_lookups after the step's
+        lookups, engine/graph_slabs.py; ``slab.done`` is then the event of its decode), so nothing here can
+        wait for a piece that waits for the host. Returns how many rows that
         lookup read from disk (0 without a pending lookup: a no-op).
 
         On CUDA with the Triton kernels the missed rows go from the slab's pinned pages to the cache's device
@@ -157,16 +156,9 @@ class SlabReads:
                 slab.done.record(stream)
             with self._cache_mutex:
                 self.cache.admit(miss_ids, values, scales, looked_up)
-        if join:
-            self.join_probed(slab)
-        return len(miss_ids)
-
-    def join_probed(self, slab: PageSlab) -> None:
-        """The current stream waits for the cache work ``admit_probed`` queued for ``slab`` (CUDA; else
-        nothing to wait for)."""
-        stream = self._probe_stream(slab)
-        if stream is not None:
+        if stream is not None:  # the current stream waits for the cache work queued above
             torch.cuda.current_stream(self.device).wait_stream(stream)
+        return len(miss_ids)
 
     def _probe_stream(self, slab: PageSlab) -> "torch.cuda.Stream | None":
         """The stream of a probed slab's cache work on CUDA (one per table, made on first use), else None."""

@@ -16,7 +16,7 @@ import torch
 
 import engram.engine.cuda_graphs as cuda_graphs
 import engram.engine.lookup as lookup_mod
-from engram.engine import graph_slabs, step_lookups
+from engram.engine import step_lookups
 from engram.engine.config import EngineConfig
 from engram.engine.engine import LLMEngine
 from engram.engine.sampling_params import SamplingParams
@@ -127,33 +127,27 @@ def test_the_host_waits_for_a_later_layers_rows_after_the_pieces_before_it_launc
 
 
 @pytest.mark.parametrize("together", [False, True], ids=["first-alone", "reads-together"])
-@pytest.mark.parametrize("early_admit", [False, True], ids=["admit-after", "admit-early"])
 @pytest.mark.parametrize("probe", [True, False], ids=["probed", "host-slots"])
 @pytest.mark.parametrize("background", [True, False], ids=["lookups-beside", "lookups-inline"])
 @pytest.mark.parametrize("options", [{"io": "buffered"}, {"io": "buffered", "cache_rows": 300},
                                      {"io": "buffered", "cache_rows": 16}, {"io": "buffered", "cache_rows": 50_000}],
                          ids=["disk", "disk-cache", "disk-cache-spilling", "disk-cache-whole"])
 def test_disk_rows_decoded_inside_the_pieces_equal_rows_copied_in(tmp_path, monkeypatch, caplog, options, probe,
-                                                                  background, early_admit, together):
+                                                                  background, together):
     """DISK_DECODE_IN_GRAPH: the step's lookups only read pages into each layer's slab (with a hot-row cache:
     through the cache, the slots pointing into its storage, a cache of 16 rows spilling into its overflow
     rows) and the piece decodes them; tokens and logprobs are bitwise those of rows decoded on the host side
     and copied in. With CACHE_PROBE the pieces over a cache find their slots on the device, queued before the
     step's lookups: they wait for new rows, and a second pass over a cache that holds the tables finds every
     row without waiting. Their lookups run on the Worker's background thread (step_lookups.BACKGROUND) or
-    inline in DecodeGraphs.run; with graph_slabs.EARLY_ADMIT the first layer's rows are cached while the
-    second layer's lookup reads (from the thread that runs them, on the cache stream, joined at the end); with
-    the lookups together (lookup.reads_together: FIRST_LOOKUP_ALONE off) the second layer's reads are
-    submitted before the first layer's lookup runs."""
+    inline in DecodeGraphs.run; with the lookups together (lookup.reads_together: FIRST_LOOKUP_ALONE off) the
+    second layer's reads are submitted before the first layer's lookup runs."""
     if together and not (probe and background):
         pytest.skip("reads together: measured over probed slabs with background lookups, the cached disk tier")
     monkeypatch.setattr(lookup_mod, "FIRST_LOOKUP_ALONE", not together)
     monkeypatch.setattr(lookup_mod, "TOGETHER_WHEN_DEEP", False)  # first-alone: every step, whatever its size
     if probe and "cache_rows" not in options:
         pytest.skip("no cache to probe")
-    if early_admit and not probe:
-        pytest.skip("only probed slabs admit their rows into a cache")
-    monkeypatch.setattr(graph_slabs, "EARLY_ADMIT", early_admit)
     if not probe and not background:
         pytest.skip("only probed steps run their lookups in the background")
     monkeypatch.setattr(step_lookups, "BACKGROUND", background)

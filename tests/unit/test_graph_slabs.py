@@ -1,9 +1,8 @@
 """engine/graph_slabs.py's ``SlabSteps`` on the CPU, the real mixin over real disk tables with hot-row caches
-and probed slabs (DecodeGraphs without its CUDA state): a step's lookups, then caching the rows they read, with
-the rows cached after the step's last lookup or, with EARLY_ADMIT, each layer's right after its own while a
-later layer's lookup is still to come. Either way the caches end bitwise alike, every decode gives the
-table's rows, and ``last_step_read`` counts the rows cached early. The streams and events: the GPU test
-tests/gpu/test_piecewise_graphs.py (admit-early)."""
+and probed slabs (DecodeGraphs without its CUDA state): a step's lookups, then caching the rows they read after
+the step's last lookup. Every decode gives the table's rows, the caches hold the rows read, and
+``last_step_read`` says whether a step read from disk. The streams and events: the GPU test
+tests/gpu/test_piecewise_graphs.py."""
 from __future__ import annotations
 
 import types
@@ -12,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from engram.engine import graph_slabs
 from engram.engine.cuda_graphs import DecodeGraphs
 from engram.store.cache import RowCache
 from engram.store.kernels import cache_probe
@@ -44,7 +42,7 @@ def _graphs(tables: dict) -> DecodeGraphs:
     graphs.probed = list(LAYERS)
     graphs.ranges = [(0, 1, None), (1, 2, 1), (2, 4, 3)]  # a piece without an Engram layer, then one a layer
     graphs._slab_decoded = {lid: [None, None] for lid in LAYERS}
-    graphs._slab_turn, graphs.last_step_read, graphs._early = 0, True, {}
+    graphs._slab_turn, graphs.last_step_read = 0, True
     return graphs
 
 
@@ -64,12 +62,10 @@ def table_dirs(tmp_path):
 STEPS = [{1: [5, 9, 5, 700, 41], 3: [8, 1500, 8, 77]}, {1: [5, 1999, 3], 3: [77, 8]}, {1: [3, 9], 3: [1500]}]
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["admit-after", "admit-early"])
-def test_rows_cached_early_or_after_the_last_lookup_give_the_same_caches(table_dirs, monkeypatch, early):
+def test_rows_cached_after_the_last_lookup_fill_the_caches_with_the_rows_read(table_dirs):
     from engram.store.disk import open_disk_table
 
     root, refs = table_dirs
-    monkeypatch.setattr(graph_slabs, "EARLY_ADMIT", early)
     tables = {lid: open_disk_table(root / f"layer{lid}", io="buffered", cache=RowCache(64, 256, 8, ways=4))
               for lid in LAYERS}
     try:
@@ -87,45 +83,27 @@ def test_rows_cached_early_or_after_the_last_lookup_give_the_same_caches(table_d
                 assert int(status) != cache_probe.FAILED
                 assert torch.equal(out.view(torch.uint8), refs[lid](ids[lid], torch.float32).view(torch.uint8))
             graphs.finish_lookups()
-            assert graphs._early == {}
             read.append(graphs.last_step_read)
-        # layer 3's lookup found layer 1's rows of its step already cached only when they were admitted early
+        # layer 3's lookup of a step comes before layer 1's rows of that step are cached
         first = {step: held[1] for step, lid, held in log if lid == 3}
-        assert (first[1] > 0) is early and first[1] in (0, 4)
-        assert read == [True, True, False]  # step 2 read for layer 1 only: counted whether early or not
-        caches = {lid: (t.cache.tags.clone(), t.cache.storage()[0][:t.cache.capacity].clone())
-                  for lid, t in tables.items()}
+        assert first[1] == 0
+        assert read == [True, True, False]  # step 2 read for layer 1 only; step 3 found every row cached
         assert [len(t.cache) for t in tables.values()] == [6, 3]
         assert all(t.stats()["misses"] == {1: 6, 3: 3}[lid] for lid, t in tables.items())
-    finally:
-        for t in tables.values():
-            t.close()
-    monkeypatch.setattr(graph_slabs, "EARLY_ADMIT", not early)  # the other order, same ids: the same caches
-    tables = {lid: open_disk_table(root / f"layer{lid}", io="buffered", cache=RowCache(64, 256, 8, ways=4))
-              for lid in LAYERS}
-    try:
-        graphs = _graphs(tables)
-        for step_id, ids in enumerate(STEPS, start=1):
-            ids = {lid: torch.tensor(v, dtype=torch.int64) for lid, v in ids.items()}
-            graphs.read_lookups(types.SimpleNamespace(step_id=step_id), _Staged(graphs, ids, []))
-            graphs.finish_lookups()
-        for lid, t in tables.items():
-            tags, values = caches[lid]
-            assert np.array_equal(t.cache.tags.numpy(), tags.numpy())
-            assert torch.equal(t.cache.storage()[0][:t.cache.capacity], values)
+        for lid, t in tables.items():  # the caches hold the rows read (step 3's decode above found their bytes)
+            rows = np.array(sorted({r for step in STEPS for r in step[lid]}))
+            assert len(rows) == len(t.cache) and np.isin(rows, t.cache.tags.numpy()).all()
     finally:
         for t in tables.values():
             t.close()
 
 
-def test_a_failed_later_lookup_still_caches_what_the_first_read_early(table_dirs, monkeypatch):
-    """EARLY_ADMIT: the first layer's rows are cached before the second layer's lookup fails; the failure
-    reaches the caller, the pieces still waiting are failed (their flags), and finishing the step caches
-    nothing twice."""
+def test_a_failed_later_lookup_fails_the_waiting_pieces_and_the_first_layers_rows_are_still_cached(table_dirs):
+    """The second layer's lookup fails: the failure reaches the caller, the pieces still waiting are failed
+    (their flags), and finishing the step caches the rows the first layer's lookup read, once."""
     from engram.store.disk import open_disk_table
 
     root, _ = table_dirs
-    monkeypatch.setattr(graph_slabs, "EARLY_ADMIT", True)
     tables = {lid: open_disk_table(root / f"layer{lid}", io="buffered", cache=RowCache(64, 256, 8, ways=4))
               for lid in LAYERS}
     try:
@@ -134,9 +112,11 @@ def test_a_failed_later_lookup_still_caches_what_the_first_read_early(table_dirs
         with pytest.raises(Exception, match="2000"):
             graphs.read_lookups(types.SimpleNamespace(step_id=1), staged)
         assert int(graphs.slabs[3].probe.flag) == 2 * 1 + 1  # layer 3's piece gives up instead of waiting
-        assert graphs._early == {1: 2} and len(tables[1].cache) == 2
+        assert len(tables[1].cache) == 0
         graphs.finish_lookups()
         assert graphs.last_step_read and len(tables[1].cache) == 2 and len(tables[3].cache) == 0
+        graphs.finish_lookups()  # nothing pending: nothing cached twice
+        assert not graphs.last_step_read and len(tables[1].cache) == 2
     finally:
         for t in tables.values():
             t.close()

@@ -90,8 +90,8 @@ def test_switch_ab_flips_per_step_switches_between_samples_of_one_engine(tmp_pat
 
 @pytest.mark.parametrize("switches, cfg_kw, match", [
     ({"pdl": False}, {}, "captured into decode graphs"),
-    ({"early_admit": 1}, {}, "must be true or false"),
-    ({"early_admit": True}, {"higher_is_better": True}, "step times"),
+    ({"together_when_deep": 1}, {}, "must be true or false"),
+    ({"together_when_deep": False}, {"higher_is_better": True}, "step times"),
 ])
 def test_switch_ab_refuses_what_it_cannot_compare(switches, cfg_kw, match):
     from engram.bench.read_cycle import switch_ab
