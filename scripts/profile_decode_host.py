@@ -24,8 +24,8 @@ of those before it, so PDL overlap is not counted twice).
 that a hot-row cache hits on every row as in ``engram bench placement``'s rounds. A diagnosis tool: the numbers
 under a profiler are not benchmark numbers.
 
-``--switch-ab '{"together_when_deep": false}'`` replaces the passes after the timed steps by an interleaved A/B in this
-one engine (engram/bench/read_cycle.py ``switch_ab``): A as built, B with those per-step kernel switches, an
+``--switch-ab '{"together_when_deep": false}'`` replaces the passes after the timed steps by an interleaved A/B in
+this one engine (engram/bench/read_cycle.py ``switch_ab``): A as built, B with those per-step kernel switches, an
 A/A control, ``--repeats`` recorded samples of ``--steps`` steps per arm; it prints the verdict, the B/A and
 A'/A intervals and each arm's read cycle, and writes them to ``--out`` (JSON) when given. Given more than
 once, one A/B per switch set, one after the other in the same engine.

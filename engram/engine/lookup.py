@@ -56,9 +56,9 @@ FIRST_LOOKUP_ALONE = env_flag("ENGRAM_FIRST_LOOKUP_ALONE", default=True)
 # reads beside it keep the queue full through the hand-off between the tables. On the H200 (e3e968a, cached
 # disk tier, batch 64, ~1,500 ids a table against a depth of 64) both tables read together took a step from
 # 48 to 43 ms in one engine, and at b8dce89 by 6.2 % (B/A, CI -17.5...-1.2 %); with it the cached tier's batch-64
-# step took 29.0 ms (40.2 at e77e6d6) against a bound measured at the deeper queue's raw rate (1.06 of it, paired
-# and bracketed, in two runs). A batch-1 step (24 ids) stays alone: both tables together made it 13 % slower at
-# b8dce89 (11 % at dd3c115).
+# step took 29.0 ms (40.2 at e77e6d6), 1.05-1.07 x a bound measured at the deeper queue's raw rate by the median
+# in two runs (their intervals reach 1.11: undecided). A batch-1 step (24 ids) stays alone: both tables together
+# made it 13 % slower at b8dce89 (11 % at dd3c115).
 TOGETHER_WHEN_DEEP = env_flag("ENGRAM_TOGETHER_WHEN_DEEP", default=True)
 
 

@@ -119,8 +119,8 @@ class SlabReads:
         cache stream, which the current stream then waits for), ending that lookup. The slab's owner calls it
         once no piece waits for this slab's flag any more (DecodeGraphs.finish_lookups after the step's
         lookups, engine/graph_slabs.py; ``slab.done`` is then the event of its decode), so nothing here can
-        wait for a piece that waits for the host. Returns how many rows that
-        lookup read from disk (0 without a pending lookup: a no-op).
+        wait for a piece that waits for the host. Returns how many rows that lookup read from disk (0 without
+        a pending lookup: a no-op).
 
         On CUDA with the Triton kernels the missed rows go from the slab's pinned pages to the cache's device
         over UVA (``uva.gather_raw``, on the cache stream after the slab's decode): no host copies, so the

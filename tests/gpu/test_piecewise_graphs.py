@@ -140,8 +140,9 @@ def test_disk_rows_decoded_inside_the_pieces_equal_rows_copied_in(tmp_path, monk
     and copied in. With CACHE_PROBE the pieces over a cache find their slots on the device, queued before the
     step's lookups: they wait for new rows, and a second pass over a cache that holds the tables finds every
     row without waiting. Their lookups run on the Worker's background thread (step_lookups.BACKGROUND) or
-    inline in DecodeGraphs.run; with the lookups together (lookup.reads_together: FIRST_LOOKUP_ALONE off) the
-    second layer's reads are submitted before the first layer's lookup runs."""
+    inline in DecodeGraphs.run; with the lookups together (lookup.reads_together: FIRST_LOOKUP_ALONE off here;
+    the same path as TOGETHER_WHEN_DEEP's at a step whose ids fill the read queue) the second layer's reads are
+    submitted before the first layer's lookup runs."""
     if together and not (probe and background):
         pytest.skip("reads together: measured over probed slabs with background lookups, the cached disk tier")
     monkeypatch.setattr(lookup_mod, "FIRST_LOOKUP_ALONE", not together)
