@@ -33,23 +33,19 @@
 #   disk-cache-b64  batch 64 only, the cache arm (lookups beside the host work, the default) against the
 #                same with its lookups inline (background_lookups false); then the GIL hand-off and two
 #                layers' read schedules on this machine (scripts/gil_handoff.py, read_schedule.py)  (~7.5 min)
-#   disk-cache-together  batch 64 only, the cache arm (A) against the same with both tables' lookups submitted
-#                together (B: kernel switch first_lookup_alone false, their reads side by side, a queue twice as
-#                deep), interleaved, 6 rounds: B/A with its CI                                     (~6.5 min?)
 #   disk-cache-early-ids  batch 64 only, the cache arm (A) against the same with the next step's row ids sent
 #                to the host after the step's background lookups are finished (B: early_host_ids false, the
 #                order before 1609d27), interleaved, 6 rounds                                      (~6.5 min?)
 #                (at 1e2477c both ran with a host-tier A and two B arms, which took over 330 s and was cut; at
 #                e77e6d6 one switch's 10 rounds of 3 arms, ~18 s a sample, were cut in round 9: now 6 rounds)
-#   disk-cache-together-bound  `disk-cache`'s comparison (the pinned host arm against the cache arm, batch 1 and
-#                64, the bound with its paired and bracketed intervals) with the cache arm's together_when_deep
-#                on: the target with both tables read together where a step's ids fill the read queue (batch 64;
-#                batch 1 keeps the first alone)                                                      (~4.5 min?)
-#   disk-cache-switch-ab  batch 64, one cache-arm engine: together_when_deep against the engine as built, samples
-#                of 20 steps flipped in turns with an A/A control, and each arm's read cycle (profile_decode_host.py
-#                --switch-ab: short samples on the same disk minute; 122 s for two A/Bs at e3e968a); then batch 1,
-#                its own prompts (a cache still filling: some rows read), first_lookup_alone false (both tables
-#                always together) against as built, samples of 40 steps                                 (~3 min?)
+#   disk-cache-switch-ab  batch 64, one cache-arm engine: the engine as built (both tables read together, since
+#                ed4aa1c) against together_when_deep false (the first table alone), samples of 20 steps flipped in
+#                turns with an A/A control, and each arm's read cycle (profile_decode_host.py --switch-ab: short
+#                samples on the same disk minute; 66 s at b8dce89); then batch 1, its own prompts (a cache still
+#                filling: some rows read), first_lookup_alone false (both tables always together) against as
+#                built, samples of 40 steps (83 s)                                                       (~2.5 min)
+#                (the parts disk-cache-together and disk-cache-together-bound, run until ed4aa1c, compared
+#                reading together with the order before it; that order is now together_when_deep false here)
 #
 # REPEATS=N (environment) sets the rounds of the parts that run engram bench placement, over their own.
 # OUTDIR (default $OUT, else bench/results) receives <date>-<what>-<commit>.{json,log}. ENGRAM_COMMIT
@@ -58,8 +54,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 parts="tests|engine|switches|host-4b|host-8b|exposure|disk|disk-switch|disk-cache|disk-cache-gaps"
-parts+="|disk-cache-b1|disk-cache-b1-sized|disk-cache-b64|disk-cache-together|disk-cache-early-ids"
-parts+="|disk-cache-callees|disk-cache-switch-ab|disk-cache-together-bound"
+parts+="|disk-cache-b1|disk-cache-b1-sized|disk-cache-b64|disk-cache-early-ids|disk-cache-callees"
+parts+="|disk-cache-switch-ab"
 usage="usage: scripts/measure_targets.sh $parts [OUTDIR]"
 part=${1:?$usage}
 out=${2:-${OUT:-bench/results}}
@@ -106,8 +102,7 @@ exposure)
         --out "$out/$stamp-exposure-host-b64-b256-$commit.json"
     ;;
 disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b1-sized | disk-cache-b64 \
-    | disk-cache-together | disk-cache-early-ids | disk-cache-callees | disk-cache-switch-ab \
-    | disk-cache-together-bound)
+    | disk-cache-early-ids | disk-cache-callees | disk-cache-switch-ab)
     cache=${ENGRAM_CACHE_DIR:-/tmp/engram-tables}
     disk='{"tier": "disk", "lookup_overlap": true, "options": {"io": "direct", "queue_depth": 64}'
     if [ "$part" = disk-cache-gaps ]; then  # the cache arm's tables (31 M rows a layer), profiled
@@ -124,7 +119,7 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b
         cfg='{"io": "direct", "queue_depth": 64, "cache_rows": 200000, "load_threads": 16, "table_rows": 31000000}'
         run switch-ab-disk-cache-4b-like-b64 python3 -u scripts/profile_decode_host.py --tier disk \
             --cache-dir "$cache" --engram-config "$cfg" --batch 64 --steps 20 --repeats 10 \
-            --switch-ab '{"together_when_deep": true}' \
+            --switch-ab '{"together_when_deep": false}' \
             --out "$out/$stamp-switch-ab-disk-cache-4b-like-b64-$commit.json"
         run switch-ab-disk-cache-4b-like-b1 python3 -u scripts/profile_decode_host.py --tier disk \
             --cache-dir "$cache" --engram-config "$cfg" --batch 1 --steps 40 --repeats 10 \
@@ -173,13 +168,6 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b
             --out "$out/$stamp-gil-handoff-$commit.json"
         run read-schedule python3 -u scripts/read_schedule.py "$(find "$cache" -name values.bin | head -1)" \
             --out "$out/$stamp-read-schedule-$commit.json"
-        ;;
-    disk-cache-together-bound)  # the target's comparison, the cache arm reading both tables together
-        placement disk-cache-together-bound 1,64 "$cached, \"switches\": {\"together_when_deep\": true}}"
-        ;;
-    disk-cache-together)  # A: the cache arm as it is, B: the switch flipped
-        placement disk-cache-together 64 --repeats 6 --a "$cached}" \
-            "$cached, \"switches\": {\"first_lookup_alone\": false}}"
         ;;
     disk-cache-b1-sized)
         for seqs in 1 64; do

@@ -73,9 +73,8 @@ class SlabSteps:
         what is left of ``staged`` after (reads a failure part-way left). ``after_each()``: after each
         layer's lookup."""
         upto = self.ranges if first is None else self.ranges[:first]
-        layers = [lid for _, _, lid in upto if lid is not None]
         try:
-            for lid in layers:
+            for lid in [lid for _, _, lid in upto if lid is not None]:
                 staged.rows(lid, step.step_id)  # a slab layer: its pages go into the slab, its flag is set
                 if after_each is not None:
                     after_each()
