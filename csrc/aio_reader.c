@@ -8,16 +8,6 @@
  * else (index, errno, got) of the lowest failing block; the same fault injection. The GIL is released while
  * the call submits and waits.
  *
- * Two more keywords share the disk between reads of several threads at once (engine/lookup.py: a step's
- * tables read side by side, the first table's rows needed first): lead=1 counts the call's reads in flight
- * as leading ones (lead=2 also ends one announced lead, lead_expect(1), once all its blocks are submitted);
- * follow=budget keeps a call at most max(FOLLOW_FLOOR, (budget - leading reads in flight) / following calls
- * running) reads in flight, and only FOLLOW_FLOOR while a lead is announced that has not submitted all its
- * blocks. So the leading reads get the disk's queue first, the following ones fill what they leave, and the
- * reads in flight stay within the budget when the lead's context has budget - FOLLOW_FLOOR * followers slots
- * (reader.ReadShare). A following call re-checks its allowance at each of its completions: it never waits
- * with nothing in flight, and takes the whole budget within one completion once the lead has drained.
- *
  * Why: the thread pool wakes one sleeping worker per block in flight. On the virtual machines we measured,
  * a worker that slept through a decode step (~4 ms) costs tens of microseconds to wake, so a batch-1 lookup's
  * 24 reads took 0.56-0.64 ms after an idle gap against 0.44 ms back to back; one io_submit of all 24 and
@@ -43,25 +33,6 @@
 #include "crc32c.h"
 #include "read_call.h"
 
-#define FOLLOW_FLOOR 8   /* reads a following call keeps in flight however many the lead has */
-const int engram_follow_floor = FOLLOW_FLOOR; /* the module constant FOLLOW_FLOOR (pread_pool.c) */
-
-/* Process-wide, shared by every thread's context (atomics: the GIL is released while reads run). */
-static long lead_pending;  /* announced leads (lead_expect) that have not yet submitted all their blocks */
-static long lead_inflight; /* leading reads in flight */
-static long following;     /* following calls running */
-
-static long load(long *v) { return __atomic_load_n(v, __ATOMIC_ACQUIRE); }
-static void add(long *v, long d) { __atomic_add_fetch(v, d, __ATOMIC_ACQ_REL); }
-
-/* The reads a following call of context depth `depth` may keep in flight now (module comment). */
-static int follow_allowance(int depth, Py_ssize_t budget) {
-    long peers = load(&following);
-    long cap = load(&lead_pending) > 0 ? FOLLOW_FLOOR : (budget - load(&lead_inflight)) / (peers > 0 ? peers : 1);
-    if (cap < FOLLOW_FLOOR) cap = FOLLOW_FLOOR;
-    return cap < depth ? (int)cap : depth;
-}
-
 typedef struct {
     PyObject_HEAD
     aio_context_t ctx;
@@ -70,7 +41,6 @@ typedef struct {
     struct iocb **ptrs;   /* [depth] */
     struct io_event *evs; /* [depth] */
     int *free_slots;      /* [depth]: stack of unused iocbs */
-    int peak;             /* the most reads in flight during the last read call */
 } Aio;
 
 static void aio_free(Aio *self) {
@@ -157,18 +127,13 @@ static void finish_short(Batch *b, Py_ssize_t i, Py_ssize_t have) {
 }
 
 /* Runs without the GIL. Returns 0, or an errno of the context itself (io_submit / io_getevents failing). */
-static int run_batch(Aio *self, Batch *b, Py_ssize_t inject_index, int inject_errno, Py_ssize_t inject_got,
-                     int lead, Py_ssize_t follow) {
+static int run_batch(Aio *self, Batch *b, Py_ssize_t inject_index, int inject_errno, Py_ssize_t inject_got) {
     int nfree = self->depth;
-    self->peak = 0;
-    int announced = lead == 2; /* this call ends an announced lead once all its blocks are submitted */
-    long *lead_count = lead ? &lead_inflight : NULL;
     for (int k = 0; k < self->depth; k++) self->free_slots[k] = self->depth - 1 - k;
     Py_ssize_t next = 0, inflight = 0;
     while (next < b->n || inflight > 0) {
         int batch = 0;
-        int limit = follow > 0 ? follow_allowance(self->depth, follow) : self->depth;
-        while (next < b->n && nfree > 0 && inflight + batch < limit) {
+        while (next < b->n && nfree > 0) {
             Py_ssize_t i = next++;
             if (i == inject_index) {
                 fail_block(b, i, inject_errno, inject_errno ? 0 : (inject_got < b->size ? inject_got : b->size - 1));
@@ -203,8 +168,6 @@ static int run_batch(Aio *self, Batch *b, Py_ssize_t inject_index, int inject_er
             }
             sent += (int)r;
             inflight += r;
-            if (lead_count) add(lead_count, r);
-            if (inflight > self->peak) self->peak = (int)inflight;
         }
         if (sent < batch) { /* EAGAIN: put the unsent blocks back in line, reap, retry */
             for (int k = batch - 1; k >= sent; k--) {
@@ -213,20 +176,12 @@ static int run_batch(Aio *self, Batch *b, Py_ssize_t inject_index, int inject_er
             }
             next = (Py_ssize_t)(self->ptrs[sent]->aio_data >> 16);
         }
-        if (announced && next >= b->n) { /* every block submitted (or skipped): the followers may fill up */
-            add(&lead_pending, -1);
-            announced = 0;
-        }
         if (inflight == 0) continue;
         long got = syscall(SYS_io_getevents, self->ctx, 1L, (long)inflight, self->evs, NULL);
         if (got < 0) {
             if (errno == EINTR) continue;
-            int err = errno;
-            if (lead_count) add(lead_count, -inflight); /* the caller destroys the context: none stay in flight */
-            if (announced) add(&lead_pending, -1);
-            return err;
+            return errno;
         }
-        if (lead_count) add(lead_count, -got);
         for (long e = 0; e < got; e++) {
             uint64_t d = self->evs[e].data;
             Py_ssize_t i = (Py_ssize_t)(d >> 16);
@@ -238,59 +193,19 @@ static int run_batch(Aio *self, Batch *b, Py_ssize_t inject_index, int inject_er
             else crc_block(b->out, i, b->size, b->crc_page, b->crc_out);
         }
     }
-    if (announced) add(&lead_pending, -1); /* a call whose blocks were all skipped or failed to submit */
     return 0;
 }
 
-/* Pops an int keyword `name` from dict d into *out (left as is when absent): 0, or -1 with an exception. */
-static int take_int(PyObject *d, const char *name, int *out) {
-    PyObject *v = PyDict_GetItemString(d, name);
-    if (v == NULL) return 0;
-    long x = PyLong_AsLong(v);
-    if (x == -1 && PyErr_Occurred()) return -1;
-    *out = (int)x;
-    return PyDict_DelItemString(d, name);
-}
-
-static int take_ssize(PyObject *d, const char *name, Py_ssize_t *out) {
-    PyObject *v = PyDict_GetItemString(d, name);
-    if (v == NULL) return 0;
-    Py_ssize_t x = PyLong_AsSsize_t(v);
-    if (x == -1 && PyErr_Occurred()) return -1;
-    *out = x;
-    return PyDict_DelItemString(d, name);
-}
-
 static PyObject *Aio_read(Aio *self, PyObject *args, PyObject *kwds) {
-    /* lead and follow are this reader's own keywords (module comment); the rest are read_call_parse's. A
-       call with lead=2 ends its announced lead whatever happens, on every path out. */
-    int lead = 0;
-    Py_ssize_t follow = 0;
-    PyObject *rest = kwds ? PyDict_Copy(kwds) : NULL;
-    if (kwds && !rest) return NULL;
-    if (rest && (take_int(rest, "lead", &lead) < 0 || take_ssize(rest, "follow", &follow) < 0)) {
-        Py_DECREF(rest);
+    if (!self->ctx) {
+        PyErr_SetString(PyExc_RuntimeError, "Aio is closed");
         return NULL;
     }
-    int announced = lead == 2;
     ReadCall c;
-    int parsed = -1;
-    if (lead < 0 || lead > 2 || follow < 0 || (lead && follow)) {
-        PyErr_Format(PyExc_ValueError, "lead=%d, follow=%zd: lead must be 0, 1 or 2, follow >= 0, not both",
-                     lead, follow);
-    } else if (!self->ctx) {
-        PyErr_SetString(PyExc_RuntimeError, "Aio is closed");
-    } else {
-        parsed = read_call_parse(args, rest, &c);
-    }
-    Py_XDECREF(rest);
-    if (parsed == 0 && c.n >= ((Py_ssize_t)1 << 47)) { /* a block's index shares aio_data with its slot */
+    if (read_call_parse(args, kwds, &c) < 0) return NULL;
+    if (c.n >= ((Py_ssize_t)1 << 47)) { /* a block's index shares aio_data with its iocb slot (16 bits) */
         read_call_release(&c);
         PyErr_SetString(PyExc_ValueError, "too many blocks");
-        parsed = -1;
-    }
-    if (parsed < 0) {
-        if (announced) add(&lead_pending, -1);
         return NULL;
     }
     Batch b = {c.fd, (const int64_t *)c.offs.buf, c.size, c.n, (char *)c.out.buf, c.crc_page,
@@ -298,9 +213,7 @@ static PyObject *Aio_read(Aio *self, PyObject *args, PyObject *kwds) {
     int ctx_err = 0;
     if (c.n > 0) {
         Py_BEGIN_ALLOW_THREADS
-        if (follow) add(&following, 1);
-        ctx_err = run_batch(self, &b, c.inject_index, c.inject_errno, c.inject_got, lead, follow); /* ends it */
-        if (follow) add(&following, -1);
+        ctx_err = run_batch(self, &b, c.inject_index, c.inject_errno, c.inject_got);
         if (ctx_err) { /* reads may still be in flight into `out`: io_destroy waits for them; then a fresh
                           context, so this object keeps reading (or reports itself closed) */
             syscall(SYS_io_destroy, self->ctx);
@@ -308,8 +221,6 @@ static PyObject *Aio_read(Aio *self, PyObject *args, PyObject *kwds) {
             if (syscall(SYS_io_setup, self->depth, &self->ctx) != 0) self->ctx = 0;
         }
         Py_END_ALLOW_THREADS
-    } else if (announced) {
-        add(&lead_pending, -1);
     }
     read_call_release(&c);
     if (ctx_err) {
@@ -323,20 +234,15 @@ static PyObject *Aio_get_depth(Aio *self, void *Py_UNUSED(closure)) {
     return PyLong_FromLong(self->depth);
 }
 
-static PyObject *Aio_get_peak(Aio *self, void *Py_UNUSED(closure)) {
-    return PyLong_FromLong(self->peak);
-}
-
 static PyMethodDef Aio_methods[] = {
     {"read", (PyCFunction)(void (*)(void))Aio_read, METH_VARARGS | METH_KEYWORDS,
-     "read(fd, offsets, size, out, inject_index=-1, inject_errno=0, inject_got=0, crc_out=None, crc_page=0, "
-     "lead=0, follow=0) -> None | (index, errno, got)"},
+     "read(fd, offsets, size, out, inject_index=-1, inject_errno=0, inject_got=0, crc_out=None, crc_page=0) "
+     "-> None | (index, errno, got)"},
     {NULL, NULL, 0, NULL},
 };
 
 static PyGetSetDef Aio_getset[] = {
     {"threads", (getter)Aio_get_depth, NULL, "reads in flight at most (the queue depth)", NULL},
-    {"peak", (getter)Aio_get_peak, NULL, "the most reads in flight during the last read call", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -352,26 +258,3 @@ PyTypeObject EngramAioType = {
     .tp_methods = Aio_methods,
     .tp_getset = Aio_getset,
 };
-
-/* Module functions (registered in pread_pool.c): announcing a lead, and the shared counts for tests. */
-PyObject *engram_lead_expect(PyObject *Py_UNUSED(mod), PyObject *args) {
-    long d;
-    if (!PyArg_ParseTuple(args, "l", &d)) return NULL;
-    if (d != 1 && d != -1) {
-        PyErr_Format(PyExc_ValueError, "lead_expect(%ld): must be 1 (announce) or -1 (withdraw)", d);
-        return NULL;
-    }
-    add(&lead_pending, d);
-    Py_RETURN_NONE;
-}
-
-PyObject *engram_lead_state(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored)) {
-    return Py_BuildValue("(lll)", load(&lead_pending), load(&lead_inflight), load(&following));
-}
-
-PyObject *engram_follow_allowance(PyObject *Py_UNUSED(mod), PyObject *args) {
-    int depth;
-    Py_ssize_t budget;
-    if (!PyArg_ParseTuple(args, "in", &depth, &budget)) return NULL;
-    return PyLong_FromLong(follow_allowance(depth, budget));
-}

@@ -347,10 +347,6 @@ static PyObject *mod_crc32c_impl(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(i
 
 /* csrc/aio_reader.c: batched O_DIRECT reads through Linux AIO */
 extern PyTypeObject EngramAioType;
-PyObject *engram_lead_expect(PyObject *mod, PyObject *args);
-PyObject *engram_lead_state(PyObject *mod, PyObject *ignored);
-PyObject *engram_follow_allowance(PyObject *mod, PyObject *args);
-extern const int engram_follow_floor;
 
 /* csrc/slab_plan.c: the read plan of one lookup and its check */
 PyObject *engram_slab_plan(PyObject *mod, PyObject *args);
@@ -366,13 +362,6 @@ static PyMethodDef module_methods[] = {
     {"crc32c_pages", mod_crc32c_pages, METH_VARARGS,
      "crc32c_pages(data, page_size, out): the CRC32C of each page of data as native uint32 into out."},
     {"crc32c_impl", mod_crc32c_impl, METH_NOARGS, "'sse4.2' (the crc32 instruction) or 'table' (portable)."},
-    {"lead_expect", engram_lead_expect, METH_VARARGS,
-     "lead_expect(1 | -1): announce a lead read to come (following reads keep FOLLOW_FLOOR in flight until it "
-     "has submitted all its blocks, or until lead_expect(-1)); see csrc/aio_reader.c."},
-    {"lead_state", engram_lead_state, METH_NOARGS,
-     "lead_state() -> (announced leads not yet submitted, leading reads in flight, following calls running)"},
-    {"follow_allowance", engram_follow_allowance, METH_VARARGS,
-     "follow_allowance(depth, budget) -> int: reads a following call of that context depth may keep in flight now"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -388,8 +377,7 @@ PyMODINIT_FUNC PyInit__pread_pool(void) {
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL) return NULL;
     if (PyModule_AddObjectRef(m, "Pool", (PyObject *)&PoolType) < 0 ||
-        PyModule_AddObjectRef(m, "Aio", (PyObject *)&EngramAioType) < 0 ||
-        PyModule_AddIntConstant(m, "FOLLOW_FLOOR", engram_follow_floor) < 0) {
+        PyModule_AddObjectRef(m, "Aio", (PyObject *)&EngramAioType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

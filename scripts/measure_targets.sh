@@ -46,9 +46,6 @@
 #                built, samples of 40 steps (83 s)                                                       (~2.5 min)
 #                (the parts disk-cache-together and disk-cache-together-bound, run until ed4aa1c, compared
 #                reading together with the order before it; that order is now together_when_deep false here)
-#   disk-cache-lead-ab  batch 64, one cache-arm engine: the engine as built (the first table's reads lead the
-#                second's within one budget of reads in flight) against first_reads_lead false (both tables'
-#                reads side by side as equals), as disk-cache-switch-ab's batch-64 half               (~1.2 min)
 #
 # REPEATS=N (environment) sets the rounds of the parts that run engram bench placement, over their own.
 # OUTDIR (default $OUT, else bench/results) receives <date>-<what>-<commit>.{json,log}. ENGRAM_COMMIT
@@ -58,7 +55,7 @@ cd "$(dirname "$0")/.."
 
 parts="tests|engine|switches|host-4b|host-8b|exposure|disk|disk-switch|disk-cache|disk-cache-gaps"
 parts+="|disk-cache-b1|disk-cache-b1-sized|disk-cache-b64|disk-cache-early-ids|disk-cache-callees"
-parts+="|disk-cache-switch-ab|disk-cache-lead-ab"
+parts+="|disk-cache-switch-ab"
 usage="usage: scripts/measure_targets.sh $parts [OUTDIR]"
 part=${1:?$usage}
 out=${2:-${OUT:-bench/results}}
@@ -105,7 +102,7 @@ exposure)
         --out "$out/$stamp-exposure-host-b64-b256-$commit.json"
     ;;
 disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b1-sized | disk-cache-b64 \
-    | disk-cache-early-ids | disk-cache-callees | disk-cache-switch-ab | disk-cache-lead-ab)
+    | disk-cache-early-ids | disk-cache-callees | disk-cache-switch-ab)
     cache=${ENGRAM_CACHE_DIR:-/tmp/engram-tables}
     disk='{"tier": "disk", "lookup_overlap": true, "options": {"io": "direct", "queue_depth": 64}'
     if [ "$part" = disk-cache-gaps ]; then  # the cache arm's tables (31 M rows a layer), profiled
@@ -127,14 +124,6 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b
         run switch-ab-disk-cache-4b-like-b1 python3 -u scripts/profile_decode_host.py --tier disk \
             --cache-dir "$cache" --engram-config "$cfg" --batch 1 --steps 40 --repeats 10 \
             --switch-ab '{"first_lookup_alone": false}' --out "$out/$stamp-switch-ab-disk-cache-4b-like-b1-$commit.json"
-        exit
-    fi
-    if [ "$part" = disk-cache-lead-ab ]; then  # the lead switch flipped in one engine (read_cycle.switch_ab)
-        cfg='{"io": "direct", "queue_depth": 64, "cache_rows": 200000, "load_threads": 16, "table_rows": 31000000}'
-        run lead-ab-disk-cache-4b-like-b64 python3 -u scripts/profile_decode_host.py --tier disk \
-            --cache-dir "$cache" --engram-config "$cfg" --batch 64 --steps 20 --repeats 10 \
-            --switch-ab '{"first_reads_lead": false}' \
-            --out "$out/$stamp-lead-ab-disk-cache-4b-like-b64-$commit.json"
         exit
     fi
     if [ "$part" = disk-cache-callees ]; then  # where finishing a step's lookups spends its time

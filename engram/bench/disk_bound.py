@@ -92,9 +92,8 @@ def read_depth(tables: dict, together: bool) -> int:
     """The reads a disk arm's step keeps in flight: its first table's reader's queue depth, times its tables
     when their lookups read side by side (``together``: ``lookup.reads_together``, kernel switches
     ``first_lookup_alone`` and ``together_when_deep``) each on a queue of its own
-    (``reader.queue_per_thread``: O_DIRECT through each table thread's AIO context; with
-    ``first_reads_lead`` they share exactly that many, the first table's leading: store/read_share.py); else
-    that depth (one table's reads at a time, or one pool shared)."""
+    (``reader.queue_per_thread``: O_DIRECT through each table thread's AIO context); else that depth (one
+    table's reads at a time, or one pool shared)."""
     from engram.store.reader import queue_per_thread
 
     reader = tables[min(tables)].reader

@@ -35,8 +35,6 @@ from engram.engine.step import StepDescription
 from engram.fast_path import env_flag
 from engram.module import Projected
 from engram.store.base import CompletedLookup, LookupHandle
-from engram.store.read_share import SharedReads
-from engram.store.reader import queue_per_thread
 from engram.transfer import to_device
 
 # Over host-read tables, the first Engram layer's lookup runs alone, and the later layers' are submitted only
@@ -62,13 +60,6 @@ FIRST_LOOKUP_ALONE = env_flag("ENGRAM_FIRST_LOOKUP_ALONE", default=True)
 # in two runs (their intervals reach 1.11: undecided). A batch-1 step (24 ids) stays alone: both tables together
 # made it 13 % slower at b8dce89 (11 % at dd3c115).
 TOGETHER_WHEN_DEEP = env_flag("ENGRAM_TOGETHER_WHEN_DEEP", default=True)
-# When a step's tables read together from disk, each on an O_DIRECT queue of its own, the first table's reads
-# lead: the step's reads share one budget of reads in flight (depth x tables), the first table's go to the
-# disk first and the later tables' fill what they leave (store/read_share.py, csrc/aio_reader.c). The first
-# Engram layer then waits for about its own share of the step's reads, not for nearly all of them, and the
-# layers after it run while the later tables' reads go on (ENGRAM_FIRST_READS_LEAD, kernel switch
-# ``first_reads_lead``; on by default, 0 reads the tables side by side as equals).
-FIRST_READS_LEAD = env_flag("ENGRAM_FIRST_READS_LEAD", default=True)
 
 
 def reads_together(first_ids: int, queue_depth: int | None) -> bool:
@@ -78,17 +69,6 @@ def reads_together(first_ids: int, queue_depth: int | None) -> bool:
     if not FIRST_LOOKUP_ALONE:
         return True
     return TOGETHER_WHEN_DEEP and queue_depth is not None and first_ids >= queue_depth
-
-
-def shared_reads(tables: dict, layers: list[int]) -> SharedReads | None:
-    """How a step's lookups of ``layers`` read side by side (FIRST_READS_LEAD): the first layer's table
-    leading the disk-reading tables, or None (the switch off, fewer than two such tables, no per-thread read
-    queues: read_share.SharedReads.of)."""
-    disk = [tables[lid] for lid in layers if read_queue_depth(tables[lid]) is not None]
-    if not FIRST_READS_LEAD or not disk or read_queue_depth(tables[layers[0]]) is None:
-        return None
-    first = tables[layers[0]].reader
-    return SharedReads.of(first.queue_depth, len(disk), queue_per_thread(first.io))
 
 
 def read_queue_depth(table) -> int | None:
@@ -136,17 +116,14 @@ class ChainedLookups:
     layer's lookup on the waiting thread (``gather_first() -> rows``: the model has reached that layer, the
     layers before it are queued on the device) and then submits the later layers' (``submit_later() ->
     {layer: handle}``), whose reads overlap the layers up to theirs; with ``later_first`` (decode-graph slabs
-    without FIRST_LOOKUP_ALONE) it submits them first, so their reads run beside the first layer's, and with
-    ``shared`` (``shared_reads``) the first layer's reads lead theirs. Cancelling before the chain ran cancels
-    all of it (nothing was read); after, it cancels that layer's read. An error of the first lookup or of the
-    submits is raised to every waiter."""
+    without FIRST_LOOKUP_ALONE) it submits them first, so their reads run beside the first layer's.
+    Cancelling before the chain ran cancels all of it (nothing was read); after, it cancels that layer's
+    read. An error of the first lookup or of the submits is raised to every waiter."""
 
-    def __init__(self, first: int, gather_first, submit_later, later_first: bool = False,
-                 shared: SharedReads | None = None):
+    def __init__(self, first: int, gather_first, submit_later, later_first: bool = False):
         self.first = first
         self._gather_first, self._submit_later = gather_first, submit_later
         self._later_first = later_first  # submit the later layers' lookups before the first layer's runs
-        self._shared = shared if later_first else None
         self._handles: dict | None = None  # layer -> the real handle, once the chain ran
         self._error: BaseException | None = None
         self._cancelled = False
@@ -163,10 +140,9 @@ class ChainedLookups:
             later = None
             try:
                 if self._later_first:
-                    later = {}
-                    rows = side_by_side(self._shared, self._submit_later, self._gather_first, later)
-                else:
-                    rows = self._gather_first()
+                    later = self._submit_later()
+                rows = self._gather_first()
+                if later is None:
                     later = self._submit_later()
                 self._handles = {self.first: CompletedLookup(rows), **later}
             except BaseException as e:
@@ -175,20 +151,6 @@ class ChainedLookups:
                 self._error = e
                 raise
         return self._handles
-
-
-def side_by_side(shared: SharedReads | None, submit_later, gather_first, later: dict):
-    """``gather_first()``, after ``submit_later()``'s handles went into ``later`` (so that their reads run
-    beside the first's, and a caller can cancel them if the first lookup fails); with ``shared`` the later
-    lookups' reads follow and the first's lead (read_share)."""
-    if shared is None:
-        later.update(submit_later())
-        return gather_first()
-    with shared.announced():
-        with shared.following():
-            later.update(submit_later())
-        with shared.leading():
-            return gather_first()
 
 
 class Chained(LookupHandle):
@@ -295,17 +257,16 @@ class LookupExecutor:
                                                             if lid in slabs else {}))
                             for lid in layers[1:]}  # [T * n_cols] each, CPU int64
 
-                shared = None if alone else shared_reads(self.tables, layers)
                 if lazy:
-                    chain = ChainedLookups(layers[0], gather_first, submit_later, later_first=not alone,
-                                           shared=shared)
+                    chain = ChainedLookups(layers[0], gather_first, submit_later, later_first=not alone)
                     handles.update({lid: chain.handle(lid) for lid in layers})
-                elif alone:
+                else:
+                    if not alone:
+                        handles.update(submit_later())
                     if layers:
                         handles[layers[0]] = CompletedLookup(gather_first())
-                    handles.update(submit_later())
-                else:
-                    handles[layers[0]] = CompletedLookup(side_by_side(shared, submit_later, gather_first, handles))
+                    if alone:
+                        handles.update(submit_later())
 
                 def fetch(lid: int, ids: torch.Tensor) -> torch.Tensor:
                     return handles[lid].wait()

@@ -15,9 +15,6 @@ them, interleaved, with confidence intervals. Unknown names are refused with the
 * ``together_when_deep``: with ``first_lookup_alone``, a step whose first layer's row ids fill its table's
   read queue still submits the later layers' lookups with it (``lookup.TOGETHER_WHEN_DEEP``,
   ``ENGRAM_TOGETHER_WHEN_DEEP``; read at every step; on by default);
-* ``first_reads_lead``: when a step's tables read together from disk, each on an O_DIRECT queue of its own,
-  the first table's reads lead within one budget of reads in flight and the later tables' fill what they
-  leave (``lookup.FIRST_READS_LEAD``, ``ENGRAM_FIRST_READS_LEAD``; read at every step; on by default);
 * ``disk_decode_in_graph``: disk tables' rows are decoded inside the piecewise decode graphs from a slab the
   step's lookup reads into (``cuda_graphs.DISK_DECODE_IN_GRAPH``, ``ENGRAM_DISK_DECODE_IN_GRAPH``; read when a
   Worker's graphs are captured; on by default);
@@ -72,7 +69,6 @@ SWITCHES = {  # name -> (get, set)
     "pdl": _module_flag("engram.model.layers.pdl", "ENABLED"),
     "first_lookup_alone": _module_flag("engram.engine.lookup", "FIRST_LOOKUP_ALONE"),
     "together_when_deep": _module_flag("engram.engine.lookup", "TOGETHER_WHEN_DEEP"),
-    "first_reads_lead": _module_flag("engram.engine.lookup", "FIRST_READS_LEAD"),
     "cublaslt": _blas_lt(),
     "disk_decode_in_graph": _module_flag("engram.engine.cuda_graphs", "DISK_DECODE_IN_GRAPH"),
     "background_lookups": _module_flag("engram.engine.step_lookups", "BACKGROUND"),
@@ -80,7 +76,7 @@ SWITCHES = {  # name -> (get, set)
     "split_gemv": _module_flag("engram.model.layers.split_linear", "ENABLED"),
 }
 # read at every step or launch, so they take effect between two steps of one engine (read_cycle.switch_ab)
-PER_STEP = ("first_lookup_alone", "together_when_deep", "first_reads_lead", "background_lookups", "early_host_ids")
+PER_STEP = ("first_lookup_alone", "together_when_deep", "background_lookups", "early_host_ids")
 
 
 def check(switches: dict) -> None:

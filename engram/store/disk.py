@@ -31,8 +31,7 @@ from engram.store.disk_lookup import DiskLookup, InflightLimitError
 from engram.store.format import TableManifest, read_manifest
 from engram.store.load import load_file
 from engram.store.options import StoreOptions
-from engram.store import read_share, slab_plan
-from engram.store.read_share import ReadSide
+from engram.store import slab_plan
 from engram.store.page_crc import CorruptPageError, PageChecker, page_error
 from engram.store.disk_slabs import SlabReads, check_fits, uva_decodes
 from engram.store.page_slabs import PageSlab, SlabPool
@@ -280,25 +279,18 @@ class DiskTable(SlabReads, TableBackend):
             self._extra["inflight"] += 1
             self._extra["inflight_bytes"] += nbytes
         try:
-            future = self._pool.submit(self._lookup, ids, dtype, into, plan, read_share.current())
+            future = self._pool.submit(self._lookup, ids, dtype, into, plan)
         except RuntimeError:  # executor shut down by close()
             self._release_slot(nbytes)
             raise RuntimeError(f"table {self.manifest.path} is closed") from None
         return DiskLookup(self, future, nbytes)
 
     def _lookup(self, ids: torch.Tensor, dtype: torch.dtype, into: PageSlab | None = None,
-                plan: int | None = None, side: ReadSide | None = None
-                ) -> tuple[torch.Tensor | None, "torch.cuda.Event | None"]:
-        """A submitted lookup, on the table's thread, its reads taking the submitter's ``side``
-        (read_share.reading_as): the rows and, on CUDA, an event recorded after the work that produced them on
-        this thread's stream (the consumer runs on another thread and stream); with ``into``, (None, None)
-        once the rows are in that slab ((None, event) with a cache on CUDA: its inserts are device work; a
-        probed slab's wait for ``admit_probed``)."""
-        with read_share.reading_as(side):
-            return self._lookup_here(ids, dtype, into, plan)
-
-    def _lookup_here(self, ids: torch.Tensor, dtype: torch.dtype, into: PageSlab | None,
-                     plan: int | None) -> tuple[torch.Tensor | None, "torch.cuda.Event | None"]:
+                plan: int | None = None) -> tuple[torch.Tensor | None, "torch.cuda.Event | None"]:
+        """A submitted lookup, on the table's thread: the rows and, on CUDA, an event recorded after the work
+        that produced them on this thread's stream (the consumer runs on another thread and stream); with
+        ``into``, (None, None) once the rows are in that slab ((None, event) with a cache on CUDA: its inserts
+        are device work; a probed slab's wait for ``admit_probed``)."""
         if into is not None:
             self._read_into_owned(ids, into, plan)
             if self.cache is None or self.device.type != "cuda" or (into.probe is not None and plan is not None):

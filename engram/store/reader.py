@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from engram.fast_path import FastPathSwitch, env_flag
-from engram.store import read_share
 from engram.store.crc32c import crc32c_pages
 
 PAGE = 4096  # read unit and O_DIRECT alignment: 4 KiB covers every logical block size in use
@@ -276,8 +275,7 @@ class PageReader:
         """Read ``size`` bytes at each of ``offsets`` (int64 [n]) into ``out`` (uint8, n*size bytes). ``crcs``
         (uint32 [n * size // crc_page], optional) receives the CRC32C of every ``crc_page`` bytes of what was
         read, in order: the C pool computes each block's right after reading it, on the thread that read it
-        (crc32c_pages over ``out`` gives the same values). Inside ``read_share.reading_as`` (tables read side
-        by side) an AIO read leads or follows, at that side's depth (store/read_share.py)."""
+        (crc32c_pages over ``out`` gives the same values)."""
         offsets = np.ascontiguousarray(offsets, dtype=np.int64)
         n = len(offsets)
         if n == 0:
@@ -292,8 +290,7 @@ class PageReader:
         with self._lock:  # a reopen swaps the fd; reads themselves run concurrently
             self._check_same_file(int(offsets[0]))
             fd = self._fd
-        side = read_share.current() if queue_per_thread(self._io) else None  # tables side by side
-        pool = _pool(side.depth if side is not None else self.queue_depth, self._io)
+        pool = _pool(self.queue_depth, self._io)
         buf = out.numpy()
         kw = {}
         if fault is not None:
@@ -308,8 +305,6 @@ class PageReader:
         hook = getattr(_read_start, "hook", None)
         if hook is not None:
             hook()
-        if side is not None and isinstance(pool, _pread_pool.Aio):  # right before the call that ends a lead
-            kw.update(side.keywords())
         res = pool.read(fd, offsets, size, buf, **kw)
         if res is not None:
             i, err, got = res

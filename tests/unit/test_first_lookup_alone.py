@@ -11,8 +11,6 @@ import torch
 import engram
 from engram.engine import lookup
 from engram.engine.sampling_params import SamplingParams
-from engram.store import read_share, reader
-from engram.store.read_share import SharedReads
 
 
 class Recording:
@@ -57,11 +55,6 @@ def test_on_by_default():
 @pytest.mark.skipif("ENGRAM_TOGETHER_WHEN_DEEP" in os.environ, reason="the environment sets the flag")
 def test_together_when_deep_on_by_default():
     assert lookup.TOGETHER_WHEN_DEEP is True
-
-
-@pytest.mark.skipif("ENGRAM_FIRST_READS_LEAD" in os.environ, reason="the environment sets the flag")
-def test_first_reads_lead_on_by_default():
-    assert lookup.FIRST_READS_LEAD is True
 
 
 @pytest.mark.parametrize("alone", [False, True])
@@ -136,76 +129,6 @@ def test_a_chain_submits_the_later_lookups_after_or_before_the_first(later_first
         with pytest.raises(OSError, match="planted"):
             chain.handle(lid).wait()
     assert log == (["submit 3", "cancel 3"] if later_first else [])
-
-
-@pytest.mark.skipif(not reader.c_available(), reason="the C reader is not built")
-@pytest.mark.parametrize("fails", [False, True])
-def test_a_chain_reading_side_by_side_leads_with_the_first_lookup(fails):
-    """With ``shared`` the later lookups are submitted following and the first runs leading, a lead announced
-    around both; when the first fails the later ones are cancelled and the announcement withdrawn."""
-    from engram.store.base import CompletedLookup
-
-    shared = SharedReads.of(64, 2, per_thread=True)
-    sides: dict = {}
-
-    class Handle(CompletedLookup):
-        def cancel(self) -> bool:
-            sides["cancelled"] = True
-            return True
-
-    def first():
-        sides[1] = read_share.current(), reader._pread_pool.lead_state()[0]
-        if fails:
-            raise OSError("planted read failure")
-        return "rows 1"
-
-    def later():
-        sides[3] = read_share.current(), reader._pread_pool.lead_state()[0]
-        return {3: Handle("rows 3")}
-
-    chain = lookup.ChainedLookups(1, first, later, later_first=True, shared=shared)
-    if fails:
-        with pytest.raises(OSError, match="planted"):
-            chain.handle(1).wait()
-    else:
-        assert chain.handle(1).wait() == "rows 1"
-    assert sides[3] == (shared.follower, 1) and sides[1] == (shared.lead, 1)  # announced before the submits
-    assert sides.get("cancelled", False) is fails
-    assert reader._pread_pool.lead_state() == (0, 0, 0) and read_share.current() is None
-
-
-@pytest.mark.skipif(not reader.c_available(), reason="the C reader is not built")
-def test_over_direct_reads_the_first_tables_reads_lead_and_the_tokens_stay(tmp_path, monkeypatch):
-    """Both tables read together from real O_DIRECT files: with FIRST_READS_LEAD the first table's reads lead
-    (its thread's reads take the lead side) and the later table's follow, on the table's own thread;
-    without it both read unshared. The tokens and log-probs are the same either way."""
-    old = reader.set_backend("c")
-    monkeypatch.setattr(lookup, "FIRST_LOOKUP_ALONE", False)
-    try:
-        got = {}
-        for lead in (True, False):
-            monkeypatch.setattr(lookup, "FIRST_READS_LEAD", lead)
-            sides: list = []
-            llm = engram.LLM("tiny", tier="disk", dtype=torch.float32, cache_dir=str(tmp_path), max_num_seqs=4,
-                             engram_config={"io": "direct", "queue_depth": 16})
-            tables = llm.engine.executor.worker.lookup.tables
-            if {t.reader.io for t in tables.values()} != {"direct"} or not reader.queue_per_thread("direct"):
-                pytest.skip("this file system refuses O_DIRECT, or the kernel Linux AIO")
-            for lid, t in tables.items():
-                real = t.reader.read
-                t.reader.read = (lambda *a, lid=lid, real=real, **k:
-                                 (sides.append((lid, read_share.current())), real(*a, **k))[1])
-            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
-            outs = llm.generate([[5 + i, 17, 99, 4 + 3 * i, 8] * (1 + i) for i in range(3)], params, use_tqdm=False)
-            got[lead] = [(o.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in o.outputs[0].logprobs])
-                         for o in outs]
-            shared = SharedReads.of(16, 2, per_thread=True)
-            want = {(1, shared.lead), (3, shared.follower)} if lead else {(1, None), (3, None)}
-            assert set(sides) == want and len(sides) > 4, sides
-        assert got[True] == got[False]
-        assert reader._pread_pool.lead_state() == (0, 0, 0)
-    finally:
-        reader.set_backend(old)
 
 
 class Counting(Recording):
