@@ -37,6 +37,7 @@ POLICIES = ("lru", "lfu")
 _HASH_MUL = np.int64(HASH_MUL)  # 0x9E3779B97F4A7C15 as a signed int64 (Fibonacci hashing)
 SLOT_OVERHEAD_BYTES = 24  # tag + stamp + freq per slot (host memory)
 
+STAGING_RING = 4  # pinned buffers of _insert's uploads a cache keeps (RowCache._upload)
 Fetch = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
 
 
@@ -72,6 +73,10 @@ class RowCache:
         self.overflow_rows = 0
         self._handed_out = False
         self.reads: dict[int, "torch.cuda.Event"] = {}  # stream -> an event after its last read of the storage
+        # _insert's placements go to the device through pinned buffers kept between calls (_upload): a ring of
+        # [buffer, event after its last copy out]
+        self._staging: list[list] = [[None, None] for _ in range(STAGING_RING)]
+        self._staging_turn = 0
         self.dev_tags: torch.Tensor | None = None  # the tags mirrored on ``device`` (mirror_tags), for device probes
         self.clock = 0  # lookup calls so far; stamps are 1-based so 0 means "never touched"
         self._since_aging = 0
@@ -306,12 +311,33 @@ class RowCache:
         if not len(slot):
             return placed
         placed[src] = slot
-        dev_slot, dev_src, dev_ids = to_device(torch.from_numpy(np.stack([slot, src, ids[src]])),
-                                               self.device).unbind(0)  # one upload
+        dev_slot, dev_src, dev_ids = self._upload(slot, src, ids[src]).unbind(0)  # one upload
         self._write(self.values, self.scales, dev_slot, vals, scales, dev_src)
         if self.dev_tags is not None:  # after the bytes (mirror_tags)
             self.dev_tags.view(-1).index_copy_(0, dev_slot, dev_ids)
         return placed
+
+    def _upload(self, *rows: np.ndarray) -> torch.Tensor:
+        """``rows`` (host int64 arrays of one length K) as one [len(rows), K] tensor on the cache's device, in
+        one copy on the current stream. On CUDA it goes through a ring of STAGING_RING pinned buffers kept
+        between calls (no pinned allocation per call, which ``to_device`` makes); a buffer is rewritten only
+        once its copy of STAGING_RING calls ago has run (its event; a decode step calls this once a table)."""
+        if self.device.type != "cuda":
+            return torch.from_numpy(np.stack(rows)).to(self.device)
+        n = len(rows) * len(rows[0])
+        slot = self._staging[self._staging_turn]
+        self._staging_turn = (self._staging_turn + 1) % STAGING_RING
+        if slot[1] is not None:
+            slot[1].synchronize()
+        if slot[0] is None or slot[0].numel() < n:
+            slot[0] = torch.empty(max(n, 2 * (0 if slot[0] is None else slot[0].numel())), dtype=torch.int64,
+                                  pin_memory=True)
+        staged = slot[0][:n]
+        np.stack(rows, out=staged.numpy().reshape(len(rows), -1))
+        dev = staged.view(len(rows), -1).to(self.device, non_blocking=True)
+        slot[1] = torch.cuda.Event()
+        slot[1].record(torch.cuda.current_stream(self.device))
+        return dev
 
     def _write(self, values: torch.Tensor, scales: torch.Tensor | None, dst: torch.Tensor, vals: torch.Tensor,
                vscales: torch.Tensor | None, src: torch.Tensor) -> None:
