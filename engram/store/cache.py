@@ -321,14 +321,15 @@ class RowCache:
         """``rows`` (host int64 arrays of one length K) as one [len(rows), K] tensor on the cache's device, in
         one copy on the current stream. On CUDA it goes through a ring of STAGING_RING pinned buffers kept
         between calls (no pinned allocation per call, which ``to_device`` makes); a buffer is rewritten only
-        once its copy of STAGING_RING calls ago has run (its event; a decode step calls this once a table)."""
+        once its copy of STAGING_RING calls ago has run (its event; a decode step calls this once a table).
+        Never a host wait: while that copy is still queued, this call goes through ``to_device`` instead."""
         if self.device.type != "cuda":
             return torch.from_numpy(np.stack(rows)).to(self.device)
         n = len(rows) * len(rows[0])
         slot = self._staging[self._staging_turn]
+        if slot[1] is not None and not slot[1].query():  # the device lags this far behind: a fresh buffer
+            return to_device(torch.from_numpy(np.stack(rows)), self.device)
         self._staging_turn = (self._staging_turn + 1) % STAGING_RING
-        if slot[1] is not None:
-            slot[1].synchronize()
         if slot[0] is None or slot[0].numel() < n:
             slot[0] = torch.empty(max(n, 2 * (0 if slot[0] is None else slot[0].numel())), dtype=torch.int64,
                                   pin_memory=True)
