@@ -26,7 +26,9 @@ Engine-side marks, from the step before's last read (negative: before it): ``don
 lookups returned, on whichever thread ran them), ``settle`` (the engine's thread began finishing them:
 ``finish_lookups``), ``finish`` (done finishing them: their rows cached), ``start`` (this step's lookups
 started on the background thread). ``settle - done`` is the engine's thread getting to them, ``finish -
-settle`` the host cost of caching their rows. A diagnosis tool: the wrappers cost microseconds a call.
+settle`` the host cost of caching their rows, of which ``admit(L)`` is table L's ``DiskTable.admit_probed``
+(a duration, not a mark) and ``caching(L)`` its cache's ``RowCache.admit`` inside it (the set bookkeeping and
+the writes' launches). A diagnosis tool: the wrappers cost microseconds a call.
 
 ``switch_ab`` compares per-step kernel switches (``kernel_switches.PER_STEP``) in one engine: samples of a few
 dozen steps each, the switches flipped between samples, interleaved with an A/A control (engram/bench/stats.py),
@@ -54,6 +56,8 @@ class Marks:
     settle: list[float] = field(default_factory=list)  # the engine began finishing a step's lookups
     finish: list[float] = field(default_factory=list)  # the engine done finishing a step's lookups
     start: list[float] = field(default_factory=list)  # a step's lookups started in the background
+    admits: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # layer -> admit_probed spans
+    caching: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # layer -> its cache's admit spans
 
 
 def record_cycles(engine, steps: int) -> Marks:
@@ -83,18 +87,23 @@ def record_cycles(engine, steps: int) -> Marks:
 
         patches.wrap(obj, name, make)
 
+    def wrap_spans(obj, name: str, spans: list) -> None:  # (begin, end) of each call, on any thread
+        begun: dict[int, float] = {}  # thread -> begin of its call in flight
+
+        def begin(t):
+            begun[threading.get_ident()] = t
+
+        def end(t):
+            spans.append((begun.pop(threading.get_ident()), t))
+
+        wrap(obj, name, begin, end)
+
     for lid, table in sorted((worker.tables or {}).items()):
         if hasattr(table, "reader"):
-            spans = marks.reads.setdefault(lid, [])
-            begun: dict[int, float] = {}  # thread -> begin of its read in flight
-
-            def begin(t, begun=begun):
-                begun[threading.get_ident()] = t
-
-            def end(t, begun=begun, spans=spans):
-                spans.append((begun.pop(threading.get_ident()), t))
-
-            wrap(table.reader, "read", begin, end)
+            wrap_spans(table.reader, "read", marks.reads.setdefault(lid, []))
+        if hasattr(table, "admit_probed") and getattr(table, "cache", None) is not None:
+            wrap_spans(table, "admit_probed", marks.admits.setdefault(lid, []))
+            wrap_spans(table.cache, "admit", marks.caching.setdefault(lid, []))
     if engine._async():
         wrap(lookup_mod.HostIds, "wait", on_end=marks.ids.append)
     else:
@@ -141,11 +150,17 @@ def cycle_rows(marks: Marks) -> list[dict[str, float]]:
             row[f"read[{lid}]"] = per[lid][1] - per[lid][0]
         row["period"] = max(e for _, e in per.values()) - last
         row["reads"] = sum(row[f"read[{lid}]"] for lid in layers)
+        window = (last - 0.5 * row["period"], ids + row["plan"])  # the step before's finishing
         for name, times in (("done", marks.done), ("settle", marks.settle), ("finish", marks.finish),
                             ("start", marks.start)):
-            near = [t - last for t in times if last - 0.5 * row["period"] <= t < ids + row["plan"]]
+            near = [t - last for t in times if window[0] <= t < window[1]]
             if near:
                 row[name] = near[0]
+        for name, per_layer in (("admit", marks.admits), ("caching", marks.caching)):
+            for lid, spans in sorted(per_layer.items()):
+                near = [e - b for b, e in sorted(spans) if window[0] <= b < window[1]]
+                if near:
+                    row[f"{name}({lid})"] = near[0]
         rows.append(row)
     return rows
 
