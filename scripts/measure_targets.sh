@@ -17,6 +17,8 @@
 #   disk-switch  batch 1, disk rows decoded inside the decode graphs (the default) against outside (~4 min)
 #   disk-cache   batch 1 and 64, a 200 K-row hot-row cache in front of the disk tier, hit rates (~4 min);
 #                then its batch-1 phases                                               (~5 min in all)
+#   disk-cache-b64-bound  disk-cache's placement run at batch 64 only (the cache arm against its bound), so that more
+#                rounds fit a call: REPEATS=N sets them (untimed; disk-cache, both batches, took 477 s at 20 rounds)
 #   disk-cache-gaps  the same cache arm profiled: each step's period around its reads (read_cycle.py), host
 #                phases and where the GPU idles, batch 1 with every row a hit and batch 64
 #                (scripts/profile_decode_host.py --gpu-gaps), then batch 1 again in an engine built for 64
@@ -55,7 +57,7 @@ cd "$(dirname "$0")/.."
 
 parts="tests|engine|switches|host-4b|host-8b|exposure|disk|disk-switch|disk-cache|disk-cache-gaps"
 parts+="|disk-cache-b1|disk-cache-b1-sized|disk-cache-b64|disk-cache-early-ids|disk-cache-callees"
-parts+="|disk-cache-switch-ab"
+parts+="|disk-cache-switch-ab|disk-cache-b64-bound"
 usage="usage: scripts/measure_targets.sh $parts [OUTDIR]"
 part=${1:?$usage}
 out=${2:-${OUT:-bench/results}}
@@ -102,7 +104,7 @@ exposure)
         --out "$out/$stamp-exposure-host-b64-b256-$commit.json"
     ;;
 disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b1-sized | disk-cache-b64 \
-    | disk-cache-early-ids | disk-cache-callees | disk-cache-switch-ab)
+    | disk-cache-early-ids | disk-cache-callees | disk-cache-switch-ab | disk-cache-b64-bound)
     cache=${ENGRAM_CACHE_DIR:-/tmp/engram-tables}
     disk='{"tier": "disk", "lookup_overlap": true, "options": {"io": "direct", "queue_depth": 64}'
     if [ "$part" = disk-cache-gaps ]; then  # the cache arm's tables (31 M rows a layer), profiled
@@ -177,6 +179,9 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b
     disk-cache-early-ids)  # A: the cache arm as it is, B: the switch flipped
         placement disk-cache-early-ids 64 --repeats 6 --a "$cached}" \
             "$cached, \"switches\": {\"early_host_ids\": false}}"
+        ;;
+    disk-cache-b64-bound)
+        placement disk-cache-b64-bound 64 "$cached}"
         ;;
     disk-cache)
         placement disk-cache 1,64 "$cached}"
