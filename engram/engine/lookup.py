@@ -34,6 +34,7 @@ from engram.engine.pending import PendingPatch
 from engram.engine.step import StepDescription
 from engram.fast_path import env_flag
 from engram.module import Projected
+from engram.store import reader
 from engram.store.base import CompletedLookup, LookupHandle
 from engram.transfer import to_device
 
@@ -60,6 +61,14 @@ FIRST_LOOKUP_ALONE = env_flag("ENGRAM_FIRST_LOOKUP_ALONE", default=True)
 # in two runs (their intervals reach 1.11: undecided). A batch-1 step (24 ids) stays alone: both tables together
 # made it 13 % slower at b8dce89 (11 % at dd3c115).
 TOGETHER_WHEN_DEEP = env_flag("ENGRAM_TOGETHER_WHEN_DEEP", default=True)
+# When decode-graph slabs read the tables together (ChainedLookups, ``later_first``), the later layers' lookups
+# are submitted right before the first layer's first read (reader.on_read_start) instead of before its
+# plan: the first table plans with the GIL to itself, and the later tables plan while its reads run
+# (ENGRAM_LATER_AT_FIRST_READ, kernel switch ``later_at_first_read``; off by default: not yet measured on
+# the H200). In the cached disk tier's batch-64 step the plan, from the row ids on the host to the first read,
+# took 1.3-1.8 ms with both tables planning at once (b8dce89, 5ab2062's equals arm) against 0.86-0.92 ms with
+# the first table alone (e77e6d6, b8dce89; docs/benchmarks.md).
+LATER_AT_FIRST_READ = env_flag("ENGRAM_LATER_AT_FIRST_READ", default=False)
 
 
 def reads_together(first_ids: int, queue_depth: int | None) -> bool:
@@ -116,14 +125,17 @@ class ChainedLookups:
     layer's lookup on the waiting thread (``gather_first() -> rows``: the model has reached that layer, the
     layers before it are queued on the device) and then submits the later layers' (``submit_later() ->
     {layer: handle}``), whose reads overlap the layers up to theirs; with ``later_first`` (decode-graph slabs
-    without FIRST_LOOKUP_ALONE) it submits them first, so their reads run beside the first layer's.
-    Cancelling before the chain ran cancels all of it (nothing was read); after, it cancels that layer's
-    read. An error of the first lookup or of the submits is raised to every waiter."""
+    without FIRST_LOOKUP_ALONE) it submits them first, so their reads run beside the first layer's, or
+    with ``at_first_read`` too (LATER_AT_FIRST_READ) right before the first layer's first read
+    (``first_then_later``). Cancelling before the chain ran cancels all of it (nothing was read); after, it
+    cancels that layer's read. An error of the first lookup or of the submits is raised to every waiter."""
 
-    def __init__(self, first: int, gather_first, submit_later, later_first: bool = False):
+    def __init__(self, first: int, gather_first, submit_later, later_first: bool = False,
+                 at_first_read: bool = False):
         self.first = first
         self._gather_first, self._submit_later = gather_first, submit_later
         self._later_first = later_first  # submit the later layers' lookups before the first layer's runs
+        self._at_first_read = later_first and at_first_read  # ... or right before its first read
         self._handles: dict | None = None  # layer -> the real handle, once the chain ran
         self._error: BaseException | None = None
         self._cancelled = False
@@ -137,20 +149,48 @@ class ChainedLookups:
                 raise cf.CancelledError("this step's lookups were cancelled")
             if self._error is not None:
                 raise self._error
-            later = None
+            later: dict = {}
             try:
-                if self._later_first:
-                    later = self._submit_later()
-                rows = self._gather_first()
-                if later is None:
-                    later = self._submit_later()
+                if self._at_first_read:
+                    rows = first_then_later(self._gather_first, self._submit_later, later)
+                else:
+                    if self._later_first:
+                        later.update(self._submit_later())
+                    rows = self._gather_first()
+                    if not self._later_first:
+                        later.update(self._submit_later())
                 self._handles = {self.first: CompletedLookup(rows), **later}
             except BaseException as e:
-                for handle in (later or {}).values():  # submitted, never to be waited for
+                for handle in later.values():  # submitted, never to be waited for
                     handle.cancel()
                 self._error = e
                 raise
         return self._handles
+
+
+def first_then_later(gather_first, submit_later, later: dict):
+    """``gather_first()``, with ``submit_later()``'s handles put into ``later`` right before its first disk
+    read on this thread (``reader.on_read_start``; the hook set before, if any, runs after them), or after it
+    returned when it read nothing on this thread (every row cached, or its reads on other threads)."""
+    submitted = False
+    before = None
+
+    def submit() -> None:
+        nonlocal submitted
+        reader.on_read_start(before)  # once
+        submitted = True
+        later.update(submit_later())
+        if before is not None:
+            before()
+
+    before = reader.on_read_start(submit)
+    try:
+        rows = gather_first()
+    finally:
+        reader.on_read_start(before)
+    if not submitted:
+        later.update(submit_later())
+    return rows
 
 
 class Chained(LookupHandle):
@@ -258,7 +298,8 @@ class LookupExecutor:
                             for lid in layers[1:]}  # [T * n_cols] each, CPU int64
 
                 if lazy:
-                    chain = ChainedLookups(layers[0], gather_first, submit_later, later_first=not alone)
+                    chain = ChainedLookups(layers[0], gather_first, submit_later, later_first=not alone,
+                                           at_first_read=LATER_AT_FIRST_READ)
                     handles.update({lid: chain.handle(lid) for lid in layers})
                 else:
                     if not alone:

@@ -15,6 +15,9 @@ them, interleaved, with confidence intervals. Unknown names are refused with the
 * ``together_when_deep``: with ``first_lookup_alone``, a step whose first layer's row ids fill its table's
   read queue still submits the later layers' lookups with it (``lookup.TOGETHER_WHEN_DEEP``,
   ``ENGRAM_TOGETHER_WHEN_DEEP``; read at every step; on by default);
+* ``later_at_first_read``: when decode-graph slabs read the tables together, the later layers' lookups are
+  submitted right before the first layer's first read instead of before its plan (``lookup.LATER_AT_FIRST_READ``,
+  ``ENGRAM_LATER_AT_FIRST_READ``; read at every step; off by default);
 * ``disk_decode_in_graph``: disk tables' rows are decoded inside the piecewise decode graphs from a slab the
   step's lookup reads into (``cuda_graphs.DISK_DECODE_IN_GRAPH``, ``ENGRAM_DISK_DECODE_IN_GRAPH``; read when a
   Worker's graphs are captured; on by default);
@@ -69,6 +72,7 @@ SWITCHES = {  # name -> (get, set)
     "pdl": _module_flag("engram.model.layers.pdl", "ENABLED"),
     "first_lookup_alone": _module_flag("engram.engine.lookup", "FIRST_LOOKUP_ALONE"),
     "together_when_deep": _module_flag("engram.engine.lookup", "TOGETHER_WHEN_DEEP"),
+    "later_at_first_read": _module_flag("engram.engine.lookup", "LATER_AT_FIRST_READ"),
     "cublaslt": _blas_lt(),
     "disk_decode_in_graph": _module_flag("engram.engine.cuda_graphs", "DISK_DECODE_IN_GRAPH"),
     "background_lookups": _module_flag("engram.engine.step_lookups", "BACKGROUND"),
@@ -76,7 +80,8 @@ SWITCHES = {  # name -> (get, set)
     "split_gemv": _module_flag("engram.model.layers.split_linear", "ENABLED"),
 }
 # read at every step or launch, so they take effect between two steps of one engine (read_cycle.switch_ab)
-PER_STEP = ("first_lookup_alone", "together_when_deep", "background_lookups", "early_host_ids")
+PER_STEP = ("first_lookup_alone", "together_when_deep", "later_at_first_read", "background_lookups",
+            "early_host_ids")
 
 
 def check(switches: dict) -> None:

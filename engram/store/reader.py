@@ -60,11 +60,14 @@ _pools_lock = threading.Lock()
 _read_start = threading.local()  # per thread: the hook ``on_read_start`` set
 
 
-def on_read_start(hook: Callable[[], None] | None) -> None:
+def on_read_start(hook: Callable[[], None] | None) -> Callable[[], None] | None:
     """Call ``hook()`` on this thread right before each ``PageReader.read`` hands its pages to the pool (the
-    call that releases the GIL while the reads run); None stops it. engine/step_lookups.py uses it to know
-    when a step's first reads are on their way."""
+    call that releases the GIL while the reads run); None stops it. Returns the hook it replaces.
+    engine/step_lookups.py uses it to know when a step's first reads are on their way, engine/lookup.py
+    (``first_then_later``) to submit a step's later lookups then."""
+    before = getattr(_read_start, "hook", None)
     _read_start.hook = hook
+    return before
 
 
 class DiskReadError(OSError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -129,6 +130,63 @@ def test_a_chain_submits_the_later_lookups_after_or_before_the_first(later_first
         with pytest.raises(OSError, match="planted"):
             chain.handle(lid).wait()
     assert log == (["submit 3", "cancel 3"] if later_first else [])
+
+
+@pytest.mark.skipif("ENGRAM_LATER_AT_FIRST_READ" in os.environ, reason="the environment sets the flag")
+def test_later_at_first_read_off_by_default():
+    assert lookup.LATER_AT_FIRST_READ is False
+
+
+@pytest.mark.parametrize("case", ["reads", "reads nothing", "fails after its read", "fails before"])
+def test_a_chain_can_submit_the_later_lookups_at_the_first_lookups_first_read(tmp_path, case):
+    """ChainedLookups with ``at_first_read``: the first layer's lookup plans first, the later layers' are
+    submitted right before its first read (a real reader's read; the thread's earlier read-start hook runs
+    after them and is restored after), or after it when it read nothing; a failure after the submits cancels
+    them, and one before any read submits nothing."""
+    from engram.store import reader
+    from engram.store.base import CompletedLookup
+
+    (tmp_path / "v.bin").write_bytes(bytes(range(256)) * 64)
+    pages = reader.PageReader(tmp_path / "v.bin", io="buffered", queue_depth=4)
+    log: list = []
+
+    class Handle(CompletedLookup):
+        def cancel(self) -> bool:
+            log.append("cancel 3")
+            return True
+
+    def first():
+        log.append("plan 1")
+        if case == "fails before":
+            raise OSError("planted failure before the read")
+        if case != "reads nothing":
+            pages.read(np.array([0, 4096], dtype=np.int64), reader.aligned_pages(2))
+            log.append("read 1")
+        if case == "fails after its read":
+            raise OSError("planted failure after the read")
+        return "rows 1"
+
+    def later():
+        log.append("submit 3")
+        return {3: Handle("rows 3")}
+
+    issued = lambda: log.append("issued")  # noqa: E731 - the thread's hook before (step_lookups')
+    reader.on_read_start(issued)
+    try:
+        chain = lookup.ChainedLookups(1, first, later, later_first=True, at_first_read=True)
+        if case.startswith("fails"):
+            with pytest.raises(OSError, match="planted"):
+                chain.handle(1).wait()
+        else:
+            assert chain.handle(3).wait() == "rows 3" and chain.handle(1).wait() == "rows 1"
+        assert reader.on_read_start(None) is issued  # restored
+    finally:
+        reader.on_read_start(None)
+        pages.close()
+    assert log == {"reads": ["plan 1", "submit 3", "issued", "read 1"],
+                   "reads nothing": ["plan 1", "submit 3"],
+                   "fails after its read": ["plan 1", "submit 3", "issued", "read 1", "cancel 3"],
+                   "fails before": ["plan 1"]}[case]
 
 
 class Counting(Recording):
