@@ -8,8 +8,8 @@ and needed again at step s + 1 is read twice. This replays the hit-rate bench's 
 Engram layer) through the engine's ``RowCache`` both ways and counts the misses (the rows a step reads):
 
 * lag 0: each step's misses cached right after its split (the engine today);
-* lag 1: each step's misses cached after the next step's split (minus those that step missed too, which it
-  caches itself).
+* lag 1: each step's misses cached after the next step's split (minus those cached since: a row that step
+  missed too is read again, and cached once).
 
     python3 scripts/admit_lag.py --corpus bench/corpus/natural-v1.jsonl [--out RESULT.json]
 
@@ -37,6 +37,7 @@ def misses_per_step(trace: LayerTrace, capacity: int, ways: int, policy: str, la
     """[steps with accesses] rows each step missed (read), the step's misses cached ``lag`` steps late."""
     cache = RowCache(capacity, 1, policy=policy, ways=ways)
     pending: tuple[np.ndarray, int] | None = None
+    admitted = np.empty(0, dtype=np.int64)  # what the late caching a step ago placed
     out = []
     for s in range(trace.step_bounds.size - 1):
         a, b = int(trace.step_bounds[s]), int(trace.step_bounds[s + 1])
@@ -47,8 +48,9 @@ def misses_per_step(trace: LayerTrace, capacity: int, ways: int, policy: str, la
         miss = ids[miss_pos]
         if lag and pending is not None:  # the step before's rows, after this step's split
             before, looked_up = pending
-            before = before[~np.isin(before, miss)]  # this step read them again and caches them itself
+            before = before[~np.isin(before, admitted)]  # cached since it missed them (by the caching a step ago)
             cache.admit(before, torch.zeros(len(before), 1, dtype=torch.uint8), None, looked_up)
+            admitted = before
         if lag:
             pending = (miss, len(ids))
         else:
