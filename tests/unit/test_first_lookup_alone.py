@@ -94,28 +94,34 @@ def test_the_tokens_do_not_depend_on_the_order(tmp_path, monkeypatch):
     assert generate(tmp_path, monkeypatch, True) == generate(tmp_path, monkeypatch, False)
 
 
-@pytest.mark.parametrize("later_first", [False, True])
-def test_a_chain_submits_the_later_lookups_after_or_before_the_first(later_first):
-    """ChainedLookups (decode-graph slabs): the first layer's lookup runs on the waiting thread, the later
-    layers' are submitted after it (FIRST_LOOKUP_ALONE) or, ``later_first``, before it; when the first
-    lookup fails, later lookups already submitted are cancelled (none keeps its table's in-flight slot) and
-    every waiter gets the error."""
+def submit_later_logged(log: list):
+    """A chain's ``submit_later``: logs "submit 3" and gives layer 3 a handle whose cancel logs "cancel 3"."""
     from engram.store.base import CompletedLookup
-
-    log: list = []
 
     class Handle(CompletedLookup):
         def cancel(self) -> bool:
             log.append("cancel 3")
             return True
 
-    def first():
-        log.append("first 1")
-        return "rows 1"
-
     def later():
         log.append("submit 3")
         return {3: Handle("rows 3")}
+
+    return later
+
+
+@pytest.mark.parametrize("later_first", [False, True])
+def test_a_chain_submits_the_later_lookups_after_or_before_the_first(later_first):
+    """ChainedLookups (decode-graph slabs): the first layer's lookup runs on the waiting thread, the later
+    layers' are submitted after it (FIRST_LOOKUP_ALONE) or, ``later_first``, before it; when the first
+    lookup fails, later lookups already submitted are cancelled (none keeps its table's in-flight slot) and
+    every waiter gets the error."""
+    log: list = []
+    later = submit_later_logged(log)
+
+    def first():
+        log.append("first 1")
+        return "rows 1"
 
     chain = lookup.ChainedLookups(1, first, later, later_first=later_first)
     assert chain.handle(3).wait() == "rows 3" and chain.handle(1).wait() == "rows 1"
@@ -144,16 +150,11 @@ def test_a_chain_can_submit_the_later_lookups_at_the_first_lookups_first_read(tm
     after them and is restored after), or after it when it read nothing; a failure after the submits cancels
     them, and one before any read submits nothing."""
     from engram.store import reader
-    from engram.store.base import CompletedLookup
 
     (tmp_path / "v.bin").write_bytes(bytes(range(256)) * 64)
     pages = reader.PageReader(tmp_path / "v.bin", io="buffered", queue_depth=4)
     log: list = []
-
-    class Handle(CompletedLookup):
-        def cancel(self) -> bool:
-            log.append("cancel 3")
-            return True
+    later = submit_later_logged(log)
 
     def first():
         log.append("plan 1")
@@ -165,10 +166,6 @@ def test_a_chain_can_submit_the_later_lookups_at_the_first_lookups_first_read(tm
         if case == "fails after its read":
             raise OSError("planted failure after the read")
         return "rows 1"
-
-    def later():
-        log.append("submit 3")
-        return {3: Handle("rows 3")}
 
     issued = lambda: log.append("issued")  # noqa: E731 - the thread's hook before (step_lookups')
     reader.on_read_start(issued)
