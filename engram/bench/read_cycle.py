@@ -28,7 +28,9 @@ lookups returned, on whichever thread ran them), ``settle`` (the engine's thread
 started on the background thread). ``settle - done`` is the engine's thread getting to them, ``finish -
 settle`` the host cost of caching their rows, of which ``admit(L)`` is table L's ``DiskTable.admit_probed``
 (a duration, not a mark) and ``caching(L)`` its cache's ``RowCache.admit`` inside it (the set bookkeeping and
-the writes' launches). A diagnosis tool: the wrappers cost microseconds a call.
+the writes' launches). With async scheduling ``asked`` marks this step's row ids asked for (``HostIds.wait``
+called): ``tail - asked`` is the wait for the device's sampled tokens, ~0 when the next step waited for the
+host instead. A diagnosis tool: the wrappers cost microseconds a call.
 
 ``switch_ab`` compares per-step kernel switches (``kernel_switches.PER_STEP``) in one engine: samples of a few
 dozen steps each, the switches flipped between samples, interleaved with an A/A control (engram/bench/stats.py),
@@ -56,6 +58,7 @@ class Marks:
     settle: list[float] = field(default_factory=list)  # the engine began finishing a step's lookups
     finish: list[float] = field(default_factory=list)  # the engine done finishing a step's lookups
     start: list[float] = field(default_factory=list)  # a step's lookups started in the background
+    asked: list[float] = field(default_factory=list)  # a step's row ids asked for (HostIds.wait called)
     admits: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # layer -> admit_probed spans
     caching: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # layer -> its cache's admit spans
 
@@ -105,7 +108,7 @@ def record_cycles(engine, steps: int) -> Marks:
             wrap_spans(table, "admit_probed", marks.admits.setdefault(lid, []))
             wrap_spans(table.cache, "admit", marks.caching.setdefault(lid, []))
     if engine._async():
-        wrap(lookup_mod.HostIds, "wait", on_end=marks.ids.append)
+        wrap(lookup_mod.HostIds, "wait", on_begin=marks.asked.append, on_end=marks.ids.append)
     else:
         wrap(engine, "step", on_begin=marks.ids.append)
     lookups = getattr(worker, "_lookups", None)
@@ -117,7 +120,7 @@ def record_cycles(engine, steps: int) -> Marks:
     with patches:
         for _ in range(steps):
             engine.step()
-    for times in (marks.ids, marks.done, marks.settle, marks.finish, marks.start):
+    for times in (marks.ids, marks.done, marks.settle, marks.finish, marks.start, marks.asked):
         times.sort()
     return marks
 
@@ -156,6 +159,9 @@ def cycle_rows(marks: Marks) -> list[dict[str, float]]:
             near = [t - last for t in times if window[0] <= t < window[1]]
             if near:
                 row[name] = near[0]
+        asked = [t for t in marks.asked if window[0] <= t <= ids]
+        if asked:  # the wait that gave this step's ids
+            row["asked"] = asked[-1] - last
         for name, per_layer in (("admit", marks.admits), ("caching", marks.caching)):
             for lid, spans in sorted(per_layer.items()):
                 near = [e - b for b, e in sorted(spans) if window[0] <= b < window[1]]

@@ -21,12 +21,13 @@ def test_cycles_split_the_period_between_tail_plan_reads_and_hand_offs():
                   # cache's admit inside that; a span at 12 ms is after the first window and before the second
                   admits={1: [(8.2 * ms, 8.3 * ms), (18.2 * ms, 18.3 * ms)],
                           15: [(8.3 * ms, 8.45 * ms), (18.3 * ms, 18.55 * ms), (12 * ms, 12.5 * ms)]},
-                  caching={1: [(8.22 * ms, 8.28 * ms), (18.22 * ms, 18.28 * ms)]})
+                  caching={1: [(8.22 * ms, 8.28 * ms), (18.22 * ms, 18.28 * ms)]},
+                  asked=[9.0 * ms, 9.2 * ms, 19.5 * ms])  # the last ask before the ids: 0.8, 0.5 ms before
     got = summarize(marks)
     assert got["cycles"] == 2
     want = {"tail": 2.0, "plan": 1.0, "read[1]": 3.0, "between[15]": 1.0, "read[15]": 3.0, "period": 10.0,
             "reads": 6.0, "done": 0.1, "settle": 0.2, "finish": 0.5, "start": 1.0, "admit(1)": 0.1,
-            "admit(15)": 0.2, "caching(1)": 0.06}
+            "asked": 1.35, "admit(15)": 0.2, "caching(1)": 0.06}
     assert {k: round(v["median"], 9) for k, v in got.items() if k != "cycles"} == want
     assert "tail" in format_summary(got)
 
