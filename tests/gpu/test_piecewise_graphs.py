@@ -126,7 +126,8 @@ def test_the_host_waits_for_a_later_layers_rows_after_the_pieces_before_it_launc
         assert log[first - 1:first + 5] == ["ids", "piece 0", *rest]
 
 
-@pytest.mark.parametrize("together", [False, True], ids=["first-alone", "reads-together"])
+@pytest.mark.parametrize("together", [False, True, "at-first-read"],
+                         ids=["first-alone", "reads-together", "reads-together-at-first-read"])
 @pytest.mark.parametrize("probe", [True, False], ids=["probed", "host-slots"])
 @pytest.mark.parametrize("background", [True, False], ids=["lookups-beside", "lookups-inline"])
 @pytest.mark.parametrize("options", [{"io": "buffered"}, {"io": "buffered", "cache_rows": 300},
@@ -142,11 +143,12 @@ def test_disk_rows_decoded_inside_the_pieces_equal_rows_copied_in(tmp_path, monk
     row without waiting. Their lookups run on the Worker's background thread (step_lookups.BACKGROUND) or
     inline in DecodeGraphs.run; with the lookups together (lookup.reads_together: FIRST_LOOKUP_ALONE off here;
     the same path as TOGETHER_WHEN_DEEP's at a step whose ids fill the read queue) the second layer's reads are
-    submitted before the first layer's lookup runs."""
+    submitted before the first layer's lookup runs, or (LATER_AT_FIRST_READ) right before its first read."""
     if together and not (probe and background):
         pytest.skip("reads together: measured over probed slabs with background lookups, the cached disk tier")
     monkeypatch.setattr(lookup_mod, "FIRST_LOOKUP_ALONE", not together)
     monkeypatch.setattr(lookup_mod, "TOGETHER_WHEN_DEEP", False)  # first-alone: every step, whatever its size
+    monkeypatch.setattr(lookup_mod, "LATER_AT_FIRST_READ", together == "at-first-read")
     if probe and "cache_rows" not in options:
         pytest.skip("no cache to probe")
     if not probe and not background:
