@@ -20,6 +20,8 @@
 #   disk-cache-later-ab  batch 64, one cache-arm engine: the engine as built against later_at_first_read true (the
 #                later table's lookup submitted at the first table's first read, after its plan), as
 #                disk-cache-switch-ab's batch-64 half (untimed; that half took 66-96 s)
+#   disk-cache-late-ab  the same against late_caching true (a step's rows read cached during the next step's
+#                lookups), then against late_caching and later_at_first_read together (untimed; ~3 min?)
 #   disk-cache-b64-bound  disk-cache's placement run at batch 64 only (the cache arm against its bound), so that more
 #                rounds fit a call: REPEATS=N sets them (untimed; disk-cache, both batches, took 477 s at 20 rounds)
 #   disk-cache-gaps  the same cache arm profiled: each step's period around its reads (read_cycle.py), host
@@ -60,7 +62,7 @@ cd "$(dirname "$0")/.."
 
 parts="tests|engine|switches|host-4b|host-8b|exposure|disk|disk-switch|disk-cache|disk-cache-gaps"
 parts+="|disk-cache-b1|disk-cache-b1-sized|disk-cache-b64|disk-cache-early-ids|disk-cache-callees"
-parts+="|disk-cache-switch-ab|disk-cache-b64-bound|disk-cache-later-ab"
+parts+="|disk-cache-switch-ab|disk-cache-b64-bound|disk-cache-later-ab|disk-cache-late-ab"
 usage="usage: scripts/measure_targets.sh $parts [OUTDIR]"
 part=${1:?$usage}
 out=${2:-${OUT:-bench/results}}
@@ -107,7 +109,8 @@ exposure)
         --out "$out/$stamp-exposure-host-b64-b256-$commit.json"
     ;;
 disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b1-sized | disk-cache-b64 \
-    | disk-cache-early-ids | disk-cache-callees | disk-cache-switch-ab | disk-cache-b64-bound | disk-cache-later-ab)
+    | disk-cache-early-ids | disk-cache-callees | disk-cache-switch-ab | disk-cache-b64-bound | disk-cache-later-ab \
+    | disk-cache-late-ab)
     cache=${ENGRAM_CACHE_DIR:-/tmp/engram-tables}
     disk='{"tier": "disk", "lookup_overlap": true, "options": {"io": "direct", "queue_depth": 64}'
     if [ "$part" = disk-cache-gaps ]; then  # the cache arm's tables (31 M rows a layer), profiled
@@ -131,12 +134,19 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b
             --switch-ab '{"first_lookup_alone": false}' --out "$out/$stamp-switch-ab-disk-cache-4b-like-b1-$commit.json"
         exit
     fi
-    if [ "$part" = disk-cache-later-ab ]; then  # the later tables' submit at the first read, one engine
+    if [ "$part" = disk-cache-later-ab ] || [ "$part" = disk-cache-late-ab ]; then  # host-side switches, one engine
         cfg='{"io": "direct", "queue_depth": 64, "cache_rows": 200000, "load_threads": 16, "table_rows": 31000000}'
-        run later-ab-disk-cache-4b-like-b64 python3 -u scripts/profile_decode_host.py --tier disk \
-            --cache-dir "$cache" --engram-config "$cfg" --batch 64 --steps 20 --repeats 10 \
-            --switch-ab '{"later_at_first_read": true}' \
-            --out "$out/$stamp-later-ab-disk-cache-4b-like-b64-$commit.json"
+        if [ "$part" = disk-cache-later-ab ]; then
+            arms=('later-ab|{"later_at_first_read": true}')
+        else
+            arms=('late-ab|{"late_caching": true}' 'late-later-ab|{"late_caching": true, "later_at_first_read": true}')
+        fi
+        for arm in "${arms[@]}"; do
+            name=${arm%%|*}
+            run "$name-disk-cache-4b-like-b64" python3 -u scripts/profile_decode_host.py --tier disk \
+                --cache-dir "$cache" --engram-config "$cfg" --batch 64 --steps 20 --repeats 10 \
+                --switch-ab "${arm#*|}" --out "$out/$stamp-$name-disk-cache-4b-like-b64-$commit.json"
+        done
         exit
     fi
     if [ "$part" = disk-cache-callees ]; then  # where finishing a step's lookups spends its time

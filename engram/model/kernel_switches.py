@@ -18,6 +18,9 @@ them, interleaved, with confidence intervals. Unknown names are refused with the
 * ``later_at_first_read``: when decode-graph slabs read the tables together, the later layers' lookups are
   submitted right before the first layer's first read instead of before its plan (``lookup.LATER_AT_FIRST_READ``,
   ``ENGRAM_LATER_AT_FIRST_READ``; read at every step; off by default);
+* ``late_caching``: a decode step's disk rows read through a probed hot-row cache are cached during the table's
+  next lookup's reads instead of before that lookup (``late_caching.DEFER``, ``ENGRAM_LATE_CACHING``; read at
+  every step; off by default);
 * ``disk_decode_in_graph``: disk tables' rows are decoded inside the piecewise decode graphs from a slab the
   step's lookup reads into (``cuda_graphs.DISK_DECODE_IN_GRAPH``, ``ENGRAM_DISK_DECODE_IN_GRAPH``; read when a
   Worker's graphs are captured; on by default);
@@ -73,6 +76,7 @@ SWITCHES = {  # name -> (get, set)
     "first_lookup_alone": _module_flag("engram.engine.lookup", "FIRST_LOOKUP_ALONE"),
     "together_when_deep": _module_flag("engram.engine.lookup", "TOGETHER_WHEN_DEEP"),
     "later_at_first_read": _module_flag("engram.engine.lookup", "LATER_AT_FIRST_READ"),
+    "late_caching": _module_flag("engram.store.late_caching", "DEFER"),
     "cublaslt": _blas_lt(),
     "disk_decode_in_graph": _module_flag("engram.engine.cuda_graphs", "DISK_DECODE_IN_GRAPH"),
     "background_lookups": _module_flag("engram.engine.step_lookups", "BACKGROUND"),
@@ -80,7 +84,7 @@ SWITCHES = {  # name -> (get, set)
     "split_gemv": _module_flag("engram.model.layers.split_linear", "ENABLED"),
 }
 # read at every step or launch, so they take effect between two steps of one engine (read_cycle.switch_ab)
-PER_STEP = ("first_lookup_alone", "together_when_deep", "later_at_first_read", "background_lookups",
+PER_STEP = ("first_lookup_alone", "together_when_deep", "later_at_first_read", "late_caching", "background_lookups",
             "early_host_ids")
 
 

@@ -219,10 +219,18 @@ class RowCache:
               missed: int | None = None) -> None:
         """The second half: cache the missed ``miss_ids`` [M] (host) with their rows (values uint8
         [M, >= value_bytes] and scales, on any device), written on the current stream, and count the call
-        (``looked_up`` distinct ids, ``missed`` of them missed: default M)."""
+        (``looked_up`` distinct ids, ``missed`` of them missed: default M). Ids cached since the call's split
+        are skipped: a disk table caching a step's rows late (store/late_caching.py) may have placed them."""
+        missed = len(miss_ids) if missed is None else missed
         if len(miss_ids):
-            self._insert(miss_ids, *self._on_device(vals, scales))
-        self._finish_call(looked_up, len(miss_ids) if missed is None else missed)
+            new = np.flatnonzero(self._lookup(miss_ids) < 0)  # [K] positions not cached yet
+            if len(new) < len(miss_ids):
+                keep = to_device(torch.from_numpy(new), vals.device)
+                miss_ids, vals = miss_ids[new], vals.index_select(0, keep)
+                scales = scales.index_select(0, keep) if scales is not None else None
+            if len(miss_ids):
+                self._insert(miss_ids, *self._on_device(vals, scales))
+        self._finish_call(looked_up, missed)
 
     def reserve_overflow(self, rows: int) -> None:
         """Make ``slots`` able to place up to ``rows`` ids a call (rows after the cache's ``capacity`` in

@@ -29,6 +29,7 @@ from engram.store import kernels
 from engram.store.base import TableBackend, Tier
 from engram.store.disk_lookup import DiskLookup, InflightLimitError
 from engram.store.format import TableManifest, read_manifest
+from engram.store.late_caching import LateCaching
 from engram.store.load import load_file
 from engram.store.options import StoreOptions
 from engram.store import slab_plan
@@ -64,6 +65,7 @@ class DiskTable(SlabReads, TableBackend):
         self._slabs = (SlabPool(self.page, self.stride, self.scale_cols, pinned=self.device.type == "cuda")
                        if self.stride <= self.page else None)
         self._cache_stream: "torch.cuda.Stream | None" = None  # a probed slab's cache work (_probe_stream)
+        self._late = LateCaching(self._cache_taken, self.device)  # a probed slab's rows cached late (DEFER)
         self._extra = {"disk_rows": 0, "inflight": 0, "inflight_bytes": 0, "corrupt_pages": 0}
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-disk")  # submit()
         self._io = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="engram-disk-io")  # 2 chunks queued
@@ -113,6 +115,8 @@ class DiskTable(SlabReads, TableBackend):
         self._check_out(out, n, dtype)
         if 0 < n <= self.options.chunk_pages and self.cache is None and self._slabs is not None:
             return self._gather_direct(ids, out, dtype)
+        if self.cache is not None:
+            self._late.settle()  # rows of a probed lookup not yet cached go in first
         if self.cache is not None or self.device.type != "cpu" or n == 0:
             return self._gather_deduped(ids, out, dtype)
         uniq, inverse = self._dedupe(ids)  # [U], [N]
@@ -338,6 +342,7 @@ class DiskTable(SlabReads, TableBackend):
             self.scrubber.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._io.shutdown(wait=True)
+        self._late.close()
         super().close()
         self.reader.close()
 

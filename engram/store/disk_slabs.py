@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from engram.store import kernels
+from engram.store import kernels, late_caching
 from engram.store.kernels import cache_probe
+from engram.store.late_caching import TakenRows
 from engram.store.page_slabs import PageSlab, SlotProbe
 from engram.transfer import to_device
 
@@ -76,6 +77,7 @@ class SlabReads:
         ids_np = ids.numpy()  # numpy from here: a few dozen ids a step, microseconds a call (cache.py)
         uniq, inverse = np.unique(ids_np, return_inverse=True)  # [U], [N]
         self._count(lookups=1, rows=len(ids_np), unique_rows=len(uniq))
+        self._late.settle()  # rows of a probed lookup not yet cached go in first
         with self._cache_mutex:
             where = self.cache.slots_np(uniq, self._fetch)  # [U]
         np.take(where, inverse, out=slab.slots.numpy()[:len(ids_np)])
@@ -96,6 +98,7 @@ class SlabReads:
         try:
             with self._cache_mutex:
                 hit_pos, hit_slots, miss_pos = self.cache.split(uniq)
+            self._late.hand_over()  # rows held from this table's last lookup: cached beside this one's reads
             slot_u, row_u = np.zeros(u, dtype=np.int64), np.full(u, -1, dtype=np.int64)
             slot_u[hit_pos] = hit_slots
             m = len(miss_pos)
@@ -131,7 +134,10 @@ class SlabReads:
         rows a table took milliseconds of host ``index_select`` and pinned staging on the step's path
         before). ``slab.done`` then becomes the event after that gather, which the slab's next read waits
         for. Elsewhere (the CPU, the torch backend: the reference) the host copies the rows out of the pages
-        first; both give the cache the same bytes (tests/gpu/test_cache_probe_gpu.py)."""
+        first; both give the cache the same bytes (tests/gpu/test_cache_probe_gpu.py). With
+        ``late_caching.DEFER`` the rows taken out are cached during the table's next probed lookup instead
+        (store/late_caching.py); rows of the lookup before are always cached first."""
+        self._late.settle()
         pending, slab.probe.pending = slab.probe.pending, None
         if pending is None:
             return 0
@@ -140,15 +146,25 @@ class SlabReads:
             with self._cache_mutex:
                 self.cache.admit(miss_ids, None, None, looked_up)
             return 0
+        rows = self._take_rows(slab, miss_ids, where, looked_up)
+        if late_caching.DEFER:
+            self._late.hold(rows)
+        else:
+            self._cache_taken(rows)
+        return len(miss_ids)
+
+    def _take_rows(self, slab: PageSlab, miss_ids: np.ndarray, where: torch.Tensor,
+                   looked_up: int) -> TakenRows:
+        """The rows ``where`` (slab rows) out of the slab, before its next read may overwrite them: over UVA
+        on the cache stream (``slab.done`` becomes the gather's event), else host copies."""
         pages = slab.data.view(-1, self.stride)  # [pages * rows_per_page, stride]
         stream = self._probe_stream(slab)
-        uva = stream is not None and uva_decodes(slab.pinned)
-        if not uva:
+        if stream is None or not uva_decodes(slab.pinned):
             values = pages.index_select(0, where)  # [M, stride], host copies of the pages' rows
             scales = slab.scales.index_select(0, where) if slab.scales is not None else None
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            if uva:
-                from engram.store.kernels import uva as uva_kernels
+        else:
+            from engram.store.kernels import uva as uva_kernels
+            with torch.cuda.stream(stream):
                 if slab.done is not None:  # after the slab's decode, so the event below stands for both
                     stream.wait_event(slab.done)
                 dev_where = to_device(where, self.device)
@@ -157,11 +173,16 @@ class SlabReads:
                           if slab.scales is not None else None)
                 slab.done = torch.cuda.Event()
                 slab.done.record(stream)
+        consumer = torch.cuda.current_stream(self.device) if stream is not None else None
+        return TakenRows(miss_ids, values, scales, looked_up, stream, consumer)
+
+    def _cache_taken(self, rows: TakenRows) -> None:
+        """``rows`` into the cache, on their stream, which their consumer stream then waits for."""
+        with torch.cuda.stream(rows.stream) if rows.stream is not None else contextlib.nullcontext():
             with self._cache_mutex:
-                self.cache.admit(miss_ids, values, scales, looked_up)
-        if stream is not None:  # the current stream waits for the cache work queued above
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-        return len(miss_ids)
+                self.cache.admit(rows.miss_ids, rows.values, rows.scales, rows.looked_up)
+        if rows.stream is not None:
+            rows.consumer.wait_stream(rows.stream)
 
     def _probe_stream(self, slab: PageSlab) -> "torch.cuda.Stream | None":
         """The stream of a probed slab's cache work on CUDA (one per table, made on first use), else None."""

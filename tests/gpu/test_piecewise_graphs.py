@@ -21,6 +21,7 @@ from engram.engine.config import EngineConfig
 from engram.engine.engine import LLMEngine
 from engram.engine.sampling_params import SamplingParams
 from engram.model.loader import load_model
+from engram.store import late_caching
 from engram.store.options import StoreOptions
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -126,6 +127,7 @@ def test_the_host_waits_for_a_later_layers_rows_after_the_pieces_before_it_launc
         assert log[first - 1:first + 5] == ["ids", "piece 0", *rest]
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["cached-at-finish", "cached-late"])
 @pytest.mark.parametrize("together", [False, True, "at-first-read"],
                          ids=["first-alone", "reads-together", "reads-together-at-first-read"])
 @pytest.mark.parametrize("probe", [True, False], ids=["probed", "host-slots"])
@@ -134,7 +136,7 @@ def test_the_host_waits_for_a_later_layers_rows_after_the_pieces_before_it_launc
                                      {"io": "buffered", "cache_rows": 16}, {"io": "buffered", "cache_rows": 50_000}],
                          ids=["disk", "disk-cache", "disk-cache-spilling", "disk-cache-whole"])
 def test_disk_rows_decoded_inside_the_pieces_equal_rows_copied_in(tmp_path, monkeypatch, caplog, options, probe,
-                                                                  background, together):
+                                                                  background, together, late):
     """DISK_DECODE_IN_GRAPH: the step's lookups only read pages into each layer's slab (with a hot-row cache:
     through the cache, the slots pointing into its storage, a cache of 16 rows spilling into its overflow
     rows) and the piece decodes them; tokens and logprobs are bitwise those of rows decoded on the host side
@@ -143,12 +145,17 @@ def test_disk_rows_decoded_inside_the_pieces_equal_rows_copied_in(tmp_path, monk
     row without waiting. Their lookups run on the Worker's background thread (step_lookups.BACKGROUND) or
     inline in DecodeGraphs.run; with the lookups together (lookup.reads_together: FIRST_LOOKUP_ALONE off here;
     the same path as TOGETHER_WHEN_DEEP's at a step whose ids fill the read queue) the second layer's reads are
-    submitted before the first layer's lookup runs, or (LATER_AT_FIRST_READ) right before its first read."""
+    submitted before the first layer's lookup runs, or (LATER_AT_FIRST_READ) right before its first read. With
+    late caching (store/late_caching.py) each step's rows read are cached during the next step's lookups, beside
+    the pieces already queued for it."""
     if together and not (probe and background):
         pytest.skip("reads together: measured over probed slabs with background lookups, the cached disk tier")
     monkeypatch.setattr(lookup_mod, "FIRST_LOOKUP_ALONE", not together)
     monkeypatch.setattr(lookup_mod, "TOGETHER_WHEN_DEEP", False)  # first-alone: every step, whatever its size
     monkeypatch.setattr(lookup_mod, "LATER_AT_FIRST_READ", together == "at-first-read")
+    if late and not (probe and "cache_rows" in options and together != "at-first-read"):
+        pytest.skip("late caching: probed slabs over a cache, tried with the first table alone and together")
+    monkeypatch.setattr(late_caching, "DEFER", late)
     if probe and "cache_rows" not in options:
         pytest.skip("no cache to probe")
     if not probe and not background:

@@ -17,8 +17,8 @@ def test_a_switch_is_set_inside_the_block_and_restored_after_even_on_error():
 
 
 def test_unknown_names_and_non_bools_are_refused_before_anything_changes():
-    known = ("known: \\['pdl', 'first_lookup_alone', 'together_when_deep', 'later_at_first_read', 'cublaslt', "
-             "'disk_decode_in_graph', 'background_lookups', 'early_host_ids', 'split_gemv'\\]")
+    known = ("known: \\['pdl', 'first_lookup_alone', 'together_when_deep', 'later_at_first_read', 'late_caching', "
+             "'cublaslt', 'disk_decode_in_graph', 'background_lookups', 'early_host_ids', 'split_gemv'\\]")
     with pytest.raises(ValueError, match="unknown kernel switch 'pd'; " + known):
         with kernel_switches.applied({"pd": False}):
             pass  # entering the block is what raises

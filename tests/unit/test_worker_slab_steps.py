@@ -241,6 +241,30 @@ def test_probed_steps_lookups_inline_or_beside_the_host_work(tmp_path, monkeypat
     assert sys.getswitchinterval() < before_si
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["inline", "background"])
+def test_probed_steps_caching_their_rows_late_give_the_eager_tokens(tmp_path, monkeypatch, background):
+    """store/late_caching.py (DEFER): each step's rows read are cached during the next step's lookups, on the
+    tables' late-caching threads; the tokens are the eager engine's, and every row held is cached in the end
+    (the tables' caches end as full as with the rows cached at once)."""
+    from engram.engine import step_lookups
+    from engram.store import late_caching
+
+    want = _generate(_disk_llm(tmp_path, 40))
+    monkeypatch.setattr(step_lookups, "BACKGROUND", background)
+    sizes = {}
+    for late in (False, True):
+        monkeypatch.setattr(late_caching, "DEFER", late)
+        llm = _disk_llm(tmp_path, 40, async_scheduling=True)
+        worker = llm.engine.executor.worker
+        worker.graphs = _SlabGraphs(worker, 8)
+        assert _generate(llm) == want
+        for table in worker.tables.values():
+            table._late.settle()
+            assert (table._late._thread is not None) == late  # handed over to its thread
+        sizes[late] = [len(t.cache) for t in worker.tables.values()]
+    assert sizes[True] == sizes[False]
+
+
 def test_lookups_run_in_the_background_only_after_a_step_that_read_from_disk(tmp_path, monkeypatch):
     """A step whose rows were all cached has a fraction of a millisecond of lookups, less than the hand-off
     to the background thread costs: the Worker runs a step's lookups there only when the step before read

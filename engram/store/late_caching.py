@@ -1,0 +1,103 @@
+"""Caching a probed slab's rows late: during the table's next lookup's reads instead of before it.
+
+A decode graph's step caches the rows its disk lookups read (``DiskTable.admit_probed``, called through
+``DecodeGraphs.finish_lookups`` on the engine's thread) after its last read and before the next step's lookups
+start: at batch 64 on the H200 (4b-like, a 200 K-row cache) that took ~5.6 ms a step on the critical path
+(docs/benchmarks.md). With ``DEFER`` (ENGRAM_LATE_CACHING=1, kernel switch ``late_caching``; off by default
+until measured on the H200) ``admit_probed`` only takes the rows out of the slab (what must come before the
+slab's next read: on CUDA a UVA gather into device memory, on the cache stream after the slab's decode) and
+``hold``s them; the table's next probed lookup ``hand_over``s them right after its cache split, and they are
+cached on this object's thread while that lookup's reads run.
+
+Why the pieces stay exact (docs/disk.md, "Caching a step's rows late"):
+
+* the caching runs after the next lookup's split, so that lookup's hits carry the cache's current clock,
+  which ``RowCache._insert`` never evicts; the ids it inserts have their bytes written before their tags (on
+  the cache stream), so a piece that finds a new tag reads its bytes;
+* an id the next lookup missed too is read twice and cached once (``RowCache.admit`` skips ids cached since
+  its call's split): +0.10 % reads a step on the natural corpus (scripts/admit_lag.py);
+* ``settle`` comes before any other use of the cache: the next ``admit_probed`` (so the step after next finds
+  the writes done: the caching ends by making the engine's stream, captured when the rows were taken out,
+  wait for the cache stream) and the table's other lookups (chunked gathers, unprobed slabs); rows held but
+  never handed over (the next lookup failed before its split, or never came) are cached there, on the
+  settling thread.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from engram.fast_path import env_flag
+
+DEFER = env_flag("ENGRAM_LATE_CACHING", default=False)
+
+
+@dataclass
+class TakenRows:
+    """A probed lookup's rows read, taken out of its slab: what ``RowCache.admit`` takes, the stream to cache
+    them on and the stream that must wait for that (None, None on the CPU)."""
+    miss_ids: np.ndarray  # [M] host
+    values: torch.Tensor  # [M, stride] uint8
+    scales: torch.Tensor | None  # [M, scale_cols] uint8
+    looked_up: int  # distinct ids the lookup looked up
+    stream: "torch.cuda.Stream | None"  # the table's cache stream (the gather ran there)
+    consumer: "torch.cuda.Stream | None"  # the engine's stream when the rows were taken out
+
+
+class LateCaching:
+    """One table's rows held for late caching, and the caching handed over to this object's thread.
+    ``cache(rows)`` caches one ``TakenRows`` (DiskTable's ``_cache_taken``)."""
+
+    def __init__(self, cache: Callable[[TakenRows], None], device: torch.device):
+        self._cache, self.device = cache, device
+        self._lock = threading.Lock()
+        self._held: TakenRows | None = None
+        self._running: cf.Future | None = None
+        self._thread: cf.ThreadPoolExecutor | None = None
+
+    def hold(self, rows: TakenRows) -> None:
+        """Keep ``rows`` for the table's next probed lookup to hand over (after ``settle``)."""
+        with self._lock:
+            if self._held is not None or self._running is not None:
+                raise RuntimeError("rows held for late caching before the ones before them were settled")
+            self._held = rows
+
+    def hand_over(self) -> None:
+        """The table's next probed lookup, right after its cache split: the held rows, if any, are cached on
+        this object's thread while that lookup reads."""
+        with self._lock:
+            rows, self._held = self._held, None
+            if rows is None:
+                return
+            if self._thread is None:
+                cuda = self.device.type == "cuda"
+                self._thread = cf.ThreadPoolExecutor(1, thread_name_prefix="engram-late-caching",
+                                                     initializer=torch.cuda.set_device if cuda else None,
+                                                     initargs=(self.device,) if cuda else ())
+            self._running = self._thread.submit(self._cache, rows)
+
+    def settle(self) -> None:
+        """Before any other use of the cache: the handed-over caching finished (its error raised here: rows
+        held since are then dropped, to be read again when asked for), then rows held but never handed over
+        cached now, on this thread."""
+        with self._lock:
+            running, self._running = self._running, None
+            rows, self._held = self._held, None
+        if running is not None:
+            running.result()
+        if rows is not None:
+            self._cache(rows)
+
+    def close(self) -> None:
+        """Settle, then stop the thread."""
+        try:
+            self.settle()
+        finally:
+            if self._thread is not None:
+                self._thread.shutdown(wait=True)
+                self._thread = None
