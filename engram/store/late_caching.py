@@ -57,13 +57,13 @@ class LateCaching:
         self._cache, self.device = cache, device
         self._lock = threading.Lock()
         self._held: TakenRows | None = None
-        self._running: cf.Future | None = None
+        self._running: list[cf.Future] = []  # handed over, not yet settled (in order, on one thread)
         self._thread: cf.ThreadPoolExecutor | None = None
 
     def hold(self, rows: TakenRows) -> None:
         """Keep ``rows`` for the table's next probed lookup to hand over (after ``settle``)."""
         with self._lock:
-            if self._held is not None or self._running is not None:
+            if self._held is not None or self._running:
                 raise RuntimeError("rows held for late caching before the ones before them were settled")
             self._held = rows
 
@@ -79,17 +79,18 @@ class LateCaching:
                 self._thread = cf.ThreadPoolExecutor(1, thread_name_prefix="engram-late-caching",
                                                      initializer=torch.cuda.set_device if cuda else None,
                                                      initargs=(self.device,) if cuda else ())
-            self._running = self._thread.submit(self._cache, rows)
+            self._running.append(self._thread.submit(self._cache, rows))
 
     def settle(self) -> None:
         """Before any other use of the cache: the handed-over caching finished (its error raised here: rows
         held since are then dropped, to be read again when asked for), then rows held but never handed over
         cached now, on this thread."""
         with self._lock:
-            running, self._running = self._running, None
+            running, self._running = self._running, []
             rows, self._held = self._held, None
-        if running is not None:
-            running.result()
+        errors = [f.exception() for f in running]  # waits for each
+        if any(errors):
+            raise next(e for e in errors if e is not None)
         if rows is not None:
             self._cache(rows)
 

@@ -130,3 +130,23 @@ def test_admit_skips_ids_cached_since_the_calls_split():
     assert cache.values[int(cache.lookup(torch.tensor([5])))].tolist() == [7] * 4  # the first bytes stay
     assert cache.values[int(cache.lookup(torch.tensor([9])))].tolist() == [2] * 4
     assert cache.misses == 4
+
+
+def test_a_caching_that_fails_on_its_thread_is_raised_where_it_is_settled(table):
+    t, ref = table
+    slab = t.new_slab(16)
+    real = t._late._cache
+
+    def failing(rows):
+        raise RuntimeError("planted caching failure")
+
+    t._late._cache = failing
+    step(t, slab, ref, [40, 41], plan=1)
+    t.read_slab(torch.tensor([42]), slab, plan=2)  # hands step 1's rows over: they fail on the thread
+    t._late._cache = real
+    with pytest.raises(RuntimeError, match="planted caching failure"):
+        t.admit_probed(slab)
+    assert cached(t, [40, 41]) == [False, False]  # dropped: read again when asked for
+    assert step(t, slab, ref, [40, 42], plan=3) == 2  # the table goes on
+    t._late.settle()
+    assert cached(t, [40, 42]) == [True, True]
