@@ -14,7 +14,8 @@ lookup (a pinned flag) only when a row is missing (store/kernels/cache_probe.py)
   copies the rows out of the slab over UVA after the slab's decode) and lets each slab's next lookup wait
   for this step's decode of it and those copies (``_settle_slab``, then ``admit_probed``'s event: two decode
   events a slab, taking turns, since a step's lookup must not wait for its own step's piece, which may be
-  waiting for that lookup);
+  waiting for that lookup); with ``late_caching.DEFER`` it only takes the rows out of the slabs, and each
+  table's next lookup caches them beside its reads (store/late_caching.py);
 * ``abort_lookups`` fails the pieces still waiting when the lookups failed or will not run.
 
 Caching a layer's rows right after its own lookup, while the next layer's reads run (kernel switch
