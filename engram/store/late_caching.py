@@ -75,10 +75,12 @@ class LateCaching:
             if rows is None:
                 return
             if self._thread is None:
-                cuda = self.device.type == "cuda"
+                index = None
+                if self.device.type == "cuda":  # its CUDA calls go to the table's device
+                    index = self.device.index if self.device.index is not None else torch.cuda.current_device()
                 self._thread = cf.ThreadPoolExecutor(1, thread_name_prefix="engram-late-caching",
-                                                     initializer=torch.cuda.set_device if cuda else None,
-                                                     initargs=(self.device,) if cuda else ())
+                                                     initializer=torch.cuda.set_device if index is not None else None,
+                                                     initargs=(index,) if index is not None else ())
             self._running.append(self._thread.submit(self._cache, rows))
 
     def settle(self) -> None:
