@@ -24,13 +24,11 @@ import time
 import numpy as np
 import torch
 
-from engram.bench.corpus import encode_corpus, load_corpus, load_tokenizer
-from engram.bench.hit_rate import layout_config
+from engram.bench.corpus import load_corpus
+from engram.bench.hit_rate import case_traces
 from engram.bench.report import format_table, write_result
-from engram.bench.serving_trace import LayerTrace, compressed_sequences, layer_traces, serving_schedule
-from engram.hashing import NgramHasher
+from engram.bench.serving_trace import LayerTrace
 from engram.store.cache import RowCache
-from engram.tokenizer import CompressedTokenizer
 
 
 def misses_per_step(trace: LayerTrace, capacity: int, ways: int, policy: str, lag: int) -> np.ndarray:
@@ -72,17 +70,10 @@ def main() -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     t0 = time.perf_counter()
-    tok = load_tokenizer(args.tokenizer)
-    encoded = encode_corpus(load_corpus(args.corpus), tok)
-    ctok = CompressedTokenizer.from_file(tok.path)
-    base = layout_config(args.layout, args.table_rows)
-    cfg = base if len(ctok) == base.compressed_vocab_size else base.replace(compressed_vocab_size=len(ctok))
-    schedule = serving_schedule(np.array([q.size for q, _ in encoded]), np.array([c.size for _, c in encoded]),
-                                args.concurrency)
-    traces = layer_traces(compressed_sequences(encoded, ctok, cfg.dead_token_ids), schedule,
-                          NgramHasher.from_tokenizer(cfg, ctok))
+    case = case_traces(load_corpus(args.corpus), args.layout, args.tokenizer, concurrency=args.concurrency,
+                       table_rows=args.table_rows)
     rows = []
-    for trace in traces:
+    for trace in case.traces:
         per = {lag: misses_per_step(trace, args.cache_rows, args.ways, args.policy, lag) for lag in (0, 1)}
         warm = len(per[0]) // 4  # the last three quarters: the cache full
         row = {"layer": trace.layer_id, "steps": len(per[0]),

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -167,11 +168,23 @@ def layout_config(name: str, table_rows: int | None = None):
     return EngramConfig.preset(name)
 
 
-def run_case(corpus, layout: str, tokenizer: str, *, concurrency: int, sizes_pct: tuple[float, ...],
-             policies: tuple[str, ...], ways: int, warmup: float, table_rows: int | None = None,
-             log=print) -> dict[str, Any]:
-    """One (layout, tokenizer) case over ``corpus``: the tokenizer's ids, compressed and hashed with the
-    layout (its compressed_vocab_size replaced by the tokenizer's when they differ), per-layer analyses."""
+@dataclass
+class CaseTraces:
+    """A (layout, tokenizer) case's corpus served and hashed: one row trace per Engram layer, and what made it."""
+    traces: list  # [LayerTrace] per Engram layer
+    tok: Any  # the tokenizer (engram.bench.corpus.load_tokenizer)
+    ctok: Any  # its CompressedTokenizer
+    base: Any  # the layout's EngramConfig
+    cfg: Any  # the same with the tokenizer's compressed vocabulary when they differ
+    hasher: Any  # NgramHasher
+    schedule: Any  # serving_trace.ServingSchedule
+
+
+def case_traces(corpus, layout: str, tokenizer: str, *, concurrency: int,
+                table_rows: int | None = None) -> CaseTraces:
+    """``corpus`` tokenized with ``tokenizer``, compressed and hashed with ``layout`` (its
+    compressed_vocab_size replaced by the tokenizer's when they differ), served ``concurrency`` requests at a
+    time (``engram.bench.serving_trace``): each Engram layer's row trace."""
     from engram.bench.corpus import encode_corpus, load_tokenizer
     from engram.bench.serving_trace import compressed_sequences, layer_traces, serving_schedule
     from engram.hashing import NgramHasher
@@ -186,6 +199,16 @@ def run_case(corpus, layout: str, tokenizer: str, *, concurrency: int, sizes_pct
     schedule = serving_schedule(np.array([p.size for p, _ in encoded]), np.array([c.size for _, c in encoded]),
                                 concurrency)
     traces = layer_traces(compressed_sequences(encoded, ctok, cfg.dead_token_ids), schedule, hasher)
+    return CaseTraces(traces, tok, ctok, base, cfg, hasher, schedule)
+
+
+def run_case(corpus, layout: str, tokenizer: str, *, concurrency: int, sizes_pct: tuple[float, ...],
+             policies: tuple[str, ...], ways: int, warmup: float, table_rows: int | None = None,
+             log=print) -> dict[str, Any]:
+    """One (layout, tokenizer) case over ``corpus`` (``case_traces``): per-layer analyses."""
+    case = case_traces(corpus, layout, tokenizer, concurrency=concurrency, table_rows=table_rows)
+    traces, tok, ctok, base, cfg, hasher, schedule = (case.traces, case.tok, case.ctok, case.base, case.cfg,
+                                                      case.hasher, case.schedule)
     layers = []
     for trace in traces:
         layers.append(analyze_layer(trace, sizes_pct, policies, ways, warmup))
