@@ -216,14 +216,15 @@ class RowCache:
         return self._hits(ids)
 
     def admit(self, miss_ids: np.ndarray, vals: torch.Tensor | None, scales: torch.Tensor | None, looked_up: int,
-              missed: int | None = None) -> None:
+              missed: int | None = None, recheck: bool = False) -> None:
         """The second half: cache the missed ``miss_ids`` [M] (host) with their rows (values uint8
         [M, >= value_bytes] and scales, on any device), written on the current stream, and count the call
-        (``looked_up`` distinct ids, ``missed`` of them missed: default M). Ids cached since the call's split
-        are skipped: a disk table caching a step's rows late (store/late_caching.py) may have placed them."""
+        (``looked_up`` distinct ids, ``missed`` of them missed: default M). With ``recheck`` ids cached since
+        the call's split are skipped: a disk table caching a step's rows late (store/late_caching.py) may have
+        placed them in between; without, the caller guarantees nothing was inserted since the split."""
         missed = len(miss_ids) if missed is None else missed
         if len(miss_ids):
-            new = np.flatnonzero(self._lookup(miss_ids) < 0)  # [K] positions not cached yet
+            new = np.flatnonzero(self._lookup(miss_ids) < 0) if recheck else np.arange(len(miss_ids))
             if len(new) < len(miss_ids):
                 keep = to_device(torch.from_numpy(new), vals.device)
                 miss_ids, vals = miss_ids[new], vals.index_select(0, keep)

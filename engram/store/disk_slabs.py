@@ -180,7 +180,7 @@ class SlabReads:
         """``rows`` into the cache, on their stream, which their consumer stream then waits for."""
         with torch.cuda.stream(rows.stream) if rows.stream is not None else contextlib.nullcontext():
             with self._cache_mutex:
-                self.cache.admit(rows.miss_ids, rows.values, rows.scales, rows.looked_up)
+                self.cache.admit(rows.miss_ids, rows.values, rows.scales, rows.looked_up, recheck=self._late.used)
         if rows.stream is not None:
             rows.consumer.wait_stream(rows.stream)
 

@@ -14,8 +14,9 @@ Why the pieces stay exact (docs/disk.md, "Caching a step's rows late"):
 * the caching runs after the next lookup's split, so that lookup's hits carry the cache's current clock,
   which ``RowCache._insert`` never evicts; the ids it inserts have their bytes written before their tags (on
   the cache stream), so a piece that finds a new tag reads its bytes;
-* an id the next lookup missed too is read twice and cached once (``RowCache.admit`` skips ids cached since
-  its call's split): +0.10 % reads a step on the natural corpus (scripts/admit_lag.py);
+* an id the next lookup missed too is read twice and cached once (``RowCache.admit`` rechecks, once a table
+  has cached late, and skips ids cached since its call's split): +0.10 % reads a step on the natural corpus
+  (scripts/admit_lag.py);
 * ``settle`` comes before any other use of the cache: the next ``admit_probed`` (so the step after next finds
   the writes done: the caching ends by making the engine's stream, captured when the rows were taken out,
   wait for the cache stream) and the table's other lookups (chunked gathers, unprobed slabs); rows held but
@@ -59,13 +60,14 @@ class LateCaching:
         self._held: TakenRows | None = None
         self._running: list[cf.Future] = []  # handed over, not yet settled (in order, on one thread)
         self._thread: cf.ThreadPoolExecutor | None = None
+        self.used = False  # rows were ever held: a caching may since run between a lookup's split and its admit
 
     def hold(self, rows: TakenRows) -> None:
         """Keep ``rows`` for the table's next probed lookup to hand over (after ``settle``)."""
         with self._lock:
             if self._held is not None or self._running:
                 raise RuntimeError("rows held for late caching before the ones before them were settled")
-            self._held = rows
+            self._held, self.used = rows, True
 
     def hand_over(self) -> None:
         """The table's next probed lookup, right after its cache split: the held rows, if any, are cached on

@@ -118,13 +118,14 @@ def test_off_the_rows_are_cached_at_admit(table, monkeypatch):
     assert cached(t, [30, 31]) == [True, True]
 
 
-def test_admit_skips_ids_cached_since_the_calls_split():
+def test_admit_rechecking_skips_ids_cached_since_the_calls_split():
     cache = RowCache(16, 4, ways=4)
     ids = np.array([3, 5], dtype=np.int64)
     cache.split(ids)
     cache.admit(ids, torch.full((2, 4), 7, dtype=torch.uint8), None, 2)
     cache.split(np.array([5, 9], dtype=np.int64))
-    cache.admit(np.array([5, 9], dtype=np.int64), torch.tensor([[1] * 4, [2] * 4], dtype=torch.uint8), None, 2)
+    cache.admit(np.array([5, 9], dtype=np.int64), torch.tensor([[1] * 4, [2] * 4], dtype=torch.uint8), None, 2,
+                recheck=True)
     tags = cache.tags.reshape(-1).tolist()
     assert tags.count(5) == 1 and tags.count(9) == 1
     assert cache.values[int(cache.lookup(torch.tensor([5])))].tolist() == [7] * 4  # the first bytes stay
@@ -150,3 +151,14 @@ def test_a_caching_that_fails_on_its_thread_is_raised_where_it_is_settled(table)
     assert step(t, slab, ref, [40, 42], plan=3) == 2  # the table goes on
     t._late.settle()
     assert cached(t, [40, 42]) == [True, True]
+
+
+def test_an_id_two_lookups_missed_is_cached_once_with_room_to_spare(table):
+    """The set has free ways, so a second copy of id 50 would find one: the late caching rechecks."""
+    t, ref = table
+    slab = t.new_slab(16)
+    step(t, slab, ref, [50, 51], plan=1)
+    assert step(t, slab, ref, [50], plan=2) == 1  # missed again: step 1's rows are cached after this split
+    step(t, slab, ref, [52], plan=3)  # hands step 2's [50] over: already cached
+    t._late.settle()
+    assert t.cache.tags.reshape(-1).tolist().count(50) == 1 and len(t.cache) == 3
