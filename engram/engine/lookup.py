@@ -68,7 +68,7 @@ TOGETHER_WHEN_DEEP = env_flag("ENGRAM_TOGETHER_WHEN_DEEP", default=True)
 # the H200). In the cached disk tier's batch-64 step the plan, from the row ids on the host to the first read,
 # took 1.3-1.8 ms with both tables planning at once (b8dce89, 5ab2062's equals arm) against 0.86-0.92 ms with
 # the first table alone (e77e6d6, b8dce89; docs/benchmarks.md).
-LATER_AT_FIRST_READ = env_flag("ENGRAM_LATER_AT_FIRST_READ", default=False)
+LATER_AT_FIRST_READ = env_flag("ENGRAM_LATER_AT_FIRST_READ", default=True)
 
 
 def reads_together(first_ids: int, queue_depth: int | None) -> bool:

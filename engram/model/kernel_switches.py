@@ -17,10 +17,10 @@ them, interleaved, with confidence intervals. Unknown names are refused with the
   ``ENGRAM_TOGETHER_WHEN_DEEP``; read at every step; on by default);
 * ``later_at_first_read``: when decode-graph slabs read the tables together, the later layers' lookups are
   submitted right before the first layer's first read instead of before its plan (``lookup.LATER_AT_FIRST_READ``,
-  ``ENGRAM_LATER_AT_FIRST_READ``; read at every step; off by default);
+  ``ENGRAM_LATER_AT_FIRST_READ``; read at every step; on by default);
 * ``late_caching``: a decode step's disk rows read through a probed hot-row cache are cached during the table's
   next lookup's reads instead of before that lookup (``late_caching.DEFER``, ``ENGRAM_LATE_CACHING``; read at
-  every step; off by default);
+  every step; on by default);
 * ``disk_decode_in_graph``: disk tables' rows are decoded inside the piecewise decode graphs from a slab the
   step's lookup reads into (``cuda_graphs.DISK_DECODE_IN_GRAPH``, ``ENGRAM_DISK_DECODE_IN_GRAPH``; read when a
   Worker's graphs are captured; on by default);

@@ -35,7 +35,7 @@ import torch
 
 from engram.fast_path import env_flag
 
-DEFER = env_flag("ENGRAM_LATE_CACHING", default=False)
+DEFER = env_flag("ENGRAM_LATE_CACHING", default=True)
 
 
 @dataclass

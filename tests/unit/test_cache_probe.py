@@ -100,9 +100,10 @@ def test_resolve_slots_reference_statuses():
 
 
 @pytest.mark.parametrize("cache_rows", [2, 64], ids=["spilling", "holding"])
-def test_a_probed_slab_read_signals_its_plan_or_its_failure(tmp_path, cache_rows):
+def test_a_probed_slab_read_signals_its_plan_or_its_failure(tmp_path, monkeypatch, cache_rows):
     """A probed slab's lookup (DiskTable._read_probed) writes the step's plan and signals the flag: cached rows
-    by slot, the others read into the slab's pages, cached only by ``admit_probed``. The decode gives the
+    by slot, the others read into the slab's pages, cached by ``admit_probed`` (at once: late caching, the
+    default, is tests/unit/test_late_caching.py's). The decode gives the
     table's rows bitwise (MXFP8 rows: their scales too): it follows the plan (cached rows from the storage,
     the rest from the pages) until a cache that holds the rows finds them all on the second step. A read that
     fails (a corrupt page) signals the failure, so a waiting piece gives up instead of hanging."""
@@ -110,6 +111,9 @@ def test_a_probed_slab_read_signals_its_plan_or_its_failure(tmp_path, cache_rows
     from engram.store.writer import write_table
     from tests.unit.test_disk import make_rows
 
+    from engram.store import late_caching
+
+    monkeypatch.setattr(late_caching, "DEFER", False)
     d = tmp_path / "mx"
     vals, scales, ref = make_rows(3001, 256, "mxfp8")
     write_table(d, vals, scales)
@@ -146,10 +150,14 @@ def test_clear_empties_the_mirror():
     assert (cache_probe.probe(torch.arange(5), mirror) == -1).all()
 
 
-def test_a_probed_lookup_never_admitted_is_counted_and_its_rows_dropped(tmp_path):
+def test_a_probed_lookup_never_admitted_is_counted_and_its_rows_dropped(tmp_path, monkeypatch):
     """A step that failed after its lookup never admits its rows: the table's next probed lookup counts it
-    (hits and misses) and goes on; the rows it read are not cached."""
+    (hits and misses) and goes on; the rows it read are not cached. (Rows cached at admit: with late caching
+    the admitted lookup is counted when its rows are cached, tests/unit/test_late_caching.py.)"""
+    from engram.store import late_caching
     from engram.store.disk import open_disk_table
+
+    monkeypatch.setattr(late_caching, "DEFER", False)
     from engram.store.writer import write_table
     from tests.unit.test_disk import make_rows
 

@@ -139,8 +139,8 @@ def test_a_chain_submits_the_later_lookups_after_or_before_the_first(later_first
 
 
 @pytest.mark.skipif("ENGRAM_LATER_AT_FIRST_READ" in os.environ, reason="the environment sets the flag")
-def test_later_at_first_read_off_by_default():
-    assert lookup.LATER_AT_FIRST_READ is False
+def test_later_at_first_read_on_by_default():
+    assert lookup.LATER_AT_FIRST_READ is True
 
 
 @pytest.mark.parametrize("case", ["reads", "reads nothing", "fails after its read", "fails before"])
