@@ -17,11 +17,12 @@
 #   disk-switch  batch 1, disk rows decoded inside the decode graphs (the default) against outside (~4 min)
 #   disk-cache   batch 1 and 64, a 200 K-row hot-row cache in front of the disk tier, hit rates (~4 min);
 #                then its batch-1 phases                                               (~5 min in all)
-#   disk-cache-later-ab  batch 64, one cache-arm engine: the engine as built against later_at_first_read true (the
-#                later table's lookup submitted at the first table's first read, after its plan), as
-#                disk-cache-switch-ab's batch-64 half (untimed; that half took 66-96 s)
-#   disk-cache-late-ab  the same against late_caching true (a step's rows read cached during the next step's
-#                lookups), then against late_caching and later_at_first_read together (untimed; ~3 min?)
+#   disk-cache-later-ab  batch 64, one cache-arm engine: the engine as built against later_at_first_read false (the
+#                later table's lookup submitted before the first table's plan, not at its first read), as
+#                disk-cache-switch-ab's batch-64 half                                   (~1 min)
+#   disk-cache-late-ab  the same against late_caching false (a step's rows read cached before the next step's
+#                lookups, not during them), then against both switches false           (~2.5 min)
+#                (at 4489e50, where both were off by default, the B arms turned them on)
 #   disk-cache-b64-bound  disk-cache's placement run at batch 64 only (the cache arm against its bound), so that more
 #                rounds fit a call: REPEATS=N sets them (untimed; disk-cache, both batches, took 477 s at 20 rounds)
 #   disk-cache-gaps  the same cache arm profiled: each step's period around its reads (read_cycle.py), host
@@ -137,9 +138,9 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b
     if [ "$part" = disk-cache-later-ab ] || [ "$part" = disk-cache-late-ab ]; then  # host-side switches, one engine
         cfg='{"io": "direct", "queue_depth": 64, "cache_rows": 200000, "load_threads": 16, "table_rows": 31000000}'
         if [ "$part" = disk-cache-later-ab ]; then
-            arms=('later-ab|{"later_at_first_read": true}')
+            arms=('later-ab|{"later_at_first_read": false}')
         else
-            arms=('late-ab|{"late_caching": true}' 'late-later-ab|{"late_caching": true, "later_at_first_read": true}')
+            arms=('late-ab|{"late_caching": false}' 'late-later-ab|{"late_caching": false, "later_at_first_read": false}')
         fi
         for arm in "${arms[@]}"; do
             name=${arm%%|*}

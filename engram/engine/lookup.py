@@ -64,10 +64,11 @@ TOGETHER_WHEN_DEEP = env_flag("ENGRAM_TOGETHER_WHEN_DEEP", default=True)
 # When decode-graph slabs read the tables together (ChainedLookups, ``later_first``), the later layers' lookups
 # are submitted right before the first layer's first read (reader.on_read_start) instead of before its
 # plan: the first table plans with the GIL to itself, and the later tables plan while its reads run
-# (ENGRAM_LATER_AT_FIRST_READ, kernel switch ``later_at_first_read``; off by default: not yet measured on
-# the H200). In the cached disk tier's batch-64 step the plan, from the row ids on the host to the first read,
-# took 1.3-1.8 ms with both tables planning at once (b8dce89, 5ab2062's equals arm) against 0.86-0.92 ms with
-# the first table alone (e77e6d6, b8dce89; docs/benchmarks.md).
+# (ENGRAM_LATER_AT_FIRST_READ, kernel switch ``later_at_first_read``; on by default, 0 turns it off). In the
+# cached disk tier's batch-64 step the plan, from the row ids on the host to the first read, took 1.3-1.8 ms with
+# both tables planning at once (b8dce89, 5ab2062's equals arm) against 0.86-0.92 ms with the first table alone
+# (e77e6d6, b8dce89). With late caching (store/late_caching.py) as well, the step's tail past its last read went
+# from 6.7 to 4.3 ms on the H200 (4489e50; docs/benchmarks.md, "The runs at 4489e50 and c9fd500").
 LATER_AT_FIRST_READ = env_flag("ENGRAM_LATER_AT_FIRST_READ", default=True)
 
 

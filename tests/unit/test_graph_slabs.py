@@ -62,8 +62,13 @@ def table_dirs(tmp_path):
 STEPS = [{1: [5, 9, 5, 700, 41], 3: [8, 1500, 8, 77]}, {1: [5, 1999, 3], 3: [77, 8]}, {1: [3, 9], 3: [1500]}]
 
 
-def test_rows_cached_after_the_last_lookup_fill_the_caches_with_the_rows_read(table_dirs):
+def test_rows_cached_after_the_last_lookup_fill_the_caches_with_the_rows_read(table_dirs, monkeypatch):
+    """Rows cached at ``finish_lookups`` (late caching, the default, off: tests/unit/test_late_caching.py and
+    test_worker_slab_steps.py cover it)."""
+    from engram.store import late_caching
     from engram.store.disk import open_disk_table
+
+    monkeypatch.setattr(late_caching, "DEFER", False)
 
     root, refs = table_dirs
     tables = {lid: open_disk_table(root / f"layer{lid}", io="buffered", cache=RowCache(64, 256, 8, ways=4))
@@ -98,10 +103,15 @@ def test_rows_cached_after_the_last_lookup_fill_the_caches_with_the_rows_read(ta
             t.close()
 
 
-def test_a_failed_later_lookup_fails_the_waiting_pieces_and_the_first_layers_rows_are_still_cached(table_dirs):
+def test_a_failed_later_lookup_fails_the_waiting_pieces_and_the_first_layers_rows_are_still_cached(table_dirs,
+                                                                                                  monkeypatch):
     """The second layer's lookup fails: the failure reaches the caller, the pieces still waiting are failed
-    (their flags), and finishing the step caches the rows the first layer's lookup read, once."""
+    (their flags), and finishing the step caches the rows the first layer's lookup read, once (cached at
+    ``finish_lookups``: rows held for late caching and never handed over are tests/unit/test_late_caching.py's)."""
+    from engram.store import late_caching
     from engram.store.disk import open_disk_table
+
+    monkeypatch.setattr(late_caching, "DEFER", False)
 
     root, _ = table_dirs
     tables = {lid: open_disk_table(root / f"layer{lid}", io="buffered", cache=RowCache(64, 256, 8, ways=4))
