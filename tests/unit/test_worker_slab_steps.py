@@ -241,16 +241,24 @@ def test_probed_steps_lookups_inline_or_beside_the_host_work(tmp_path, monkeypat
     assert sys.getswitchinterval() < before_si
 
 
+@pytest.mark.parametrize("together", [False, True], ids=["first-alone", "together-at-first-read"])
 @pytest.mark.parametrize("background", [False, True], ids=["inline", "background"])
-def test_probed_steps_caching_their_rows_late_give_the_eager_tokens(tmp_path, monkeypatch, background):
+def test_probed_steps_caching_their_rows_late_give_the_eager_tokens(tmp_path, monkeypatch, background, together):
     """store/late_caching.py (DEFER): each step's rows read are cached during the next step's lookups, on the
     tables' late-caching threads; the tokens are the eager engine's, and every row held is cached in the end
-    (the tables' caches end as full as with the rows cached at once)."""
-    from engram.engine import step_lookups
+    (the tables' caches end as full as with the rows cached at once). ``together``: the later table's lookup
+    submitted at the first table's first read (lookup.LATER_AT_FIRST_READ, what a deep step does by default)."""
+    from engram.engine import lookup, step_lookups
     from engram.store import late_caching
 
     want = _generate(_disk_llm(tmp_path, 40))
     monkeypatch.setattr(step_lookups, "BACKGROUND", background)
+    monkeypatch.setattr(lookup, "FIRST_LOOKUP_ALONE", not together)
+    monkeypatch.setattr(lookup, "TOGETHER_WHEN_DEEP", False)  # first-alone: every step, whatever its size
+    monkeypatch.setattr(lookup, "LATER_AT_FIRST_READ", True)
+    chained = []
+    real_first_then_later = lookup.first_then_later
+    monkeypatch.setattr(lookup, "first_then_later", lambda *a: chained.append(1) or real_first_then_later(*a))
     sizes = {}
     for late in (False, True):
         monkeypatch.setattr(late_caching, "DEFER", late)
@@ -263,6 +271,7 @@ def test_probed_steps_caching_their_rows_late_give_the_eager_tokens(tmp_path, mo
             assert (table._late._thread is not None) == late  # handed over to its thread
         sizes[late] = [len(t.cache) for t in worker.tables.values()]
     assert sizes[True] == sizes[False]
+    assert bool(chained) == together  # the later lookups went at the first read
 
 
 def test_lookups_run_in_the_background_only_after_a_step_that_read_from_disk(tmp_path, monkeypatch):
