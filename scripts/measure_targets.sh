@@ -140,7 +140,8 @@ disk | disk-switch | disk-cache | disk-cache-gaps | disk-cache-b1 | disk-cache-b
         if [ "$part" = disk-cache-later-ab ]; then
             arms=('later-ab|{"later_at_first_read": false}')
         else
-            arms=('late-ab|{"late_caching": false}' 'late-later-ab|{"late_caching": false, "later_at_first_read": false}')
+            arms=('late-ab|{"late_caching": false}'
+                'late-later-ab|{"late_caching": false, "later_at_first_read": false}')
         fi
         for arm in "${arms[@]}"; do
             name=${arm%%|*}
