@@ -7,9 +7,10 @@ and needed again at step s + 1 is read twice. This replays the hit-rate bench's 
 (``engram.bench.serving_trace``: the corpus served 64 requests at a time, each step's distinct rows per
 Engram layer) through the engine's ``RowCache`` both ways and counts the misses (the rows a step reads):
 
-* lag 0: each step's misses cached right after its split (the engine today);
-* lag 1: each step's misses cached after the next step's split (minus those cached since: a row that step
-  missed too is read again, and cached once).
+* lag 0: each step's misses cached right after its split (``late_caching`` off);
+* lag 1: each step's misses cached after the next step's split (``late_caching`` on, the default since c9fd500:
+  ``RowCache.admit(recheck=True)`` skips those cached since, so a row that step missed too is read again, and
+  cached once).
 
     python3 scripts/admit_lag.py --corpus bench/corpus/natural-v1.jsonl [--out RESULT.json]
 
@@ -35,7 +36,6 @@ def misses_per_step(trace: LayerTrace, capacity: int, ways: int, policy: str, la
     """[steps with accesses] rows each step missed (read), the step's misses cached ``lag`` steps late."""
     cache = RowCache(capacity, 1, policy=policy, ways=ways)
     pending: tuple[np.ndarray, int] | None = None
-    admitted = np.empty(0, dtype=np.int64)  # what the late caching a step ago placed
     out = []
     for s in range(trace.step_bounds.size - 1):
         a, b = int(trace.step_bounds[s]), int(trace.step_bounds[s + 1])
@@ -44,11 +44,9 @@ def misses_per_step(trace: LayerTrace, capacity: int, ways: int, policy: str, la
             continue
         _, _, miss_pos = cache.split(ids)
         miss = ids[miss_pos]
-        if lag and pending is not None:  # the step before's rows, after this step's split
-            before, looked_up = pending
-            before = before[~np.isin(before, admitted)]  # cached since it missed them (by the caching a step ago)
-            cache.admit(before, torch.zeros(len(before), 1, dtype=torch.uint8), None, looked_up)
-            admitted = before
+        if lag and pending is not None:  # the step before's rows, after this step's split (as the engine's
+            before, looked_up = pending  # late caching: those cached since it missed them are skipped)
+            cache.admit(before, torch.zeros(len(before), 1, dtype=torch.uint8), None, looked_up, recheck=True)
         if lag:
             pending = (miss, len(ids))
         else:

@@ -392,14 +392,16 @@ def test_disk_arm_without_a_host_arm_says_the_bound_is_not_computed(tmp_path, ca
     assert disk_bound.NO_HOST_ARM in capsys.readouterr().out
 
 
-def test_a_disk_arm_reading_its_tables_together_is_held_to_the_disk_at_their_summed_depth(tmp_path):
-    """Tables read side by side with O_DIRECT (first_lookup_alone false, or together_when_deep with a step's ids
-    filling the read queue): each table's thread keeps its own AIO queue full, so the step keeps tables x depth
-    reads in flight, and the raw rate behind its bound is measured there (disk_bound.read_depth); buffered
-    reads share one pool of that depth, so their rate stays at it."""
+@pytest.fixture(scope="module")
+def read_depths(tmp_path_factory):
+    """One placement run, batches 1 and 2: A the first table alone at every batch, B1 both tables always
+    together, B2 together once a step's ids fill the read queue (together_when_deep), B3 together over buffered
+    reads. Returns ({(batch, b_index, label): the raw rate's queue depth}, whether B read with O_DIRECT through
+    per-thread AIO queues here, the reader's depth, the tables)."""
     from engram.model.presets import preset_config
     from engram.store.reader import queue_per_thread
 
+    tmp_path = tmp_path_factory.mktemp("read-depths")
     out = tmp_path / "together.json"
     n_cols = preset_config("tiny").engram.n_cols
     alone = {"tier": "disk", "lookup_overlap": False, "options": {"io": "direct", "queue_depth": 2 * n_cols},
@@ -414,14 +416,29 @@ def test_a_disk_arm_reading_its_tables_together_is_held_to_the_disk_at_their_sum
     comps = json.loads(out.read_text())["result"]["comparisons"]
     depth = {(c["batch"], c["b_index"], label): c["raw_reads"][label]["queue_depth"] for c in comps
              for label in ("A", "B")}
-    tables = len(preset_config("tiny").engram.layer_ids)
-    assert tables >= 2 and len(depth) == 12
     direct = comps[0]["raw_reads"]["B"]["io"] == "direct" and queue_per_thread("direct")
-    summed = 2 * n_cols * (tables if direct else 1)
-    want = {(b, k, "A"): 2 * n_cols for b in (1, 2) for k in (1, 2, 3)}
-    want.update({(b, 1, "B"): summed for b in (1, 2)})  # always together
-    want.update({(1, 2, "B"): 2 * n_cols, (2, 2, "B"): summed})  # together once the ids fill the queue
-    want.update({(b, 3, "B"): 2 * n_cols for b in (1, 2)})  # buffered: one shared pool
-    assert depth == want
-    if not direct:
-        pytest.skip("no O_DIRECT or no Linux AIO here: the reads share the pool")
+    return depth, direct, 2 * n_cols, len(preset_config("tiny").engram.layer_ids)
+
+
+def test_a_disk_arm_reading_one_table_at_a_time_or_through_one_pool_is_held_to_the_readers_depth(read_depths):
+    """The first table alone (A), a batch-1 step whose ids do not fill the queue (B2), and buffered reads,
+    which share one pool of the reader's depth however many tables read (B3): the raw rate behind the bound
+    is measured at the reader's depth (disk_bound.read_depth)."""
+    depth, _, reader_depth, tables = read_depths
+    assert tables >= 2 and len(depth) == 12
+    want = {(b, k, "A"): reader_depth for b in (1, 2) for k in (1, 2, 3)}
+    want.update({(1, 2, "B"): reader_depth})
+    want.update({(b, 3, "B"): reader_depth for b in (1, 2)})
+    assert {key: depth[key] for key in want} == want
+
+
+def test_a_disk_arm_reading_its_tables_together_is_held_to_the_disk_at_their_summed_depth(read_depths):
+    """Tables read side by side with O_DIRECT (first_lookup_alone false, or together_when_deep with a step's ids
+    filling the read queue): each table's thread keeps its own AIO queue full, so the step keeps tables x depth
+    reads in flight, and the raw rate behind its bound is measured there (disk_bound.read_depth). Without
+    O_DIRECT or Linux AIO the reads share one pool, and the rate stays at the reader's depth."""
+    depth, direct, reader_depth, tables = read_depths
+    summed = reader_depth * (tables if direct else 1)
+    want = {(b, 1, "B"): summed for b in (1, 2)}  # always together
+    want[(2, 2, "B")] = summed  # together once the ids fill the queue
+    assert {key: depth[key] for key in want} == want
