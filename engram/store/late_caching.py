@@ -7,8 +7,9 @@ start: at batch 64 on the H200 (4b-like, a 200 K-row cache) that took ~5.6 ms a 
 turns it off: on the H200 it took that caching off the engine's thread, ``finish`` 6.0 -> 2.0 ms, and with
 ``lookup.LATER_AT_FIRST_READ`` the step's tail past its last read from 6.7 to 4.3 ms) ``admit_probed`` only
 takes the rows out of the slab (what must come before the slab's next read: on CUDA a UVA gather into device
-memory, on the cache stream after the slab's decode) and ``hold``s them; the table's next probed lookup ``hand_over``s them right after its cache split, and they are
-cached on this object's thread while that lookup's reads run.
+memory, on the cache stream after the slab's decode) and ``hold``s them; the table's next probed lookup
+``hand_over``s them right after its cache split, and they are cached on this object's thread while that
+lookup's reads run.
 
 Why the pieces stay exact (docs/disk.md, "Caching a step's rows late"):
 
