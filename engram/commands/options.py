@@ -1,4 +1,4 @@
-"""Options shared by `serve`, `generate` and the benches that load a model: one definition, one parser.
+"""Options shared by `serve` and `generate`: one definition, one parser.
 
 ``add_model_arguments`` (MODEL, --tier, --dtype, --engram-config, --device, --threads),
 ``add_engine_arguments`` (the EngineConfig limits) and ``build_llm(args)``, which turns them into an
@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import re
 from typing import Any
 
 
@@ -21,7 +20,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
     g.add_argument("--engram-config", default=None, metavar="JSON",
                    help='runtime options, e.g. \'{"cpu_offload": true}\' (= tier host), cache_rows, cache_policy, '
-                        'io, queue_depth, lookup_overlap, wkv_run_ahead')
+                        'io, queue_depth, lookup_overlap')
     g.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     g.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (small models on a busy CPU run fastest with 1)")
@@ -33,7 +32,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_num_seqs: int = 64) -> 
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step, at most")
     g.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per sequence")
     g.add_argument("--block-size", type=int, default=16, help="tokens per paged KV block")
-    g.add_argument("--kv-cache-memory", type=lambda t: parse_bytes(t, "--kv-cache-memory"), default=None,
+    g.add_argument("--kv-cache-memory", type=byte_count("--kv-cache-memory"), default=None,
                    help="bytes for KV blocks + Engram staging + hot-row cache, e.g. 8589934592 or 8GiB "
                         "(default: sized to the machine)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -44,18 +43,16 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_num_seqs: int = 64) -> 
                         "hot-row cache a launch waits for the tokens in flight)")
 
 
-BYTE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30,
-              "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+def byte_count(option: str):
+    """An argparse ``type`` for a byte count (engram.config.parse_bytes), SystemExit naming ``option``."""
+    from engram.config import parse_bytes
 
-
-def parse_bytes(text: str, option: str) -> int:
-    """"8589934592", "8GiB", "8G", "512MiB" (binary units, case-insensitive) -> bytes; SystemExit naming
-    ``option`` for anything else or for less than one byte."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in BYTE_UNITS or int(float(m.group(1)) * BYTE_UNITS[unit]) < 1:
-        raise SystemExit(f"{option}: {text!r} is not a positive byte count (e.g. 8589934592, 8GiB, 512MiB)")
-    return int(float(m.group(1)) * BYTE_UNITS[unit])
+    def parse(text: str) -> int:
+        try:
+            return parse_bytes(text, option)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+    return parse
 
 
 def parse_engram_config(text: str | None) -> dict[str, Any]:

@@ -10,16 +10,15 @@ one (``lookup_overlap``, CUDA: engine/lookup_stream.py) the gathers — and each
 rows (``Engram.project``, the WKV run-ahead), which needs no hidden state — are issued on that stream, an
 event per layer, and ``StagedRows.rows`` makes the consuming layer wait for its own layer's event only.
 Tables that read on the host in the background (the disk tier): the first layer's lookup runs on the
-calling thread (no hand-off to its table's thread and back: ~8 % of a batch-1 staging on the CPU machine),
-and with FIRST_LOOKUP_ALONE (the default) only when the model reaches that layer (``ChainedLookups``), so
-the layers before it (embedding, layer 0: a graph piece) run on the device while it reads; the later
-layers' lookups are submitted right after it. A later layer whose reads are still running when the step
+calling thread (no hand-off to its table's thread and back), and only when the model reaches that layer
+(``ChainedLookups``), so the layers before it (embedding, layer 0: a graph piece) run on the device while it
+reads; the later layers' lookups are submitted right after it (``reads_together`` says when before). A later layer whose reads are still running when the step
 is staged is *deferred*: its ``rows`` waits for the reads when the model reaches that layer, so the layers
 before it compute (and, on a GPU, are launched) while its reads complete. Deferred rows are finished on
 the consuming stream and projected by the layer itself (the same kernels: outputs are bitwise those of
 staging everything first). With async scheduling the host-read tables need the step's row ids on the host:
 ``start_host_ids`` queues their patch and copy, ``HostIds.wait`` waits for them, so a decode graph can queue
-its first pieces in between (engine/worker.py, ``DecodeGraphs.begin``).
+its first pieces in between (engine/worker.py, ``DecodePieces.begin``).
 """
 from __future__ import annotations
 
@@ -32,53 +31,20 @@ from engram.config import EngramConfig
 from engram.engine.lookup_stream import LookupStream
 from engram.engine.pending import PendingPatch
 from engram.engine.step import StepDescription
-from engram.fast_path import env_flag
 from engram.module import Projected
 from engram.store import reader
 from engram.store.base import CompletedLookup, LookupHandle
 from engram.transfer import to_device
 
-# Over host-read tables, the first Engram layer's lookup runs alone, and the later layers' are submitted only
-# once it has its rows (ENGRAM_FIRST_LOOKUP_ALONE, default 1; kernel switch ``first_lookup_alone``); over the
-# disk tier it also waits until the model reaches its layer (ChainedLookups). The model
-# needs the first layer's rows at once, the later ones only after the layers between have run; a lookup of 24
-# rows took 1.0 ms alone and 1.7-1.9 ms beside a second table's lookup on the CPU machine (its reads share the
-# disk: 1.4 ms beside the second table's reads alone; the rest is the two threads' Python under one GIL). On
-# the H200 (4b-like, disk tier, O_DIRECT, dd3c115) a batch-1 step took 5.79 ms against 6.42 ms with both
-# lookups started together (+11 % tokens/s); batch 64 was the same within its A/A envelope. Off, decode-graph
-# slabs (ChainedLookups) submit the later layers' lookups before the first layer's runs: with a hot-row cache
-# probed on the device no piece needs the first layer's rows before the later reads start (batch 64 at e3e968a:
-# 48 -> 43 ms a step in one engine, docs/benchmarks.md).
-FIRST_LOOKUP_ALONE = env_flag("ENGRAM_FIRST_LOOKUP_ALONE", default=True)
-# With FIRST_LOOKUP_ALONE, a step whose first Engram layer has at least as many row ids as its table keeps
-# reads in flight (its reader's queue depth) still submits the later layers' lookups with it
-# (ENGRAM_TOGETHER_WHEN_DEEP, kernel switch ``together_when_deep``; on by default, 0 turns it off): such a
-# lookup keeps the disk's queue full, so its layer waits for the disk's rate, not its latency, and the later
-# reads beside it keep the queue full through the hand-off between the tables. On the H200 (e3e968a, cached
-# disk tier, batch 64, ~1,500 ids a table against a depth of 64) both tables read together took a step from
-# 48 to 43 ms in one engine, and at b8dce89 by 6.2 % (B/A, CI -17.5...-1.2 %); with it the cached tier's batch-64
-# step took 29.0 ms (40.2 at e77e6d6), 1.05-1.07 x a bound measured at the deeper queue's raw rate by the median
-# in two runs (their intervals reach 1.11: undecided). A batch-1 step (24 ids) stays alone: both tables together
-# made it 13 % slower at b8dce89 (11 % at dd3c115).
-TOGETHER_WHEN_DEEP = env_flag("ENGRAM_TOGETHER_WHEN_DEEP", default=True)
-# When decode-graph slabs read the tables together (ChainedLookups, ``later_first``), the later layers' lookups
-# are submitted right before the first layer's first read (reader.on_read_start) instead of before its
-# plan: the first table plans with the GIL to itself, and the later tables plan while its reads run
-# (ENGRAM_LATER_AT_FIRST_READ, kernel switch ``later_at_first_read``; on by default, 0 turns it off). In the
-# cached disk tier's batch-64 step the plan, from the row ids on the host to the first read, took 1.3-1.8 ms with
-# both tables planning at once (b8dce89, 5ab2062's equals arm) against 0.86-0.92 ms with the first table alone
-# (e77e6d6, b8dce89). With late caching (store/late_caching.py) as well, the step's tail past its last read went
-# from 6.7 to 4.3 ms on the H200 (4489e50; docs/benchmarks.md, "The runs at 4489e50 and c9fd500").
-LATER_AT_FIRST_READ = env_flag("ENGRAM_LATER_AT_FIRST_READ", default=True)
-
-
 def reads_together(first_ids: int, queue_depth: int | None) -> bool:
     """Whether a step submits its later Engram layers' lookups before its first layer's runs, their reads
-    beside the first's: FIRST_LOOKUP_ALONE off, or TOGETHER_WHEN_DEEP with the first layer's ``first_ids``
-    row ids filling its table's read queue (``queue_depth``; None for a table that reads no disk: never)."""
-    if not FIRST_LOOKUP_ALONE:
-        return True
-    return TOGETHER_WHEN_DEEP and queue_depth is not None and first_ids >= queue_depth
+    beside the first's. Over host-read tables the first layer's lookup otherwise runs alone and the later
+    layers' are submitted once it has its rows: the model needs the first layer's rows at once and the later
+    ones only after the layers between, and reads beside it would slow it down. A first layer whose
+    ``first_ids`` row ids fill its table's read queue (``queue_depth``; None for a table that reads no disk:
+    never) keeps the disk's queue full on its own, so it waits for the disk's rate, not its latency, and the
+    later reads beside it keep the queue full through the hand-off between the tables."""
+    return queue_depth is not None and first_ids >= queue_depth
 
 
 def read_queue_depth(table) -> int | None:
@@ -126,17 +92,14 @@ class ChainedLookups:
     layer's lookup on the waiting thread (``gather_first() -> rows``: the model has reached that layer, the
     layers before it are queued on the device) and then submits the later layers' (``submit_later() ->
     {layer: handle}``), whose reads overlap the layers up to theirs; with ``later_first`` (decode-graph slabs
-    without FIRST_LOOKUP_ALONE) it submits them first, so their reads run beside the first layer's, or
-    with ``at_first_read`` too (LATER_AT_FIRST_READ) right before the first layer's first read
-    (``first_then_later``). Cancelling before the chain ran cancels all of it (nothing was read); after, it
+    whose reads go together: ``reads_together``) it submits them right before the first layer's first read
+    (``first_then_later``): the first table plans with the GIL to itself, the later ones while its reads run. Cancelling before the chain ran cancels all of it (nothing was read); after, it
     cancels that layer's read. An error of the first lookup or of the submits is raised to every waiter."""
 
-    def __init__(self, first: int, gather_first, submit_later, later_first: bool = False,
-                 at_first_read: bool = False):
+    def __init__(self, first: int, gather_first, submit_later, later_first: bool = False):
         self.first = first
         self._gather_first, self._submit_later = gather_first, submit_later
-        self._later_first = later_first  # submit the later layers' lookups before the first layer's runs
-        self._at_first_read = later_first and at_first_read  # ... or right before its first read
+        self._later_first = later_first  # submit the later layers' lookups right before the first's first read
         self._handles: dict | None = None  # layer -> the real handle, once the chain ran
         self._error: BaseException | None = None
         self._cancelled = False
@@ -152,14 +115,11 @@ class ChainedLookups:
                 raise self._error
             later: dict = {}
             try:
-                if self._at_first_read:
+                if self._later_first:
                     rows = first_then_later(self._gather_first, self._submit_later, later)
                 else:
-                    if self._later_first:
-                        later.update(self._submit_later())
                     rows = self._gather_first()
-                    if not self._later_first:
-                        later.update(self._submit_later())
+                    later.update(self._submit_later())
                 self._handles = {self.first: CompletedLookup(rows), **later}
             except BaseException as e:
                 for handle in later.values():  # submitted, never to be waited for
@@ -244,7 +204,7 @@ class LookupExecutor:
         lookup stream and projectors, stage each layer's projection instead of its rows (False: the rows, for
         a decode graph that projects them itself). ``slabs``: {layer: a slab of that layer's disk table} whose
         layers are read into the slab and not decoded (a decode graph that decodes them itself:
-        engine/cuda_graphs.py); ``rows`` of such a layer returns None once its pages are in. ``host_ids``:
+        engine/runners/pieces.py); ``rows`` of such a layer returns None once its pages are in. ``host_ids``:
         ``start_host_ids(step, patch)``, called earlier, for the host-read tables (else it is called here)."""
         deferred: dict = {}
         if self.stream is None:
@@ -275,7 +235,7 @@ class LookupExecutor:
             if patch is None or not self.takes_device_ids():
                 # host ids: the first layer's lookup, which the model needs at once, runs on this thread (no
                 # hand-off to its table's thread and back); the later layers' are submitted before it (their
-                # disk reads overlap it) or, with FIRST_LOOKUP_ALONE, after it (reads_together)
+                # disk reads overlap it) or after it (reads_together)
                 host_ids = (step.engram_row_ids if patch is None else early.wait() if early is not None else
                             self._host_ids(step, patch))
                 layers = list(host_ids)
@@ -299,8 +259,7 @@ class LookupExecutor:
                             for lid in layers[1:]}  # [T * n_cols] each, CPU int64
 
                 if lazy:
-                    chain = ChainedLookups(layers[0], gather_first, submit_later, later_first=not alone,
-                                           at_first_read=LATER_AT_FIRST_READ)
+                    chain = ChainedLookups(layers[0], gather_first, submit_later, later_first=not alone)
                     handles.update({lid: chain.handle(lid) for lid in layers})
                 else:
                     if not alone:
@@ -339,7 +298,7 @@ class LookupExecutor:
         patched on the device (on the lookup stream, if any: after what the main stream has queued so far),
         then one non-blocking copy for all layers; ``wait()`` on the result waits for the step that sampled
         the pending tokens and gives the ids. Work the caller queues on the main stream after this call does
-        not delay them (a decode graph's first pieces: DecodeGraphs.begin)."""
+        not delay them (a decode graph's first pieces: DecodePieces.begin)."""
         if self.stream is None:
             return self._ids_to_host(step, patch)
         with self.stream.issue(patch.rows, *patch.row_ids.values()):

@@ -17,7 +17,9 @@ import torch
 
 from engram.engine.config import EngineConfig
 from engram.engine.packing import slot_mapping
+from engram.engine.runners.eager import EagerRunner
 from engram.engine.step import SampleSpec, StepDescription
+from engram.model.kv_cache import KVCache
 
 
 @dataclass(frozen=True)
@@ -95,17 +97,14 @@ def profile_peak_bytes(worker, bytes_per_block: int) -> int:
     """Run ``warmup_step`` on the worker's model, lookups and sampler over a scratch KV cache; returns the
     peak CUDA bytes the step allocated beyond what existed before it (scratch KV excluded). Table counters
     are reset afterwards, so the warm-up is invisible to statistics."""
-    from engram.engine.runner import ModelRunner
-    from engram.model.kv_cache import KVCache
-
     step = warmup_step(worker.config, worker.ecfg, worker.config.block_size)
     blocks = int(step.block_tables.max()) + 1
     kv = KVCache.for_model(worker.model_config, blocks, worker.config.block_size, worker.dtype, worker.device)
-    runner = ModelRunner(worker.model, kv, worker.device, worker.dtype, worker.ecfg)
+    runner = EagerRunner(worker.model, kv, worker.lookup, worker.device, worker.dtype, worker.ecfg)
     torch.cuda.synchronize(worker.device)
     torch.cuda.reset_peak_memory_stats(worker.device)
     base = torch.cuda.memory_allocated(worker.device)
-    logits = runner.run(step, worker.lookup.submit(step))
+    logits = runner.launch(step, None).logits
     worker.sampler(logits, step.samples)
     torch.cuda.synchronize(worker.device)
     peak = torch.cuda.max_memory_allocated(worker.device) - base

@@ -14,17 +14,16 @@ from typing import Any, Mapping
 
 from engram.store.options import StoreOptions
 
-ENGINE_KEYS = ("cpu_offload", "lookup_overlap", "wkv_run_ahead")
+ENGINE_KEYS = ("cpu_offload", "lookup_overlap")
 LOADER_KEYS = ("table_rows", "seed", "tables_in_memory")
 
 
 @dataclass(frozen=True)
 class RuntimeOptions:
     cpu_offload: bool = False  # vLLM's name: tables in pinned host memory (tier "host")
-    lookup_overlap: bool = True  # lookups on their own stream, overlapping earlier layers (CUDA; docs/engine.md)
-    # with lookup_overlap: each layer's projection of its rows (WKV) runs ahead on the lookup stream too; false
-    # leaves it to the consuming layer, on the main stream (the same kernels: outputs are bitwise equal)
-    wkv_run_ahead: bool = True
+    # lookups (and each layer's projection of its rows, WKV) on their own stream, overlapping earlier layers
+    # (CUDA; docs/engine.md)
+    lookup_overlap: bool = True
     table_rows: int | None = None  # rows per Engram layer of a preset model (None: the preset's)
     seed: int = 0  # preset weights and tables
     tables_in_memory: bool = False  # preset tables built in memory (tier gpu / host), no files (model/tables.py)

@@ -1,86 +1,46 @@
-"""A decode step's lookups on a thread of their own, beside the engine's host work (the Worker's part).
+"""A decode step's lookups on a thread of their own, beside the engine's host work (the piecewise runner's part).
 
-When every Engram layer of a decode graph finds its rows on the device (disk tables behind a hot-row cache,
-probed: store/kernels/cache_probe.py), ``DecodeGraphs.begin(whole=True)`` queues the whole step before its
-lookups run, and nothing the host does for the step waits for them: the pieces wait for the lookups' pinned
-flags on the device. The lookups (the disk reads of the rows the caches miss) then run here, on one
-background thread, while the engine's thread launches the sampler, collects the step before,
-post-processes it, schedules, packs and hashes the next step. Run inline, that host work came after the
-step's reads and before the next step's, with the disk idle (a profiled 4b-like batch-64 step on the H200,
-826e0c8: 46.9 ms, of which 42.4 ms in the lookups' ``DecodeGraphs.run``); here the next step's reads start
-as soon as its row ids reach the host.
+When every Engram layer of a piecewise decode graph finds its rows on the device (disk tables behind a hot-row
+cache, probed: store/kernels/cache_probe.py), the runner queues the whole step before its lookups run, and
+nothing the host does for the step waits for them: the pieces wait for the lookups' pinned flags on the device.
+The lookups (the disk reads of the rows the caches miss) then run here, on one background thread, while the
+engine's thread launches the sampler, collects the step before, post-processes it, schedules, packs and hashes
+the next step; run inline, that host work would come after the step's reads and before the next step's, with
+the disk idle.
 
-Order, which the Worker keeps: ``start`` after the step's pieces are queued; ``finish`` before the next
-step's pieces are queued (the next ``launch``, once it has sent that step's row ids to the host) and before
-the step's tokens are read (``collect``), on the engine's thread. ``finish`` waits for the lookups and then
-calls ``settle`` (DecodeGraphs.finish_lookups: the rows read go into the caches, device work queued only
-once no piece waits for a flag, and each slab's next lookup waits for this step's decode of it). A lookup
-that failed has already failed the pieces waiting for it (cache_probe.signal(..., ok=False)); its error is
-kept for that step's ``collect`` (``error``), which raises it, so the step fails loudly with the read's own
-message and the engine re-runs it.
+Order, which the runner keeps: ``start`` after the step's pieces are queued; ``finish`` before the next step's
+pieces are queued and before the step's tokens are read, on the engine's thread. ``finish`` waits for the
+lookups and then calls ``settle`` (the rows read go into the caches, device work queued only once no piece
+waits for a flag, and each slab's next lookup waits for this step's decode of it). A lookup that failed has
+already failed the pieces waiting for it (cache_probe.signal(..., ok=False)); its error is kept for that
+step's collect (``error``), which raises it, so the step fails loudly with the read's own message and the
+engine re-runs it.
 
-The GIL: the lookup thread holds it only between its C reads (numpy bookkeeping, the plan, the flag), but
-each time it wants it back it waits until the engine's thread lets go, and a thread running Python lets go
-only every ``sys.getswitchinterval()`` (5 ms by default). A read of 24 pages plus a numpy call took 0.42 ms
-beside an idle thread and 26.4 ms beside one running Python on the H200 machine (5.85 ms on the CPU
-machine), 0.86 ms with a 0.2 ms interval (scripts/gil_handoff.py, docs/disk.md). So the first ``start``
-lowers the interpreter's switch interval to ``SWITCH_INTERVAL_S`` (never raises it; logged once), and so does
-a Worker with disk tables, whose later layers read on their tables' threads beside the engine's (and a
-server's) Python. It costs a thread running alone nothing: the interval only matters when another thread
-waits for the GIL. And ``start`` hands the GIL over outright for the lookups' first stretch of Python: it
-returns once their first read is on its way (``reader.on_read_start``), or their first layer's lookup
-returned without one (``handed_off``, which the lookups call), or they are done, or after
-``HANDOFF_TIMEOUT_S``; a 1,536-id lookup's host work with its reads stubbed out took 0.42 ms beside an idle
-thread, and beside one running Python 0.58 ms (p90 4.9 ms) at a 0.2 ms interval and 11 ms (p90 86 ms) at
-5 ms (the CPU machine).
-
-A step whose rows were all cached has lookups of a fraction of a millisecond (no reads), less than the hand-off
-to the thread and back costs: the Worker runs a step's lookups here only when the step before read from disk
-(``DecodeGraphs.last_step_read``), else inline.
-
-On unless ENGRAM_BACKGROUND_LOOKUPS=0 (the lookups run inline in ``DecodeGraphs.run``); kernel switch
-``background_lookups``, read at every launch. ENGRAM_GIL_SWITCH_MS sets the shortened switch interval
-(``switch_interval_s``; 5 or more keeps the interpreter's default), for measuring what it costs.
+The GIL: the lookup thread holds it only between its C reads (numpy bookkeeping, the plan, the flag), but each
+time it wants it back it waits until the engine's thread lets go, and a thread running Python lets go only
+every ``sys.getswitchinterval()`` (5 ms by default), which would stretch every read's hand-off to milliseconds
+(docs/disk.md). So the first ``start`` lowers the interpreter's switch interval to ``SWITCH_INTERVAL_S`` (never
+raises it; logged once), and so does a Worker with disk tables, whose later layers read on their tables'
+threads. It costs a thread running alone nothing: the interval only matters when another thread waits for the
+GIL. And ``start`` hands the GIL over outright for the lookups' first stretch of Python: it returns once their
+first read is on its way (``reader.on_read_start``), or their first layer's lookup returned without one
+(``handed_off``, which the lookups call), or they are done, or after ``HANDOFF_TIMEOUT_S``.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import os
 import sys
 import threading
 from typing import Callable
 
 import torch
 
-from engram.fast_path import env_flag
 from engram.store import reader
 
 log = logging.getLogger(__name__)
 
-BACKGROUND = env_flag("ENGRAM_BACKGROUND_LOOKUPS", default=True)
-# The next step's row ids go to the host before the background lookups of the step before are finished (the
-# Worker's launch): their copy follows that step's sampler alone, not the cache copies that finishing
-# queues. ENGRAM_EARLY_HOST_IDS=0 (kernel switch ``early_host_ids`` false) finishes first, as before 1609d27.
-EARLY_HOST_IDS = env_flag("ENGRAM_EARLY_HOST_IDS", default=True)
-
-
-def switch_interval_s(env: dict | None = None) -> float:
-    """The switch interval the lookups' threads get (seconds): ENGRAM_GIL_SWITCH_MS (milliseconds above 0; 5 or
-    more leaves the interpreter's default alone), else 0.2 ms. A malformed value raises ValueError naming it."""
-    value = (os.environ if env is None else env).get("ENGRAM_GIL_SWITCH_MS")
-    if value is None:
-        return 2e-4
-    try:
-        ms = float(value)
-    except ValueError:
-        ms = float("nan")
-    if not ms > 0:
-        raise ValueError(f"ENGRAM_GIL_SWITCH_MS={value!r}: must be a number of milliseconds above 0")
-    return ms / 1e3
-
-
-SWITCH_INTERVAL_S = switch_interval_s()  # the GIL hand-off the lookup thread waits for at most, each time
+SWITCH_INTERVAL_S = 2e-4  # the GIL hand-off the lookup thread waits for at most, each time
 HANDOFF_TIMEOUT_S = 5e-3  # ``start`` waits at most this long for the lookups' first read to be issued
 
 

@@ -131,7 +131,7 @@ class EngramDecoder(nn.Module):
         return self.forward_end(state)
 
     # The same forward in pieces (``forward`` is begin + every layer + end, so the ops and their results are
-    # the same): piecewise CUDA graphs capture a range of layers each (engine/cuda_graphs.py).
+    # the same): piecewise CUDA graphs capture a range of layers each (engine/runners/pieces.py).
     def forward_begin(self, step: StepInputs, kv: KVCache) -> "ForwardState":
         """The embedding, RoPE tables and attention metadata of a step: the state before layer 0."""
         meta = step.attention or AttentionMetadata.from_step(step.cu_seqlens, step.context_lens, step.block_tables,

@@ -51,7 +51,6 @@ class LoadedModel:
     store_options: Any = None  # engram.store.StoreOptions for open_tables() (None: the defaults)
     memory_table_seed: int | None = None  # tables_in_memory: the preset seed open_tables() builds them from
     lookup_overlap: bool = True  # the Worker gathers Engram rows on a lookup stream (CUDA; engine/lookup_stream.py)
-    wkv_run_ahead: bool = True  # with lookup_overlap: the rows' projections run ahead on that stream too
 
     def open_tables(self) -> dict[int, Any]:
         """The tables, opened on ``tier`` and ``device`` at the first call (the Worker's, at its start):
@@ -158,8 +157,7 @@ def random_model(cfg: ModelConfig, tier: str = "gpu", dtype: torch.dtype = torch
     return LoadedModel(model, cfg, cfg.engram, tok, ctok, {}, cfg.eos_token_id, cfg.chat_template, cfg.name,
                        dirs, dtype, device, tier, opts.store if opts is not None else None,
                        memory_table_seed=seed if in_memory and cfg.engram is not None else None,
-                       lookup_overlap=opts.lookup_overlap if opts is not None else True,
-                       wkv_run_ahead=opts.wkv_run_ahead if opts is not None else True)
+                       lookup_overlap=opts.lookup_overlap if opts is not None else True)
 
 
 # ----------------------------------------------------------------- checkpoints
@@ -253,8 +251,7 @@ def _load_checkpoint(path: Path, tier, dtype, device, opts, cache_dir, progress)
         convert_checkpoint_tables(path, dirs, cfg.engram, progress=progress)
     return LoadedModel(model, cfg, cfg.engram, tok, ctok, {}, cfg.eos_token_id, cfg.chat_template, cfg.name,
                        dirs, dtype, device, tier, opts.store if opts is not None else None,
-                       lookup_overlap=opts.lookup_overlap if opts is not None else True,
-                       wkv_run_ahead=opts.wkv_run_ahead if opts is not None else True)
+                       lookup_overlap=opts.lookup_overlap if opts is not None else True)
 
 
 # ----------------------------------------------------------------- save

@@ -1,4 +1,4 @@
-"""A disk table's slabs owned by a caller (a decode graph keeps one per Engram layer: engine/cuda_graphs.py): a
+"""A disk table's slabs owned by a caller (a decode graph keeps one per Engram layer: engine/runners/pieces.py): a
 step's lookup only reads the rows' pages into the slab (``read_slab``) and the graph's piece decodes them
 (``decode_slab``), so no decode kernel is launched from Python and no rows are copied in on the step's
 critical path. Over a hot-row cache the slab's slots index the cache's storage, and a slab with a probe lets
@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engram.store import kernels, late_caching
+from engram.store import kernels
 from engram.store.kernels import cache_probe
 from engram.store.late_caching import TakenRows
 from engram.store.page_slabs import PageSlab, SlotProbe
@@ -30,7 +30,7 @@ class SlabReads:
 
     def new_slab(self, rows: int, probe: bool = True) -> PageSlab:
         """A slab of this table for lookups of up to ``rows`` ids, owned by the caller (a decode graph keeps
-        one per Engram layer: engine/cuda_graphs.py): pinned on CUDA, zero-filled, every slot row 0. With a
+        one per Engram layer: engine/runners/pieces.py): pinned on CUDA, zero-filled, every slot row 0. With a
         hot-row cache its slots index the cache's storage (``read_slab``), and unless ``probe`` is False it
         gets a ``probe`` (page_slabs.SlotProbe): the cache's tags are mirrored on its device from now on, so
         the decode can find the rows there (``decode_slab`` with ``ids``), its pages holding the rows a step
@@ -123,8 +123,8 @@ class SlabReads:
     def admit_probed(self, slab: PageSlab) -> int:
         """Cache the rows the slab's last probed lookup read (``RowCache.admit``: device work, on the table's
         cache stream, which the current stream then waits for), ending that lookup. The slab's owner calls it
-        once no piece waits for this slab's flag any more (DecodeGraphs.finish_lookups after the step's
-        lookups, engine/graph_slabs.py; ``slab.done`` is then the event of its decode), so nothing here can
+        once no piece waits for this slab's flag any more (DecodePieces.finish_lookups after the step's
+        lookups, engine/runners/piecewise.py; ``slab.done`` is then the event of its decode), so nothing here can
         wait for a piece that waits for the host. Returns how many rows that lookup read from disk (0 without
         a pending lookup: a no-op).
 
@@ -134,9 +134,9 @@ class SlabReads:
         rows a table took milliseconds of host ``index_select`` and pinned staging on the step's path
         before). ``slab.done`` then becomes the event after that gather, which the slab's next read waits
         for. Elsewhere (the CPU, the torch backend: the reference) the host copies the rows out of the pages
-        first; both give the cache the same bytes (tests/gpu/test_cache_probe_gpu.py). With
-        ``late_caching.DEFER`` the rows taken out are cached during the table's next probed lookup instead
-        (store/late_caching.py); rows of the lookup before are always cached first."""
+        first; both give the cache the same bytes (tests/gpu/test_cache_probe_gpu.py). The rows taken out are
+        cached during the table's next probed lookup (store/late_caching.py); rows of the lookup before are
+        always cached first."""
         self._late.settle()
         pending, slab.probe.pending = slab.probe.pending, None
         if pending is None:
@@ -146,11 +146,7 @@ class SlabReads:
             with self._cache_mutex:
                 self.cache.admit(miss_ids, None, None, looked_up)
             return 0
-        rows = self._take_rows(slab, miss_ids, where, looked_up)
-        if late_caching.DEFER:
-            self._late.hold(rows)
-        else:
-            self._cache_taken(rows)
+        self._late.hold(self._take_rows(slab, miss_ids, where, looked_up))
         return len(miss_ids)
 
     def _take_rows(self, slab: PageSlab, miss_ids: np.ndarray, where: torch.Tensor,

@@ -1,15 +1,11 @@
 """Caching a probed slab's rows late: during the table's next lookup's reads instead of before it.
 
-A decode graph's step caches the rows its disk lookups read (``DiskTable.admit_probed``, called through
-``DecodeGraphs.finish_lookups`` on the engine's thread) after its last read and before the next step's lookups
-start: at batch 64 on the H200 (4b-like, a 200 K-row cache) that took ~5.6 ms a step on the critical path
-(docs/benchmarks.md). With ``DEFER`` (kernel switch ``late_caching``; on by default, ENGRAM_LATE_CACHING=0
-turns it off: on the H200 it took that caching off the engine's thread, ``finish`` 6.0 -> 2.0 ms, and with
-``lookup.LATER_AT_FIRST_READ`` the step's tail past its last read from 6.7 to 4.3 ms) ``admit_probed`` only
-takes the rows out of the slab (what must come before the slab's next read: on CUDA a UVA gather into device
-memory, on the cache stream after the slab's decode) and ``hold``s them; the table's next probed lookup
-``hand_over``s them right after its cache split, and they are cached on this object's thread while that
-lookup's reads run.
+Caching the rows a decode step's disk lookups read (``DiskTable.admit_probed``, on the engine's thread) after
+its last read and before the next step's lookups would put that caching on the step's critical path. Instead
+``admit_probed`` only takes the rows out of the slab (what must come before the slab's next read: on CUDA a UVA
+gather into device memory, on the cache stream after the slab's decode) and ``hold``s them; the table's next
+probed lookup ``hand_over``s them right after its cache split, and they are cached on this object's thread
+while that lookup's reads run.
 
 Why the pieces stay exact (docs/disk.md, "Caching a step's rows late"):
 
@@ -18,7 +14,7 @@ Why the pieces stay exact (docs/disk.md, "Caching a step's rows late"):
   the cache stream), so a piece that finds a new tag reads its bytes;
 * an id the next lookup missed too is read twice and cached once (``RowCache.admit`` rechecks, once a table
   has cached late, and skips ids cached since its call's split): +0.10 % reads a step on the natural corpus
-  (scripts/admit_lag.py);
+  (docs/log.md);
 * ``settle`` comes before any other use of the cache: the next ``admit_probed`` (so the step after next finds
   the writes done: the caching ends by making the engine's stream, captured when the rows were taken out,
   wait for the cache stream) and the table's other lookups (chunked gathers, unprobed slabs); rows held but
@@ -35,9 +31,6 @@ from typing import Callable
 import numpy as np
 import torch
 
-from engram.fast_path import env_flag
-
-DEFER = env_flag("ENGRAM_LATE_CACHING", default=True)
 
 
 @dataclass

@@ -3,7 +3,7 @@
 The fast path is the C pthread pool ``engram.store._pread_pool`` (csrc/pread_pool.c), which releases the
 GIL and keeps ``queue_depth`` preads in flight, and for ``io="direct"`` the same extension's Linux AIO
 reader (csrc/aio_reader.c: one ``io_submit`` per batch, ``queue_depth`` reads in flight, no thread woken per
-read; ``AIO``); without the extension (no compiler at install time) a pure-Python thread pool returns
+read); without the extension (no compiler at install time) a pure-Python thread pool returns
 identical bytes, with one warning per process. ``io="direct"`` opens the file with
 O_DIRECT (reads bypass the page cache; buffers must be page-aligned, see ``aligned_pages``) and
 ``io="buffered"`` goes through the page cache. Any failed, short or stale read raises ``DiskReadError``
@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from engram.fast_path import FastPathSwitch, env_flag
+from engram.fast_path import FastPathSwitch
 from engram.store.crc32c import crc32c_pages
 
 PAGE = 4096  # read unit and O_DIRECT alignment: 4 KiB covers every logical block size in use
@@ -47,10 +47,8 @@ SWITCH = FastPathSwitch(
     fallback_warning=f"engram: the C disk reader is not built ({_IMPORT_ERROR}); using the slower pure-Python "
                      "thread-pool reader (reinstall with a C compiler to build csrc/pread_pool.c)")
 _pools: dict[tuple[str, int], object] = {}  # (backend, queue depth) -> pool shared by every reader
-# O_DIRECT reads through Linux AIO (csrc/aio_reader.c: one io_submit per batch, no thread woken per read;
-# ENGRAM_AIO=0 keeps them on the thread pool). Buffered reads always use the pool: AIO reads the page
-# cache synchronously.
-AIO = env_flag("ENGRAM_AIO", default=True)
+# O_DIRECT reads go through Linux AIO (csrc/aio_reader.c: one io_submit per batch, no thread woken per read)
+# where the kernel gives a context; buffered reads always use the pool: AIO reads the page cache synchronously.
 _aio_local = threading.local()
 _aio_broken = False  # io_setup failed once: the pool reads O_DIRECT too
 _pools_pid = os.getpid()
@@ -171,11 +169,11 @@ def queue_per_thread(io: str) -> bool:
     """Whether reads with ``io`` from different threads each keep their own ``queue_depth`` in flight (each
     thread's AIO context: the C backend, io="direct", Linux AIO), rather than sharing one process-wide pool's
     (``_pool``): two tables read side by side then keep twice the depth in flight."""
-    return io == "direct" and AIO and not _aio_broken and SWITCH.active() == "c"
+    return io == "direct" and not _aio_broken and SWITCH.active() == "c"
 
 
 def _pool(queue_depth: int, io: str = "buffered"):
-    """What reads a batch: with the C backend and io="direct", this thread's AIO context (``AIO``); else the
+    """What reads a batch: with the C backend and io="direct", this thread's AIO context; else the
     process-wide pool for this backend and depth (rebuilt in a forked child: threads do not fork)."""
     global _pools_pid
     kind = "c" if SWITCH.use_fast(stacklevel=2) else "python"  # the first fallback under "auto" warns

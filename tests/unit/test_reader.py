@@ -226,7 +226,8 @@ print("ok")
 @pytest.mark.skipif(not rd.c_available(), reason="the C reader is not built")
 def test_direct_reads_go_through_a_thread_local_aio_context_equal_to_the_pool(tmp_path, monkeypatch):
     """io="direct" with the C backend reads through Linux AIO (one context per thread), giving the pool's
-    bytes and checksums; ENGRAM_AIO off (``AIO``) keeps them on the pool; a read past the end is a short read."""
+    bytes and checksums; the fallback when the kernel refuses a context (``_aio_broken``) reads on the pool; a read
+    past the end is a short read."""
     from engram.store.crc32c import crc32c_pages
 
     old = rd.set_backend("c")
@@ -240,12 +241,12 @@ def test_direct_reads_go_through_a_thread_local_aio_context_equal_to_the_pool(tm
         offs = np.random.default_rng(3).integers(0, 64, 40) * PAGE  # more blocks than the depth, repeats
         got = {}
         for aio in (True, False):
-            monkeypatch.setattr(rd, "AIO", aio)
+            monkeypatch.setattr(rd, "_aio_broken", not aio)
             out, crcs = aligned_pages(40), np.zeros(40, dtype=np.uint32)
             r.read(offs, out, crcs=crcs)
             got[aio] = out.numpy().reshape(-1).copy(), crcs
         assert isinstance(rd._pool(8, "direct"), rd._pread_pool.Pool)
-        monkeypatch.setattr(rd, "AIO", True)
+        monkeypatch.setattr(rd, "_aio_broken", False)
         assert np.array_equal(got[True][0], expected(data, offs, PAGE))
         assert np.array_equal(got[True][0], got[False][0]) and np.array_equal(got[True][1], got[False][1])
         assert np.array_equal(got[True][1], crc32c_pages(got[True][0], PAGE))

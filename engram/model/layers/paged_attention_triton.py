@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from engram.fast_path import env_flag
 from engram.model.layers.fused_triton import pdl_enter
 from engram.model.layers.pdl import launch_options
 
@@ -212,9 +211,7 @@ DECODE_BLOCK_N = 64  # keys per tile of the decode kernel (divides SPLIT_LEN)
 # docs/benchmarks.md); the results do not depend on it.
 DECODE_PROGRAMS = 4096
 # The decode split kernel asks L2 for its first split's K/V lines before its PDL wait (16-bit caches, head dim 64,
-# 128 or 256, at most PREFETCH_MAX_SEQS sequences; ENGRAM_ATTN_PREFETCH=0: never); the results do not depend on
-# it. 4b-like on the H200: GPU time per step 3.107 -> 3.096 ms at batch 1, 5.093 -> 5.167 ms at batch 64.
-L2_PREFETCH = env_flag("ENGRAM_ATTN_PREFETCH", default=True)
+# 128 or 256, at most PREFETCH_MAX_SEQS sequences); the results do not depend on it.
 PREFETCH_MAX_SEQS = 4
 
 
@@ -251,7 +248,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1),
         G=g, BLOCK_G=_pow2(g), HD=hd, BLOCK_HD=_pow2(hd), BS=bs, BLOCK_N=block_n, SPLIT=SPLIT_LEN,
-        IEEE=q.dtype == torch.float32, PREFETCH=L2_PREFETCH and d <= PREFETCH_MAX_SEQS and q.element_size() == 2
+        IEEE=q.dtype == torch.float32, PREFETCH=d <= PREFETCH_MAX_SEQS and q.element_size() == 2
         and hd in (64, 128, 256),
         num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}), **launch_options(q.device))

@@ -8,9 +8,8 @@ bitwise the same; what it can save is the gap between two dependent kernels, whi
 share of the ~6 small launches per layer (norms, q/k rope and KV write, attention's split and combine,
 SwiGLU). Captured into a CUDA graph, the launch becomes a programmatic edge between the two kernel nodes.
 
-``ENABLED`` (``ENGRAM_PDL``, default 1; ``ENGRAM_PDL=0`` or kernel switch ``pdl`` false turns it off) is on:
-interleaved against launches without it on the H200 (4b-like, tier gpu, dd3c115) the decode step was 3.20 %
-faster at batch 1 (95 % CI 3.19-3.25 %) and 1.00 % at batch 64 (0.76-1.19 %). Kernels take
+PDL is used wherever the device can (compute capability 9.0 or newer; docs/log.md has the A/B that decided
+it). Kernels take
 ``USE_PDL: tl.constexpr`` and call ``pdl_enter(USE_PDL)`` (fused_triton.py) first; their launches add
 ``**launch_options(device)``. The Engram gate kernel, which follows a wait on the lookup stream's event,
 is not launched this way.
@@ -30,16 +29,12 @@ from __future__ import annotations
 
 import torch
 
-from engram.fast_path import env_flag
-
-
-ENABLED = env_flag("ENGRAM_PDL", default=True)
 _CAPABLE: dict[int, bool] = {}  # device index -> compute capability >= 9.0
 
 
 def active(device: torch.device) -> bool:
-    """Whether launches on ``device`` use PDL: ENABLED, a CUDA device, compute capability 9.0 or newer."""
-    if not ENABLED or device.type != "cuda":
+    """Whether launches on ``device`` use PDL: a CUDA device of compute capability 9.0 or newer."""
+    if device.type != "cuda":
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _CAPABLE:

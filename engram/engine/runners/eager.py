@@ -1,6 +1,6 @@
-"""Model runner (worker side): one StepDescription -> float32 logits of the sequences that sample.
+"""The eager step runner: any step, its lookups staged by the lookup executor, then one forward of the model.
 
-``run`` uploads the step's CPU tensors to the device (pinned, non-blocking), builds the attention layout
+``launch`` submits the step's lookups (engine/lookup.py) and runs the forward; ``run`` uploads the step's CPU tensors to the device (pinned, non-blocking), builds the attention layout
 from the description's host numbers (no read-back), hands the model an ``engram_rows`` callable that serves
 the step's staged rows (checking they were staged for this step) and returns logits [N, vocab]. The paper
 variant's per-sequence conv state is kept here, keyed by sequence id: a sequence starting at position 0
@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 from engram.config import EngramConfig
-from engram.engine.lookup import StagedRows
+from engram.engine.lookup import LookupExecutor, StagedRows
 from engram.engine.pending import PendingPatch
+from engram.engine.runners.base import Forward, StepRunner
 from engram.engine.step import StepDescription
 from engram.model.inputs import StepInputs
 from engram.model.layers.attention import HostLayout
@@ -22,15 +23,30 @@ from engram.transfer import to_device
 PROMPT_SCORE_ROWS = 256  # prompt rows turned into full-vocabulary logits at once (bounds the memory)
 
 
-class ModelRunner:
-    def __init__(self, model, kv_cache, device: torch.device, dtype: torch.dtype, ecfg: EngramConfig | None):
+class EagerRunner(StepRunner):
+    """Covers every step (prefill, mixed, decode): the Worker's fallback behind its graph runner."""
+
+    def __init__(self, model, kv_cache, lookup: LookupExecutor, device: torch.device, dtype: torch.dtype,
+                 ecfg: EngramConfig | None):
         self.model = model
+        self.lookup = lookup
         self.kv = kv_cache
         self.device = torch.device(device)
         self.dtype = dtype
         self.ecfg = ecfg
         self._conv_layers = list(ecfg.layer_ids) if ecfg and ecfg.variant == "paper" else []
         self._conv: dict[int, dict[int, ShortConvState]] = {}  # seq id -> Engram layer -> its conv state
+
+    def covers(self, step: StepDescription) -> bool:
+        return True
+
+    def launch(self, step: StepDescription, patch: PendingPatch | None) -> Forward:
+        staged = self.lookup.submit(step, patch)
+        try:
+            logits = self.run(step, staged, patch)
+        finally:
+            staged.release()  # reads of layers a failed forward never reached (lookup.py: deferred)
+        return Forward(logits, prompt_scores=self.prompt_scores if step.prompt_logprobs else None)
 
     @torch.inference_mode()
     def run(self, step: StepDescription, staged: StagedRows, patch: PendingPatch | None = None) -> torch.Tensor:

@@ -1,0 +1,163 @@
+"""The static inputs of decode CUDA graphs, shared by the graph runners: buckets, buffers, one copy a step.
+
+A decode step (every sequence computes one token) of S sequences replays the graphs of the smallest bucket
+B >= S (buckets 1, 2, 4, 8, 16, 24, 32, then every 16 up to min(max_num_seqs, max_graph_batch), as vLLM
+does). The graphs read static buffers, filled before each replay from the StepDescription: token ids,
+positions, KV lengths, slot mapping, block tables [B, max_blocks] and the row ids [B, n_cols] of the Engram
+layers whose ids the graphs read, through one pinned buffer and one non-blocking copy. The S..B padding
+sequences decode token 0 at position 0 into a reserved KV block that no real sequence owns (``null_block``),
+so their writes touch nothing real; their logits are dropped.
+
+What no graph covers, and so runs eager: prefill and mixed steps (their shapes change every step), batches
+above the largest bucket (logged once), steps with DEAD tokens or prompt logprobs.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from engram.engine.pending import PendingPatch
+from engram.engine.step import StepDescription
+from engram.model.inputs import StepInputs
+from engram.model.layers.attention import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+# Only this thread's unsafe CUDA calls may break a capture: another thread's (a table's lookup finishing in
+# the background, which allocates pinned staging or copies to the device) would invalidate a "global"-mode
+# capture of another engine's graphs.
+CAPTURE_ERROR_MODE = "thread_local"
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes that get a graph: 1, 2, 4, 8, 16, 24, 32, then every 16, up to and including max_num_seqs."""
+    sizes = [b for b in (1, 2, 4, 8, 16, 24, 32) if b < max_num_seqs]
+    sizes += list(range(48, max_num_seqs, 16))
+    return sizes + [max_num_seqs]
+
+
+def graph_reserve_bytes(config, step_peak_bytes: int | None) -> int:
+    """What the KV plan sets aside for the graphs' memory pool: a decode step of B tokens (the largest
+    bucket) needs about B / max_num_batched_tokens of the profiled largest step's peak (activations scale
+    with tokens). The pool's real size is measured after capture (``pool_bytes``, in the Worker's stats)."""
+    if step_peak_bytes is None:
+        return 0
+    return step_peak_bytes * min(config.max_num_seqs, config.max_graph_batch) // config.max_num_batched_tokens
+
+
+class DecodeInputs:
+    """Static input buffers of the largest bucket; ``fill`` writes a step into them, ``inputs(size)`` is what a
+    graph of bucket ``size`` reads. ``row_layers``: the Engram layers whose row ids are inputs, padded with
+    ``pad_row_id`` (0: row 0 for a gather; -1: no row, for a probe)."""
+
+    def __init__(self, max_batch: int, max_model_len: int, block_size: int, null_block: int, n_cols: int,
+                 row_layers: list[int], pad_row_id: int, device: torch.device):
+        self.buckets = graph_buckets(max_batch)
+        self.max_model_len, self.block_size, self.null_block = max_model_len, block_size, null_block
+        self.max_blocks = -(-max_model_len // block_size)
+        self.n_cols, self.row_layers, self.pad_row_id = n_cols, list(row_layers), pad_row_id
+        b = self.buckets[-1]
+        # Every per-step input in one int64 buffer, [token ids | positions | KV lengths | slots | block tables |
+        # row ids per layer | the step's plan id], staged in pinned memory and copied with one non-blocking copy
+        # per step. Two pinned buffers take turns: with async scheduling a step is filled while the copy of the
+        # one before may still be queued; an event per buffer says when its copy has run.
+        n = b * (4 + self.max_blocks + n_cols * len(self.row_layers)) + 1
+        self.host_in = [torch.zeros(n, dtype=torch.long).pin_memory() for _ in range(2)]
+        self._copied = [torch.cuda.Event() for _ in range(2)]
+        self._turn = 0
+        self.dev_in = torch.zeros(n, dtype=torch.long, device=device)
+        self._host_np = [buf.numpy() for buf in self.host_in]
+        self._host = [self._views(buf, b) for buf in self._host_np]  # numpy views of the pinned buffers
+        self.token_ids, self.positions, self.context_lens, self.slot_mapping, self.block_tables, self.row_ids = (
+            self._views(self.dev_in, b))
+        self.plan_id = self.dev_in[-1:]  # [1]: the id of the step being replayed
+        self.context_lens.fill_(1)
+        for ids in self.row_ids.values():  # padding until a step fills them: the capture warm-up must not wait
+            ids.fill_(pad_row_id)
+        self.slot_mapping.fill_(null_block * block_size)
+        self.block_tables.fill_(null_block)
+        self.arange = torch.arange(b + 1, dtype=torch.long, device=device)
+        self._warned_too_large = False
+
+    def _views(self, buf, b: int):
+        """token ids [b], positions [b], KV lengths [b], slots [b], block tables [b, max_blocks] and
+        {layer: row ids [b, n_cols]} of ``buf``."""
+        parts = [buf[i * b:(i + 1) * b] for i in range(4)]
+        at = b * (4 + self.max_blocks)
+        tables = buf[4 * b:at].reshape(b, self.max_blocks)
+        ids = {lid: buf[at + i * b * self.n_cols:at + (i + 1) * b * self.n_cols].reshape(b, self.n_cols)
+               for i, lid in enumerate(self.row_layers)}
+        return (*parts, tables, ids)
+
+    def fits(self, step: StepDescription) -> bool:
+        """Whether a decode graph can run ``step``: every sequence decodes one token and samples it, no DEAD
+        tokens, no prompt logprobs, at most the largest bucket's sequences."""
+        if step.dead_mask is not None or step.prompt_logprobs or any(n != 1 for n in step.num_new_tokens):
+            return False
+        if len(step.sample_rows) != step.num_seqs:  # a one-token prompt chunk that does not sample yet
+            return False
+        if step.num_seqs > self.buckets[-1]:
+            if not self._warned_too_large:
+                log.info("decode batch of %d sequences is above the largest CUDA graph (%d): runs eager",
+                         step.num_seqs, self.buckets[-1])
+                self._warned_too_large = True
+            return False
+        return True
+
+    def inputs(self, size: int, engram_rows) -> StepInputs:
+        """The model's inputs of bucket ``size``; ``engram_rows(layer_id)`` serves each Engram layer's rows."""
+        idx = self.arange[:size]
+        meta = AttentionMetadata(starts=[], q_lens=[], context_lens=[], block_tables=self.block_tables[:size],
+                                 slot_mapping=self.slot_mapping[:size], write_keep=None, decode_seqs=idx,
+                                 decode_tokens=idx, decode_lens=self.context_lens[:size],
+                                 decode_max_len=self.max_model_len)
+        return StepInputs(token_ids=self.token_ids[:size], positions=self.positions[:size],
+                          cu_seqlens=self.arange[:size + 1], context_lens=self.context_lens[:size],
+                          block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size],
+                          engram_rows=engram_rows, logits_indices=idx, attention=meta)
+
+    def fill(self, step: StepDescription, patch: PendingPatch | None) -> int:
+        """The step's tokens, positions, KV slots, block tables and row ids into the static inputs of its
+        bucket (padded), patched on the device with the pending tokens -> the bucket size."""
+        s = step.num_seqs
+        size = next(b for b in self.buckets if b >= s)
+        turn, self._turn = self._turn, 1 - self._turn
+        if not self._copied[turn].query():  # this buffer's previous copy (two steps ago) has run: no wait
+            self._copied[turn].synchronize()
+        tok, pos, ctx, slots, tables, row_ids = self._host[turn]  # numpy views of a pinned staging buffer
+        tok[:s], pos[:s], ctx[:s], slots[:s] = (step.token_ids.numpy(), step.positions.numpy(),
+                                                step.context_lens.numpy(), step.slot_mapping.numpy())
+        tok[s:size], pos[s:size], ctx[s:size], slots[s:size] = 0, 0, 1, self.null_block * self.block_size
+        bt = step.block_tables.numpy()  # [S, W], -1 padded
+        tables[:size] = self.null_block
+        tables[:s, :bt.shape[1]] = np.where(bt >= 0, bt, self.null_block)
+        for lid, ids in row_ids.items():
+            ids[:s] = step.engram_row_ids[lid].numpy()  # [S, n_cols]
+            ids[s:size] = self.pad_row_id
+        self._host_np[turn][-1] = step.step_id  # the plan id the lookup branch tags its rows with
+        self.dev_in.copy_(self.host_in[turn], non_blocking=True)
+        self._copied[turn].record()
+        if patch is not None:
+            self.token_ids.index_copy_(0, patch.rows, patch.token_ids)
+            for lid, ids in self.row_ids.items():
+                ids.index_copy_(0, patch.rows, patch.row_ids[lid])
+        return size
+
+
+def warm_up(device: torch.device, fn) -> None:
+    """Run ``fn()`` once on a side stream before a capture (Triton compiles, cuBLAS picks its kernels)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+
+
+def capture_progress(buckets: list[int], progress: bool | None):
+    """The buckets largest first (the smaller graphs reuse its pool), with a progress bar on a tty."""
+    from tqdm.auto import tqdm
+
+    return tqdm(list(reversed(buckets)), desc="capture CUDA graphs", unit="graph",
+                disable=None if progress is None else not progress)

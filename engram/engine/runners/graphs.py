@@ -1,0 +1,132 @@
+"""The graph runner: decode steps as one CUDA graph per bucket, device-resident tables gathered inside.
+
+For models whose every Engram table gathers device ids as device work alone (tier gpu, tier host without a
+hot-row cache: ``gathers_on_device``), or that have no Engram layers. The graph reads the static inputs
+(decode_inputs.py) and gathers each layer's rows (+ MXFP8 dequant) from the row-id buffer into static rows
+[B, n_cols, head_dim]; with ``lookup_overlap`` the gathers and each layer's projection of its rows (the WKV
+run-ahead, v41) run on a branch of the graph forked at its start and joined at each Engram layer
+(engine/lookup_stream.py). Attention inside the graph is the Triton path with its split count fixed by
+``max_model_len``.
+
+Stale rows (with the lookup branch): no Python runs inside a replay, so the branch tags each layer's rows with
+the replayed step's plan id and the consuming layer compares that tag with the plan id into a per-layer flag
+(``stale``), which the Worker copies to the host with the sampled tokens and hands to ``check``; a layer that
+read rows gathered for another step fails the step loudly. ``replays`` counts replays, so tests can tell a
+silent eager fallback.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import torch
+
+from engram.engine.lookup_stream import LookupStream
+from engram.engine.pending import PendingPatch
+from engram.engine.runners.base import Forward, StepRunner
+from engram.engine.runners.decode_inputs import CAPTURE_ERROR_MODE, DecodeInputs, capture_progress, warm_up
+from engram.engine.step import StepDescription
+from engram.module import Projected
+
+log = logging.getLogger(__name__)
+
+
+class GraphRunner(StepRunner):
+    def __init__(self, model, kv, ecfg, tables: dict, max_batch: int, max_model_len: int, block_size: int,
+                 null_block: int, device: torch.device, progress: bool | None = None,
+                 lookup_stream: LookupStream | None = None):
+        self.model, self.kv, self.device = model, kv, device
+        self.tables = tables  # {layer: table}, each gathering inside the graphs ({} without Engram layers)
+        self.lookup_stream = lookup_stream if tables else None  # in-graph gathers on a forked branch
+        self.layer_ids = list(tables)
+        self.n_cols = ecfg.n_cols if ecfg else 0
+        self.io = DecodeInputs(max_batch, max_model_len, block_size, null_block, self.n_cols, self.layer_ids, 0,
+                               device)
+        b = self.io.buckets[-1]
+        checks = self.lookup_stream is not None
+        self.row_tags = torch.full((len(self.layer_ids),), -1, dtype=torch.long, device=device) if checks else None
+        self.stale = torch.zeros(len(self.layer_ids), dtype=torch.bool, device=device) if checks else None
+        dtype = next(model.parameters()).dtype
+        self.rows = {lid: torch.zeros(b, ecfg.n_cols, ecfg.head_dim, dtype=dtype, device=device)
+                     for lid in self.layer_ids}
+        self.engram = {lid: model.model.layers[lid].engram for lid in self.rows}
+        ahead = self.lookup_stream is not None and ecfg.variant == "v41"  # each layer's projected rows
+        self.projected = ({lid: torch.zeros(b, (ecfg.hc_mult + 1) * ecfg.hidden_size, dtype=dtype, device=device)
+                           for lid in self.rows} if ahead else {})
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.replays = 0
+        self.pool = torch.cuda.graph_pool_handle()
+        before, t0 = torch.cuda.memory_reserved(device), time.perf_counter()
+        for size in capture_progress(self.io.buckets, progress):
+            self._capture(size)
+        for table in tables.values():  # the captures gathered once per bucket: not lookups
+            table.reset_stats()
+        self.pool_bytes = torch.cuda.memory_reserved(device) - before
+        self.capture_s = time.perf_counter() - t0
+        log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s; pool %.1f MiB", len(self.io.buckets),
+                 self.io.buckets[0], self.io.buckets[-1], self.capture_s, self.pool_bytes / 2**20)
+
+    def covers(self, step: StepDescription) -> bool:
+        return self.io.fits(step)
+
+    def _consume(self, layer_id: int, size: int) -> torch.Tensor:
+        """Layer ``layer_id``'s static rows [size, n_cols, D], after its gather when that runs on the lookup
+        branch (a captured wait: the branch joins the main stream here)."""
+        if self.lookup_stream is not None:
+            self.lookup_stream.wait(layer_id)
+            i = self.layer_ids.index(layer_id)
+            torch.ne(self.row_tags[i:i + 1], self.io.plan_id, out=self.stale[i:i + 1])
+        if self.projected:
+            return Projected(size, (self.projected[layer_id][:size],))
+        return self.rows[layer_id][:size]
+
+    def _forward(self, size: int) -> torch.Tensor:
+        """What a graph holds: the Engram gathers, the model, the logits [size, vocab] float32."""
+        inputs = self.io.inputs(size, lambda layer_id: self._consume(layer_id, size))
+        branch = self.lookup_stream.issue() if self.lookup_stream is not None else contextlib.nullcontext()
+        with branch:
+            for i, (lid, table) in enumerate(self.tables.items()):
+                rows = self.rows[lid][:size]  # [size, n_cols, D]
+                table.gather(self.io.row_ids[lid][:size].reshape(-1), out=rows.view(-1, rows.shape[-1]),
+                             dtype=rows.dtype)
+                if self.projected:  # WKV run-ahead: the projection needs no hidden state
+                    self.engram[lid].project(rows, rows.dtype, out=self.projected[lid][:size])
+                if self.lookup_stream is not None:
+                    self.row_tags[i:i + 1].copy_(self.io.plan_id)  # these rows are the replayed step's
+                    self.lookup_stream.done(lid)
+        logits = self.model.compute_logits(self.model.forward(inputs, self.kv))
+        if self.lookup_stream is not None:
+            self.lookup_stream.join()  # CUDA requires the branch joined; the consumers' waits already did
+        return logits
+
+    @torch.inference_mode()
+    def _capture(self, size: int) -> None:
+        warm_up(self.device, lambda: self._forward(size))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=CAPTURE_ERROR_MODE):
+            logits = self._forward(size)  # [size, vocab] float32
+        self.graphs[size], self.logits[size] = graph, logits
+
+    @torch.inference_mode()
+    def launch(self, step: StepDescription, patch: PendingPatch | None) -> Forward:
+        """Fill the static inputs (patched on the device with the pending tokens), replay the bucket's graph ->
+        logits [S, vocab], a view the next replay overwrites: sample from it first."""
+        s = step.num_seqs
+        size = self.io.fill(step, patch)
+        self.graphs[size].replay()
+        self.replays += 1
+        for table in self.tables.values():
+            table.record_lookups(1, s * self.n_cols)
+        return Forward(self.logits[size][:s], self.stale)
+
+    def check(self, step_id: int, flags: torch.Tensor | None) -> None:
+        if flags is None or not bool(flags.any()):
+            return
+        layers = [lid for lid, bad in zip(self.layer_ids, flags.tolist()) if bad]
+        raise RuntimeError(f"step {step_id}: stale Engram rows: layer(s) {layers} read rows their lookup "
+                           "branch had not yet gathered for this step (a missing wait on the lookup stream)")
+
+    def stats(self) -> dict:
+        return {"graph_replays": self.replays, "graph_pool_bytes": self.pool_bytes}

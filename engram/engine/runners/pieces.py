@@ -1,0 +1,246 @@
+"""Piecewise decode graphs for host-read tables: one graph per range of layers, cut at each Engram layer.
+
+For tables whose rows the host reads (the disk tier; hot-row caches): the host waits for a layer's reads while
+the layers before it replay. Each piece reads the static inputs (decode_inputs.py) and the streams the piece
+before it wrote; the first also embeds, the last also makes the logits. Per Engram layer the rows reach the
+piece one of two ways:
+
+* copied in: the lookup executor stages the layer's rows and they are copied into the piece's static rows
+  right before it replays (hot-row caches over the host tier);
+* from a slab (disk tables): each disk layer owns a pinned slab of its table sized for the largest bucket; a
+  step's lookup only reads the rows' pages into it (``DiskTable.read_slab``), and the piece that starts with
+  the layer decodes the slab with the UVA gather it captured (``DiskTable.decode_slab``), so no decode kernel
+  is launched from Python and no rows are copied in on the step's critical path. Over a hot-row cache the
+  piece finds its rows in the cache's tags mirrored on the device and waits for the host's lookup (a pinned
+  flag) only when a row is missing (store/kernels/cache_probe.py): when every layer does (``probes_all``) the
+  whole step is queued before its lookups run (``begin(whole=True)``).
+
+``read_lookups`` runs the lookups of layers whose pieces are queued already (host work only, which signals
+each layer's flag), ``finish_lookups`` caches the rows they read once no piece waits for a flag, and
+``abort_lookups`` fails the pieces still waiting when the lookups failed or will not run. The runner
+(piecewise.py) decides on which thread, and when.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from engram.engine.lookup import StagedRows
+from engram.engine.pending import PendingPatch
+from engram.engine.runners.decode_inputs import CAPTURE_ERROR_MODE, DecodeInputs, capture_progress, warm_up
+from engram.engine.step import StepDescription
+from engram.store.kernels import cache_probe
+
+log = logging.getLogger(__name__)
+
+
+def piece_ranges(engram_layer_ids, num_layers: int) -> list[tuple[int, int, int | None]]:
+    """Layer ranges [lo, hi) of a piecewise decode graph, cut before every Engram layer, with the Engram
+    layer each range starts with (None for a range that starts with a plain layer): every piece needs at
+    most the rows of its first layer, copied in right before it replays."""
+    engram = sorted(set(engram_layer_ids))
+    cuts = sorted({0, num_layers, *engram})
+    return [(lo, hi, lo if lo in engram else None) for lo, hi in zip(cuts, cuts[1:])]
+
+
+class DecodePieces:
+    def __init__(self, model, kv, ecfg, tables: dict, max_batch: int, max_model_len: int, block_size: int,
+                 null_block: int, device: torch.device, progress: bool | None = None):
+        self.model, self.kv, self.device = model, kv, device
+        self.n_cols = ecfg.n_cols
+        self.ranges = piece_ranges(ecfg.layer_ids, len(model.model.layers))
+        # {layer: its disk table} and a slab each, read by the executor, decoded in the piece
+        self.slab_tables = {lid: t for lid, t in tables.items() if getattr(t, "slab_reads", False)}
+        self.slabs = {lid: t.new_slab(max_batch * self.n_cols, probe=True) for lid, t in self.slab_tables.items()}
+        # slabs over a hot-row cache find their rows on the device: their row ids are inputs too
+        self.probed = [lid for lid, slab in self.slabs.items() if slab.probe is not None]
+        self.io = DecodeInputs(max_batch, max_model_len, block_size, null_block, self.n_cols, self.probed, -1,
+                               device)
+        b = self.io.buckets[-1]
+        dtype = next(model.parameters()).dtype
+        self.rows = {lid: torch.zeros(b, ecfg.n_cols, ecfg.head_dim, dtype=dtype, device=device)
+                     for lid in ecfg.layer_ids}
+        self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self._begun: tuple[int, int, int] | None = None  # (step id, bucket, next piece) after begin()
+        # an event after each replay that decoded a slab, two a slab taking turns: a probed step's lookup waits
+        # for the step before's while this step's is being recorded
+        self._slab_decoded = {lid: [torch.cuda.Event(), torch.cuda.Event()] for lid in self.slabs}
+        self._slab_turn = 0
+        self.last_step_read = True  # whether the last finished lookups read from disk (finish_lookups)
+        # each probed layer's resolve status (cache_probe: FOUND, WAITED, FAILED), read back with the tokens
+        self.probe_status = torch.zeros(len(self.probed), dtype=torch.int32, device=device) if self.probed else None
+        self.probe_counts = {"found": 0, "waited": 0}  # probed layers of collected steps, by status
+        self.replays = 0
+        self.pool = torch.cuda.graph_pool_handle()
+        before, t0 = torch.cuda.memory_reserved(device), time.perf_counter()
+        for size in capture_progress(self.io.buckets, progress):
+            self._capture(size)
+        self.pool_bytes = torch.cuda.memory_reserved(device) - before
+        self.capture_s = time.perf_counter() - t0
+        log.info("captured %d piecewise decode CUDA graphs (batch %d..%d, %d pieces) in %.1f s; pool %.1f MiB",
+                 len(self.io.buckets), self.io.buckets[0], self.io.buckets[-1], len(self.ranges), self.capture_s,
+                 self.pool_bytes / 2**20)
+
+    def fits(self, step: StepDescription) -> bool:
+        return self.io.fits(step)
+
+    @property
+    def probes_all(self) -> bool:
+        """Whether every Engram layer's piece finds its rows without the host (all slabs probed): ``begin`` may
+        then queue the whole step before the step's lookups run."""
+        return bool(self.probed) and len(self.probed) == len(self.rows)
+
+    @property
+    def flags(self) -> torch.Tensor | None:
+        """The probed layers' statuses, read back with a step's tokens for ``check_flags``."""
+        return self.probe_status
+
+    def _decode_slab(self, layer_id: int, size: int) -> None:
+        """Layer ``layer_id``'s slab decoded into its static rows [size, n_cols, D] (captured in its piece)."""
+        rows = self.rows[layer_id][:size]
+        probe = {}
+        if layer_id in self.probed:  # slots found on the device (store/kernels/cache_probe.py)
+            i = self.probed.index(layer_id)
+            probe = dict(ids=self.io.row_ids[layer_id][:size].reshape(-1), plan=self.io.plan_id,
+                         status=self.probe_status[i:i + 1])
+        self.slab_tables[layer_id].decode_slab(self.slabs[layer_id], size * self.n_cols,
+                                               out=rows.view(-1, rows.shape[-1]), **probe)
+
+    @torch.inference_mode()
+    def _capture(self, size: int) -> None:
+        """One graph per layer range, in the shared pool; replaying them in order is the whole step."""
+        inputs = self.io.inputs(size, lambda layer_id: self.rows[layer_id][:size])
+
+        def whole_step() -> None:
+            self.model.compute_logits(self.model.forward(inputs, self.kv))
+            for lid in self.slabs:
+                self._decode_slab(lid, size)
+
+        warm_up(self.device, whole_step)
+        pieces, state, logits = [], None, None
+        for k, (lo, hi, lid) in enumerate(self.ranges):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=CAPTURE_ERROR_MODE):
+                if state is None:
+                    state = self.model.forward_begin(inputs, self.kv)
+                if lid in self.slabs:
+                    self._decode_slab(lid, size)
+                self.model.forward_layers(state, lo, hi)
+                if k == len(self.ranges) - 1:
+                    logits = self.model.compute_logits(self.model.forward_end(state))  # [size, vocab] float32
+            pieces.append(graph)
+        self.pieces[size], self.logits[size] = pieces, logits
+
+    @torch.inference_mode()
+    def begin(self, step: StepDescription, patch: PendingPatch | None = None, whole: bool = False) -> None:
+        """The part of the step that needs no Engram rows, queued now: the step's inputs and the pieces before
+        the first Engram layer; with ``whole`` (``probes_all``) every piece, since each finds its rows on the
+        device and waits only for rows its lookup has yet to read. ``run`` of the same step replays the rest."""
+        size = self.io.fill(step, patch)
+        k = 0
+        self._slab_turn = 1 - self._slab_turn
+        while k < len(self.ranges) and (whole or self.ranges[k][2] is None):
+            self._replay_piece(size, k)
+            k += 1
+        self._begun = (step.step_id, size, k)
+
+    def _replay_piece(self, size: int, k: int) -> None:
+        """Replay piece ``k`` of bucket ``size``; after a piece that decodes a slab, an event (``_settle_slab``)."""
+        self.pieces[size][k].replay()
+        lid = self.ranges[k][2]
+        if lid in self.slabs:
+            self._slab_decoded[lid][self._slab_turn].record()
+
+    @torch.inference_mode()
+    def run(self, step: StepDescription, staged: StagedRows | None, patch: PendingPatch | None = None) -> torch.Tensor:
+        """Replay what ``begin(step)`` (called here if it was not) left -> logits [S, vocab], a view the next
+        replay overwrites. Each piece's rows right before it (copied in from ``staged``, or read into its slab):
+        the host waits for them while earlier pieces run; the lookups of layers whose pieces ``begin`` queued
+        run first. ``staged`` None after a whole ``begin``: nothing is left; the runner runs ``read_lookups``
+        and ``finish_lookups`` itself."""
+        s = step.num_seqs
+        begun, self._begun = self._begun, None
+        if begun is None or begun[0] != step.step_id:
+            self.begin(step, patch)
+            begun, self._begun = self._begun, None
+        _, size, first = begun
+        if staged is None:  # the whole step was queued; its lookups run elsewhere
+            if first < len(self.ranges):
+                raise RuntimeError(f"step {step.step_id}: no staged rows, but begin() left pieces to replay")
+        else:
+            try:
+                self.read_lookups(step, staged, first, release=False)
+                for k in range(first, len(self.ranges)):
+                    lid = self.ranges[k][2]
+                    if lid is not None:
+                        rows = staged.rows(lid, step.step_id)  # a slab layer: None once its pages are in the slab
+                        if lid not in self.slabs:
+                            self.rows[lid][:s].copy_(rows)
+                    self._replay_piece(size, k)
+            except BaseException:
+                self.abort_lookups(step.step_id)
+                raise
+            finally:
+                self.finish_lookups()
+        self.replays += 1
+        return self.logits[size][:s]
+
+    def read_lookups(self, step: StepDescription, staged: StagedRows, first: int | None = None,
+                     release: bool = True, after_each: Callable[[], None] | None = None) -> None:
+        """Run the lookups of the Engram layers whose pieces ``begin`` queued already (all of them when
+        ``first`` is None: the whole step was queued), in layer order: host work only, which signals each
+        layer's flag. A failed lookup fails the pieces still waiting (``abort_lookups``) and is raised.
+        ``release``: cancel what is left of ``staged`` after. ``after_each()``: after each layer's lookup."""
+        upto = self.ranges if first is None else self.ranges[:first]
+        try:
+            for lid in [lid for _, _, lid in upto if lid is not None]:
+                staged.rows(lid, step.step_id)  # a slab layer: its pages go into the slab, its flag is set
+                if after_each is not None:
+                    after_each()
+        except BaseException:
+            self.abort_lookups(step.step_id)
+            raise
+        finally:
+            if release:
+                staged.release()
+
+    def _settle_slab(self, lid: int) -> None:
+        """After layer ``lid``'s lookup of a step: the slab's next lookup waits for this step's decode of it
+        (``slab.done``), and so do the next writes into its cache's storage. Not sooner: this step's lookup
+        (which writes the slots) must not wait for this step's piece, which may be waiting for that lookup."""
+        slab = self.slabs[lid]
+        slab.done = self._slab_decoded[lid][self._slab_turn]
+        cache = getattr(self.slab_tables[lid], "cache", None)
+        if cache is not None:  # writes into the cache's storage wait for this replay's gather
+            cache.note_read(slab.done)
+
+    def finish_lookups(self) -> None:
+        """After a step's lookups, on the engine's thread: each slab's next lookup waits for this step's decode
+        of it (first: the copies out of a slab that ``admit_probed`` queues come after its decode), and the rows
+        read are taken out of the slabs to be cached during the tables' next lookups (``admit_probed``,
+        store/late_caching.py). ``last_step_read``: whether those lookups read any row from disk."""
+        for lid in self.slabs:
+            self._settle_slab(lid)
+        read = [self.slab_tables[lid].admit_probed(self.slabs[lid]) for lid in self.probed]
+        self.last_step_read = any(read)
+
+    def abort_lookups(self, step_id: int) -> None:
+        """A step's lookups failed or will not run: pieces still waiting for a probed layer's flag give up."""
+        for lid in self.probed:
+            cache_probe.signal(self.slabs[lid].probe.flag, step_id, ok=False)
+
+    def check_flags(self, step_id: int, flags: torch.Tensor | None) -> None:
+        """Count the probed layers' statuses (``probe_counts``); raise when one gave up waiting (FAILED)."""
+        if flags is None:
+            return
+        status = flags.tolist()
+        self.probe_counts["waited"] += sum(st == cache_probe.WAITED for st in status)
+        self.probe_counts["found"] += sum(st == cache_probe.FOUND for st in status)
+        layers = [lid for lid, st in zip(self.probed, status) if st == cache_probe.FAILED]
+        if layers:
+            raise RuntimeError(f"step {step_id}: Engram layer(s) {layers} waited for rows their lookup did not "
+                               "deliver (the lookup failed, or the wait gave up after cache_probe.SPIN_LIMIT reads)")

@@ -1,0 +1,94 @@
+"""The piecewise runner: decode steps over host-read tables, each step's lookups paired with its pieces.
+
+The order of a step (``launch``), over the pieces of pieces.py:
+
+1. over slabs with pending tokens (async scheduling), the step's row ids start on their way to the host
+   (``LookupExecutor.start_host_ids``) before anything else, so their copy follows the step before's sampler
+   alone;
+2. the step before's lookups, if they still run in the background, are finished (``settle``): before this
+   step's pieces are queued;
+3. over slabs: the pieces that need no rows are queued (``begin``; all of them when every layer is probed),
+   then the lookups are submitted, reading pages into the slabs. When every layer is probed and the step before
+   read from disk, the lookups run on a thread of their own beside the engine's host work
+   (engine/step_lookups.py), and the pieces wait on the device for the flags they set; else they run inline;
+4. without slabs (hot-row caches over the host tier): the lookups stage rows, copied in before each piece;
+5. ``run`` replays what is left.
+
+The Worker calls ``settle(step_id)`` before it reads a step's tokens and ``check`` after: a failure of the
+step's background lookups is raised there, with the read's own message, before the pieces' FAILED flags.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from engram.engine.lookup import HostIds, LookupExecutor, StagedRows
+from engram.engine.pending import PendingPatch
+from engram.engine.runners.base import Forward, StepRunner
+from engram.engine.step import StepDescription
+from engram.engine.step_lookups import BackgroundLookups
+
+
+class PiecewiseRunner(StepRunner):
+    def __init__(self, pieces, lookup: LookupExecutor, device: torch.device):
+        self.pieces = pieces  # DecodePieces (pieces.py), or a stand-in with its interface
+        self.lookup = lookup
+        self._lookups = BackgroundLookups(device)  # a probed step's lookups, beside the host work
+
+    def covers(self, step: StepDescription) -> bool:
+        return self.pieces.fits(step)
+
+    def launch(self, step: StepDescription, patch: PendingPatch | None) -> Forward:
+        slabs = self.pieces.slabs
+        slab_step = bool(slabs) and set(step.engram_row_ids) <= set(slabs)
+        host_ids = self.lookup.start_host_ids(step, patch) if slab_step and patch is not None else None
+        self.settle()
+        if slab_step:
+            staged = self._submit_slab_step(step, patch, host_ids)
+        else:
+            staged = self.lookup.submit(step, patch, project=False, **({"slabs": slabs} if slabs else {}))
+        try:
+            logits = self.pieces.run(step, staged, patch)  # [S, vocab] float32
+        finally:
+            if staged is not None:
+                staged.release()  # reads of layers a failed step never reached (lookup.py: deferred)
+        return Forward(logits, self.pieces.flags)
+
+    def _submit_slab_step(self, step: StepDescription, patch: PendingPatch | None,
+                          host_ids: HostIds | None) -> StagedRows | None:
+        """Queue the pieces that need no rows, then submit the lookups into the slabs. None when they run in
+        the background (``read_lookups`` releases the staged rows); else the staged rows for ``run``."""
+        whole = self.pieces.probes_all
+        self.pieces.begin(step, patch, whole=whole)
+        staged = None
+        try:
+            staged = self.lookup.submit(step, patch, project=False, slabs=self.pieces.slabs, host_ids=host_ids)
+            # a step whose rows were all cached has lookups shorter than the hand-off to the thread and back
+            if whole and self.pieces.last_step_read:
+                self._lookups.start(step.step_id, functools.partial(self.pieces.read_lookups, step, staged,
+                                                                    after_each=self._lookups.handed_off))
+                return None
+            return staged
+        except BaseException:
+            if whole:  # the queued pieces must not wait for lookups that will not run
+                self.pieces.abort_lookups(step.step_id)
+            if staged is not None:
+                staged.release()
+            raise
+
+    def settle(self, upto: int | None = None) -> None:
+        """Wait for the lookups started in the background (of a step up to ``upto``), then cache what they read,
+        on this thread: the one place a background step's lookups finish."""
+        pending = self._lookups.pending_step
+        if pending is not None and (upto is None or pending <= upto):
+            self._lookups.finish(self.pieces.finish_lookups)
+
+    def check(self, step_id: int, flags: torch.Tensor | None) -> None:
+        failed = self._lookups.error(step_id)
+        if failed is not None:  # its pieces gave up waiting (FAILED flags); the read's own error says why
+            raise failed
+        self.pieces.check_flags(step_id, flags)
+
+    def stats(self) -> dict:
+        return {"graph_replays": self.pieces.replays, "graph_pool_bytes": getattr(self.pieces, "pool_bytes", 0)}
