@@ -7,17 +7,18 @@ raises where it cannot run (``fast``). And a C extension beside a Python referen
 one fact of the process (``available``, e.g. whether ``engram.store._pread_pool`` was built): "auto"
 takes the C path when it is built and otherwise falls back with one warning per switch and process, the
 reference's name forces the fallback, and forcing the C path raises at once when it is not built
-(``set``, ``active``, ``use_fast``). The initial choice comes from an environment variable where the
-switch has one — a debugging switch (ENGRAM_KERNELS, ENGRAM_ATTENTION, ENGRAM_FUSED, ENGRAM_READER), read
-and checked like a ``set`` when the switch is made; tests flip it with ``set``.
+(``set``, ``active``, ``use_fast``). The initial choice of a switch named by ``kernel`` comes from the
+ENGRAM_KERNELS debugging variable (engram/envs.py), checked like a ``set`` when the switch is made; tests
+flip it with ``set``.
 """
 from __future__ import annotations
 
 import functools
 import importlib
-import os
 import warnings
 from typing import Callable
+
+from engram import envs
 
 CHOICES = ("auto", "torch", "triton")
 
@@ -31,7 +32,7 @@ class FastPathSwitch:
     warned once when "auto" falls back to the reference for that reason.
     """
 
-    def __init__(self, what: str, env: str | None = None, choices: tuple[str, str, str] = CHOICES,
+    def __init__(self, what: str, kernel: str | None = None, choices: tuple[str, str, str] = CHOICES,
                  fast: str = "triton", available: Callable[[], bool] | None = None, missing: str = "",
                  fallback_warning: str | None = None):
         if len(choices) != 3 or choices[0] != "auto" or fast not in choices[1:]:
@@ -45,8 +46,8 @@ class FastPathSwitch:
         self.fallback_warning = fallback_warning
         self._warned = False
         self.value = "auto"
-        if env is not None:
-            self.set(os.environ.get(env, "auto"))
+        if kernel is not None:
+            self.set(envs.kernel_choice(kernel))
 
     def set(self, name: str) -> str:
         """Select one of ``choices``; returns the previous choice. ValueError for another name,
@@ -91,14 +92,3 @@ def importable(module: str) -> bool:
     except ImportError:
         return False
     return True
-
-
-def env_flag(name: str, default: bool) -> bool:
-    """A boolean switch from environment variable ``name``: "1" on, "0" off, unset ``default``; any other value
-    raises ValueError naming the variable."""
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    if value not in ("0", "1"):
-        raise ValueError(f"{name}={value!r}: must be 0 or 1")
-    return value == "1"

@@ -22,14 +22,16 @@ import numpy as np
 import torch
 from tokenizers import Regex, Tokenizer, normalizers
 
+from engram import envs
+
 # Bump when the key rules change: cached maps of older rules are then ignored.
 MAP_VERSION = "v1"
 _SENTINEL = "\ue000"
 
 
 def cache_root() -> Path:
-    """Directory for engram's caches (``ENGRAM_CACHE_DIR``, default ~/.cache/engram)."""
-    return Path(os.environ.get("ENGRAM_CACHE_DIR") or Path.home() / ".cache" / "engram")
+    """Directory for engram's caches (``ENGRAM_CACHE_DIR``, default ~/.cache/engram: engram/envs.py)."""
+    return envs.cache_dir()
 
 
 def build_normalizer() -> normalizers.Normalizer:
@@ -87,11 +89,13 @@ def write_cached_map(path: Path, key: str, mapping: np.ndarray) -> None:
 
 def read_cached_map(path: Path, key: str) -> tuple[np.ndarray | None, str]:
     """(the cached map, "") when ``path`` holds an int64 [vocab] map whose checksum matches ``key``; else
-    (None, why it is not used)."""
+    (None, why it is not used). The file is only a cache: whatever reading it raises (a truncated or
+    bit-flipped zip gives BadZipFile, a bad CRC-32, an unsupported compression method, a broken npy
+    header, ...) makes it unusable, never fatal."""
     try:
         with np.load(path, allow_pickle=False) as z:
             mapping, check = z["map"], z["check"]
-    except (OSError, ValueError, KeyError, EOFError) as e:
+    except Exception as e:  # noqa: BLE001 - see the docstring; the checksum below guards what does load
         return None, f"cannot be read ({type(e).__name__}: {e})"
     if mapping.ndim != 1 or mapping.dtype != np.int64:
         return None, f"holds a {mapping.dtype} array of shape {mapping.shape}, not an int64 map"
@@ -131,8 +135,8 @@ class CompressedTokenizer:
             mapping, why = read_cached_map(path, key)
             if mapping is not None:
                 return cls(mapping)
-            warnings.warn(f"engram: compressed-tokenizer cache {path} {why}; rebuilding it", RuntimeWarning,
-                          stacklevel=3)
+            warnings.warn(f"engram: compressed-tokenizer cache {path} is unusable: it {why}; rebuilding it",
+                          RuntimeWarning, stacklevel=3)
         mapping = build_map(load())
         if use_cache:
             try:

@@ -1,8 +1,8 @@
 """Shared output of every `engram bench` command: one JSON file per run and a readable table.
 
-``write_result`` stores ``{"name", "date", "git", "machine", "config", "result"}`` as
-``bench/results/<date>-<name>.json`` (or at a path the caller names), so a number in the docs can always
-be traced to the commit and machine that produced it. ``format_table`` renders a list of dicts as aligned
+``write_result`` stores ``{"name", "date", "git", "machine", "config", "result"}`` at the path the caller
+names (a bench's ``--out``), else as ``<tmp>/engram-bench/<date>-<name>.json``: never into the working tree
+by default. A number in the docs can always be traced to the commit and machine that produced it. ``format_table`` renders a list of dicts as aligned
 text. This module knows nothing about what a bench measures.
 """
 from __future__ import annotations
@@ -14,10 +14,13 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-RESULTS_DIR = Path("bench") / "results"
+from engram import envs
+
+RESULTS_DIR = Path(tempfile.gettempdir()) / "engram-bench"  # where a run without --out goes
 _SOURCE_DIR = Path(__file__).resolve().parent
 
 
@@ -34,7 +37,7 @@ def git_commit(cwd: str | os.PathLike | None = None) -> dict[str, Any]:
         status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
                                 capture_output=True, text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):  # not a checkout, or no git binary
-        return {"commit": os.environ.get("ENGRAM_COMMIT"), "dirty": None}
+        return {"commit": envs.commit(), "dirty": None}
     return {"commit": sha, "dirty": bool(status.strip())}
 
 

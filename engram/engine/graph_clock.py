@@ -9,7 +9,7 @@ stamps again on every replay, so after a replay and a synchronisation ``read()``
 point of the step ran on its stream. ``snapshot()`` after each step's launch keeps every step's stamps
 without a synchronisation per step, so the engine keeps its rhythm. Slots are assigned by name on first
 use, so the same code path at capture and at replay writes the same slots. Each stamp is one tiny launch
-(~2 µs of the stream's time): a diagnosis tool, set only by benchmarks and tests
+(a few microseconds of the stream's time): a diagnosis tool, set only by benchmarks and tests
 (``lookup_stream.CLOCK``), never on a serving path.
 
 On the CPU a stamp takes the host clock at the call (the same API, for what consumes the stamps).

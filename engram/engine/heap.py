@@ -3,8 +3,7 @@
 After import and model load a process holds ~10^5 container objects (functions, classes, dicts of torch
 and the model) that live until exit. Python's full (generation-2) collection walks all of them; with
 an engine allocating per-step objects it runs every few hundred steps, and each run stalls the step
-loop for tens of milliseconds (measured with ``scripts/bench_engine_host.py``: 66–103 ms pauses at batch
-256 on the CI machine, a step costing 7–9 ms). ``freeze_startup_heap`` collects once and moves what is
+loop for far longer than a step (benchmarks/engine_host.py measures it). ``freeze_startup_heap`` collects once and moves what is
 alive into the permanent generation (``gc.freeze``, as vLLM's engine core does after start-up); the
 collector then walks only what the steps allocate. Objects frozen are never collected as cycles (plain
 reference counting still frees them): call it when the process is the engine's (``engram serve``,

@@ -18,7 +18,7 @@ engine re-runs it.
 
 The GIL: the lookup thread holds it only between its C reads (numpy bookkeeping, the plan, the flag), but each
 time it wants it back it waits until the engine's thread lets go, and a thread running Python lets go only
-every ``sys.getswitchinterval()`` (5 ms by default), which would stretch every read's hand-off to milliseconds
+every ``sys.getswitchinterval()`` (five milliseconds by default), which would stretch every read's hand-off to milliseconds
 (docs/disk.md). So the first ``start`` lowers the interpreter's switch interval to ``SWITCH_INTERVAL_S`` (never
 raises it; logged once), and so does a Worker with disk tables, whose later layers read on their tables'
 threads. It costs a thread running alone nothing: the interval only matters when another thread waits for the

@@ -68,8 +68,8 @@ class StepPipeline:
 
     def _async(self) -> bool:
         """Async scheduling: asked for, or (auto) on CUDA wherever the Workers take steps with tokens left on
-        the device (every tier: host-read tables wait for those tokens inside the launch, which the H200 A/B
-        measured as faster than reading the step before: disk 7.22 vs 7.55 ms at batch 1)."""
+        the device (every tier: host-read tables wait for those tokens inside the launch, which measured
+        faster than reading the step before: docs/log.md)."""
         c = self.config.async_scheduling
         if c is not None:
             return c

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import zip_longest
 
+from engram import envs
 from engram.parallel.pp_graph import SharingEdge, SharingGraph, sharing_graph
 
 PARTITION_ENV = "ENGRAM_PP_LAYER_PARTITION"
@@ -214,7 +215,7 @@ def plan_pipeline(config: str | os.PathLike | dict | SharingGraph, pp: int,
     """Plan ``pp`` stages for a config (path, dict or an already built SharingGraph).
 
     ``partition`` (layers per stage, a sequence or "a,b,...") wins over ``ENGRAM_PP_LAYER_PARTITION`` in
-    ``env`` (default os.environ); without either, the planner chooses. Config errors and malformed
+    ``env`` (default the process's: engram/envs.py); without either, the planner chooses. Config errors and malformed
     partitions raise ValueError; a partition that cuts a sharing edge, or a pp larger than the legal cuts
     allow, raises NotImplementedError."""
     graph = config if isinstance(config, SharingGraph) else sharing_graph(config)
@@ -223,10 +224,10 @@ def plan_pipeline(config: str | os.PathLike | dict | SharingGraph, pp: int,
     if pp > graph.num_layers:
         raise ValueError(f"pp={pp}: more stages than num_hidden_layers={graph.num_layers}")
     per_layer = layer_costs(graph, costs, engram_cost)
-    env = os.environ if env is None else env
+    raw = (envs.pp_layer_partition() if env is None else env.get(PARTITION_ENV)) or ""
     origin = "planner"
-    if partition is None and env.get(PARTITION_ENV, "").strip():
-        partition, origin = parse_partition(env[PARTITION_ENV], PARTITION_ENV), PARTITION_ENV
+    if partition is None and raw.strip():
+        partition, origin = parse_partition(raw, PARTITION_ENV), PARTITION_ENV
     elif isinstance(partition, str):
         partition, origin = parse_partition(partition), "partition"
     elif partition is not None:

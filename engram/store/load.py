@@ -8,7 +8,8 @@ checksum chunks, pread them from the page cache straight into the destination (o
 buffer when rows are rearranged), CRC them and move on, so no second full copy of the table is ever held;
 a device target is read the same way into two pinned windows whose copies overlap the next window's reads.
 A bad chunk raises TableFormatError naming
-the file and the chunk's byte offset, and nothing loaded so far is kept (nor pinned).
+the file and the chunk's byte offset (for values.bin, the first page of the chunk that fails its CRC32C, as
+the disk tier names it), and nothing loaded so far is kept (nor pinned).
 
 engram/store/build.py returns the same tensors for a table whose rows are made in memory instead of read
 from files, through this module's host buffers and device windows.
@@ -53,7 +54,8 @@ def _pread_into(fd: int, buf: torch.Tensor, off: int, path, size: int) -> None:
     while got < len(mv):
         r = os.preadv(fd, [mv[got:]], off + got)
         if not r:
-            raise TableFormatError(path, off + got, f"truncated while loading (expected {size} bytes)")
+            raise TableFormatError(path, off + got, f"truncated while loading: the file is {os.fstat(fd).st_size} "
+                                                    f"bytes now, the manifest says {size}")
         got += r
 
 
@@ -90,6 +92,9 @@ class _FileFill:
                  base: int = 0, only: range | None = None) -> None:
         self.entry = m.files[kind]
         self.path = m.path / self.entry.name
+        # values.bin's page CRCs (the sidecar) name the bad page when a chunk fails: (sidecar path, page size)
+        crcs = m.files.get("page_crc") if kind == "values" else None
+        self.pages = (m.path / crcs.name, m.page_size) if crcs is not None else None
         self.chunk_bytes = m.chunk_bytes
         self.flat, self.fstride, self.base, self.only = flat, fstride, base, only
         self.pad = pad.numpy() if pad is not None else None  # [rows, k] view
@@ -115,10 +120,36 @@ class _FileFill:
             if bar is not None:
                 bar.update(k)
         if verify and crc != self.entry.crc32[i]:
-            raise checksum_error(self.path, i, off, n)
+            raise self._checksum_error(fd, i, off, n)
         if self.pad is not None and self.pad.shape[1]:
             rows = self.pad.shape[0]
             self.pad[min(rows, -(-off // self.fstride)):min(rows, -(-(off + n) // self.fstride))] = 0
+
+
+    def _checksum_error(self, fd: int, i: int, off: int, n: int) -> TableFormatError:
+        """Chunk ``i`` failed its CRC32: the error (CorruptPageError, as the disk tier's) names its first page
+        that fails the page CRC32C too, when the file has page CRCs and they find one (the chunk's bytes are
+        read again to look)."""
+        err = checksum_error(self.path, i, off, n)
+        if self.pages is None:
+            return err
+        from engram.store.crc32c import crc32c_pages
+        from engram.store.page_crc import CorruptPageError, page_error
+
+        sidecar, page_size = self.pages
+        first, count = off // page_size, n // page_size
+        try:
+            with open(sidecar, "rb") as f:
+                f.seek(first * 4)
+                stored = np.frombuffer(f.read(count * 4), dtype="<u4")  # [count]
+            got = crc32c_pages(np.frombuffer(os.pread(fd, count * page_size, off), dtype=np.uint8), page_size)
+        except OSError:
+            return err
+        if len(stored) != count or len(got) != count or not (bad := np.flatnonzero(stored != got)).size:
+            return err
+        k = int(bad[0])
+        page = page_error(self.path, first + k, page_size, int(stored[k]), int(got[k]))
+        return CorruptPageError(self.path, page.offset, f"{page.why}; {err.why}")
 
 
 def _fill(fills: list[_FileFill], verify: bool, threads: int, bar) -> None:

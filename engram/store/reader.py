@@ -7,7 +7,7 @@ read); without the extension (no compiler at install time) a pure-Python thread 
 identical bytes, with one warning per process. ``io="direct"`` opens the file with
 O_DIRECT (reads bypass the page cache; buffers must be page-aligned, see ``aligned_pages``) and
 ``io="buffered"`` goes through the page cache. Any failed, short or stale read raises ``DiskReadError``
-naming the file and byte offset; only that call fails, the next one reads afresh. ``ENGRAM_READER``
+naming the file and byte offset; only that call fails, the next one reads afresh. ``ENGRAM_KERNELS=reader=...``
 (auto|c|python, checked at import; engram/fast_path.py) sets the initial backend; tests flip it with
 ``set_backend("python")`` and inject faults through ``PageReader.fault_hook``.
 """
@@ -42,7 +42,7 @@ else:
     _IMPORT_ERROR = None
 
 SWITCH = FastPathSwitch(
-    "reader backend", "ENGRAM_READER", BACKENDS, fast="c", available=lambda: _pread_pool is not None,
+    "reader backend", "reader", BACKENDS, fast="c", available=lambda: _pread_pool is not None,
     missing=f"the C reader engram.store._pread_pool is not built: {_IMPORT_ERROR}",
     fallback_warning=f"engram: the C disk reader is not built ({_IMPORT_ERROR}); using the slower pure-Python "
                      "thread-pool reader (reinstall with a C compiler to build csrc/pread_pool.c)")
@@ -69,10 +69,16 @@ def on_read_start(hook: Callable[[], None] | None) -> Callable[[], None] | None:
 
 
 class DiskReadError(OSError):
-    """A page read failed: ``path``, byte ``offset``, ``errno`` (0 for a short or stale read)."""
+    """A page read failed: ``path``, byte ``offset``, ``errno`` (0 for a short or stale read, whose message
+    then carries no "[Errno 0]")."""
 
     def __init__(self, path: str, offset: int, err: int, detail: str):
-        super().__init__(err, f"{path}: read at byte offset {offset} failed: {detail}")
+        message = f"{path}: read at byte offset {offset} failed: {detail}"
+        if err:
+            super().__init__(err, message)
+        else:
+            super().__init__(message)
+            self.errno = 0
         self.path, self.offset = path, offset
 
 
@@ -200,6 +206,14 @@ def aligned_pages(n: int, pin: bool = False) -> torch.Tensor:
     return raw[skip:skip + n * PAGE].view(n, PAGE)  # keeps `raw` alive through the view's storage
 
 
+def _file_bytes(fd: int) -> int | str:
+    """The size of the open file now (a short read means it shrank since it was opened)."""
+    try:
+        return os.fstat(fd).st_size
+    except OSError as e:
+        return f"unknown ({e.strerror})"
+
+
 class PageReader:
     """Reads whole pages of one file through a shared queue_depth-wide pool.
 
@@ -310,7 +324,7 @@ class PageReader:
         if res is not None:
             i, err, got = res
             detail = (f"[Errno {err}] {os.strerror(err)}" if err else
-                      f"short read: {got} of {size} bytes (file is {self._size} bytes)")
+                      f"short read: {got} of {size} bytes (file is {_file_bytes(fd)} bytes now)")
             raise DiskReadError(self.path, int(offsets[i]), err, detail)
         if crcs is not None and not in_pool:  # the Python pool: checksummed here, after the reads
             crcs[: n * (size // crc_page)] = crc32c_pages(buf.reshape(-1)[: n * size], crc_page)

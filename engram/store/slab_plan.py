@@ -10,7 +10,7 @@ rows_per_page); ``slots[:N]`` that row for every id asked. Returns (P, U).
 when all match, puts each distinct id's scale bytes (``scales``: uint8 [rows, scale_cols] or None) at its
 buffer row of ``slab.scales``. Returns (bad pages, index of the first or -1).
 
-The C versions run when the reader backend is "c" (engram.store.reader: ``ENGRAM_READER``, built with the
+The C versions run when the reader backend is "c" (engram.store.reader: ``ENGRAM_KERNELS=reader=...``, built with the
 pread pool); the numpy ones are the reference and give the same arrays (tests/unit/test_slab_plan.py).
 """
 from __future__ import annotations

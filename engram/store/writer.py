@@ -4,15 +4,20 @@
 the per-chunk CRC32s on the fly in a background thread that also does the writes (both release the GIL, so
 producing the next chunk overlaps them), then writes manifest.json last, fsyncs and renames the directory
 into place. A crash or an exception leaves no table at the target. ``write_table`` writes in-memory
-tensors through it.
+tensors through it. The temporary directories name their writer (``.NAME.partial-HOST-PID-N``, and
+``.NAME.old-HOST-PID-N`` for a replaced table until it is deleted), so the next writer in the same directory
+removes those of writers that died before finishing (kill -9, a crash): ``remove_stale_partials``.
 """
 from __future__ import annotations
 
 import os
 import queue
+import re
 import shutil
+import socket
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -162,7 +167,8 @@ class TableWriter:
         self.chunk_bytes, self.sync = chunk_bytes, sync
         self.written = 0
         self.target.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = self.target.parent / f".{self.target.name}.partial-{os.getpid()}-{time.monotonic_ns()}"
+        remove_stale_partials(self.target.parent)
+        self.tmp = self.target.parent / f".{self.target.name}.partial-{_owner()}"
         self.tmp.mkdir()
         self._values = _FileSink(self.tmp / VALUES_FILE, chunk_bytes, sync, page_size=PAGE_SIZE)
         self._scales = _FileSink(self.tmp / SCALES_FILE, chunk_bytes, sync) if self.scale_cols else None
@@ -291,13 +297,71 @@ def _install(tmp: Path, target: Path, sync: bool) -> None:
     _check_target(target)
     old = None
     if target.exists():
-        old = target.parent / f".{target.name}.old-{os.getpid()}-{time.monotonic_ns()}"
+        old = target.parent / f".{target.name}.old-{_owner()}"
         os.rename(target, old)
     os.rename(tmp, target)
     if sync:
         fsync_dir(target.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# .NAME.partial-HOST-PID-N / .NAME.old-HOST-PID-N (and HOST- missing in directories of older writers)
+_TEMP_DIR = re.compile(r"\.(?P<name>.+)\.(?P<kind>partial|old)-(?:(?P<host>[A-Za-z0-9_]+)-)?(?P<pid>\d+)-\d+")
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())[:64] or "host"
+
+
+def _owner() -> str:  # HOST-PID-N of a temporary directory this process makes (N tells them apart)
+    return f"{_host()}-{os.getpid()}-{time.monotonic_ns()}"
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` of this machine is alive (a zombie is not: it can never finish a table)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def remove_stale_partials(directory: str | os.PathLike) -> list[Path]:
+    """Clean up after writers in ``directory`` that died before finishing: each ``.NAME.partial-*`` (an
+    unfinished table) whose writer is no longer running on this machine is removed, and so is each such
+    ``.NAME.old-*`` (a table being replaced) once NAME exists; an ``.old`` whose NAME is missing (the writer
+    died between its two renames) is renamed back to NAME, the table it was. Directories of writers on other
+    machines (their HOST) or still running are left alone. Each action is reported with a RuntimeWarning
+    naming the directory, its size and the writer; returns the directories removed or restored."""
+    root, here, done = Path(directory), _host(), []
+    for path in sorted(root.iterdir(), key=lambda p: ".old-" not in p.name):  # restore before removing
+        m = _TEMP_DIR.fullmatch(path.name)
+        if m is None or not path.is_dir() or (m["host"] or here) != here or _running(int(m["pid"])):
+            continue
+        target = root / m["name"]
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+        writer = f"process {m['pid']}, which is no longer running"
+        try:
+            if m["kind"] == "old" and not target.exists():
+                os.rename(path, target)
+                msg = f"restored the table {target} from {path.name} ({size} bytes), left by {writer}"
+            else:
+                shutil.rmtree(path)
+                msg = (f"removed {path} ({size} bytes): "
+                       f"{'an unfinished' if m['kind'] == 'partial' else 'a replaced'} table left by {writer}")
+        except OSError as e:  # another process cleaned it up first, or it is not ours to remove
+            msg, path = f"could not clean up {path}: {e}", None
+        warnings.warn(f"engram: {msg}", RuntimeWarning, stacklevel=2)
+        if path is not None:
+            done.append(path)
+    return done
 
 
 def write_table(directory: str | os.PathLike, values: torch.Tensor, scales: torch.Tensor | None = None,

@@ -3,27 +3,24 @@
 
 The torch code here is the reference (any device, any dtype, float64 included) and what the CPU runs; on
 CUDA, for bf16 / fp16 / fp32 tensors, the Triton kernels of fused_triton.py take over (one launch each
-instead of five to ten). ``set_backend("torch")`` (or ``ENGRAM_FUSED=torch``, a debugging switch)
+instead of five to ten). ``set_backend("torch")`` (or ``ENGRAM_KERNELS=fused=torch``, a debugging switch)
 forces the reference; "triton" insists on the fast path.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 
 from engram.fast_path import FastPathSwitch, importable
-from engram.model.layers.split_linear import Partials
 
-SWITCH = FastPathSwitch("fused-op backend", "ENGRAM_FUSED")
+SWITCH = FastPathSwitch("fused-op backend", "fused")
 FAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-# The fused v41 Engram gate (fused_triton.engram_gate_v41) has its own switch, ENGRAM_FUSED_GATE ("auto"
-# unless set; "torch" forces the reference): its parity test is tests/gpu/test_fused_gate.py.
-GATE_SWITCH = FastPathSwitch("Engram gate backend")
-GATE_SWITCH.set(os.environ.get("ENGRAM_FUSED_GATE", "auto"))
+# The fused v41 Engram gate (fused_triton.engram_gate_v41) has its own switch ("gate" in ENGRAM_KERNELS):
+# its parity test is tests/gpu/test_fused_gate.py.
+GATE_SWITCH = FastPathSwitch("Engram gate backend", "gate")
 
 
 def engram_gate_fast(x: torch.Tensor, kv: torch.Tensor) -> bool:
@@ -55,18 +52,10 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * xf.to(dtype)
 
 
-def add_rms_norm(x: torch.Tensor, r: torch.Tensor | Partials, w: torch.Tensor,
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + r, rms_norm(x + r)): a residual add and the next norm in one launch on the fast path, where
-    the sum is bitwise the reference's (rounded to x's dtype before the norm). ``r`` may be a projection's
-    float32 partials (split_linear.Partials), summed first as ``Partials.total`` does."""
-    if isinstance(r, Partials):
-        if (_fast(x) and x.dim() == 2 and x.stride(-1) == 1 and r.parts.is_contiguous() and r.dtype == x.dtype
-                and r.shape == x.shape):
-            from engram.model.layers import fused_triton
-
-            return fused_triton.add_rms_norm(x, r.parts, w, eps, parts=True)
-        r = r.total()
+    the sum is bitwise the reference's (rounded to x's dtype before the norm)."""
     if _fast(x) and x.stride(-1) == 1 and r.stride(-1) == 1 and r.dtype == x.dtype and r.shape == x.shape:
         from engram.model.layers import fused_triton
 

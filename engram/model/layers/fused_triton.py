@@ -36,8 +36,8 @@ def pdl_enter(USE_PDL: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(X, W, Y, R, S, n, eps, s_x, s_y, s_r, s_s, s_part, BLOCK: tl.constexpr, ADD: tl.constexpr,
-                     PARTS: tl.constexpr, USE_PDL: tl.constexpr):
+def _rms_norm_kernel(X, W, Y, R, S, n, eps, s_x, s_y, s_r, s_s, BLOCK: tl.constexpr, ADD: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK)
     mask = c < n
@@ -46,10 +46,6 @@ def _rms_norm_kernel(X, W, Y, R, S, n, eps, s_x, s_y, s_r, s_s, s_part, BLOCK: t
     x = tl.load(X + row * s_x + c, mask=mask, other=0.0)
     if ADD:  # x + r rounded to x's dtype (what torch's add stores), kept, then normalised
         r = tl.load(R + row * s_r + c, mask=mask, other=0.0)
-        if PARTS > 0:  # r: float32 partials [PARTS, M, N], summed in order and rounded (Partials.total)
-            for i in tl.static_range(1, PARTS):
-                r = r + tl.load(R + i * s_part + row * s_r + c, mask=mask, other=0.0)
-            r = r.to(x.dtype)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(S + row * s_s + c, x, mask=mask)
     x = x.to(tl.float32)
@@ -191,29 +187,23 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return _rms_norm(x, None, w, eps)[1]
 
 
-def add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float,
-                 parts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, r [M, N] (last dims contiguous, x's dtype) -> (x + r, rms_norm(x + r)), one launch. With ``parts``,
-    r is float32 partials [P, M, N] (contiguous) of a projection (split_linear.Partials), summed first."""
-    return _rms_norm(x, r, w, eps, parts)
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, r [M, N] (last dims contiguous, x's dtype) -> (x + r, rms_norm(x + r)), one launch."""
+    return _rms_norm(x, r, w, eps)
 
 
-def _rms_norm(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float, parts: bool = False):
+def _rms_norm(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float):
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     y = torch.empty_like(x2)
     s = torch.empty_like(x2) if r is not None else y
     if r is None:
         r2 = x2  # not read (ADD is off)
-    elif parts:
-        r2 = r  # float32 partials [P, M, N]: slice stride r2.stride(0), row stride r2.stride(1)
     else:
         r2 = r.reshape(-1, n)
-    s_r = r2.stride(-2)
     if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, w, y, r2, s, n, eps, x2.stride(0), y.stride(0), s_r, s.stride(0),
-                                         r2.stride(0) if parts else 0, BLOCK=triton.next_power_of_2(n),
-                                         ADD=r is not None, PARTS=r2.shape[0] if parts else 0,
+        _rms_norm_kernel[(x2.shape[0],)](x2, w, y, r2, s, n, eps, x2.stride(0), y.stride(0), r2.stride(0), s.stride(0),
+                                         BLOCK=triton.next_power_of_2(n), ADD=r is not None,
                                          num_warps=4 if n <= 2048 else 8, **launch_options(x.device))
     return (s.view(x.shape) if r is not None else None), y.view(x.shape)
 

@@ -5,7 +5,7 @@ The torch path (``paged_attention_reference``) is the reference and the float64 
 sequence at a time with a causal mask offset by the tokens already cached (SDPA; enable_gqa, no K/V
 copies). On CUDA, for bf16 / fp16 / fp32, the Triton kernels of paged_attention_triton.py read K/V in
 place through the block table (split-KV decode, varlen causal prefill). ``set_backend("torch")`` (or
-``ENGRAM_ATTENTION=torch``, a debugging switch) forces the reference; "triton" insists on the fast path.
+``ENGRAM_KERNELS=attention=torch``, a debugging switch) forces the reference; "triton" insists on the fast path.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from engram.fast_path import FastPathSwitch, importable
 from engram.model.kv_cache import KVCache
 
-SWITCH = FastPathSwitch("attention backend", "ENGRAM_ATTENTION")
+SWITCH = FastPathSwitch("attention backend", "attention")
 FAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PREFILL_BLOCK_M = 64  # queries per program of the Triton prefill kernel (AttentionMetadata tiles by it)
 

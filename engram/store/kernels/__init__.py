@@ -16,7 +16,7 @@ import torch
 from engram.fast_path import FastPathSwitch
 from engram.store.kernels import reference
 
-SWITCH = FastPathSwitch("kernel backend", "ENGRAM_KERNELS")
+SWITCH = FastPathSwitch("kernel backend", "gather")
 
 
 def set_backend(name: str) -> str:

@@ -39,7 +39,7 @@ import torch
 from engram.store.kernels import triton_available
 
 HASH_MUL = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64: store/cache.py's set hash
-SPIN_LIMIT = 20_000_000  # reads of the pinned flag (~1 us each over PCIe) before a wait gives up
+SPIN_LIMIT = 20_000_000  # reads of the pinned flag (each a PCIe round trip) before a wait gives up
 FOUND, WAITED, FAILED = 0, 1, 2  # a resolve's status
 SLOTS, ROWS, RUNS = 0, 1, 2  # the host plan's rows: cache slot, row in the slab's pages, run (i: read, -1: cached)
 

@@ -1,10 +1,9 @@
-"""Tile shape and grid of a Triton gather launch, with the environment override used by sweeps.
+"""Tile shape and grid of a Triton gather launch, and the parser of a sweep's config flag.
 
 Kept apart from triton_gather.py so that it imports (and is validated) on machines without triton.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 
@@ -53,11 +52,8 @@ def spread_programs(n_tiles: int, tiles_per_program: int) -> int:
     return min(n_tiles, max(SPREAD_MIN_PROGRAMS, -(-n_tiles // tiles_per_program)))
 
 
-def config_from_env() -> LaunchConfig:
-    """ENGRAM_GATHER_CONFIG="block_r,num_warps,programs_per_sm[,stream]" overrides the default (sweeps)."""
-    spec = os.environ.get("ENGRAM_GATHER_CONFIG")
-    if not spec:
-        return LaunchConfig()
+def parse_config(spec: str) -> LaunchConfig:
+    """A gather launch config from "block_r,num_warps,programs_per_sm[,0|1]" (a benchmark's sweep flag)."""
     parts = spec.split(",")
     try:
         if len(parts) not in (3, 4):
@@ -65,5 +61,5 @@ def config_from_env() -> LaunchConfig:
         b, w, p = (int(x) for x in parts[:3])
         stream = bool(int(parts[3])) if len(parts) == 4 else False
     except ValueError as e:
-        raise ValueError(f"ENGRAM_GATHER_CONFIG={spec!r} must be 'block_r,num_warps,programs_per_sm[,0|1]'") from e
+        raise ValueError(f"gather config {spec!r} must be 'block_r,num_warps,programs_per_sm[,0|1]'") from e
     return LaunchConfig(b, w, p, stream)

@@ -1,9 +1,9 @@
 """Rows of a pinned host table gathered by the CPU into pinned staging and sent to the GPU in chunks.
 
 The ``host`` tier's second route beside UVA (uva.py). On the device machine a UVA read of a random row
-costs a host-side address translation that grows with the span of host memory the batch touches (26 ns
-per row over 32 GiB against 5 ns within 256 MiB, the same with 4 KiB, huge-page and 2 MiB cuMemCreate
-mappings: docs/benchmarks.md), while the CPU gathers random rows at ~40 GB/s and the copy engine moves a
+costs a host-side address translation that grows with the span of host memory the batch touches (several
+times more per row over tens of GiB than within a few hundred MiB, the same with 4 KiB, huge-page and 2 MiB
+cuMemCreate mappings: docs/store.md), while the CPU gathers random rows at ~40 GB/s and the copy engine moves a
 contiguous buffer at the PCIe rate. So: CPU threads ``index_select`` chunk after chunk of rows into a
 pinned buffer; each chunk's host-to-device copy is queued on a side stream as soon as it is gathered, so
 copies overlap the next chunk's gather; the GPU then dequantizes the staged packed rows with the HBM

@@ -16,14 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
-from engram.store.kernels.launch_config import LaunchConfig, config_from_env, spread_programs
+from engram.store.kernels.launch_config import LaunchConfig, spread_programs
 from engram.store.kernels.reference import ROW_TORCH_DTYPES
 
 ROW_KINDS = {"mxfp8": 0, "bf16": 1, "fp16": 2, "fp32": 3}
 OUT_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
-CONFIG = config_from_env()
+CONFIG = LaunchConfig()
 _SM_COUNT: dict[int, int] = {}
 
 

@@ -1,0 +1,59 @@
+"""Every environment variable engram reads, in one place: debugging and deployment switches, never settings.
+
+Settings (tiers, caches, overlap, scheduling limits) are typed objects passed down (EngineConfig,
+RuntimeOptions, StoreOptions); what is left here changes how a process finds its files or which
+implementation of a fast path it runs, and the outputs of every choice are tested equal. Each variable is
+listed in ``VARIABLES`` and documented in docs/config.md (a test keeps the two in step and fails on any
+``ENGRAM_*`` name read elsewhere in the package).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+VARIABLES = {
+    "ENGRAM_CACHE_DIR": "root of engram's caches: preset tables, the compressed-tokenizer maps "
+                        "(default ~/.cache/engram)",
+    "ENGRAM_KERNELS": "fast path or reference per kernel: 'auto' | 'torch' | 'triton' for every Triton kernel, or "
+                      "a comma list of kernel=choice over gather, attention, fused, gate (auto|torch|triton) and "
+                      "reader (auto|c|python); default auto",
+    "ENGRAM_PP_LAYER_PARTITION": "layers per pipeline stage, 'a,b,...' (the planner chooses when unset; "
+                                 "an explicit partition argument wins)",
+    "ENGRAM_COMMIT": "the commit benchmark JSON records when the tree is not a git checkout (a copied tree)",
+}
+TRITON_KERNELS = ("gather", "attention", "fused", "gate")
+KERNELS = TRITON_KERNELS + ("reader",)
+
+
+def cache_dir() -> Path:
+    """The root of engram's caches."""
+    return Path(os.environ.get("ENGRAM_CACHE_DIR") or Path.home() / ".cache" / "engram")
+
+
+def kernel_choice(kernel: str) -> str:
+    """The ENGRAM_KERNELS choice for ``kernel`` (one of KERNELS): "auto" unless set. A malformed value raises
+    ValueError naming the variable; the choice itself is checked by the kernel's switch."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; known: {list(KERNELS)}")
+    spec = os.environ.get("ENGRAM_KERNELS", "").strip()
+    if not spec:
+        return "auto"
+    if "=" not in spec:
+        if spec not in ("auto", "torch", "triton"):
+            raise ValueError(f"ENGRAM_KERNELS={spec!r}: must be auto, torch, triton or a list kernel=choice")
+        return spec if kernel in TRITON_KERNELS else "auto"
+    choices = {}
+    for part in spec.split(","):
+        name, sep, value = part.strip().partition("=")
+        if not sep or name not in KERNELS or not value:
+            raise ValueError(f"ENGRAM_KERNELS={spec!r}: {part!r} is not kernel=choice with kernel in {list(KERNELS)}")
+        choices[name] = value
+    return choices.get(kernel, "auto")
+
+
+def pp_layer_partition() -> str | None:
+    return os.environ.get("ENGRAM_PP_LAYER_PARTITION")
+
+
+def commit() -> str | None:
+    return os.environ.get("ENGRAM_COMMIT")
