@@ -1,7 +1,7 @@
 """The README runs as written, from the repository root of a clone after `make run`, in a shell whose PATH
-does not have the venv on it: the API tour, every shell command (cheap ones for real, the others with
-``--help``, which still checks the program exists and parses every option given before it), and every
-command the command table names. Commands that need a running server (curl, the openai snippet) run in
+does not have the venv on it: the API tour, every command of its ```sh blocks (cheap ones for real, the
+others with ``--help``, which still checks the program exists and parses every option given before it), and
+every command the command table names. ```console blocks (a GPU, a checkpoint, long runs) are not run. Commands that need a running server (curl, the openai snippet) run in
 tests/integration/test_server_readme.py; a README command no test knows how to run fails here."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 ENGRAM = ".venv/bin/engram"
 # `.venv/bin/engram SUBCOMMAND FIRST_ARG` lines cheap enough to run for real in a test; the rest get --help.
-RUN_FOR_REAL = {("generate", "tiny"), ("convert", "--random"), ("inspect", "--verify")}
+RUN_FOR_REAL = {("generate", "tiny"), ("convert", "--random"), ("inspect", "--verify"), ("inspect", "--preset")}
 NEEDS_SERVER = {"curl"}  # run against a real server by tests/integration/test_server_readme.py
 
 
@@ -28,10 +28,10 @@ def code_blocks(text: str, lang: str) -> list[str]:
 
 
 def shell_commands(text: str) -> list[list[str]]:
-    """argv of every README command: each line of a ```bash block (backslash continuations joined, comments
+    """argv of every README command: each line of a ```sh block (backslash continuations joined, comments
     dropped) and each inline code span that starts with ``make `` or ``.venv/bin/``."""
     commands = []
-    for block in code_blocks(text, "bash"):
+    for block in code_blocks(text, "sh"):
         for line in block.replace("\\\n", " ").splitlines():
             argv = shlex.split(line, comments=True)
             if argv:
@@ -80,6 +80,12 @@ def test_readme_api_tour_runs():
     exec(compile(code, "README.md:api-tour", "exec"), {})
 
 
+def test_readme_fences_follow_the_convention():
+    """```sh runs on a CPU machine as written, ```console needs a GPU or a long run, ```python is executed."""
+    fences = re.findall(r"^```(.*)$", README, re.M)[0::2]  # opening fences; the closing ones alternate
+    assert fences and set(fences) <= {"sh", "console", "python"}, fences
+
+
 def test_readme_keeps_the_two_command_setup():
     first = shell_commands(README)[:2]
     assert first == [["make", "run"], ["make", "test"]], first
@@ -110,8 +116,10 @@ def test_every_readme_shell_command_runs_as_written(fresh_shell_env, tmp_path):
             assert "usage:" in r.stdout.lower(), (shown, r.stdout[:300])
         elif argv[1] == "generate":
             assert "tok/s" in r.stdout, (shown, r.stdout[-500:])
-        elif argv[1] == "inspect":
+        elif argv[1:3] == ["inspect", "--verify"]:
             assert "crc" in r.stdout.lower(), (shown, r.stdout[-500:])
+        elif argv[1] == "inspect":
+            assert "GiB" in r.stdout, (shown, r.stdout[-500:])
 
 
 def test_a_bare_engram_command_would_fail_that_test(fresh_shell_env):
