@@ -1,6 +1,6 @@
 """Decode attention (Triton split-KV) against its bandwidth limit, over launch configurations (CUDA only).
 
-    python scripts/bench_decode_attention.py [--batch-sizes 1,64,256] [--context 530] [--max-len 2064]
+    python -m benchmarks.decode_attention [--batch-sizes 1,64,256] [--context 530] [--max-len 2064]
         [--block-n 32,64,128] [--programs 1024,4096,8192] [--warps 4,8] [--stages default,2,3]
 
 One layer of the 4b-like shape by default (32 query heads, 8 KV heads, head dim 128, bf16, 16-token

@@ -2,7 +2,7 @@
 detokenize) with an executor that does no device work, so it runs anywhere and measures only the Python
 the engine adds per step; with and without the start-up heap frozen (engram/engine/heap.py).
 
-    python scripts/bench_engine_host.py [--preset 4b-like] [--batch-sizes 64,256] [--steps 200]
+    python -m benchmarks.engine_host [--preset 4b-like] [--batch-sizes 64,256] [--steps 200]
 
 Each batch decodes ``--context``-token prompts; the fake executor returns a token per sampling sequence at
 once. Prints a JSON line per point and a table: per-step mean / median / p90 / max milliseconds, and the

@@ -4,8 +4,8 @@ Measures, on one CUDA device: the copy limits (device-to-device, counting bytes 
 host-to-device; a uint8 -> bf16 stream), an empty Triton launch, the Triton gather of MXFP8 V4.1 rows
 (264 B in, 512 B bf16 out) from an HBM table, uniform and Zipf ids, beside torch baselines and a small
 launch-config sweep; the pinned-host parts (pinning methods, host-tier routes, the UVA probe) live in
-engram.bench.host_lookup. Prints a table and writes every number as JSON (``--out``). GPU only.
-Run: ``python -m engram.bench.gpu_lookup --out bench/results/<date>-gpu-lookup.json``.
+benchmarks.host_lookup. Prints a table and writes every number as JSON (``--out``). GPU only.
+Run from the repository root: ``python -m benchmarks.gpu_lookup [--out FILE.json]``.
 """
 from __future__ import annotations
 
@@ -33,14 +33,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parts", default="hbm,overhead,pin,uva",
                    help="comma list of: hbm, sweep (launch configs), overhead (host µs per call), pin (pinning "
                         "methods: time and UVA speed), uva (main host table, all sizes), probe (where UVA time "
-                        "goes: engram.bench.uva_probe)")
+                        "goes: benchmarks.uva_probe)")
     p.add_argument("--cpu-threads", type=int, default=16, help="threads of the probe's CPU-gather route")
     p.add_argument("--host-layout", default="packed", choices=("packed", "split"),
                    help="layout of the uva part's host table (packed: the host tier's default)")
     p.add_argument("--probe", default="window,graph,layout,cpu,vmm", help="sub-parts of the probe part")
     p.add_argument("--pin-methods", default="register-4k,register-thp,alloc,torch",
                    help="pinning variants for the pin part (torch = torch.empty(pin_memory=True))")
-    p.add_argument("--out", default=None, help="JSON path (default: bench/results/<date>-gpu-lookup.json)")
+    p.add_argument("--out", default=None, help="JSON path (default: a fresh file in a temporary directory)")
 
 
 def _bench(fn, rep_ms: int) -> float:
@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
         result["overhead_us_per_call"] = overhead()
     if "hbm" in args.parts:
         result["hbm"] = hbm(args, lim)
-    from engram.bench import host_lookup
+    from benchmarks import host_lookup
     if "pin" in args.parts:
         result["pin"] = host_lookup.pin_part(args, lim)
     if "uva" in args.parts:

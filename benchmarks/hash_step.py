@@ -1,7 +1,7 @@
 """Host time of one engine step's hashing: NgramHasher.hash_step (numpy on CPU tensors) against
 hash_step_reference (the torch ops), on a preset's Engram layout.
 
-    python scripts/bench_hash_step.py [--preset 4b-like] [--shapes 1x1,64x64,2048x1,2048x8]
+    python -m benchmarks.hash_step [--preset 4b-like] [--shapes 1x1,64x64,2048x1,2048x8]
 
 A shape TxS is T tokens over S sequences of equal chunk lengths (64x64 = a decode step of batch 64,
 2048x1 = one prefill chunk). Prints the best of --repeat timeit rounds, in microseconds per call.

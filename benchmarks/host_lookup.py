@@ -3,17 +3,18 @@
 ``pin_part`` pins one table size several ways and times UVA gathers from each; ``uva_runs`` times the
 shipped route choice (GPU events) and every route as a caller sees it (``wall_points``: wall clock,
 synchronized, L2 flushed before each call) on a big table in the host tier's layout; ``probe_part`` runs
-engram.bench.uva_probe (where UVA time goes). Helpers and limits come from engram.bench.gpu_lookup.
+benchmarks.uva_probe (where UVA time goes). Helpers and limits come from benchmarks.gpu_lookup.
 """
 from __future__ import annotations
 
 import gc
 import json
 import time
+from pathlib import Path
 
 import torch
 
-from engram.bench.gpu_lookup import DIM, ROW_IN, SIZES, _bench, gather_points, random_fill_, uniform_ids
+from benchmarks.gpu_lookup import DIM, ROW_IN, SIZES, _bench, gather_points, random_fill_, uniform_ids
 
 
 def _pin(src: torch.Tensor, variant: str) -> torch.Tensor:
@@ -161,12 +162,12 @@ def uva_runs(args, lim: dict) -> dict:
 
 
 def probe_part(args, lim: dict) -> dict:
-    """engram.bench.uva_probe on a ``--host-gib`` table: the ``--probe`` sub-parts (window, graph, layout, cpu,
+    """benchmarks.uva_probe on a ``--host-gib`` table: the ``--probe`` sub-parts (window, graph, layout, cpu,
     vmm; vmm runs in a child process)."""
     import subprocess
     import sys
 
-    from engram.bench import uva_probe
+    from benchmarks import uva_probe
     subs = set(args.probe.split(","))
     res: dict = {}
     info, values, scales = host_table(args.host_gib)
@@ -189,8 +190,8 @@ def probe_part(args, lim: dict) -> dict:
         del packed, v, s
         gc.collect()
     if "vmm" in subs:
-        proc = subprocess.run([sys.executable, "-m", "engram.bench.uva_probe", str(args.host_gib), str(args.rep_ms)],
-                              capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.uva_probe", str(args.host_gib), str(args.rep_ms)],
+                              capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
         print(proc.stdout[-4000:], proc.stderr[-2000:], flush=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VMM_RESULT ")]
         res["vmm"] = json.loads(lines[-1].split(" ", 1)[1]) if lines else {"rc": proc.returncode,

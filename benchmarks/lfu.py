@@ -1,4 +1,8 @@
-"""Exact simulation of a fully associative LFU row cache over a step trace, vectorized per step.
+"""Exact simulation of a fully associative LFU row cache over a step trace, vectorized per step: the ideal
+LFU beside `engram bench hit-rate`'s LRU curve and the engine's own RowCache.
+
+    python -m benchmarks.lfu --corpus bench/corpus/natural-v1.jsonl [--case 4b-like=builtin] [--sizes 0.1,1,10]
+        [--out FILE.json]
 
 Policy (textbook in-cache LFU): a row enters with count 1 and gains 1 per step that reads it while cached;
 when a step's misses need room, the cached rows with the smallest (count, last step used, row id) are
@@ -16,7 +20,9 @@ it (rare: it holds the hottest rows). ``lfu_reference`` is the same policy as a 
 """
 from __future__ import annotations
 
+import argparse
 import heapq
+import json
 
 import numpy as np
 
@@ -188,3 +194,43 @@ def lfu_reference(rows: np.ndarray, step_bounds: np.ndarray, capacity: int) -> n
                 del cache[min(cands)[2]]
             cache[r] = (1, s)
     return hits
+
+
+def main(argv: list[str] | None = None) -> int:
+    """LFU hit rates cold and warm per cache size, per Engram layer of each case, over a corpus served as
+    `engram bench hit-rate` serves it."""
+    from engram.bench.corpus import load_corpus
+    from engram.bench.hit_rate import SIZES_PCT, case_traces, cold_warm, warm_start_of
+    from engram.bench.report import format_table, write_result
+    from engram.bench.stack_distance import reuse_index
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--corpus", required=True, help="corpus file from `engram bench corpus`")
+    p.add_argument("--case", action="append", default=None, metavar="LAYOUT=TOKENIZER",
+                   help="as engram bench hit-rate's (default: 4b-like=builtin)")
+    p.add_argument("--sizes", default=",".join(f"{x:g}" for x in SIZES_PCT), help="cache sizes, %% of table rows")
+    p.add_argument("--concurrency", type=int, default=64, help="requests served at once")
+    p.add_argument("--warmup", type=float, default=0.5, help="share of the accesses before warm statistics start")
+    p.add_argument("--out", default=None, help="result JSON (default: a fresh file in a temporary directory)")
+    args = p.parse_args(argv)
+    corpus = load_corpus(args.corpus)
+    sizes = [float(x) for x in args.sizes.split(",") if x.strip()]
+    rows = []
+    for spec in args.case or ["4b-like=builtin"]:
+        layout, _, tokenizer = spec.partition("=")
+        for trace in case_traces(corpus, layout, tokenizer, concurrency=args.concurrency).traces:
+            dense, warm = reuse_index(trace.rows)[1], warm_start_of(trace, args.warmup)
+            for pct in sizes:
+                cap = max(1, int(round(pct / 100 * trace.table_rows)))
+                rates = cold_warm(lfu_hits(dense, trace.step_bounds, cap), trace.order, warm)
+                rows.append({"case": spec, "layer": trace.layer_id, "size %": pct, "rows": cap,
+                             "LFU cold": rates["cold"]["rate"], "LFU warm": rates["warm"]["rate"]})
+                print(json.dumps(rows[-1]), flush=True)
+    path = write_result("lfu", vars(args), {"corpus_sha256": corpus.sha256, "rows": rows}, out=args.out)
+    print(format_table(rows, floatfmt="{:.3f}"))
+    print(f"json: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -9,7 +9,7 @@ sleeps that long before each timed call: in a decode step the first Engram layer
 disk and the pool's threads have been idle for most of a step (~4 ms at batch 1), which back-to-back calls
 (gap 0) never see.
 
-    python3 scripts/read_latency.py VALUES_BIN [--pages 24] [--depths 1,4,8,24,64] [--gaps-ms 0,4]
+    python -m benchmarks.read_latency VALUES_BIN [--pages 24] [--depths 1,4,8,24,64] [--gaps-ms 0,4]
                                     [--seconds 2] [--io direct]
 
 Prints one JSON line per depth, then a table.

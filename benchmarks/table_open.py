@@ -1,4 +1,4 @@
-"""`engram bench table-open`: seconds from ``open_table`` to the first rows, per tier and table size.
+"""Seconds from ``open_table`` to the first rows, per tier and table size.
 
 For each size a random MXFP8 table (dim 256, as V4.1) is written under ``--workdir`` (the disk under test;
 deleted after unless ``--keep``), then opened on each tier twice: "cold" (the table's files dropped from the
@@ -24,10 +24,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gib", default="8,32", help="table sizes in GiB of 256-B value rows, comma-separated")
     p.add_argument("--tiers", default="host,gpu", help="tiers to open: host, gpu")
     p.add_argument("--caches", default="cold,warm", help="page-cache states: cold, warm")
-    p.add_argument("--workdir", default=".", help="where the tables are written (the disk under test)")
+    p.add_argument("--workdir", default=None,
+                   help="where the tables are written: the disk under test (default: the temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the tables")
     p.add_argument("--device", default=None, help="device rows are returned on (default: cuda if present)")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/<date>-table-open.json)")
+    p.add_argument("--out", default=None, help="JSON path (default: a fresh file in a temporary directory)")
 
 
 def _drop_page_cache(directory: Path) -> None:

@@ -1,6 +1,6 @@
 """Build and cached-load time of the compressed map for a 131,072-id tokenizer (WordLevel over random words).
 
-Prints a table and the result JSON, and writes it through engram.bench.report (bench/results/).
+Prints a table and the result JSON, and writes it through engram.bench.report (a temporary directory).
 """
 import json
 import os

@@ -1,6 +1,6 @@
 """A profiler timeline of one decode step with ``lookup_overlap``: which kernels ran on which stream, when (CUDA).
 
-    python scripts/trace_lookup_overlap.py [--model 4b-like] [--tier host] [--batch 64] [--context 512]
+    python -m benchmarks.trace_lookup_overlap [--model 4b-like] [--tier host] [--batch 64] [--context 512]
         [--engram-config JSON] [--enforce-eager] [--out FILE.json] [--plot FILE.png] [--window-us 400]
         [--steps N [--batches 64,256] [--profiled]]
 
@@ -13,7 +13,7 @@ prints when the lookup stream's work ran against the main stream's, and with ``-
 
 ``--steps N`` (graph replays) times N more decode steps and prints, per step and as medians over the steps
 after the first, when the graph's main branch started, the first Engram layer's lookup and its exposed
-wait against the bound (engram/bench/replay_timeline.py: the issue's batch-256 criterion): from
+wait against the bound (benchmarks/replay_timeline.py: the issue's batch-256 criterion): from
 ``GraphClock`` stamps inside the replays, in the engine's own rhythm, or with ``--profiled`` from a
 profile of each step alone (which changes how the branches are launched); ``--batches`` does so for
 several batch sizes with one engine.
@@ -117,7 +117,7 @@ def exposure(args) -> int:
     import engram
     from engram.bench.device_time import cuda_kernels
     from engram.bench.engine_steps import prompt_ids
-    from engram.bench.replay_timeline import clock_timeline, median_timeline, meets_exposure_bound, step_timeline
+    from benchmarks.replay_timeline import clock_timeline, median_timeline, meets_exposure_bound, step_timeline
     from engram.engine import lookup_stream
     from engram.engine.graph_clock import GraphClock
     from engram.engine.sampling_params import SamplingParams

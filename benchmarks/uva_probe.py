@@ -12,7 +12,7 @@ Four measurements over pinned host tables, each answering one question about the
   whose time includes Python and the Triton launcher.
 - ``cpu_route``: the alternative route, rows gathered by the CPU into a pinned staging buffer and sent in
   one copy; host time, threads as given.
-GPU only; called by ``engram.bench.gpu_lookup`` (part ``probe``), which owns the limits and the JSON.
+GPU only; called by ``benchmarks.gpu_lookup`` (part ``probe``), which owns the limits and the JSON.
 """
 from __future__ import annotations
 

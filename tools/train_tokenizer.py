@@ -7,8 +7,8 @@ sources (``sysconfig.get_paths()["stdlib"]``, without ``site-packages``, ``test`
 (the ``tokenizers`` BPE trainer is deterministic for identical input), so the same inputs give the same
 file. The list of inputs with their SHA-256 is written next to the tokenizer (``tokenizer.inputs.json``).
 
-    python scripts/train_tokenizer.py            # writes engram/model/assets/tokenizer.json
-    python scripts/train_tokenizer.py --vocab-size 4096 --out /tmp/tok.json
+    python tools/train_tokenizer.py            # writes engram/model/assets/tokenizer.json
+    python tools/train_tokenizer.py --vocab-size 4096 --out /tmp/tok.json
 """
 from __future__ import annotations
 

@@ -178,7 +178,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="limit per command run")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     p.add_argument("--boot", type=int, default=10_000, metavar="N", help="bootstrap resamples")
-    p.add_argument("--out", metavar="FILE", help="result JSON (default bench/results/<date>-ab.json)")
+    p.add_argument("--out", metavar="FILE", help="result JSON (default: a fresh file in a temporary directory)")
     p.add_argument("--plot", metavar="FILE", help="PNG of samples per arm in run order")
     p.add_argument("--quiet", action="store_true", help="no per-run progress on stderr")
 

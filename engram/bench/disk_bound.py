@@ -1,60 +1,17 @@
-"""The disk arms of `engram bench placement`: their tables' counters per sample, the disk's raw random read
-rate, and the bound a disk step is held to.
+"""The disk arms of `engram bench placement`: the disk's raw random read rate and the bound a disk step is
+held to.
 
-Counters: ``measure_decode`` returns the tables' counters right before and right after the timed steps
-(``DecodeTimes.tables``), and ``counter_deltas`` sums what the tables' counters
-(``engine.stats()["tables"]``) gained between them over the arm's tables: ``COUNTER_KEYS`` = hits,
-misses, read_ops, disk_rows, bytes_read, rows. ``hit_rate`` is hits / (hits + misses) of the hot-row
-cache, None without a cache (or without a lookup through it).
-
-Raw reads: right before each comparison that involves a disk arm, ``measure_raw_reads`` measures the
-disk's random 4 KiB read rate for a given number of seconds (``engram.bench.lookup.raw_cell``: uniformly
-random page reads of the arm's first table's values.bin through a ``PageReader`` with the arm's io mode
-in effect and the depth its step reads at (``read_depth``: the reader's queue depth, times the arm's tables
-when their lookups read side by side at that batch, ``lookup.reads_together``, with O_DIRECT: each table's
-thread then keeps its own queue full, so a step keeps that many reads in flight and the disk's rate is taken
-there too), a given number of pages per call, one unrecorded call first; with buffered io the file is dropped
-from the page cache before every call, O_DIRECT has none). The rate drifts within a
-run (on the H200 machine a disk arm's rounds ranged 1165–1737 tok/s while the host tier's agreed within
-1 %), so the same reads also run for a shorter time right before each sample of a disk arm that reads
-with O_DIRECT (``sample_rate``, the sample's ``raw_read_ops_per_s``; None for other arms or when turned off:
-with buffered io the measurement drops the file from the page cache, so the arm's sample would start cold),
-and again right after the sample's timed steps (``raw_read_ops_per_s_after``). On the H200 machine the rate
-before a sample explained little of the rate the sample's own reads ran at (correlation 0.24 over one run's
-ten batch-64 samples, docs/benchmarks.md), so the bound is also taken against both measurements.
-
-Per disk arm and comparison (``disk_summary``): the hit rate of its first warm-up sample and of its first
-recorded sample (cold; the hot-row cache lives as long as its tables, so only an arm's first comparison
-starts from an empty cache: ``fresh_tables``), the median over its recorded samples (warm), the median
-read ops per step and step ms, the median of the samples' median steps and how many of their steps took
-over twice their sample's median (``slow_steps``: stalls, which a mean step hides), and the raw read rate.
-Every sample of a batch size decodes the same windows, so after an arm's first sample a hot-row cache that
-holds their rows serves them all again: the warm hit rate is that of text seen before, the cold ones that
-of new text.
-
-The bound (``add_bounds``), against a host-tier arm at the same batch (the other arm of the disk arm's own
-comparison when that is on the host tier, else the first B on the host tier at that batch):
-bound_ms = host step ms (median) + read ops per step (median) / raw read ops/s x 1000, ratio = disk step
-ms / bound_ms and target_met = ratio <= ``BOUND_FACTOR`` (1.1). Without a host-tier arm the fields stay
-None and ``bound_note`` is ``NO_HOST_ARM``. With per-sample rates, ratio_paired = the median over the
-arm's recorded samples of step ms / (host step ms + the sample's read ops per step / the rate measured right
-before it x 1000): the same bound, each sample held to the disk as it was when the sample ran; with the
-bootstrap interval of that median (``stats.median_ci``, the run's A/B settings) ``paired_target`` is "met"
-when the interval lies at or below ``BOUND_FACTOR``, "missed" when above it, else "undecided". With the
-rates after the samples too, ratio_bracketed = the same with the sample's reads charged the mean of their
-time at the rate before and at the rate after (the harmonic mean of the two rates: the sample ran between
-them), with ``ratio_bracketed_ci`` and ``bracketed_target`` alike.
-``disk_rows`` makes the second printed table (``DISK_COLUMNS``), one row per disk arm per comparison.
-
-The latency floor beside the bound: the bound charges a step's reads at the disk's rate with a deep queue,
-but the first Engram layer's reads can start only once the step's tokens are sampled, and the layer needs
-them after embedding and one layer (~0.1 ms on 4b-like). However well the rest overlaps, a step takes at
-least the host step plus one call of that lookup's reads. ``measure_lookup_reads``, after each comparison,
-times raw calls of that many random pages (read ops per step / the arm's tables, the pages one lookup
-reads) at the arm's io and queue depth; ``add_bounds`` adds floor_ms = host step ms + that call's median
-ms and floor_ratio = disk step ms / floor_ms. At batch 1 one call of a few dozen pages waits for the
-disk's latency (~0.8 ms on the H200 machine's virtual disk at depth 64 by Little's law), not its rate, so
-the floor lies above the bound there; at large batches the two meet.
+Raw reads (``measure_raw_reads``): uniformly random 4 KiB reads of the arm's first table file through the
+tier's own pread pool and no table work (``engram.bench.lookup.raw_cell``), at the arm's io mode and at the
+depth its steps read at (``read_depth``), right before each comparison; for O_DIRECT arms also right before
+and right after each sample (``sample_rate``), since the rate drifts within a run. The bound
+(``add_bounds``), against a host-tier arm at the same batch (the other arm of the comparison, else the first
+B on the host tier): bound_ms = host step ms + read ops per step / raw read ops/s x 1000 (medians), ratio =
+disk step ms / bound_ms, target ratio <= ``BOUND_FACTOR``; "paired" holds each sample to the rate right
+before it, "bracketed" to the harmonic mean of the rates before and after it, each with the bootstrap
+interval of its median. The floor: host step ms + one lookup's reads as a raw call (at batch 1 a call of a
+few dozen pages waits for the disk's latency, not its rate). ``disk_summary`` adds hit rates cold (first
+samples) and warm (the median).
 """
 from __future__ import annotations
 
@@ -64,36 +21,22 @@ from pathlib import Path
 from typing import Callable
 
 from engram.bench import stats
-from engram.bench.placement_arms import ARM_LABELS, ArmSpec
+from engram.bench.placement_arms import ArmSpec
 
 DISK_COLUMNS = ["batch", "disk arm", "step ms", "step p50 ms", "slow steps", "host step ms", "read ops/step",
                 "raw reads/s", "bound ms", "ratio", "raw reads/s, samples", "paired ratio", "paired CI",
                 "paired target", "raw reads/s, after", "bracketed ratio", "bracketed CI", "bracketed target",
                 "lookup reads ms", "floor ms", "floor ratio", "hit warm-up", "hit cold",
                 "hit warm"]
-COUNTER_KEYS = ("hits", "misses", "read_ops", "disk_rows", "bytes_read", "rows")  # summed over an arm's tables
 BOUND_FACTOR = 1.1  # the issue's target: disk step ms <= 1.1 x (host step ms + misses' reads at the raw rate)
 NO_HOST_ARM = "bound not computed: no host-tier arm in the run"
-
-
-def counter_deltas(before: dict, after: dict) -> dict:
-    """``COUNTER_KEYS`` of the tables' counters (engine.stats()["tables"]) gained between two snapshots,
-    summed over the tables."""
-    return {k: sum(after[lid].get(k, 0) - before[lid].get(k, 0) for lid in after) for k in COUNTER_KEYS}
-
-
-def hit_rate(counts: dict, cached: bool) -> float | None:
-    """hits / (hits + misses) of the hot-row cache; None without a cache or without a lookup through it."""
-    looked = counts["hits"] + counts["misses"]
-    return counts["hits"] / looked if cached and looked else None
+ARM_LABELS = {"A": ("A", "A'"), "B": ("B",)}  # the samples of an arm's engine in a comparison, by label
 
 
 def read_depth(tables: dict, together: bool) -> int:
     """The reads a disk arm's step keeps in flight: its first table's reader's queue depth, times its tables
-    when their lookups read side by side (``together``: ``lookup.reads_together``, kernel switches
-    ``first_lookup_alone`` and ``together_when_deep``) each on a queue of its own
-    (``reader.queue_per_thread``: O_DIRECT through each table thread's AIO context); else that depth (one
-    table's reads at a time, or one pool shared)."""
+    when their lookups read side by side (``together``: ``lookup.reads_together``) each on a queue of its own
+    (``reader.queue_per_thread``: O_DIRECT through each table thread's AIO context); else that depth."""
     from engram.store.reader import queue_per_thread
 
     reader = tables[min(tables)].reader

@@ -1,47 +1,21 @@
-"""`engram bench engine`: engine decode and prefill speed per model, tier and Engram on/off, beside an HF
+"""`engram bench engine`: engine decode and prefill ms/step per model, tier and Engram on/off, beside an HF
 transformers peer, each point against a roofline measured in the same run.
 
-Arms per model: the preset with Engram on each ``--tiers`` tier ("engram/gpu", "engram/host": one loaded
-model, tables reopened per tier), the same preset with ``engram=None`` and the same seed ("engram-off"; the
-decoder weights are identical, since each parameter's values depend only on its name and the seed) and
-``hf-peer`` (engram.bench.hf_peer: transformers' Qwen3 with a static cache and torch.compile). Every arm
-decodes the same prompts (``engine_steps.prompt_ids``, seeded per batch size).
-
-Points (engram.bench.engine_steps says how each is driven and checked):
-  decode   per batch size B: ``--decode-steps`` engine steps in which each of B sequences of a
-           ``--context-len``-token prompt decodes exactly one token (asserted); ms_wall is their mean
-           host-clock time (tok/s = B / ms_wall; ms_wall_median and ms_wall_max beside it); kv_mean is the
-           mean KV length during those steps;
-           graph_steps how many of them replayed a CUDA graph (the engine's default on CUDA; none with
-           ``--enforce-eager`` or on the CPU). The engine's max_model_len is the longest sequence the run
-           needs (2064 with the default 1x2048 prefill shape; ``result.engine_config``).
-  prefill  per shape SxN: one step that prefills S fresh N-token prompts (asserted), median of
-           ``--prefill-repeats`` after a warm-up of the same shape; tok/s = S*N / ms_wall.
-On CUDA, ms_gpu is the GPU busy time per step (engram.bench.device_time: ``--profile-steps`` more decode
-steps, or one more prefill step, under torch.profiler, apart from the timed ones) and ms_host_overhead =
-ms_wall - ms_gpu. On the CPU there is no GPU, and with ``--profile-steps 0`` nothing is profiled: both are
-null then. ``--kernels N`` adds to each profiled decode point its N largest kernels (``kernels``: name,
-calls and microseconds per step) and prints them: where the GPU time of a step goes.
-
-Roofline (engram.bench.roofline): for each timed step, its bytes and FLOPs from the model's config and the
-step's shape; the point's roofline_ms is that of the mean cost, against ceilings measured at the start of
-the run on the same device (copy bandwidth, matmul rate in the compute dtype, host link on CUDA; on the
-CPU, CPU ceilings measured the same way). ratio = ms_wall / roofline_ms, gpu_ratio = ms_gpu / roofline_ms.
-The Engram cost is each Engram arm's ms_wall minus engram-off's, per point.
-
-Output: the JSON of engram.bench.report (``--out``, default bench/results/<date>-engine-<models>.json)
-with ``result.points``, ``result.ceilings``, ``result.engram_cost``, ``result.peer`` and ``result.warnings``;
-readable tables; ``--plot FILE`` draws decode ms/step against batch size per arm with each arm's roofline.
+Arms per model: Engram on each ``--tiers`` tier, the same seeded weights without Engram ("engram-off") and
+``hf-peer`` (engram/bench/hf_peer.py); every arm decodes the same prompts. A decode point is
+``--decode-steps`` steps in which each of B sequences emits exactly one token (engram/bench/engine_steps.py
+drives and checks them), a prefill point one step that prefills S prompts of N tokens whole. On CUDA
+``ms_gpu`` is the device busy time of ``--profile-steps`` more steps under torch.profiler; ``roofline_ms`` is
+the least time the step's bytes and FLOPs allow at ceilings measured at the start of the run
+(engram/bench/roofline.py). Output: the JSON of engram.bench.report (``--out``), tables, ``--plot``.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import statistics
 import sys
 import traceback
-from dataclasses import dataclass
 
 HELP = "Engine decode/prefill ms/step per model, tier, Engram on/off and an HF peer, against a measured roofline."
 CUDA_MODELS, CPU_MODELS = "4b-like,8b-like", "tiny"
@@ -64,7 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="record and print the N largest kernels of each profiled decode point (0: none)")
     p.add_argument("--profile-steps", type=int, default=4,
                    help="decode steps profiled for GPU busy time (CUDA); 0: no profiling, ms_gpu null")
-    p.add_argument("--prefill-shapes", default="1x2048,16x512", help="SEQSxTOKENS prefill steps, comma-separated")
+    p.add_argument("--prefill-shapes", default=None,
+                   help=f"SEQSxTOKENS prefill steps, comma-separated (default: {DEFAULT_PREFILL_SHAPES}, each cut to "
+                        "what the smallest model's positions hold)")
     p.add_argument("--prefill-repeats", type=int, default=3, help="timed single prefill steps per shape")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="engine token budget per step (raised to the largest prefill shape)")
@@ -81,36 +57,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default=None,
                    help="compute dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
-    p.add_argument("--out", default=None, help="result JSON (default bench/results/<date>-engine-<models>.json)")
+    p.add_argument("--out", default=None, help="result JSON (default: a fresh file in a temporary directory)")
     p.add_argument("--plot", default=None, metavar="FILE", help="PNG: decode ms/step vs batch size, rooflines")
 
 
-@dataclass(frozen=True)
-class Settings:
-    """What every arm measures (parsed and validated options)."""
-
-    batch_sizes: tuple[int, ...]
-    context_len: int
-    decode_steps: int
-    warmup_tokens: int
-    profile_steps: int
-    prefill_shapes: tuple[tuple[int, int], ...]  # (sequences, tokens each)
-    prefill_repeats: int
-    max_num_batched_tokens: int
-    seed: int
-    enforce_eager: bool = False  # engine arms run every step eagerly (no decode CUDA graphs)
-    kernels: int = 0  # largest kernels recorded per profiled decode point
-    async_scheduling: bool | None = None  # engine arms: None = the engine's default (on for CUDA)
+DEFAULT_PREFILL_SHAPES = "1x2048,16x512"
 
 
-def _ints(text: str, option: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise SystemExit(f"{option}: {text!r} is not a comma-separated list of integers") from None
-    if not values or min(values) < 1:
-        raise SystemExit(f"{option}: {text!r} needs at least one value, all >= 1")
-    return values
+def default_prefill_shapes(max_position_embeddings: int, block_size: int = 16) -> str:
+    """DEFAULT_PREFILL_SHAPES with each prompt cut to fit ``max_position_embeddings`` (a prefill of N tokens
+    needs N + 1 positions: the step samples one), in whole KV blocks; a note on stderr when one is cut."""
+    fit = max(block_size, (max_position_embeddings - 1) // block_size * block_size)
+    shapes = ",".join(f"{n}x{min(t, fit)}" for n, t in parse_prefill_shapes(DEFAULT_PREFILL_SHAPES))
+    if shapes != DEFAULT_PREFILL_SHAPES:
+        print(f"--prefill-shapes: the default {DEFAULT_PREFILL_SHAPES} does not fit max_position_embeddings="
+              f"{max_position_embeddings}; measuring {shapes}", file=sys.stderr, flush=True)
+    return shapes
 
 
 def parse_prefill_shapes(text: str) -> tuple[tuple[int, int], ...]:
@@ -129,35 +91,18 @@ def parse_prefill_shapes(text: str) -> tuple[tuple[int, int], ...]:
 
 
 def settings_from(args: argparse.Namespace, seed: int) -> Settings:
+    from engram.bench.engine_steps import Settings, parse_ints
+
     for option in ("context_len", "decode_steps", "warmup_tokens", "prefill_repeats", "max_num_batched_tokens"):
         if getattr(args, option) < 1:
             raise SystemExit(f"--{option.replace('_', '-')}={getattr(args, option)} must be >= 1")
     for option in ("profile_steps", "kernels"):
         if getattr(args, option) < 0:
             raise SystemExit(f"--{option.replace('_', '-')}={getattr(args, option)} must be >= 0")
-    return Settings(_ints(args.batch_sizes, "--batch-sizes"), args.context_len, args.decode_steps, args.warmup_tokens,
-                    args.profile_steps, parse_prefill_shapes(args.prefill_shapes), args.prefill_repeats,
-                    args.max_num_batched_tokens, seed, args.enforce_eager, args.kernels, args.async_scheduling)
-
-
-def engine_config(s: Settings, max_position_embeddings: int, block_size: int = 16):
-    """The EngineConfig every engine arm runs with: room for the largest batch and prefill shape in one
-    step, and max_model_len for the longest decode (rounded up to a block)."""
-    from engram.bench.engine_steps import decode_max_tokens
-    from engram.engine.config import EngineConfig
-
-    seqs = max(s.batch_sizes + tuple(n for n, _ in s.prefill_shapes))
-    budget = max((s.max_num_batched_tokens, seqs) + tuple(n * t for n, t in s.prefill_shapes))
-    decode_len = s.context_len + decode_max_tokens(max(s.batch_sizes), s.context_len, budget, s.warmup_tokens,
-                                                   s.decode_steps, s.profile_steps)
-    need = max((decode_len,) + tuple(t + 1 for _, t in s.prefill_shapes))
-    if need > max_position_embeddings:
-        raise SystemExit(f"sequences of {need} tokens (context, decode steps, prefill shapes) exceed the model's "
-                         f"max_position_embeddings={max_position_embeddings}")
-    max_model_len = min(-(-need // block_size) * block_size, max_position_embeddings)
-    return EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
-                        block_size=block_size, seed=s.seed, enforce_eager=s.enforce_eager,
-                        async_scheduling=s.async_scheduling)
+    return Settings(parse_ints(args.batch_sizes, "--batch-sizes"), args.context_len, args.decode_steps,
+                    args.warmup_tokens, args.profile_steps, parse_prefill_shapes(args.prefill_shapes),
+                    args.prefill_repeats, args.max_num_batched_tokens, seed, args.enforce_eager, args.kernels,
+                    args.async_scheduling)
 
 
 # ----------------------------------------------------------------- points
@@ -183,7 +128,7 @@ def make_point(cfg, arm: str, tier: str | None, phase: str, batch: int, context:
 def engine_points(loaded, arm: str, tier: str | None, s: Settings, device, dtype, ceilings,
                   busy_device: str | None) -> list[dict]:
     """Build an engine over ``loaded``, measure every decode and prefill point, close its tables."""
-    from engram.bench.engine_steps import measure_decode, measure_prefill, prompt_ids
+    from engram.bench.engine_steps import engine_config, free_memory, measure_decode, measure_prefill, prompt_ids
     from engram.bench.roofline import StepShape
     from engram.engine.engine import LLMEngine
     from engram.engine.heap import freeze_startup_heap, thaw_heap
@@ -221,7 +166,7 @@ def engine_points(loaded, arm: str, tier: str | None, s: Settings, device, dtype
             table.close()
         del engine
         thaw_heap()
-        _free_memory(device)
+        free_memory(device)
     return points
 
 
@@ -230,7 +175,7 @@ def peer_points(cfg, s: Settings, device, dtype, ceilings, compile_mode: str | N
     """The HF peer's decode points (Engram off in the roofline) and the graphs torch.compile produced."""
     import torch
 
-    from engram.bench.engine_steps import prompt_ids
+    from engram.bench.engine_steps import free_memory, prompt_ids
     from engram.bench.hf_peer import build_peer, measure_peer
     from engram.bench.roofline import StepShape
 
@@ -252,7 +197,7 @@ def peer_points(cfg, s: Settings, device, dtype, ceilings, compile_mode: str | N
         del model
         if compile_mode is not None:
             torch._dynamo.reset()  # the next model compiles afresh, with its own recompile budget
-        _free_memory(device)
+        free_memory(device)
     return points, graphs
 
 
@@ -304,23 +249,14 @@ def _progress(p: dict) -> None:
           f"(roofline {p['roofline_ms']:.3f} ms, {p['ratio']:.2f}x)", file=sys.stderr, flush=True)
 
 
-def _free_memory(device) -> None:
-    import torch
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 # ----------------------------------------------------------------- the command
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from engram.bench.engine_steps import engine_config, free_memory, parse_engram_config, runtime_options
     from engram.bench.hf_peer import unavailable_reason
     from engram.bench.report import args_config, format_table, write_result
     from engram.bench.roofline import measure_ceilings
-    from engram.commands.options import parse_engram_config
-    from engram.engine.options import RuntimeOptions
     from engram.model.loader import random_model, resolve_dtype
     from engram.model.presets import MODEL_PRESETS, preset_config
 
@@ -338,14 +274,13 @@ def run(args: argparse.Namespace) -> int:
     tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
     if not tiers or any(t not in TIERS for t in tiers):
         raise SystemExit(f"--tiers: {args.tiers!r} must list tiers among {TIERS}")
-    try:
-        opts = RuntimeOptions.from_dict(parse_engram_config(args.engram_config))
-    except ValueError as e:
-        raise SystemExit(f"--engram-config: {e}") from None
+    opts = runtime_options(parse_engram_config(args.engram_config), "--engram-config")
+    configs = {name: preset_config(name, table_rows=opts.table_rows, seed=opts.seed) for name in models}
+    if args.prefill_shapes is None:  # the defaults fit every model; shapes asked for are refused if they do not
+        args.prefill_shapes = default_prefill_shapes(min(c.max_position_embeddings for c in configs.values()))
     s = settings_from(args, opts.seed)
     compile_mode = {"auto": "reduce-overhead" if device.type == "cuda" else None, "off": None}.get(
         args.peer_compile, args.peer_compile)
-    configs = {name: preset_config(name, table_rows=opts.table_rows, seed=opts.seed) for name in models}
     for cfg in configs.values():
         engine_config(s, cfg.max_position_embeddings)  # refuses a context too long before anything loads
     busy_device = "cuda" if device.type == "cuda" and s.profile_steps > 0 else None  # 0: no profiling at all
@@ -362,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
             loaded = dataclasses.replace(base, tables={}, tier=tier)
             points += engine_points(loaded, f"engram/{tier}", tier, s, device, dtype, ceilings, busy_device)
         del base, loaded
-        _free_memory(device)
+        free_memory(device)
         if not args.no_engram_off:
             plain = random_model(cfg.replace(engram=None), "gpu", dtype, device, opts.seed, opts=opts, progress=False)
             points += engine_points(plain, "engram-off", None, s, device, dtype, ceilings, busy_device)
@@ -374,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
                 traceback.print_exc()
                 warnings.append(f"{name}: hf-peer failed, no peer points: {type(e).__name__}: {e}")
                 peer, graphs, peer_failed = [], None, True
-            _free_memory(device)  # the failure's traceback (and the peer model it held) is gone by now
+            free_memory(device)  # the failure's traceback (and the peer model it held) is gone by now
             points += peer
             if compile_mode is not None and graphs == 0:
                 warnings.append(f"{name}: hf-peer asked for torch.compile ({compile_mode}) but no graph was "

@@ -1,31 +1,16 @@
-"""Drive an LLMEngine to one measured point: B sequences decoding, or S prompts prefilled in one step.
+"""Drive an LLMEngine to one measured point, and the settings every engine bench shares.
 
-``measure_decode(engine, prompts, ...)`` adds one request per prompt (greedy, ``ignore_eos``, max_tokens
-from ``decode_max_tokens``), steps the engine until every sequence has finished its prefill and generated
-``warmup_tokens`` tokens, then times ``steps`` calls of ``engine.step()`` with the host clock, each of
-which must be a pure decode step: every sequence emits exactly one new token and none finishes
-(``NotADecodeStep`` otherwise; a preempted or still-prefilling sequence would emit nothing); it also
-counts how many of them replayed a CUDA graph (the engine's ``graph_replays``). With
-``busy_device`` it then runs ``profile_steps`` more such steps under torch.profiler for the device busy
-time per step (engram.bench.device_time), kept apart from the wall-clock steps so the profiler's own
-host cost never enters the wall time. Every request is aborted at the end, also on error. With
-``forced`` (forced natural decoding: one token list per prompt, each at least max_tokens long, ValueError
-naming the prompt otherwise) every request emits those tokens instead of its sampled ones
-(``SamplingParams.forced_token_ids``: the step still samples, so it costs what a free step does); the
-``DecodeTimes`` record each sequence's generated ids (``token_ids``) for the caller to check, the engine's
-``lookup_exposed_s`` over the timed steps (0 without ``lookup_overlap``) and ``graph_steps``.
-
-``measure_prefill(engine, num_seqs, length, ...)`` times single steps that prefill ``num_seqs`` fresh
-prompts of ``length`` tokens at once (max_tokens 1, so each finishes in that step): one warm-up step of
-the same shape, ``repeats`` timed ones, and with ``busy_device`` one profiled. A step that does not
-prefill every prompt whole (budget, sequence limit or KV blocks too small) raises ``NotADecodeStep``'s
-sibling ``NotAPrefillStep``.
-
-Prompt token ids (``prompt_ids``) are drawn from a seeded generator over the non-special ids [3, vocab):
-distinct per sequence and deterministic, never one repeated token.
+``measure_decode`` times ``steps`` calls of ``engine.step()`` in which each of B sequences emits exactly one
+token (``NotADecodeStep`` otherwise), after prefill and ``warmup_tokens``; with ``forced`` every request
+emits the given ids instead of its sampled ones (the step still samples, so it costs what a free step
+does); with ``busy_device``, ``profile_steps`` more steps run under torch.profiler, apart from the timed
+ones. ``measure_prefill`` times single steps that prefill S fresh prompts whole (``NotAPrefillStep``
+otherwise). Every request is aborted at the end, also on error. ``Settings`` and ``engine_config`` are
+what the benches' options give every engine; prompts are seeded ids over the non-special range.
 """
 from __future__ import annotations
 
+import gc
 import math
 import time
 from dataclasses import dataclass, field
@@ -60,6 +45,81 @@ def decode_max_tokens(batch: int, context_len: int, max_num_batched_tokens: int,
     prefill (one token per prefill step), then warm-up, timed and profiled steps, plus a margin of 2."""
     prefill_steps = math.ceil(batch * context_len / max_num_batched_tokens) + 1
     return prefill_steps + warmup_tokens + steps + profile_steps + 2
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every arm measures (parsed and validated options)."""
+
+    batch_sizes: tuple[int, ...]
+    context_len: int
+    decode_steps: int
+    warmup_tokens: int
+    profile_steps: int
+    prefill_shapes: tuple[tuple[int, int], ...]  # (sequences, tokens each)
+    prefill_repeats: int
+    max_num_batched_tokens: int
+    seed: int
+    enforce_eager: bool = False  # engine arms run every step eagerly (no decode CUDA graphs)
+    kernels: int = 0  # largest kernels recorded per profiled decode point
+    async_scheduling: bool | None = None  # engine arms: None = the engine's default (on for CUDA)
+
+
+def parse_ints(text: str, option: str) -> tuple[int, ...]:
+    """"1,8,64" -> (1, 8, 64); SystemExit naming ``option`` unless every value is an int >= 1."""
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"{option}: {text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise SystemExit(f"{option}: {text!r} needs at least one value, all >= 1")
+    return values
+
+
+def engine_config(s: Settings, max_position_embeddings: int, block_size: int = 16):
+    """The EngineConfig every engine arm runs with: room for the largest batch and prefill shape in one
+    step, and max_model_len for the longest decode (rounded up to a block)."""
+    from engram.engine.config import EngineConfig
+
+    seqs = max(s.batch_sizes + tuple(n for n, _ in s.prefill_shapes))
+    budget = max((s.max_num_batched_tokens, seqs) + tuple(n * t for n, t in s.prefill_shapes))
+    decode_len = s.context_len + decode_max_tokens(max(s.batch_sizes), s.context_len, budget, s.warmup_tokens,
+                                                   s.decode_steps, s.profile_steps)
+    need = max((decode_len,) + tuple(t + 1 for _, t in s.prefill_shapes))
+    if need > max_position_embeddings:
+        raise SystemExit(f"sequences of {need} tokens (context, decode steps, prefill shapes) exceed the model's "
+                         f"max_position_embeddings={max_position_embeddings}")
+    max_model_len = min(-(-need // block_size) * block_size, max_position_embeddings)
+    return EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
+                        block_size=block_size, seed=s.seed, enforce_eager=s.enforce_eager,
+                        async_scheduling=s.async_scheduling)
+
+
+def parse_engram_config(text: str | None, option: str = "--engram-config") -> dict:
+    """A JSON object of ``--engram-config`` keys ({} when not given); SystemExit naming ``option``."""
+    from engram.config import parse_json_object
+
+    try:
+        return parse_json_object(text, option) if text else {}
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+
+def runtime_options(raw: dict, option: str):
+    """``raw`` as RuntimeOptions (every key and combination validated); SystemExit naming ``option``."""
+    from engram.model.options import RuntimeOptions
+
+    try:
+        return RuntimeOptions.from_dict(raw)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"{option}: {e}") from None
+
+
+def free_memory(device) -> None:
+    """Collect garbage and give cached device memory back (between arms: the next one allocates afresh)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 @dataclass

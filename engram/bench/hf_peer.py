@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -78,8 +79,10 @@ class PeerTimes:
 
 
 def measure_peer(model, prompts: list[list[int]], steps: int, warmup_tokens: int = 3,
-                 compile_mode: str | None = "reduce-overhead", busy_device: str | None = None) -> PeerTimes:
-    """Greedy decode ms/step of ``model`` for these prompts (one batch, equal lengths); see the module docstring."""
+                 compile_mode: str | None = "reduce-overhead", busy_device: str | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> PeerTimes:
+    """Greedy decode ms/step of ``model`` for these prompts (one batch, equal lengths); see the module docstring.
+    ``clock``: the host clock the two generate calls are timed with (seconds)."""
     from transformers import StoppingCriteria, StoppingCriteriaList
     from transformers.generation import CompileConfig
 
@@ -117,9 +120,9 @@ def measure_peer(model, prompts: list[list[int]], steps: int, warmup_tokens: int
                                f"expected {(batch, length + new_tokens)}")
 
     def wall(new_tokens: int) -> float:
-        t0 = time.perf_counter()
+        t0 = clock()
         generate(new_tokens)
-        return time.perf_counter() - t0
+        return clock() - t0
 
     graphs0 = _compiled_graphs()
     generate(long)  # warm-up: compilation, CUDA-graph capture, allocator

@@ -6,11 +6,9 @@ On each trace:
 
 - **LRU** (fully associative): hit rates of every size at once from LRU stack distances
   (``engram.bench.stack_distance``), plus the whole curve for the plot;
-- **LFU** (fully associative, in-cache counts, no aging): simulated exactly per size
-  (``engram.bench.lfu``);
 - optionally **RowCache** (``--rowcache lfu,lru``: the engine's own cache, ``--ways``-way set associative,
   its lfu policy with aging): simulated per size by feeding each step's distinct rows to a ``RowCache`` (one
-  byte per row); about 20x slower than the LFU simulation;
+  byte per row), which is slow;
 - **cold** (from empty, statistics on the whole trace) and **warm** (statistics after the first
   ``--warmup`` of the accesses, rounded up to a step; the cache state carries over), each split by n-gram
   order; the infinite-cache rate (every miss compulsory) bounds them;
@@ -31,11 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from engram.bench.lfu import lfu_hits
 from engram.bench.serving_trace import LayerTrace
 from engram.bench.stack_distance import lru_hits, reuse_index, stack_distances
 
-HELP = "hot-row cache hit rate vs size on a natural-text corpus: LRU (stack distances), LFU, cold/warm, per order"
+HELP = "hot-row cache hit rate vs size on a natural-text corpus: LRU (stack distances), RowCache, cold/warm, per order"
 SIZES_PCT = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)
 GROWTH_TOKENS = (1_000, 2_000, 5_000, 10_000, 20_000, 50_000, 100_000, 200_000, 500_000, 1_000_000)
 CURVE_POINTS = 49  # LRU curve: log-spaced sizes from 0.01 % to 100 % of the table
@@ -128,18 +125,15 @@ def analyze_layer(trace: LayerTrace, sizes_pct: tuple[float, ...], policies: tup
                   warmup: float) -> dict[str, Any]:
     """Everything the bench reports for one layer's trace."""
     t0 = time.perf_counter()
-    prev, dense = reuse_index(trace.rows)
+    prev, _ = reuse_index(trace.rows)
     dist = stack_distances(trace.rows, prev)
-    seconds = {"lru": time.perf_counter() - t0, "lfu": 0.0, "rowcache": 0.0}
+    seconds = {"lru": time.perf_counter() - t0, "rowcache": 0.0}
     warm = warm_start_of(trace, warmup)
     reuse = prev >= 0
     sizes = []
     for pct in sizes_pct:
         cap = max(1, int(round(pct / 100 * trace.table_rows)))
         entry: dict[str, Any] = {"pct": pct, "rows": cap, "lru": cold_warm(lru_hits(dist, cap), trace.order, warm)}
-        t1 = time.perf_counter()
-        entry["lfu"] = cold_warm(lfu_hits(dense, trace.step_bounds, cap), trace.order, warm)
-        seconds["lfu"] += time.perf_counter() - t1
         for policy in policies:
             t1 = time.perf_counter()
             hits, actual = rowcache_hits(trace, cap, policy, ways)
@@ -216,7 +210,6 @@ def run_case(corpus, layout: str, tokenizer: str, *, concurrency: int, sizes_pct
         log(json.dumps({"layout": layout, "tokenizer": tok.name, "layer": trace.layer_id,
                         "accesses": trace.accesses, "distinct_rows": done["distinct_rows"],
                         "lru_warm": {s["pct"]: round(s["lru"]["warm"]["rate"], 4) for s in done["sizes"]},
-                        "lfu_warm": {s["pct"]: round(s["lfu"]["warm"]["rate"], 4) for s in done["sizes"]},
                         "seconds": {k: round(v, 1) for k, v in done["seconds"].items()}}), flush=True)
     return {"layout": layout, "tokenizer": {**tok.info(), "compressed_vocab_size": len(ctok)},
             "engram": {"compressed_vocab_size": cfg.compressed_vocab_size,
@@ -239,8 +232,7 @@ def size_rows(case: dict[str, Any], policies: tuple[str, ...]) -> list[dict[str,
         for s in layer["sizes"]:
             row = {"layout": case["layout"], "tokenizer": case["tokenizer"]["name"].split("/")[0],
                    "layer": layer["layer_id"], "size %": s["pct"], "rows": s["rows"],
-                   "LRU cold": _rate(s["lru"]["cold"]), "LRU warm": _rate(s["lru"]["warm"]),
-                   "LFU cold": _rate(s["lfu"]["cold"]), "LFU warm": _rate(s["lfu"]["warm"])}
+                   "LRU cold": _rate(s["lru"]["cold"]), "LRU warm": _rate(s["lru"]["warm"])}
             for policy in policies:
                 rc = s[f"rowcache_{policy}"]
                 row[f"RowCache {policy} cold"] = _rate(rc["cold"])
@@ -251,8 +243,7 @@ def size_rows(case: dict[str, Any], policies: tuple[str, ...]) -> list[dict[str,
         inf = layer["infinite_cache"]
         out.append({"layout": case["layout"], "tokenizer": case["tokenizer"]["name"].split("/")[0],
                     "layer": layer["layer_id"], "size %": "inf", "rows": layer["distinct_rows"],
-                    "LRU cold": _rate(inf["cold"]), "LRU warm": _rate(inf["warm"]),
-                    "LFU cold": _rate(inf["cold"]), "LFU warm": _rate(inf["warm"])})
+                    "LRU cold": _rate(inf["cold"]), "LRU warm": _rate(inf["warm"])})
     return out
 
 
@@ -279,8 +270,6 @@ def plot(cases: list[dict[str, Any]], path: str, policies: tuple[str, ...]) -> N
             ax.plot(curve["pct"], curve["warm"], color=color, label=f"layer {lid} LRU warm")
             ax.plot(curve["pct"], curve["cold"], color=color, ls="--", lw=0.8, label=f"layer {lid} LRU cold")
             ax.axhline(layer["infinite_cache"]["warm"]["rate"], color=color, ls=":", lw=0.8)
-            pts = [(s["pct"], s["lfu"]["warm"]["rate"]) for s in layer["sizes"]]
-            ax.plot(*zip(*pts), marker="o", ls="none", color=color, mfc="none", label=f"layer {lid} LFU warm")
             for policy in policies:
                 pts = [(s["pct"], s[f"rowcache_{policy}"]["warm"]["rate"]) for s in layer["sizes"]]
                 ax.plot(*zip(*pts), marker=markers[policy], ls="none", color=color, ms=4,
@@ -332,7 +321,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--table-rows", type=int, default=None, help="rows per Engram layer of 4b-like / 8b-like")
     p.add_argument("--plot", default=None, help="PNG: hit rate vs size and distinct rows per token")
     p.add_argument("--name", default="hit-rate", help="result name")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/<date>-<name>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default: a fresh file in a temporary directory)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("table", nargs="?", help="table directory (or use --random-rows)")
     p.add_argument("--random-rows", type=int, default=0, help="build a random MXFP8 table of N rows, deleted after")
     p.add_argument("--dim", type=int, default=256, help="row dim of --random-rows (default 256, as V4.1)")
-    p.add_argument("--workdir", default=".", help="where --random-rows builds its table: the disk under test")
+    p.add_argument("--workdir", default=None,
+                   help="where --random-rows builds its table: the disk under test (default: the temporary directory)")
     p.add_argument("--keep-table", action="store_true", help="keep the --random-rows table")
     p.add_argument("--tier", default="disk", choices=("gpu", "host", "disk"))
     p.add_argument("--ops", default="gather_raw,gather",
@@ -57,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="device rows are returned on (default: cuda if present)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default=None, help="result name (default lookup-<tier>)")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/<date>-<name>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default: a fresh file in a temporary directory)")
 
 
 def build_random_table(rows: int, dim: int, workdir: str) -> Path:

@@ -2,68 +2,79 @@
 
 ``run_comparison`` hands ``stats.run_interleaved`` (the schedule and statistics of ``engram bench ab``) one
 measure per arm (``arm_measure``): a ``measure_decode`` over the batch's forced windows on that arm's engine,
-whose outputs must be the forced ids and whose timed steps must all have replayed a CUDA graph
-(``GraphFallback`` otherwise), recorded with the tables' counter deltas. It returns the ABResult and the
-comparison's JSON record (samples in run order, per-arm summaries, and for disk arms their raw read rate
-and ``disk_bound.disk_summary``); ``table_row`` is its line of the printed table.
+whose outputs must be the forced ids and whose timed steps must all have replayed a CUDA graph where the
+engine has them (``GraphFallback`` otherwise). Each sample is recorded with its step spread and what its
+tables' counters gained over the timed steps (hits, misses, read ops); disk arms add their raw read rates and
+``disk_bound.disk_summary``. ``table_row`` is the comparison's line of the printed table.
 """
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from typing import Callable
 
-from engram.bench.disk_bound import counter_deltas, disk_summary, hit_rate
+from engram.bench.disk_bound import ARM_LABELS, disk_summary
 from engram.bench.forced_windows import Windows, check_forced
-from engram.bench.placement_arms import ARM_LABELS, ArmSpec
-from engram.model import kernel_switches
-
+from engram.bench.placement_arms import ArmSpec
 
 SLOW_FACTOR = 2.0  # a timed step over this many times its sample's median step is counted as slow
+COUNTER_KEYS = ("hits", "misses", "read_ops", "disk_rows", "bytes_read", "rows")  # summed over an arm's tables
 
 
 class GraphFallback(RuntimeError):
     """Timed decode steps that did not replay a CUDA graph where they should have."""
 
 
-def _summary(samples: list[dict]) -> dict:
-    import statistics
+def counter_deltas(before: dict, after: dict) -> dict:
+    """``COUNTER_KEYS`` the tables' counters (engine.stats()["tables"]) gained between two snapshots, summed
+    over the tables."""
+    return {k: sum(after[lid].get(k, 0) - before[lid].get(k, 0) for lid in after) for k in COUNTER_KEYS}
 
-    tok = [s["tok_s"] for s in samples]
-    exposed = [s["lookup_exposed_s"] / s["steps"] * 1e3 for s in samples]
-    return {"n": len(samples), "tok_s_median": statistics.median(tok), "tok_s_mean": statistics.fmean(tok),
-            "lookup_exposed_ms_per_step_mean": statistics.fmean(exposed),
-            "graph_replays": sum(s["graph_replays"] for s in samples), "steps": sum(s["steps"] for s in samples)}
+
+def hit_rate(counts: dict, cached: bool) -> float | None:
+    """hits / (hits + misses) of the hot-row cache; None without a cache or without a lookup through it."""
+    looked = counts["hits"] + counts["misses"]
+    return counts["hits"] / looked if cached and looked else None
 
 
 def step_spread(wall_s: list[float]) -> dict:
     """A sample's timed steps beyond their mean: the median step (ms), the longest, how many took over
     ``SLOW_FACTOR`` x the median (a stall, not a steady cost), and every step's wall time (ms, to the us)."""
-    import statistics
-
     p50 = statistics.median(wall_s) * 1e3
     return {"step_ms_p50": p50, "step_ms_max": max(wall_s) * 1e3,
             "slow_steps": sum(w * 1e3 > SLOW_FACTOR * p50 for w in wall_s),
             "steps_ms": [round(w * 1e3, 3) for w in wall_s]}
 
 
-def arm_measure(engine, arm: ArmSpec, win: Windows, batch: int, s, records: list[dict],
-                raw_rate: Callable[[], float] | None = None):
-    """The ``measure`` of ``arm`` at ``batch``: one ``measure_decode`` over the windows, its outputs checked
-    against the forced ids and its graph replays against the timed steps; appends the sample's record
-    to ``records`` and returns decode tok/s. ``raw_rate``: the disk's read rate, measured right before
-    each sample (``disk_bound.sample_rate``) into the record's ``raw_read_ops_per_s`` and right after its
-    timed steps into ``raw_read_ops_per_s_after`` (the sample bracketed: disk_bound.py)."""
-    from engram.bench.engine_steps import measure_decode
+def _summary(samples: list[dict]) -> dict:
+    def median(key):
+        values = [s[key] for s in samples]
+        return None if None in values else statistics.median(values)
 
-    graphs = engine.executor.worker.graphs is not None
-    cached = any(getattr(t, "cache", None) is not None for t in engine.executor.worker.tables.values())
+    return {"n": len(samples), "tok_s_median": median("tok_s"),
+            "tok_s_mean": statistics.fmean(s["tok_s"] for s in samples),
+            "step_ms_median": median("step_ms"), "step_ms_p50_median": median("step_ms_p50"),
+            "slow_steps": sum(s["slow_steps"] for s in samples),
+            "lookup_exposed_ms_per_step_mean": statistics.fmean(s["lookup_exposed_s"] / s["steps"] * 1e3
+                                                                for s in samples),
+            "hit_rate_median": median("hit_rate"), "read_ops_per_step_median": median("read_ops_per_step"),
+            "graph_replays": sum(s["graph_replays"] for s in samples), "steps": sum(s["steps"] for s in samples)}
+
+
+def arm_measure(engine, arm: ArmSpec, win: Windows, batch: int, s, records: list[dict], graphs: bool,
+                cached: bool, raw_rate: Callable[[], float] | None = None):
+    """The ``measure`` of ``arm`` at ``batch``: one ``measure_decode`` over the windows, its outputs checked
+    against the forced ids and its graph replays against the timed steps (all of them when ``graphs``, else
+    none); appends the sample's record to ``records`` and returns decode tok/s. ``cached``: whether the arm's
+    tables have a hot-row cache (its hit rate is None otherwise). ``raw_rate``: the disk's read rate, measured
+    right before the sample (``raw_read_ops_per_s``) and right after its timed steps (``..._after``)."""
+    from engram.bench.engine_steps import measure_decode
 
     def measure() -> float:
         raw = raw_rate() if raw_rate is not None else None
-        with kernel_switches.applied(dict(arm.switches)):  # eager steps too (prefill) see the arm's choices
-            t = measure_decode(engine, win.prompts, s.decode_steps, s.warmup_tokens, tag=f"placement-{batch}",
-                               forced=win.forced)
+        t = measure_decode(engine, win.prompts, s.decode_steps, s.warmup_tokens, tag=f"placement-{batch}",
+                           forced=win.forced)
         after = raw_rate() if raw_rate is not None else None
         checked = check_forced(t, win, s.warmup_tokens + s.decode_steps, arm.name)
         expected = s.decode_steps if graphs else 0
@@ -82,13 +93,13 @@ def arm_measure(engine, arm: ArmSpec, win: Windows, batch: int, s, records: list
     return measure
 
 
-def run_comparison(engines: dict, arm_a: ArmSpec, arm_b: ArmSpec, k: int, batch: int, win: Windows, s,
-                   ab_cfg, quiet: bool, disk: dict | None = None, rates: dict | None = None):
+def run_comparison(engines: dict, arm_a: ArmSpec, arm_b: ArmSpec, k: int, batch: int, win: Windows, s, ab_cfg,
+                   quiet: bool, graphs: dict, cached: dict, disk: dict | None = None, rates: dict | None = None):
     """A against the k-th B at ``batch``, interleaved (``stats.run_interleaved``): the ABResult and the
     comparison's JSON record (the ABResult dict, every sample's record in run order, per-arm summaries).
-    ``disk``: per disk arm's label ("A" / "B"), (raw read record, fresh_tables, placement name), which adds
-    ``raw_reads`` and ``disk`` (``disk_summary``) to the record; ``rates``: per label, the read rate to
-    measure before each of that arm's samples (``arm_measure``'s ``raw_rate``)."""
+    ``graphs`` and ``cached``: per arm, ``arm_measure``'s. ``disk``: per disk arm's label ("A" / "B"), (raw
+    read record, fresh_tables, placement name), which adds ``raw_reads`` and ``disk`` to the record;
+    ``rates``: per label, the read rate to measure around each of that arm's samples."""
     from engram.bench import stats
 
     records: list[dict] = []
@@ -102,8 +113,9 @@ def run_comparison(engines: dict, arm_a: ArmSpec, arm_b: ArmSpec, k: int, batch:
                   file=sys.stderr, flush=True)
 
     result = stats.run_interleaved(
-        stats.Arm(f"A: {arm_a.name}", arm_measure(engines[arm_a], arm_a, win, batch, s, records, rates.get("A"))),
-        stats.Arm(f"B: {arm_b.name}", arm_measure(engines[arm_b], arm_b, win, batch, s, records, rates.get("B"))),
+        *(stats.Arm(f"{label}: {arm.name}", arm_measure(engines[arm], arm, win, batch, s, records, graphs[arm],
+                                                          cached[arm], rates.get(label)))
+          for label, arm in (("A", arm_a), ("B", arm_b))),
         ab_cfg, on_run=progress)
     recorded = {label: [r for r in records if r["label"] == label and r["round"] >= 0] for label in result.arms}
     comparison = {"batch": batch, "b_index": k, "a": arm_a.to_dict(), "b": arm_b.to_dict(),
@@ -125,6 +137,8 @@ def table_row(result, comparison: dict) -> dict:
     def ci(c) -> str:
         return f"{1 + c.ci_lo:.4f}…{1 + c.ci_hi:.4f}"
 
+    b = comparison["arm_stats"]["B"]
     return {"batch": comparison["batch"], "arm B": json.dumps(comparison["b"]), "tok/s A": result.stats["A"].median,
             "tok/s B": result.stats["B"].median, "B/A": 1 + ab.estimate, "B/A CI": ci(ab),
-            "A/A CI": ci(aa) if aa is not None else "", "verdict": result.verdict}
+            "A/A CI": ci(aa) if aa is not None else "", "verdict": result.verdict,
+            "B hit rate": b["hit_rate_median"], "B reads/step": b["read_ops_per_step_median"]}

@@ -2,8 +2,9 @@
 
 ``write_result`` stores ``{"name", "date", "git", "machine", "config", "result"}`` at the path the caller
 names (a bench's ``--out``), else as ``<tmp>/engram-bench/<date>-<name>.json``: never into the working tree
-by default. A number in the docs can always be traced to the commit and machine that produced it. ``format_table`` renders a list of dicts as aligned
-text. This module knows nothing about what a bench measures.
+by default. A number in the docs can always be traced to the commit and machine that produced it.
+``format_table`` renders a list of dicts as aligned text. This module knows nothing about what a bench
+measures.
 """
 from __future__ import annotations
 

@@ -205,9 +205,12 @@ def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int
 
 
 def measure_ceilings(device: torch.device | str, dtype: torch.dtype, copy_bytes: int | None = None,
-                     matmul_n: int | None = None) -> Ceilings:
+                     matmul_n: int | None = None,
+                     timer: Callable[[Callable[[], object], torch.device], float] | None = None) -> Ceilings:
     """Measure copy bandwidth, matmul rate and (CUDA) host-link bandwidth on ``device``; sizes default to
-    CUDA_* / CPU_* of this module. Buffers are freed before returning."""
+    CUDA_* / CPU_* of this module. ``timer(fn, device)``: the seconds one call of ``fn`` takes (default: the
+    median of ``REPEATS`` runs, ``_median_seconds``). Buffers are freed before returning."""
+    timer = timer or _median_seconds
     device = torch.device(device)
     on_cuda = device.type == "cuda"
     nbytes = copy_bytes or (CUDA_COPY_BYTES if on_cuda else CPU_COPY_BYTES)
@@ -215,19 +218,19 @@ def measure_ceilings(device: torch.device | str, dtype: torch.dtype, copy_bytes:
     with torch.inference_mode():
         src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
         dst = torch.empty_like(src)
-        copy_s = _median_seconds(lambda: dst.copy_(src), device)
+        copy_s = timer(lambda: dst.copy_(src), device)
         del src, dst
         g = torch.Generator(device=device).manual_seed(0)
         a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
         b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
         out = torch.empty(n, n, device=device, dtype=dtype)
-        mm_s = _median_seconds(lambda: torch.mm(a, b, out=out), device)
+        mm_s = timer(lambda: torch.mm(a, b, out=out), device)
         del a, b, out
         link = None
         if on_cuda:
             host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
             dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            link_s = _median_seconds(lambda: dev.copy_(host, non_blocking=True), device)
+            link_s = timer(lambda: dev.copy_(host, non_blocking=True), device)
             link = nbytes / link_s / 1e9
             del host, dev
     if on_cuda:

@@ -5,7 +5,7 @@ each send streaming completions back to back until ``--duration`` seconds have p
 text: the prompts of a request corpus (engram/bench/corpus.py; ``--corpus FILE``, default the committed
 bench/corpus/natural-v1.jsonl, SHA-256 checked), in an order shuffled by ``--seed``; repeated filler would
 hash to a handful of rows and flatter every cache. Reports errors, request and token throughput, and
-TTFT / TPOT percentiles as JSON (bench/results/) and a table.
+TTFT / TPOT percentiles as JSON (``--out``) and a table.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="request corpus whose prompts are sent (engram bench corpus; default: the committed "
                         "bench/corpus/natural-v1.jsonl)")
     p.add_argument("--seed", type=int, default=0, help="shuffles the order in which the corpus's prompts are sent")
-    p.add_argument("--out", default=None, help="result JSON path (default: bench/results/<date>-serve-load.json)")
+    p.add_argument("--out", default=None, help="result JSON path (default: a fresh file in a temporary directory)")
 
 
 def _pct(values: list[float], q: float) -> float | None:

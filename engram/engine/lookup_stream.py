@@ -28,7 +28,7 @@ the wait kept they must not (tests/gpu/test_lookup_overlap.py asserts both). A t
 (``lookup_start``), each layer's end on the lookup stream (``lookup_done_L``), the main stream's first work
 after the fork (``main_start``), each consumer's wait on either side (``wait_begin_L`` / ``wait_end_L``) and
 the final join (``joined``); set before the graphs are captured, the stamps run inside every replay
-(scripts/trace_lookup_overlap.py reads them).
+(benchmarks/trace_lookup_overlap.py reads them).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The exposure reading of a profiled decode replay (engram/bench/replay_timeline.py) on made-up kernels."""
+"""The exposure reading of a profiled decode replay (benchmarks/replay_timeline.py) on made-up kernels."""
 import pytest
 
-from engram.bench.replay_timeline import median_timeline, step_timeline
+from benchmarks.replay_timeline import median_timeline, step_timeline
 
 SIDE, MAIN = 7, 143
 
@@ -49,7 +49,7 @@ def test_a_step_without_gathers_or_consumers_is_an_error():
 
 
 def test_clock_stamps_read_as_the_same_timeline():
-    from engram.bench.replay_timeline import clock_timeline
+    from benchmarks.replay_timeline import clock_timeline
 
     us = 1000  # stamps are ns
     stamps = {"fork": 5_000_000, "lookup_start": 5_000_000 + 2 * us, "main_start": 5_000_000 + 3 * us,
@@ -86,7 +86,7 @@ def test_the_clock_stamps_named_points_in_order_on_the_cpu():
 
 
 def test_the_exposure_bound_is_read_to_the_clocks_resolution():
-    from engram.bench.replay_timeline import STAMP_RESOLUTION_US, meets_exposure_bound
+    from benchmarks.replay_timeline import STAMP_RESOLUTION_US, meets_exposure_bound
     assert meets_exposure_bound(1e-13, 0.0)  # float noise of a zero wait against a zero bound
     assert meets_exposure_bound(0.6, 0.0)
     assert not meets_exposure_bound(STAMP_RESOLUTION_US + 0.1, 0.0)

@@ -1,14 +1,21 @@
-"""`engram bench table-open` on the CPU: real tables written to disk, opened per tier and page-cache state."""
+"""benchmarks/table_open.py on the CPU: real tables written to disk, opened per tier and page-cache state."""
+import argparse
 import json
 
-from engram.cli import main
+import pytest
+
+from benchmarks import table_open
 
 
-def test_table_open_bench_writes_every_cell(tmp_path, capsys):
+def run(argv: list[str]) -> int:
+    p = argparse.ArgumentParser()
+    table_open.add_arguments(p)
+    return table_open.run(p.parse_args(argv))
+
+
+def test_table_open_writes_every_cell(tmp_path, capsys):
     out = tmp_path / "open.json"
-    rc = main(["bench", "table-open", "--gib", "0.004", "--tiers", "host,gpu", "--workdir", str(tmp_path),
-               "--out", str(out)])
-    assert rc == 0
+    assert run(["--gib", "0.004", "--tiers", "host,gpu", "--workdir", str(tmp_path), "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     points = doc["result"]["points"]
     assert [(p["tier"], p["cache"]) for p in points] == [("host", "cold"), ("host", "warm"), ("gpu", "cold"),
@@ -21,7 +28,6 @@ def test_table_open_bench_writes_every_cell(tmp_path, capsys):
     assert "open_to_rows_s" in capsys.readouterr().out
 
 
-def test_table_open_bench_rejects_unknown_tier(tmp_path):
-    import pytest
+def test_table_open_rejects_unknown_tier(tmp_path):
     with pytest.raises(SystemExit, match="--tiers: 'disk'"):
-        main(["bench", "table-open", "--gib", "0.001", "--tiers", "disk", "--workdir", str(tmp_path)])
+        run(["--gib", "0.001", "--tiers", "disk", "--workdir", str(tmp_path)])

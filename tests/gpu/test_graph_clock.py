@@ -8,7 +8,7 @@ import torch
 
 import engram
 import engram.engine.lookup_stream as lookup_stream
-from engram.bench.replay_timeline import clock_timeline
+from benchmarks.replay_timeline import clock_timeline
 from engram.engine.graph_clock import GraphClock
 from engram.engine.sampling_params import SamplingParams
 

@@ -81,9 +81,23 @@ def test_step_cost_and_roofline_by_hand():
     assert roofline(host, cpu) == (pytest.approx(6966 / 1e3), "memory")  # the host tier is RAM: rows are memory
 
 
-def test_measured_ceilings_are_positive():
-    c = measure_ceilings("cpu", torch.float32, copy_bytes=1 << 20, matmul_n=64)
-    assert c.memory_GBps > 0 and c.matmul_TFLOPs > 0 and c.link_GBps is None and c.device == "cpu"
+def test_measured_ceilings_are_the_work_over_the_time_it_took():
+    """A copy of B bytes moves 2B (read + written), an n^3 matmul does 2n^3 FLOPs: each ceiling is that work
+    over the time the timer gave for it. The fake timer runs each measured call once, on the real buffers."""
+    timed = []
+
+    def timer(fn, device):
+        fn()
+        timed.append(device.type)
+        return {1: 0.5e-3, 2: 2e-3}[len(timed)]  # the copy, then the matmul
+
+    c = measure_ceilings("cpu", torch.float32, copy_bytes=1 << 20, matmul_n=64, timer=timer)
+    assert timed == ["cpu", "cpu"]  # no host-link copy without CUDA
+    assert c.memory_GBps == pytest.approx(2 * (1 << 20) / 0.5e-3 / 1e9)  # 4.19 GB/s
+    assert c.matmul_TFLOPs == pytest.approx(2 * 64 ** 3 / 2e-3 / 1e12)
+    assert (c.link_GBps, c.device, c.dtype, c.copy_bytes, c.matmul_n) == (None, "cpu", "float32", 1 << 20, 64)
+    real = measure_ceilings("cpu", torch.float32, copy_bytes=1 << 20, matmul_n=64)
+    assert real.memory_GBps > 0 and real.matmul_TFLOPs > 0 and real.link_GBps is None
 
 
 # ----------------------------------------------------------------- busy time
@@ -170,6 +184,21 @@ def test_hf_peer_decodes_a_tiny_qwen3_shape():
                      busy_device="cpu")
     assert t.ms_per_step > 0 and t.busy_ms_per_step is not None and t.compiled_graphs == 0
     assert t.context_lens == [[12, 12], [13, 13], [14, 14]]  # as the engine's after 2 warm-up tokens
+
+    # ms/step is the long call's time less the short one's over the steps between them: a clock that
+    # advances 4 ms per generated token gives exactly 4 ms a step
+    now = [0.0]
+    real_generate = model.generate
+
+    def generate(input_ids, **kwargs):
+        out = real_generate(input_ids, **kwargs)
+        now[0] += 4e-3 * (out.shape[1] - input_ids.shape[1])
+        return out
+
+    model.generate = generate
+    t = measure_peer(model, engine_steps.prompt_ids(2, 10, 4096, 0), steps=3, warmup_tokens=2, compile_mode=None,
+                     clock=lambda: now[0])
+    assert t.ms_per_step == pytest.approx(4.0) and t.busy_ms_per_step is None
 
 
 # ----------------------------------------------------------------- the command

@@ -1,7 +1,8 @@
-"""`engram bench placement` on the CPU with the tiny preset: both tiers' engines run interleaved in one
+"""`engram bench placement` on the CPU with the tiny preset: the arms' engines run interleaved in one
 process over the same corpus windows, every sample is a positive tok/s whose sequences emitted exactly
-their forced ids, the result JSON holds what the docs promise, and a bad arm stops the command before
-anything loads. Disk arms with per-arm table options: the raw read rate, per-sample table counters, hit
+their forced ids, each arm's engine is built from its own engram_config and engine overrides, the result
+JSON holds what the docs promise, and a bad arm stops the command before anything loads. Disk arms with
+per-arm table options: the raw read rate at the depth their steps read at, per-sample table counters, hit
 rates cold and warm and the bound against the host arm. Also ``measure_decode(..., forced=...)``."""
 import json
 import math
@@ -11,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from engram.bench import disk_bound, engine_steps, forced_windows, stats
+from engram.bench import engine_steps, forced_windows, stats
+from engram.bench.disk_bound import NO_HOST_ARM
 from engram.cli import main
-from engram.commands.options import parse_bytes
+from engram.config import parse_bytes
 
 FAST = ["--batch-sizes", "1,2", "--context-len", "16", "--decode-steps", "4", "--warmup-tokens", "2",
         "--repeats", "2", "--warmup", "0", "--quiet"]
@@ -75,22 +77,25 @@ def test_check_forced_names_the_arm_sequence_and_position():
 @pytest.mark.parametrize("option, text, message", [
     ("--b", '{"tier": "host", "cache_rows": 5}', r"--b\[1\]: unknown key 'cache_rows'"),
     ("--b", '{"tier": "tape"}', r"--b\[1\]: key 'tier'='tape' must be one of"),
-    ("--b", '{"tier": "disk", "options": {"cache_rowz": 5}}',
-     r"--b\[1\]: options has unknown key\(s\) \['cache_rowz'\]"),
-    ("--b", '{"tier": "disk", "options": {"queue_depth": 0}}', r"--b\[1\]: options.queue_depth=0: must be in"),
-    ("--b", '{"tier": "disk", "options": [1]}', r"--b\[1\]: key 'options'=\[1\] must be a JSON object"),
-    ("--a", '{"tier": "host", "options": {"io": "mmap"}}', r"--a: options.io='mmap': must be one of"),
-    ("--b", '{"lookup_overlap": true}', r"--b\[1\]: key 'tier' is missing"),
-    ("--b", '{"tier": "gpu", "lookup_overlap": 1}', r"--b\[1\]: key 'lookup_overlap'=1 must be true or false"),
-    ("--b", '{"tier": "host", "wkv_run_ahead": 0}', r"--b\[1\]: key 'wkv_run_ahead'=0 must be true or false"),
-    ("--b", '{"tier": "disk", "async_scheduling": "yes"}',
-     r"--b\[1\]: key 'async_scheduling'='yes' must be true or false"),
+    ("--b", '{"engine": {}}', r"--b\[1\]: key 'tier'=None must be one of"),
+    ("--b", '{"tier": "disk", "engram_config": {"cache_rowz": 5}}',
+     r"--b\[1\]: engram_config has unknown key\(s\) \['cache_rowz'\]"),
+    ("--b", '{"tier": "disk", "engram_config": {"queue_depth": 0}}',
+     r"--b\[1\]: engram_config.queue_depth=0: must be in"),
+    ("--b", '{"tier": "disk", "engram_config": [1]}', r"--b\[1\]: key 'engram_config'=\[1\] must be a JSON object"),
+    ("--a", '{"tier": "host", "engram_config": {"io": "mmap"}}', r"--a: engram_config.io='mmap': must be one of"),
+    ("--b", '{"tier": "gpu", "engram_config": {"lookup_overlap": 1}}',
+     r"--b\[1\]: engram_config.lookup_overlap=1: must be true or false"),
+    ("--b", '{"tier": "gpu", "engram_config": {"table_rows": 5}}',
+     r"--b\[1\]: engram_config.table_rows is shared by every arm: set it in --engram-config"),
+    ("--b", '{"tier": "disk", "engine": {"async_scheduling": "yes"}}',
+     r"--b\[1\]: engine.async_scheduling='yes': must be true, false or null"),
+    ("--b", '{"tier": "gpu", "engine": {"enforce_eagre": true}}',
+     r"--b\[1\]: engine.enforce_eagre is not an EngineConfig"),
+    ("--b", '{"tier": "gpu", "engine": {"max_num_seqs": 4}}',
+     r"--b\[1\]: engine.max_num_seqs is set for every arm by the command's options"),
+    ("--b", '{"tier": "gpu", "engine": [1]}', r"--b\[1\]: key 'engine'=\[1\] must be a JSON object"),
     ("--a", '{"tier": "gpu", "device": "cuda"}', r"--a: unknown key 'device'"),
-    ("--b", '{"tier": "gpu", "switches": {"first_lookup": false}}',
-     r"--b\[1\]: key 'switches': unknown kernel switch 'first_lookup'; known: \['pdl', 'first_lookup_alone'"),
-    ("--b", '{"tier": "gpu", "switches": {"pdl": 0}}',
-     r"--b\[1\]: key 'switches': kernel switch 'pdl'=0 must be true or false"),
-    ("--b", '{"tier": "gpu", "switches": [1]}', r"--b\[1\]: key 'switches': \[1\] must be a JSON object"),
     ("--a", '["gpu"]', r"--a: expected a JSON object"),
 ])
 def test_a_bad_arm_stops_the_command_before_anything_loads(monkeypatch, option, text, message):
@@ -106,28 +111,38 @@ def test_a_bad_arm_stops_the_command_before_anything_loads(monkeypatch, option, 
         main(argv)
 
 
-def test_shared_options_leave_the_arms_options_to_the_arms(monkeypatch):
+def test_shared_options_are_checked_and_leave_the_tier_to_the_arms(monkeypatch):
     monkeypatch.setattr("engram.model.loader.random_model", None)  # never reached
-    for key in ("lookup_overlap", "cpu_offload"):
-        with pytest.raises(SystemExit, match=f"--engram-config: key '{key}' is set per arm"):
-            main(["bench", "placement", *FAST, "--engram-config", json.dumps({key: True})])
+    with pytest.raises(SystemExit, match="--engram-config: key 'cpu_offload' is the tier"):
+        main(["bench", "placement", *FAST, "--engram-config", '{"cpu_offload": true}'])
     with pytest.raises(SystemExit, match="--engram-config: .*unknown key"):
         main(["bench", "placement", *FAST, "--engram-config", '{"tabel_rows": 5}'])
+    # an arm's table options are checked over the shared ones: sorted_min_rows must stay >= staged_min_rows
+    with pytest.raises(SystemExit, match=r"^--b\[1\]: engram_config.sorted_min_rows=100: must be >= 200"):
+        main(["bench", "placement", *FAST, "--engram-config", '{"staged_min_rows": 200}',
+              "--b", '{"tier": "host", "engram_config": {"sorted_min_rows": 100}}'])
+    with pytest.raises(SystemExit, match=r"^--b\[2\]: .*tables_in_memory=true: tier 'disk' serves tables"):
+        main(["bench", "placement", *FAST, "--engram-config", '{"tables_in_memory": true}',
+              "--a", '{"tier": "host"}', "--b", '{"tier": "gpu"}', "--b", '{"tier": "disk"}'])
+    with pytest.raises(SystemExit, match="--kv-cache-memory: '8 parsecs' is not a positive byte count"):
+        main(["bench", "placement", *FAST, "--kv-cache-memory", "8 parsecs"])
 
 
 def test_parse_bytes():
     assert parse_bytes("8GiB", "--kv") == 8 << 30 and parse_bytes("512M", "--kv") == 512 << 20
     assert parse_bytes("12345", "--kv") == 12345
-    with pytest.raises(SystemExit, match="--kv: '8 parsecs'"):
+    with pytest.raises(ValueError, match="--kv: '8 parsecs'"):
         parse_bytes("8 parsecs", "--kv")
     import argparse
 
     from engram.commands.options import add_engine_arguments
 
     p = argparse.ArgumentParser()
-    add_engine_arguments(p)  # serve / generate / check take the same units
+    add_engine_arguments(p)  # serve / generate take the same units
     assert p.parse_args(["--kv-cache-memory", "2GiB"]).kv_cache_memory == 2 << 30
     assert p.parse_args([]).kv_cache_memory is None
+    with pytest.raises(SystemExit, match="--kv-cache-memory: '0'"):
+        p.parse_args(["--kv-cache-memory", "0"])
 
 
 # ----------------------------------------------------------------- the command
@@ -139,15 +154,16 @@ def test_placement_bench_runs_both_tiers_interleaved_and_writes_every_field(tmp_
     doc = json.loads(out.read_text())
     assert doc["name"] == "placement-tiny" and doc["config"]["model"] is None
     res = doc["result"]
-    a, b = {"tier": "gpu", "lookup_overlap": False}, {"tier": "host", "lookup_overlap": True}  # the defaults
+    a, b = {"tier": "gpu"}, {"tier": "host"}  # the defaults
     assert res["arms"] == {"A": a, "B": [b]}
     assert res["model"]["name"] == "tiny" and res["model"]["device"] == "cpu"
     assert set(res["tables"]) == {"gpu", "host"}
     assert {t["type"] for t in res["tables"]["gpu"].values()} == {"GpuTable"}
     assert {t["type"] for t in res["tables"]["host"].values()} == {"HostTable"}
     assert all(t["bytes"] > 0 for tier in res["tables"].values() for t in tier.values())
-    assert res["kv_cache_memory"]["bytes"] == 64 << 20 == res["engine_config"]["kv_cache_memory"]
+    assert res["kv_cache_memory"]["bytes"] == 64 << 20
     assert len(set(res["kv_cache_memory"]["kv_blocks"].values())) == 1  # one budget, the same KV cache for both
+    assert set(res["engine_configs"]) == {json.dumps(a), json.dumps(b)}
     assert res["corpus"]["path"] == "bench/corpus/natural-v1.jsonl" and len(res["corpus"]["sha256"]) == 64
     assert set(res["windows"]) == {"1", "2"} and res["windows"]["2"]["token_stats"]["distinct_tokens"] > 10
 
@@ -164,31 +180,48 @@ def test_placement_bench_runs_both_tiers_interleaved_and_writes_every_field(tmp_
             assert s["lookup_exposed_s"] == 0.0  # no lookup stream on the CPU
             assert s["tokens_checked"] >= c["batch"] * (2 + 4)  # every emitted id was its forced id
             assert s["tok_s"] == pytest.approx(c["batch"] * 4 / s["wall_s"])
+            assert s["hit_rate"] is None  # no hot-row cache
         assert set(c["arm_stats"]) == {"A", "A'", "B"} and c["arm_stats"]["B"]["n"] == 2
+        assert c["arm_stats"]["B"]["tok_s_median"] == pytest.approx(
+            sum(s["tok_s"] for s in c["samples"] if s["label"] == "B") / 2)
     printed = capsys.readouterr().out
     assert "tok/s A" in printed and "A/A CI" in printed and f"result: {out}" in printed
 
 
-def test_an_arms_switches_are_set_while_its_engine_is_built_and_measured(tmp_path, monkeypatch):
-    """Arm B with ``switches``: the flag is flipped while B's engine is built and while B runs, left as it is
-    for A (the decode graphs capture pdl.ENABLED when the Worker builds them); the record names B's switches."""
-    from engram.engine import worker as worker_mod
-    from engram.model.layers import pdl
+def test_each_arm_is_an_engine_built_from_its_own_typed_configs(tmp_path, monkeypatch):
+    """Arms that differ in engram_config (lookup_overlap, a table option) and engine (EngineConfig fields) get
+    one engine each, built from the shared settings with exactly their own overrides; no module state is
+    flipped, so the engines exist side by side in the one process."""
+    from engram.engine import engine as engine_mod
 
-    seen = []
-    real_init = worker_mod.Worker.__init__
+    built = []
+    real_init = engine_mod.LLMEngine.__init__
 
-    def spy(self, *a, **k):
-        seen.append(pdl.ENABLED)
-        real_init(self, *a, **k)
+    def spy(self, loaded, config, *a, **k):
+        built.append((loaded.tier, loaded.lookup_overlap, loaded.store_options.cache_rows, config))
+        real_init(self, loaded, config, *a, **k)
 
-    monkeypatch.setattr(worker_mod.Worker, "__init__", spy)
-    before = pdl.ENABLED  # on by default
-    b = {"tier": "gpu", "lookup_overlap": False, "switches": {"pdl": not before}}
+    monkeypatch.setattr(engine_mod.LLMEngine, "__init__", spy)
+    a = {"tier": "host"}
+    b1 = {"tier": "host", "engram_config": {"cache_rows": 64, "lookup_overlap": False},  # keys as the record sorts them
+          "engine": {"async_scheduling": True, "max_graph_batch": 8}}
+    b2 = {"tier": "gpu", "engine": {"enforce_eager": True}}
     out = tmp_path / "p.json"
-    assert main(["bench", "placement", *FAST, "--batch-sizes", "1", "--b", json.dumps(b), "--out", str(out)]) == 0
-    assert seen == [before, not before] and pdl.ENABLED is before  # A's engine, B's engine; restored after
-    assert json.loads(out.read_text())["result"]["arms"]["B"] == [b]
+    assert main(["bench", "placement", *FAST, "--batch-sizes", "1", "--a", json.dumps(a), "--b", json.dumps(b1),
+                 "--b", json.dumps(b2), "--b", json.dumps(a), "--out", str(out)]) == 0
+    assert len(built) == 3  # the repeated arm A reuses A's engine
+    (ta, oa, ca, ea), (t1, o1, c1, e1), (t2, o2, c2, e2) = built
+    assert (ta, oa, ca) == ("host", True, 0) and (t1, o1, c1) == ("host", False, 64)
+    assert (t2, o2, c2) == ("gpu", True, 0)
+    assert ea.async_scheduling is None and ea.max_graph_batch == 256 and not ea.enforce_eager
+    assert e1.async_scheduling is True and e1.max_graph_batch == 8 and not e1.enforce_eager
+    assert e2.enforce_eager is True and e2.async_scheduling is None
+    assert ea.max_num_seqs == e1.max_num_seqs == e2.max_num_seqs and ea.kv_cache_memory == e2.kv_cache_memory
+    res = json.loads(out.read_text())["result"]
+    assert res["arms"]["B"] == [b1, b2, a]
+    assert res["placements"]["arms"] == {json.dumps(a): "host", json.dumps(b1): 'host {"cache_rows": 64}',
+                                          json.dumps(b2): "gpu"}
+    assert res["engine_configs"][json.dumps(b1)]["async_scheduling"] is True
 
 
 def test_engines_built_for_more_sequences_than_the_largest_batch(tmp_path):
@@ -213,23 +246,8 @@ DISK_FAST = ["--batch-sizes", "1,2", "--context-len", "16", "--decode-steps", "4
              "--raw-read-sample-seconds", "0.02"]
 
 
-def test_a_bad_options_key_names_the_first_b_and_the_key(monkeypatch):
+def test_bad_raw_read_options_stop_before_loading(monkeypatch):
     monkeypatch.setattr("engram.model.loader.random_model", None)  # never reached
-    with pytest.raises(SystemExit, match=r"^--b\[1\]: options has unknown key\(s\) \['cache_rowz'\]"):
-        main(["bench", "placement", *DISK_FAST, "--b", '{"tier": "disk", "options": {"cache_rowz": 500}}'])
-    # checked over the shared options: sorted_min_rows must stay >= staged_min_rows, theirs or the arm's
-    with pytest.raises(SystemExit, match=r"^--b\[1\]: options.sorted_min_rows=100: must be >= 200"):
-        main(["bench", "placement", *DISK_FAST, "--engram-config", '{"staged_min_rows": 200}',
-              "--b", '{"tier": "host", "options": {"sorted_min_rows": 100}}'])
-    with pytest.raises(SystemExit, match=r"^--b\[1\]: options.cache_rows=\[5\]: must be int"):
-        main(["bench", "placement", *DISK_FAST, "--b", '{"tier": "disk", "options": {"cache_rows": [5]}}'])
-
-
-def test_a_disk_arm_with_tables_in_memory_stops_before_loading(monkeypatch):
-    monkeypatch.setattr("engram.model.loader.random_model", None)  # never reached
-    with pytest.raises(SystemExit, match=r"^--b\[2\] is on tier 'disk'.*tables_in_memory=true"):
-        main(["bench", "placement", *DISK_FAST, "--engram-config", '{"tables_in_memory": true}',
-              "--a", '{"tier": "host"}', "--b", '{"tier": "gpu"}', "--b", '{"tier": "disk"}'])
     with pytest.raises(SystemExit, match=r"--raw-read-seconds=0.0 must be > 0"):
         main(["bench", "placement", *DISK_FAST, "--raw-read-seconds", "0"])
     with pytest.raises(SystemExit, match=r"--raw-read-sample-seconds=-1.0 >= 0"):
@@ -240,16 +258,16 @@ def test_disk_arms_record_raw_reads_counters_hit_rates_and_the_bound(tmp_path, c
     from engram.model.presets import preset_config
 
     out, cache = tmp_path / "disk.json", tmp_path / "cache"
-    host = {"tier": "host", "lookup_overlap": False}
-    plain = {"tier": "disk", "lookup_overlap": False, "async_scheduling": True, "options": {"io": "buffered"}}
-    cached = {"tier": "disk", "lookup_overlap": False, "options": {"cache_rows": 500, "io": "buffered"}}
+    host = {"tier": "host"}
+    plain = {"tier": "disk", "engram_config": {"io": "buffered"}, "engine": {"async_scheduling": True}}
+    cached = {"tier": "disk", "engram_config": {"cache_rows": 500, "io": "buffered"}}
     rc = main(["bench", "placement", *DISK_FAST, "--out", str(out), "--kv-cache-memory", "64MiB",
                "--cache-dir", str(cache), "--a", json.dumps(host), "--b", json.dumps(plain), "--b", json.dumps(cached)])
     assert rc == 0
     assert len(list((cache / "tables").glob("*/*/manifest.json"))) == 2  # the preset's tables, in --cache-dir
     res = json.loads(out.read_text())["result"]
     assert res["arms"] == {"A": host, "B": [plain, cached]}
-    assert list(res["async_scheduling"].values()) == [False, True, False]  # asked for by `plain` only (CPU)
+    assert [c["async_scheduling"] for c in res["engine_configs"].values()] == [None, True, None]
     names = ["host", 'disk {"io": "buffered"}', 'disk {"cache_rows": 500, "io": "buffered"}']
     assert list(res["tables"]) == names == list(res["placements"]["store_options"])
     assert {t["type"] for t in res["tables"][names[1]].values()} == {"DiskTable"}
@@ -328,17 +346,20 @@ def test_disk_arms_record_raw_reads_counters_hit_rates_and_the_bound(tmp_path, c
             assert d["floor_ms"] == pytest.approx(d["host_step_ms_median"] + lr["us_per_call_p50"] / 1e3)
             assert d["floor_ratio"] == pytest.approx(d["step_ms_median"] / d["floor_ms"])
     assert comps[0]["disk"]["B"]["read_ops_per_step_median"] > 0  # without a cache every step reads the disk
+    b = comps[1]["arm_stats"]["B"]  # the cached arm's summary over its recorded samples
+    assert b["hit_rate_median"] == comps[1]["disk"]["B"]["hit_rate_warm"]
+    assert b["read_ops_per_step_median"] == comps[1]["disk"]["B"]["read_ops_per_step_median"]
     printed = capsys.readouterr().out
     assert "raw reads/s" in printed and "bound ms" in printed and "target ratio <= 1.1" in printed
-    assert "paired ratio" in printed and "raw reads/s, samples" in printed
+    assert "paired ratio" in printed and "raw reads/s, samples" in printed and "B hit rate" in printed
     assert "floor ms" in printed and "floor = host step ms + one lookup's reads as a raw call" in printed
 
 
 def test_an_o_direct_disk_arm_is_held_to_the_rate_measured_right_before_each_sample(tmp_path):
     out = tmp_path / "paired.json"
-    direct = {"tier": "disk", "lookup_overlap": False, "options": {"cache_rows": 500, "io": "direct"}}
+    direct = {"tier": "disk", "engram_config": {"cache_rows": 500, "io": "direct"}}
     rc = main(["bench", "placement", *DISK_FAST, "--batch-sizes", "1", "--out", str(out), "--kv-cache-memory",
-               "64MiB", "--cache-dir", str(tmp_path / "cache"), "--a", '{"tier": "host", "lookup_overlap": false}',
+               "64MiB", "--cache-dir", str(tmp_path / "cache"), "--a", '{"tier": "host"}',
                "--b", json.dumps(direct)])
     assert rc == 0
     res = json.loads(out.read_text())["result"]
@@ -378,7 +399,7 @@ def test_disk_arm_without_a_host_arm_says_the_bound_is_not_computed(tmp_path, ca
     out = tmp_path / "disk.json"
     rc = main(["bench", "placement", *DISK_FAST, "--batch-sizes", "1", "--out", str(out), "--kv-cache-memory",
                "64MiB", "--cache-dir", str(tmp_path / "cache"), "--a", '{"tier": "gpu"}',
-               "--b", '{"tier": "disk", "options": {"io": "buffered"}}', "--raw-read-sample-seconds", "0"])
+               "--b", '{"tier": "disk", "engram_config": {"io": "buffered"}}', "--raw-read-sample-seconds", "0"])
     assert rc == 0
     (c,) = json.loads(out.read_text())["result"]["comparisons"]
     d = c["disk"]["B"]
@@ -388,57 +409,41 @@ def test_disk_arm_without_a_host_arm_says_the_bound_is_not_computed(tmp_path, ca
         == {None}
     assert d["raw_read_ops_per_s_samples_median"] is d["ratio_paired"] is d["paired_target"] is None
     assert d["ratio_bracketed"] is d["bracketed_target"] is None
-    assert d["bound_note"] == disk_bound.NO_HOST_ARM and d["raw_read_ops_per_s"] > 0
-    assert disk_bound.NO_HOST_ARM in capsys.readouterr().out
+    assert d["bound_note"] == NO_HOST_ARM and d["raw_read_ops_per_s"] > 0
+    assert NO_HOST_ARM in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")
 def read_depths(tmp_path_factory):
-    """One placement run, batches 1 and 2: A the first table alone at every batch, B1 both tables always
-    together, B2 together once a step's ids fill the read queue (together_when_deep), B3 together over buffered
-    reads. Returns ({(batch, b_index, label): the raw rate's queue depth}, whether B read with O_DIRECT through
-    per-thread AIO queues here, the reader's depth, the tables)."""
+    """One placement run, batches 1 and 2, over O_DIRECT disk arms whose read queue holds two steps' worth of
+    one token's ids: A with the reader's depth of 2 x n_cols, B1 the same over buffered reads. Returns
+    ({(batch, b_index, label): the raw rate's queue depth}, whether A read with O_DIRECT through per-thread
+    AIO queues here, the reader's depth, the tables)."""
     from engram.model.presets import preset_config
     from engram.store.reader import queue_per_thread
 
     tmp_path = tmp_path_factory.mktemp("read-depths")
-    out = tmp_path / "together.json"
+    out = tmp_path / "depths.json"
     n_cols = preset_config("tiny").engram.n_cols
-    alone = {"tier": "disk", "lookup_overlap": False, "options": {"io": "direct", "queue_depth": 2 * n_cols},
-             "switches": {"together_when_deep": False}}  # the first table alone at every batch
-    together = {**alone, "switches": {"first_lookup_alone": False}}
-    when_deep = {**alone, "switches": {"together_when_deep": True}}  # batch 1: n_cols ids, batch 2: the depth
-    shared = {**together, "options": {"io": "buffered", "queue_depth": 2 * n_cols}}
+    direct = {"tier": "disk", "engram_config": {"io": "direct", "queue_depth": 2 * n_cols}}
+    shared = {"tier": "disk", "engram_config": {"io": "buffered", "queue_depth": 2 * n_cols}}
     rc = main(["bench", "placement", *DISK_FAST, "--out", str(out), "--kv-cache-memory", "64MiB", "--cache-dir",
-               str(tmp_path / "cache"), "--a", json.dumps(alone), "--b", json.dumps(together), "--b",
-               json.dumps(when_deep), "--b", json.dumps(shared)])
+               str(tmp_path / "cache"), "--a", json.dumps(direct), "--b", json.dumps(shared)])
     assert rc == 0
     comps = json.loads(out.read_text())["result"]["comparisons"]
     depth = {(c["batch"], c["b_index"], label): c["raw_reads"][label]["queue_depth"] for c in comps
              for label in ("A", "B")}
-    direct = comps[0]["raw_reads"]["B"]["io"] == "direct" and queue_per_thread("direct")
-    return depth, direct, 2 * n_cols, len(preset_config("tiny").engram.layer_ids)
+    direct_io = comps[0]["raw_reads"]["A"]["io"] == "direct" and queue_per_thread("direct")
+    return depth, direct_io, 2 * n_cols, len(preset_config("tiny").engram.layer_ids)
 
 
-def test_a_disk_arm_reading_one_table_at_a_time_or_through_one_pool_is_held_to_the_readers_depth(read_depths):
-    """The first table alone (A), a batch-1 step whose ids do not fill the queue (B2), and buffered reads,
-    which share one pool of the reader's depth however many tables read (B3): the raw rate behind the bound
-    is measured at the reader's depth (disk_bound.read_depth)."""
-    depth, _, reader_depth, tables = read_depths
-    assert tables >= 2 and len(depth) == 12
-    want = {(b, k, "A"): reader_depth for b in (1, 2) for k in (1, 2, 3)}
-    want.update({(1, 2, "B"): reader_depth})
-    want.update({(b, 3, "B"): reader_depth for b in (1, 2)})
-    assert {key: depth[key] for key in want} == want
-
-
-def test_a_disk_arm_reading_its_tables_together_is_held_to_the_disk_at_their_summed_depth(read_depths):
-    """Tables read side by side with O_DIRECT (first_lookup_alone false, or together_when_deep with a step's ids
-    filling the read queue): each table's thread keeps its own AIO queue full, so the step keeps tables x depth
-    reads in flight, and the raw rate behind its bound is measured there (disk_bound.read_depth). Without
-    O_DIRECT or Linux AIO the reads share one pool, and the rate stays at the reader's depth."""
+def test_a_disk_arm_is_held_to_the_depth_its_steps_read_at(read_depths):
+    """A batch-1 step's ids do not fill the read queue, so one table's reads are in flight at a time: the raw
+    rate behind the bound is taken at the reader's depth. At batch 2 they fill it and the tables read side by
+    side (engine/lookup.py ``reads_together``); with O_DIRECT each table's thread keeps its own AIO queue full,
+    so the step keeps tables x depth reads in flight and the rate is taken there (disk_bound.read_depth).
+    Buffered reads share one pool, which stays at the reader's depth however many tables read."""
     depth, direct, reader_depth, tables = read_depths
-    summed = reader_depth * (tables if direct else 1)
-    want = {(b, 1, "B"): summed for b in (1, 2)}  # always together
-    want[(2, 2, "B")] = summed  # together once the ids fill the queue
-    assert {key: depth[key] for key in want} == want
+    assert tables >= 2 and len(depth) == 4
+    assert depth == {(1, 1, "A"): reader_depth, (2, 1, "A"): reader_depth * (tables if direct else 1),
+                     (1, 1, "B"): reader_depth, (2, 1, "B"): reader_depth}

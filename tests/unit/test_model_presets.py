@@ -116,7 +116,7 @@ def test_builtin_tokenizer_matches_tiny_layout():
 
 
 def test_train_tokenizer_script_is_deterministic():
-    spec = importlib.util.spec_from_file_location("train_tokenizer", REPO / "scripts" / "train_tokenizer.py")
+    spec = importlib.util.spec_from_file_location("train_tokenizer", REPO / "tools" / "train_tokenizer.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     texts = [d for p in mod.stdlib_files()[:40] for d in mod.docstrings(p)]

@@ -103,19 +103,23 @@ def test_preemption_takes_newest_frees_blocks_and_resets_state():
 
 
 def test_no_admission_in_a_step_that_preempted():
-    sched = make(num_blocks=4, block_size=4, max_num_batched_tokens=64, max_num_seqs=4)
-    a, b = make_seq(0, 4), make_seq(1, 4)
+    # A 5-token budget: after a's decode, b's first recompute chunk (4 tokens) fits the block b's own
+    # preemption freed, so only the rule keeps b (and c behind it) out of the step that preempted it.
+    sched = make(num_blocks=4, block_size=4, max_num_batched_tokens=5, max_num_seqs=4)
+    a, b, c = make_seq(0, 4), make_seq(1, 4), make_seq(2, 1)
     sched.add(a)
     sched.add(b)
-    advance(sched.schedule())  # 1 block each (4 tokens), a and b now have 5 tokens
-    advance(sched.schedule())  # both need a 2nd block: 4 used
-    c = make_seq(2, 1)
-    sched.add(c)
-    for _ in range(3):
-        advance(sched.schedule())
-    batch = sched.schedule()  # a needs a 3rd block -> b preempted; c must not sneak in
-    assert batch.preempted == [b]
-    assert c not in batch.seqs and list(sched.waiting) == [b, c]
+    for step in range(5):  # a prefills, b's prompt is chunked behind it, then both decode
+        if step == 3:
+            sched.add(c)  # arrives once every block is held: it waits
+        batch = sched.schedule()
+        assert not batch.preempted and c not in batch.seqs
+        advance(batch)
+    assert sched.blocks.num_free_blocks == 0 and len(a.block_table) == len(b.block_table) == 2
+    batch = sched.schedule()  # a needs a 3rd block -> b preempted
+    assert batch.preempted == [b] and batch.seqs == [a] and batch.num_new_tokens == [1]
+    assert sched.blocks.can_allocate(b, min(b.num_uncomputed_tokens, 5 - 1))  # b's next chunk would fit
+    assert list(sched.waiting) == [b, c]
 
 
 def test_sequence_preempting_itself_when_alone_cannot_happen_with_enough_blocks():

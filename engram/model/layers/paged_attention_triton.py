@@ -232,7 +232,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     graph captured for a long max_len (40 K tokens) does no work for splits its sequences do not reach.
     ``block_n`` (keys per tile; it changes the summation order, so one value serves every launch),
     ``target_programs``, ``num_warps``, ``num_stages``: launch knobs for tuning sweeps
-    (scripts/bench_decode_attention.py); the defaults are what the engine runs."""
+    (benchmarks/decode_attention.py); the defaults are what the engine runs."""
     if SPLIT_LEN % block_n:
         raise ValueError(f"block_n={block_n} must divide SPLIT_LEN={SPLIT_LEN}")
     d = seqs.numel()

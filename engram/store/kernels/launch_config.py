@@ -10,7 +10,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class LaunchConfig:
     """Tile shape and grid of one launch. Defaults are the HBM winner of the sweep in
-    engram/bench/gpu_lookup.py on the H200 (bench/results/2026-11-29-gpu-lookup-3.json): one program per
+    benchmarks/gpu_lookup.py on the H200 (bench/results/2026-11-29-gpu-lookup-3.json): one program per
     tile beat every persistent grid (0.82 vs <= 0.71 of the copy limit at 4 M rows), and the streaming
     cache hints cost 6-8 %. uva.UVA_CONFIG holds the host-table winner."""
 
