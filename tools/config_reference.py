@@ -49,7 +49,7 @@ def _default(f: dataclasses.Field) -> str:
 def generate() -> str:
     from engram import envs
     from engram.engine.config import EngineConfig
-    from engram.engine.options import RuntimeOptions
+    from engram.model.options import RuntimeOptions
     from engram.store.options import StoreOptions
 
     lines = ["### Engine options (`engram.LLM(**options)`, `--max-num-seqs` etc. on the command line)", "",

@@ -57,7 +57,7 @@ class ArmSpec:
         """A JSON object (or dict) of arm keys -> ArmSpec; ValueError naming ``--<name>`` and the key."""
         from engram.config import parse_json_object
         from engram.engine.config import EngineConfig
-        from engram.engine.options import RuntimeOptions
+        from engram.model.options import RuntimeOptions
         from engram.model.loader import DTYPES
         from engram.store.base import Tier
 
@@ -118,7 +118,7 @@ def _table_dirs(raw: Any) -> dict[int, str]:
 
 def check_same_model(a: ArmSpec, b: ArmSpec) -> None:
     """Both arms must load the same weights and tables: ValueError naming a loader key they disagree on."""
-    from engram.engine.options import RuntimeOptions
+    from engram.model.options import RuntimeOptions
 
     oa, ob = RuntimeOptions.from_dict(a.engram_config), RuntimeOptions.from_dict(b.engram_config)
     for key in ("seed", "table_rows"):

@@ -59,7 +59,7 @@ def _config(spec: str | None):
     if spec is None:
         return None
     from engram.config import EngramConfig
-    from engram.configs import resolve_config
+    from engram.commands.config_names import resolve_config
 
     return EngramConfig.from_hf_config(resolve_config(spec, "--config"))
 

@@ -1,6 +1,6 @@
 """`engram inspect`: show an Engram layout, the row ids of a text, or verify a table directory.
 
---preset takes every config name any command takes (engram.configs: the shipped deepseek-v4.1-flash and
+--preset takes every config name any command takes (engram/commands/config_names.py: the shipped deepseek-v4.1-flash and
 paper-demo layouts, the model presets tiny, small, 4b-like, 8b-like); --config a config.json, a directory
 holding one, or such a name.
 
@@ -9,7 +9,10 @@ Examples:
   engram inspect --preset tiny --text "Hello world"            (built-in tokenizer)
   engram inspect --preset 4b-like --json
   engram inspect --config path/to/config.json --tokenizer path/to/tokenizer.json --text "..." --json
-  engram inspect --verify ~/.cache/engram/tables/tiny/layer1
+  engram convert --random --rows 100000 --dim 256 --out /tmp/t && engram inspect --verify /tmp/t
+  engram inspect --verify ~/.cache/engram/tables/random-<key>/layer1
+      (a preset's tables, generated on its first use: one random-<key> directory per layout and seed, one
+      layer<N> table per Engram layer; ENGRAM_CACHE_DIR replaces ~/.cache/engram)
 
 The row ids are what every engine must agree on: compare them column by column when yours disagree.
 """
@@ -98,10 +101,10 @@ def _print_text(r: dict, cfg) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from engram.config import EngramConfig
-    from engram.configs import named_config, resolve_config
+    from engram.commands.config_names import named_config, resolve_config
 
     if args.verify:
-        from engram.store.format import verify_table
+        from engram.store.verify import verify_table
 
         report = verify_table(args.verify, progress=not args.json)
         print(json.dumps(report.to_dict(), indent=2))

@@ -1,8 +1,9 @@
 """Options shared by `serve` and `generate`: one definition, one parser.
 
 ``add_model_arguments`` (MODEL, --tier, --dtype, --engram-config, --device, --threads),
-``add_engine_arguments`` (the EngineConfig limits) and ``build_llm(args)``, which turns them into an
-``engram.LLM`` (ValueError for a bad value, naming the option).
+``add_engine_arguments`` (the EngineConfig limits), ``check_options(args)``, which validates every value
+without loading anything (ValueError naming the option: `serve` exits 2 on it before its port opens), and
+``build_llm(args)``, which turns them into an ``engram.LLM``.
 """
 from __future__ import annotations
 
@@ -62,6 +63,39 @@ def parse_engram_config(text: str | None) -> dict[str, Any]:
     return parse_json_object(text, "--engram-config") if text else {}
 
 
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields the command line sets (``add_engine_arguments``)."""
+    return dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+                async_scheduling=args.async_scheduling)
+
+
+_ENGINE_OPTIONS = {"engine.max_num_seqs=": "--max-num-seqs=", "engine.max_num_batched_tokens=":
+                   "--max-num-batched-tokens=", "engine.max_model_len=": "--max-model-len=",
+                   "engine.block_size=": "--block-size=", "engine.kv_cache_memory=": "--kv-cache-memory=",
+                   "engine.gpu_memory_utilization=": "--gpu-memory-utilization="}
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """ValueError, naming the option and its value, for any value of ``add_model_arguments`` /
+    ``add_engine_arguments`` that cannot work, without loading anything (what needs the model, such as a
+    --max-model-len beyond its positions, is checked when it loads)."""
+    from engram.engine.config import EngineConfig
+    from engram.model.options import RuntimeOptions
+
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads={args.threads} must be >= 1")
+    RuntimeOptions.from_dict(parse_engram_config(args.engram_config))
+    try:
+        EngineConfig.from_options(engine_options(args))
+    except ValueError as e:
+        text = str(e)
+        for field, option in _ENGINE_OPTIONS.items():
+            text = text.replace(field, option)
+        raise ValueError(text) from None
+
+
 def build_llm(args: argparse.Namespace):
     """An engram.LLM as the command line says (loads the model)."""
     import torch
@@ -73,8 +107,4 @@ def build_llm(args: argparse.Namespace):
             raise ValueError(f"--threads={args.threads} must be >= 1")
         torch.set_num_threads(args.threads)
     return LLM(args.model, tier=args.tier, dtype=args.dtype, engram_config=parse_engram_config(args.engram_config),
-               device=args.device, max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-               block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-               async_scheduling=args.async_scheduling)
+               device=args.device, **engine_options(args))

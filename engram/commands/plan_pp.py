@@ -1,6 +1,6 @@
 """`engram plan-pp CONFIG --pp N [--partition a,b,...] [--json]`: check or plan a pipeline-parallel split.
 
-CONFIG is a config.json, a directory holding one, or any config name another command takes (engram.configs:
+CONFIG is a config.json, a directory holding one, or any config name another command takes (engram/commands/config_names.py:
 the shipped deepseek-v4.1-flash and paper-demo layouts, the model presets tiny, small, 4b-like, 8b-like).
 
 Prints the config's sharing edges by kind, the Engram input dependencies, the legal cut points and the
@@ -92,7 +92,7 @@ def _print_plan(plan: Any, allocations: list[Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from engram.configs import resolve_config
+    from engram.commands.config_names import resolve_config
     from engram.parallel.pp import ENGRAM_EXTRA_COST, local_allocation, plan_pipeline
 
     try:

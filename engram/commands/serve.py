@@ -1,19 +1,29 @@
 """`engram serve [MODEL]`: the OpenAI-compatible server (FastAPI + uvicorn).
 
-MODEL is a preset name (default: the built-in ``tiny``) or a checkpoint directory. The model loads on the
-engine thread after the port is open, so /health answers 503 until it is ready. If it fails to load (an
-unknown model, a device that is not there, a --max-model-len the model cannot take, ...) the server prints
-the reason and exits with status 1, so a supervisor sees the failure and can restart it. A bad option
-value exits with status 2 before the port opens. SIGTERM (or Ctrl-C) stops accepting connections, lets
-in-flight streams finish, then exits.
+MODEL is a preset name (default: the built-in ``tiny``) or a checkpoint directory. Every option value is
+checked first: a bad one exits with status 2 before the port opens. Then the port is bound (one in use, or
+an address that is not this machine's, exits with status 3) and the model loads on the engine thread while
+the port is open, so /health answers 503 until it is ready. If it fails to load (an unknown model, a device
+that is not there, a --max-model-len the model cannot take, ...) the server prints the reason and exits
+with status 1, so a supervisor sees the failure and can restart it. SIGTERM (or Ctrl-C) stops accepting
+connections, answers requests still sending their body with 503, lets in-flight generations finish for up
+to --timeout-graceful-shutdown seconds (then cancels them), and exits by that signal. Slow clients are cut
+off: a request's line and headers must arrive within --timeout-request-headers seconds, its body within
+--timeout-request-body seconds (else 408 and the connection closes), and an idle connection is closed after
+--timeout-keep-alive seconds.
+
+exit status: 0 stopped, 1 the model failed to load, 2 a bad option value, 3 the port could not be bound;
+after SIGTERM / SIGINT the process ends by that signal (143 / 130 in a shell).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from engram.commands.options import add_engine_arguments, add_model_arguments, build_llm, parse_engram_config
+from engram.commands.options import add_engine_arguments, add_model_arguments, build_llm, check_options
 from engram.server import DEFAULT_MAX_REQUEST_BYTES
+
+EXIT_LOAD_FAILED, EXIT_BAD_OPTION, EXIT_CANNOT_LISTEN = 1, 2, 3
 
 HELP = "serve a model over the OpenAI API (default: the built-in tiny model)"
 
@@ -36,29 +46,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
                    help="larger request bodies get 413 before they are parsed (default: %(default)s)")
     p.add_argument("--log-level", default="info")
+    t = p.add_argument_group("timeouts (seconds)")
+    t.add_argument("--timeout-graceful-shutdown", type=float, default=60.0, metavar="S",
+                   help="after SIGTERM, in-flight requests may run this long before they are cancelled "
+                        "(default: %(default)g)")
+    t.add_argument("--timeout-request-headers", type=float, default=10.0, metavar="S",
+                   help="a request's line and headers must arrive within this, else 408 (default: %(default)g)")
+    t.add_argument("--timeout-request-body", type=float, default=30.0, metavar="S",
+                   help="a request's body must arrive within this after its headers, else 408 (default: %(default)g)")
+    t.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="S",
+                   help="an idle connection is closed after this (default: %(default)g)")
 
 
 def run(args: argparse.Namespace) -> int:
     import logging
     import os
 
-    import uvicorn
-
     from engram.server.app import build_app
-
-    from engram.engine.options import RuntimeOptions
+    from engram.server.http import DrainingServer, HttpLimits, listen, server_config
 
     try:
-        RuntimeOptions.from_dict(parse_engram_config(args.engram_config))  # fail now, not on the engine thread
+        check_options(args)  # fail now, not on the engine thread after the port opened
         if args.max_request_bytes < 1:
             raise ValueError(f"--max-request-bytes={args.max_request_bytes} must be >= 1")
+        if args.max_waiting < 0:
+            raise ValueError(f"--max-waiting={args.max_waiting} must be >= 0")
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port={args.port} must be in [0, 65535]")
+        limits = HttpLimits(graceful_shutdown=args.timeout_graceful_shutdown, keep_alive=args.timeout_keep_alive,
+                            request_headers=args.timeout_request_headers, request_body=args.timeout_request_body)
     except ValueError as e:
         print(f"engram serve: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_OPTION
+    try:
+        sock = listen(args.host, args.port)  # before anything loads: a port in use fails at once
+    except OSError as e:
+        print(f"engram serve: error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return EXIT_CANNOT_LISTEN
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model)
                                       else args.model)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server: uvicorn.Server | None = None
+    server: DrainingServer | None = None
 
     def load_failed(reason: str) -> None:  # engine thread: stop serving; run() below then exits 1
         print(f"engram serve: error: {reason}", file=sys.stderr, flush=True)
@@ -73,15 +101,13 @@ def run(args: argparse.Namespace) -> int:
         return llm
 
     app = build_app(load, name, args.tier, args.max_num_seqs, args.max_waiting,
-                    args.max_request_bytes, on_load_error=load_failed)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=60))
-    print(f"engram: serving {name!r} on http://{args.host}:{args.port} (GET /health turns 200 when loaded)\n"
-          + EXAMPLES.format(host=args.host, port=args.port, model=name), flush=True)
-    server.run()
+                    args.max_request_bytes, on_load_error=load_failed, body_timeout=limits.request_body)
+    server = DrainingServer(server_config(app, args.host, args.port, args.log_level, limits),
+                            on_shutdown=app.state.stopping.set)
+    port = sock.getsockname()[1]
+    print(f"engram: serving {name!r} on http://{args.host}:{port} (GET /health turns 200 when loaded)\n"
+          + EXAMPLES.format(host=args.host, port=port, model=name), flush=True)
+    server.run(sockets=[sock])
     if app.state.engine.load_error is not None:
-        return 1
-    if not server.started:  # e.g. the port is taken (uvicorn logged why)
-        print(f"engram serve: error: could not listen on {args.host}:{args.port}", file=sys.stderr)
-        return 1
+        return EXIT_LOAD_FAILED
     return 0

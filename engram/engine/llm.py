@@ -3,7 +3,7 @@
 ``LLM(model="tiny", tier="gpu", dtype=None, engram_config=None, **engine_options)`` loads through
 ``engram.model.loader.load_model`` and builds an LLMEngine; ``generate(prompts, params)`` runs every
 request to completion and returns RequestOutputs in prompt order. ``engram_config`` takes the runtime
-keys of ``--engram-config`` (engine/options.py: ``cpu_offload: true`` means tier "host", table options);
+keys of ``--engram-config`` (model/options.py: ``cpu_offload: true`` means tier "host", table options);
 engine options are EngineConfig fields (max_num_seqs, max_num_batched_tokens, max_model_len, ...).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from engram.engine.config import EngineConfig
 from engram.engine.engine import LLMEngine
-from engram.engine.options import RuntimeOptions
+from engram.model.options import RuntimeOptions
 from engram.engine.outputs import RequestOutput
 from engram.engine.sampling_params import SamplingParams
 

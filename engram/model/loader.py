@@ -99,7 +99,7 @@ def load_model(model: str | os.PathLike = "tiny", tier: str = "gpu", dtype: str 
     weights and tables), ``tables_in_memory`` (a preset's tables built in memory when they open, no files;
     refused for tier "disk" and for checkpoints) and the table options that ``LoadedModel.open_tables`` uses.
     """
-    from engram.engine.options import RuntimeOptions
+    from engram.model.options import RuntimeOptions
 
     opts = engram_config if isinstance(engram_config, RuntimeOptions) else RuntimeOptions.from_dict(engram_config)
     tier = opts.tier(tier)

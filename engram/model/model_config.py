@@ -4,7 +4,7 @@ It reads and writes the HF ``config.json`` fields of those families (``model_typ
 qwen3) and the ``engram_*`` fields of EngramConfig, plus two of ours: ``hc_mult`` (hyper-connection
 streams) and ``kv_source_layer_ids`` (cross-layer KV sharing). A config.json is read with
 ``engram.config.hf_text_config`` (top level overridden by ``text_config``), like every other reader.
-``kv_source_layer_ids`` is validated by ``engram.parallel.sharing_fields.source_layer_ids``, the rule and
+``kv_source_layer_ids`` is validated by ``engram.model.sharing_fields.source_layer_ids``, the rule and
 messages of the PP planner, so ``engram plan-pp`` and ``load_model`` accept and refuse the same layouts;
 DeepSeek-V4.1 attention fields (``compress_ratios``, index and candidate sharing) are refused, since this
 decoder does not implement them. Validation is in ``__post_init__``; errors are ValueError naming the
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engram.config import EngramConfig, hf_text_config
-from engram.parallel.sharing_fields import field_error, source_layer_ids, v41_attention_field
+from engram.model.sharing_fields import field_error, source_layer_ids, v41_attention_field
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engram.config import hf_text_config
-from engram.parallel.sharing_fields import (compress_ratios, field_error, is_int, num_hidden_layers,
+from engram.model.sharing_fields import (compress_ratios, field_error, is_int, num_hidden_layers,
                                             source_layer_ids)
 
 EDGE_KINDS = ("kv", "index", "index_k", "candidate")  # display and sort order of edge kinds

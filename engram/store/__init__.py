@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from engram.store.base import LookupHandle, TableBackend, Tier
 from engram.store.cache import RowCache
-from engram.store.format import TableFormatError, TableManifest, read_manifest, verify_table
+from engram.store.format import TableFormatError, TableManifest, read_manifest
 from engram.store.options import StoreOptions
 from engram.store.placement import open_table
 from engram.store.preflight import MemoryPreflightError
+from engram.store.verify import verify_table
 from engram.store.writer import TableWriter, write_table
 
 Table = TableBackend

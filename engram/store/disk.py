@@ -33,7 +33,8 @@ from engram.store.late_caching import LateCaching
 from engram.store.load import load_file
 from engram.store.options import StoreOptions
 from engram.store import slab_plan
-from engram.store.page_crc import CorruptPageError, PageChecker, page_error
+from engram.store.page_checker import PageChecker
+from engram.store.page_crc import CorruptPageError, page_error
 from engram.store.disk_slabs import SlabReads, check_fits, uva_decodes
 from engram.store.page_slabs import PageSlab, SlabPool
 from engram.store.reader import PAGE, PageReader, aligned_pages

@@ -25,7 +25,9 @@ from typing import Callable
 import numpy as np
 import torch
 
+from engram.store.crc32c import crc32c_pages
 from engram.store.format import TableFormatError, TableManifest, check_file_size, checksum_error
+from engram.store.page_crc import CorruptPageError, page_error
 from engram.store.pinning import pinned_empty_filled
 
 LOAD_THREADS = 8
@@ -133,9 +135,6 @@ class _FileFill:
         err = checksum_error(self.path, i, off, n)
         if self.pages is None:
             return err
-        from engram.store.crc32c import crc32c_pages
-        from engram.store.page_crc import CorruptPageError, page_error
-
         sidecar, page_size = self.pages
         first, count = off // page_size, n // page_size
         try:

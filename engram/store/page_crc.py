@@ -3,18 +3,16 @@
 Layout: one little-endian uint32 CRC32C per ``page_size`` page of values.bin, in page order (4 B per 4 KiB
 page: 0.1 % of the table). The sidecar is a data file of the manifest like the others, so its own chunk
 CRC32s are checked when it is loaded. ``PageCrcStream`` computes it while a writer streams values.bin;
-``PageChecker`` holds it in RAM for the disk tier and checks the pages a read returned before any row is cut
+``PageChecker`` (page_checker.py) holds it in RAM for the disk tier and checks the pages a read returned before any row is cut
 out of them: a page whose CRC32C differs raises ``CorruptPageError`` (a TableFormatError naming values.bin
 and the byte offset of the page). ``bad_pages`` finds every mismatch of a buffer (verification, scrubbing).
 """
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from engram.store.crc32c import crc32c_pages
 from engram.store.format import MANIFEST, TableFormatError, TableManifest
-from engram.store.load import load_file
 
 
 class CorruptPageError(TableFormatError):
@@ -87,35 +85,3 @@ def bad_pages(buf: np.ndarray | None, first_pages: np.ndarray, pages_per_block: 
     pages = (np.asarray(first_pages, dtype=np.int64)[:, None] + np.arange(pages_per_block)).reshape(-1)  # [n]
     bad = got != expected[pages]
     return pages[bad], got[bad]
-
-
-class PageChecker:
-    """The page CRCs of one table (uint32 [pages], resident) and the check of the pages a read returned."""
-
-    def __init__(self, m: TableManifest, verify: bool = True) -> None:
-        if not m.has_page_crcs:
-            raise missing_page_crcs_error(m)
-        self.path = m.values_path
-        self.page_size = m.page_size
-        raw = load_file(m, "page_crc", "ram", verify)  # uint8 [pages * 4], its chunk CRC32s checked
-        self.crcs = raw.numpy().view("<u4").astype(np.uint32, copy=False)  # [pages]
-
-    @property
-    def nbytes(self) -> int:
-        return self.crcs.nbytes
-
-    def check(self, offsets: np.ndarray, buf: torch.Tensor | np.ndarray, size: int,
-              crcs: np.ndarray | None = None) -> None:
-        """Return when every page of a read is intact: ``buf`` holds len(offsets) blocks of ``size`` bytes
-        (whole pages) read from byte ``offsets[i]``; ``crcs``, when given, their pages' CRC32Cs as the reader
-        computed them. Else raise CorruptPageError for the lowest bad page; its ``bad_pages`` says how many
-        pages of the read were bad."""
-        pages, got = bad_pages(buf.numpy() if isinstance(buf, torch.Tensor) else buf,
-                               np.asarray(offsets, dtype=np.int64) // self.page_size, size // self.page_size,
-                               self.crcs, self.page_size, got=crcs)
-        if len(pages):
-            i = int(pages.argmin())
-            p = int(pages[i])
-            err = page_error(self.path, p, self.page_size, int(self.crcs[p]), int(got[i]))
-            err.bad_pages = len(pages)
-            raise err

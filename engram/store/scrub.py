@@ -16,7 +16,8 @@ from typing import Callable
 
 import numpy as np
 
-from engram.store.page_crc import PageChecker, bad_pages, page_error
+from engram.store.page_checker import PageChecker
+from engram.store.page_crc import bad_pages, page_error
 from engram.store.reader import PAGE, PageReader, aligned_pages
 
 BLOCK_PAGES = 256  # pages per read: 1 MiB at 4 KiB pages

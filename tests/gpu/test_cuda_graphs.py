@@ -1,7 +1,7 @@
-"""Decode CUDA graphs (skipped without a GPU): a replay equals the same callables run eagerly at the
-padded bucket size, bitwise; decode steps really replay (counted); a batch above every bucket runs eager
-with a log line; greedy outputs with graphs equal --enforce-eager; the Engram gathers run inside the graph
-on tiers gpu and host (uncached), stay counted, and give the tokens tier gpu gives."""
+"""Decode CUDA graphs (engine/runners/graphs.py, skipped without a GPU): a replay equals the same callables run
+eagerly at the padded bucket size, bitwise; decode steps really replay (counted); a batch above every bucket
+runs eager with a log line; greedy outputs with graphs equal --enforce-eager; the Engram gathers run inside the
+graph (the graph runner) on tiers gpu and host (uncached), stay counted, and give the tokens tier gpu gives."""
 from __future__ import annotations
 
 import logging
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from engram.engine.config import EngineConfig
-from engram.engine.cuda_graphs import graph_buckets
 from engram.engine.engine import LLMEngine
+from engram.engine.runners.decode_inputs import graph_buckets
+from engram.engine.runners.graphs import GraphRunner
 from engram.engine.sampling_params import SamplingParams
 from engram.model.loader import load_model
 
@@ -43,8 +44,10 @@ def run(engine, n, max_tokens=12, **params):
 
 def test_decode_steps_replay_and_a_replay_equals_eager_at_the_bucket_size(tiny):
     engine = LLMEngine(tiny, EngineConfig(max_num_seqs=8, max_model_len=256), CUDA, torch.bfloat16)
-    graphs = engine.executor.worker.graphs
-    assert graphs is not None and graphs.buckets == [1, 2, 4, 8]
+    worker = engine.executor.worker
+    graphs = worker.runners[0]
+    assert isinstance(graphs, GraphRunner) and worker.runners[1] is worker.eager
+    assert graphs.io.buckets == [1, 2, 4, 8]
     for i in range(3):
         engine.add_request(f"r{i}", f"Prompt {i} about tables", SamplingParams(temperature=0.0, max_tokens=20,
                                                                                ignore_eos=True))
@@ -55,15 +58,16 @@ def test_decode_steps_replay_and_a_replay_equals_eager_at_the_bucket_size(tiny):
         engine.step()
     assert engine.stats()["graph_replays"] == first + 4  # a silent eager fallback would leave this at first
     replayed = graphs.logits[4].clone()  # 3 sequences -> bucket 4; buffers still hold the last step
-    with torch.inference_mode():
-        eager = tiny.model.compute_logits(tiny.model.forward(graphs._inputs(4), engine.executor.worker.kv))
+    with torch.inference_mode():  # the graph's inputs, its gathered rows (the consuming layers' reads) included
+        inputs = graphs.io.inputs(4, lambda layer_id: graphs._consume(layer_id, 4))
+        eager = tiny.model.compute_logits(tiny.model.forward(inputs, worker.kv))
     assert torch.equal(replayed.view(torch.uint8), eager.view(torch.uint8))
 
 
 def test_a_batch_above_every_bucket_runs_eager_with_a_log_line(tiny, caplog):
     engine = LLMEngine(tiny, EngineConfig(max_num_seqs=6, max_graph_batch=4, max_model_len=256), CUDA,
                        torch.bfloat16)
-    with caplog.at_level(logging.INFO, logger="engram.engine.cuda_graphs"):
+    with caplog.at_level(logging.INFO, logger="engram.engine.runners.decode_inputs"):
         outs = run(engine, 6, temperature=0.0)
     assert all(len(o.token_ids) == 12 for o in outs)
     assert "above the largest CUDA graph (4): runs eager" in caplog.text
@@ -75,7 +79,7 @@ def test_greedy_outputs_with_graphs_equal_enforce_eager(dtype, tmp_path):
     cfg = dict(max_num_seqs=16, max_model_len=256)
     graphs = LLMEngine(loaded, EngineConfig(**cfg), CUDA, dtype)
     eager = LLMEngine(loaded, EngineConfig(enforce_eager=True, **cfg), CUDA, dtype)
-    assert eager.executor.worker.graphs is None
+    assert eager.executor.worker.runners == [eager.executor.worker.eager]
     a, b = run(graphs, 11, logprobs=2, temperature=0.0), run(eager, 11, logprobs=2, temperature=0.0)
     assert graphs.stats()["graph_replays"] > 0
     for x, y in zip(a, b):
@@ -96,8 +100,7 @@ def test_engram_gathers_run_inside_the_graph_where_the_tier_allows(tmp_path, tie
     base = load_model("tiny", dtype=torch.bfloat16, device=CUDA, cache_dir=tmp_path, progress=False)
     loaded = dataclasses.replace(base, tables={}, tier=tier, store_options=StoreOptions(**options))
     engine = LLMEngine(loaded, EngineConfig(max_num_seqs=4, max_model_len=256), CUDA, torch.bfloat16)
-    graphs = engine.executor.worker.graphs
-    assert (graphs.tables is not None) == in_graph
+    assert isinstance(engine.executor.worker.runners[0], GraphRunner) == in_graph  # else the piecewise runner
     for i in range(3):
         engine.add_request(f"r{i}", f"Prompt {i} about tables", SamplingParams(temperature=0.0, max_tokens=9,
                                                                                ignore_eos=True))
@@ -123,9 +126,9 @@ def test_another_threads_cuda_work_does_not_break_the_capture(tiny):
     call invalidates it)."""
     import threading
 
-    from engram.engine import cuda_graphs
+    from engram.engine.runners import decode_inputs
 
-    assert cuda_graphs.CAPTURE_ERROR_MODE == "thread_local"
+    assert decode_inputs.CAPTURE_ERROR_MODE == "thread_local"
     stop, calls, errors = threading.Event(), [0], []
 
     def busy() -> None:

@@ -22,6 +22,7 @@ import torch
 import engram
 import engram.engine.lookup_stream as lookup_stream
 from engram.bench.device_time import cuda_kernels
+from engram.engine.runners.graphs import GraphRunner
 from engram.engine.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -37,11 +38,10 @@ TIERS = {"gpu": ("gpu", {}), "host": ("host", {}), "host-cache": ("host", {"cach
          "disk": ("disk", {"io": "buffered"})}
 
 
-def run(tmp_path, overlap: bool, tier: str = "gpu", eager: bool = False, n: int = 16, run_ahead: bool = True,
-        **engine):
+def run(tmp_path, overlap: bool, tier: str = "gpu", eager: bool = False, n: int = 16, **engine):
     where, options = TIERS[tier]
     llm = engram.LLM("tiny", tier=where, dtype=torch.float32, cache_dir=str(tmp_path),
-                     engram_config={"lookup_overlap": overlap, "wkv_run_ahead": run_ahead, **options},
+                     engram_config={"lookup_overlap": overlap, **options},
                      enforce_eager=eager, **engine)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
     outs = llm.generate(prompts(n), params, use_tqdm=False)
@@ -57,8 +57,9 @@ def run(tmp_path, overlap: bool, tier: str = "gpu", eager: bool = False, n: int 
                                         ("host-cache", False), ("disk", False)],
                          ids=["gpu-graphs", "gpu-eager", "host-graphs", "host-eager", "host-cache", "disk"])
 def test_overlap_on_equals_off_bitwise(tmp_path, tier, eager):
-    """Tiers whose gathers are in the graph run both ways; the hot-row cache and the disk tier stage rows
-    through the executor in graph and eager steps alike, so their graph runs cover both."""
+    """Tiers whose gathers are in the graph (the graph runner) run both ways; the hot-row cache and the disk
+    tier (the piecewise runner) stage or read their rows through the executor in graph and eager steps alike,
+    so their graph runs cover both."""
     # 48 blocks of 8 tokens for 64 sequences of up to 170 tokens: preemptions are certain
     cfg = dict(max_num_seqs=64, max_num_batched_tokens=64, block_size=8, num_kv_blocks=48, max_model_len=192)
     off, _ = run(tmp_path, False, tier, eager, n=64, **cfg)
@@ -67,24 +68,11 @@ def test_overlap_on_equals_off_bitwise(tmp_path, tier, eager):
     assert llm.engine.num_preemptions > 0
     if not eager:
         assert llm.engine.stats()["graph_replays"] > 0
-        graphs = llm.engine.executor.worker.graphs
-        assert (graphs.stale is not None) == (tier in ("gpu", "host"))  # the lookup branch is in the graph
-        if graphs.stale is not None:
-            assert not graphs.stale.any() and (graphs.row_tags >= 0).all()
-
-
-@pytest.mark.parametrize("tier,eager", [("gpu", False), ("host", True)], ids=["gpu-graphs", "host-eager"])
-def test_overlap_without_wkv_run_ahead_equals_off_bitwise(tmp_path, tier, eager):
-    """``wkv_run_ahead: false``: the gathers stay on the lookup stream, each layer projects its own rows on
-    the main stream (the same kernels); outputs bitwise those of overlap off, no projection in the graph."""
-    cfg = dict(max_num_seqs=16, max_num_batched_tokens=64)
-    off, _ = run(tmp_path, False, tier, eager, **cfg)
-    on, llm = run(tmp_path, True, tier, eager, run_ahead=False, **cfg)
-    assert on == off
-    worker = llm.engine.executor.worker
-    assert worker.lookup.projectors is None
-    if not eager:
-        assert not worker.graphs.projected and llm.engine.stats()["graph_replays"] > 0
+        graphs = llm.engine.executor.worker.runners[0]
+        in_graph = isinstance(graphs, GraphRunner)
+        assert in_graph == (tier in ("gpu", "host"))  # the lookup branch is in the graph
+        if in_graph:
+            assert graphs.stale is not None and not graphs.stale.any() and (graphs.row_tags >= 0).all()
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])

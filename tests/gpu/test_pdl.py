@@ -1,6 +1,7 @@
 """Programmatic dependent launch (engram/model/layers/pdl.py) on a Hopper GPU (skipped elsewhere): the kernels
 compile with the grid-dependency instructions, their outputs are bitwise those launched without PDL, eager and
-replayed from a CUDA graph, and an engine's tokens and logprobs are bitwise unchanged. The switch on the CPU:
+replayed from a CUDA graph, and an engine's tokens and logprobs are bitwise unchanged. The reference without
+PDL: the device's capability check forced off (``pdl._CAPABLE``). The check on the CPU:
 tests/unit/test_pdl_switch.py."""
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ import torch
 import engram
 from engram.engine.sampling_params import SamplingParams
 from engram.model.layers import pdl
+
+def _use_pdl(monkeypatch, on: bool) -> None:
+    """Launches on the current device with PDL (``on``) or without: the no-PDL reference."""
+    monkeypatch.setitem(pdl._CAPABLE, torch.cuda.current_device(), on)
+
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
@@ -63,7 +69,7 @@ def _inputs(dtype):
 def test_outputs_are_bitwise_those_without_pdl_eager_and_in_a_graph(monkeypatch, dtype):
     outs = {}
     for on in (False, True):
-        monkeypatch.setattr(pdl, "ENABLED", on)
+        _use_pdl(monkeypatch, on)
         eager_args = _inputs(dtype)
         eager = _chain(*eager_args)
         args = _inputs(dtype)
@@ -85,7 +91,7 @@ def test_an_engines_tokens_and_logprobs_do_not_change(tmp_path, monkeypatch, eag
     prompts = [[5 + i, 17, 99, 4 + 3 * i, 8] for i in range(3)]
     outs = {}
     for on in (False, True):
-        monkeypatch.setattr(pdl, "ENABLED", on)
+        _use_pdl(monkeypatch, on)
         llm = engram.LLM("tiny", tier="gpu", dtype=torch.bfloat16, cache_dir=str(tmp_path), enforce_eager=eager,
                          max_num_seqs=4)
         outs[on] = [(o.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in o.outputs[0].logprobs])

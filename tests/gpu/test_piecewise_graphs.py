@@ -1,9 +1,11 @@
-"""Piecewise decode graphs (engine/cuda_graphs.py, ``PIECEWISE``) on CUDA (skipped without a GPU): for tables
-whose rows are copied in before a replay (the disk tier, hot-row caches), one graph per layer range, cut at
-each Engram layer.
+"""Piecewise decode graphs (engine/runners/pieces.py, the piecewise runner's) on CUDA (skipped without a GPU):
+for tables whose rows the host reads (the disk tier, hot-row caches), one graph per layer range, cut at each
+Engram layer.
 
-* The same kernels at the same shapes as the one-graph replay: tokens and logprobs bitwise equal.
+* The same kernels at the same shapes as the one-graph replay of device-resident tables: tokens and logprobs
+  bitwise equal.
 * The host waits for a later Engram layer's reads only after the pieces before it were launched.
+* Disk rows decoded inside the pieces from their slabs equal rows copied in before each piece.
 """
 from __future__ import annotations
 
@@ -14,14 +16,13 @@ import threading
 import pytest
 import torch
 
-import engram.engine.cuda_graphs as cuda_graphs
 import engram.engine.lookup as lookup_mod
-from engram.engine import step_lookups
 from engram.engine.config import EngineConfig
 from engram.engine.engine import LLMEngine
+from engram.engine.runners.graphs import GraphRunner
+from engram.engine.runners.piecewise import PiecewiseRunner
 from engram.engine.sampling_params import SamplingParams
 from engram.model.loader import load_model
-from engram.store import late_caching
 from engram.store.options import StoreOptions
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -29,9 +30,13 @@ CUDA = torch.device("cuda")
 CFG = dict(max_num_seqs=8, max_model_len=256)
 
 
-def disk_model(tmp_path, options: dict):
+def tier_model(tmp_path, tier: str, options: dict):
     base = load_model("tiny", dtype=torch.float32, device=CUDA, cache_dir=tmp_path, progress=False)
-    return dataclasses.replace(base, tables={}, tier="disk", store_options=StoreOptions(**options))
+    return dataclasses.replace(base, tables={}, tier=tier, store_options=StoreOptions(**options))
+
+
+def disk_model(tmp_path, options: dict):
+    return tier_model(tmp_path, "disk", options)
 
 
 def generate(engine, n: int = 6) -> list:
@@ -45,28 +50,30 @@ def generate(engine, n: int = 6) -> list:
     return [(out[f"r{i}"].token_ids, [(lp.logprob, lp.top) for lp in out[f"r{i}"].logprobs]) for i in range(n)]
 
 
-@pytest.mark.parametrize("options", [{"io": "buffered"}, {"io": "buffered", "cache_rows": 300}],
-                         ids=["disk", "disk-cache"])
-def test_piecewise_replays_equal_the_one_graph_replays_bitwise(tmp_path, monkeypatch, options):
-    monkeypatch.setattr(cuda_graphs, "PIECEWISE", False)  # the reference: one graph per bucket
-    whole_engine = LLMEngine(disk_model(tmp_path, options), EngineConfig(**CFG), CUDA, torch.float32)
-    assert not whole_engine.executor.worker.graphs.ranges
+@pytest.mark.parametrize("tier,options", [("disk", {"io": "buffered"}), ("disk", {"io": "buffered", "cache_rows": 300}),
+                                          ("host", {"cache_rows": 300})], ids=["disk", "disk-cache", "host-cache"])
+def test_piecewise_replays_equal_the_one_graph_replays_bitwise(tmp_path, tier, options):
+    """The reference: tier host without a cache, whose gathers run inside one graph per bucket (the graph
+    runner); the rows are bitwise equal across tiers. Disk layers decode their slabs inside the pieces, a host
+    tier's hot-row cache stages rows copied in before them."""
+    whole_engine = LLMEngine(tier_model(tmp_path, "host", {}), EngineConfig(**CFG), CUDA, torch.float32)
+    assert isinstance(whole_engine.executor.worker.runners[0], GraphRunner)
     whole = generate(whole_engine)
-    monkeypatch.setattr(cuda_graphs, "PIECEWISE", True)
-    engine = LLMEngine(disk_model(tmp_path, options), EngineConfig(**CFG), CUDA, torch.float32)
-    graphs = engine.executor.worker.graphs
-    assert graphs.ranges == [(0, 1, None), (1, 3, 1), (3, 4, 3)]  # tiny: Engram at layers 1 and 3 of 4
-    assert all(len(p) == 3 for p in graphs.pieces.values()) and not graphs.graphs
+    engine = LLMEngine(tier_model(tmp_path, tier, options), EngineConfig(**CFG), CUDA, torch.float32)
+    runner = engine.executor.worker.runners[0]
+    assert isinstance(runner, PiecewiseRunner)
+    pieces = runner.pieces
+    assert pieces.ranges == [(0, 1, None), (1, 3, 1), (3, 4, 3)]  # tiny: Engram at layers 1 and 3 of 4
+    assert all(len(p) == 3 for p in pieces.pieces.values())
+    assert (sorted(pieces.slabs) == [1, 3]) == (tier == "disk")
     assert generate(engine) == whole
-    assert engine.stats()["graph_replays"] > 0
+    assert engine.stats()["graph_replays"] > 0 and whole_engine.stats()["graph_replays"] > 0
 
 
-@pytest.mark.parametrize("in_graph", [True, False], ids=["decoded-in-graph", "rows-copied-in"])
-def test_the_host_waits_for_a_later_layers_rows_after_the_pieces_before_it_launched(tmp_path, monkeypatch, in_graph):
-    monkeypatch.setattr(cuda_graphs, "PIECEWISE", True)
-    monkeypatch.setattr(cuda_graphs, "DISK_DECODE_IN_GRAPH", in_graph)
+def test_the_host_waits_for_a_later_layers_rows_after_the_pieces_before_it_launched(tmp_path, monkeypatch):
     engine = LLMEngine(disk_model(tmp_path, {"io": "buffered"}), EngineConfig(**CFG), CUDA, torch.float32)
     worker = engine.executor.worker
+    pieces = worker.runners[0].pieces
     log: list[str] = []
 
     class Logged:
@@ -77,8 +84,8 @@ def test_the_host_waits_for_a_later_layers_rows_after_the_pieces_before_it_launc
             log.append(f"piece {self.k}")
             self.graph.replay()
 
-    for size, pieces in worker.graphs.pieces.items():
-        worker.graphs.pieces[size] = [Logged(g, k) for k, g in enumerate(pieces)]
+    for size, graphs in pieces.pieces.items():
+        pieces.pieces[size] = [Logged(g, k) for k, g in enumerate(graphs)]
     table = worker.lookup.tables[3]
     real = table.submit
 
@@ -99,14 +106,13 @@ def test_the_host_waits_for_a_later_layers_rows_after_the_pieces_before_it_launc
     monkeypatch.setattr(table, "submit", lambda ids, dtype=torch.bfloat16, **kw: LoggedHandle(real(ids, dtype=dtype,
                                                                                                    **kw)))
     first_table = worker.lookup.tables[1]
-    first_lookup = "read_slab" if in_graph else "gather"  # in the graph's slab, or rows copied in
-    real_gather = getattr(first_table, first_lookup)
+    real_read = first_table.read_slab  # the first layer's pages into its slab
 
-    def logged_gather(*a, **k):
+    def logged_read(*a, **k):
         log.append("gather 1")
-        return real_gather(*a, **k)
+        return real_read(*a, **k)
 
-    monkeypatch.setattr(first_table, first_lookup, logged_gather)
+    monkeypatch.setattr(first_table, "read_slab", logged_read)
     real_ids_wait = lookup_mod.HostIds.wait
 
     def logged_ids_wait(self):
@@ -118,58 +124,41 @@ def test_the_host_waits_for_a_later_layers_rows_after_the_pieces_before_it_launc
     decode = [i for i, e in enumerate(log) if e == "piece 0"]
     assert decode, "no piecewise replay ran"
     first = decode[-1]  # the last decode step: piece 0 (embedding, layer 0) is launched before layer 1's
-    # lookup runs (ChainedLookups), then piece 1, the wait for layer 3's reads, piece 2; with the rows decoded
-    # in the graph the host waits for the step's row ids only once piece 0 is queued (DecodeGraphs.begin)
-    rest = ["gather 1", "piece 1", "wait 3", "piece 2"]
-    if in_graph:
-        assert log[first:first + 6] == ["piece 0", "ids", *rest]
-    else:
-        assert log[first - 1:first + 5] == ["ids", "piece 0", *rest]
+    # lookup runs (ChainedLookups), then piece 1, the wait for layer 3's reads, piece 2; the host waits for the
+    # step's row ids only once piece 0 is queued (DecodePieces.begin)
+    assert log[first:first + 6] == ["piece 0", "ids", "gather 1", "piece 1", "wait 3", "piece 2"]
 
 
-@pytest.mark.parametrize("late", [False, True], ids=["cached-at-finish", "cached-late"])
-@pytest.mark.parametrize("together", [False, True, "at-first-read"],
-                         ids=["first-alone", "reads-together", "reads-together-at-first-read"])
-@pytest.mark.parametrize("probe", [True, False], ids=["probed", "host-slots"])
-@pytest.mark.parametrize("background", [True, False], ids=["lookups-beside", "lookups-inline"])
+@pytest.mark.parametrize("together", [False, True], ids=["first-alone", "reads-together-at-first-read"])
 @pytest.mark.parametrize("options", [{"io": "buffered"}, {"io": "buffered", "cache_rows": 300},
                                      {"io": "buffered", "cache_rows": 16}, {"io": "buffered", "cache_rows": 50_000}],
                          ids=["disk", "disk-cache", "disk-cache-spilling", "disk-cache-whole"])
-def test_disk_rows_decoded_inside_the_pieces_equal_rows_copied_in(tmp_path, monkeypatch, caplog, options, probe,
-                                                                  background, together, late):
-    """DISK_DECODE_IN_GRAPH: the step's lookups only read pages into each layer's slab (with a hot-row cache:
-    through the cache, the slots pointing into its storage, a cache of 16 rows spilling into its overflow
-    rows) and the piece decodes them; tokens and logprobs are bitwise those of rows decoded on the host side
-    and copied in. With CACHE_PROBE the pieces over a cache find their slots on the device, queued before the
-    step's lookups: they wait for new rows, and a second pass over a cache that holds the tables finds every
-    row without waiting. Their lookups run on the Worker's background thread (step_lookups.BACKGROUND) or
-    inline in DecodeGraphs.run; with the lookups together (lookup.reads_together: FIRST_LOOKUP_ALONE off here;
-    the same path as TOGETHER_WHEN_DEEP's at a step whose ids fill the read queue) the second layer's reads are
-    submitted before the first layer's lookup runs, or (LATER_AT_FIRST_READ) right before its first read. With
-    late caching (store/late_caching.py) each step's rows read are cached during the next step's lookups, beside
-    the pieces already queued for it."""
-    if together and not (probe and background):
+def test_disk_rows_decoded_inside_the_pieces_equal_rows_copied_in(tmp_path, monkeypatch, caplog, options, together):
+    """The step's lookups only read pages into each layer's slab (with a hot-row cache: through the cache, the
+    slots pointing into its storage, a cache of 16 rows spilling into its overflow rows) and the piece decodes
+    them; tokens and logprobs are bitwise those of the same pieces with rows copied in (the reference: tier
+    host with a hot-row cache, its rows bitwise the disk tier's). Over a cache the pieces find their slots on
+    the device, queued before the step's lookups: they wait for new rows, and a second pass over a cache that
+    holds the tables finds every row without waiting. Their lookups run on the runner's background thread after
+    a step that read from disk; with the lookups together (lookup.reads_together: a read queue of one id here,
+    what a step whose ids fill the queue does) the second layer's reads are submitted right before the first
+    layer's first read. Each step's rows read are cached during the next step's lookups (store/late_caching.py),
+    beside the pieces already queued for it."""
+    probe = "cache_rows" in options
+    if together and not probe:
         pytest.skip("reads together: measured over probed slabs with background lookups, the cached disk tier")
-    monkeypatch.setattr(lookup_mod, "FIRST_LOOKUP_ALONE", not together)
-    monkeypatch.setattr(lookup_mod, "TOGETHER_WHEN_DEEP", False)  # first-alone: every step, whatever its size
-    monkeypatch.setattr(lookup_mod, "LATER_AT_FIRST_READ", together == "at-first-read")
-    if late and not (probe and "cache_rows" in options):
-        pytest.skip("late caching: probed slabs over a cache")
-    monkeypatch.setattr(late_caching, "DEFER", late)
-    if probe and "cache_rows" not in options:
-        pytest.skip("no cache to probe")
-    if not probe and not background:
-        pytest.skip("only probed steps run their lookups in the background")
-    monkeypatch.setattr(step_lookups, "BACKGROUND", background)
-    monkeypatch.setattr(cuda_graphs, "PIECEWISE", True)
-    monkeypatch.setattr(cuda_graphs, "DISK_DECODE_IN_GRAPH", False)
-    monkeypatch.setattr(cuda_graphs, "CACHE_PROBE", probe)
-    copied = generate(LLMEngine(disk_model(tmp_path, options), EngineConfig(**CFG), CUDA, torch.float32))
-    monkeypatch.setattr(cuda_graphs, "DISK_DECODE_IN_GRAPH", True)
-    engine = LLMEngine(disk_model(tmp_path, options), EngineConfig(**CFG), CUDA, torch.float32)
-    graphs = engine.executor.worker.graphs
-    assert sorted(graphs.slabs) == [1, 3]
-    assert graphs.probes_all == probe
+    copied_engine = LLMEngine(tier_model(tmp_path, "host", {"cache_rows": 300}), EngineConfig(**CFG), CUDA,
+                              torch.float32)
+    assert not copied_engine.executor.worker.runners[0].pieces.slabs  # every piece's rows copied in
+    copied = generate(copied_engine)
+    chained = []
+    real_first_then_later = lookup_mod.first_then_later
+    monkeypatch.setattr(lookup_mod, "first_then_later", lambda *a: chained.append(1) or real_first_then_later(*a))
+    engine = LLMEngine(disk_model(tmp_path, {**options, "queue_depth": 1 if together else 1024}), EngineConfig(**CFG),
+                       CUDA, torch.float32)
+    pieces = engine.executor.worker.runners[0].pieces
+    assert sorted(pieces.slabs) == [1, 3]
+    assert pieces.probes_all == probe
     reads, threads = [], set()
 
     def logged(real, lid):
@@ -179,18 +168,19 @@ def test_disk_rows_decoded_inside_the_pieces_equal_rows_copied_in(tmp_path, monk
             return real(ids, slab, plan)
         return read_slab
 
-    for lid, table in graphs.slab_tables.items():
+    for lid, table in pieces.slab_tables.items():
         monkeypatch.setattr(table, "read_slab", logged(table.read_slab, lid))
     with caplog.at_level(logging.WARNING, logger="engram.engine.stepping"):
         assert generate(engine) == copied
     assert not caplog.records, "a step failed and ran again"  # e.g. a piece's wait that gave up
     assert engine.stats()["graph_replays"] > 0 and reads.count(1) > 0  # the first layer read into its slab
-    if probe:  # the first layer's lookup ran on the waiting thread: the background one, or this one
-        assert graphs.probe_counts["waited"] > 0
-        assert ("engram-step-lookups" in threads) == background
+    assert bool(chained) == together  # the later lookups went at the first read
+    if probe:  # the first layer's lookup ran on the waiting thread: the background one
+        assert pieces.probe_counts["waited"] > 0
+        assert "engram-step-lookups" in threads
         if options["cache_rows"] > 1000:
-            waited = graphs.probe_counts["waited"]
+            waited = pieces.probe_counts["waited"]
             with caplog.at_level(logging.WARNING, logger="engram.engine.stepping"):
                 assert generate(engine) == copied
             assert not caplog.records
-            assert graphs.probe_counts["found"] > 0 and graphs.probe_counts["waited"] == waited
+            assert pieces.probe_counts["found"] > 0 and pieces.probe_counts["waited"] == waited

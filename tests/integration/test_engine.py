@@ -54,16 +54,17 @@ def tiny_paper() -> LoadedModel:
 
 
 class RecordingExecutor(LookupExecutor):
-    """The real lookup executor, also keeping every step it executed (the swap point the overlap issue uses)."""
+    """The real lookup executor (a Worker's ``wrap_lookup``), also keeping every step it executed. Without the
+    Worker's lookup stream: each step's rows are staged as rows, read back by the tests."""
 
     def __init__(self, base: LookupExecutor):
         super().__init__(base.tables, base.cfg, base.dtype, base.device)
         self.plans: list[StepDescription] = []
         self.staged: list[StagedRows] = []
 
-    def submit(self, step: StepDescription) -> StagedRows:
+    def submit(self, step: StepDescription, *args, **kwargs) -> StagedRows:
         self.plans.append(step)
-        staged = super().submit(step)
+        staged = super().submit(step, *args, **kwargs)
         self.staged.append(staged)
         return staged
 
@@ -76,11 +77,14 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def run(loaded: LoadedModel, reqs: list[list[int]], params=GREEDY, record: bool = False, **cfg):
-    engine = LLMEngine(loaded, EngineConfig(**cfg), loaded.device, loaded.dtype)
-    worker = engine.executor.worker
-    if record:
-        worker.lookup = RecordingExecutor(worker.lookup)
-    engine.lookup = worker.lookup  # what the tests below read back
+    from tests.engine_runs import engine_wrapping_lookup
+
+    if record:  # recorded plans hold every row id: no step launched with tokens still on the device
+        cfg.setdefault("async_scheduling", False)
+    config = EngineConfig(**cfg)
+    engine = (engine_wrapping_lookup(loaded, config, RecordingExecutor) if record else
+              LLMEngine(loaded, config, loaded.device, loaded.dtype))
+    engine.lookup = engine.executor.worker.lookup  # what the tests below read back
     seq_ids = {}
     for i, ids in enumerate(reqs):
         engine.add_request(f"r{i}", ids, params[i] if isinstance(params, list) else params)

@@ -14,6 +14,7 @@ from engram.engine.engine import LLMEngine
 from engram.engine.lookup import LookupExecutor
 from engram.engine.sampling_params import SamplingParams
 from engram.model.loader import LoadedModel, load_model
+from tests.engine_runs import engine_wrapping_lookup
 
 CPU = torch.device("cpu")
 PROMPT = "The table store serves rows"
@@ -171,8 +172,8 @@ def test_llm_options_are_validated():
         engram.LLM(model="tiny", max_num_seq=4)
     with pytest.raises(ValueError, match="engram_config.lookup_overlap"):
         engram.LLM(model="tiny", engram_config={"lookup_overlap": "yes"})
-    with pytest.raises(ValueError, match="engram_config.wkv_run_ahead"):
-        engram.LLM(model="tiny", engram_config={"wkv_run_ahead": 1})
+    with pytest.raises(ValueError, match=r"engram_config has unknown key\(s\) \['wkv_run_ahead'\]"):
+        engram.LLM(model="tiny", engram_config={"wkv_run_ahead": True})  # a deleted option: refused by name
     with pytest.raises(ValueError, match="dtype='float8'"):
         engram.LLM(model="tiny", dtype="float8")
 
@@ -197,24 +198,25 @@ def test_cli_generate_prints_completions_and_throughput(tmp_path, capsys):
     assert "--engram-config: not valid JSON" in capsys.readouterr().err
 
 
-class FailingOnce(LookupExecutor):
-    """The real lookup executor, except that its first step fails like a table read error would."""
+class FailingLookups(LookupExecutor):
+    """The real lookup executor (a Worker's ``wrap_lookup``), except for the steps it is told to fail like a
+    table read error would: the next step submitted (``fail_next``), every step holding sequence ``fail_seq``."""
 
-    def __init__(self, base: LookupExecutor):
+    def __init__(self, base: LookupExecutor, fail_next: bool = False):
         super().__init__(base.tables, base.cfg, base.dtype, base.device)
-        self.failed = False
+        self.fail_next, self.fail_seq = fail_next, None
 
-    def submit(self, step):
-        if not self.failed:
-            self.failed = True
+    def submit(self, step, *args, **kwargs):
+        if self.fail_next:
+            self.fail_next = False
             raise OSError("pread failed at offset 4096 of values.bin")
-        return super().submit(step)
+        if self.fail_seq is not None and self.fail_seq in step.seq_ids:
+            raise OSError("CRC mismatch in page at offset 8192 of values.bin")
+        return super().submit(step, *args, **kwargs)
 
 
 def test_failed_step_names_its_requests_and_can_be_retried(tiny, reference):
-    engine = engine_for(tiny)
-    worker = engine.executor.worker
-    worker.lookup = FailingOnce(worker.lookup)
+    engine = engine_wrapping_lookup(tiny, EngineConfig(), lambda base: FailingLookups(base, fail_next=True), CPU)
     engine.add_request("a", PROMPT, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     with pytest.raises(OSError, match="offset 4096") as err:
         engine.step()
@@ -224,28 +226,14 @@ def test_failed_step_names_its_requests_and_can_be_retried(tiny, reference):
     assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"]
 
 
-class FailingFor(LookupExecutor):
-    """The real lookup executor, except that every step holding sequence ``seq_id`` fails."""
-
-    def __init__(self, base: LookupExecutor, seq_id: int):
-        super().__init__(base.tables, base.cfg, base.dtype, base.device)
-        self.seq_id = seq_id
-
-    def submit(self, step):
-        if self.seq_id in step.seq_ids:
-            raise OSError("CRC mismatch in page at offset 8192 of values.bin")
-        return super().submit(step)
-
-
 def test_a_failing_request_does_not_fail_the_others_batched_with_it(tiny):
     from engram.engine.engine import StepError
 
-    engine = engine_for(tiny, max_num_batched_tokens=64)
+    engine = engine_wrapping_lookup(tiny, EngineConfig(max_num_batched_tokens=64), FailingLookups, CPU)
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     for rid in ("a", "b", "c"):
         engine.add_request(rid, PROMPT + " " + rid, params)
-    worker = engine.executor.worker
-    worker.lookup = FailingFor(worker.lookup, engine._seqs["b"].seq_id)
+    engine.executor.worker.lookup.fail_seq = engine._seqs["b"].seq_id
     with pytest.raises(StepError, match="offset 8192") as err:
         engine.step()  # one batch of three: re-run in halves, only b fails
     assert err.value.request_ids == ["b"] and sorted(o.request_id for o in err.value.outputs) == ["a", "c"]
@@ -258,24 +246,25 @@ def test_a_failing_request_does_not_fail_the_others_batched_with_it(tiny):
 def test_llm_generate_drops_its_requests_when_a_step_fails(llm):
     params = engram.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     ref = llm.generate(["Hello there"], params, use_tqdm=False)[0].outputs[0].token_ids
-    worker = llm.engine.executor.worker
-    real = worker.lookup
-    worker.lookup = FailingOnce(real)
+    real = llm.engine
+    llm.engine = engine_wrapping_lookup(llm.loaded, real.config, FailingLookups, llm.device, llm.dtype)
+    failing = llm.engine.executor.worker.lookup
     try:
+        failing.fail_next = True
         with pytest.raises(OSError, match="offset 4096"):
             llm.generate(["Hello there"], params, use_tqdm=False)
         assert not llm.engine.has_unfinished()  # nothing left to run inside the next call
         assert llm.engine.stats()["kv_blocks_free"] == llm.engine.stats()["kv_blocks_total"]
-        worker.lookup = FailingFor(real, next(iter(llm.engine._seq_ids)) + 1)  # the second prompt's sequence
+        failing.fail_seq = next(iter(llm.engine._seq_ids)) + 1  # the second prompt's sequence
         with pytest.raises(RuntimeError, match="offset 8192"):
             llm.generate(["Hello there", "Another one"], params, use_tqdm=False)
         assert not llm.engine.has_unfinished()
         assert llm.engine.stats()["kv_blocks_free"] == llm.engine.stats()["kv_blocks_total"]
-        worker.lookup = real
+        failing.fail_seq = None
         outs = llm.generate(["Hello there"], params, use_tqdm=False)
         assert len(outs) == 1 and outs[0].outputs[0].token_ids == ref
     finally:
-        worker.lookup = real
+        llm.engine = real
 
 
 def test_kv_budget_counts_hot_row_cache_and_only_kv_source_layers(tiny):

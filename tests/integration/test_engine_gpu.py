@@ -44,21 +44,25 @@ def test_cuda_float64_rows_and_tokens_equal_the_cpu_path(tmp_path):
             assert rb.device.type == "cuda" and torch.equal(ra.view(torch.uint8), rb.cpu().view(torch.uint8))
 
 
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 @pytest.mark.parametrize("tier", ["host", "disk"])
-def test_cuda_bf16_tiers_give_bitwise_equal_rows_and_tokens(tmp_path, tier, monkeypatch):
-    from engram.engine import cuda_graphs
-
-    # the recording executor stages every layer's rows; disk rows decoded inside the graphs are read into
-    # slabs instead (their equality with rows copied in: tests/gpu/test_piecewise_graphs.py)
-    monkeypatch.setattr(cuda_graphs, "DISK_DECODE_IN_GRAPH", False)
+def test_cuda_bf16_tiers_give_bitwise_equal_rows_and_tokens(tmp_path, tier, eager):
+    """Eager, every step stages its rows through the recording executor: rows and tokens compared. With graphs
+    the gathers (tier gpu, host) or the slab decodes (disk) run inside them, so the tokens are (the slabs'
+    rows against rows copied in: tests/gpu/test_piecewise_graphs.py)."""
     tiny = load_model("tiny", dtype=torch.bfloat16, device=CUDA, cache_dir=tmp_path, progress=False)
     options = {"io": "buffered", "cache_rows": 500} if tier == "disk" else {}
     other = dataclasses.replace(tiny, tables={}, tier=tier,
                                 store_options=StoreOptions(**options))  # the Worker opens them
     reqs = prompts(16, seed=7)
-    ref, ref_engine, _ = run(tiny, reqs, record=True, max_num_seqs=16, max_num_batched_tokens=64)
-    got, engine, _ = run(other, reqs, record=True, max_num_seqs=16, max_num_batched_tokens=64)
+    cfg = dict(max_num_seqs=16, max_num_batched_tokens=64, enforce_eager=eager)
+    ref, ref_engine, _ = run(tiny, reqs, record=eager, **cfg)
+    got, engine, _ = run(other, reqs, record=eager, **cfg)
     assert got == ref
+    if not eager:
+        assert ref_engine.stats()["graph_replays"] > 0 and engine.stats()["graph_replays"] > 0
+        return
+    assert len(engine.lookup.staged) == len(ref_engine.lookup.staged)
     for a, b in zip(ref_engine.lookup.staged, engine.lookup.staged):
         for lid in tiny.engram_config.layer_ids:
             ra, rb = a.rows(lid, a.step_id), b.rows(lid, b.step_id)

@@ -10,18 +10,20 @@ from engram.engine.config import EngineConfig
 from engram.engine.engine import LLMEngine
 from engram.engine.sampling_params import SamplingParams
 from engram.model.loader import load_model
+from tests.engine_runs import engine_wrapping_lookup
 from tests.integration.test_engine import RecordingExecutor
 
 CPU = torch.device("cpu")
 
 
 def recorded_run(loaded, prompts, params):
-    engine = LLMEngine(loaded, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32), CPU, loaded.dtype)
+    engine = engine_wrapping_lookup(loaded, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32),
+                                    RecordingExecutor, CPU)
     worker = engine.executor.worker
-    worker.lookup = RecordingExecutor(worker.lookup)
     logits: list[torch.Tensor] = []
-    run = worker.runner.run
-    worker.runner.run = lambda step, staged, patch=None: logits.append(run(step, staged, patch)) or logits[-1]
+    assert worker.runners == [worker.eager]  # every step on the CPU: no graph runner
+    run = worker.eager.run
+    worker.eager.run = lambda step, staged, patch=None: logits.append(run(step, staged, patch)) or logits[-1]
     for i, (p, q) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", p, q)
     out = {}

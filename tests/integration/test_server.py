@@ -135,7 +135,7 @@ def _err(r, status):
     ({"prompt": "x", "n": 0}, 400, "n"),
     ({"prompt": "x", "n": 129}, 400, "n"),
     ({"prompt": "x", "model": "gpt-9"}, 404, "gpt-9"),
-    ({"prompt": "x " * 5000}, 400, "max_model_len"),
+    ({"prompt": "x " * 5000}, 400, "maximum context length is 2048 tokens"),
     ({"max_tokens": 3}, 400, "prompt"),
     ({"prompt": ""}, 400, "prompt"),
 ])

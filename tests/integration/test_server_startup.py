@@ -3,6 +3,7 @@ instead of staying up answering 503: real subprocesses, one per cause."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -43,3 +44,27 @@ def test_load_failure_exits_1_with_the_reason(env, args, needles):
 def test_bad_option_exits_2_before_the_port_opens(env):
     r = _serve(env, "tiny", "--max-request-bytes", "0")
     assert r.returncode == 2 and "--max-request-bytes=0 must be >= 1" in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--max-num-seqs", "0"], "--max-num-seqs=0"),
+    (["--max-num-batched-tokens", "8", "--max-num-seqs", "16"], "--max-num-batched-tokens=8"),
+    (["--timeout-request-body", "0"], "--timeout-request-body=0"),
+    (["--engram-config", '{"no_such_key": 1}'], "no_such_key"),
+])
+def test_bad_engine_or_http_option_exits_2_before_the_port_opens(env, args, needle):
+    r = _serve(env, "tiny", *args)
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    assert needle in r.stderr and "engram: serving" not in r.stdout, (r.stdout[-1000:], r.stderr[-3000:])
+
+
+def test_port_in_use_exits_3_before_loading(env):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "engram.cli", "serve", "tiny", "--threads", "1", "--port", str(port),
+                            "--log-level", "warning"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 3, (r.returncode, r.stderr[-3000:])
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "in use" in r.stderr, r.stderr[-3000:]
+    assert "engram: serving" not in r.stdout, r.stdout[-1000:]

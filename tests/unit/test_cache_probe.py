@@ -100,20 +100,17 @@ def test_resolve_slots_reference_statuses():
 
 
 @pytest.mark.parametrize("cache_rows", [2, 64], ids=["spilling", "holding"])
-def test_a_probed_slab_read_signals_its_plan_or_its_failure(tmp_path, monkeypatch, cache_rows):
+def test_a_probed_slab_read_signals_its_plan_or_its_failure(tmp_path, cache_rows):
     """A probed slab's lookup (DiskTable._read_probed) writes the step's plan and signals the flag: cached rows
-    by slot, the others read into the slab's pages, cached by ``admit_probed`` (at once: late caching, the
-    default, is tests/unit/test_late_caching.py's). The decode gives the
+    by slot, the others read into the slab's pages, taken out by ``admit_probed`` and cached during the next
+    probed lookup (after its split: that lookup misses them again; store/late_caching.py). The decode gives the
     table's rows bitwise (MXFP8 rows: their scales too): it follows the plan (cached rows from the storage,
-    the rest from the pages) until a cache that holds the rows finds them all on the second step. A read that
+    the rest from the pages) until a cache that holds the rows finds them all on the third step. A read that
     fails (a corrupt page) signals the failure, so a waiting piece gives up instead of hanging."""
     from engram.store.disk import open_disk_table
     from engram.store.writer import write_table
     from tests.unit.test_disk import make_rows
 
-    from engram.store import late_caching
-
-    monkeypatch.setattr(late_caching, "DEFER", False)
     d = tmp_path / "mx"
     vals, scales, ref = make_rows(3001, 256, "mxfp8")
     write_table(d, vals, scales)
@@ -121,22 +118,24 @@ def test_a_probed_slab_read_signals_its_plan_or_its_failure(tmp_path, monkeypatc
         slab = t.new_slab(32)
         ids = torch.tensor([5, 9, 5, 2000, 7, 9, 100], dtype=torch.int64)
         want = ref(ids, torch.float32)
-        for step in (3, 4):
+        for step in (3, 4, 5):
+            found = cache_rows > 2 and step == 5  # step 3's rows were cached during step 4's lookup
             t.read_slab(ids, slab, plan=step)
             assert int(slab.probe.flag) == 2 * step
             out = torch.empty(len(ids), want.shape[1])
             status = torch.zeros(1, dtype=torch.int32)
             t.decode_slab(slab, len(ids), out, ids=ids, plan=torch.tensor([step]), status=status)
-            assert int(status) == (cache_probe.FOUND if cache_rows > 2 and step == 4 else cache_probe.WAITED)
+            assert int(status) == (cache_probe.FOUND if found else cache_probe.WAITED)
             assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
-            read = t.admit_probed(slab)  # the rows read go into the cache after the step; how many were read
-            assert (read == 0) == (cache_rows > 2 and step == 4)
+            read = t.admit_probed(slab)  # the rows read are taken out to be cached; how many were read
+            assert (read == 0) == found
+        t._late.settle()  # before the test's own use of the cache
         t.pages.crcs = t.pages.crcs.copy()
         t.pages.crcs[1] ^= 1  # page 1 (rows 16..31) no longer matches its checksum
         t.cache.clear()
         with pytest.raises(Exception, match="page 1 "):
-            t.read_slab(torch.tensor([20, 5]), slab, plan=5)
-        assert int(slab.probe.flag) == 2 * 5 + 1
+            t.read_slab(torch.tensor([20, 5]), slab, plan=6)
+        assert int(slab.probe.flag) == 2 * 6 + 1
 
 
 def test_clear_empties_the_mirror():
@@ -150,14 +149,11 @@ def test_clear_empties_the_mirror():
     assert (cache_probe.probe(torch.arange(5), mirror) == -1).all()
 
 
-def test_a_probed_lookup_never_admitted_is_counted_and_its_rows_dropped(tmp_path, monkeypatch):
+def test_a_probed_lookup_never_admitted_is_counted_and_its_rows_dropped(tmp_path):
     """A step that failed after its lookup never admits its rows: the table's next probed lookup counts it
-    (hits and misses) and goes on; the rows it read are not cached. (Rows cached at admit: with late caching
-    the admitted lookup is counted when its rows are cached, tests/unit/test_late_caching.py.)"""
-    from engram.store import late_caching
+    (hits and misses) and goes on; the rows it read are not cached. The admitted lookup's rows are cached
+    late (store/late_caching.py), and it is counted when they are: after the settle here."""
     from engram.store.disk import open_disk_table
-
-    monkeypatch.setattr(late_caching, "DEFER", False)
     from engram.store.writer import write_table
     from tests.unit.test_disk import make_rows
 
@@ -169,19 +165,23 @@ def test_a_probed_lookup_never_admitted_is_counted_and_its_rows_dropped(tmp_path
         t.read_slab(torch.tensor([1, 2, 3]), slab, plan=1)  # never admitted
         t.read_slab(torch.tensor([1, 4]), slab, plan=2)
         t.admit_probed(slab)
+        assert len(t.cache) == 0  # held for the next probed lookup
+        t._late.settle()
         assert (t.stats()["hits"], t.stats()["misses"]) == (0, 5)
         assert len(t.cache) == 2 and (t.cache.lookup(torch.tensor([1, 4])) >= 0).all()
 
 
-def test_decode_graphs_count_the_statuses_and_fail_a_step_on_a_failed_wait():
-    """DecodeGraphs.check_flags (what the Worker calls with a graph step's statuses, read back with its
+def test_decode_pieces_count_the_statuses_and_fail_a_step_on_a_failed_wait():
+    """DecodePieces.check_flags (what the piecewise runner calls with a step's statuses, read back with its
     tokens) counts found and waited layers and raises on a failed wait, naming the layers."""
-    from engram.engine.cuda_graphs import DecodeGraphs
+    from engram.engine.runners.pieces import DecodePieces
 
-    graphs = object.__new__(DecodeGraphs)  # its CUDA state is not needed to read back statuses
-    graphs.stale, graphs.probed, graphs.probe_counts = None, [1, 15], {"found": 0, "waited": 0}
-    graphs.check_flags(7, torch.tensor([cache_probe.FOUND, cache_probe.WAITED], dtype=torch.int32))
-    graphs.check_flags(8, torch.tensor([cache_probe.FOUND, cache_probe.FOUND], dtype=torch.int32))
-    assert graphs.probe_counts == {"found": 3, "waited": 1}
+    pieces = object.__new__(DecodePieces)  # its CUDA state is not needed to read back statuses
+    pieces.probed, pieces.probe_counts = [1, 15], {"found": 0, "waited": 0}
+    pieces.check_flags(7, torch.tensor([cache_probe.FOUND, cache_probe.WAITED], dtype=torch.int32))
+    pieces.check_flags(8, torch.tensor([cache_probe.FOUND, cache_probe.FOUND], dtype=torch.int32))
+    assert pieces.probe_counts == {"found": 3, "waited": 1}
+    pieces.check_flags(9, None)  # a step without probed layers: nothing to count
+    assert pieces.probe_counts == {"found": 3, "waited": 1}
     with pytest.raises(RuntimeError, match=r"step 9: Engram layer\(s\) \[15\] waited for rows"):
-        graphs.check_flags(9, torch.tensor([cache_probe.WAITED, cache_probe.FAILED], dtype=torch.int32))
+        pieces.check_flags(9, torch.tensor([cache_probe.WAITED, cache_probe.FAILED], dtype=torch.int32))

@@ -20,7 +20,7 @@ def test_every_option_and_variable_is_in_the_reference():
 
     from engram import envs
     from engram.engine.config import EngineConfig
-    from engram.engine.options import RuntimeOptions
+    from engram.model.options import RuntimeOptions
     from engram.store.options import StoreOptions
 
     doc = (ROOT / "docs" / "config.md").read_text()

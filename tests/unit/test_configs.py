@@ -5,8 +5,8 @@ import json
 import pytest
 
 from engram.config import PRESETS, EngramConfig
-from engram.configs import (CONFIG_DIR, SHIPPED, config_names, named_config, resolve_config,
-                            shipped_config_path)
+from engram.commands.config_names import config_names, named_config, resolve_config
+from engram.configs import CONFIG_DIR, SHIPPED, shipped_config_path
 from engram.model.presets import MODEL_PRESETS, preset_config
 
 # DeepSeek-V4.1-Flash, as published (text_config of the public checkpoint config), written out here

@@ -8,7 +8,6 @@ import dataclasses
 import pytest
 import torch
 
-from engram.engine import lookup
 from engram.engine.config import EngineConfig
 from engram.engine.worker import Worker
 from engram.model.loader import load_model
@@ -91,19 +90,16 @@ def test_a_later_layer_waits_for_its_reads_when_the_model_reaches_it(tiny):
     assert log.index("wait 3") > log.index("layer 2") and log.index("wait 3") > log.index("layer 3")
 
 
-@pytest.mark.parametrize("alone", [True, False])
-def test_the_first_engram_layer_is_read_on_the_calling_thread_and_never_deferred(tiny, monkeypatch, alone):
+def test_the_first_engram_layer_is_read_on_the_calling_thread_and_never_deferred(tiny):
     """The model needs the first Engram layer's rows at once: its lookup runs on the caller's thread (no
     hand-off to its table's thread) and is never deferred; the later layers' lookups start once it has its
-    rows (FIRST_LOOKUP_ALONE, the default) or, off, before it."""
-    monkeypatch.setattr(lookup, "FIRST_LOOKUP_ALONE", alone)
+    rows (tables that read no disk never read together: lookup.reads_together)."""
     step = hand_built_step(tiny, [5, 6, 7, 8, 9], CFG.block_size)
     log: list[str] = []
     worker, tables = worker_with_slow_tables((1, 3), log)
     worker.execute(step)
     assert not tables[1].handles and len(tables[3].handles) == 1  # layer 1 gathered, layer 3 submitted
-    first, later = ("gather 1", "submit 3") if alone else ("submit 3", "gather 1")
-    assert log.index(first) < log.index(later) < log.index("layer 0") < log.index("wait 3")
+    assert log.index("gather 1") < log.index("submit 3") < log.index("layer 0") < log.index("wait 3")
 
 
 def test_reads_a_failed_forward_never_reached_are_cancelled(tiny):

@@ -1,9 +1,8 @@
-"""ENGRAM_FIRST_LOOKUP_ALONE (engram/engine/lookup.py): over host-read tables the first Engram layer's lookup
-runs alone and the later layers' are submitted once it has its rows (the default); off, they are submitted
-first. Either way the tokens are the same (real disk tables, CPU)."""
+"""The order of a step's lookups (engram/engine/lookup.py): over host-read tables the first Engram layer's lookup
+runs alone and the later layers' are submitted once it has its rows, unless the first layer's row ids fill its
+table's read queue (``reads_together``): then the later layers' are submitted with it. Either way the tokens
+are the same (real disk tables, CPU)."""
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import pytest
@@ -35,10 +34,14 @@ class Recording:
         return self._t.submit(*a, **k)
 
 
-def generate(tmp_path, monkeypatch, alone: bool, log: list | None = None):
-    monkeypatch.setattr(lookup, "FIRST_LOOKUP_ALONE", alone)
-    monkeypatch.setattr(lookup, "TOGETHER_WHEN_DEEP", False)  # every step alone, whatever its size
-    llm = engram.LLM("tiny", tier="disk", dtype=torch.float32, cache_dir=str(tmp_path), max_num_seqs=4)
+# read queue depths: deeper than any step's ids (every step's first lookup alone), or one id (every step's
+# lookups together: the later layers' submitted at the first layer's first read, or before it without one)
+ALONE, TOGETHER = 1024, 1
+
+
+def generate(tmp_path, alone: bool, log: list | None = None):
+    llm = engram.LLM("tiny", tier="disk", dtype=torch.float32, cache_dir=str(tmp_path), max_num_seqs=4,
+                     engram_config={"queue_depth": ALONE if alone else TOGETHER})
     worker = llm.engine.executor.worker
     if log is not None:
         worker.lookup.tables = {lid: Recording(t, lid, log) for lid, t in worker.lookup.tables.items()}
@@ -48,20 +51,10 @@ def generate(tmp_path, monkeypatch, alone: bool, log: list | None = None):
             for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.skipif("ENGRAM_FIRST_LOOKUP_ALONE" in os.environ, reason="the environment sets the flag")
-def test_on_by_default():
-    assert lookup.FIRST_LOOKUP_ALONE is True
-
-
-@pytest.mark.skipif("ENGRAM_TOGETHER_WHEN_DEEP" in os.environ, reason="the environment sets the flag")
-def test_together_when_deep_on_by_default():
-    assert lookup.TOGETHER_WHEN_DEEP is True
-
-
-@pytest.mark.parametrize("alone", [False, True])
-def test_the_order_of_a_steps_lookups(tmp_path, monkeypatch, alone):
+@pytest.mark.parametrize("alone", [False, True], ids=["together", "alone"])
+def test_the_order_of_a_steps_lookups(tmp_path, alone):
     log: list = []
-    generate(tmp_path, monkeypatch, alone, log)
+    generate(tmp_path, alone, log)
     first, later = 1, 3  # the tiny preset's Engram layers
     step = log[:3]  # the first step: one gather (first layer) and one submit (the later layer)
     if alone:
@@ -71,14 +64,13 @@ def test_the_order_of_a_steps_lookups(tmp_path, monkeypatch, alone):
     assert log.count(("gather", first)) == log.count(("submit", later)) > 1
 
 
-def test_over_the_disk_tier_the_first_lookup_waits_for_its_layer(tmp_path, monkeypatch):
+def test_over_the_disk_tier_the_first_lookup_waits_for_its_layer(tmp_path):
     """The first Engram layer's lookup runs when the model reaches that layer (after layer 0 ran), then the
-    later layer's is submitted; every step, prefill and decode."""
+    later layer's is submitted; every step, prefill and decode (none fills the read queue)."""
     log: list = []
-    monkeypatch.setattr(lookup, "FIRST_LOOKUP_ALONE", True)
-    monkeypatch.setattr(lookup, "TOGETHER_WHEN_DEEP", False)
     llm = engram.LLM("tiny", tier="disk", dtype=torch.float32, cache_dir=str(tmp_path), max_num_seqs=4,
-                     enforce_eager=True)  # the hooks below see eager layers (tests/gpu: the graph pieces' order)
+                     enforce_eager=True,  # the hooks below see eager layers (tests/gpu: the graph pieces' order)
+                     engram_config={"queue_depth": ALONE})
     worker = llm.engine.executor.worker
     worker.lookup.tables = {lid: Recording(t, lid, log) for lid, t in worker.lookup.tables.items()}
     for i in (0, 1):
@@ -90,8 +82,8 @@ def test_over_the_disk_tier_the_first_lookup_waits_for_its_layer(tmp_path, monke
         assert step == [("layer", 0), ("layer", 1), ("gather", 1), ("gathered", 1), ("submit", 3)]
 
 
-def test_the_tokens_do_not_depend_on_the_order(tmp_path, monkeypatch):
-    assert generate(tmp_path, monkeypatch, True) == generate(tmp_path, monkeypatch, False)
+def test_the_tokens_do_not_depend_on_the_order(tmp_path):
+    assert generate(tmp_path, True) == generate(tmp_path, False)
 
 
 def submit_later_logged(log: list):
@@ -110,12 +102,10 @@ def submit_later_logged(log: list):
     return later
 
 
-@pytest.mark.parametrize("later_first", [False, True])
-def test_a_chain_submits_the_later_lookups_after_or_before_the_first(later_first):
-    """ChainedLookups (decode-graph slabs): the first layer's lookup runs on the waiting thread, the later
-    layers' are submitted after it (FIRST_LOOKUP_ALONE) or, ``later_first``, before it; when the first
-    lookup fails, later lookups already submitted are cancelled (none keeps its table's in-flight slot) and
-    every waiter gets the error."""
+def test_a_chain_submits_the_later_lookups_after_the_first():
+    """ChainedLookups (the disk tier's lookups, run when the model reaches the first Engram layer): the first
+    layer's lookup runs on the waiting thread and the later layers' are submitted after it; when the first
+    lookup fails, nothing later is submitted and every waiter gets the error."""
     log: list = []
     later = submit_later_logged(log)
 
@@ -123,29 +113,25 @@ def test_a_chain_submits_the_later_lookups_after_or_before_the_first(later_first
         log.append("first 1")
         return "rows 1"
 
-    chain = lookup.ChainedLookups(1, first, later, later_first=later_first)
+    chain = lookup.ChainedLookups(1, first, later)
     assert chain.handle(3).wait() == "rows 3" and chain.handle(1).wait() == "rows 1"
-    assert log == (["submit 3", "first 1"] if later_first else ["first 1", "submit 3"])
+    assert log == ["first 1", "submit 3"]
 
     def failing():
         raise OSError("planted read failure")
 
     log.clear()
-    chain = lookup.ChainedLookups(1, failing, later, later_first=later_first)
+    chain = lookup.ChainedLookups(1, failing, later)
     for lid in (1, 3):
         with pytest.raises(OSError, match="planted"):
             chain.handle(lid).wait()
-    assert log == (["submit 3", "cancel 3"] if later_first else [])
-
-
-@pytest.mark.skipif("ENGRAM_LATER_AT_FIRST_READ" in os.environ, reason="the environment sets the flag")
-def test_later_at_first_read_on_by_default():
-    assert lookup.LATER_AT_FIRST_READ is True
+    assert log == []
 
 
 @pytest.mark.parametrize("case", ["reads", "reads nothing", "fails after its read", "fails before"])
 def test_a_chain_can_submit_the_later_lookups_at_the_first_lookups_first_read(tmp_path, case):
-    """ChainedLookups with ``at_first_read``: the first layer's lookup plans first, the later layers' are
+    """ChainedLookups with ``later_first`` (a step whose reads go together): the first layer's lookup plans
+    first, the later layers' are
     submitted right before its first read (a real reader's read; the thread's earlier read-start hook runs
     after them and is restored after), or after it when it read nothing; a failure after the submits cancels
     them, and one before any read submits nothing."""
@@ -170,7 +156,7 @@ def test_a_chain_can_submit_the_later_lookups_at_the_first_lookups_first_read(tm
     issued = lambda: log.append("issued")  # noqa: E731 - the thread's hook before (step_lookups')
     reader.on_read_start(issued)
     try:
-        chain = lookup.ChainedLookups(1, first, later, later_first=True, at_first_read=True)
+        chain = lookup.ChainedLookups(1, first, later, later_first=True)
         if case.startswith("fails"):
             with pytest.raises(OSError, match="planted"):
                 chain.handle(1).wait()
@@ -198,14 +184,10 @@ class Counting(Recording):
         return super().submit(ids, *a, **k)
 
 
-@pytest.mark.parametrize("deep_rule", [False, True], ids=["alone", "together-when-deep"])
-def test_together_when_deep_submits_with_the_first_only_when_its_ids_fill_the_read_queue(tmp_path, monkeypatch,
-                                                                                          deep_rule):
-    """With TOGETHER_WHEN_DEEP a step whose first layer has at least queue-depth row ids submits the later
-    layer's lookup before the first's runs; a smaller step keeps the first alone (decode steps of one sequence:
-    8 ids against a depth of 16; of three: 24). Without it every step keeps the first alone."""
-    monkeypatch.setattr(lookup, "FIRST_LOOKUP_ALONE", True)
-    monkeypatch.setattr(lookup, "TOGETHER_WHEN_DEEP", deep_rule)
+def test_a_step_submits_with_the_first_only_when_its_ids_fill_the_read_queue(tmp_path):
+    """A step whose first layer has at least queue-depth row ids submits the later layer's lookup before the
+    first's runs; a smaller step keeps the first alone (decode steps of one sequence: 8 ids against a depth of
+    16; of three: 24)."""
     log: list = []
     llm = engram.LLM("tiny", tier="disk", dtype=torch.float32, cache_dir=str(tmp_path), max_num_seqs=4,
                      engram_config={"queue_depth": 16})
@@ -225,14 +207,10 @@ def test_together_when_deep_submits_with_the_first_only_when_its_ids_fill_the_re
         orders.setdefault(n.pop(), set()).add(tuple(calls))
     alone = (("gather", first), ("gathered", first), ("submit", later))
     together = (("submit", later), ("gather", first), ("gathered", first))
-    assert orders[8] == {alone} and orders[24] == {together if deep_rule else alone}
-    assert all(o == {together if deep_rule and n >= 16 else alone} for n, o in orders.items()), orders
+    assert orders[8] == {alone} and orders[24] == {together}
+    assert all(o == {together if n >= 16 else alone} for n, o in orders.items()), orders
 
 
-def test_reads_together_is_the_rule_over_both_flags(monkeypatch):
-    for alone_flag, deep, ids, depth, want in [(False, False, 1, 64, True), (True, False, 1000, 64, False),
-                                              (True, True, 63, 64, False), (True, True, 64, 64, True),
-                                              (True, True, 10 ** 6, None, False)]:
-        monkeypatch.setattr(lookup, "FIRST_LOOKUP_ALONE", alone_flag)
-        monkeypatch.setattr(lookup, "TOGETHER_WHEN_DEEP", deep)
-        assert lookup.reads_together(ids, depth) is want, (alone_flag, deep, ids, depth)
+def test_reads_together_is_the_rule():
+    for ids, depth, want in [(63, 64, False), (64, 64, True), (1000, 64, True), (10 ** 6, None, False)]:
+        assert lookup.reads_together(ids, depth) is want, (ids, depth)

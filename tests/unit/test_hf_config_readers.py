@@ -5,7 +5,7 @@ import json
 import pytest
 
 from engram.config import EngramConfig, hf_text_config
-from engram.configs import named_config
+from engram.commands.config_names import named_config
 from engram.model.model_config import ModelConfig
 from engram.model.presets import preset_config
 from engram.parallel.pp_graph import sharing_graph

@@ -6,7 +6,8 @@ import pytest
 from engram.cli import main
 from engram.commands.inspect import layout_report
 from engram.config import PRESETS, EngramConfig
-from engram.configs import config_names, named_config, shipped_config_path
+from engram.commands.config_names import config_names, named_config
+from engram.configs import shipped_config_path
 from engram.hashing import NgramHasher
 
 

@@ -4,7 +4,7 @@ import torch
 
 from engram.quant import quantize_mxfp8
 from engram.store import kernels
-from engram.store.kernels.launch_config import LaunchConfig, config_from_env
+from engram.store.kernels.launch_config import LaunchConfig, parse_config
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
@@ -64,14 +64,12 @@ def test_a_spread_grid_grows_with_the_batch_from_a_floor():
     assert spread_programs(1000, 1) == 1000  # 1: one program per tile
 
 
-def test_launch_config_env(monkeypatch):
-    monkeypatch.setenv("ENGRAM_GATHER_CONFIG", "64,8,0")
-    assert config_from_env() == LaunchConfig(64, 8, 0, False)
-    monkeypatch.setenv("ENGRAM_GATHER_CONFIG", "16,4,-1,1")
-    assert config_from_env() == LaunchConfig(16, 4, -1, True)
-    monkeypatch.setenv("ENGRAM_GATHER_CONFIG", "64,8")
-    with pytest.raises(ValueError, match="ENGRAM_GATHER_CONFIG"):
-        config_from_env()
+def test_launch_config_parse():
+    """A benchmark's gather launch config flag ("block_r,num_warps,programs_per_sm[,0|1]")."""
+    assert parse_config("64,8,0") == LaunchConfig(64, 8, 0, False)
+    assert parse_config("16,4,-1,1") == LaunchConfig(16, 4, -1, True)
+    with pytest.raises(ValueError, match="gather config '64,8' must be"):
+        parse_config("64,8")
 
 
 def test_staged_row_sources_gather_packed_rows_as_one_window():

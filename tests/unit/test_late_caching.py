@@ -11,15 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from engram.store import late_caching
 from engram.store.cache import RowCache
-
-pytestmark = pytest.mark.usefixtures("late")
-
-
-@pytest.fixture
-def late(monkeypatch):
-    monkeypatch.setattr(late_caching, "DEFER", True)
 
 
 @pytest.fixture
@@ -108,14 +100,6 @@ def test_a_next_lookup_that_fails_before_its_split_leaves_the_rows_for_the_next_
     t._late.settle()
     assert cached(t, [20, 21]) == [True, True]
     assert int(slab.probe.flag) == 2 * 3
-
-
-def test_off_the_rows_are_cached_at_admit(table, monkeypatch):
-    monkeypatch.setattr(late_caching, "DEFER", False)
-    t, ref = table
-    slab = t.new_slab(16)
-    step(t, slab, ref, [30, 31], plan=1)
-    assert cached(t, [30, 31]) == [True, True]
 
 
 def test_admit_rechecking_skips_ids_cached_since_the_calls_split():

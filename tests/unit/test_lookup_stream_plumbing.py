@@ -41,12 +41,12 @@ class RecordingStream:
         self.calls.append(("wait", layer_id, tuple(t.dim() for t in tensors)))
 
 
-def generate(loaded, stream=None, run_ahead: bool = True):
+def generate(loaded, stream=None):
     engine = LLMEngine(loaded, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32), CPU, F64)
     lookup = engine.executor.worker.lookup
     if stream is not None:
         lookup.stream = stream
-        lookup.projectors = _projectors(loaded.model, loaded.engram_config, F64) if run_ahead else None
+        lookup.projectors = _projectors(loaded.model, loaded.engram_config, F64)
     g = torch.Generator().manual_seed(3)
     for i, n in enumerate((5, 40, 17, 2)):
         engine.add_request(f"r{i}", torch.randint(3, 4096, (n,), generator=g).tolist(),
@@ -83,14 +83,3 @@ def test_projectors_are_each_layers_engram_project():
     out = proj[ecfg.layer_ids[0]](rows)
     assert isinstance(out, Projected) and out.num_tokens == 3 and out.tensors[0].dtype == F64
 
-
-def test_without_wkv_run_ahead_the_layers_project_their_own_rows():
-    """``wkv_run_ahead: false`` (engine option): the lookup stream stages rows only, each consuming layer
-    waits for its rows [T, n_cols, head_dim] and projects them itself; outputs bitwise the plain path's."""
-    loaded = load_model("tiny", dtype=F64, device=CPU, progress=False, engram_config={"wkv_run_ahead": False})
-    assert loaded.wkv_run_ahead is False
-    want = generate(loaded)
-    stream = RecordingStream()
-    assert generate(loaded, stream, run_ahead=False) == want
-    waits = [c for c in stream.calls if c[0] == "wait"]
-    assert waits and all(c[2] == (3,) for c in waits)  # raw rows, not a projection

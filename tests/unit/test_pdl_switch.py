@@ -1,44 +1,22 @@
-"""Programmatic dependent launch's switch (engram/model/layers/pdl.py) on any machine: on by default, off with
-ENGRAM_PDL=0, never on the CPU, a bad ENGRAM_PDL refused by name, the kernel switch flips it. Its kernels:
-tests/gpu/test_pdl.py."""
+"""Programmatic dependent launch (engram/model/layers/pdl.py) on any machine: a capability check per device,
+never on the CPU, on a CUDA device of compute capability 9.0 or newer (``_CAPABLE``, filled at the first
+launch on a device). Its kernels: tests/gpu/test_pdl.py."""
 from __future__ import annotations
 
-import importlib
-
-import pytest
 import torch
 
-from engram.fast_path import env_flag
-from engram.model import kernel_switches
 from engram.model.layers import pdl
 
 
-@pytest.fixture
-def reload_pdl():
-    """Reloads pdl under the test's environment; reloads it again afterwards, under the restored one."""
-    yield lambda: importlib.reload(pdl)
-    importlib.reload(pdl)
-
-
-def test_on_by_default_off_with_zero_and_never_on_the_cpu(monkeypatch, reload_pdl):
-    monkeypatch.delenv("ENGRAM_PDL", raising=False)
-    assert reload_pdl().ENABLED is True
+def test_never_on_the_cpu():
     assert not pdl.active(torch.device("cpu"))
     assert pdl.launch_options(torch.device("cpu")) == {"USE_PDL": False}
-    monkeypatch.setenv("ENGRAM_PDL", "0")
-    assert reload_pdl().ENABLED is False
 
 
-def test_a_bad_value_is_refused_by_name(monkeypatch, reload_pdl):
-    monkeypatch.setenv("ENGRAM_PDL", "yes")
-    with pytest.raises(ValueError, match="ENGRAM_PDL='yes': must be 0 or 1"):
-        reload_pdl()
-    monkeypatch.setenv("ENGRAM_PDL", "1")
-    assert env_flag("ENGRAM_PDL", default=False) is True
-
-
-def test_the_kernel_switch_sets_and_restores_it():
-    before = pdl.ENABLED
-    with kernel_switches.applied({"pdl": not before}):
-        assert pdl.ENABLED is (not before)
-    assert pdl.ENABLED is before
+def test_a_cuda_device_uses_it_where_its_capability_allows(monkeypatch):
+    """What the device can do decides, per device index (no CUDA needed here: the capability is cached)."""
+    monkeypatch.setitem(pdl._CAPABLE, 0, True)
+    monkeypatch.setitem(pdl._CAPABLE, 1, False)
+    assert pdl.active(torch.device("cuda", 0)) and not pdl.active(torch.device("cuda", 1))
+    assert pdl.launch_options(torch.device("cuda", 0)) == {"USE_PDL": True, "launch_pdl": True}
+    assert pdl.launch_options(torch.device("cuda", 1)) == {"USE_PDL": False}

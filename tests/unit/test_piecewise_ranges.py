@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engram.engine.cuda_graphs import piece_ranges
+from engram.engine.runners.pieces import piece_ranges
 from engram.engine.engine import LLMEngine
 from engram.engine.config import EngineConfig
 from engram.model.decoder import EngramDecoder

@@ -8,7 +8,7 @@ import pytest
 
 from engram.cli import main
 from engram.config import PRESETS, EngramConfig
-from engram.configs import config_names, named_config
+from engram.commands.config_names import config_names, named_config
 from engram.parallel.pp import PARTITION_ENV
 from tests.pp_configs import V41_FLASH
 

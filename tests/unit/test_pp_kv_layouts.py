@@ -1,5 +1,5 @@
 """`engram plan-pp` and the runtime (ModelConfig, load_model) judge a KV-sharing layout by one rule
-(engram.parallel.sharing_fields): the same config is accepted by both or refused by both with the same
+(engram.model.sharing_fields): the same config is accepted by both or refused by both with the same
 message. DeepSeek-V4.1 layouts are planned, and refused by the runtime for the attention it lacks."""
 import json
 
@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from engram.cli import main
-from engram.configs import named_config
+from engram.commands.config_names import named_config
 from engram.model.loader import load_model, random_model, save_model
 from engram.model.model_config import ModelConfig
 from engram.model.presets import preset_config
 from engram.parallel.pp import PARTITION_ENV
-from engram.parallel.sharing_fields import source_layer_ids
+from engram.model.sharing_fields import source_layer_ids
 
 TINY = preset_config("tiny")  # 4 layers, no KV sharing
 

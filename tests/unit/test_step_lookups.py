@@ -126,10 +126,3 @@ def test_start_returns_when_the_lookups_hand_off_without_a_read(monkeypatch):
     lookups.finish(lambda: None)
     assert order == ["first layer", "caller goes on", "later layer"]
 
-
-def test_the_switch_interval_comes_from_ENGRAM_GIL_SWITCH_MS_or_is_refused_by_name():
-    assert step_lookups.switch_interval_s({}) == pytest.approx(2e-4)
-    assert step_lookups.switch_interval_s({"ENGRAM_GIL_SWITCH_MS": "5"}) == pytest.approx(5e-3)
-    for bad in ("0", "-1", "fast", "nan"):
-        with pytest.raises(ValueError, match=f"ENGRAM_GIL_SWITCH_MS='{bad}'"):
-            step_lookups.switch_interval_s({"ENGRAM_GIL_SWITCH_MS": bad})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engram.engine.options import RuntimeOptions
+from engram.model.options import RuntimeOptions
 from engram.model.loader import load_model, save_model
 from engram.model.presets import preset_config
 from engram.model.tables import (generate_random_table, open_random_table, open_random_tables, random_manifest,

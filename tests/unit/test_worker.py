@@ -1,6 +1,6 @@
 """The Worker is driven only through a StepDescription: a step built by hand (no engine, no scheduler)
 gives the tokens the engine gives, the description survives pickling (what a multi-process executor
-broadcasts), and metrics read the engine's stats() snapshot even with a swapped lookup executor."""
+broadcasts), and metrics read the engine's stats() snapshot even with a wrapped lookup executor."""
 from __future__ import annotations
 
 import pickle
@@ -70,21 +70,24 @@ def test_stale_rows_are_refused(tiny):
 
 
 class CountingLookups(LookupExecutor):
+    """The real lookup executor (a Worker's ``wrap_lookup``), counting the steps submitted to it."""
+
     def __init__(self, base: LookupExecutor):
         super().__init__(base.tables, base.cfg, base.dtype, base.device)
         self.calls = 0
 
-    def submit(self, step):
+    def submit(self, step, *args, **kwargs):
         self.calls += 1
-        return super().submit(step)
+        return super().submit(step, *args, **kwargs)
 
 
-def test_metrics_read_the_stats_snapshot_with_a_swapped_lookup_executor(tiny):
+def test_metrics_read_the_stats_snapshot_with_a_wrapped_lookup_executor(tiny):
     from engram.server.metrics import ServerMetrics
+    from tests.engine_runs import engine_wrapping_lookup
 
-    engine = LLMEngine(tiny, EngineConfig(max_num_seqs=2, max_model_len=128), CPU, torch.float64)
+    engine = engine_wrapping_lookup(tiny, EngineConfig(max_num_seqs=2, max_model_len=128), CountingLookups)
     worker = engine.executor.worker
-    worker.lookup = CountingLookups(worker.lookup)
+    assert isinstance(worker.lookup, CountingLookups) and worker.eager.lookup is worker.lookup
     engine.add_request("a", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     metrics = ServerMetrics("tiny", "gpu")
     engine.step()

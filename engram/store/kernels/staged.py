@@ -105,5 +105,6 @@ def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Te
         vals, scl = staged[0][:, :vb], staged[0][:, vb:vb + scales.shape[1]]
     else:
         vals, scl = staged[0], (staged[1] if scales is not None else None)
-    from engram.store import kernels  # the HBM fast path (or the torch reference) over the staged rows
-    return kernels.gather_rows(vals, scl, torch.arange(n, device=device), row_dtype, dim, out=out, dtype=dtype)
+    # The HBM kernel over the staged rows: this route runs only where the UVA fast path does (CUDA, triton).
+    from engram.store.kernels import triton_gather  # needs triton, which has no CPU backend
+    return triton_gather.gather_rows(vals, scl, torch.arange(n, device=device), row_dtype, dim, out=out, dtype=dtype)

@@ -1,0 +1,46 @@
+"""Config names: the one resolver of a config name or path, for every command that reads a config.
+
+Every command that reads a config (``engram plan-pp CONFIG``, ``engram inspect --preset/--config``, ``engram
+convert``) resolves it through ``resolve_config``, so each accepts every name any command accepts
+(``config_names()``): the shipped layouts (engram/configs: ``deepseek-v4.1-flash``, ``paper-demo``) and the
+model presets (``engram.model.presets``: tiny, small, 4b-like, 8b-like: their config.json fields; ``tiny`` is
+also an Engram preset, and the model preset carries exactly that Engram layout). A name wins over a file or
+directory of the same name, as in ``load_model``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from engram.config import read_config_json
+from engram.configs import SHIPPED, shipped_config_path
+from engram.model.presets import MODEL_PRESETS, preset_config
+
+
+def config_names() -> tuple[str, ...]:
+    """Every config name a command accepts, sorted: the shipped layouts and the model presets (which cover
+    every Engram preset of engram.config.PRESETS; the tests hold that)."""
+    return tuple(sorted({*SHIPPED, *MODEL_PRESETS}))
+
+
+def named_config(name: str) -> dict[str, Any]:
+    """The config.json fields of a config name: a shipped layout's file as written, or a model preset's
+    ``ModelConfig.to_hf_dict()``. ValueError listing the names for any other name."""
+    if name in SHIPPED:
+        return read_config_json(shipped_config_path(name))
+    if name in MODEL_PRESETS:
+        return preset_config(name).to_hf_dict()
+    raise ValueError(f"config name {name!r} is unknown; known: {list(config_names())}")
+
+
+def resolve_config(spec: str | os.PathLike, option: str) -> dict[str, Any]:
+    """A command's config argument as a config dict: a config name (``named_config``), else a config.json
+    or a directory holding one (read, with errors naming the file). ``option`` names the argument in the
+    ValueError raised when ``spec`` is neither (e.g. ``CONFIG`` or ``--config``)."""
+    text = os.fspath(spec)
+    if text in config_names():
+        return named_config(text)
+    if os.path.exists(text):
+        return read_config_json(text)
+    raise ValueError(f"{option}={text!r}: no such file or directory, and not a config name "
+                     f"{list(config_names())}")
