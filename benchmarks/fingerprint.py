@@ -61,7 +61,7 @@ def main() -> int:
             for cache in ((False, True) if tier != "gpu" else (False,)):
                 for eager in ((False, True) if cuda else (True,)):
                     for overlap in ((True, False) if cuda else (True,)):
-                        for async_ in (True, False):
+                        for async_ in ((True, False) if not cuda else (None,)):
                             key = (f"{tier}{'+cache' if cache else ''}/{'eager' if eager else 'graphs'}"
                                    f"/overlap={overlap}/async={async_}")
                             cases[key] = workload(engram.LLM, engram.SamplingParams, args.preset, tier, eager,
