@@ -1,18 +1,10 @@
 """Device busy time of a piece of code, from torch.profiler: how long the device worked while it ran.
 
-``measure_busy(fn, device_type)`` runs ``fn`` once under ``torch.profiler`` and returns the seconds the
-device was busy: on "cuda" (ProfilerActivity.CPU + CUDA, as Inductor's own profiling benchmark records)
-the union of the intervals of every kernel, memcpy and memset the GPU ran (kineto activity types
-``DEVICE_WORK``: overlapping kernels on two streams count once, on one stream the union is the sum of
-kernel durations; synchronization waits and device-side copies of profiler ranges are not work); on
-"cpu" the union of the torch operators ("cpu_op" events) the host ran, i.e. the time spent inside torch
-rather than in Python around it. Events are read from the profiler's raw kineto results
-(``prof.profiler.kineto_results``, as torch._inductor.utils does), which costs about a microsecond per
-event where building ``prof.events()`` costs tens. Wall time minus busy time is the launch / host
-overhead; ``fn`` runs with the profiler's own host overhead, so time it separately for wall-clock numbers.
-
-``measure_profile`` returns the same busy time plus where it went: the device work grouped by kernel name
-(calls and total seconds, largest first) — what to look at before optimising a step.
+``measure_busy(fn, device_type)`` is the union of the intervals of the device's work while ``fn`` ran: on
+"cuda" every kernel, memcpy and memset (overlapping streams count once; synchronization waits are not work),
+on "cpu" every torch operator. ``measure_profile`` adds that work grouped by kernel name. Events are read
+from the profiler's raw kineto results, which is cheap per event. ``fn`` runs with the profiler's own host
+overhead, so wall-clock numbers are timed separately.
 """
 from __future__ import annotations
 

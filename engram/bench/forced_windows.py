@@ -1,20 +1,12 @@
-"""Forced natural decoding for `engram bench placement`: decoding windows cut from a request corpus, and
-the check that every arm emitted them.
+"""Forced natural decoding for `engram bench placement`: windows cut from a request corpus, and the check
+that every arm emitted them.
 
-A random-weight model decoding freely repeats one token, which hashes to a few Engram rows and flatters
-every placement. So the corpus is tokenized with the presets' tokenizer (``corpus.load_tokenizer("builtin")``;
-with the corpus's own tokenizer the recorded counts are checked too) and its prompts and continuations are
-concatenated in corpus order into one token stream
-(``corpus_stream``; ValueError for an id outside the model's vocabulary, nothing is mapped). For batch
-size B, sequence i takes the window at offset o_i = i * len(stream) // B, wrapping around a short
-stream (``cut_windows``): prompt = its first ``context_len`` ids, forced = the next max_tokens ids,
-which the request emits instead of its sampled tokens (``SamplingParams.forced_token_ids``; the step
-still samples, so it costs what free decoding does). The same ``Windows`` serve every arm and every
-sample of a batch size (paired samples).
-
-After every sample ``check_forced`` checks that every sequence generated at least the ids it had to and
-that all of them are its forced ids (``OutputMismatch`` naming the arm, the sequence and the first
-difference otherwise): all arms emitted the same tokens, so they ran the same work.
+A random-weight model decoding freely repeats one token, which hashes to a few Engram rows and flatters every
+placement. So the corpus, tokenized with the presets' tokenizer, becomes one token stream (``corpus_stream``);
+for batch size B sequence i takes the window at offset i * len // B (wrapping): ``context_len`` prompt ids,
+then the ids it is forced to emit (``SamplingParams.forced_token_ids``: the step still samples). After every
+sample ``check_forced`` verifies every sequence emitted its forced ids (``OutputMismatch`` naming the arm,
+sequence and position otherwise): all arms ran the same work.
 """
 from __future__ import annotations
 

@@ -1,25 +1,10 @@
-"""The HF transformers peer: ``transformers.Qwen3ForCausalLM`` decoding the same shapes, without Engram.
-
-``build_peer(cfg, device, dtype, seed)`` makes a Qwen3 model from a ``Qwen3Config`` with the ModelConfig's
-shapes (padded vocabulary, hidden, layers, heads, KV heads, head dim, MLP, RoPE base, tied head) and HF's
-own random initialisation (seeded); hyper-connections (``hc_mult``) and Engram layers have no HF
-counterpart and are left out, so for a preset with ``hc_mult > 1`` (tiny, small) it is a shape peer only.
-``measure_peer(model, prompts, steps, ...)`` decodes greedily with ``model.generate`` as HF users run it:
-``cache_implementation="static"`` (a StaticCache sized for prompt + the longest run), and, unless
-``compile_mode`` is None, ``compile_config=CompileConfig(mode=compile_mode, dynamic=None)``, with which
-generate ``torch.compile``s the decoding forward (prefill runs eagerly; ``dynamic=None`` lets a second
-batch size recompile once with a symbolic batch instead of once per size). The bench's default mode is
-"reduce-overhead" (Inductor + CUDA graphs), HF's own default.
-
-ms/step is a difference of two generate calls with the same cache size: one that generates
-``w + steps`` tokens and one stopped after ``w = max(warmup_tokens, 2)`` (a stopping criterion, so both
-allocate the same StaticCache and run the same compiled graph). Prefill, cache allocation and CUDA-graph
-recording (the first decode forward) are in both and cancel; the difference is ``steps`` decode forwards,
-the j-th of which leaves prompt + w + j KV entries (j = 0, 1, ...), as in the engine's timed steps after
-``w`` warm-up tokens. One warm-up call of the long kind comes first (compilation). With ``busy_device`` the
-same pair runs again under torch.profiler, and the device busy time is differenced the same way. An
-output of the wrong length (an EOS cutting a run short) raises. The transformers import stays inside
-these functions: the rest of the bench never needs it.
+"""The HF transformers peer: ``transformers.Qwen3ForCausalLM`` with the ModelConfig's decoder shapes (no
+Engram, no hyper-connections: for presets with ``hc_mult > 1`` a shape peer only), decoding as HF users run
+it: ``generate`` with a static cache and, unless ``compile_mode`` is None, torch.compile of the decoding
+forward. ms/step is the difference of two generate calls of the same cache size (``w + steps`` tokens and
+``w``) over ``steps``: prefill, cache allocation and graph capture are in both and cancel, leaving ``steps``
+decode forwards at the KV lengths the engine's timed steps have. The transformers import stays inside the
+functions.
 """
 from __future__ import annotations
 

@@ -1,23 +1,13 @@
 """`engram bench hit-rate`: hot-row cache hit rate against its size, on natural text, per Engram layer.
 
-For each case (an Engram layout and a tokenizer) the corpus (``engram.bench.corpus``) is tokenized,
-compressed, served by the model in ``engram.bench.serving_trace`` and hashed into one row trace per layer.
-On each trace:
-
-- **LRU** (fully associative): hit rates of every size at once from LRU stack distances
-  (``engram.bench.stack_distance``), plus the whole curve for the plot;
-- optionally **RowCache** (``--rowcache lfu,lru``: the engine's own cache, ``--ways``-way set associative,
-  its lfu policy with aging): simulated per size by feeding each step's distinct rows to a ``RowCache`` (one
-  byte per row), which is slow;
-- **cold** (from empty, statistics on the whole trace) and **warm** (statistics after the first
-  ``--warmup`` of the accesses, rounded up to a step; the cache state carries over), each split by n-gram
-  order; the infinite-cache rate (every miss compulsory) bounds them;
-- distinct rows touched per token as the text grows.
-
-Sizes are shares of the layer's table rows. The hit rate counts distinct rows per step, as the cache's own
-``hits / (hits + misses)`` does. When the tokenizer's compressed vocabulary differs from the layout's
-``compressed_vocab_size``, the layout is used with the tokenizer's (``EngramConfig.replace``): same primes
-and table rows, multipliers drawn for the tokenizer's size; the result records both.
+Per case (an Engram layout and a tokenizer) the corpus is tokenized, served by the model in
+engram/bench/serving_trace.py and hashed into one row trace per layer; the hit rate counts distinct rows per
+step, as the cache's own counters do. On each trace: LRU at every size at once from stack distances
+(engram/bench/stack_distance.py), and with ``--rowcache`` the engine's own ``RowCache`` (set associative,
+its lfu or lru policy) fed each step's rows; cold (from empty) and warm (after ``--warmup`` of the accesses),
+by n-gram order, against the infinite cache; and distinct rows per token as the text grows. Sizes are shares
+of the table's rows. A tokenizer whose compressed vocabulary differs from the layout's gets the layout with
+its own (same primes and rows; the result records both).
 """
 from __future__ import annotations
 

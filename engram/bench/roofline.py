@@ -1,34 +1,13 @@
-"""Roofline of one engine step: the least time the step can take, from its bytes, its FLOPs and ceilings
-measured on the machine in the same run.
+"""Roofline of one engine step: the least time its bytes and FLOPs allow at ceilings measured on the machine.
 
-``parameter_counts(cfg)`` counts the parameters of a ModelConfig by group, exactly as EngramDecoder
-allocates them (a test compares the total with the built model). ``step_cost(cfg, shape, itemsize, tier)``
-is the traffic and work of one step, ``StepShape`` being the step's sequences (new tokens and KV length
-after the step, how many rows sample):
-
-Bytes (a lower bound: activations, staging copies and padding are not counted)
-  weights   every parameter once, ``itemsize`` bytes each (a tied LM head is the embedding, counted once),
-            except an untied embedding table, of which only the step's T rows are read (T x H);
-  KV        per sequence s with c_s KV entries after the step and n_s new tokens, K and V of
-            (num_layers x c_s) entries read (every layer reads its KV source's cache) plus
-            (len(kv_layers) x n_s) written, each entry num_kv_heads x head_dim x itemsize;
-  Engram    T x n_cols rows per Engram layer, ``EngramConfig.row_bytes`` each (as stored: MXFP8 is
-            head_dim + head_dim / 32 bytes). On tier "host" they cross the host link (``link_bytes``),
-            on tier "gpu" they are device-memory bytes.
-FLOPs (multiply-adds count 2; norms, RoPE, gates, softmax and other elementwise work are not counted)
-  2 x matmul_params x T            q/k/v/o, gate/up/down of every layer and the Engram projections
-                                   (v41 ``wkv``; paper ``value_proj`` + ``key_projs``), for every token;
-  2 x padded_vocab x H x N         the LM head over the N rows that sample;
-  4 x num_heads x head_dim x num_layers x sum_s (n_s (c_s - n_s) + n_s (n_s + 1) / 2)
-                                   QK^T and PV, causal: new token i (1-based) of s attends to c_s - n_s + i keys.
-
-``measure_ceilings(device, dtype)`` measures, on that device: the copy bandwidth (a large device-to-device
-copy, bytes read + written per second), the matmul rate (an n x n x n matmul in the run's compute dtype,
-2 n^3 FLOPs) and, on CUDA, the pinned-host-to-device copy bandwidth (the host tier's link); the median of
-several runs each (CUDA events on CUDA, the host clock on the CPU). On the CPU the same measurements give
-CPU ceilings (RAM copy bandwidth, the CPU's matmul rate in the compute dtype; the host tier is the same
-RAM, so Engram rows count as memory bytes there). ``roofline(cost, ceilings)`` = the largest of
-memory_bytes / copy bandwidth, link_bytes / link bandwidth and FLOPs / matmul rate, and which one it is.
+``step_cost(cfg, shape, itemsize, tier)`` counts a step (``StepShape``: new tokens and KV length per sequence,
+rows that sample) as a lower bound: every weight once (an untied embedding only the step's rows), K and V
+read for every layer's KV length and written for the new tokens, T x n_cols Engram rows per layer as stored
+(over the host link on tier "host"); FLOPs are 2 per multiply-add of the projections, the LM head over the
+sampling rows and causal attention (norms, RoPE and elementwise work are not counted). ``parameter_counts``
+counts parameters exactly as EngramDecoder allocates them (a test compares them). ``measure_ceilings``
+measures copy bandwidth, matmul rate in the compute dtype and, on CUDA, the pinned-host link;
+``roofline(cost, ceilings)`` is the largest of the three times, and which one it is.
 """
 from __future__ import annotations
 
