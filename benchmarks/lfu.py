@@ -2,7 +2,10 @@
 LFU beside `engram bench hit-rate`'s LRU curve and the engine's own RowCache.
 
     python -m benchmarks.lfu --corpus bench/corpus/natural-v1.jsonl [--case 4b-like=builtin] [--sizes 0.1,1,10]
-        [--out FILE.json]
+        [--requests N] [--out FILE.json]
+
+Its cases, sizes, --concurrency, --warmup and --requests mean what `engram bench hit-rate`'s do, so the LFU
+rates of a run line up with hit-rate's LRU and RowCache rates of the same options.
 
 Policy (textbook in-cache LFU): a row enters with count 1 and gains 1 per step that reads it while cached;
 when a step's misses need room, the cached rows with the smallest (count, last step used, row id) are
@@ -211,9 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default=",".join(f"{x:g}" for x in SIZES_PCT), help="cache sizes, %% of table rows")
     p.add_argument("--concurrency", type=int, default=64, help="requests served at once")
     p.add_argument("--warmup", type=float, default=0.5, help="share of the accesses before warm statistics start")
+    p.add_argument("--requests", type=int, default=None, help="use the corpus's first N requests (default all)")
     p.add_argument("--out", default=None, help="result JSON (default: a fresh file in a temporary directory)")
     args = p.parse_args(argv)
     corpus = load_corpus(args.corpus)
+    corpus.requests = corpus.requests[:args.requests]
     sizes = [float(x) for x in args.sizes.split(",") if x.strip()]
     rows = []
     for spec in args.case or ["4b-like=builtin"]:
