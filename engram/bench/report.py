@@ -60,12 +60,12 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def result_path(name: str, results_dir: str | os.PathLike = RESULTS_DIR, now: _dt.datetime | None = None) -> Path:
+def result_path(name: str, results_dir: str | os.PathLike | None = None, now: _dt.datetime | None = None) -> Path:
     """A fresh ``<results_dir>/<YYYY-mm-dd-HHMMSS>-<name>.json``; a suffix keeps two runs in one second apart."""
     if not name or any(c in name for c in "/\\") or name.startswith("."):
         raise ValueError(f"result name={name!r} must be a plain, non-empty file name part")
     stamp = (now or _dt.datetime.now(_dt.timezone.utc)).strftime("%Y-%m-%d-%H%M%S")
-    base = Path(results_dir)
+    base = Path(results_dir or RESULTS_DIR)
     path, k = base / f"{stamp}-{name}.json", 1
     while path.exists():
         path, k = base / f"{stamp}-{name}-{k}.json", k + 1
@@ -79,7 +79,7 @@ def args_config(args: Any) -> dict[str, Any]:
 
 
 def write_result(name: str, config: dict[str, Any], result: dict[str, Any], out: str | os.PathLike | None = None,
-                 results_dir: str | os.PathLike = RESULTS_DIR) -> Path:
+                 results_dir: str | os.PathLike | None = None) -> Path:
     """Write one run as JSON (to ``out`` if given, else a fresh file under ``results_dir``); return its path."""
     now = _dt.datetime.now(_dt.timezone.utc)
     path = Path(out) if out is not None else result_path(name, results_dir, now)

@@ -241,6 +241,20 @@ def test_report_table_aligns_and_rejects_bad_names(tmp_path):
     assert not (tmp_path / "never").exists()
 
 
+def test_a_run_without_out_writes_to_the_temporary_directory_not_the_working_tree(tmp_path, monkeypatch):
+    import tempfile
+
+    from engram.cli import main
+
+    assert report.RESULTS_DIR == Path(tempfile.gettempdir()) / "engram-bench"
+    monkeypatch.setattr(report, "RESULTS_DIR", tmp_path / "tmp")  # where the default lands, for this test
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert main(["bench", "ab", "--a", "echo 1", "--b", "echo 1", "--repeats", "2", "--warmup", "0", "--no-aa"]) == 0
+    assert list(work.iterdir()) == [] and [p.name[-8:] for p in (tmp_path / "tmp").iterdir()] == ["-ab.json"]
+
+
 def test_verdict_words_follow_the_ci_not_the_estimate():
     from engram.bench.stats import Comparison
     aa = Comparison("A'", "A", 0.0, -0.01, 0.01, 0.95, 10)
