@@ -41,8 +41,8 @@ def test_c_extension_switch_follows_availability(monkeypatch):
     from engram.fast_path import FastPathSwitch
 
     built = {"c": False}
-    monkeypatch.setenv("ENGRAM_TEST_SWITCH", "python")
-    sw = FastPathSwitch("thing backend", "ENGRAM_TEST_SWITCH", ("auto", "c", "python"), fast="c",
+    monkeypatch.setenv("ENGRAM_KERNELS", "reader=python")  # the initial choice of a switch named by its kernel
+    sw = FastPathSwitch("thing backend", "reader", ("auto", "c", "python"), fast="c",
                         available=lambda: built["c"], missing="the C thing is not built",
                         fallback_warning="C thing missing, using Python")
     assert sw.value == "python" and sw.active() == "python"
@@ -63,9 +63,9 @@ def test_c_extension_switch_follows_availability(monkeypatch):
     assert sw.active() == "c" and sw.use_fast()
     assert sw.set("c") == "auto" and sw.active() == "c"
     assert sw.set("python") == "c" and sw.active() == "python" and not sw.use_fast()
-    monkeypatch.setenv("ENGRAM_TEST_SWITCH", "cuda")
+    monkeypatch.setenv("ENGRAM_KERNELS", "reader=cuda")
     with pytest.raises(ValueError, match="thing backend 'cuda'"):  # the environment is checked like set()
-        FastPathSwitch("thing backend", "ENGRAM_TEST_SWITCH", ("auto", "c", "python"), fast="c",
+        FastPathSwitch("thing backend", "reader", ("auto", "c", "python"), fast="c",
                        available=lambda: True)
 
 
