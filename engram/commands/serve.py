@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     from engram.server.app import build_app
-    from engram.server.http import DrainingServer, HttpLimits, listen, server_config
+    from engram.server.http import DrainingServer, HttpLimits, check_port, server_config
 
     try:
         check_options(args)  # fail now, not on the engine thread after the port opened
@@ -79,10 +79,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"engram serve: error: {e}", file=sys.stderr)
         return EXIT_BAD_OPTION
     try:
-        sock = listen(args.host, args.port)  # before anything loads: a port in use fails at once
+        check_port(args.host, args.port)  # before anything loads: a port in use fails at once
     except OSError as e:
-        print(f"engram serve: error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
-        return EXIT_CANNOT_LISTEN
+        return _cannot_listen(args, e)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model)
                                       else args.model)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -104,10 +103,19 @@ def run(args: argparse.Namespace) -> int:
                     args.max_request_bytes, on_load_error=load_failed, body_timeout=limits.request_body)
     server = DrainingServer(server_config(app, args.host, args.port, args.log_level, limits),
                             on_shutdown=app.state.stopping.set)
-    port = sock.getsockname()[1]
-    print(f"engram: serving {name!r} on http://{args.host}:{port} (GET /health turns 200 when loaded)\n"
-          + EXAMPLES.format(host=args.host, port=port, model=name), flush=True)
-    server.run(sockets=[sock])
+    print(f"engram: serving {name!r} on http://{args.host}:{args.port} (GET /health turns 200 when loaded)\n"
+          + EXAMPLES.format(host=args.host, port=args.port, model=name), flush=True)
+    try:
+        server.run()
+    except SystemExit as e:  # uvicorn's startup failure: the port was taken since check_port (uvicorn said why)
+        if e.code != EXIT_CANNOT_LISTEN:
+            raise
+        return _cannot_listen(args, "see the error above")
     if app.state.engine.load_error is not None:
         return EXIT_LOAD_FAILED
     return 0
+
+
+def _cannot_listen(args: argparse.Namespace, why: object) -> int:
+    print(f"engram serve: error: cannot listen on {args.host}:{args.port}: {why}", file=sys.stderr, flush=True)
+    return EXIT_CANNOT_LISTEN

@@ -2,12 +2,15 @@
 
 /health answers 200 only once the model is loaded (503 while loading or after a failed load);
 /v1/models, /v1/models/{id}, /v1/completions, /v1/chat/completions follow the OpenAI API; /metrics is
-Prometheus text. A request body over ``max_request_bytes`` gets 413 before it is parsed (BodyLimit). Bad
-requests get OpenAI-style error bodies with 400/404/413, never a 500, and every refusal (4xx, and 503 when
-loading or full) is counted once in ``engram_requests_rejected_total{reason}``.
+Prometheus text. A request body over ``max_request_bytes`` gets 413 before it is parsed, one that does not
+arrive within ``body_timeout`` seconds 408, and one still arriving when a graceful shutdown starts
+(``app.state.stopping`` set) 503 (BodyLimit). Bad requests get OpenAI-style error bodies with 400/404/408/413,
+never a 500, and every refusal (4xx, and 503 when loading, full or stopping) is counted once in
+``engram_requests_rejected_total{reason}``.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from contextlib import asynccontextmanager
 from typing import Any, Awaitable, Callable
@@ -32,30 +35,39 @@ def error_response(body: dict, status: int, headers: dict[str, str] | None = Non
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over ``limit`` bytes is refused with 413 (``on_reject()`` is called)
-    before anything parses it. A Content-Length over the limit is refused without reading the body; a body
-    without one is read up to the limit and refused as soon as it passes it. A body within the limit is
-    handed on in one piece; later receive() calls (disconnects) go to the client as before."""
+    """ASGI middleware: the whole request body is read before the app runs, within limits of size and time.
+    A body over ``limit`` bytes is refused with 413 before anything parses it (a Content-Length over the limit
+    without reading the body; a body without one as soon as it passes the limit). A body that has not arrived
+    ``timeout`` seconds after the request's head gets 408, and one still arriving when ``stopping`` is set (a
+    graceful shutdown started) gets 503: a slow or stalled client never holds a connection, or the process,
+    open. Each refusal calls ``on_reject(reason)`` ("too_large", "timeout", "shutting_down") and closes the
+    connection. A body within the limits is handed on in one piece; later receive() calls (disconnects) go to
+    the client as before."""
 
-    def __init__(self, app: Callable, limit: int, on_reject: Callable[[], None]):
-        self.app, self.limit, self.on_reject = app, limit, on_reject
+    def __init__(self, app: Callable, limit: int, on_reject: Callable[[str], None], timeout: float | None = None,
+                 stopping: asyncio.Event | None = None):
+        self.app, self.limit, self.on_reject, self.timeout, self.stopping = app, limit, on_reject, timeout, stopping
 
     async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._refuse(scope, receive, send)
+            return await self._refuse(scope, receive, send, "too_large")
+        loop = asyncio.get_running_loop()
+        deadline = None if self.timeout is None else loop.time() + self.timeout
         chunks, size = [], 0
         while True:
-            message = await receive()
+            message = await self._next(receive, deadline, loop)
+            if isinstance(message, str):  # "timeout" or "shutting_down"
+                return await self._refuse(scope, receive, send, message)
             if message["type"] != "http.request":  # the client left: let the app see it
                 first = message
                 break
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.limit:
-                return await self._refuse(scope, receive, send)
+                return await self._refuse(scope, receive, send, "too_large")
             if not message.get("more_body", False):
                 first = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
                 break
@@ -66,19 +78,49 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope: dict, receive: Callable, send: Callable) -> None:
-        self.on_reject()
-        body = error_body(f"the request body is larger than this server's limit of {self.limit} bytes "
-                          "(--max-request-bytes)", code=413, param=None)
-        await error_response(body, 413, {"Connection": "close"})(scope, receive, send)
+    async def _next(self, receive: Callable[[], Awaitable[dict]], deadline: float | None,
+                    loop: asyncio.AbstractEventLoop) -> dict | str:
+        """The next message of the body, or "timeout" once ``deadline`` passes, or "shutting_down" once
+        ``stopping`` is set, whichever comes first (a message that is already there wins)."""
+        if deadline is None and self.stopping is None:
+            return await receive()
+        got = asyncio.ensure_future(receive())
+        waits = {got}
+        stop = asyncio.ensure_future(self.stopping.wait()) if self.stopping is not None else None
+        if stop is not None:
+            waits.add(stop)
+        try:
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                if not task.done():
+                    task.cancel()
+        if got.done() and not got.cancelled():
+            return got.result()
+        return "shutting_down" if stop is not None and stop.done() else "timeout"
+
+    async def _refuse(self, scope: dict, receive: Callable, send: Callable, reason: str) -> None:
+        self.on_reject(reason)
+        if reason == "too_large":
+            status, message = 413, (f"the request body is larger than this server's limit of {self.limit} bytes "
+                                    "(--max-request-bytes)")
+        elif reason == "timeout":
+            status, message = 408, (f"the request body did not arrive within {self.timeout:g} seconds "
+                                    "(--timeout-request-body)")
+        else:
+            status, message = 503, "the server is shutting down; the request was not started"
+        await error_response(error_body(message, code=status, param=None), status,
+                             {"Connection": "close"})(scope, receive, send)
 
 
 def build_app(build_llm: Callable[[], Any], model_name: str, tier: str, max_num_seqs: int,
               max_waiting: int = 256, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              on_load_error: Callable[[str], None] | None = None) -> FastAPI:
+              on_load_error: Callable[[str], None] | None = None, body_timeout: float | None = None) -> FastAPI:
     """``build_llm`` runs on the engine thread and returns an ``engram.LLM`` (the model loads there, so
     /health can answer 503 meanwhile); if it raises, ``on_load_error(reason)`` is called on that thread
-    (`engram serve` stops the server and exits non-zero)."""
+    (`engram serve` stops the server and exits non-zero). ``body_timeout``: seconds a request body may take
+    (None: no limit). Setting ``app.state.stopping`` (an asyncio.Event) refuses bodies still arriving."""
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes={max_request_bytes} must be >= 1")
     metrics = ServerMetrics(model_name, tier)
@@ -95,8 +137,9 @@ def build_app(build_llm: Callable[[], Any], model_name: str, tier: str, max_num_
 
     app = FastAPI(title="engram", lifespan=lifespan)
     app.state.engine, app.state.serving, app.state.metrics = engine, serving, metrics
-    app.add_middleware(BodyLimit, limit=max_request_bytes,
-                       on_reject=lambda: metrics.rejected.labels(reason="too_large").inc())
+    app.state.stopping = asyncio.Event()
+    app.add_middleware(BodyLimit, limit=max_request_bytes, timeout=body_timeout, stopping=app.state.stopping,
+                       on_reject=lambda reason: metrics.rejected.labels(reason=reason).inc())
 
     def refuse(status: int, body: dict, reason: str | None, headers: dict[str, str] | None = None) -> Response:
         if reason is not None:
