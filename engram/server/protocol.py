@@ -4,8 +4,10 @@ Field names, defaults and bounds follow the OpenAI API as vLLM serves it. The co
 this server does not know is refused (400 naming it), and a field the OpenAI API has but this server does
 not implement (``logit_bias``, ``tools``, ...) is refused as soon as it asks for anything but its no-op value
 (see ``unsupported_field``), so nothing a client sends is silently ignored. ``n`` is at most ``MAX_N``,
-``logprobs`` / ``top_logprobs`` at most ``MAX_LOGPROBS`` alternatives (integers, and chat's ``logprobs`` a
-boolean, are taken strictly: ``true`` is not 1). Every string must be valid
+``logprobs`` / ``top_logprobs`` at most ``MAX_LOGPROBS`` alternatives. Every field is typed strictly (pydantic
+strict mode): ``"5"`` is not an integer, ``true`` is not 1, ``"yes"`` is not a boolean; only an integer may stand
+for a float. Floats must be finite (a NaN ``temperature`` is refused as not finite), and ``stream_options``
+needs ``stream: true``, as in vLLM. Every string must be valid
 Unicode (a lone surrogate such as ``"\\ud800"`` is a 400), ``seed`` must fit a signed 64-bit integer, and the
 stop conditions are bounded (``MAX_STOP`` strings of at most ``MAX_STOP_CHARS`` characters,
 ``MAX_STOP_TOKEN_IDS`` ids). Responses are plain dicts built in serving.py.
@@ -16,7 +18,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator,
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
                       model_validator)
 
 from engram.engine.sampling_params import MAX_LOGPROBS
@@ -42,7 +44,8 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]  # every str field of a re
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # an unknown field is a 400 naming it, never ignored
+    # an unknown field is a 400 naming it, never ignored; a value of the wrong JSON type is a 400, never coerced
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -51,8 +54,8 @@ class StreamOptions(_Strict):
 
 class _SamplingFields(_Strict):
     model: Text | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     n: int = Field(default=1, ge=1, le=MAX_N)  # independent choices per prompt
@@ -67,6 +70,13 @@ class _SamplingFields(_Strict):
     logit_bias: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
+
+    @field_validator("stream_options", mode="before")
+    @classmethod
+    def _stream_options(cls, v: Any, info: ValidationInfo) -> Any:
+        if v and not info.data.get("stream"):  # vLLM's rule and words: a non-empty object needs stream: true
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        return v
 
     @field_validator("top_k")
     @classmethod
@@ -99,13 +109,19 @@ class _SamplingFields(_Strict):
 
 class CompletionRequest(_SamplingFields):
     """``prompt``: one text or token-id list, or a list of them (one choice per prompt and ``n``).
-    ``max_tokens=0`` is accepted here and served only with ``echo`` (serving.py)."""
+    ``max_tokens=0`` is accepted here and served only with ``echo`` (serving.py); ``null`` is the default 16,
+    as if it were left out (OpenAI's documented default)."""
     prompt: Union[Text, list[Text], list[int], list[list[int]]]
-    max_tokens: int | None = Field(default=16, ge=0, le=INT64_MAX)
+    max_tokens: int = Field(default=16, ge=0, le=INT64_MAX)
     echo: bool = False
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
     best_of: Any = None  # unsupported unless equal to n
     suffix: Any = None  # unsupported unless empty
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _max_tokens(cls, v: Any) -> Any:
+        return 16 if v is None else v
 
     @field_validator("prompt")
     @classmethod
@@ -138,8 +154,12 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
+    """One message; ``name`` (a participant's name) and ``tool_call_id`` (the call a ``tool`` message answers)
+    are accepted as vLLM accepts them and handed to the chat template with the role and content."""
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[Text, list[TextPart], None] = None
+    name: Text | None = None
+    tool_call_id: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -159,8 +179,8 @@ class ChatCompletionRequest(_SamplingFields):
     safety_identifier: Text | None = None
     prompt_cache_key: Text | None = None
     parallel_tool_calls: bool | None = None  # meaningless without tools, which are refused
-    logprobs: StrictBool | None = None  # return each generated token's logprob
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
+    logprobs: bool | None = None  # return each generated token's logprob
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
     # OpenAI fields this server does not implement (unsupported_field).
     tools: Any = None
     tool_choice: Any = None

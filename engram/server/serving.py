@@ -14,12 +14,14 @@ token) runs the request with ``max_tokens=1`` and the server drops that token (f
 
 Everything a request can get wrong is refused here, before the engine sees it: an unimplemented OpenAI
 field (``protocol.unsupported_field``), a prompt that cannot fit ``max_model_len`` (by its length in
-characters, before tokenizing, where the tokenizer allows a bound; then by its token count),
-``stop_token_ids`` outside the vocabulary. Chat templates render and prompts tokenize in a worker thread
-(tokenization releases the GIL), so the engine thread only ever receives token ids and a long prompt
-never stalls the requests already running. Errors are raised as ApiError (status, OpenAI error body and
-the ``engram_requests_rejected_total`` reason); app.py turns them into responses. A client that
-disconnects, streaming or not, cancels its request (the engine frees the sequence).
+characters, before tokenizing, where the tokenizer allows a bound; then by its token count), a prompt plus
+``max_tokens`` beyond ``max_model_len`` (vLLM's rule and message, ``context_error``; a chat request without
+``max_tokens`` may generate up to the context, as in vLLM), ``stop_token_ids`` outside the vocabulary.
+Chat templates render and prompts tokenize in a worker thread (tokenization releases the GIL), so the engine
+thread only ever receives token ids and a long prompt never stalls the requests already running. Errors are
+raised as ApiError (status, OpenAI error body and the ``engram_requests_rejected_total`` reason); app.py
+turns them into responses. A client that disconnects, streaming or not, cancels its request (the engine
+frees the sequence), and its tokens so far still count in the token counters.
 """
 from __future__ import annotations
 
@@ -81,11 +83,9 @@ class OpenAIServing:
         prompts = []
         for i, p in enumerate(items):
             label = f"prompt[{i}]" if req.is_batch() else "prompt"
-            if isinstance(p, str):
-                prompts.append(PromptSpec(await self._tokenize(loaded, p, label), p))
-            else:
-                self._check_length(len(p), label)
-                prompts.append(PromptSpec(p, None))
+            ids = await self._tokenize(loaded, p, label) if isinstance(p, str) else p
+            self._check_context(len(ids), req.max_tokens, label)
+            prompts.append(PromptSpec(ids, p if isinstance(p, str) else None))
         shape = Shape("text_completion", req.logprobs, req.echo, req.max_tokens != 0)
         return await self._run(req, prompts, shape, raw, new_id("cmpl"))
 
@@ -95,7 +95,9 @@ class OpenAIServing:
             raise ApiError(400, f"top_logprobs={req.top_logprobs} needs logprobs=true", param="top_logprobs")
         loaded = self._loaded()
         self._check_choices(1, req.n)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [{"role": m.role, "content": m.text(),
+                     **{k: getattr(m, k) for k in ("name", "tool_call_id") if getattr(m, k) is not None}}
+                    for m in req.messages]
         render = lambda: render_chat(messages, loaded.chat_template, req.add_generation_prompt,  # noqa: E731
                                      _token_text(loaded.tokenizer, loaded.model_config.bos_token_id),
                                      _token_text(loaded.tokenizer, loaded.eos_token_id))
@@ -104,6 +106,7 @@ class OpenAIServing:
         except ValueError as e:
             raise ApiError(400, str(e), param="messages")
         ids = await self._tokenize(loaded, prompt, "messages")
+        self._check_context(len(ids), req.max_tokens, "messages")
         shape = Shape("chat.completion", (req.top_logprobs or 0) if req.logprobs else None)
         return await self._run(req, [PromptSpec(ids, prompt)], shape, raw, new_id("chatcmpl"))
 
@@ -159,19 +162,16 @@ class OpenAIServing:
         if why is not None:
             raise _too_long(why, label)
 
-    def _check_length(self, num_tokens: int, label: str) -> None:
-        limit = self.engine.max_model_len
-        if num_tokens >= limit:
-            raise _too_long(f"the prompt has {num_tokens} tokens, which leaves no room to generate under "
-                            f"max_model_len={limit}", label)
+    def _check_context(self, num_tokens: int, max_tokens: int | None, label: str) -> None:
+        why = context_error(num_tokens, max_tokens, self.engine.max_model_len)
+        if why is not None:
+            raise _too_long(why, label)
 
     async def _tokenize(self, loaded, text: str, label: str) -> list[int]:
-        """Token ids of ``text`` from a worker thread, after the length bound and before the token count check;
-        ``label`` names the field in errors ("prompt", "prompt[2]", "messages")."""
+        """Token ids of ``text`` from a worker thread, after the length bound; ``label`` names the field in
+        errors ("prompt", "prompt[2]", "messages")."""
         self._check_chars(len(text), label)
-        ids = await asyncio.get_running_loop().run_in_executor(self._pool, encode, loaded.tokenizer, text)
-        self._check_length(len(ids), label)
-        return ids
+        return await asyncio.get_running_loop().run_in_executor(self._pool, encode, loaded.tokenizer, text)
 
     def _params(self, req: CompletionRequest | ChatCompletionRequest, shape: Shape):
         """The SamplingParams every choice starts from (``SamplingParams.for_choice`` gives choice j its seed)."""
@@ -276,8 +276,13 @@ class OpenAIServing:
         return c, first
 
     def _count_unfinished(self, resp: ResponseState, failed: bool = False) -> None:
-        """Requests of a response left unfinished: aborted ones, and one error when the engine failed one."""
-        unfinished = sum(not c.finished for c in resp.choices)
+        """Requests of a response left unfinished: aborted ones, and one error when the engine failed one. Their
+        tokens count too: the generated ones delivered, and the prompt of each that produced a token (its
+        prompt was processed)."""
+        left = [c for c in resp.choices if not c.finished]
+        self.metrics.prompt_tokens.inc(sum(len(c.prompt.ids) for c in left if c.last is not None))
+        self.metrics.generation_tokens.inc(sum(len(c.token_ids) for c in left))
+        unfinished = len(left)
         if failed:
             self.metrics.requests.labels("error").inc()
             unfinished -= 1
@@ -296,6 +301,22 @@ class OpenAIServing:
         self.metrics.e2e.observe(elapsed)
         if n > 1:
             self.metrics.tpot.observe((elapsed - ttft) / (n - 1))
+
+
+def context_error(num_tokens: int, max_tokens: int | None, max_model_len: int) -> str | None:
+    """vLLM's refusal (its rule and its words, "messages" for completions too) of a prompt of ``num_tokens``
+    with ``max_tokens`` to generate (None: up to the context) under ``max_model_len``, or None when it fits.
+    ``max_tokens=0`` (echo) still needs the one position the engine generates into."""
+    if max_tokens is None or max_tokens == 0:
+        if num_tokens >= max_model_len:
+            return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                    f"{num_tokens} tokens in the messages, Please reduce the length of the messages.")
+        return None
+    if num_tokens + max_tokens > max_model_len:
+        return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{num_tokens + max_tokens} tokens ({num_tokens} in the messages, {max_tokens} in the completion). "
+                "Please reduce the length of the messages or completion.")
+    return None
 
 
 def _too_long(why: str, label: str) -> ApiError:

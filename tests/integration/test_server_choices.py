@@ -144,7 +144,8 @@ def test_list_of_prompts_times_n_numbers_choices_prompt_major(client):
     with pytest.raises(openai.BadRequestError) as e:  # 3 x 3 choices > max_num_seqs + max_waiting
         client.completions.create(model="tiny", prompt=["a", "b", "c"], n=3, max_tokens=2)
     assert e.value.body["param"] == "n" and str(MAX_NUM_SEQS + MAX_WAITING) in e.value.body["message"]
-    for bad, needle in ((["a", ""], "prompt[1] is empty"), (["a", "x " * 5000], "prompt[1]: the prompt has")):
+    for bad, needle in ((["a", ""], "prompt[1] is empty"),
+                        (["a", "x " * 5000], "prompt[1]: This model's maximum context length is")):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="tiny", prompt=bad, max_tokens=2)
         assert e.value.body["param"] == "prompt" and needle in e.value.body["message"]

@@ -216,8 +216,8 @@ def test_unsupported_chat_fields_are_400_with_the_openai_client(client, kwargs, 
 
 
 def test_unsupported_message_parts_are_400(client):
-    with pytest.raises(openai.BadRequestError, match="name"):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x", "name": "ann"}])
+    with pytest.raises(openai.BadRequestError, match="messages.0.audio"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x", "audio": {}}])
     with pytest.raises(openai.BadRequestError, match="messages.0.content"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
