@@ -68,6 +68,7 @@ def test_table_read_error_fails_only_that_step_and_server_keeps_serving(cache_di
                 assert bad.status_code == 500, bad.text
                 msg = bad.json()["error"]["message"]
                 assert "values.bin" in msg and "offset" in msg and "in flight" not in msg
+                assert "short read" in msg and "file is 0 bytes now" in msg and "[Errno 0]" not in msg, msg
                 assert httpx.get(s.url + "/health").status_code == 200
         finally:
             for p, data in saved.items():  # restore the same inode's contents
