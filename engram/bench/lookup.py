@@ -13,6 +13,7 @@ import argparse
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -53,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="disk: also measure plain random page reads of the same file")
     p.add_argument("--raw-pages", type=int, default=16384,
                    help="pages per raw read call (64 MiB: the pool drains once per call, <1%% of the time)")
-    p.add_argument("--seconds", type=float, default=1.0, help="timed seconds per cell, split over rounds")
+    p.add_argument("--seconds", type=float, default=1.0,
+                   help="timed seconds per cell, split over rounds (the run prints its total before it starts)")
     p.add_argument("--rounds", type=int, default=4, help="interleaved rounds per (io, queue depth) group")
     p.add_argument("--device", default=None, help="device rows are returned on (default: cuda if present)")
     p.add_argument("--seed", type=int, default=0)
@@ -214,6 +216,20 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def estimate(args: argparse.Namespace, groups: int) -> str:
+    """What the run will time, said before it starts: ``--seconds`` is per cell, and the disk tier's sweep
+    multiplies the cells by every (io, queue depth) group."""
+    table_cells = len(_ints(args.cache_rows)) * len(_words(args.ops)) * len(_words(args.dists)) * \
+        len(_ints(args.batch_sizes))
+    cells = table_cells + (1 if args.tier == "disk" and args.raw else 0)
+    total = groups * cells * args.seconds
+    sweep = f"{groups} (io, queue depth) groups x " if args.tier == "disk" else ""
+    return (f"bench lookup: {sweep}{cells} cells x {args.seconds:g} s = {total:.0f} s timed (about {total / 60:.1f} "
+            f"min), plus one warm-up batch per cell and {groups * len(_ints(args.cache_rows))} table opens; a "
+            f"batch slower than --seconds / --rounds runs once per round anyway. Fewer --queue-depths, --io, "
+            f"--batch-sizes, --dists or --ops, or a smaller --seconds, shorten it.")
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -224,15 +240,16 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("engram bench lookup: give a TABLE directory or --random-rows N (exactly one)")
     from engram.store.format import read_manifest
 
+    disk = args.tier == "disk"
+    groups = ([dict(io=io, queue_depth=qd) for io in _words(args.io) for qd in _ints(args.queue_depths)]
+              if disk else [dict(io=None, queue_depth=None)])
+    print(estimate(args, len(groups)), file=sys.stderr, flush=True)
     made = build_random_table(args.random_rows, args.dim, args.workdir) if args.random_rows else None
     path = Path(made or args.table)
     manifest = read_manifest(path)
     device = torch.device(args.device) if args.device else None
     on_cuda = (device or torch.device("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda"
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)
-    disk = args.tier == "disk"
-    groups = ([dict(io=io, queue_depth=qd) for io in _words(args.io) for qd in _ints(args.queue_depths)]
-              if disk else [dict(io=None, queue_depth=None)])
     rows: list[dict[str, Any]] = []
     load_before = os.getloadavg()  # the disk and CPUs may be shared: record how busy the machine was
     try:
