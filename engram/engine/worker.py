@@ -59,7 +59,8 @@ class LaunchedStep:
 
 class Worker:
     """``wrap_lookup`` (tests): applied to the lookup executor the Worker builds, e.g. one that records or fails
-    steps; the runners then submit every lookup through what it returns."""
+    steps; the runners then submit every lookup through what it returns (the memory profile's warm-up step
+    goes to the executor it wraps)."""
 
     def __init__(self, loaded, config: EngineConfig, max_model_len: int, device: torch.device, dtype: torch.dtype,
                  progress: bool | None = None,
@@ -78,8 +79,6 @@ class Worker:
                               else None)
         self.lookup = LookupExecutor(self.tables, self.ecfg, dtype, self.device, stream=self.lookup_stream,
                                      projectors=_projectors(self.model, self.ecfg, dtype))
-        if wrap_lookup is not None:
-            self.lookup = wrap_lookup(self.lookup)
         self.sampler = Sampler(seed=config.seed)
         ctok = loaded.compressed_tokenizer
         self.pending = PendingTokens(NgramHasher.from_tokenizer(self.ecfg, ctok) if self.ecfg else None,
@@ -89,6 +88,8 @@ class Worker:
         staging = staging_bytes(self.ecfg, config.max_num_batched_tokens, dtype) if self.ecfg else 0
         use_graphs = not config.enforce_eager and _graphs_supported(dtype, self.ecfg, self.device)
         peak = profile_peak_bytes(self, bytes_per_block) if self._profiles_memory() else None
+        if wrap_lookup is not None:  # after the warm-up, which no statistic or wrapper sees (memory.py)
+            self.lookup = wrap_lookup(self.lookup)
         self.memory: MemoryPlan = plan_memory(config, max_model_len, bytes_per_block, staging,
                                               _hot_cache_bytes(self.tables), self.device, peak,
                                               graph_reserve_bytes(config, peak) if use_graphs else 0)

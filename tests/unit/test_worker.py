@@ -110,3 +110,17 @@ def test_warmup_step_is_the_largest_step_with_distinct_slots():
     assert step.slot_mapping.tolist() == [0, 1, 2, 3, 4, 5, 6, 8, 9, 10]  # blocks 0, 1, 2 of 4 slots
     assert sorted(step.engram_row_ids) == list(ecfg.layer_ids)
     assert all(ids.shape == (10, ecfg.n_cols) for ids in step.engram_row_ids.values())
+
+
+def test_a_wrapped_lookup_executor_never_sees_the_memory_profiles_warm_up(tiny, monkeypatch):
+    """The warm-up step that sizes the KV cache (memory.profile_peak_bytes, on CUDA) is invisible to statistics:
+    it runs on the executor the Worker built, and ``wrap_lookup`` applies to the engine's steps only."""
+    import engram.engine.worker as worker_module
+
+    seen = []
+    monkeypatch.setattr(Worker, "_profiles_memory", lambda self: True)
+    monkeypatch.setattr(worker_module, "profile_peak_bytes", lambda worker, _: seen.append(type(worker.lookup)))
+    worker = Worker(tiny, EngineConfig(max_num_seqs=2, max_model_len=128), 128, CPU, torch.float64,
+                    wrap_lookup=CountingLookups)
+    assert seen == [LookupExecutor] and isinstance(worker.lookup, CountingLookups)
+    assert worker.eager.lookup is worker.lookup
