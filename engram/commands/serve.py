@@ -1,7 +1,7 @@
 """`engram serve [MODEL]`: the OpenAI-compatible server (FastAPI + uvicorn).
 
 MODEL is a preset name (default: the built-in ``tiny``) or a checkpoint directory. Every option value is
-checked first: a bad one exits with status 2 before the port opens. Then the port is bound (one in use, or
+checked first: a bad one exits with status 2 before the port opens. Then the port is tried (one in use, or
 an address that is not this machine's, exits with status 3) and the model loads on the engine thread while
 the port is open, so /health answers 503 until it is ready. If it fails to load (an unknown model, a device
 that is not there, a --max-model-len the model cannot take, ...) the server prints the reason and exits
