@@ -1,25 +1,21 @@
-"""``GraphClock``: timestamps that the device writes where the work runs, readable after it ran — timing
-inside CUDA-graph replays without a profiler.
+"""``GraphClock``: timestamps the device writes where the work runs, readable after it ran — timing inside
+CUDA-graph replays without a profiler (which changes how a replay's branches launch).
 
-Events recorded inside a capture cannot be timed from the host, and a profiler changes how a replay's
-branches are launched (docs/benchmarks.md: under torch.profiler the decode graph's main branch started
-after its lookup branch). A stamp is a one-thread kernel that stores the GPU's global timer (ns,
-``%globaltimer``) into a named slot of a device buffer on the current stream; captured into a graph it
-stamps again on every replay, so after a replay and a synchronisation ``read()`` says when each stamped
-point of the step ran on its stream. ``snapshot()`` after each step's launch keeps every step's stamps
-without a synchronisation per step, so the engine keeps its rhythm. Slots are assigned by name on first
-use, so the same code path at capture and at replay writes the same slots. Each stamp is one tiny launch
-(a few microseconds of the stream's time): a diagnosis tool, set only by benchmarks and tests
-(``lookup_stream.CLOCK``), never on a serving path.
-
-On the CPU a stamp takes the host clock at the call (the same API, for what consumes the stamps).
+A stamp is a one-thread kernel storing ``%globaltimer`` (ns) into a named slot of a device buffer on the
+current stream; captured into a graph it stamps on every replay. Slots are assigned by name on first use, so
+capture and replay write the same slots. On the CPU a stamp takes the host clock. ``install(clock)`` makes
+every ``LookupStream`` stamp the fork, the lookup branch's start, each layer's lookup end, the main stream's
+first work, both sides of each consumer's wait and the join; call it before the graphs are captured.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 
 import torch
+
+from engram.engine.lookup_stream import LookupStream
 
 
 @functools.cache
@@ -80,3 +76,35 @@ class GraphClock:
     def _named(self, buffer: torch.Tensor) -> dict[str, int]:
         values = buffer.cpu().tolist()
         return {name: values[slot] for name, slot in self.names.items()}
+
+
+def install(clock: GraphClock, setattr=setattr) -> None:
+    """Wrap ``LookupStream``'s ``issue``/``done``/``wait``/``join`` to stamp ``clock`` (replacing an earlier
+    install's wrappers). ``setattr``: pytest's ``monkeypatch.setattr`` in tests, so the methods are restored."""
+    orig = {name: getattr(getattr(LookupStream, name), "_unclocked", getattr(LookupStream, name))
+            for name in ("issue", "done", "wait", "join")}
+
+    @contextlib.contextmanager
+    def issue(self, *inputs):
+        clock.stamp("fork")
+        with orig["issue"](self, *inputs) as stream:
+            clock.stamp("lookup_start")
+            yield stream
+        clock.stamp("main_start")
+
+    def done(self, layer_id):
+        clock.stamp(f"lookup_done_{layer_id}")
+        orig["done"](self, layer_id)
+
+    def wait(self, layer_id, *tensors):
+        clock.stamp(f"wait_begin_{layer_id}")
+        orig["wait"](self, layer_id, *tensors)
+        clock.stamp(f"wait_end_{layer_id}")
+
+    def join(self):
+        orig["join"](self)
+        clock.stamp("joined")
+
+    for name, fn in (("issue", issue), ("done", done), ("wait", wait), ("join", join)):
+        fn._unclocked = orig[name]
+        setattr(LookupStream, name, fn)

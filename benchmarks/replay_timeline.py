@@ -25,7 +25,7 @@ A step without a gather or a consumer kernel raises ValueError naming what is mi
 
 A profiler changes what it watches here: under it the replay's main branch started 0.6-1.5 ms after the
 lookup branch (docs/benchmarks.md). ``clock_timeline`` reads the same quantities from a step's
-``GraphClock`` stamps (engine/graph_clock.py; ``lookup_stream.CLOCK``), taken without a profiler:
+``GraphClock`` stamps (benchmarks/graph_clock.py; ``graph_clock.install``), taken without a profiler:
 ``main_start_us`` = main_start - fork; ``lookup_us`` = lookup_done_L - fork and ``before_us`` =
 wait_begin_L - fork for the first Engram layer L (one origin, so a main branch that starts late shows in
 ``before_us`` and ``main_start_us``, not as a shorter lookup); ``exposed_us`` = the first layer's
@@ -102,7 +102,7 @@ def clock_timeline(stamps: dict[str, int], layer_ids: list[int]) -> StepTimeline
                                                for k in ("lookup_done", "wait_begin", "wait_end")]
     missing = [n for n in need if not stamps.get(n)]
     if missing:
-        raise ValueError(f"clock stamps missing {missing}: was lookup_stream.CLOCK set before the capture?")
+        raise ValueError(f"clock stamps missing {missing}: was graph_clock.install(clock) called before the capture?")
     us = {n: (v - stamps["fork"]) / 1e3 for n, v in stamps.items()}
     first, last = layer_ids[0], layer_ids[-1]
     wait = {lid: us[f"wait_end_{lid}"] - us[f"wait_begin_{lid}"] for lid in (first, last)}

@@ -118,15 +118,15 @@ def exposure(args) -> int:
     from engram.bench.device_time import cuda_kernels
     from engram.bench.engine_steps import prompt_ids
     from benchmarks.replay_timeline import clock_timeline, median_timeline, meets_exposure_bound, step_timeline
-    from engram.engine import lookup_stream
-    from engram.engine.graph_clock import GraphClock
+    from benchmarks.graph_clock import GraphClock, install
     from engram.engine.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     batches = [int(b) for b in (args.batches or str(args.batch)).split(",")]
     options = {**json.loads(args.engram_config), "lookup_overlap": True}
     clock = None if args.profiled else GraphClock("cuda")
-    lookup_stream.CLOCK = clock  # before the capture: the stamps are part of every replay
+    if clock is not None:
+        install(clock)  # before the capture: the stamps are part of every replay
     chunk = max(2048, args.context)
     # every sequence must still be decoding when the last prompt's prefill ends: a sequence's budget covers
     # the steps that prefill the whole batch (chunked at `chunk` tokens a step), the warm steps, the timed ones

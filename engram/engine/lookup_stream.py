@@ -1,35 +1,16 @@
 """Lookup stream (worker side, CUDA): a step's Engram gathers run on their own stream, one event per layer.
 
-A step's row ids are known before its first layer runs, so its gathers (+ MXFP8 dequant) need not wait for
-anything the model computes. With ``lookup_overlap`` the lookup executor (eager steps) and the decode
-graphs (captured steps) issue every Engram layer's gather on this stream, right after forking it from the
-main stream through an event, and record one event per layer; the consuming layer makes the main stream
-wait on its layer's event just before it reads the rows. So the gathers run while the embedding and the
-layers before each Engram layer compute, and a layer never reads rows its gather has not written.
+A step's row ids are known before its first layer runs, so with ``lookup_overlap`` the lookup executor
+(eager steps) and the decode graphs (captured steps) fork this stream from the main stream through an event,
+issue every Engram layer's gather on it and record one event per layer; the consuming layer makes the main
+stream wait on its layer's event just before it reads the rows, so a layer never reads unwritten rows.
+Inside a capture the lookup stream becomes a graph branch joined at each consumer (CUDA requires every
+branch joined). Memory it allocates in eager steps is handed to the main stream (``record_stream``).
 
-Inside a CUDA graph the fork and the per-layer waits are captured like any other work: the lookup stream
-becomes a branch of the graph that forks at the step's start and joins the main stream at each consumer
-(every Engram layer consumes its rows, so every branch is joined, as CUDA requires of a capture). Memory
-the lookup stream allocates in eager steps is handed to the main stream (``record_stream``), so the
-caching allocator never reuses it while the main stream still reads it. ``idle()`` says whether the lookup
-stream has finished its work (checked after each capture and each eager step in tests).
-
-``exposed_seconds()`` is the time consuming layers of eager steps actually waited for their lookups (the
-``engram_lookup_exposed_seconds`` metric): a timing event on the main stream where the consumer starts to
-wait, one on the lookup stream where the layer's work ends, their difference when positive, summed once both
-have run (read lazily, never waited for). Graph replays are not timed: CUDA events recorded inside a
-capture cannot be timed from the host, so a profile of the replay shows their overlap instead.
-
-Two test-only knobs (module attributes, never set outside tests) make the race visible: ``DELAY_CYCLES``
-spins the lookup stream (``torch.cuda._sleep``) before its first gather, ``DROP_WAIT`` skips the waits. With
-the wait dropped and the stream delayed, layers read rows before they are written and outputs change; with
-the wait kept they must not (tests/gpu/test_lookup_overlap.py asserts both). A third, for benchmarks:
-``CLOCK`` (a ``graph_clock.GraphClock``) stamps the fork (``fork``, main stream), the lookup branch's start
-(``lookup_start``), each layer's end on the lookup stream (``lookup_done_L``), the main stream's first work
-after the fork (``main_start``), each consumer's wait on either side (``wait_begin_L`` / ``wait_end_L``) and
-the final join (``joined``); set before the graphs are captured, the stamps run inside every replay
-(benchmarks/trace_lookup_overlap.py reads them).
-"""
+``exposed_seconds()``: how long consumers of eager steps waited (``engram_lookup_exposed_seconds``), from a
+timing-event pair per layer, read lazily; replays are not timed (events inside a capture cannot be).
+Test-only knobs: ``DELAY_CYCLES`` spins the lookup stream before its first gather, ``DROP_WAIT`` skips the
+waits (tests/gpu/test_lookup_overlap.py shows the race and its absence)."""
 from __future__ import annotations
 
 import contextlib
@@ -38,7 +19,6 @@ import torch
 
 DELAY_CYCLES = 0  # tests only: GPU cycles the lookup stream spins before its first gather
 DROP_WAIT = False  # tests only: consumers do not wait for their layer's gather (a race on purpose)
-CLOCK = None  # benchmarks only: a GraphClock that stamps the fork, each layer's lookup end and each wait
 
 
 class LookupStream:
@@ -60,25 +40,17 @@ class LookupStream:
         tensors the main stream made that the lookup stream reads (marked used by it, so the caching
         allocator does not hand their memory to the main stream again before the lookup stream is done)."""
         main = torch.cuda.current_stream(self.device)
-        if CLOCK is not None:
-            CLOCK.stamp("fork")
         self._fork.record(main)
         self.stream.wait_event(self._fork)
         for t in inputs:
             t.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
-            if CLOCK is not None:
-                CLOCK.stamp("lookup_start")
             if DELAY_CYCLES:
                 torch.cuda._sleep(DELAY_CYCLES)
             yield self
-        if CLOCK is not None:
-            CLOCK.stamp("main_start")
 
     def done(self, layer_id: int) -> None:
         """Layer ``layer_id``'s rows are queued on the lookup stream (call inside ``issue``)."""
-        if CLOCK is not None:
-            CLOCK.stamp(f"lookup_done_{layer_id}")
         self._ready[layer_id].record(self.stream)
         if not torch.cuda.is_current_stream_capturing():
             self._timed[layer_id] = torch.cuda.Event(enable_timing=True)
@@ -95,12 +67,8 @@ class LookupStream:
             self._pairs.append((consumer, done))
             if len(self._pairs) > 256:  # fold in the pairs that have run, so the list stays short unread
                 self.exposed_seconds()
-        if CLOCK is not None:
-            CLOCK.stamp(f"wait_begin_{layer_id}")
         if not DROP_WAIT:
             main.wait_event(self._ready[layer_id])
-        if CLOCK is not None:
-            CLOCK.stamp(f"wait_end_{layer_id}")
         for t in tensors:
             t.record_stream(main)
 
@@ -111,8 +79,6 @@ class LookupStream:
         end = torch.cuda.Event()
         end.record(self.stream)
         torch.cuda.current_stream(self.device).wait_event(end)
-        if CLOCK is not None:
-            CLOCK.stamp("joined")
 
     def exposed_seconds(self) -> float:
         """Seconds consuming layers of eager steps waited for their lookups, summed over the pairs of events

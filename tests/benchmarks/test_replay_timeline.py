@@ -68,7 +68,7 @@ def test_clock_stamps_read_as_the_same_timeline():
 
 
 def test_the_clock_stamps_named_points_in_order_on_the_cpu():
-    from engram.engine.graph_clock import GraphClock
+    from benchmarks.graph_clock import GraphClock
 
     clock = GraphClock("cpu", slots=3)
     for name in ("fork", "main_start", "fork"):

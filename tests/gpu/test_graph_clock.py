@@ -1,4 +1,4 @@
-"""GraphClock stamps (engine/graph_clock.py) inside CUDA graphs, and the first Engram layer's wait read from
+"""GraphClock stamps (benchmarks/graph_clock.py) inside CUDA graphs, and the first Engram layer's wait read from
 them in decode replays (skipped without CUDA). The CPU side of the clock and of the reading is in
 tests/unit/test_replay_timeline.py."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 
 import engram
 import engram.engine.lookup_stream as lookup_stream
+from benchmarks.graph_clock import GraphClock, install
 from benchmarks.replay_timeline import clock_timeline
-from engram.engine.graph_clock import GraphClock
 from engram.engine.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -44,7 +44,7 @@ def test_the_clock_sees_a_delayed_lookup_as_exposed_in_decode_replays(tmp_path, 
     for delay in (0, 10_000_000):
         monkeypatch.setattr(lookup_stream, "DELAY_CYCLES", delay)
         clock = GraphClock("cuda")
-        monkeypatch.setattr(lookup_stream, "CLOCK", clock)
+        install(clock, monkeypatch.setattr)
         llm = engram.LLM("tiny", tier="host", dtype=torch.float32, cache_dir=str(tmp_path),
                          engram_config={"lookup_overlap": True}, max_num_seqs=4)
         engine = llm.engine
