@@ -27,7 +27,7 @@ from pathlib import Path
 
 from engram.bench.disk_bound import (BOUND_FACTOR, DISK_COLUMNS, NO_HOST_ARM, add_bounds, disk_rows,
                                      measure_lookup_reads, measure_raw_reads, read_depth, sample_rate)
-from engram.bench.placement_arms import DEFAULT_A, DEFAULT_B, parse_arm, parse_shared, placement_name
+from engram.bench.placement_arms import DEFAULT_A, DEFAULT_B, merged_config, parse_arm, parse_shared, placement_name
 from engram.bench.stats import ORDERS
 
 HELP = "Engram table placements / engine settings A/B'd in one process over forced natural decoding (A/A, CI)."
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     shared = parse_shared(args.engram_config)
     arm_a = parse_arm(args.a, "--a", shared)
     arms_b = [parse_arm(text, f"--b[{k}]", shared) for k, text in enumerate(args.b or [DEFAULT_B], start=1)]
-    options_of = {arm: (option, runtime_options({**shared, **arm.engram_config}, option))
+    options_of = {arm: (option, runtime_options(merged_config(shared, arm.engram_config), option))
                   for option, arm in [("--a", arm_a)] + [(f"--b[{k}]", b) for k, b in enumerate(arms_b, start=1)]}
     opts = runtime_options(shared, "--engram-config")
     for arm, (option, arm_opts) in options_of.items():

@@ -49,6 +49,15 @@ class ArmSpec:
         return json.dumps(self.to_dict())
 
 
+def merged_config(shared: dict, own: dict) -> dict:
+    """An arm's --engram-config: the shared keys with the arm's over them, its ``advanced`` knobs merged into
+    the shared ones key by key."""
+    merged = {**shared, **own}
+    if "advanced" in shared and "advanced" in own:
+        merged["advanced"] = {**shared["advanced"], **own["advanced"]}
+    return merged
+
+
 def parse_shared(text: str | None) -> dict:
     """--engram-config: what every arm shares (its table options are the base an arm's override); the tier
     (``cpu_offload``) is each arm's own."""
@@ -82,7 +91,7 @@ def parse_arm(text: str, option: str, shared: dict) -> ArmSpec:
     taken = [k for k in own if k in SHARED_ENGRAM_KEYS]
     if taken:
         raise SystemExit(f"{option}: engram_config.{taken[0]} is shared by every arm: set it in --engram-config")
-    runtime_options({**shared, **own}, option)
+    runtime_options(merged_config(shared, own), option)
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     bad = [k for k in engine if k not in fields or k in SHARED_ENGINE_KEYS]
     if bad:

@@ -96,7 +96,7 @@ class TableBackend:
     def __init__(self, manifest: TableManifest, device: torch.device, cache: Any = None,
                  options: StoreOptions | None = None) -> None:
         self.options = options if options is not None else StoreOptions()
-        self.count_unique = self.options.count_unique
+        self.count_unique = self.options.advanced.count_unique
         self.manifest = manifest
         self.rows = manifest.rows
         self.dim = manifest.dim
@@ -128,7 +128,7 @@ class TableBackend:
         if self._closed:
             raise RuntimeError(f"table {self.manifest.path} is closed")
         ids = as_ids(ids)
-        if ids.device.type == "cpu" or self.options.check_device_ids:
+        if ids.device.type == "cpu" or self.options.advanced.check_device_ids:
             check_range(ids, self.rows, self.manifest.path)
         return ids
 
@@ -274,10 +274,10 @@ class ResidentTable(TableBackend):
         ``load.load_table`` returns them: made by ``build`` when given (no file is read; ``manifest.files`` may
         be empty), else read from the manifest's files with ``options.load_threads`` workers, every chunk's
         CRC checked when ``options.verify``."""
-        threads = self.options.load_threads
+        threads = self.options.advanced.load_threads
         if build is not None:
             return build(target, layout=layout, progress=progress, threads=threads)
-        return load_table(self.manifest, target, verify=self.options.verify, progress=progress, layout=layout,
+        return load_table(self.manifest, target, verify=self.options.advanced.verify, progress=progress, layout=layout,
                           threads=threads)
 
     def _kernel_gather(self, ids: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

@@ -3,8 +3,8 @@
 ``crc32c(data, crc=0)`` returns the CRC32C of a bytes-like object continuing from ``crc`` (as zlib.crc32);
 ``crc32c_pages(buf, page_size)`` the CRC32C of each page of a buffer as uint32 [pages]. The fast
 implementation is C (csrc/crc32c.h, built into engram.store._pread_pool with the disk reader): the SSE4.2
-crc32 instruction, or a portable slicing-by-8 loop on other CPUs (docs/disk.md). Without the extension (no compiler at install time) a numpy implementation gives the same
-values much more slowly (one warning per process); ``set_backend("numpy")`` selects it on purpose (tests).
+crc32 instruction, or a portable slicing-by-8 loop on other CPUs (docs/disk.md). Without the extension (no
+compiler at install time) a numpy implementation gives the same values much more slowly (one warning per process); ``set_backend("numpy")`` selects it on purpose (tests).
 Why not a PyPI package: the GPU machine installs with ``pip install --no-deps`` and no network, and the C
 file already built there for the pread pool costs no new dependency.
 """

@@ -56,10 +56,11 @@ class DiskTable(SlabReads, TableBackend):
         self.page = manifest.page_size
         if self.page % PAGE:
             raise ValueError(f"{manifest.path}: page_size={self.page} is not a multiple of the reader's {PAGE}")
-        self.pages = PageChecker(manifest, self.options.verify)  # page CRCs, resident (refuses format 1)
+        self.pages = PageChecker(manifest, self.options.advanced.verify)  # page CRCs, resident (refuses format 1)
         self.reader = PageReader(manifest.values_path, io=self.options.io, queue_depth=self.options.queue_depth)
         # uint8 [rows, scale_cols] resident (CRC-checked while read, like the gpu/host tiers' loads), or None
-        self.scales = (load_file(manifest, "scales", "ram", self.options.verify).view(self.rows, self.scale_cols)
+        verify = self.options.advanced.verify
+        self.scales = (load_file(manifest, "scales", "ram", verify).view(self.rows, self.scale_cols)
                        if "scales" in manifest.files else None)
         self._scales_np = self.scales.numpy() if self.scales is not None else None
         # one-read lookups (_gather_direct): pinned on CUDA, where the decode kernel reads them over UVA
@@ -70,8 +71,8 @@ class DiskTable(SlabReads, TableBackend):
         self._extra = {"disk_rows": 0, "inflight": 0, "inflight_bytes": 0, "corrupt_pages": 0}
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-disk")  # submit()
         self._io = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="engram-disk-io")  # 2 chunks queued
-        self.scrubber = (Scrubber(self.reader, self.pages, self._count_corrupt) if self.options.background_verify
-                         else None)
+        self.scrubber = (Scrubber(self.reader, self.pages, self._count_corrupt)
+                         if self.options.advanced.background_verify else None)
 
     @classmethod
     def open(cls, directory: str | os.PathLike, **kwargs: Any) -> "DiskTable":
@@ -114,7 +115,7 @@ class DiskTable(SlabReads, TableBackend):
         """``gather`` of ids that ``check_ids`` returned (``submit`` checks them once, on the caller's thread)."""
         n = ids.numel()
         self._check_out(out, n, dtype)
-        if 0 < n <= self.options.chunk_pages and self.cache is None and self._slabs is not None:
+        if 0 < n <= self.options.advanced.chunk_pages and self.cache is None and self._slabs is not None:
             return self._gather_direct(ids, out, dtype)
         if self.cache is not None:
             self._late.settle()  # rows of a probed lookup not yet cached go in first
@@ -195,7 +196,7 @@ class DiskTable(SlabReads, TableBackend):
     def _plan(self, ids: torch.Tensor) -> tuple[list[tuple[np.ndarray, int, int, torch.Tensor | None]], int, int]:
         """Read plan for unique ascending ``ids``: chunks of (file offsets int64 [k], first row, end row, slot
         of each row in the chunk's buffer or None when rows are whole reads), read size, buffer pages."""
-        chunk = self.options.chunk_pages
+        chunk = self.options.advanced.chunk_pages
         m = ids.numel()
         if self.stride <= self.page:  # numpy: a lookup plans a few dozen to a few thousand rows
             per_page = self.page // self.stride
@@ -277,10 +278,11 @@ class DiskTable(SlabReads, TableBackend):
             check_fits(ids, into)
         nbytes = 0 if into is not None else ids.numel() * self.dim * dtype.itemsize
         with self._lock:
-            if self._extra["inflight"] >= self.options.max_inflight:
+            if self._extra["inflight"] >= self.options.advanced.max_inflight:
                 raise InflightLimitError(
                     f"{self.manifest.path}: {self._extra['inflight']} lookups are already in flight "
-                    f"(max_inflight={self.options.max_inflight}); wait() or cancel() one before submitting more")
+                    f"(max_inflight={self.options.advanced.max_inflight}); wait() or cancel() one before submitting "
+                    "more")
             self._extra["inflight"] += 1
             self._extra["inflight_bytes"] += nbytes
         try:
@@ -352,4 +354,4 @@ def open_disk_table(directory: str | Path, device: str | torch.device = "cpu", c
                     **options: Any) -> DiskTable:
     """A DiskTable without the placement checks of ``engram.store.open_table`` (tests, benches);
     ``options``: StoreOptions fields (io, queue_depth, max_inflight, chunk_pages, ...)."""
-    return DiskTable.open(directory, device=device, cache=cache, options=StoreOptions.from_dict(options))
+    return DiskTable.open(directory, device=device, cache=cache, options=StoreOptions().replace(**options))

@@ -104,12 +104,13 @@ class HostTable(ResidentTable):
                  cache: RowCache | None = None, options: StoreOptions | None = None, *,
                  progress: bool = False, build: StorageBuild | None = None) -> None:
         super().__init__(manifest, default_device(device), cache, options)
-        layout = self.options.host_layout
+        layout = self.options.advanced.host_layout
         self.layout = layout if self.scale_cols else "split"  # one buffer either way without scales
         self.values, self.scales = self._storage("pinned", layout, progress, build)
         # values uint8 [rows, >= value_bytes], scales uint8 [rows, scale_cols] | None, both in host memory
-        self.route = HostRoute.decide(self.values, self.device, self.options.route_bands,
-                                      self.options.uva_max_programs, self.options.uva_tiles_per_program)
+        adv = self.options.advanced
+        self.route = HostRoute.decide(self.values, self.device, adv.route_bands, adv.uva_max_programs,
+                                      adv.uva_tiles_per_program)
         self.staging = RowStaging(self.values, self.scales, self.device)
 
     def gather(self, ids: torch.Tensor, out: torch.Tensor | None = None,

@@ -3,8 +3,8 @@
 Layout: one little-endian uint32 CRC32C per ``page_size`` page of values.bin, in page order (4 B per 4 KiB
 page: 0.1 % of the table). The sidecar is a data file of the manifest like the others, so its own chunk
 CRC32s are checked when it is loaded. ``PageCrcStream`` computes it while a writer streams values.bin;
-``PageChecker`` (page_checker.py) holds it in RAM for the disk tier and checks the pages a read returned before any row is cut
-out of them: a page whose CRC32C differs raises ``CorruptPageError`` (a TableFormatError naming values.bin
+``PageChecker`` (page_checker.py) holds it in RAM for the disk tier and checks the pages a read returned
+before any row is cut out of them: a page whose CRC32C differs raises ``CorruptPageError`` (a TableFormatError naming values.bin
 and the byte offset of the page). ``bad_pages`` finds every mismatch of a buffer (verification, scrubbing).
 """
 from __future__ import annotations

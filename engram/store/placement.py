@@ -64,10 +64,11 @@ def place_table(m, tier: Tier, device, opts: StoreOptions, progress: bool = True
         raise ValueError(f"engram_config.cache_rows={cache_rows}: the gpu tier holds the whole table and takes no "
                          "cache; caches go in front of tier='host' or 'disk'")
     dev = default_device(device)
-    if opts.check_memory:
-        preflight(m, tier.value, dev, cache_rows, host_layout=opts.host_layout, chunk_pages=opts.chunk_pages)
+    if opts.advanced.check_memory:
+        adv = opts.advanced
+        preflight(m, tier.value, dev, cache_rows, host_layout=adv.host_layout, chunk_pages=adv.chunk_pages)
     cache = (RowCache(min(cache_rows, m.rows), m.value_bytes, m.scale_cols, policy=opts.cache_policy,
-                      ways=opts.cache_ways, device=dev) if cache_rows else None)
+                      ways=opts.advanced.cache_ways, device=dev) if cache_rows else None)
     if tier is Tier.GPU:
         from engram.store.gpu import GpuTable
         return GpuTable(m, dev, opts, progress=progress, build=build)

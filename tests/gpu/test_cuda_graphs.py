@@ -98,7 +98,7 @@ def test_engram_gathers_run_inside_the_graph_where_the_tier_allows(tmp_path, tie
     from engram.store.options import StoreOptions
 
     base = load_model("tiny", dtype=torch.bfloat16, device=CUDA, cache_dir=tmp_path, progress=False)
-    loaded = dataclasses.replace(base, tables={}, tier=tier, store_options=StoreOptions(**options))
+    loaded = dataclasses.replace(base, tables={}, tier=tier, store_options=StoreOptions().replace(**options))
     engine = LLMEngine(loaded, EngineConfig(max_num_seqs=4, max_model_len=256), CUDA, torch.bfloat16)
     assert isinstance(engine.executor.worker.runners[0], GraphRunner) == in_graph  # else the piecewise runner
     for i in range(3):

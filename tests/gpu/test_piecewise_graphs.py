@@ -32,7 +32,7 @@ CFG = dict(max_num_seqs=8, max_model_len=256)
 
 def tier_model(tmp_path, tier: str, options: dict):
     base = load_model("tiny", dtype=torch.float32, device=CUDA, cache_dir=tmp_path, progress=False)
-    return dataclasses.replace(base, tables={}, tier=tier, store_options=StoreOptions(**options))
+    return dataclasses.replace(base, tables={}, tier=tier, store_options=StoreOptions().replace(**options))
 
 
 def disk_model(tmp_path, options: dict):

@@ -276,7 +276,7 @@ def test_host_read_tables_take_tokens_in_flight(tmp_path, monkeypatch, options):
     from engram.store.options import StoreOptions
 
     base = load_model("tiny", dtype=F64, device=CPU, cache_dir=tmp_path, progress=False)
-    disk = dataclasses.replace(base, tables={}, tier="disk", store_options=StoreOptions(**options))
+    disk = dataclasses.replace(base, tables={}, tier="disk", store_options=StoreOptions().replace(**options))
     reqs, params = prompts(6, seed=11), mixed_params(6)
     cfg = dict(max_num_seqs=4, max_num_batched_tokens=40)
     want, want_rows, _, _ = run(disk, reqs, params, monkeypatch, False, **cfg)

@@ -210,7 +210,7 @@ def test_model_without_engram_layers_runs_with_empty_plans(tiny):
 @pytest.mark.parametrize("tier,options", [("host", {}), ("disk", {"io": "buffered", "cache_rows": 300})])
 def test_same_batches_on_another_tier_give_bitwise_equal_rows_and_tokens(tiny, tier, options):
     other = dataclasses.replace(tiny, tables={}, tier=tier,
-                                store_options=StoreOptions(**options))  # the Worker opens them
+                                store_options=StoreOptions().replace(**options))  # the Worker opens them
     reqs = prompts(8, seed=5)
     cfg = dict(max_num_seqs=8, max_num_batched_tokens=32)
     ref, ref_engine, _ = run(tiny, reqs, record=True, **cfg)

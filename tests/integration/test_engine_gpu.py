@@ -53,7 +53,7 @@ def test_cuda_bf16_tiers_give_bitwise_equal_rows_and_tokens(tmp_path, tier, eage
     tiny = load_model("tiny", dtype=torch.bfloat16, device=CUDA, cache_dir=tmp_path, progress=False)
     options = {"io": "buffered", "cache_rows": 500} if tier == "disk" else {}
     other = dataclasses.replace(tiny, tables={}, tier=tier,
-                                store_options=StoreOptions(**options))  # the Worker opens them
+                                store_options=StoreOptions().replace(**options))  # the Worker opens them
     reqs = prompts(16, seed=7)
     cfg = dict(max_num_seqs=16, max_num_batched_tokens=64, enforce_eager=eager)
     ref, ref_engine, _ = run(tiny, reqs, record=eager, **cfg)

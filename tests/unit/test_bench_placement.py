@@ -118,9 +118,9 @@ def test_shared_options_are_checked_and_leave_the_tier_to_the_arms(monkeypatch):
     with pytest.raises(SystemExit, match="--engram-config: .*unknown key"):
         main(["bench", "placement", *FAST, "--engram-config", '{"tabel_rows": 5}'])
     # an arm's table options are checked over the shared ones: sorted_min_rows must stay >= staged_min_rows
-    with pytest.raises(SystemExit, match=r"^--b\[1\]: engram_config.sorted_min_rows=100: must be >= 200"):
-        main(["bench", "placement", *FAST, "--engram-config", '{"staged_min_rows": 200}',
-              "--b", '{"tier": "host", "engram_config": {"sorted_min_rows": 100}}'])
+    with pytest.raises(SystemExit, match=r"^--b\[1\]: engram_config.advanced.sorted_min_rows=100: must be >= 200"):
+        main(["bench", "placement", *FAST, "--engram-config", '{"advanced": {"staged_min_rows": 200}}',
+              "--b", '{"tier": "host", "engram_config": {"advanced": {"sorted_min_rows": 100}}}'])
     with pytest.raises(SystemExit, match=r"^--b\[2\]: .*tables_in_memory=true: tier 'disk' serves tables"):
         main(["bench", "placement", *FAST, "--engram-config", '{"tables_in_memory": true}',
               "--a", '{"tier": "host"}', "--b", '{"tier": "gpu"}', "--b", '{"tier": "disk"}'])

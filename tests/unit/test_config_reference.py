@@ -21,10 +21,13 @@ def test_every_option_and_variable_is_in_the_reference():
     from engram import envs
     from engram.engine.config import EngineConfig
     from engram.model.options import RuntimeOptions
-    from engram.store.options import StoreOptions
+    from engram.store.options import AdvancedOptions, StoreOptions
 
     doc = (ROOT / "docs" / "config.md").read_text()
     names = [f.name for cls in (EngineConfig, RuntimeOptions, StoreOptions) for f in dataclasses.fields(cls)
              if f.name != "store"]
     missing = [n for n in names + list(envs.VARIABLES) if f"`{n}`" not in doc]
     assert not missing, missing
+    store = (ROOT / "docs" / "store.md").read_text()
+    knobs = [f"`advanced.{f.name}`" for f in dataclasses.fields(AdvancedOptions)]
+    assert all(k in store for k in knobs) and not any(k in doc for k in knobs)  # the knobs: docs/store.md only

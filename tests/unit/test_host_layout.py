@@ -53,7 +53,7 @@ def _id_sets():
 def test_packed_views_have_the_documented_strides(tables, name):
     m = tables[name]
     _, dim, stride = TABLES[name]
-    t = HostTable(m, "cpu", options=StoreOptions(host_layout="packed"))
+    t = HostTable(m, "cpu", options=StoreOptions().replace(host_layout="packed"))
     if stride is None:  # no scales: one plain buffer, as in the split layout
         assert t.layout == "split" and t.scales is None
         assert t.values.shape == (ROWS, m.row_stride) and t.values.is_contiguous()
@@ -65,7 +65,7 @@ def test_packed_views_have_the_documented_strides(tables, name):
     assert t.scales.data_ptr() - t.values.data_ptr() == vb
     assert t.scales.data_ptr() % 8 == 0  # S % 16 == 0 and vb % 8 == 0: the Triton kernel's 8-byte scale load
     whole = t.values.as_strided((ROWS, stride), (stride, 1))  # the buffer behind both views: [rows, S]
-    split = HostTable(m, "cpu", options=StoreOptions(host_layout="split"))
+    split = HostTable(m, "cpu", options=StoreOptions().replace(host_layout="split"))
     assert torch.equal(whole[:, :vb], split.values[:, :vb])
     assert torch.equal(whole[:, vb:vb + sc], split.scales)
     assert not whole[:, vb + sc:].any(), "padding bytes must be zero"
@@ -75,10 +75,10 @@ def test_packed_views_have_the_documented_strides(tables, name):
 def test_packed_equals_split_and_gpu_tier(tables, name):
     m = tables[name]
     gpu = open_table(m.path, "gpu", device="cpu")
-    packed, split = (HostTable(m, "cpu", options=StoreOptions(host_layout="packed")),
-                     HostTable(m, "cpu", options=StoreOptions(host_layout="split")))
+    packed, split = (HostTable(m, "cpu", options=StoreOptions().replace(host_layout="packed")),
+                     HostTable(m, "cpu", options=StoreOptions().replace(host_layout="split")))
     cached = HostTable(m, "cpu", RowCache(64, m.value_bytes, m.scale_cols, device="cpu"),
-                       StoreOptions(host_layout="packed"))
+                       StoreOptions().replace(host_layout="packed"))
     for _ in range(2):  # second pass: the cache is warm
         for what, ids in _id_sets().items():
             for dtype in (torch.bfloat16, torch.float32):
@@ -132,9 +132,9 @@ def test_corrupt_chunk_names_file_and_offset(tmp_path, layout, kind):
         # values.bin has page checksums: the error names the page, as the disk tier's does
         named = rf"page {chunk_off // 4096} fails its checksum .*" if kind == "values" else ""
         with pytest.raises(TableFormatError, match=rf"{name}: byte {chunk_off}: {named}checksum mismatch") as e:
-            HostTable(m, "cpu", options=StoreOptions(host_layout=layout, load_threads=threads))
+            HostTable(m, "cpu", options=StoreOptions().replace(host_layout=layout, load_threads=threads))
         assert e.value.file == str(m.path / name) and e.value.offset == chunk_off
-    HostTable(m, "cpu", options=StoreOptions(host_layout=layout, verify=False))  # without verification it loads
+    HostTable(m, "cpu", options=StoreOptions().replace(host_layout=layout, verify=False))  # without verification it loads
 
 
 def test_first_bad_chunk_is_reported(tmp_path):
@@ -142,16 +142,16 @@ def test_first_bad_chunk_is_reported(tmp_path):
     for off in (20 * CHUNK + 1, 3 * CHUNK + 9):
         _corrupt(m.path / m.files["values"].name, off)
     with pytest.raises(TableFormatError) as e:
-        HostTable(m, "cpu", options=StoreOptions(host_layout="packed", load_threads=4))
+        HostTable(m, "cpu", options=StoreOptions().replace(host_layout="packed", load_threads=4))
     assert e.value.offset == 3 * CHUNK
 
 
 def test_bad_arguments_name_the_field(tables):
     m = tables["mx96"]
     with pytest.raises(ValueError, match="layout='interleaved'"):
-        HostTable(m, "cpu", options=StoreOptions(host_layout="interleaved"))
+        HostTable(m, "cpu", options=StoreOptions().replace(host_layout="interleaved"))
     with pytest.raises(ValueError, match="load_threads=0"):
-        HostTable(m, "cpu", options=StoreOptions(load_threads=0))
+        HostTable(m, "cpu", options=StoreOptions().replace(load_threads=0))
     with pytest.raises(ValueError, match="layout='packed' needs an mxfp8"):
         load.load_packed(tables["bf16-40"], "ram")
     with pytest.raises(ValueError, match="target="):
@@ -181,8 +181,8 @@ def test_packed_pinned_uva_gather_equals_split(tables, name):
     m = tables[name]
     gc.collect()  # earlier tests' tables (and errors holding them) go first
     before = pinned_stats()
-    packed, split = (HostTable(m, options=StoreOptions(host_layout="packed")),
-                     HostTable(m, options=StoreOptions(host_layout="split")))
+    packed, split = (HostTable(m, options=StoreOptions().replace(host_layout="packed")),
+                     HostTable(m, options=StoreOptions().replace(host_layout="split")))
     assert packed.values.is_pinned() and packed.scales.is_pinned()
     assert pinned_stats()["regions"] == before["regions"] + 3  # one packed region; split pins two files
     assert kernels.fast_path(packed.values) == ("uva" if kernels.triton_available() else None)

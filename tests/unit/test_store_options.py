@@ -10,6 +10,7 @@ from engram.config import EngramConfig
 from engram.model.tables import open_tables
 from engram.quant import quantize_mxfp8
 from engram.store import StoreOptions, kernels, open_table, write_table
+from engram.store.options import AdvancedOptions
 from engram.store.host_route import HostRoute
 from engram.store.kernels.uva import RouteBands
 
@@ -36,10 +37,19 @@ def table(tmp_path_factory):
     ("queue_depth", 6.0, "must be int"), ("sorted_min_rows", 10, "must be >= 32768"),
 ])
 def test_errors_name_the_key_and_the_value(key, value, rule):
+    advanced = key in AdvancedOptions.KEYS  # tuning knobs are spelled under "advanced"
     with pytest.raises(ValueError) as e:
-        StoreOptions.from_dict({key: value})
-    assert str(e.value).startswith(f"engram_config.{key}={value!r}: ")
+        StoreOptions.from_dict({"advanced": {key: value}} if advanced else {key: value})
+    assert str(e.value).startswith(f"engram_config.{'advanced.' if advanced else ''}{key}={value!r}: ")
     assert rule in str(e.value)
+
+
+def test_a_tuning_knob_at_the_top_level_is_refused_with_where_it_goes():
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['load_threads'\].*go under \"advanced\""):
+        StoreOptions.from_dict({"load_threads": 4})
+    with pytest.raises(ValueError, match=r"engram_config.advanced has unknown key\(s\) \['io'\]"):
+        StoreOptions.from_dict({"advanced": {"io": "buffered"}})
+    assert StoreOptions.KEYS == ("cache_rows", "cache_bytes", "cache_policy", "io", "queue_depth", "advanced")
 
 
 def test_unknown_keys_are_listed_with_the_known_ones():
@@ -53,11 +63,14 @@ def test_unknown_keys_are_listed_with_the_known_ones():
 
 def test_defaults_and_round_trip():
     o = StoreOptions()
-    assert not o.count_unique and not o.check_device_ids and not o.background_verify and o.verify
+    a = o.advanced
+    assert not a.count_unique and not a.check_device_ids and not a.background_verify and a.verify
     assert StoreOptions.from_dict(o.to_dict()) == o
     assert StoreOptions.from_dict(None) == o
     assert o.replace(io="buffered").io == "buffered"
-    assert o.route_bands == RouteBands()
+    assert o.replace(load_threads=3).advanced.load_threads == 3  # either level by name
+    assert StoreOptions.from_dict({"advanced": {"load_threads": 3}}) == o.replace(load_threads=3)
+    assert a.route_bands == RouteBands()
     with pytest.raises(ValueError, match="engram_config.io='x'"):
         o.replace(io="x")
 
@@ -68,8 +81,8 @@ def test_defaults_and_round_trip():
                                                "cache_bytes": 9000})])
 def test_open_table_with_options_equals_keywords(table, tier, kw):
     ids = torch.randint(0, ROWS, (300,), generator=torch.Generator().manual_seed(2))
-    with open_table(table, tier, "cpu", options=StoreOptions(**kw)) as a, open_table(table, tier, "cpu", **kw) as b:
-        assert a.options == b.options == StoreOptions(**kw)
+    with open_table(table, tier, "cpu", options=StoreOptions().replace(**kw)) as a, open_table(table, tier, "cpu", **kw) as b:
+        assert a.options == b.options == StoreOptions().replace(**kw)
         assert torch.equal(a.gather(ids).view(torch.uint8), b.gather(ids).view(torch.uint8))
         assert a.stats() == b.stats()
         if a.cache is not None:

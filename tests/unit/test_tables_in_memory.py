@@ -71,7 +71,7 @@ def test_preset_tables_equal_the_generated_files(tmp_path, small_chunks):
         for tier, opts in (("gpu", {}), ("host", {"host_layout": "packed"}), ("host", {"host_layout": "split"}),
                            ("host", {"cache_rows": 64})):
             f = open_table(tmp_path / f"layer{lid}", tier, device="cpu", expect=cfg.fingerprint(lid), **opts)
-            t = open_random_table(cfg, lid, SEED, tier, "cpu", StoreOptions(**opts), progress=False)
+            t = open_random_table(cfg, lid, SEED, tier, "cpu", StoreOptions().replace(**opts), progress=False)
             assert type(t) is type(f) is (GpuTable if tier == "gpu" else HostTable)
             assert t.manifest.fingerprint == f.manifest.fingerprint and t.rows == f.rows
             assert torch.equal(t.gather_raw(all_ids), f.gather_raw(all_ids))
@@ -129,7 +129,7 @@ def test_memory_preflight_runs_before_anything_is_built(monkeypatch):
                         lambda device=None: preflight.MemoryBudget(ram=1 << 16, device=None))
     with pytest.raises(MemoryPreflightError, match="table memory:random-seed0/layer1 .* does not fit on tier 'host'"):
         open_random_table(cfg, 1, 0, "host", "cpu", progress=False)
-    assert open_random_table(cfg, 1, 0, "host", "cpu", StoreOptions(check_memory=False), progress=False).rows
+    assert open_random_table(cfg, 1, 0, "host", "cpu", StoreOptions().replace(check_memory=False), progress=False).rows
 
 
 def test_a_failing_chunk_raises_and_nothing_is_kept():
