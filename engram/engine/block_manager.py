@@ -1,9 +1,5 @@
 """Paged KV blocks: a free list of ``num_blocks`` blocks of ``block_size`` tokens, one block table per sequence.
-
-A sequence holds exactly the blocks covering its computed (and this step's) tokens, in token order; token
-position p lives in slot ``block_table[p // block_size] * block_size + p % block_size``. Blocks are not
-shared (no prefix caching); a preempted sequence gives all of its blocks back.
-"""
+Position p lives in slot ``block_table[p // block_size] * block_size + p % block_size``; no prefix sharing."""
 from __future__ import annotations
 
 from collections import deque

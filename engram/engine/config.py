@@ -1,10 +1,6 @@
-"""EngineConfig: the scheduler's limits and the KV memory budget, validated at construction.
-
-``kv_cache_memory`` is the byte budget for everything the engine allocates per step besides weights and
-tables: paged KV blocks, the Engram row staging buffers and the hot-row cache (see memory.py for the
-split). Errors are ValueError naming the field and value. The config knows nothing about the model;
-``max_model_len=None`` is resolved against the model when the engine starts.
-"""
+"""EngineConfig: the scheduler's limits and the KV memory budget, validated at construction (ValueError naming
+the field). ``kv_cache_memory`` covers KV blocks, Engram staging and hot-row caches (memory.py);
+``max_model_len=None`` is resolved against the model at start."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields

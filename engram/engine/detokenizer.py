@@ -1,11 +1,9 @@
 """Incremental detokenization and stop strings, correct for streaming.
 
-Each new token is decoded inside a small window of the tokens before it (so decoders that depend on
-context, such as byte-level BPE splitting one UTF-8 character over several tokens or WordPiece "##"
-pieces, produce the same text as decoding everything at once); text that ends in an incomplete character
-(U+FFFD) waits for the next token. Stop strings are searched in the newly added text; the last
-``len(longest stop) - 1`` characters are held back from ``visible_text`` until they cannot start a stop.
-"""
+Each new token is decoded inside a small window of the tokens before it (so context-dependent decoders give
+the text of decoding everything at once); text ending in an incomplete character (U+FFFD) waits for the next
+token. The last ``len(longest stop) - 1`` characters are held back from ``visible_text`` until they cannot
+start a stop."""
 from __future__ import annotations
 
 from tokenizers import Tokenizer
@@ -39,9 +37,8 @@ class IncrementalDetokenizer:
         self.resolve(self._decode(prefix_ids), self._decode(new_ids))
 
     def push(self, token_id: int) -> tuple[list[int], list[int]]:
-        """Append one generated token and return the two windows to decode (the text before it, the text
-        with it); ``resolve`` takes their decodes. Split so that a step decodes every sequence's windows in
-        one batched tokenizer call (``detokenize_step``)."""
+        """Append one token and return the two windows to decode (text before it, text with it) for ``resolve``, so a
+        step decodes every sequence's windows in one call (``detokenize_step``)."""
         if self.stopped_by is not None:
             raise RuntimeError("add_token after a stop string matched")
         self._ids.append(int(token_id))
@@ -86,9 +83,8 @@ class IncrementalDetokenizer:
 
 
 def detokenize_step(tokenizer: Tokenizer, detoks: list[IncrementalDetokenizer], tokens: list[int]) -> None:
-    """``add_token`` for many sequences at once. Each window is a handful of tokens, decoded in the calling
-    thread: the Rust tokenizer's ``decode_batch`` hands such small jobs to its thread pool, whose wake-ups
-    cost more than the work."""
+    """``add_token`` for many sequences at once, decoded in the calling thread (``decode_batch``'s thread pool costs
+    more than windows this small)."""
     decode = tokenizer.decode
     for d, t in zip(detoks, tokens):
         prefix, full = d.push(t)

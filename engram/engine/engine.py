@@ -1,13 +1,9 @@
 """LLMEngine (CPU side): the requests and what a step commits. Everything on a device lives in the Workers.
 
-The engine owns the scheduler, the sequences, lookup planning (row ids are hashed here, on the CPU, where
-the ids already are), the detokenizers and the outputs; the executor's Workers own model, KV cache,
-tables, lookups and sampler (engine/worker.py). ``step()`` — schedule, launch, collect, async scheduling
-and failure isolation (``StepError``) — is the step pipeline it inherits (engine/stepping.py); here are
-``add_request`` (tokenizes and queues), ``abort_request``, ``stats()`` (the one snapshot that metrics
-read) and ``_postprocess``: a collected step's tokens, stop checks and RequestOutputs.
-
-"""
+The engine owns the scheduler, the sequences, lookup planning (row ids hashed on the CPU), the detokenizers
+and the outputs. ``step()`` is the inherited step pipeline (engine/stepping.py); here are ``add_request``,
+``abort_request``, ``stats()`` (the one snapshot metrics read) and ``_postprocess`` (a collected step's
+tokens, stop checks and RequestOutputs)."""
 from __future__ import annotations
 
 import itertools

@@ -1,15 +1,8 @@
 """Executor: how the engine reaches its Workers. One method per direction, nothing model-specific.
 
-``execute(step) -> StepResult`` runs a StepDescription on every Worker and returns the result the
-engine reads (rank 0's); ``launch(step)`` and ``collect(handle)`` are its two halves, which async
-scheduling splits so that the engine describes the next step while the device runs this one;
-``takes_pending_tokens()`` says whether the Workers accept steps whose inputs are the previous step's
-sampled tokens (what async scheduling needs); ``stats()`` gathers the Workers' counters.
-``UniProcExecutor`` holds one Worker in this process and calls it directly. A multi-process executor
-(tensor/pipeline parallel) keeps this interface: it pickles the StepDescription once (plain CPU data),
-broadcasts it to its Workers (a shared-memory ring or ``torch.distributed.broadcast_object_list`` on a
-gloo group), each Worker runs ``execute`` on its shard, and only rank 0 sends the StepResult back.
-"""
+``execute(step) -> StepResult`` (rank 0's), split into ``launch`` and ``collect`` for async scheduling;
+``takes_pending_tokens()`` says whether the Workers accept steps whose inputs are still on the device;
+``stats()`` gathers the Workers' counters. ``UniProcExecutor`` calls one in-process Worker directly."""
 from __future__ import annotations
 
 from typing import Any

@@ -1,11 +1,8 @@
 """``engram.LLM``: load a model (preset or checkpoint) and generate, vLLM style.
 
-``LLM(model="tiny", tier="gpu", dtype=None, engram_config=None, **engine_options)`` loads through
-``engram.model.loader.load_model`` and builds an LLMEngine; ``generate(prompts, params)`` runs every
-request to completion and returns RequestOutputs in prompt order. ``engram_config`` takes the runtime
-keys of ``--engram-config`` (model/options.py: ``cpu_offload: true`` means tier "host", table options);
-engine options are EngineConfig fields (max_num_seqs, max_num_batched_tokens, max_model_len, ...).
-"""
+``LLM(model, tier, dtype, engram_config, **engine_options)`` loads through ``load_model`` and builds an
+LLMEngine; ``generate`` returns RequestOutputs in prompt order. ``engram_config``: the runtime keys of
+``--engram-config`` (model/options.py); engine options are EngineConfig fields."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,25 +1,15 @@
 """Lookup execution (worker side): a step's planned Engram row ids -> rows staged for the model.
 
-``LookupExecutor.submit(step)`` hands every Engram layer's planned row ids (CPU int64, from the
-StepDescription) to that layer's table (``table.submit``; the store checks CPU ids on the CPU and copies
-them from pinned memory, deduplicating only where its tier gains from it) and returns ``StagedRows``:
-per layer [T, n_cols, head_dim] on the Worker's device, tagged with the step id. The model asks for a
-layer's rows with the id of the step it is running; rows staged for another step are refused
-(stale-row rejection). Without a lookup stream every layer's rows are staged before the model runs; with
-one (``lookup_overlap``, CUDA: engine/lookup_stream.py) the gathers — and each layer's projection of its
-rows (``Engram.project``, the WKV run-ahead), which needs no hidden state — are issued on that stream, an
-event per layer, and ``StagedRows.rows`` makes the consuming layer wait for its own layer's event only.
-Tables that read on the host in the background (the disk tier): the first layer's lookup runs on the
-calling thread (no hand-off to its table's thread and back), and only when the model reaches that layer
-(``ChainedLookups``), so the layers before it (embedding, layer 0: a graph piece) run on the device while it
-reads; the later layers' lookups are submitted right after it (``reads_together`` says when before). A later layer whose reads are still running when the step
-is staged is *deferred*: its ``rows`` waits for the reads when the model reaches that layer, so the layers
-before it compute (and, on a GPU, are launched) while its reads complete. Deferred rows are finished on
-the consuming stream and projected by the layer itself (the same kernels: outputs are bitwise those of
-staging everything first). With async scheduling the host-read tables need the step's row ids on the host:
-``start_host_ids`` queues their patch and copy, ``HostIds.wait`` waits for them, so a decode graph can queue
-its first pieces in between (engine/worker.py, ``DecodePieces.begin``).
-"""
+``LookupExecutor.submit(step)`` hands each Engram layer's planned row ids (CPU int64) to its table and returns
+``StagedRows``: per layer [T, n_cols, head_dim] on the Worker's device, tagged with the step id; rows asked
+for with another step's id are refused. Without a lookup stream every layer is staged before the model runs;
+with one (``lookup_overlap``, engine/lookup_stream.py) the gathers and each layer's projection
+(``Engram.project``, the WKV run-ahead) run on that stream and a consumer waits for its own layer's event.
+Over host-read tables (the disk tier) the first layer's lookup runs on the calling thread when the model
+reaches that layer (``ChainedLookups``); a later layer whose reads still run is *deferred*: its ``rows``
+waits for them and finishes on the consuming stream (bitwise equal to staging everything first). With async
+scheduling ``start_host_ids`` queues the host-read tables' id patch and copy, so a decode graph can queue its
+first pieces before ``HostIds.wait``."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -37,13 +27,10 @@ from engram.store.base import CompletedLookup, LookupHandle
 from engram.transfer import to_device
 
 def reads_together(first_ids: int, queue_depth: int | None) -> bool:
-    """Whether a step submits its later Engram layers' lookups before its first layer's runs, their reads
-    beside the first's. Over host-read tables the first layer's lookup otherwise runs alone and the later
-    layers' are submitted once it has its rows: the model needs the first layer's rows at once and the later
-    ones only after the layers between, and reads beside it would slow it down. A first layer whose
-    ``first_ids`` row ids fill its table's read queue (``queue_depth``; None for a table that reads no disk:
-    never) keeps the disk's queue full on its own, so it waits for the disk's rate, not its latency, and the
-    later reads beside it keep the queue full through the hand-off between the tables."""
+    """Whether a step submits its later layers' lookups before its first layer's, their reads beside it: only
+    when the first layer's ``first_ids`` fill its table's read queue (``queue_depth``; None, no disk: never).
+    Then the disk is rate-bound already and the later reads keep its queue full through the hand-off; otherwise
+    reads beside the first would delay the rows the model needs first."""
     return queue_depth is not None and first_ids >= queue_depth
 
 
@@ -54,11 +41,9 @@ def read_queue_depth(table) -> int | None:
 
 class StagedRows:
     """Rows of one step, per layer [T, n_cols, head_dim]; ``rows(layer_id, step_id)`` checks the step.
-    ``ready(layer_id, rows)``, when given, is called before a staged layer's rows are handed out (the
-    lookup stream's wait for that layer). ``deferred``: layers whose reads were still running when the step
-    was staged (the disk tier), as (handle, finish): the first ``rows`` of such a layer waits for its
-    handle and finishes its rows then, so the layers before it run while its reads complete; ``release()``
-    cancels the reads of deferred layers nobody asked for (a step that failed part-way)."""
+    ``ready(layer_id, rows)``, when given, runs before a staged layer's rows are handed out (the lookup stream's
+    wait). ``deferred``: {layer: (handle, finish)} of reads still running at staging; the first ``rows`` of such
+    a layer waits and finishes it. ``release()`` cancels deferred reads nobody asked for (a failed step)."""
 
     def __init__(self, step_id: int, rows: dict[int, torch.Tensor], ready=None, deferred: dict | None = None):
         self.step_id = step_id
@@ -87,14 +72,12 @@ class StagedRows:
 
 
 class ChainedLookups:
-    """A step's lookups over disk tables when the first one runs late: ``handle(layer)`` gives each
-    layer a handle that is not done until the chain ran; the first ``wait`` on any of them runs the first
-    layer's lookup on the waiting thread (``gather_first() -> rows``: the model has reached that layer, the
-    layers before it are queued on the device) and then submits the later layers' (``submit_later() ->
-    {layer: handle}``), whose reads overlap the layers up to theirs; with ``later_first`` (decode-graph slabs
-    whose reads go together: ``reads_together``) it submits them right before the first layer's first read
-    (``first_then_later``): the first table plans with the GIL to itself, the later ones while its reads run. Cancelling before the chain ran cancels all of it (nothing was read); after, it
-    cancels that layer's read. An error of the first lookup or of the submits is raised to every waiter."""
+    """A step's disk-table lookups with the first run late: ``handle(layer)`` is not done until the chain ran.
+    The first ``wait`` on any handle runs ``gather_first() -> rows`` on the waiting thread (the model reached that
+    layer), then ``submit_later() -> {layer: handle}``; with ``later_first`` (``reads_together``) the later ones
+    are submitted right before the first layer's first read (``first_then_later``). Cancelling before the chain
+    ran cancels all of it; after, that layer's read. An error of the first lookup or the submits reaches every
+    waiter."""
 
     def __init__(self, first: int, gather_first, submit_later, later_first: bool = False):
         self.first = first
@@ -130,9 +113,9 @@ class ChainedLookups:
 
 
 def first_then_later(gather_first, submit_later, later: dict):
-    """``gather_first()``, with ``submit_later()``'s handles put into ``later`` right before its first disk
-    read on this thread (``reader.on_read_start``; the hook set before, if any, runs after them), or after it
-    returned when it read nothing on this thread (every row cached, or its reads on other threads)."""
+    """``gather_first()``, with ``submit_later()``'s handles put into ``later`` right before its first disk read on
+    this thread (``reader.on_read_start``; a hook set before runs after them), or after it returned when it read
+    nothing on this thread."""
     submitted = False
     before = None
 
@@ -196,16 +179,12 @@ class LookupExecutor:
 
     def submit(self, step: StepDescription, patch: PendingPatch | None = None, project: bool = True,
                slabs: dict | None = None, host_ids: HostIds | None = None) -> StagedRows:
-        """Stage every layer's rows of ``step``. With a ``patch`` (async scheduling: some row ids exist only
-        on the device) the ids are uploaded and patched there; tables that gather device ids as device work
-        gather from them, and the others (host-read tables: the disk tier, hot-row caches; every table on the
-        CPU) get them on the host, one synchronisation for all layers, which waits for the step that sampled
-        the pending tokens, and are then submitted like host ids. ``project``: with a
-        lookup stream and projectors, stage each layer's projection instead of its rows (False: the rows, for
-        a decode graph that projects them itself). ``slabs``: {layer: a slab of that layer's disk table} whose
-        layers are read into the slab and not decoded (a decode graph that decodes them itself:
-        engine/runners/pieces.py); ``rows`` of such a layer returns None once its pages are in. ``host_ids``:
-        ``start_host_ids(step, patch)``, called earlier, for the host-read tables (else it is called here)."""
+        """Stage every layer's rows of ``step``. ``patch`` (async scheduling: some ids exist only on the device):
+        tables that gather device ids patch and gather there; the others (host-read tables; every table on the CPU)
+        get the patched ids on the host after one synchronisation. ``project``: with a lookup stream and projectors,
+        stage each layer's projection (False: the rows, for a graph that projects them). ``slabs``: {layer: slab}
+        read into the slab and not decoded (engine/runners/pieces.py); their ``rows`` is None once the pages are in.
+        ``host_ids``: an earlier ``start_host_ids(step, patch)`` (else called here)."""
         deferred: dict = {}
         if self.stream is None:
             return StagedRows(step.step_id, self._stage(step, patch, lambda lid, rows: None, deferred, slabs,
@@ -225,10 +204,9 @@ class LookupExecutor:
 
     def _stage(self, step: StepDescription, patch: PendingPatch | None, done, deferred: dict,
                slabs: dict | None = None, early: HostIds | None = None) -> dict[int, torch.Tensor]:
-        """Every layer's rows [T, n_cols, D] on the current stream, ``done(layer, rows)`` after each; a layer
-        whose reads still run (after the first, which the model needs at once) goes to ``deferred`` as
-        (handle, finish) instead, for ``StagedRows.rows`` to wait for when its layer asks. Layers in
-        ``slabs`` are read into their slab (always chained and deferred; their rows are None)."""
+        """Every layer's rows [T, n_cols, D] on the current stream, ``done(layer, rows)`` after each; a layer (after the
+        first) whose reads still run goes to ``deferred`` as (handle, finish). Layers in ``slabs`` are always chained
+        and deferred; their rows are None."""
         handles: dict = {}
         slabs = slabs or {}
         try:
@@ -294,11 +272,9 @@ class LookupExecutor:
             raise
 
     def start_host_ids(self, step: StepDescription, patch: PendingPatch) -> HostIds:
-        """Every layer's row ids [T, n_cols] with the pending rows patched in, on their way to the host:
-        patched on the device (on the lookup stream, if any: after what the main stream has queued so far),
-        then one non-blocking copy for all layers; ``wait()`` on the result waits for the step that sampled
-        the pending tokens and gives the ids. Work the caller queues on the main stream after this call does
-        not delay them (a decode graph's first pieces: DecodePieces.begin)."""
+        """Every layer's row ids [T, n_cols] with the pending rows patched in (on the lookup stream, if any), then one
+        non-blocking copy to the host; ``wait()`` on the result gives them. Work queued on the main stream after this
+        call does not delay them (DecodePieces.begin)."""
         if self.stream is None:
             return self._ids_to_host(step, patch)
         with self.stream.issue(patch.rows, *patch.row_ids.values()):
@@ -328,9 +304,8 @@ class LookupExecutor:
         return flat.to(self.device, self.dtype).reshape(shape[0], shape[1], -1)
 
     def takes_device_ids(self) -> bool:
-        """Whether ``submit`` serves a patch without a host synchronisation: every table gathers device ids as
-        device work alone (on CUDA: tier gpu, tier host without a hot-row cache). Otherwise it waits for the
-        pending tokens and reads the patched ids on the host (``_host_ids``)."""
+        """Whether ``submit`` serves a patch without a host synchronisation: every table gathers device ids as device
+        work (CUDA: tier gpu, tier host without a hot-row cache)."""
         return self.device.type == "cuda" and all(t.gathers_on_device for t in self.tables.values())
 
     def stats(self) -> dict[int, dict[str, int]]:
@@ -357,7 +332,7 @@ def _read_only(nothing: None) -> None:
 
 
 def staging_bytes(cfg: EngramConfig, max_tokens: int, dtype: torch.dtype) -> int:
-    """Peak bytes of one step's staged rows: per layer the gathered [T * n_cols, D] rows and their reshape
-    into the model's dtype (a float64 model widens float32 rows)."""
+    """Peak bytes of one step's staged rows: per layer the gathered [T * n_cols, D] rows and their reshape into the
+    model's dtype."""
     per_layer = 2 * max_tokens * cfg.n_cols * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
     return per_layer * len(cfg.layer_ids)

@@ -1,14 +1,10 @@
 """KV memory planning: how many paged KV blocks a Worker allocates, decided once at start.
 
-Three ways, first that applies: ``num_kv_blocks`` (exact); ``kv_cache_memory`` (an explicit byte budget
-that pays first for the Engram staging buffers of a full step and the tables' hot-row caches, the rest
-becomes KV blocks); on CUDA, a profiled warm-up forward at the largest step (``profile_peak_bytes``: one
-step of ``max_num_batched_tokens`` tokens over ``max_num_seqs`` sequences, lookups and sampling included)
-gives the peak a step adds, and the KV cache gets ``gpu_memory_utilization`` of the device minus what is
-in use after loading (weights, tables, hot-row caches, the CUDA context: counted once, as measured) minus
-that peak. On the CPU without a budget, room for ``max_num_seqs`` full sequences. Too little for one
-``max_model_len`` sequence is a ValueError at start that prints every term, never a failure mid-run.
-"""
+First that applies: ``num_kv_blocks`` (exact); ``kv_cache_memory`` (a byte budget that pays first for a full
+step's Engram staging and the hot-row caches); on CUDA, ``gpu_memory_utilization`` of the device minus what is
+in use after loading minus the peak of a profiled warm-up step (``profile_peak_bytes``); on the CPU, room for
+``max_num_seqs`` full sequences. Too little for one ``max_model_len`` sequence is a ValueError at start that
+prints every term."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -94,9 +90,8 @@ def warmup_step(cfg: EngineConfig, ecfg, block_size: int) -> StepDescription:
 
 
 def profile_peak_bytes(worker, bytes_per_block: int) -> int:
-    """Run ``warmup_step`` on the worker's model, lookups and sampler over a scratch KV cache; returns the
-    peak CUDA bytes the step allocated beyond what existed before it (scratch KV excluded). Table counters
-    are reset afterwards, so the warm-up is invisible to statistics."""
+    """Run ``warmup_step`` on the worker's model, lookups and sampler over a scratch KV cache -> the peak CUDA bytes
+    it allocated beyond what existed (scratch KV excluded). Table counters are reset afterwards."""
     step = warmup_step(worker.config, worker.ecfg, worker.config.block_size)
     blocks = int(step.block_tables.max()) + 1
     kv = KVCache.for_model(worker.model_config, blocks, worker.config.block_size, worker.dtype, worker.device)

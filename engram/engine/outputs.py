@@ -1,10 +1,5 @@
-"""vLLM-style results: RequestOutput holds one CompletionOutput per request (n = 1).
-
-``step()`` returns a RequestOutput for every request that advanced; ``text``/``token_ids`` are cumulative
-and ``delta_text``/``delta_token_ids`` are what this step added (what a streaming server sends). Text
-that might still turn into a stop string is held back until it cannot, so streamed deltas never have to
-be taken back.
-"""
+"""vLLM-style results: RequestOutput holds one CompletionOutput per request. ``text``/``token_ids`` are
+cumulative, ``delta_*`` what the step added; text that might become a stop string is held back."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

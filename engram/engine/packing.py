@@ -1,17 +1,13 @@
 """Packing (engine side, CPU): a ScheduledBatch and its lookup plan -> the StepDescription a Worker runs.
 
-``pack`` lays the step's new tokens of every scheduled sequence back to back (raw and compressed ids,
-positions, offsets, KV lengths, block tables, lookbacks) as CPU tensors built from the scheduler's own
-numbers; ``describe`` adds the slot mapping, the plan's row ids and each sampling sequence's SampleSpec.
-Nothing here touches a device.
+``pack`` lays the new tokens of every scheduled sequence back to back (raw and compressed ids, positions,
+offsets, KV lengths, block tables, lookbacks) as CPU tensors; ``describe`` adds the slot mapping, the plan's
+row ids and each sampling sequence's SampleSpec. Nothing here touches a device.
 
-Async scheduling packs a step before the previous one's tokens are read: a chunk may end in such a
-*pending* token (never more than one per chunk: a chunk ends where the sequence's scheduled tokens end).
-Its packed row holds placeholders (raw id 0, the compressed pad id) and is listed in ``pending``, with
-the index of the token among the previous step's sampled ones and the W compressed ids before it (all
-read): the Worker fills in the token on the device and the planner's host half of its row ids is
-finished there (hashing.NgramHasher.pending_partials / hash_pending).
-"""
+Async scheduling packs a step before the previous one's tokens are read: a chunk may end in one *pending*
+token, whose row holds placeholders (raw id 0, the compressed pad id) and is listed in ``pending`` with its
+index among the previous step's sampled tokens and the W compressed ids before it; the Worker fills it in and
+finishes its row ids on the device (hashing.NgramHasher.pending_partials / hash_pending)."""
 from __future__ import annotations
 
 import itertools
@@ -90,8 +86,8 @@ def _padded(rows: list[list[int]]) -> torch.Tensor:
 
 def slot_mapping(cu_seqlens: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                  block_size: int) -> torch.Tensor:
-    """[T] flat KV slot of each new token: its block's id * block_size + offset in the block. (numpy on the
-    tensors' memory: a torch CPU op of a few hundred elements costs more in thread-pool dispatch than work.)"""
+    """[T] flat KV slot of each new token: its block's id * block_size + offset in the block (numpy: a torch CPU op
+    this small costs more in dispatch than work)."""
     lens = np.diff(cu_seqlens.numpy())
     seq_of_tok = np.repeat(np.arange(lens.size), lens)  # [T]
     pos = positions.numpy()

@@ -1,14 +1,9 @@
 """Tokens in flight (worker side of async scheduling): a step's inputs that the previous step sampled.
 
-With async scheduling the engine describes step N+1 before it has read step N's tokens, so the decode
-tokens of N+1 exist only on the device. The Worker keeps the last launched step's sampled ids
-(``remember``) and turns the description's ``pending_*`` references into a ``PendingPatch`` of device
-tensors: the packed rows, their raw ids, their Engram row ids (compressed on the device through the
-tokenizer's raw -> compressed map, then ``NgramHasher.hash_pending`` finishes the planner's host half) and,
-for models with DEAD ids, their DEAD flags. The patch is applied after the step's inputs are uploaded and
-before anything reads them, on the same stream: no host synchronisation, and the rows equal what the
-engine would have planned had it known the tokens (tests/unit/test_async_scheduling.py).
-"""
+The Worker keeps the last launched step's sampled ids (``remember``) and turns a description's ``pending_*``
+references into a ``PendingPatch`` of device tensors (rows, raw ids, Engram row ids finished by
+``NgramHasher.hash_pending``, DEAD flags). It is applied on the same stream after the inputs are uploaded and
+before anything reads them: no host synchronisation, and the rows equal what the engine would have planned."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,8 +56,8 @@ class PendingTokens:
         self._step_id, self._tokens = step_id, token_ids
 
     def patch(self, step: StepDescription) -> PendingPatch | None:
-        """The device patch of ``step``'s pending rows (None without any). RuntimeError if they refer to a
-        step other than the last one launched (a stale reference would decode someone else's token)."""
+        """The device patch of ``step``'s pending rows (None without any); RuntimeError if they refer to a step other
+        than the last one launched."""
         if not step.pending_rows:
             return None
         if step.pending_step_id != self._step_id or self._tokens is None:

@@ -1,13 +1,8 @@
 """Lookup planning (engine side, CPU): which Engram rows a step needs, known before the first layer runs.
 
-``LookupPlanner.plan`` hashes the step's packed compressed ids, with each sequence's lookback, into a
-``LookupPlan``: per Engram layer the row ids [T, n_cols] (int64, CPU) and, for tokens still on the device
-(async scheduling), the host half of their row ids (``pending_partials``, finished by the Worker). The ids are
-hashed where they already are (the scheduler's host-side token lists), so no device
-round trip is needed to know a step's rows; the plan travels to the Worker inside the StepDescription.
-The plan is not deduplicated here: resident tiers gather straight from it, and the tiers that benefit
-(hot-row caches, the disk tier's page reads) deduplicate inside the store.
-"""
+``LookupPlanner.plan`` hashes the step's compressed ids, with each sequence's lookback, into a ``LookupPlan``:
+per Engram layer the row ids [T, n_cols] int64 CPU, and the host half of pending tokens' ids
+(``pending_partials``). Not deduplicated: the tiers that gain from it deduplicate inside the store."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,15 +1,10 @@
 """Sampler (worker side): logits of the sequences that reached their last token -> one token each.
 
-Greedy rows (temperature 0) take the argmax. Other rows are scaled by temperature, cut to top-k and top-p,
-and drawn with the exponential race (argmax of p / Exp(1)), which equals sampling from p. A row with a
-``seed`` takes its Exp(1) draws from a counter-based stream: a hash of (seed, draw, token id) — no
-generator state anywhere, so its tokens depend neither on the batch, nor on preemption, nor on which
-Worker process samples, and all seeded rows are drawn in one batched computation; the other rows share
-the sampler's generator. ``banned_token_ids`` (EOS / stop ids
-before min_tokens) are masked first; a row with a forced token emits it after sampling as usual, so a
-forced step costs what a real one does. Every per-row parameter reaches the device through pinned,
-non-blocking copies: sampling never waits for the GPU; the caller's one read of the tokens does.
-"""
+Greedy rows (temperature 0) take the argmax; others are scaled, cut to top-k/top-p and drawn by the
+exponential race (argmax of p / Exp(1)). A seeded row's Exp(1) draws are a hash of (seed, draw, token id), so
+its tokens depend neither on the batch, preemption nor process; unseeded rows share the sampler's generator.
+``banned_token_ids`` are masked first; a forced token is emitted after sampling as usual. Per-row parameters
+reach the device through pinned non-blocking copies: sampling never waits for the GPU."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -130,10 +125,9 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 
 def seeded_exponential(seeds: torch.Tensor, draws: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exp(1) noise [R, vocab] float32 that is a pure function of (seed, draw, token id): a key mixed from
-    the seed and then the draw (so nearby seeds or draws give unrelated streams), splitmix64 of the key plus
-    the token id, its top 24 bits as a uniform in (0, 1), then -log. seeds, draws: int64 [R] on the noise's
-    device. int64 arithmetic wraps, on the CPU and on CUDA alike."""
+    """Exp(1) noise [R, vocab] float32, a pure function of (seed, draw, token id): splitmix64 of a key mixed from
+    seed then draw, plus the token id; its top 24 bits as a uniform in (0, 1), then -log. seeds, draws: int64
+    [R] on the noise's device (int64 arithmetic wraps alike on the CPU and CUDA)."""
     key = _mix(_mix(seeds * _GOLDEN) + draws * _GOLDEN).unsqueeze(1)  # [R, 1]
     tokens = torch.arange(vocab, dtype=torch.int64, device=seeds.device).unsqueeze(0)  # [1, V]
     x = _mix(key + tokens * _GOLDEN)  # [R, V]

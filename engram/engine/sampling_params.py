@@ -1,16 +1,10 @@
 """SamplingParams: how one request picks its tokens and when it stops, with vLLM's field names.
 
-Validated in ``__post_init__`` (ValueError naming the field and value). ``temperature == 0`` means greedy;
-``seed`` gives the request its own random stream, so its tokens do not depend on what else is batched.
-``n > 1`` (independent choices) is fanned out by ``LLM.generate`` and the server into n requests of
-n = 1, choice j seeded ``seed + j``; the engine itself runs one sequence per request. ``logprobs=k`` returns
-each generated token's logprob and the top-k of its
-step (raw model distribution); ``prompt_logprobs=k`` the same for every prompt token after the first
-(what evaluation harnesses score). ``forced_token_ids`` (benchmarks: forced natural decoding) makes decode
-steps sample as usual and then emit the next token of that continuation instead; past its end tokens
-are sampled freely. ``stop`` strings are matched on the detokenized text and cut from it.
-``output_kind`` says what each engine step reports for the request (``OUTPUT_KINDS``).
-"""
+Validated in ``__post_init__``. ``temperature == 0`` is greedy; ``seed`` gives the request its own random
+stream. ``n > 1`` is fanned out by ``LLM.generate`` and the server into n requests (``for_choice``).
+``logprobs``/``prompt_logprobs=k``: each token's logprob and the step's top-k. ``forced_token_ids``: decode
+samples as usual, then emits that continuation's next token (free past its end). ``stop`` strings are cut
+from the text."""
 from __future__ import annotations
 
 import dataclasses
@@ -88,8 +82,7 @@ class SamplingParams:
                 raise bad("forced_token_ids", "token ids must be >= 0")
 
     def for_choice(self, j: int) -> "SamplingParams":
-        """The engine request of choice j of these params (n choices fanned out by ``LLM.generate`` and the
-        server): n = 1 and, when seeded, seed + j, so the choices differ and a repeated request repeats."""
+        """Choice j's engine request: n = 1 and, when seeded, seed + j."""
         if self.n == 1 and (self.seed is None or j == 0):
             return self
         return dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + j)

@@ -1,12 +1,9 @@
-"""Continuous batching: which sequences run this step and how many of their tokens, under three limits.
+"""Continuous batching: which sequences run this step and how many of their tokens.
 
-Each step spends at most ``max_num_batched_tokens`` tokens over at most ``max_num_seqs`` sequences.
-Running sequences go first, oldest first (a decode costs one token, an unfinished prompt its next chunk);
-then waiting sequences are admitted in arrival order, their prompts chunked to the budget left. When KV
-blocks run out, the newest running sequence is preempted by recompute (blocks freed, put back at the front
-of the queue) and no new sequence is admitted that step. The scheduler never looks at lookup timing, so
-batch composition is a function of the requests alone.
-"""
+A step spends at most ``max_num_batched_tokens`` over at most ``max_num_seqs`` sequences: running sequences
+first, oldest first, then waiting ones in arrival order, prompts chunked to the budget left. When KV blocks
+run out the newest running sequence is preempted by recompute and nothing is admitted that step. Batch
+composition depends on the requests alone, never on lookup timing."""
 from __future__ import annotations
 
 from collections import deque

@@ -1,13 +1,9 @@
 """Sequence: one request's tokens, its KV blocks, its Engram state and its progress through the engine.
 
-``token_ids`` is prompt + generated tokens the engine has read; ``num_pending`` more were sampled by steps
-still in flight (async scheduling: at most two, their values on the device only), and the scheduler counts
-them (``num_scheduled_tokens``). ``num_computed_tokens`` of all of them have K/V in the cache (or will,
-once the steps already launched have run). A chunk's Engram lookback (the compressed ids just before it)
-is read from ``compressed_ids`` (``lookback_before``); device state (the paper variant's conv buffers)
-lives in the Worker, keyed by ``seq_id``. Preemption by recompute drops the blocks; everything is rebuilt
-from the tokens when the sequence runs again (and the Worker restarts conv state at position 0).
-"""
+``token_ids``: prompt + generated tokens the engine has read; ``num_pending`` more were sampled by steps in
+flight (at most two, on the device only) and the scheduler counts them. ``num_computed_tokens`` have K/V in
+the cache (or will, once launched steps run). Preemption by recompute drops the blocks; everything is rebuilt
+from the tokens when the sequence runs again."""
 from __future__ import annotations
 
 import enum
@@ -75,8 +71,8 @@ class Sequence:
         return self.num_scheduled_tokens - self.num_computed_tokens
 
     def lookback_before(self, position: int) -> list[int]:
-        """The Engram lookback of a chunk starting at ``position``: the W compressed ids before it, oldest
-        first, pad-filled before the sequence start (DEAD kept as -1). Positions before it must be read."""
+        """The W compressed ids before ``position``, oldest first, pad-filled before the start (DEAD kept as -1);
+        positions before it must be read."""
         w = len(self._pad)
         if position >= w:
             return self.compressed_ids[position - w:position]

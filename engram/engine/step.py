@@ -1,19 +1,15 @@
 """The engine ↔ worker contract: one ``StepDescription`` in, one ``StepResult`` out, per step.
 
-Everything here is plain, picklable CPU data (int64 CPU tensors, lists, ints, small dataclasses): the
-engine builds it from the scheduler's own host-side numbers, so a Worker never reads a device tensor back
-to learn the batch layout. Today one in-process Worker consumes it; N Workers in other processes would
-receive the same object broadcast from the engine process (``pickle`` once, then
-``torch.distributed.broadcast_object_list`` on a gloo group, or a shared-memory ring as vLLM's message
-queue does) and every Worker runs the same step; rank 0's ``StepResult`` is the one the engine reads.
+Plain, picklable CPU data (int64 CPU tensors, lists, ints, small dataclasses) built from the scheduler's host
+numbers, so a Worker never reads a device tensor back to learn the batch layout; Workers in other processes
+would receive the same object broadcast and rank 0's ``StepResult`` is the one the engine reads.
 
     engine (CPU)                                     worker (device)
     schedule → pack → plan lookups ──StepDescription──► upload (pinned, non-blocking) → lookups → model
     postprocess ◄────────────────────StepResult────────  sample → one read of the sampled ids
 
-With async scheduling the engine sends step N+1 before it reads step N's result: N+1's decode tokens are
-N's sampled ids, which only the Worker has; they travel as ``pending_*`` references (see packing.py).
-"""
+With async scheduling step N+1 is sent before step N's result is read: N+1's decode tokens are N's sampled
+ids, which only the Worker has; they travel as ``pending_*`` references (packing.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

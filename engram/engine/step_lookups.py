@@ -1,31 +1,20 @@
 """A decode step's lookups on a thread of their own, beside the engine's host work (the piecewise runner's part).
 
-When every Engram layer of a piecewise decode graph finds its rows on the device (disk tables behind a hot-row
-cache, probed: store/kernels/cache_probe.py), the runner queues the whole step before its lookups run, and
-nothing the host does for the step waits for them: the pieces wait for the lookups' pinned flags on the device.
-The lookups (the disk reads of the rows the caches miss) then run here, on one background thread, while the
-engine's thread launches the sampler, collects the step before, post-processes it, schedules, packs and hashes
-the next step; run inline, that host work would come after the step's reads and before the next step's, with
-the disk idle.
+When every Engram layer of a piecewise decode graph probes its rows on the device (store/kernels/cache_probe.py),
+the whole step is queued before its lookups run and the pieces wait for the lookups' pinned flags on the
+device; the lookups (disk reads of the cache misses) then run on one background thread while the engine's
+thread samples, collects, schedules, packs and hashes, so the disk is not idle during that host work.
 
-Order, which the runner keeps: ``start`` after the step's pieces are queued; ``finish`` before the next step's
-pieces are queued and before the step's tokens are read, on the engine's thread. ``finish`` waits for the
-lookups and then calls ``settle`` (the rows read go into the caches, device work queued only once no piece
-waits for a flag, and each slab's next lookup waits for this step's decode of it). A lookup that failed has
-already failed the pieces waiting for it (cache_probe.signal(..., ok=False)); its error is kept for that
-step's collect (``error``), which raises it, so the step fails loudly with the read's own message and the
-engine re-runs it.
+Order, kept by the runner: ``start`` after the step's pieces are queued; ``finish`` on the engine's thread
+before the next step's pieces are queued and before the step's tokens are read. ``finish`` waits and then
+calls ``settle`` (the rows read go into the caches; each slab's next lookup waits for this step's decode of
+it). A failed lookup has already failed its waiting pieces (``cache_probe.signal(..., ok=False)``); its error
+is kept for that step's collect (``error``), which raises it with the read's own message.
 
-The GIL: the lookup thread holds it only between its C reads (numpy bookkeeping, the plan, the flag), but each
-time it wants it back it waits until the engine's thread lets go, and a thread running Python lets go only
-every ``sys.getswitchinterval()`` (five milliseconds by default), which would stretch every read's hand-off to milliseconds
-(docs/disk.md). So the first ``start`` lowers the interpreter's switch interval to ``SWITCH_INTERVAL_S`` (never
-raises it; logged once), and so does a Worker with disk tables, whose later layers read on their tables'
-threads. It costs a thread running alone nothing: the interval only matters when another thread waits for the
-GIL. And ``start`` hands the GIL over outright for the lookups' first stretch of Python: it returns once their
-first read is on its way (``reader.on_read_start``), or their first layer's lookup returned without one
-(``handed_off``, which the lookups call), or they are done, or after ``HANDOFF_TIMEOUT_S``.
-"""
+The GIL: a waiting thread gets it back only every ``sys.getswitchinterval()``, so the first
+``start`` (and a Worker with disk tables) lowers it to ``SWITCH_INTERVAL_S``, never raising it; and ``start``
+returns only once the lookups' first read is issued (``reader.on_read_start``), their first layer returned
+without one (``handed_off``), they ended, or ``HANDOFF_TIMEOUT_S`` passed."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -86,8 +75,8 @@ class BackgroundLookups:
         reader.on_read_start(self._issued.set)
 
     def finish(self, settle: Callable[[], None]) -> None:
-        """Wait for the started lookups, if any, then ``settle()`` on this thread, whether they failed or
-        not (the pieces they fed have run, or given up); a failure is kept for ``error(step_id)``."""
+        """Wait for the started lookups, if any, then ``settle()`` on this thread, whether they failed or not; a failure
+        is kept for ``error(step_id)``."""
         if self._pending is None:
             return
         (step_id, future), self._pending = self._pending, None

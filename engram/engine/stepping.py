@@ -1,27 +1,18 @@
 """The engine's step pipeline: launch a step, collect it, and recover when one fails.
 
-``StepPipeline`` is the part of ``LLMEngine`` (engine.py) that turns scheduled batches into committed
-tokens. ``step()`` schedules a batch, launches it (pack → plan lookups → describe →
-``executor.launch``), and collects a launched step (``executor.collect`` → the engine's ``_postprocess``).
-Launching commits the scheduler-visible state (tokens computed, tokens in flight); a step that fails is
-rolled back, and when it held several requests it is re-run in halves to find the request(s) that fail,
-so the others go on (``StepError`` carries the outputs of the rest and the failing request ids).
+``StepPipeline`` (part of ``LLMEngine``) turns scheduled batches into committed tokens: ``step()`` schedules,
+launches (pack → plan lookups → describe → ``executor.launch``) and collects (``executor.collect`` →
+``_postprocess``). Launching commits the scheduler-visible state (tokens computed, tokens in flight); a failed
+step is rolled back and, when it held several requests, re-run in halves so the others go on (``StepError``).
 
-Async scheduling (``EngineConfig.async_scheduling``; on by default on CUDA; with host-read tables — the disk
-tier, hot-row caches — the Worker's launch of a step whose inputs include tokens still on the device waits
-for them and reads the patched row ids on the host, so the rest of the host's work still overlaps the
-device): ``step`` launches step
-N+1 before it reads step N, so the host's scheduling, packing, hashing, detokenizing and output building
-overlap the device's work. N+1's decode tokens are N's sampled ids, still on the device
-(``Sequence.num_pending``; packing.py, engine/pending.py). Greedy and seeded outputs are those of
-synchronous scheduling; what changes is timing: a sequence that stops (EOS, a stop string) computes one
-more token, which is dropped, and a request is admitted one step later. A sequence whose token in flight
-is certain to be its last (max_tokens, max_model_len) sits the next step out.
+Async scheduling (``EngineConfig.async_scheduling``, default on CUDA) launches step N+1 before reading step N;
+N+1's decode tokens are N's sampled ids, still on the device (``Sequence.num_pending``, engine/pending.py).
+Greedy and seeded outputs equal synchronous scheduling's; a stopping sequence computes one dropped token, a
+request is admitted one step later, and a sequence whose token in flight is certainly its last sits out.
 
 The mixin uses the engine's ``config``, ``device``, ``scheduler``, ``executor``, ``planner``, ``hasher``,
 ``eos_token_id``, ``max_model_len``, ``_dead_ids``, ``_finished_seq_ids``, ``_step_ids``, ``_inflight``,
-``num_steps``, ``num_preemptions`` and ``_postprocess``.
-"""
+``num_steps``, ``num_preemptions`` and ``_postprocess``."""
 from __future__ import annotations
 
 import logging
@@ -52,9 +43,8 @@ class StepPipeline:
     """Scheduling, launching, collecting and failure isolation of ``LLMEngine`` (see the module docstring)."""
 
     def step(self) -> list[RequestOutput]:
-        """Run one step and return the outputs of the step that completed. With async scheduling the step
-        launched here is read by the next call (its outputs come then), so the device always has the next
-        step queued while the host postprocesses; otherwise a step is launched and read in the same call."""
+        """Run one step and return the outputs of the step that completed: with async scheduling the step launched
+        here is read by the next call; otherwise it is launched and read in this call."""
         if self._async():
             return self._step_async()
         if self._inflight is not None:  # async scheduling was just turned off (a replaced lookup executor)
@@ -67,9 +57,8 @@ class StepPipeline:
         return self._run_isolated(batch)
 
     def _async(self) -> bool:
-        """Async scheduling: asked for, or (auto) on CUDA wherever the Workers take steps with tokens left on
-        the device (every tier: host-read tables wait for those tokens inside the launch, which measured
-        faster than reading the step before: docs/log.md)."""
+        """Async scheduling: asked for, or (auto) on CUDA wherever the Workers take steps with tokens left on the
+        device (every tier: host-read tables wait for those tokens inside the launch)."""
         c = self.config.async_scheduling
         if c is not None:
             return c

@@ -1,19 +1,13 @@
-"""Worker: everything that lives on one device — model, KV cache, Engram tables, lookups, step runners, sampler.
+"""Worker: everything on one device — model, KV cache, Engram tables, lookups, step runners, sampler.
 
-A Worker is driven only through ``execute(StepDescription) -> StepResult`` (engine/step.py), or its two
-halves ``launch`` (enqueue the step's device work, start the copy of its tokens to the host) and
-``collect`` (wait for that copy: the step's one synchronisation), and reports through ``stats()``; it never
-sees a Sequence or the scheduler (of the tokenizer it keeps only the raw -> compressed id map, to hash
-tokens that never left the device: engine/pending.py). At start it opens its Engram tables on its device
-(``LoadedModel.open_tables``), sizes the paged KV cache (memory.py: from a profiled warm-up forward at the
-largest step on CUDA, from the configured budget otherwise), allocates it and chooses its step runners once
-(engine/runners/): a graph runner for the decode steps its CUDA graphs cover, unless ``enforce_eager`` —
-``GraphRunner`` when every table gathers on the device, ``PiecewiseRunner`` otherwise — then the eager runner
-for every other step. Per-sequence device state (the paper variant's conv state, in the eager runner) is keyed
-by sequence id and dropped when the engine lists the sequence as finished. Within a step the only host
-synchronisation is the read of the sampled tokens. Async scheduling launches step N+1 before collecting step
-N; N+1's pending tokens are N's sampled ids, patched in on the device.
-"""
+Driven only through ``execute(StepDescription) -> StepResult`` (engine/step.py) or its halves ``launch``
+(enqueue the device work and the copy of its tokens to the host) and ``collect`` (wait for that copy: the
+step's one host synchronisation); reports through ``stats()``. It never sees a Sequence or the scheduler
+(of the tokenizer it keeps the raw -> compressed id map, to hash tokens still on the device). At start it
+opens its tables, sizes the KV cache (memory.py), and chooses its runners once (engine/runners/): unless
+``enforce_eager``, ``GraphRunner`` when every table gathers on the device, else ``PiecewiseRunner``, for the
+decode steps their graphs cover; the eager runner for the rest. Per-sequence device state (the paper variant's
+conv state) is dropped when the engine lists the sequence as finished."""
 from __future__ import annotations
 
 import functools
@@ -121,9 +115,8 @@ class Worker:
         return self.collect(self.launch(step))
 
     def launch(self, step: StepDescription) -> LaunchedStep:
-        """Enqueue one step's device work (lookups, forward, sampling) on the first runner that covers it, and
-        the non-blocking copy of its tokens to the host; returns without waiting for the device (nor, over
-        probed slabs, for the step's lookups: runners/piecewise.py)."""
+        """Enqueue one step's device work on the first runner that covers it, and the non-blocking copy of its tokens
+        to the host; returns without waiting for the device (nor, over probed slabs, for the lookups)."""
         self.eager.free(step.finished_seq_ids)
         patch = self.pending.patch(step)
         runner = next(r for r in self.runners if r.covers(step))
@@ -179,9 +172,8 @@ class Worker:
 
 
 def read_tokens(sampled: SampledTokens) -> tuple[list[int], tuple | None]:
-    """The step's one host synchronisation: wait for the copy of the emitted tokens (and their logprobs,
-    where asked) to the host, then read them; tests wrap this to prove that nothing else in a step waits
-    for the device."""
+    """The step's one host synchronisation: wait for the copy of the emitted tokens (and logprobs) to the host and
+    read them; tests wrap this to prove nothing else in a step waits for the device."""
     if sampled.ready is not None:
         sampled.ready.synchronize()
     tokens = sampled.token_ids.tolist()

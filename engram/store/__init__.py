@@ -1,9 +1,6 @@
-"""Engram table store: the on-disk format and the tiers that serve rows from it.
-
-``write_table`` writes a table directory, ``open_table`` opens one on a tier ("gpu" | "host" | "disk")
-and returns a ``Table`` with ``gather`` / ``gather_raw`` / ``submit`` / ``stats``; a bad table raises
-``TableFormatError`` (a ValueError) naming the file and byte offset. See docs/store.md.
-"""
+"""Engram table store: ``write_table`` writes a table directory, ``open_table`` opens one on a tier ("gpu" | "host" |
+"disk") as a ``Table`` (``gather`` / ``gather_raw`` / ``submit`` / ``stats``); a bad table raises ``TableFormatError``
+naming file and byte offset. See docs/store.md."""
 from __future__ import annotations
 
 from engram.store.base import LookupHandle, TableBackend, Tier

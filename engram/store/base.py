@@ -1,14 +1,10 @@
 """The one interface every table tier implements: ``Tier``, ``TableBackend`` and ``LookupHandle``.
 
-A backend serves rows of one table by id: ``gather`` returns dequantized rows [N, dim], ``gather_raw``
-the packed row bytes [N, row_bytes] (values then scale bytes, no padding: 264 B for a V4.1 MXFP8 row),
-``submit`` starts a lookup and returns a handle, ``stats`` counts the work. Ids arriving on the CPU are
-range-checked there (an out-of-range id raises IndexError naming it and the table size); ids arriving on a
-GPU are trusted unless ``StoreOptions.check_device_ids`` (engram/store/ids.py says why); N may be 0. The base
-class holds the shared path (check, dedupe, hot-row cache, decode through ``engram.store.kernels``); a tier provides
-``_fetch(ids)`` and may override ``gather`` with a fused path (``ResidentTable``: gpu and host, whose bytes
-are all in memory). Tiers know nothing about models or plans.
-"""
+A backend serves rows of one table by id: ``gather`` -> dequantized rows [N, dim], ``gather_raw`` -> packed row bytes
+[N, row_bytes] (values then scale bytes), ``submit`` -> a handle, ``stats`` -> counters. CPU ids are range-checked
+(IndexError naming the id and table size); GPU ids are trusted unless ``check_device_ids`` (ids.py). The base class
+holds the shared path (check, dedupe, cache, decode); a tier provides ``_fetch`` and may override ``gather``
+(``ResidentTable``). Tiers know nothing about models or plans."""
 from __future__ import annotations
 
 import enum
@@ -44,9 +40,8 @@ class Tier(str, enum.Enum):
 
 
 class LookupHandle:
-    """A lookup in flight. ``wait()`` returns the rows (or raises what the lookup raised), ``done()`` says
-    whether ``wait`` would return at once, ``cancel()`` drops work not yet started and returns whether it
-    did; ``wait`` on a cancelled handle raises ``concurrent.futures.CancelledError``."""
+    """A lookup in flight: ``wait()`` returns the rows or raises what the lookup raised (``CancelledError`` once
+    cancelled), ``done()`` whether ``wait`` returns at once, ``cancel()`` drops work not yet started (-> whether)."""
 
     def wait(self) -> torch.Tensor:
         raise NotImplementedError
@@ -77,15 +72,12 @@ class CompletedLookup(LookupHandle):
 
 
 class TableBackend:
-    """Base class of the tiers. Subclasses set up storage, then implement ``_fetch``.
+    """Base class of the tiers: set up storage, implement ``_fetch``.
 
-    Attributes: ``manifest`` (TableManifest), ``rows``, ``dim``, ``row_dtype``, ``value_bytes`` (bytes of
-    one row's values), ``scale_cols`` (scale bytes per row, 0 unless mxfp8), ``row_bytes`` (value_bytes +
-    scale_cols), ``device`` (where gathered rows are returned), ``cache`` (a RowCache or None), ``options``
-    (the StoreOptions it was opened with) and ``count_unique``: whether the resident lookups (gpu, uncached
-    host), which do not dedupe, count their distinct ids for ``unique_rows`` (a device sort per call; off
-    by default, ``StoreOptions.count_unique`` turns it on; unique_rows then stays 0 there).
-    """
+    Attributes: ``manifest``, ``rows``, ``dim``, ``row_dtype``, ``value_bytes``, ``scale_cols`` (0 unless mxfp8),
+    ``row_bytes`` (their sum), ``device`` (where rows are returned), ``cache`` (RowCache | None), ``options`` and
+    ``count_unique`` (resident lookups count distinct ids for ``unique_rows``: a device sort per call; off by default,
+    ``unique_rows`` then stays 0 there)."""
 
     tier: Tier
     host_backed = True  # the rows live host-side (RAM, pinned, disk): _fetch takes CPU ids
@@ -114,17 +106,15 @@ class TableBackend:
 
     # ----------------------------------------------------------------- subclass hooks
     def _fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Packed rows of ``ids`` (int64 [M], in range, distinct, ascending; on the CPU when the tier is
-        ``host_backed`` or the call comes through the cache) from the backing store, on the store's device (the
-        caller moves them to ``self.device``, the cache after dropping stride padding): (values uint8
-        [M, >= value_bytes], scales uint8 [M, scale_cols] or None). Adds bytes_read/read_ops."""
+        """Packed rows of ``ids`` (int64 [M], in range, distinct, ascending; on the CPU when ``host_backed`` or through
+        the cache) on the store's device: (values uint8 [M, >= value_bytes], scales uint8 [M, scale_cols] | None). Adds
+        bytes_read/read_ops."""
         raise NotImplementedError
 
     # ----------------------------------------------------------------- public API
     def check_ids(self, ids: torch.Tensor | Any) -> torch.Tensor:
-        """int64 [N] view of ``ids`` (any int tensor, list or array) where they are. Ids on the CPU: IndexError
-        on an id outside [0, rows) (checked on the CPU, no device work). Ids on a GPU are not checked (their
-        producer guarantees the range; checking would sync the host) unless ``options.check_device_ids``."""
+        """int64 [N] view of ``ids`` (tensor, list or array) where they are. CPU ids: IndexError outside [0, rows). GPU
+        ids are unchecked (checking would sync the host) unless ``options.check_device_ids``."""
         if self._closed:
             raise RuntimeError(f"table {self.manifest.path} is closed")
         ids = as_ids(ids)
@@ -169,9 +159,8 @@ class TableBackend:
 
     @property
     def gathers_on_device(self) -> bool:
-        """Whether ``gather`` of ids already on the GPU, into a GPU ``out``, is device work alone (one kernel;
-        no host sync, no CPU step, no per-call allocation of pinned memory), so a CUDA graph can capture it.
-        Tiers that can say so override this."""
+        """Whether ``gather`` of GPU ids into a GPU ``out`` is device work alone (no host sync, no CPU step, no pinned
+        allocation), so a CUDA graph can capture it."""
         return False
 
     def record_lookups(self, lookups: int, rows: int) -> None:
@@ -180,9 +169,8 @@ class TableBackend:
                     read_ops=lookups if rows else 0)
 
     def stats(self) -> dict[str, int]:
-        """Counters since open: lookups (calls), rows (ids asked), unique_rows (distinct ids per call, summed;
-        see ``count_unique``),
-        hits / misses / evictions (hot-row cache; 0 without one), bytes_read and read_ops (backing store)."""
+        """Counters since open: lookups, rows, unique_rows (see ``count_unique``), hits / misses / evictions (0 without
+        a cache), bytes_read and read_ops."""
         with self._lock:
             pending, self._unique_acc = self._unique_acc, {}
             self._counts["unique_rows"] += sum(int(t) for t in pending.values())
@@ -239,8 +227,8 @@ class TableBackend:
         return uniq, inverse
 
     def _unique_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Dedupe ``ids`` [N] and fetch each distinct row once (through the cache when there is one):
-        (values [U, >= value_bytes], scales [U, scale_cols] | None, inverse [N] into U), all on ``self.device``."""
+        """Each distinct row of ``ids`` [N] fetched once (through the cache): (values [U, >= value_bytes], scales [U,
+        scale_cols] | None, inverse [N] into U), on ``self.device``."""
         uniq, inverse = self._dedupe(ids)
         if self.cache is None:
             vals, scales = self._fetch(uniq.cpu() if self.host_backed else uniq)
@@ -260,10 +248,8 @@ StorageBuild = Callable[..., "tuple[torch.Tensor, torch.Tensor | None]"]
 
 
 class ResidentTable(TableBackend):
-    """A tier whose bytes are all addressable tensors (gpu, host): ``values`` uint8 [rows, row_stride] and
-    ``scales`` uint8 [rows, scale_cols] | None, set by the subclass (``_storage``: from the manifest's files,
-    or built in memory by a ``StorageBuild``). Uncached lookups are one fused kernel call
-    (``_gather_resident``); ``_fetch`` serves the cache and ``gather_raw``."""
+    """A tier whose bytes are all tensors (gpu, host): ``values`` uint8 [rows, row_stride], ``scales`` uint8 [rows,
+    scale_cols] | None. Uncached lookups are one fused kernel call; ``_fetch`` serves the cache and ``gather_raw``."""
 
     values: torch.Tensor
     scales: torch.Tensor | None
@@ -271,9 +257,8 @@ class ResidentTable(TableBackend):
     def _storage(self, target: str | torch.device, layout: str, progress: bool,
                  build: StorageBuild | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(values, scales) on ``target`` ("ram", "pinned" or a device) in ``layout`` ("split" | "packed"), as
-        ``load.load_table`` returns them: made by ``build`` when given (no file is read; ``manifest.files`` may
-        be empty), else read from the manifest's files with ``options.load_threads`` workers, every chunk's
-        CRC checked when ``options.verify``."""
+        ``load.load_table`` returns them: from ``build`` when given (no file read), else from the manifest's files (CRCs
+        checked when ``options.verify``)."""
         threads = self.options.advanced.load_threads
         if build is not None:
             return build(target, layout=layout, progress=progress, threads=threads)
@@ -281,13 +266,13 @@ class ResidentTable(TableBackend):
                           threads=threads)
 
     def _kernel_gather(self, ids: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``ids`` (checked, int64 [N >= 1], on the CPU or a GPU) dequantized by one kernel call over the
-        resident bytes, written into ``out`` when given; the tier decides where the ids go (no host sync)."""
+        """Rows ``ids`` (checked, int64 [N >= 1], CPU or GPU) dequantized by one kernel call, into ``out`` when given.
+        """
         raise NotImplementedError
 
     def _gather_resident(self, ids: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """One fused kernel call over the whole table: no dedupe, no cache, no host sync (ids as
-        ``check_ids`` says). Distinct ids are counted (``count_unique``) with a sort kept on the ids' device."""
+        """One fused kernel call over the whole table: no dedupe, no cache, no host sync; distinct ids counted on the
+        ids' device when ``count_unique``."""
         ids = self.check_ids(ids)
         n = ids.numel()
         self._check_out(out, n, dtype)
@@ -313,8 +298,7 @@ class ResidentTable(TableBackend):
         return self._rows_by_id(ids)
 
     def _rows_by_id(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``_fetch`` without the counting: (values uint8 [M, >= value_bytes], scales uint8 [M, scale_cols] |
-        None) of ``ids``; here indexed where the table is (a tier may return them on ``self.device``)."""
+        """``_fetch`` without the counting: (values uint8 [M, >= value_bytes], scales | None) of ``ids``."""
         ids = ids.to(self.values.device)
         scales = self.scales.index_select(0, ids) if self.scales is not None else None
         return self.values.index_select(0, ids), scales  # [M, row_stride], [M, scale_cols], where the table is

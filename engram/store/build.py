@@ -1,11 +1,6 @@
-"""Tables built in memory: what ``load_table`` returns, for a table whose rows are made chunk by chunk
-(``RowChunks``, e.g. a preset's random rows) instead of read from files (``build_table``).
-
-The destinations are load.py's: host buffers filled in one pass and then pinned by one registration
-(``_host_buffer``), or a device tensor filled window by window through two pinned windows
-(``_through_windows``), so a built table and a loaded one are made the same way and are byte for byte
-equal (tests/unit/test_tables_in_memory.py).
-"""
+"""Tables built in memory: what ``load_table`` returns, for rows made chunk by chunk (``RowChunks``) instead of read
+from files. The destinations are load.py's (``_host_buffer``, ``_through_windows``), so a built table equals a
+written-then-loaded one byte for byte."""
 from __future__ import annotations
 
 import threading
@@ -23,11 +18,9 @@ from engram.store.load import (DEVICE_WINDOW, LAYOUTS, LOAD_THREADS, _bar, _chec
 
 @dataclass(frozen=True)
 class RowChunks:
-    """A table's rows made in memory, chunk by chunk (``build_table``): ``make(k)`` returns rows
-    [k * rows, min(table rows, (k + 1) * rows)) as (values uint8 [n, value_bytes], scales uint8
-    [n, scale_cols] | None), CPU tensors. It is called from several threads at once, once per chunk, in any
-    order, and what it returns is read before the same thread calls it again, so it may reuse one buffer
-    per thread."""
+    """A table's rows made chunk by chunk: ``make(k)`` -> rows [k * rows, min(table rows, (k + 1) * rows)) as (values
+    uint8 [n, value_bytes], scales uint8 [n, scale_cols] | None), CPU. Called from several threads, once per chunk, in
+    any order; the result is read before the same thread calls again (one buffer per thread is fine)."""
 
     rows: int  # rows per chunk
     make: Callable[[int], "tuple[torch.Tensor, torch.Tensor | None]"]
@@ -35,18 +28,12 @@ class RowChunks:
 
 def build_table(m: TableManifest, chunks: RowChunks, target: str | torch.device = "ram", layout: str = "split",
                 progress: bool = False, threads: int = LOAD_THREADS) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What ``load_table(m, target, layout=layout)`` returns for a table of ``m``'s geometry (rows, row dtype,
-    row_stride, scale_cols; ``m.files`` is not used), with the bytes made by ``chunks`` instead of read from
-    files: no file is read or written. Padding bytes (split rows past value_bytes, packed rows past the
-    scales) are zero, as in the files, so the tensors equal those of a written-then-loaded table.
+    """``load_table(m, target, layout=layout)``'s result with the bytes made by ``chunks`` (``m.files`` unused; no file
+    read or written); padding bytes are zero, as in the files.
 
-    ``threads`` workers make chunks and copy them into place (numpy copies, GIL released). Host targets
-    ("ram"; "pinned": page-locked with CUDA, RAM without) are filled in one pass and then pinned by ONE
-    registration (``pinning.pinned_empty_filled``; the split layout's scales are a second buffer); a device
-    target is filled window by window (DEVICE_WINDOW bytes of whole chunks) through two pinned windows, each
-    window's copy overlapping the next one's chunks. Extra memory: what ``chunks.make`` keeps per worker,
-    plus the two windows for a device. A failed chunk raises its error (the first in chunk order) and keeps
-    nothing. ``progress``: a byte progress bar, shown only when stderr is a terminal."""
+    ``threads`` workers make chunks and copy them into place. Host targets are filled in one pass, then pinned by one
+    registration; a device target goes through two pinned windows of DEVICE_WINDOW bytes. A failed chunk raises (the
+    first in chunk order) and keeps nothing. ``progress``: a bar when stderr is a terminal."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
     _check_threads(threads)
@@ -71,9 +58,8 @@ def build_table(m: TableManifest, chunks: RowChunks, target: str | torch.device 
 
 def _fill_rows(pool: ThreadPoolExecutor, chunks: RowChunks, m: TableManifest, views: tuple, r0: int, r1: int,
                bar) -> None:
-    """Table rows [r0, r1) (r0 a multiple of chunks.rows) into ``views`` = (values [r1 - r0, value_bytes],
-    scales [r1 - r0, scale_cols] | None, padding [r1 - r0, k] | None), uint8 CPU tensors whose row 0 is
-    table row r0, one chunk per job on ``pool``."""
+    """Table rows [r0, r1) (r0 a multiple of chunks.rows) into ``views`` = (values, scales | None, padding | None),
+    uint8 CPU tensors whose row 0 is table row r0, one chunk per job."""
     vals, scales, pad = (v.numpy() if v is not None else None for v in views)
     stop = threading.Event()
 

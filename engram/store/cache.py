@@ -1,27 +1,18 @@
 """Vectorized hot-row cache in front of a slow tier (host, disk): set-associative, LRU or LFU with aging.
 
-Layout: ``n_sets`` sets of ``ways`` slots; a row id maps to one set through a multiplicative hash and may sit
-in any of its ways. Per slot: a tag (the row id, -1 when empty), a last-use stamp, a use count, and the row's
-packed bytes (values uint8 [slots, value_bytes], scales uint8 [slots, scale_cols]). The bookkeeping (tags,
-stamps, counts) lives on the host whatever the cache's device, so deciding hits, misses and victims never
-makes the host wait for a GPU; only the bytes live on ``device``, moved by index with the slot and position
-lists uploaded non-blocking from pinned memory::
+A row id maps to one of ``n_sets`` sets (multiplicative hash) and may sit in any of its ``ways``. The
+bookkeeping lives on the host whatever the cache's device, so hits, misses and victims never wait for a GPU;
+only the bytes live on ``device``, moved by index with slot lists uploaded non-blocking from pinned memory::
 
-    tags   [n_sets, ways] int64     set s = ((id * 0x9E3779B97F4A7C15) >> 32) mod n_sets
+    tags   [n_sets, ways] int64     set s = ((id * 0x9E3779B97F4A7C15) >> 32) mod n_sets; -1 empty
     stamp  [n_sets, ways] int64     lookup call that last touched the slot (LRU key, LFU tie-break)
     freq   [n_sets, ways] int64     uses since insert, halved every `capacity` lookups (LFU aging)
     values [n_sets * ways, value_bytes] uint8     slot = set * ways + way
 
-A lookup of N distinct ids is a fixed number of array operations (gather the N candidate tag rows, compare,
-sort the misses by set, rank them inside their set, pick victims by key) — no Python loop per row. They run in
-numpy on views of the bookkeeping tensors: a decode step looks up a few dozen ids per table, where a numpy call
-costs about a microsecond and a torch CPU op several, and the disk tier runs this on the critical path of
-every step. The
-tags can also be mirrored on ``device`` (``mirror_tags``) for a decode graph that finds its slots there without
-the host (store/kernels/cache_probe.py). Rows
-touched by the current lookup are never evicted by it, and misses beyond a set's ways in one call are served
-but not cached. The cache only stores bytes it was given, so it can never change what a lookup returns.
-"""
+A lookup is a fixed number of numpy operations on views of the bookkeeping (no loop per row; numpy because the disk tier
+runs it on every step's critical path). Rows touched by the current lookup are never evicted by it; misses beyond a
+set's ways are served but not cached. The cache only stores bytes it was given, so it never changes what a lookup
+returns. ``mirror_tags`` mirrors the tags on ``device`` for decode-graph probes."""
 from __future__ import annotations
 
 from typing import Callable
@@ -117,9 +108,9 @@ class RowCache:
             self.dev_tags.fill_(-1)
 
     def mirror_tags(self) -> torch.Tensor:
-        """The tags [n_sets, ways] mirrored on the cache's device from now on, for pieces that find their slots
-        there (store/kernels/cache_probe.py): every insert writes its tags into the mirror on the current
-        stream, after the rows' bytes, so a tag found there means its row is in place."""
+        """The tags [n_sets, ways] mirrored on the cache's device from now on (store/kernels/cache_probe.py): every
+        insert writes them into the mirror on the current stream after the rows' bytes, so a tag found there means its
+        row is in place."""
         if self.dev_tags is None:
             self.dev_tags = self.tags.to(self.device, copy=True)
         return self.dev_tags
@@ -151,10 +142,9 @@ class RowCache:
         return np.where(match.any(axis=1), sets * self.ways + match.argmax(axis=1), -1)
 
     def fetch(self, ids: torch.Tensor, fetch: Fetch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows of distinct ``ids`` [U]: hits from the cache, the rest from ``fetch(miss_ids)`` (miss ids on the
-        CPU; it returns values uint8 [M, >= value_bytes] and scales [M, scale_cols] | None on any device),
-        then cached.
-        Returns (values uint8 [U, value_bytes], scales uint8 [U, scale_cols] | None) on the cache device."""
+        """Rows of distinct ``ids`` [U]: hits from the cache, the rest from ``fetch(miss_ids)`` (CPU ids -> values uint8
+        [M, >= value_bytes], scales [M, scale_cols] | None, any device), then cached. Returns (values [U, value_bytes],
+        scales [U, scale_cols] | None) on the cache device."""
         ids = _host_ids(ids)
         u = len(ids)
         hit_pos, hit_slots, miss_pos = self._hits(ids)
@@ -178,11 +168,9 @@ class RowCache:
         return vals, scales
 
     def slots(self, ids: torch.Tensor, fetch: Fetch) -> torch.Tensor:
-        """Where the rows of distinct ``ids`` [U] are after this call: int64 [U] on the host, rows of
-        ``storage()`` (the ``fetch`` contract above). Hits where they are cached; misses fetched and cached,
-        and those a full set cannot take (more misses in one set than it has ways untouched by this call) in
-        the overflow rows after the cache's slots (``reserve_overflow``), rewritten by the next call. The
-        bytes are written on the current stream; work queued after this call reads them there."""
+        """Slots int64 [U] (host, rows of ``storage()``) of distinct ``ids`` after this call: hits where cached, misses
+        fetched (the ``fetch`` contract) and cached, or, where a set is full, in the overflow rows after the cache's
+        slots (``reserve_overflow``), rewritten by the next call. Bytes are written on the current stream."""
         return torch.from_numpy(self.slots_np(_host_ids(ids), fetch))
 
     def slots_np(self, ids: np.ndarray, fetch: Fetch) -> np.ndarray:
@@ -210,18 +198,15 @@ class RowCache:
         return slots
 
     def split(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The first half of a call whose caller reads the misses itself (a probed decode slab: disk.py): the
-        clock ticks and the hits of distinct host ``ids`` are touched. Returns (hit positions [H], their
-        slots [H], miss positions [M]); ``admit`` ends the call."""
+        """First half of a call whose caller reads the misses itself (a probed slab): tick, touch the hits of distinct
+        host ``ids`` -> (hit positions [H], their slots [H], miss positions [M]); ``admit`` ends the call."""
         return self._hits(ids)
 
     def admit(self, miss_ids: np.ndarray, vals: torch.Tensor | None, scales: torch.Tensor | None, looked_up: int,
               missed: int | None = None, recheck: bool = False) -> None:
-        """The second half: cache the missed ``miss_ids`` [M] (host) with their rows (values uint8
-        [M, >= value_bytes] and scales, on any device), written on the current stream, and count the call
-        (``looked_up`` distinct ids, ``missed`` of them missed: default M). With ``recheck`` ids cached since
-        the call's split are skipped: a disk table caching a step's rows late (store/late_caching.py) may have
-        placed them in between; without, the caller guarantees nothing was inserted since the split."""
+        """Second half: cache ``miss_ids`` [M] (host) with their rows (values [M, >= value_bytes], scales; any device)
+        on the current stream and count the call (``looked_up`` distinct ids, ``missed``: default M). ``recheck`` skips
+        ids cached since the split (late caching may have placed them); without it nothing may have been inserted."""
         missed = len(miss_ids) if missed is None else missed
         if len(miss_ids):
             new = np.flatnonzero(self._lookup(miss_ids) < 0) if recheck else np.arange(len(miss_ids))
@@ -234,8 +219,7 @@ class RowCache:
         self._finish_call(looked_up, missed)
 
     def reserve_overflow(self, rows: int) -> None:
-        """Make ``slots`` able to place up to ``rows`` ids a call (rows after the cache's ``capacity`` in
-        ``storage()``). Keeps what is cached."""
+        """Let ``slots`` place up to ``rows`` ids a call (rows after ``capacity`` in ``storage()``); keeps the cache."""
         if rows <= self.overflow_rows:
             return
         if self._handed_out:
@@ -251,14 +235,14 @@ class RowCache:
         self.overflow_rows = rows
 
     def storage(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(values uint8 [capacity + overflow, value_bytes], scales | None): what ``slots`` index. They stay
-        where they are from now on (a CUDA graph may hold them): ``reserve_overflow`` may not grow them."""
+        """(values uint8 [capacity + overflow, value_bytes], scales | None): what ``slots`` index. Never moved from now
+        on (a CUDA graph may hold them): ``reserve_overflow`` may not grow them."""
         self._handed_out = True
         return self._values, self._scales
 
     def _hits(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A call's start: the clock ticks, the hits of distinct host ``ids`` are touched (stamp, use count).
-        Returns (hit positions [H], their slots [H], miss positions [M]), positions in ``ids``."""
+        """A call's start: tick, touch the hits of distinct host ``ids`` -> (hit positions [H], slots [H], miss
+        positions [M]), positions in ``ids``."""
         self.clock += 1
         slots = self._lookup(ids)  # [U]
         hit = slots >= 0
@@ -279,8 +263,8 @@ class RowCache:
         return miss_ids, *self._on_device(mv, ms)
 
     def _on_device(self, vals: torch.Tensor, scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows to cache (values [M, >= value_bytes], scales | None, any device) as the cache stores them:
-        values [M, value_bytes] and scales on its device (host rows go through pinned memory)."""
+        """Rows to cache (values [M, >= value_bytes], scales | None, any device) -> values [M, value_bytes] and scales
+        on the cache's device (host rows via pinned memory)."""
         mv = to_device(vals[:, : self.value_bytes], self.device)
         return mv, to_device(scales, self.device) if scales is not None and self.scale_cols else None
 
@@ -290,9 +274,8 @@ class RowCache:
         self._age(looked_up)
 
     def _insert(self, ids: np.ndarray, vals: torch.Tensor, scales: torch.Tensor | None) -> np.ndarray:
-        """Place distinct missed ``ids`` [M] (host) in their sets, evicting the lowest-key way not touched this
-        call; ``vals`` / ``scales`` [M, ...] on the cache's device. Returns each id's slot [M] (host), -1 where
-        its set had no way left to give."""
+        """Place distinct missed ``ids`` [M] (host), evicting each set's lowest-key way not touched this call; ``vals``
+        / ``scales`` [M, ...] on the cache's device. Returns slots [M] (host), -1 where the set had no way left."""
         m = len(ids)
         sets = self._set_of(ids)
         order = np.argsort(sets, kind="stable")  # [M] misses grouped by set
@@ -327,11 +310,9 @@ class RowCache:
         return placed
 
     def _upload(self, *rows: np.ndarray) -> torch.Tensor:
-        """``rows`` (host int64 arrays of one length K) as one [len(rows), K] tensor on the cache's device, in
-        one copy on the current stream. On CUDA it goes through a ring of STAGING_RING pinned buffers kept
-        between calls (no pinned allocation per call, which ``to_device`` makes); a buffer is rewritten only
-        once its copy of STAGING_RING calls ago has run (its event; a decode step calls this once a table).
-        Never a host wait: while that copy is still queued, this call goes through ``to_device`` instead."""
+        """``rows`` (host int64 arrays of one length K) -> one [len(rows), K] tensor on the cache's device, one copy on
+        the current stream, through a ring of STAGING_RING pinned buffers; a buffer is reused only once its last copy
+        ran (its event), else this call goes through ``to_device``: never a host wait."""
         if self.device.type != "cuda":
             return torch.from_numpy(np.stack(rows)).to(self.device)
         n = len(rows) * len(rows[0])
@@ -351,25 +332,23 @@ class RowCache:
 
     def _write(self, values: torch.Tensor, scales: torch.Tensor | None, dst: torch.Tensor, vals: torch.Tensor,
                vscales: torch.Tensor | None, src: torch.Tensor) -> None:
-        """Rows ``src`` of ``vals`` / ``vscales`` into rows ``dst`` of the storage ``values`` / ``scales`` (device
-        indices), on the current stream once every reader of the storage is done (``_wait_readers``)."""
+        """Rows ``src`` of ``vals`` / ``vscales`` into rows ``dst`` of the storage, on the current stream after every
+        reader of the storage (``_wait_readers``)."""
         self._wait_readers()
         values.index_copy_(0, dst, vals.index_select(0, src))
         if scales is not None:
             scales.index_copy_(0, dst, vscales.index_select(0, src))
 
     def _wait_readers(self) -> None:
-        """Writes into the storage wait (on the current stream) for every stream's last read of it: a decode
-        graph's gather reads cache slots on the main stream, and a later lookup may run on another (the lookup
-        stream, a table's thread) while that gather is still queued."""
+        """Make the current stream wait for every stream's last read of the storage (a graph's gather on the main stream
+        may still be queued while a lookup runs on another)."""
         if self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
             for event in list(self.reads.values()):
                 stream.wait_event(event)
 
     def note_read(self, event: "torch.cuda.Event | None" = None) -> None:
-        """The storage was just read on the current stream (``event``: already recorded there after the read,
-        as a decode graph records one after each replay)."""
+        """The storage was just read on the current stream (``event``: one already recorded after the read)."""
         if self.device.type != "cuda":
             return
         stream = torch.cuda.current_stream(self.device)

@@ -1,12 +1,9 @@
 """Build table directories from checkpoints or from a seed, streaming (never the whole table in RAM).
 
-Sources: (1) safetensors shards with the DeepSeek-V4.1 names ``[model.]layers.L.engram.embed.weight``
-(F8_E4M3 [rows, dim]) + ``...embed.scale`` (F8_E8M0 [rows, dim/32]), one table per layer, read lazily with
-``safe_open`` slice by slice; the same names holding BF16/F16/F32 weights without a scale become tables of
-that dtype, or MXFP8 with ``quantize="mxfp8"``; any single tensor can be picked by name. (2) Synthetic
-random tables of any size from (rows, dim, seed): valid E4M3 bytes (no NaN encodings) and scale bytes in
-[118, 125], generated chunk by chunk with a per-chunk seed, so the bytes depend only on the arguments.
-"""
+Sources: safetensors shards with the DeepSeek-V4.1 names ``[model.]layers.L.engram.embed.weight`` (F8_E4M3 [rows, dim])
++ ``...embed.scale`` (F8_E8M0 [rows, dim/32]), read lazily slice by slice (BF16/F16/F32 weights stay that dtype, or
+MXFP8 with ``quantize="mxfp8"``; any tensor by name); or synthetic tables from (rows, dim, seed) whose bytes depend only
+on the arguments (valid E4M3, no NaN; scale bytes in [118, 125])."""
 from __future__ import annotations
 
 import collections
@@ -191,10 +188,9 @@ def random_chunk_buffers(rows: int, dim: int) -> tuple[torch.Tensor, ...]:
 
 
 def random_chunk(seed: int, k: int, n: int, dim: int, row_dtype: str, buf: tuple[torch.Tensor, ...] | None):
-    """Chunk ``k`` (``n`` rows) of the random table of ``seed``, from its own generator: MXFP8 -> (values
-    uint8 [n, dim], scales uint8 [n, dim/32]) written into ``buf`` (``random_chunk_buffers``); other dtypes
-    -> (values [n, dim] in the row dtype,). The one generator of ``convert_random`` and of tables built in
-    memory (model/tables.py), so both hold the same bytes."""
+    """Chunk ``k`` (``n`` rows) of ``seed``'s random table, from its own generator: MXFP8 -> (values uint8 [n, dim],
+    scales uint8 [n, dim/32]) in ``buf``; other dtypes -> (values [n, dim],). Shared by ``convert_random`` and in-memory
+    tables (model/tables.py), so both hold the same bytes."""
     gen = torch.Generator().manual_seed((seed * 1_000_003 + k) % (1 << 63))  # chunk k's own stream
     if row_dtype == "mxfp8":
         return _random_mxfp8(n, dim, gen, buf)
@@ -203,8 +199,8 @@ def random_chunk(seed: int, k: int, n: int, dim: int, row_dtype: str, buf: tuple
 
 def _random_mxfp8(n: int, dim: int, gen: torch.Generator,
                   buf: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """n random MXFP8 rows written into ``buf`` = (words, scale words, scratch) int64 buffers:
-    (uint8 [n, dim] E4M3 bytes without NaN encodings, uint8 [n, dim/32] scale bytes in [118, 125])."""
+    """n random MXFP8 rows in ``buf`` (int64 scratch) -> (uint8 [n, dim] E4M3 bytes without NaN, uint8 [n, dim/32] scale
+    bytes in [118, 125])."""
     words, sw, t = buf[0][: n * dim // 8], buf[1][: n * dim // SCALE_BLOCK // 8 + 1], buf[2][: n * dim // 8]
     words.random_(-(1 << 63), None, generator=gen)  # every bit uniform
     # Byte b is a NaN encoding when b & 0x7f == 0x7f: adding 1 to its low 7 bits then carries into bit 7.
@@ -220,12 +216,9 @@ def _random_mxfp8(n: int, dim: int, gen: torch.Generator,
 def convert_random(out: str | os.PathLike, rows: int, dim: int, seed: int = 0, row_dtype: str = "mxfp8", *,
                    layer_id: int | None = None, config: Any = None, progress: bool = True,
                    chunk_bytes: int | None = None, workers: int | None = None) -> TableManifest:
-    """A synthetic table; the bytes depend only on (rows, dim, seed, row_dtype), not on ``workers``.
-
-    Chunks of RANDOM_CHUNK_BYTES have their own generator (seeded from seed and the chunk index), so
-    ``workers`` threads generate ahead while the writer checksums and writes in order. MXFP8 chunks go
-    into a ring of reused buffers (fresh ones would page-fault every chunk); a slot is reused only once
-    the writer is done with it (IN_FLIGHT + workers + 1 slots)."""
+    """A synthetic table; the bytes depend only on (rows, dim, seed, row_dtype), not on ``workers``: each chunk has its
+    own generator, ``workers`` generate ahead while the writer writes in order, into a ring of IN_FLIGHT + workers + 1
+    reused buffers."""
     if row_dtype == "mxfp8" and dim % SCALE_BLOCK:
         raise ValueError(f"dim={dim} must be a multiple of {SCALE_BLOCK} for mxfp8 rows")
     if row_dtype not in ITEMSIZE:

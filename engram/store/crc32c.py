@@ -1,13 +1,9 @@
-"""CRC32C (Castagnoli), the checksum of every page of ``values.bin`` (engram/store/page_crc.py).
+"""CRC32C (Castagnoli), the checksum of every page of ``values.bin`` (page_crc.py).
 
-``crc32c(data, crc=0)`` returns the CRC32C of a bytes-like object continuing from ``crc`` (as zlib.crc32);
-``crc32c_pages(buf, page_size)`` the CRC32C of each page of a buffer as uint32 [pages]. The fast
-implementation is C (csrc/crc32c.h, built into engram.store._pread_pool with the disk reader): the SSE4.2
-crc32 instruction, or a portable slicing-by-8 loop on other CPUs (docs/disk.md). Without the extension (no
-compiler at install time) a numpy implementation gives the same values much more slowly (one warning per process); ``set_backend("numpy")`` selects it on purpose (tests).
-Why not a PyPI package: the GPU machine installs with ``pip install --no-deps`` and no network, and the C
-file already built there for the pread pool costs no new dependency.
-"""
+``crc32c(data, crc=0)`` continues from ``crc`` like zlib.crc32; ``crc32c_pages(buf, page_size)`` gives uint32 [pages].
+The C implementation (csrc/crc32c.h, in engram.store._pread_pool: SSE4.2 or slicing-by-8) has a numpy fallback with the
+same values (one warning per process; ``set_backend("numpy")`` in tests). Not a PyPI package: the GPU machine installs
+with ``--no-deps`` offline, and the C file is built there anyway."""
 from __future__ import annotations
 
 import functools
@@ -44,8 +40,7 @@ def implementation() -> str:
 
 
 def _use_c() -> bool:
-    """Whether the C code computes this call's checksums (the first numpy fallback under "auto" warns,
-    pointing at the caller of the public function)."""
+    """Whether C computes this call's checksums (the first numpy fallback under "auto" warns, at the public caller)."""
     return SWITCH.use_fast(stacklevel=3)
 
 
@@ -60,9 +55,8 @@ def _byte_table() -> np.ndarray:
 
 @functools.cache
 def _position_tables(n: int) -> tuple[np.ndarray, int]:
-    """For blocks of ``n`` bytes: G uint32 [n, 256], the contribution of byte value v at position j to the
-    register after the block (from register 0), and K, the CRC32C of n zero bytes. CRC32C is affine over
-    GF(2), so crc(block) = K ^ xor_j G[j, block[j]]."""
+    """For blocks of ``n`` bytes: G uint32 [n, 256] (byte value v at position j's contribution to the register) and K
+    (the CRC32C of n zeros); CRC32C is affine over GF(2): crc(block) = K ^ xor_j G[j, block[j]]."""
     t0 = _byte_table()
     g = np.empty((n, 256), dtype=np.uint32)
     g[n - 1] = t0

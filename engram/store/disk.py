@@ -1,20 +1,14 @@
 """Disk tier: value rows stay in ``values.bin`` and are read on demand; scales stay resident in RAM.
 
-A lookup dedupes its ids, maps the distinct rows to the distinct 4 KiB pages that hold them, reads those
-pages in batched calls of ``chunk_pages`` (``PageReader``: C pthread pool, ``queue_depth`` preads in
-flight, two chunks queued), cuts the rows out and decodes them through the same kernels as every other
-tier, so rows are bitwise equal to the gpu tier's. Every page read is checked against its CRC32C (the
-``values.crc32c`` sidecar, resident like the scales) before a row is cut out of it: a corrupt page fails
-that lookup with CorruptPageError naming the file and byte offset, counts in ``corrupt_pages`` and never
-reaches the hot-row cache. Format-1 tables (no sidecar) are refused with the command that adds it.
-``submit`` runs lookups on this table's worker thread (a ``DiskLookup``, disk_lookup.py), at most
-``max_inflight`` unconsumed at a time; a read failure fails that lookup only. Reads into a slab a caller owns
-(a decode graph's, decoded inside the graph, with a hot-row cache probed on the device) are disk_slabs.py.
-The tier knows nothing about models or plans.
+A lookup dedupes its ids, reads the distinct 4 KiB pages holding them (``PageReader``: a C pthread pool, ``queue_depth``
+preads in flight), checks each page against its CRC32C (the resident ``values.crc32c`` sidecar: a corrupt page raises
+CorruptPageError naming file and offset, counts in ``corrupt_pages`` and never reaches the cache) and decodes through
+the shared kernels, so rows are bitwise the gpu tier's. ``submit`` runs lookups on the table's thread (disk_lookup.py),
+at most ``max_inflight`` unconsumed; a read failure fails that lookup only. Slab reads for decode graphs are
+disk_slabs.py. Format-1 tables (no sidecar) are refused.
 
     values.bin  |<- page p (4096 B) ->|      row r lives in page r // (4096 // stride), slot r % (4096 // stride)
-                | r0 | r1 | ... | r15 |      (V4.1: 256-B rows, 16 per page: a cold row costs a whole page)
-"""
+                | r0 | r1 | ... | r15 |      (V4.1: 256-B rows, 16 per page: a cold row costs a whole page)"""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -42,9 +36,8 @@ from engram.store.scrub import Scrubber
 
 
 class DiskTable(SlabReads, TableBackend):
-    """One table served from its files. Resident memory: the scales and the page CRCs (``resident_bytes``)
-    plus the cache. ``options.background_verify`` starts a ``Scrubber`` that reads values.bin once, checking
-    every page (``stats()``: verify_state, verified_pages)."""
+    """One table served from its files; resident: the scales and page CRCs (``resident_bytes``) plus the cache.
+    ``options.background_verify`` starts a ``Scrubber`` that checks every page once (verify_state, verified_pages)."""
 
     tier = Tier.DISK
     reads_from_disk = True
@@ -98,8 +91,7 @@ class DiskTable(SlabReads, TableBackend):
             raise
 
     def check_ids(self, ids: torch.Tensor | Any) -> torch.Tensor:
-        """As TableBackend.check_ids, after moving GPU ids to the CPU, where this tier plans its reads (the
-        copy's sync adds nothing to a lookup that waits for the disk), so every id is range-checked."""
+        """As TableBackend.check_ids after moving GPU ids to the CPU, where reads are planned: every id is checked."""
         if isinstance(ids, torch.Tensor) and ids.device.type != "cpu":
             ids = ids.cpu()
         return super().check_ids(ids)
@@ -107,8 +99,7 @@ class DiskTable(SlabReads, TableBackend):
     # ----------------------------------------------------------------- the backing-store read
     def gather(self, ids: torch.Tensor, out: torch.Tensor | None = None,
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """Rows [N, dim] as the base class returns them; on CPU without a cache, each chunk of rows is
-        decoded while the next chunk's pages are read (same kernels, so bitwise equal to the base path)."""
+        """Rows [N, dim]; on the CPU without a cache, each chunk is decoded while the next chunk's pages are read."""
         return self._gather_checked(self.check_ids(ids), out, dtype)
 
     def _gather_checked(self, ids: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -132,12 +123,9 @@ class DiskTable(SlabReads, TableBackend):
         return torch.index_select(rows, 0, inverse, out=out) if out is not None else rows.index_select(0, inverse)
 
     def _gather_direct(self, ids: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """A lookup of at most ``chunk_pages`` ids (every decode step's), so of at most that many pages: its
-        distinct pages are read in one batched call into a slab (page_slabs.py) and checked against their
-        CRC32Cs, each distinct id's scale bytes are put at its row's buffer position (slab_plan.py: C, or
-        numpy), and one gather over the slab decodes every id, repeats included, straight into [N, dim]: no
-        row is copied out of the pages on the host, nothing is moved to the device first (on CUDA the kernel
-        reads the pinned slab over UVA), and the buffers are reused across lookups."""
+        """A lookup of at most ``chunk_pages`` ids: its distinct pages are read in one call into a reused slab
+        (page_slabs.py) and CRC-checked, scale bytes placed (slab_plan.py), and one gather decodes every id straight
+        into [N, dim] (on CUDA over UVA from the pinned slab): no host copy of rows, no upload first."""
         ids_np = ids.numpy()
         n = len(ids_np)
         slab = self._slabs.acquire(n, n)
@@ -151,9 +139,8 @@ class DiskTable(SlabReads, TableBackend):
             self._slabs.release(slab, torch.cuda.current_stream(self.device) if slab.pinned else None)
 
     def _read_into(self, ids_np: np.ndarray, slab: PageSlab, count: bool = True) -> int:
-        """A one-read lookup's host part: plan, read, check the pages (CorruptPageError before anything is
-        decoded), place the scales; counts the lookup (unless ``count`` is False: the caller did). Returns
-        the number of pages read."""
+        """A one-read lookup's host part: plan, read, check (CorruptPageError before any decode), place the scales;
+        counts the lookup unless ``count`` is False. Returns the pages read."""
         n = len(ids_np)
         n_pages, n_unique = slab_plan.plan(ids_np, self._slabs.rows_per_page, self.page, slab)
         if count:
@@ -174,11 +161,9 @@ class DiskTable(SlabReads, TableBackend):
 
     def _decode_slab(self, values: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, pinned: bool,
                      out: torch.Tensor | None, dtype: torch.dtype, runs: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows ``slots`` of a slab dequantized into [N, dim] on ``self.device``: from a pinned slab by the UVA
-        kernel, which reads the pinned slots over UVA too (nothing is copied to the device first, and a CUDA
-        graph can hold the launch), else by ``kernels.gather_rows``. ``runs`` (int64 [N], with ``out`` and
-        device slots): only positions i with runs[i] == i are written (triton_gather's contract). The caller
-        keeps the slab until the decode has run (``SlabPool.release``'s event, or a decode graph's
+        """Rows ``slots`` of a slab -> [N, dim] on ``self.device``: by the UVA kernel from a pinned slab
+        (graph-capturable), else ``kernels.gather_rows``. ``runs`` (int64 [N], with ``out`` and device slots): only
+        positions with runs[i] == i are written. The caller keeps the slab until the decode ran (``SlabPool.release``,
         ``slab.done``)."""
         if out is None and self.device.type != "cpu":
             out = torch.empty(slots.numel(), self.dim, dtype=dtype, device=self.device)
@@ -224,10 +209,9 @@ class DiskTable(SlabReads, TableBackend):
     def _fetch(self, ids: torch.Tensor, on_rows: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids int64 [M] unique ascending -> (values uint8 [M, stride], scales uint8 [M, scale_cols] | None).
 
-        Pages are read chunk_pages at a time into two page-aligned buffers, two chunks queued in the pread
-        pool at once: while chunk k+1 is read, this thread cuts chunk k's rows out, queues chunk k+2 into the
-        freed buffer and hands the rows to ``on_rows(r0, r1, vals, scales)``. A lookup holds at most
-        2 * chunk_pages * page_size bytes of pages however many rows it asks for."""
+        Pages are read ``chunk_pages`` at a time into two page-aligned buffers, two chunks queued: while chunk k+1 is
+        read this thread cuts chunk k's rows out, queues k+2 and hands the rows to ``on_rows(r0, r1, vals, scales)``. A
+        lookup holds at most 2 * chunk_pages * page_size bytes of pages."""
         plan, size, buf_pages = self._plan(ids)
         vals = torch.empty(ids.numel(), self.stride, dtype=torch.uint8)  # [M, stride]
         scales = self.scales.index_select(0, ids) if self.scales is not None else None  # [M, scale_cols]
@@ -294,10 +278,9 @@ class DiskTable(SlabReads, TableBackend):
 
     def _lookup(self, ids: torch.Tensor, dtype: torch.dtype, into: PageSlab | None = None,
                 plan: int | None = None) -> tuple[torch.Tensor | None, "torch.cuda.Event | None"]:
-        """A submitted lookup, on the table's thread: the rows and, on CUDA, an event recorded after the work
-        that produced them on this thread's stream (the consumer runs on another thread and stream); with
-        ``into``, (None, None) once the rows are in that slab ((None, event) with a cache on CUDA: its inserts
-        are device work; a probed slab's wait for ``admit_probed``)."""
+        """A submitted lookup on the table's thread -> the rows and, on CUDA, an event after the work that made them
+        (the consumer runs on another thread and stream); with ``into``, (None, None) once the rows are in the slab
+        ((None, event) with a cache on CUDA)."""
         if into is not None:
             self._read_into_owned(ids, into, plan)
             if self.cache is None or self.device.type != "cuda" or (into.probe is not None and plan is not None):
@@ -319,10 +302,9 @@ class DiskTable(SlabReads, TableBackend):
 
     # ----------------------------------------------------------------- stats and lifetime
     def stats(self) -> dict[str, Any]:
-        """Base counters plus disk_rows (rows read from disk), page_amplification (bytes read per byte of
-        row values read, 16.0 for cold 256-B rows on 4 KiB pages), inflight, inflight_bytes, io,
-        corrupt_pages (pages that failed their CRC32C, counted each time one is read, by a lookup or the
-        background verification) and, with background_verify, verify_state and verified_pages."""
+        """Base counters plus disk_rows, page_amplification (bytes read per byte of row values read), inflight,
+        inflight_bytes, io, corrupt_pages (each time a bad page is read) and, with background_verify, verify_state and
+        verified_pages."""
         out = super().stats()
         with self._lock:
             out.update(self._extra)

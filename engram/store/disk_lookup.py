@@ -20,12 +20,9 @@ class InflightLimitError(RuntimeError):
 
 
 class DiskLookup(LookupHandle):
-    """A lookup running (or queued) on a DiskTable's worker thread; see LookupHandle for the contract.
-
-    The handle holds its depth slot and its rows until ``wait()`` consumes them or ``cancel()`` drops them.
-    A lookup cancelled while its reads run finishes those reads in the background, then frees its rows
-    and its slot at once; ``wait`` on it raises CancelledError.
-    """
+    """A lookup running (or queued) on a DiskTable's worker thread (LookupHandle's contract). It holds its depth slot
+    and rows until ``wait()`` or ``cancel()``; cancelled while reading, it finishes the reads in the background and then
+    frees both; ``wait`` then raises CancelledError."""
 
     def __init__(self, table: "DiskTable", future: cf.Future, nbytes: int):
         self._table = table
@@ -49,8 +46,8 @@ class DiskLookup(LookupHandle):
             self._release()
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
-        """The rows, usable on the caller's current stream: on CUDA that stream waits for the device work
-        that produced them on the table's thread (an event), and the rows are marked used by it."""
+        """The rows, usable on the caller's current stream: on CUDA it waits for the producing work's event and the rows
+        are marked used by it."""
         fut = self._future
         if self._cancelled or fut is None:
             raise cf.CancelledError("this lookup was cancelled")

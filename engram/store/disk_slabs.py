@@ -1,10 +1,8 @@
-"""A disk table's slabs owned by a caller (a decode graph keeps one per Engram layer: engine/runners/pieces.py): a
-step's lookup only reads the rows' pages into the slab (``read_slab``) and the graph's piece decodes them
-(``decode_slab``), so no decode kernel is launched from Python and no rows are copied in on the step's
-critical path. Over a hot-row cache the slab's slots index the cache's storage, and a slab with a probe lets
-the piece find the rows itself (store/kernels/cache_probe.py): the lookup then only writes the step's plan and
-signals it, and ``admit_probed`` caches the rows it read once no piece waits. ``SlabReads`` is a part of
-``DiskTable`` (disk.py), which it assumes: the slab pool, the reads into a slab, the cache and its mutex."""
+"""A disk table's slabs owned by a caller (a decode graph keeps one per Engram layer): a step's lookup only reads the
+rows' pages into the slab (``read_slab``) and the graph's piece decodes them (``decode_slab``). Over a hot-row cache the
+slots index the cache's storage, and a probed slab lets the piece find its rows itself (store/kernels/cache_probe.py);
+``admit_probed`` caches what the lookup read once no piece waits. ``SlabReads`` is a part of ``DiskTable`` (disk.py): it
+uses its slab pool, reads, cache and mutex."""
 from __future__ import annotations
 
 import contextlib
@@ -29,12 +27,9 @@ class SlabReads:
         return self._slabs is not None
 
     def new_slab(self, rows: int, probe: bool = True) -> PageSlab:
-        """A slab of this table for lookups of up to ``rows`` ids, owned by the caller (a decode graph keeps
-        one per Engram layer: engine/runners/pieces.py): pinned on CUDA, zero-filled, every slot row 0. With a
-        hot-row cache its slots index the cache's storage (``read_slab``), and unless ``probe`` is False it
-        gets a ``probe`` (page_slabs.SlotProbe): the cache's tags are mirrored on its device from now on, so
-        the decode can find the rows there (``decode_slab`` with ``ids``), its pages holding the rows a step
-        reads from disk."""
+        """A caller-owned slab for lookups of up to ``rows`` ids: pinned on CUDA, zero-filled, every slot row 0. With a
+        hot-row cache its slots index the cache's storage and, unless ``probe`` is False, it gets a ``SlotProbe`` (the
+        cache's tags mirrored on its device from now on)."""
         if self._slabs is None:
             raise ValueError(f"{self.manifest.path}: rows of {self.stride} B span pages; no slab reads")
         if self.cache is not None:
@@ -54,12 +49,9 @@ class SlabReads:
         return slab
 
     def read_slab(self, ids: torch.Tensor | Any, slab: PageSlab, plan: int | None = None) -> None:
-        """Read rows ``ids`` into the caller's ``slab`` (``new_slab``): a one-read lookup without its decode,
-        which ``decode_slab`` runs (a decode graph captures it). Waits first, if need be, for the device work
-        that last read the slab (``slab.done``, recorded by its owner). With a hot-row cache the rows go
-        through the cache, and the slab's slots point at them in the cache's storage; with the slab's probe
-        and the step's ``plan`` id, the lookup only writes the step's plan into the probe and signals it
-        (``_read_probed``), and ``admit_probed`` caches what it read."""
+        """Read rows ``ids`` into ``slab`` without decoding them (``decode_slab`` does), after the device work that last
+        read it (``slab.done``). With a cache the rows go through it; with a probe and the step's ``plan`` id the lookup
+        only writes the plan into the probe and signals it (``_read_probed``)."""
         ids = self.check_ids(ids)
         check_fits(ids, slab)
         self._read_into_owned(ids, slab, plan)
@@ -83,9 +75,9 @@ class SlabReads:
         np.take(where, inverse, out=slab.slots.numpy()[:len(ids_np)])
 
     def _read_probed(self, ids_np: np.ndarray, slab: PageSlab, plan: int) -> None:
-        """A probed slab's lookup, host work only (cache_probe: deadlock freedom): the cache's bookkeeping of
-        the hits, the misses' pages read into the slab, the plan (cache slot, slab row, run per position) and
-        the flag written into the probe's pinned memory; the rows read are kept for ``admit_probed``."""
+        """A probed slab's lookup, host work only (cache_probe: deadlock freedom): bookkeeping of the hits, the misses'
+        pages read into the slab, the plan (cache slot, slab row, run per position) and the flag written into the
+        probe's pinned memory; the rows read are kept for ``admit_probed``."""
         probe = slab.probe
         if probe.pending is not None:  # never admitted (its step failed): counted, its rows not cached
             miss_ids, _, looked_up = probe.pending
@@ -121,22 +113,14 @@ class SlabReads:
         cache_probe.signal(probe.flag, plan)
 
     def admit_probed(self, slab: PageSlab) -> int:
-        """Cache the rows the slab's last probed lookup read (``RowCache.admit``: device work, on the table's
-        cache stream, which the current stream then waits for), ending that lookup. The slab's owner calls it
-        once no piece waits for this slab's flag any more (DecodePieces.finish_lookups after the step's
-        lookups, engine/runners/piecewise.py; ``slab.done`` is then the event of its decode), so nothing here can
-        wait for a piece that waits for the host. Returns how many rows that lookup read from disk (0 without
-        a pending lookup: a no-op).
+        """End the slab's last probed lookup: take the rows it read out of the slab to be cached during the table's next
+        probed lookup (store/late_caching.py; the lookup before's rows first). Called by the slab's owner once no piece
+        waits for its flag (DecodePieces.finish_lookups), so nothing here waits for a piece that waits for the host.
+        Returns the rows that lookup read from disk (0 without one).
 
-        On CUDA with the Triton kernels the missed rows go from the slab's pinned pages to the cache's device
-        over UVA (``uva.gather_raw``, on the cache stream after the slab's decode): no host copies, so the
-        host work is a few launches and the cache's set bookkeeping (a 4b-like batch-64 step's ~1,200 missed
-        rows a table took milliseconds of host ``index_select`` and pinned staging on the step's path
-        before). ``slab.done`` then becomes the event after that gather, which the slab's next read waits
-        for. Elsewhere (the CPU, the torch backend: the reference) the host copies the rows out of the pages
-        first; both give the cache the same bytes (tests/gpu/test_cache_probe_gpu.py). The rows taken out are
-        cached during the table's next probed lookup (store/late_caching.py); rows of the lookup before are
-        always cached first."""
+        On CUDA with Triton the rows go from the pinned pages to the device over UVA on the cache stream, after the
+        slab's decode, and ``slab.done`` becomes that gather's event; elsewhere the host copies them out. Both give the
+        cache the same bytes."""
         self._late.settle()
         pending, slab.probe.pending = slab.probe.pending, None
         if pending is None:
@@ -151,8 +135,8 @@ class SlabReads:
 
     def _take_rows(self, slab: PageSlab, miss_ids: np.ndarray, where: torch.Tensor,
                    looked_up: int) -> TakenRows:
-        """The rows ``where`` (slab rows) out of the slab, before its next read may overwrite them: over UVA
-        on the cache stream (``slab.done`` becomes the gather's event), else host copies."""
+        """The rows ``where`` out of the slab before its next read may overwrite them: over UVA on the cache stream
+        (``slab.done`` becomes the gather's event), else host copies."""
         pages = slab.data.view(-1, self.stride)  # [pages * rows_per_page, stride]
         stream = self._probe_stream(slab)
         if stream is None or not uva_decodes(slab.pinned):
@@ -190,14 +174,10 @@ class SlabReads:
 
     def decode_slab(self, slab: PageSlab, n: int, out: torch.Tensor, ids: torch.Tensor | None = None,
                     plan: torch.Tensor | None = None, status: torch.Tensor | None = None) -> torch.Tensor:
-        """The rows of the first ``n`` slots of ``slab`` dequantized into ``out`` [n, dim] (its dtype): one
-        gather over the slab's whole capacity, reading the slots where they are (pinned memory, over UVA on
-        CUDA), so the launch does not depend on what a read planned and a CUDA graph can hold it; slots past
-        the last read point at rows the slab holds (``new_slab`` starts them at 0). With a hot-row cache the
-        slots index the cache's storage; with the step's row ids ``ids`` [n] on the cache's device (-1:
-        padding), its plan id ``plan`` [1] and a ``status`` (int32 [1]), the rows are found in the cache's
-        mirrored tags on the device, and only when one is missing does the decode wait for the step's lookup
-        and follow its plan: cached rows from the storage, the others from the slab's pages
+        """The first ``n`` slots of ``slab`` dequantized into ``out`` [n, dim]: one gather over the slab's whole
+        capacity (graph-capturable: the launch does not depend on the read's plan; slots past the last read hold row 0).
+        With a cache the slots index its storage; with ``ids`` [n] (-1 padding), ``plan`` [1] and ``status`` int32 [1],
+        the rows are found in the mirrored tags and the decode waits for the lookup's plan only on a miss
         (cache_probe.resolve_slots)."""
         if self.cache is None:
             values, scales = slab.data.view(-1, self.stride), slab.scales  # [pages * rows_per_page, stride]
@@ -220,6 +200,6 @@ def check_fits(ids: torch.Tensor, slab: PageSlab) -> None:
 
 
 def uva_decodes(pinned: bool) -> bool:
-    """Whether a slab's rows are gathered by the UVA kernel (pinned, Triton usable, backend not "torch"): its
-    decode (``DiskTable._decode_slab``) and the copies out of it into a cache (``admit_probed``)."""
+    """Whether a slab's rows are gathered by the UVA kernel (pinned, Triton usable, backend not "torch"), for its decode
+    and for the copies into a cache."""
     return pinned and kernels.get_backend() != "torch" and kernels.triton_available()

@@ -1,27 +1,17 @@
-"""On-disk format of one Engram table: a directory with ``manifest.json``, ``values.bin`` and ``scales.bin``.
-
-Layout (chosen for the disk tier; V4.1: 256-B MXFP8 value rows, 16 rows per 4 KiB page)::
+"""On-disk format of one Engram table: a directory with ``manifest.json``, ``values.bin`` and ``scales.bin``::
 
     values.bin   | row 0 | row 1 | ... | row 15 | row 16 | ...          fixed row_stride bytes per row
                  |<------------- page 0 (4096 B) ------>|<- page 1 ...  row r at byte r * row_stride
-                 row_stride = value bytes rounded up to a power of two that divides 4096 (or to a multiple
-                 of 4096 for rows over 4 KiB), so a page holds whole rows and no row straddles two pages:
-                 one cold row costs exactly one aligned 4 KiB O_DIRECT read. The file is zero-padded to a
-                 whole page so the last page reads like any other.
+                 row_stride: a power of two dividing 4096 (or whole pages), so no row straddles two pages;
+                 zero-padded to a whole page
     scales.bin   | 8 B row 0 | 8 B row 1 | ...                         (mxfp8 only) dim/32 E8M0 bytes/row
     values.crc32c| crc page 0 | crc page 1 | ...                       (format 2) little-endian uint32 CRC32C
-                 of each page of values.bin: 4 B per 4 KiB page, 0.1 % of the table; the disk tier keeps it
-                 in RAM and checks every page it reads (engram/store/page_crc.py)
+                 of each page of values.bin (engram/store/page_crc.py)
 
-Values and scales are separate files because the scales are small (8 B/row, 6 GiB for all of V4.1)
-and stay resident in RAM for the disk tier, while interleaving them (264-B rows) would break the
-page alignment. ``manifest.json`` records the version, layer, rows, dim, dtype, scale block, stride, file
-sizes, a CRC32 per fixed-size chunk of each file (the sidecar included) and the layout fingerprint
-(EngramConfig.fingerprint). Format 1 (before page checksums) still opens on the gpu and host tiers, which
-check the chunk CRCs while loading; the disk tier refuses it and names ``engram convert --add-checksums``;
-writers fill a temporary directory and rename it into place with the manifest written last, so a crash
-leaves nothing that opens. Every defect raises ``TableFormatError`` naming the file and byte offset.
-"""
+Scales are a separate file so they can stay resident for the disk tier without breaking page alignment.
+``manifest.json`` (written last) records version, layer, rows, dim, dtype, scale block, stride, file sizes, a CRC32 per
+chunk of each file and the layout fingerprint. Format 1 (no page CRCs) opens on the gpu and host tiers only; the disk
+tier names ``engram convert --add-checksums``. Every defect raises ``TableFormatError`` naming file and byte offset."""
 from __future__ import annotations
 
 import json
@@ -54,8 +44,8 @@ class TableFormatError(ValueError):
 
 
 def row_stride(value_bytes: int, page_size: int = PAGE_SIZE) -> int:
-    """Bytes per row in values.bin: the smallest power of two >= value_bytes when that fits in a page
-    (so it divides the page), else value_bytes rounded up to whole pages."""
+    """Bytes per row in values.bin: the smallest power of two >= value_bytes when it fits in a page, else value_bytes
+    rounded up to whole pages."""
     if value_bytes < 1:
         raise ValueError(f"value_bytes={value_bytes} must be >= 1")
     if value_bytes > page_size:
@@ -240,8 +230,8 @@ def checksum_error(path: Path, index: int, offset: int, nbytes: int) -> TableFor
 
 
 def check_fingerprint(m: TableManifest, expect: dict[str, Any]) -> None:
-    """Refuse a table built for another layout: every key of ``expect`` (EngramConfig.fingerprint) must
-    match the manifest's fingerprint. A table without one (e.g. synthetic) must match rows, dim and layer."""
+    """Refuse a table built for another layout: every key of ``expect`` (EngramConfig.fingerprint) must match; a table
+    without a fingerprint must match rows, dim and layer."""
     mpath = m.path / MANIFEST
     text = mpath.read_text(encoding="utf-8")
     if m.fingerprint is None:

@@ -1,11 +1,5 @@
-"""The ``gpu`` tier: the whole table (values and scales) resident in device memory, or in RAM without CUDA.
-
-Lookups are one fused gather + dequantize over the resident bytes (``engram.store.kernels.gather_rows``);
-there is no cache (nothing is faster than the table itself). Ids from the CPU are range-checked there and
-copied from pinned memory without blocking; ids already on the device are used as they are (see
-engram/store/ids.py), so a lookup never makes the host wait for the GPU. Loading reads the files in 256 MiB
-pinned windows (parallel workers check every chunk's CRC32) while the previous window is copied to the device.
-"""
+"""The ``gpu`` tier: the whole table resident in device memory (RAM without CUDA); lookups are one fused gather +
+dequantize (``kernels.gather_rows``), never waiting for the GPU; no cache. Loads through pinned windows."""
 from __future__ import annotations
 
 import torch
@@ -18,8 +12,7 @@ from engram.transfer import to_device
 
 
 def default_device(device: torch.device | str | None) -> torch.device:
-    """``device`` when given (a CUDA device without an index gets the current one), else the current CUDA
-    device when there is one, else the CPU."""
+    """``device`` (a CUDA device without an index gets the current one), else the current CUDA device, else the CPU."""
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())

@@ -1,19 +1,10 @@
-"""The ``host`` tier: the table in pinned host memory when CUDA exists (plain RAM otherwise), rows
-returned on ``device``.
+"""The ``host`` tier: the table in pinned host memory when CUDA exists (plain RAM otherwise), rows returned on
+``device``.
 
-Without a cache a lookup is one kernel call over the host bytes along the table's ``HostRoute``, decided at
-open (engram.store.host_route): with CUDA one of the UVA routes of engram.store.kernels.uva (UVA kernel,
-CPU-staged copies or sorted UVA, by batch size), never waiting for the GPU; without, the torch reference
-gathers on the CPU. With ``cache`` (a RowCache on ``device``) distinct ids are looked up first and only the
-misses cross PCIe, as packed bytes, before one dequantize on ``device`` (the cache's bookkeeping reads
-counts back: a cached lookup syncs). Missed rows (and ``gather_raw``'s rows) go through ``RowStaging``: the
-CPU gathers them into one reusable pinned buffer and a non-blocking copy moves them to ``device``.
-
-Host layout of an MXFP8 table (``StoreOptions.host_layout``): "packed" (default) keeps each row's value and
-scale bytes side by side in one buffer (engram.store.load.load_packed), so a UVA read of a row touches one
-host page where "split" (the files' own layout, values and scales in two buffers) touches two; tables
-without scales have a single buffer and ignore the layout.
-"""
+Uncached, a lookup is one kernel call along the table's ``HostRoute`` (engram.store.host_route: a UVA route with CUDA,
+never waiting for the GPU; the torch reference without). With a ``cache`` only the misses cross PCIe, through
+``RowStaging``, before one dequantize on ``device`` (a cached lookup syncs). MXFP8 tables are "packed" by default
+(``host_layout``; load.load_packed), so a UVA read of a row touches one host page."""
 from __future__ import annotations
 
 import threading
@@ -32,18 +23,11 @@ STAGING_MIN_ROWS = 1024  # the smallest staging buffer, in rows; it grows to the
 
 
 class RowStaging:
-    """Rows of a host table fetched by id on their way to ``device`` (the hot-row cache's misses,
-    ``gather_raw``). The CPU ``index_select``s them into ONE reusable staging buffer (pinned under CUDA,
-    grown on demand to the next power of two of rows, at least STAGING_MIN_ROWS) and one non-blocking copy
-    moves them to ``device`` on its current stream, so the copy overlaps whatever the host does next. The
-    returned tensors are new (never the buffer), so callers may keep them. Before the buffer is written
-    again the host waits for the event of the copy that last read it (normally long finished); a buffer
-    replaced by a larger one goes back to torch's caching host allocator, which reuses it only after its
-    copies ran. One fetch at a time (a lock). Without CUDA the buffer is plain RAM and the copy a CPU copy:
-    the same path, bitwise the same rows.
-
-    The rows are copied from ``engram.store.kernels.staged.row_sources(values, scales)``: whole packed rows
-    (one source) for the packed layout, else values [and scales]."""
+    """Rows of a host table fetched by id on their way to ``device`` (cache misses, ``gather_raw``): the CPU
+    ``index_select``s them into one reusable staging buffer (pinned under CUDA, grown to powers of two of rows, at least
+    STAGING_MIN_ROWS), and one non-blocking copy moves them on the current stream. Returned tensors are new, never the
+    buffer. The buffer is rewritten only after its last copy's event; one fetch at a time (a lock). Rows come from
+    ``kernels.staged.row_sources(values, scales)``."""
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor | None, device: torch.device) -> None:
         self.sources = row_sources(values, scales)  # uint8 [R, w_j] host tensors
@@ -58,8 +42,8 @@ class RowStaging:
         self._lock = threading.Lock()
 
     def fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows ``ids`` (int64 [M], on the CPU, in range) as (values uint8 [M, >= value_bytes], scales uint8
-        [M, scale_cols] | None) on ``device``; no host wait for the GPU except for the buffer's previous copy."""
+        """Rows ``ids`` (int64 [M], CPU, in range) -> (values uint8 [M, >= value_bytes], scales uint8 [M, scale_cols] |
+        None) on ``device``; waits only for the buffer's previous copy."""
         m = ids.numel()
         with self._lock:
             if self._copied is not None:
@@ -88,15 +72,11 @@ class RowStaging:
 
 
 class HostTable(ResidentTable):
-    """A table in (pinned) host memory serving rows to ``device`` (default: CUDA device, else the CPU).
+    """A table in (pinned) host memory serving rows to ``device`` (default: the CUDA device, else the CPU).
 
-    Layout "packed": ``values`` = packed[:, :value_bytes] and ``scales`` = packed[:, value_bytes:
-    value_bytes + scale_cols], strided views (row stride S = value_bytes + scale_cols rounded up to 16,
-    272 B for V4.1; unit column stride) of one buffer uint8 [rows, S]. "split": ``values`` uint8 [rows,
-    row_stride] and ``scales`` uint8 [rows, scale_cols], two buffers. ``options.load_threads`` workers read
-    and CRC-check the files (``options.verify``) into that memory in one pass, or, with ``build`` (a
-    ``StorageBuild``), make the rows in memory without any file. ``route``: the HostRoute. ``staging``: the
-    RowStaging that missed rows (and ``gather_raw``) go through."""
+    "packed": ``values`` and ``scales`` are strided views of one buffer uint8 [rows, S] (S = ``packed_row_bytes``);
+    "split": two buffers. Loaded from the files (CRC-checked when ``options.verify``) or made by ``build``. ``route``:
+    the HostRoute; ``staging``: the RowStaging for missed rows and ``gather_raw``."""
 
     tier = Tier.HOST
 

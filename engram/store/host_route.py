@@ -1,12 +1,8 @@
 """``HostRoute``: how an uncached host-tier lookup reads its rows, decided once when the table opens.
 
-At open the table settles which kernel can read its memory ("uva": the Triton kernels read the pinned table
-through UVA, which needs CUDA, triton, pinned memory and rows returned on a GPU; else "reference": torch
-gathers on the CPU) and the batch-size bands of the UVA routes (StoreOptions.staged_min_rows /
-sorted_min_rows / staged_chunk_rows, see engram.store.kernels.uva). A lookup then costs one comparison of its
-size with the bands, nothing re-derived per call. Ids from the CPU stay there for the staged route (the CPU
-gathers the rows) and go to the GPU through pinned memory without blocking for the others; ids already on
-the GPU never take the staged route (it would copy them back, a host sync).
+The kernel ("uva": Triton over UVA, needing CUDA, triton, pinned memory and rows on a GPU; else "reference": torch on
+the CPU) and the UVA routes' batch-size bands (StoreOptions) are fixed at open; a lookup costs one comparison. CPU ids
+stay there for the staged route and go to the GPU through pinned memory otherwise; GPU ids never take the staged route.
 """
 from __future__ import annotations
 
@@ -24,9 +20,8 @@ KERNELS = ("uva", "reference")
 
 @dataclass(frozen=True)
 class HostRoute:
-    """The read path of one host table: ``kernel`` ("uva" | "reference"), the UVA ``bands`` and the UVA
-    kernels' grid: a cap (``max_programs``, 0: none; StoreOptions.uva_max_programs) and a spread
-    (``tiles_per_program``, 1: one program per tile; StoreOptions.uva_tiles_per_program)."""
+    """One host table's read path: ``kernel`` ("uva" | "reference"), the UVA ``bands`` and the UVA grid's cap
+    (``max_programs``, 0: none) and spread (``tiles_per_program``, 1: one program per tile)."""
 
     kernel: str
     bands: RouteBands

@@ -1,13 +1,8 @@
-"""Row ids on their way into a lookup: their form and their range check (their copy to the device is
-``engram.transfer.to_device``).
+"""Row ids on their way into a lookup: their form and their range check.
 
-The contract every tier follows (see TableBackend.check_ids): ids that arrive on the CPU are
-range-checked on the CPU (a reduction over host memory, no device work) and reach the GPU through pinned
-memory with ``non_blocking=True``, so the check and the copy never make the host wait for the GPU. Ids that
-arrive already on a GPU are trusted: their producer (the engine's hashing, which yields ids below each
-table's size) guarantees the range, and checking them would need a device reduction read back by the host,
-a sync per lookup. ``StoreOptions.check_device_ids`` turns that check on for debugging.
-"""
+CPU ids are range-checked on the CPU and reach the GPU through pinned memory with ``non_blocking=True``, so neither
+makes the host wait. GPU ids are trusted (the engine's hashing yields ids below each table's size; checking would sync
+per lookup) unless ``StoreOptions.check_device_ids``."""
 from __future__ import annotations
 
 from typing import Any
@@ -25,8 +20,8 @@ def as_ids(ids: torch.Tensor | Any) -> torch.Tensor:
 
 
 def check_range(ids: torch.Tensor, rows: int, what: Any) -> None:
-    """IndexError naming the first id outside [0, rows), its position and ``what`` (the table). On the CPU
-    this never touches the GPU; on a GPU the clean path costs one reduction and one sync."""
+    """IndexError naming the first id outside [0, rows), its position and ``what``; on a GPU one reduction and one sync.
+    """
     if ids.numel() == 0:
         return
     if ids.device.type == "cpu":  # numpy: cheaper than torch's ops at a decode lookup's few ids

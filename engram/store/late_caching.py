@@ -1,26 +1,14 @@
 """Caching a probed slab's rows late: during the table's next lookup's reads instead of before it.
 
-Caching the rows a decode step's disk lookups read (``DiskTable.admit_probed``, on the engine's thread) after
-its last read and before the next step's lookups would put that caching on the step's critical path. Instead
-``admit_probed`` only takes the rows out of the slab (what must come before the slab's next read: on CUDA a UVA
-gather into device memory, on the cache stream after the slab's decode) and ``hold``s them; the table's next
-probed lookup ``hand_over``s them right after its cache split, and they are cached on this object's thread
-while that lookup's reads run.
+``admit_probed`` only takes the rows out of the slab (what must precede the slab's next read) and ``hold``s them; the
+table's next probed lookup ``hand_over``s them right after its cache split, and they are cached on this object's thread
+while that lookup's reads run, off the step's critical path. Exactness (docs/disk.md, "Caching a step's rows late"):
 
-Why the pieces stay exact (docs/disk.md, "Caching a step's rows late"):
-
-* the caching runs after the next lookup's split, so that lookup's hits carry the cache's current clock,
-  which ``RowCache._insert`` never evicts; the ids it inserts have their bytes written before their tags (on
-  the cache stream), so a piece that finds a new tag reads its bytes;
-* an id the next lookup missed too is read twice and cached once (``RowCache.admit`` rechecks, once a table
-  has cached late, and skips ids cached since its call's split): +0.10 % reads a step on the natural corpus
-  (docs/log.md);
-* ``settle`` comes before any other use of the cache: the next ``admit_probed`` (so the step after next finds
-  the writes done: the caching ends by making the engine's stream, captured when the rows were taken out,
-  wait for the cache stream) and the table's other lookups (chunked gathers, unprobed slabs); rows held but
-  never handed over (the next lookup failed before its split, or never came) are cached there, on the
-  settling thread.
-"""
+* the caching runs after the next lookup's split, whose hits carry the current clock, which
+  ``RowCache._insert`` never evicts; bytes are written before tags, so a piece finding a new tag reads them;
+* an id the next lookup missed too is read twice and cached once (``RowCache.admit`` rechecks);
+* ``settle`` comes before any other use of the cache (the next ``admit_probed``, the table's other lookups);
+  it ends by making the engine's stream wait for the cache stream, and caches rows never handed over."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -35,8 +23,8 @@ import torch
 
 @dataclass
 class TakenRows:
-    """A probed lookup's rows read, taken out of its slab: what ``RowCache.admit`` takes, the stream to cache
-    them on and the stream that must wait for that (None, None on the CPU)."""
+    """A probed lookup's rows taken out of its slab: ``RowCache.admit``'s arguments, the stream to cache them on and the
+    stream that waits for that (None, None on the CPU)."""
     miss_ids: np.ndarray  # [M] host
     values: torch.Tensor  # [M, stride] uint8
     scales: torch.Tensor | None  # [M, scale_cols] uint8
@@ -46,8 +34,8 @@ class TakenRows:
 
 
 class LateCaching:
-    """One table's rows held for late caching, and the caching handed over to this object's thread.
-    ``cache(rows)`` caches one ``TakenRows`` (DiskTable's ``_cache_taken``)."""
+    """One table's rows held for late caching and the caching handed to this object's thread; ``cache(rows)`` caches one
+    ``TakenRows``."""
 
     def __init__(self, cache: Callable[[TakenRows], None], device: torch.device):
         self._cache, self.device = cache, device
@@ -81,9 +69,8 @@ class LateCaching:
             self._running.append(self._thread.submit(self._cache, rows))
 
     def settle(self) -> None:
-        """Before any other use of the cache: the handed-over caching finished (its error raised here: rows
-        held since are then dropped, to be read again when asked for), then rows held but never handed over
-        cached now, on this thread."""
+        """Before any other use of the cache: finish the handed-over caching (raising its error; rows held since are
+        dropped, to be read again), then cache rows held but never handed over, on this thread."""
         with self._lock:
             running, self._running = self._running, []
             rows, self._held = self._held, None

@@ -1,19 +1,10 @@
 """Read a table's files into memory (RAM, pinned RAM or device memory), checking CRCs on the way.
 
-``load_file(manifest, kind, target)`` loads one data file; ``load_table`` a whole table, in the "split"
-layout (the files' own layouts) or, for MXFP8 tables in host memory, "packed" (each row's value and scale
-bytes side by side, see ``load_packed``). Host targets ("ram"; "pinned": page-locked through
-engram.store.pinning when CUDA exists, else RAM) are filled in ONE parallel pass: worker threads each take
-checksum chunks, pread them from the page cache straight into the destination (or into a small per-thread
-buffer when rows are rearranged), CRC them and move on, so no second full copy of the table is ever held;
-a device target is read the same way into two pinned windows whose copies overlap the next window's reads.
-A bad chunk raises TableFormatError naming
-the file and the chunk's byte offset (for values.bin, the first page of the chunk that fails its CRC32C, as
-the disk tier names it), and nothing loaded so far is kept (nor pinned).
-
-engram/store/build.py returns the same tensors for a table whose rows are made in memory instead of read
-from files, through this module's host buffers and device windows.
-"""
+``load_file`` loads one data file, ``load_table`` a whole table in the "split" layout (the files' own) or, for MXFP8
+tables in host memory, "packed" (``load_packed``). Host targets are filled in one parallel pass: workers pread checksum
+chunks straight into the destination and CRC them, so no second copy of the table is held; a device target goes through
+two alternating pinned windows. A bad chunk raises TableFormatError naming the file and byte offset (for values.bin, its
+first page failing the CRC32C), and nothing loaded so far is kept."""
 from __future__ import annotations
 
 import os
@@ -62,10 +53,9 @@ def _pread_into(fd: int, buf: torch.Tensor, off: int, path, size: int) -> None:
 
 
 def _scatter_rows(dst: np.ndarray, piece: np.ndarray, start: int, fstride: int) -> None:
-    """Place ``piece`` (uint8, the file's bytes [start, start + len)) into ``dst`` [rows, width]: the file
-    holds row r's ``width`` used bytes at r * fstride (fstride >= width; bytes past them and rows past
-    ``rows`` are file padding). Only the first and last row touched can be cut by the piece's ends.
-    numpy copies: one thread each, GIL released (torch's would start an OpenMP team inside every worker)."""
+    """Place ``piece`` (the file's bytes [start, start + len)) into ``dst`` [rows, width]: row r's ``width`` used bytes
+    sit at r * fstride in the file (the rest is padding); only the first and last row can be cut. numpy copies (GIL
+    released; torch's would start an OpenMP team inside every worker)."""
     rows, width = dst.shape
     end = start + piece.size
     first, last = start // fstride, min(rows - 1, (end - 1) // fstride)
@@ -84,10 +74,9 @@ def _scatter_rows(dst: np.ndarray, piece: np.ndarray, start: int, fstride: int) 
 
 
 class _FileFill:
-    """The chunks of one data file and where their bytes go: a flat image of the file (``flat`` uint8
-    [file bytes], or of the file's bytes from ``base`` on) or rows rearranged into ``rows_dst`` [rows,
-    width] (``fstride`` file bytes apart), whose ``pad`` columns (uint8 [rows, k], may be empty) are zeroed
-    by the chunk holding the row's first byte. ``only``: the range of chunk indices to run (default all)."""
+    """The chunks of one data file and where their bytes go: a flat image (``flat`` uint8, from ``base`` on) or rows
+    ``rows_dst`` [rows, width] (``fstride`` file bytes apart) whose ``pad`` columns are zeroed by the chunk holding the
+    row's first byte. ``only``: the range of chunk indices to run."""
 
     def __init__(self, m: TableManifest, kind: str, flat: torch.Tensor | None = None,
                  rows_dst: torch.Tensor | None = None, fstride: int = 0, pad: torch.Tensor | None = None,
@@ -129,9 +118,8 @@ class _FileFill:
 
 
     def _checksum_error(self, fd: int, i: int, off: int, n: int) -> TableFormatError:
-        """Chunk ``i`` failed its CRC32: the error (CorruptPageError, as the disk tier's) names its first page
-        that fails the page CRC32C too, when the file has page CRCs and they find one (the chunk's bytes are
-        read again to look)."""
+        """Chunk ``i`` failed its CRC32 -> the error, naming (as CorruptPageError, like the disk tier) its first page
+        failing the page CRC32C when the file has page CRCs (the chunk is read again to look)."""
         err = checksum_error(self.path, i, off, n)
         if self.pages is None:
             return err
@@ -152,9 +140,8 @@ class _FileFill:
 
 
 def _fill(fills: list[_FileFill], verify: bool, threads: int, bar) -> None:
-    """Run every chunk of ``fills`` on ``threads`` workers. After a failure the chunks not yet started are
-    skipped and the error of the first failing chunk (file order) is raised; chunks start in that order, so
-    it is the first bad chunk of the table."""
+    """Run every chunk of ``fills`` on ``threads`` workers, in file order; after a failure unstarted chunks are skipped
+    and the first bad chunk's error is raised."""
     local = threading.local()
     stop = threading.Event()
     fds = {}
@@ -225,8 +212,8 @@ DEVICE_WINDOW = 256 << 20  # bytes of a file read (in parallel) into one pinned 
 
 def _load_to_device(m: TableManifest, kind: str, dev: torch.device, verify: bool, bar,
                     threads: int = LOAD_THREADS) -> torch.Tensor:
-    """One data file into device memory through two pinned windows: ``threads`` workers read and CRC the
-    checksum chunks of one window (``_fill``) while the other window's host-to-device copy runs."""
+    """One data file into device memory through two pinned windows: workers read and CRC one window while the other's
+    copy runs."""
     size, cb = m.files[kind].bytes, m.chunk_bytes
     out = torch.empty(size, dtype=torch.uint8, device=dev)
     span = max(cb, DEVICE_WINDOW // cb * cb)  # whole chunks per window
@@ -240,11 +227,9 @@ def _load_to_device(m: TableManifest, kind: str, dev: torch.device, verify: bool
 
 def _through_windows(outs: list[torch.Tensor], span: int,
                      fill: Callable[[list[torch.Tensor], int, int], None]) -> None:
-    """Write ``outs`` (tensors on one device sharing their first dimension) ``span`` entries at a time:
-    ``fill(hosts, w0, w1)`` writes entries [w0, w1) of each into ``hosts`` (host windows shaped like
-    ``outs[j][w0:w1]``, pinned under CUDA), whose copies to the device then run on a side stream while the
-    next window fills; two windows per output alternate. On CUDA the caller's current stream is ordered
-    after the copies; after an error no copy still writes into ``outs``."""
+    """Write ``outs`` (one device, sharing dim 0) ``span`` entries at a time: ``fill(hosts, w0, w1)`` writes entries
+    [w0, w1) into host windows (pinned under CUDA) copied on a side stream while the next fills; two windows per output
+    alternate. The caller's stream is ordered after the copies; after an error no copy still writes."""
     dev, n = outs[0].device, outs[0].shape[0]
     cuda = dev.type == "cuda"
     windows = [[torch.empty((min(span, n), *o.shape[1:]), dtype=o.dtype, pin_memory=cuda) for o in outs]
@@ -277,8 +262,8 @@ def _through_windows(outs: list[torch.Tensor], span: int,
 
 def fill_packed(m: TableManifest, dst: torch.Tensor, verify: bool = True, threads: int = LOAD_THREADS,
                 bar=None) -> None:
-    """Write the packed layout of MXFP8 table ``m`` into ``dst`` (uint8 host memory of rows * S bytes, any
-    prior contents; see ``load_packed``) with ``threads`` workers, CRC-checking every chunk of both files."""
+    """Write MXFP8 table ``m``'s packed layout into ``dst`` (uint8 host memory of rows * S bytes), CRC-checking every
+    chunk of both files."""
     _check_threads(threads)
     vb, sc = m.value_bytes, m.scale_cols
     stride = packed_row_bytes(vb, sc)
@@ -292,14 +277,13 @@ def fill_packed(m: TableManifest, dst: torch.Tensor, verify: bool = True, thread
 
 def load_packed(m: TableManifest, target: str = "pinned", verify: bool = True, progress: bool = False,
                 threads: int = LOAD_THREADS) -> torch.Tensor:
-    """An MXFP8 table as ONE host buffer uint8 [rows, S], S = ``packed_row_bytes`` (272 for V4.1)::
+    """An MXFP8 table as one host buffer uint8 [rows, S], S = ``packed_row_bytes`` (272 for V4.1)::
 
         row r: | value bytes (value_bytes) | scale bytes (scale_cols) | zeros to S |
                0                          value_bytes               +scale_cols  S
 
-    A row's values and scales then share one 4 KiB page (or 2 MiB huge page) far more often than two,
-    which is what a UVA gather pays for. Both files are read in one parallel verified pass
-    (``fill_packed``) into the buffer, pinned when ``target`` is "pinned" and CUDA exists, RAM otherwise."""
+    A row's values and scales then usually share one page, which is what a UVA gather pays for. Pinned when ``target``
+    is "pinned" and CUDA exists, RAM otherwise."""
     if not m.scale_cols:
         raise ValueError(f"layout='packed' needs an mxfp8 table with scales; {m.path} is {m.row_dtype}")
     if target not in ("ram", "pinned"):
@@ -318,11 +302,9 @@ def load_packed(m: TableManifest, target: str = "pinned", verify: bool = True, p
 def load_table(m: TableManifest, target: str | torch.device = "ram", verify: bool = True,
                progress: bool = False, layout: str = "split",
                threads: int = LOAD_THREADS) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(values uint8 [rows, >= value_bytes], scales uint8 [rows, scale_cols] | None) on ``target``.
-    "split": values [rows, row_stride] and scales [rows, scale_cols], one buffer per file. "packed" (MXFP8
-    tables in host memory): views of one ``load_packed`` buffer, values = packed[:, :value_bytes] and scales
-    = packed[:, value_bytes:value_bytes + scale_cols] (row stride S, unit column stride); a table without
-    scales has one buffer either way, so it loads "split"."""
+    """(values uint8 [rows, >= value_bytes], scales uint8 [rows, scale_cols] | None) on ``target``. "split": one buffer
+    per file. "packed" (MXFP8 in host memory): views of one ``load_packed`` buffer (row stride S); a table without
+    scales loads "split"."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
     if layout == "packed" and m.scale_cols:

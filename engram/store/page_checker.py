@@ -27,10 +27,9 @@ class PageChecker:
 
     def check(self, offsets: np.ndarray, buf: torch.Tensor | np.ndarray, size: int,
               crcs: np.ndarray | None = None) -> None:
-        """Return when every page of a read is intact: ``buf`` holds len(offsets) blocks of ``size`` bytes
-        (whole pages) read from byte ``offsets[i]``; ``crcs``, when given, their pages' CRC32Cs as the reader
-        computed them. Else raise CorruptPageError for the lowest bad page; its ``bad_pages`` says how many
-        pages of the read were bad."""
+        """Return when every page of a read is intact (``buf``: len(offsets) blocks of ``size`` bytes from
+        ``offsets[i]``; ``crcs``: the reader's page CRC32Cs), else raise CorruptPageError for the lowest bad page
+        (``bad_pages``: how many were bad)."""
         pages, got = bad_pages(buf.numpy() if isinstance(buf, torch.Tensor) else buf,
                                np.asarray(offsets, dtype=np.int64) // self.page_size, size // self.page_size,
                                self.crcs, self.page_size, got=crcs)

@@ -1,12 +1,9 @@
 """Per-page checksums of ``values.bin``: the ``values.crc32c`` sidecar (format 2), written and checked.
 
-Layout: one little-endian uint32 CRC32C per ``page_size`` page of values.bin, in page order (4 B per 4 KiB
-page: 0.1 % of the table). The sidecar is a data file of the manifest like the others, so its own chunk
-CRC32s are checked when it is loaded. ``PageCrcStream`` computes it while a writer streams values.bin;
-``PageChecker`` (page_checker.py) holds it in RAM for the disk tier and checks the pages a read returned
-before any row is cut out of them: a page whose CRC32C differs raises ``CorruptPageError`` (a TableFormatError naming values.bin
-and the byte offset of the page). ``bad_pages`` finds every mismatch of a buffer (verification, scrubbing).
-"""
+One little-endian uint32 CRC32C per page, in page order; a data file of the manifest like the others (its chunk CRC32s
+checked on load). ``PageCrcStream`` computes it while a writer streams values.bin; ``PageChecker`` (page_checker.py)
+checks the pages a read returned before any row is cut out, raising ``CorruptPageError`` (file and page offset);
+``bad_pages`` finds every mismatch of a buffer."""
 from __future__ import annotations
 
 import numpy as np
@@ -74,10 +71,9 @@ def sidecar_bytes(crcs: np.ndarray) -> bytes:
 
 def bad_pages(buf: np.ndarray | None, first_pages: np.ndarray, pages_per_block: int, expected: np.ndarray,
               page_size: int, got: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(page numbers int64 [k], their CRC32C as read uint32 [k]) of the pages whose bytes in ``buf`` do not
-    match ``expected``: ``buf`` (uint8) holds len(first_pages) blocks of ``pages_per_block`` pages, block i
-    starting at page ``first_pages[i]``. ``got``: those pages' CRC32Cs when the reader already computed them
-    (``PageReader.read(crcs=)``; ``buf`` is then not read)."""
+    """(page numbers int64 [k], their CRC32C as read uint32 [k]) of the pages of ``buf`` (uint8: len(first_pages) blocks
+    of ``pages_per_block`` pages, block i from page ``first_pages[i]``) not matching ``expected``. ``got``: the CRC32Cs
+    the reader computed (``buf`` is then not read)."""
     n = len(first_pages) * pages_per_block
     if got is None:
         got = crc32c_pages(buf.reshape(-1)[: n * page_size], page_size)  # [n]

@@ -1,18 +1,10 @@
 """Reusable read buffers of the disk tier's one-read lookups (``DiskTable``'s direct path).
 
-A ``PageSlab`` holds what one lookup needs between its reads and its decode: its read plan (slab_plan.py),
-the pages it reads (page-aligned, as O_DIRECT wants), their CRC32Cs as the reader computed them, the buffer
-row of every id asked for (``slots``) and, for MXFP8 tables, each read row's scale bytes at that row's
-buffer position, so one gather over the slab decodes the lookup: ids index ``values`` and ``scales`` alike.
-
-On CUDA the slab is pinned memory and the decode kernel reads it over PCIe (UVA) while the host goes on:
-a slab is handed out again only once the device work that reads it has run (``release`` records an event
-on the stream that read it; ``acquire`` takes only slabs whose event has passed and never waits for one,
-allocating another instead). Without CUDA the slab is plain memory, decoded on the host before release.
-Slabs grow to the largest lookup seen (a power of two of pages) and at most ``keep`` idle ones are kept;
-one over that is dropped once its event has passed (its pinned memory may go back to torch's allocator
-only then: a kernel may still be reading it).
-"""
+A ``PageSlab`` holds one lookup's plan (slab_plan.py), its pages (page-aligned for O_DIRECT), their CRC32Cs, each asked
+id's buffer row (``slots``) and, for MXFP8, each read row's scales at that row, so one gather over the slab decodes the
+lookup. On CUDA slabs are pinned and read over UVA: ``release`` records an event on the reading stream and ``acquire``
+only hands out slabs whose event passed (allocating rather than waiting). Slabs grow to the largest lookup (powers of
+two of pages); at most ``keep`` idle ones are kept, the extra dropped once its event passed."""
 from __future__ import annotations
 
 import threading
@@ -26,10 +18,9 @@ from engram.store.reader import PAGE, aligned_pages
 
 @dataclass(eq=False)
 class SlotProbe:
-    """What a decode-graph piece needs to find a cached disk table's rows on the device
-    (store/kernels/cache_probe.py): where it resolved them (int64 [3, rows] on the cache's device: cache slot,
-    row in the slab's pages, run), the host lookup's plan of the same shape (pinned) and the flag it signals
-    (int64 [1], pinned: ``2 * plan`` planned, ``2 * plan + 1`` failed; -1 before any)."""
+    """What a decode piece needs to find a cached disk table's rows on the device (kernels/cache_probe.py): the resolved
+    slots (int64 [3, rows] on the cache's device: cache slot, slab row, run), the host plan of the same shape (pinned)
+    and the flag (int64 [1], pinned: ``2 * plan`` planned, ``2 * plan + 1`` failed; -1 before any)."""
 
     resolved: torch.Tensor
     plan: torch.Tensor
@@ -60,8 +51,8 @@ class PageSlab:
 
 
 class SlabPool:
-    """Slabs of one table: ``acquire(pages, rows)`` a slab at least that big, ``release(slab)`` when the
-    lookup's decode is queued (on CUDA, ``stream`` is where it was queued). Thread-safe."""
+    """Slabs of one table: ``acquire(pages, rows)`` one at least that big, ``release(slab, stream)`` once the lookup's
+    decode is queued (on ``stream``). Thread-safe."""
 
     def __init__(self, page_size: int, stride: int, scale_cols: int, pinned: bool, keep: int = 2):
         if page_size % PAGE:

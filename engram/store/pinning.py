@@ -1,18 +1,9 @@
 """Page-locked (pinned) host copies of big tables, fast enough for tables of tens of gigabytes.
 
-``pin_tensor(t)`` returns a pinned tensor with ``t``'s dtype, shape and contents when CUDA is available,
-and ``t`` itself otherwise (or when it is already pinned or on a device). By default the copy goes into a
-fresh 2 MiB-aligned anonymous mapping advised for transparent huge pages, written by several threads,
-then registered with ONE ``cudaHostRegister`` (mapped + portable, so kernels read it through UVA; a copy
-may not span two registrations, so the table is never registered in pieces); it is unregistered when the
-last tensor viewing it is freed. ``pinned_empty_filled(nbytes, fill)`` is the same with the caller
-writing the bytes (the table loader CRC-checks and copies file chunks from its own threads): the fill
-completes before the one registration, and a fill that raises leaves nothing registered or mapped.
-Measured on the H200 machine (docs/benchmarks.md): 8 GiB pin in 0.64 s
-this way, 2.1 s without huge pages, 4.1 s with cuMemHostAlloc (``method="alloc"``), 5.1 s with
-``torch.empty(pin_memory=True)``, which also rounds sizes up to a power of two; UVA gathers ran at the
-same speed from all four.
-"""
+``pin_tensor(t)`` returns a pinned copy of ``t`` when CUDA is available, else ``t``; ``pinned_empty_filled`` is the same
+with the caller writing the bytes. The memory is a fresh 2 MiB-aligned anonymous mapping advised for huge pages, filled
+by several threads, then registered with one ``cudaHostRegister`` (mapped + portable, for UVA; a copy may not span two
+registrations), and unregistered when the last tensor viewing it is freed."""
 from __future__ import annotations
 
 import ctypes
@@ -110,8 +101,8 @@ def _unmap(region: mmap.mmap, *views: memoryview) -> None:
 
 
 def _drop_fill_frames(err: BaseException) -> None:
-    """Clear the locals of the frames ``err`` passed through (the fill's workers hold views of the
-    destination there), so a failed fill frees its mapping now instead of when the error is collected."""
+    """Clear the locals of the frames ``err`` passed through (the fill's workers hold views of the destination), so a
+    failed fill frees its mapping now."""
     while err is not None:
         traceback.clear_frames(err.__traceback__)  # executing frames are skipped
         err = err.__cause__ or err.__context__
@@ -169,13 +160,10 @@ def _filled_alloc(nbytes: int, fill: Callable[[torch.Tensor], None]) -> torch.Te
 
 def pinned_empty_filled(nbytes: int, fill: Callable[[torch.Tensor], None], *, method: str = "register",
                         huge_pages: bool = True) -> torch.Tensor:
-    """A host tensor uint8 [nbytes] written by ``fill(dst)``, then page-locked when CUDA is available.
-
-    "register" (default): a fresh 2 MiB-aligned anonymous mapping (MADV_HUGEPAGE when ``huge_pages``),
-    filled, then registered with ONE cudaHostRegister; without CUDA the same mapping, filled and returned
-    unregistered (plain RAM). "alloc": cuMemHostAlloc, then the fill (plain mapping without CUDA). If
-    ``fill`` raises, nothing is registered, the memory is freed and the error propagates. ``fill`` may use
-    threads (it owns ``dst`` until it returns)."""
+    """A host tensor uint8 [nbytes] written by ``fill(dst)``, then page-locked when CUDA is available. "register": the
+    aligned mapping (MADV_HUGEPAGE when ``huge_pages``) registered once after the fill (unregistered RAM without CUDA);
+    "alloc": cuMemHostAlloc, then the fill. If ``fill`` raises, nothing stays registered or mapped and the error
+    propagates. ``fill`` owns ``dst`` (and may use threads) until it returns."""
     if method not in PIN_METHODS:
         raise ValueError(f"method={method!r} is not one of {PIN_METHODS}")
     if nbytes < 0:
@@ -192,9 +180,7 @@ def pinned_empty_filled(nbytes: int, fill: Callable[[torch.Tensor], None], *, me
 
 def pin_tensor(t: torch.Tensor, *, method: str = "register", huge_pages: bool = True, chunk_bytes: int = 1 << 30,
                threads: int = 8) -> torch.Tensor:
-    """A pinned host tensor equal to ``t`` (same dtype, shape, bytes); ``t`` unchanged without CUDA.
-    ``method``: "register" (a huge-page mapping registered with cudaHostRegister; default, the fastest to
-    pin) or "alloc" (cuMemHostAlloc); ``huge_pages`` applies to "register"."""
+    """A pinned host tensor equal to ``t`` (``t`` itself without CUDA); ``method`` as in ``pinned_empty_filled``."""
     if method not in PIN_METHODS:
         raise ValueError(f"method={method!r} is not one of {PIN_METHODS}")
     if chunk_bytes <= 0 or chunk_bytes % mmap.PAGESIZE:

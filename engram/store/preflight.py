@@ -1,10 +1,7 @@
-"""Memory preflight: before a table is loaded, compare the bytes its tier needs with what the machine allows.
-
-``memory_need(manifest, tier, ...)`` splits a tier's footprint into RAM, pinned RAM and device memory
-(values, resident scales, hot-row cache, I/O buffers); ``machine_budget()`` reads available RAM (MemAvailable,
-capped by the cgroup limit) and free device memory; ``preflight`` raises ``MemoryPreflightError`` naming
-the sizes and an option that would fit (another tier, a smaller cache) instead of dying halfway through.
-"""
+"""Memory preflight: before a table loads, compare the bytes its tier needs with what the machine allows.
+``memory_need`` splits a footprint into RAM, pinned RAM and device memory; ``machine_budget`` reads available RAM
+(capped by the cgroup) and free device memory; ``preflight`` raises ``MemoryPreflightError`` naming the sizes and an
+option that would fit."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -80,12 +77,8 @@ _CGROUP_FILES = (  # (limit, usage, stat, the stat key of the page cache nobody 
 
 
 def cgroup_available(root: str = "/sys/fs/cgroup") -> int | None:
-    """Bytes left under this process's cgroup memory limit (v2 or v1), None when unlimited/unknown.
-
-    The cgroup's usage counts its page cache, which the kernel reclaims before it refuses an allocation:
-    after a run that wrote or read large files, ``usage`` can sit near the limit with most of it cache. Like
-    the kernel's and kubelet's *working set*, the inactive file pages are taken off the usage (active
-    ones are kept as used, which errs towards refusing)."""
+    """Bytes left under this process's cgroup memory limit (v2 or v1), None when unlimited/unknown. Inactive file pages
+    are taken off the usage (the kernel reclaims them first), active ones count as used."""
     for limit_f, usage_f, stat_f, inactive_key in _CGROUP_FILES:
         limit = _read_int(f"{root}/{limit_f}")
         if limit is not None and limit < (1 << 60):
@@ -116,8 +109,8 @@ def machine_budget(device: torch.device | None = None) -> MemoryBudget:
 
 def memory_need(m: TableManifest, tier: str, device: torch.device, cache_rows: int = 0,
                 host_layout: str = "packed", chunk_pages: int = 2048) -> MemoryNeed:
-    """What opening ``m`` on ``tier`` with rows returned on ``device`` takes (``host_layout``: the host
-    tier's row layout, see engram.store.host; ``chunk_pages``: the disk tier's pages per batched read)."""
+    """What opening ``m`` on ``tier`` with rows on ``device`` takes (``host_layout``: the host tier's layout;
+    ``chunk_pages``: the disk tier's pages per read)."""
     values = m.rows * m.row_stride
     scales = m.rows * m.scale_cols
     cache = RowCache.bytes_for_rows(cache_rows, m.value_bytes, m.scale_cols) if cache_rows else 0

@@ -1,16 +1,11 @@
 """Batched page reads from one file: ``PageReader.read(offsets, out)`` fills ``out`` with whole pages.
 
-The fast path is the C pthread pool ``engram.store._pread_pool`` (csrc/pread_pool.c), which releases the
-GIL and keeps ``queue_depth`` preads in flight, and for ``io="direct"`` the same extension's Linux AIO
-reader (csrc/aio_reader.c: one ``io_submit`` per batch, ``queue_depth`` reads in flight, no thread woken per
-read); without the extension (no compiler at install time) a pure-Python thread pool returns
-identical bytes, with one warning per process. ``io="direct"`` opens the file with
-O_DIRECT (reads bypass the page cache; buffers must be page-aligned, see ``aligned_pages``) and
-``io="buffered"`` goes through the page cache. Any failed, short or stale read raises ``DiskReadError``
-naming the file and byte offset; only that call fails, the next one reads afresh. ``ENGRAM_KERNELS=reader=...``
-(auto|c|python, checked at import; engram/fast_path.py) sets the initial backend; tests flip it with
-``set_backend("python")`` and inject faults through ``PageReader.fault_hook``.
-"""
+Backends: the C pthread pool ``engram.store._pread_pool`` (csrc/pread_pool.c; GIL released, ``queue_depth`` preads in
+flight) and, for ``io="direct"`` (O_DIRECT, page-aligned buffers: ``aligned_pages``), its Linux AIO reader
+(csrc/aio_reader.c); without the extension a Python thread pool returns identical bytes (one warning per process). A
+failed, short or stale read raises ``DiskReadError`` naming file and offset; only that call fails.
+``ENGRAM_KERNELS=reader=auto|c|python`` sets the initial backend; tests use ``set_backend`` and
+``PageReader.fault_hook``."""
 from __future__ import annotations
 
 import errno as errno_mod
@@ -59,10 +54,8 @@ _read_start = threading.local()  # per thread: the hook ``on_read_start`` set
 
 
 def on_read_start(hook: Callable[[], None] | None) -> Callable[[], None] | None:
-    """Call ``hook()`` on this thread right before each ``PageReader.read`` hands its pages to the pool (the
-    call that releases the GIL while the reads run); None stops it. Returns the hook it replaces.
-    engine/step_lookups.py uses it to know when a step's first reads are on their way, engine/lookup.py
-    (``first_then_later``) to submit a step's later lookups then."""
+    """Call ``hook()`` on this thread right before each ``PageReader.read`` hands its pages to the pool (where the GIL
+    is released); None stops it. Returns the hook it replaces (step_lookups.py, lookup.first_then_later)."""
     before = getattr(_read_start, "hook", None)
     _read_start.hook = hook
     return before
@@ -172,15 +165,14 @@ def _aio(queue_depth: int):
 
 
 def queue_per_thread(io: str) -> bool:
-    """Whether reads with ``io`` from different threads each keep their own ``queue_depth`` in flight (each
-    thread's AIO context: the C backend, io="direct", Linux AIO), rather than sharing one process-wide pool's
-    (``_pool``): two tables read side by side then keep twice the depth in flight."""
+    """Whether reads with ``io`` from different threads each keep their own ``queue_depth`` in flight (C backend,
+    io="direct": an AIO context per thread) rather than sharing one process-wide pool's."""
     return io == "direct" and not _aio_broken and SWITCH.active() == "c"
 
 
 def _pool(queue_depth: int, io: str = "buffered"):
-    """What reads a batch: with the C backend and io="direct", this thread's AIO context; else the
-    process-wide pool for this backend and depth (rebuilt in a forked child: threads do not fork)."""
+    """With the C backend and io="direct", this thread's AIO context; else the process-wide pool for this backend and
+    depth (rebuilt in a forked child)."""
     global _pools_pid
     kind = "c" if SWITCH.use_fast(stacklevel=2) else "python"  # the first fallback under "auto" warns
     if queue_per_thread(io):
@@ -215,12 +207,9 @@ def _file_bytes(fd: int) -> int | str:
 
 
 class PageReader:
-    """Reads whole pages of one file through a shared queue_depth-wide pool.
-
-    ``fault_hook(offsets) -> Fault | None`` is called before every read (tests use it to inject EIO or a
-    short read into the real reporting path). Each read first checks that ``path`` still names the inode
-    that is open; if the file was replaced, that read raises and the reader reopens the new file.
-    """
+    """Reads whole pages of one file through a shared queue_depth-wide pool. ``fault_hook(offsets) -> Fault | None``
+    runs before every read (tests inject EIO or short reads). A read whose ``path`` no longer names the open inode
+    raises, and the reader reopens the new file."""
 
     def __init__(self, path: str | os.PathLike, io: str = "direct", queue_depth: int = 64):
         if io not in IO_MODES:
@@ -287,10 +276,9 @@ class PageReader:
 
     def read(self, offsets: np.ndarray, out: torch.Tensor, size: int = PAGE, crcs: np.ndarray | None = None,
              crc_page: int = PAGE) -> None:
-        """Read ``size`` bytes at each of ``offsets`` (int64 [n]) into ``out`` (uint8, n*size bytes). ``crcs``
-        (uint32 [n * size // crc_page], optional) receives the CRC32C of every ``crc_page`` bytes of what was
-        read, in order: the C pool computes each block's right after reading it, on the thread that read it
-        (crc32c_pages over ``out`` gives the same values)."""
+        """Read ``size`` bytes at each of ``offsets`` (int64 [n]) into ``out`` (uint8, n*size bytes). ``crcs`` (uint32
+        [n * size // crc_page]) receives the CRC32C of every ``crc_page`` bytes read, computed by the reading thread
+        (equal to crc32c_pages over ``out``)."""
         offsets = np.ascontiguousarray(offsets, dtype=np.int64)
         n = len(offsets)
         if n == 0:

@@ -1,13 +1,9 @@
 """Background verification of a disk-tier table: read ``values.bin`` once, checking every page's CRC32C.
 
-``StoreOptions.background_verify`` starts a ``Scrubber`` when a DiskTable opens. Its thread reads the file
-front to back in blocks of BLOCK_PAGES pages through the table's own PageReader (so ``io="direct"`` keeps
-the page cache clean; the reads share the pread pool with lookups, which they slow while they run) and
-compares every page with the resident page CRCs. A corrupt page is counted in the table's
-``corrupt_pages`` and warned about (file and byte offset); lookups check every page they read anyway, so
-the scrub only finds damage before a lookup does. ``status()``: verify_state ("running", "done",
-"stopped", or "failed: <error>") and verified_pages.
-"""
+With ``background_verify`` a DiskTable starts a ``Scrubber``: a thread reads the file in BLOCK_PAGES blocks through the
+table's own PageReader (sharing its pool with lookups) and checks every page; a corrupt page is counted in
+``corrupt_pages`` and warned about (file, offset). ``status()``: verify_state ("running", "done", "stopped", "failed:
+<error>") and verified_pages."""
 from __future__ import annotations
 
 import threading

@@ -1,18 +1,11 @@
 """The read plan of one disk-tier lookup into a slab, and its check: C (csrc/slab_plan.c) or numpy.
 
-``plan(ids, rows_per_page, page_size, slab)`` fills the slab's plan arrays from ids int64 [N] (in range,
-N <= the slab's rows): ``offsets[:P]`` the byte offset of each distinct page, ascending; ``uniq[:U]`` each
-distinct id, ascending, and ``uslots[:U]`` its row in the page buffer (page index * rows_per_page + id %
-rows_per_page); ``slots[:N]`` that row for every id asked. Returns (P, U).
-
-``check(slab, n_pages, n_unique, page_size, expected, scales)`` compares each read page's CRC32C
-(``slab.crcs``, as the reader computed them) with the stored ones (``expected``, uint32 [table pages]) and,
-when all match, puts each distinct id's scale bytes (``scales``: uint8 [rows, scale_cols] or None) at its
-buffer row of ``slab.scales``. Returns (bad pages, index of the first or -1).
-
-The C versions run when the reader backend is "c" (engram.store.reader: ``ENGRAM_KERNELS=reader=...``, built with the
-pread pool); the numpy ones are the reference and give the same arrays (tests/unit/test_slab_plan.py).
-"""
+``plan(ids, rows_per_page, page_size, slab)`` fills, from ids int64 [N] (in range, N <= slab rows): ``offsets[:P]`` each
+distinct page's byte offset, ascending; ``uniq[:U]`` each distinct id, ascending, and ``uslots[:U]`` its buffer row
+(page index * rows_per_page + id % rows_per_page); ``slots[:N]`` that row per id. Returns (P, U). ``check(slab, n_pages,
+n_unique, page_size, expected, scales)`` compares each read page's CRC32C with ``expected`` and, when all match, places
+each distinct id's scale bytes at its buffer row. Returns (bad pages, index of the first or -1). C runs with the "c"
+reader backend; both give the same arrays."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,13 +1,7 @@
-"""``add_checksums``: give a table written before format 2 its per-page CRC32C sidecar, in place.
-
-``engram convert --add-checksums DIR`` runs it. One pass over the data files checks every chunk against the
-CRC32 the manifest already has (so checksums are never computed over bytes that were already damaged) and
-computes the CRC32C of each page of values.bin; only if every chunk matched is the sidecar written
-(``values.crc32c``, fsynced, renamed into place) and then the manifest replaced by one of format 2 naming
-it (written to a temporary file, fsynced, renamed over manifest.json). A crash in between leaves the old
-manifest, which ignores the stray sidecar; running the command again finishes the job. A table that already
-has page checksums is left as it is.
-"""
+"""``add_checksums`` (``engram convert --add-checksums DIR``): give a format-1 table its page CRC32C sidecar, in place.
+One pass checks every chunk against the manifest's CRC32 and computes the page CRC32Cs; only if all match is the sidecar
+written (fsynced, renamed) and then manifest.json replaced (format 2). A crash in between leaves the old manifest, which
+ignores the stray sidecar; running again finishes. Tables that have page checksums are left alone."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +18,8 @@ from engram.store.writer import fsync_dir, write_synced, write_sidecar
 
 
 def add_checksums(directory: str | os.PathLike, progress: bool = False) -> tuple[TableManifest, bool]:
-    """(the manifest, whether it changed): adds the page-CRC sidecar to the table at ``directory`` after
-    verifying its chunk CRCs; TableFormatError (file, offset) when a chunk does not match, nothing written."""
+    """(the manifest, whether it changed); TableFormatError (file, offset) when a chunk does not match, nothing written.
+    """
     m = read_manifest(directory)
     if m.has_page_crcs:
         return m, False

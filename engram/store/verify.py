@@ -52,9 +52,8 @@ def _stored_page_crcs(m: TableManifest) -> Any:
 
 
 def verify_table(directory: str | os.PathLike, progress: bool = False) -> VerifyReport:
-    """Check a table directory completely: manifest, data file sizes, every chunk's CRC32 and (format 2)
-    every page of values.bin against its CRC32C. Returns a report (never raises on a bad table;
-    ``report.raise_first()`` does)."""
+    """Check a table directory completely (manifest, file sizes, chunk CRC32s, format 2's page CRC32Cs) -> a report;
+    never raises on a bad table (``report.raise_first()`` does)."""
     t0 = time.perf_counter()
     report = VerifyReport(path=str(directory), files=[], errors=[])
     try:

@@ -1,13 +1,9 @@
 """Streaming table writer: rows go to disk chunk by chunk, never the whole table in RAM.
 
-``TableWriter`` fills a hidden temporary directory next to the target (values.bin, scales.bin), computes
-the per-chunk CRC32s on the fly in a background thread that also does the writes (both release the GIL, so
-producing the next chunk overlaps them), then writes manifest.json last, fsyncs and renames the directory
-into place. A crash or an exception leaves no table at the target. ``write_table`` writes in-memory
-tensors through it. The temporary directories name their writer (``.NAME.partial-HOST-PID-N``, and
-``.NAME.old-HOST-PID-N`` for a replaced table until it is deleted), so the next writer in the same directory
-removes those of writers that died before finishing (kill -9, a crash): ``remove_stale_partials``.
-"""
+``TableWriter`` fills a hidden temporary directory next to the target (CRCs and writes on background threads), writes
+manifest.json last, fsyncs and renames it into place: a crash leaves no table at the target. Temporary directories name
+their writer (``.NAME.partial-HOST-PID-N``, ``.NAME.old-HOST-PID-N``), so the next writer removes those of dead writers
+(``remove_stale_partials``). ``write_table`` writes in-memory tensors."""
 from __future__ import annotations
 
 import os
@@ -49,9 +45,8 @@ def as_bytes(x: torch.Tensor | np.ndarray, width: int, what: str) -> np.ndarray:
 
 
 class _FileSink:
-    """A data file fed by one producer: a CRC thread and a write thread work on each buffer in parallel, and
-    every FLUSH_BYTES the writer starts a background fdatasync so the final fsync finds little left.
-    With ``page_size`` the CRC thread also computes each page's CRC32C (``pages``). Errors resurface on the
+    """A data file fed by one producer: a CRC thread and a write thread work on each buffer in parallel, with a
+    background fdatasync every FLUSH_BYTES. ``page_size``: also each page's CRC32C (``pages``). Errors resurface on the
     next put or on close."""
 
     def __init__(self, path: Path, chunk_bytes: int, sync: bool = True, page_size: int = 0) -> None:
@@ -137,13 +132,10 @@ class _FileSink:
 class TableWriter:
     """Write one table of ``rows`` x ``dim`` ``row_dtype`` rows to ``directory`` in appended pieces.
 
-    ``append(values, scales=None)``: values [n, dim] of the row dtype (float8_e4m3fn, bfloat16, float16,
-    float32) or its raw bytes uint8 [n, value_bytes]; scales uint8 / float8_e8m0fnu [n, dim/32] for mxfp8.
-    The arrays may be referenced until IN_FLIGHT later appends return, so a producer may reuse a ring of
-    IN_FLIGHT + 1 buffers. Use as a context manager (finishes on success, removes everything on error) or
-    call ``finish()``.
-    An existing table (or empty directory) at the target is replaced only once the new one is complete.
-    """
+    ``append(values, scales=None)``: values [n, dim] of the row dtype or raw bytes uint8 [n, value_bytes]; scales uint8
+    / float8_e8m0fnu [n, dim/32] for mxfp8. The arrays may be referenced until IN_FLIGHT later appends return (reuse a
+    ring of IN_FLIGHT + 1 buffers). A context manager (finishes on success, removes all on error) or ``finish()``; an
+    existing table at the target is replaced only once the new one is complete."""
 
     def __init__(self, directory: str | os.PathLike, rows: int, dim: int, row_dtype: str = "mxfp8", *,
                  layer_id: int | None = None, fingerprint: dict[str, Any] | None = None,
@@ -334,12 +326,10 @@ def _running(pid: int) -> bool:
 
 
 def remove_stale_partials(directory: str | os.PathLike) -> list[Path]:
-    """Clean up after writers in ``directory`` that died before finishing: each ``.NAME.partial-*`` (an
-    unfinished table) whose writer is no longer running on this machine is removed, and so is each such
-    ``.NAME.old-*`` (a table being replaced) once NAME exists; an ``.old`` whose NAME is missing (the writer
-    died between its two renames) is renamed back to NAME, the table it was. Directories of writers on other
-    machines (their HOST) or still running are left alone. Each action is reported with a RuntimeWarning
-    naming the directory, its size and the writer; returns the directories removed or restored."""
+    """Remove each ``.NAME.partial-*`` in ``directory`` whose writer no longer runs on this machine, and each such
+    ``.NAME.old-*`` once NAME exists; an ``.old`` whose NAME is missing is renamed back to NAME. Other machines' and
+    running writers' directories are left. Each action warns (RuntimeWarning naming directory, size, writer); returns
+    the directories removed or restored."""
     root, here, done = Path(directory), _host(), []
     for path in sorted(root.iterdir(), key=lambda p: ".old-" not in p.name):  # restore before removing
         m = _TEMP_DIR.fullmatch(path.name)

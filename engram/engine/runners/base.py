@@ -1,14 +1,11 @@
 """The contract between a Worker and its step runners.
 
-A Worker holds its runners in order, chosen once at construction: the one for the steps its CUDA graphs cover
-(``GraphRunner``: device-resident tables, gathers inside the graphs; ``PiecewiseRunner``: host-read tables,
-graphs cut at every Engram layer), then ``EagerRunner``, which covers every step. Each step goes to the first
-runner that ``covers`` it. A runner's ``launch`` enqueues the step's lookups and forward and returns its
-``Forward``. ``settle(upto)`` finishes the lookups a runner still runs in the background for steps up to
-``upto`` (all of them for None): the Worker calls it on every runner before it reads a step's tokens, and on
-the other runners before it launches a step on one, so no two steps' lookups overlap across runners. After
-the tokens are read, ``check`` raises a failure of the step's lookups or of the flags it returned.
-"""
+A Worker holds its runners in order, chosen at construction (``GraphRunner`` or ``PiecewiseRunner``, then
+``EagerRunner``, which covers every step); each step goes to the first that ``covers`` it, whose ``launch``
+enqueues its lookups and forward and returns a ``Forward``. The Worker calls ``settle(upto)`` (finish the
+background lookups of steps up to ``upto``; None: all) on every runner before it reads a step's tokens, and on
+the other runners before it launches on one, so no two steps' lookups overlap; ``check`` after the read
+raises a failure of the step's lookups or flags."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,8 +38,7 @@ class StepRunner:
         """Finish this runner's background lookups of steps up to ``upto`` (a failure is kept for ``check``)."""
 
     def check(self, step_id: int, flags: torch.Tensor | None) -> None:
-        """Raise when the step's lookups failed, or the host copy of its ``flags`` says it read rows that were
-        not its own."""
+        """Raise when the step's lookups failed, or its ``flags`` say it read rows not its own."""
 
     def stats(self) -> dict:
         return {}

@@ -1,16 +1,10 @@
 """The static inputs of decode CUDA graphs, shared by the graph runners: buckets, buffers, one copy a step.
 
-A decode step (every sequence computes one token) of S sequences replays the graphs of the smallest bucket
-B >= S (buckets 1, 2, 4, 8, 16, 24, 32, then every 16 up to min(max_num_seqs, max_graph_batch), as vLLM
-does). The graphs read static buffers, filled before each replay from the StepDescription: token ids,
-positions, KV lengths, slot mapping, block tables [B, max_blocks] and the row ids [B, n_cols] of the Engram
-layers whose ids the graphs read, through one pinned buffer and one non-blocking copy. The S..B padding
-sequences decode token 0 at position 0 into a reserved KV block that no real sequence owns (``null_block``),
-so their writes touch nothing real; their logits are dropped.
-
-What no graph covers, and so runs eager: prefill and mixed steps (their shapes change every step), batches
-above the largest bucket (logged once), steps with DEAD tokens or prompt logprobs.
-"""
+A decode step of S sequences replays the graphs of the smallest bucket B >= S (``graph_buckets``). The graphs
+read static buffers filled before each replay from the StepDescription through one pinned buffer and one
+non-blocking copy. The S..B padding sequences decode token 0 at position 0 into a reserved KV block no
+sequence owns (``null_block``); their logits are dropped. Prefill and mixed steps, batches above the largest
+bucket (logged once), and steps with DEAD tokens or prompt logprobs run eager."""
 from __future__ import annotations
 
 import logging
@@ -39,9 +33,8 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 
 
 def graph_reserve_bytes(config, step_peak_bytes: int | None) -> int:
-    """What the KV plan sets aside for the graphs' memory pool: a decode step of B tokens (the largest
-    bucket) needs about B / max_num_batched_tokens of the profiled largest step's peak (activations scale
-    with tokens). The pool's real size is measured after capture (``pool_bytes``, in the Worker's stats)."""
+    """What the KV plan sets aside for the graphs' pool: B / max_num_batched_tokens of the profiled largest step's
+    peak, B the largest bucket (activations scale with tokens); the real size is ``pool_bytes`` after capture."""
     if step_peak_bytes is None:
         return 0
     return step_peak_bytes * min(config.max_num_seqs, config.max_graph_batch) // config.max_num_batched_tokens

@@ -1,11 +1,9 @@
 """The eager step runner: any step, its lookups staged by the lookup executor, then one forward of the model.
 
-``launch`` submits the step's lookups (engine/lookup.py) and runs the forward; ``run`` uploads the step's CPU tensors to the device (pinned, non-blocking), builds the attention layout
-from the description's host numbers (no read-back), hands the model an ``engram_rows`` callable that serves
-the step's staged rows (checking they were staged for this step) and returns logits [N, vocab]. The paper
-variant's per-sequence conv state is kept here, keyed by sequence id: a sequence starting at position 0
-(new, or recomputed after preemption) starts from zeros; ``free`` drops finished sequences' state.
-"""
+``run`` uploads the step's CPU tensors (pinned, non-blocking), builds the attention layout from the host
+numbers (no read-back), serves the staged rows through ``engram_rows`` (checking the step) and returns logits
+[N, vocab]. The paper variant's conv state is kept here by sequence id: position 0 starts from zeros;
+``free`` drops finished sequences' state."""
 from __future__ import annotations
 
 import torch
@@ -50,9 +48,9 @@ class EagerRunner(StepRunner):
 
     @torch.inference_mode()
     def run(self, step: StepDescription, staged: StagedRows, patch: PendingPatch | None = None) -> torch.Tensor:
-        """One forward over the packed step -> float32 logits [len(step.sample_rows), vocab]. Rows asked for
-        prompt logprobs are scored on the way (``prompt_scores``: read them after the step). ``patch``: the
-        device values of the step's pending tokens (async scheduling; ``staged`` already holds their rows)."""
+        """One forward over the packed step -> float32 logits [len(step.sample_rows), vocab]; prompt-logprob rows are
+        scored on the way (``prompt_scores``). ``patch``: the pending tokens' device values (``staged`` holds their
+        rows already)."""
         dev = self.device
         cu_seqlens = to_device(step.cu_seqlens, dev)  # [S+1], shared by attention and the conv states
         conv = self._gather_conv_state(step, cu_seqlens)

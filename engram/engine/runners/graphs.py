@@ -1,19 +1,13 @@
 """The graph runner: decode steps as one CUDA graph per bucket, device-resident tables gathered inside.
 
-For models whose every Engram table gathers device ids as device work alone (tier gpu, tier host without a
-hot-row cache: ``gathers_on_device``), or that have no Engram layers. The graph reads the static inputs
-(decode_inputs.py) and gathers each layer's rows (+ MXFP8 dequant) from the row-id buffer into static rows
-[B, n_cols, head_dim]; with ``lookup_overlap`` the gathers and each layer's projection of its rows (the WKV
-run-ahead, v41) run on a branch of the graph forked at its start and joined at each Engram layer
-(engine/lookup_stream.py). Attention inside the graph is the Triton path with its split count fixed by
-``max_model_len``.
+For models whose every table gathers device ids as device work (``gathers_on_device``: tier gpu, tier host
+without a hot-row cache), or that have no Engram layers. A graph gathers each layer's rows (+ MXFP8 dequant)
+from the static row ids into static rows [B, n_cols, head_dim]; with ``lookup_overlap`` the gathers and
+projections run on a branch forked at its start and joined at each Engram layer (engine/lookup_stream.py).
 
-Stale rows (with the lookup branch): no Python runs inside a replay, so the branch tags each layer's rows with
-the replayed step's plan id and the consuming layer compares that tag with the plan id into a per-layer flag
-(``stale``), which the Worker copies to the host with the sampled tokens and hands to ``check``; a layer that
-read rows gathered for another step fails the step loudly. ``replays`` counts replays, so tests can tell a
-silent eager fallback.
-"""
+Stale rows: the branch tags each layer's rows with the replayed step's plan id and the consuming layer
+compares it into a per-layer flag (``stale``), copied to the host with the tokens and checked (``check``); a
+mismatch fails the step. ``replays`` counts replays, so tests can tell a silent eager fallback."""
 from __future__ import annotations
 
 import contextlib

@@ -1,25 +1,18 @@
 """Piecewise decode graphs for host-read tables: one graph per range of layers, cut at each Engram layer.
 
-For tables whose rows the host reads (the disk tier; hot-row caches): the host waits for a layer's reads while
-the layers before it replay. Each piece reads the static inputs (decode_inputs.py) and the streams the piece
-before it wrote; the first also embeds, the last also makes the logits. Per Engram layer the rows reach the
-piece one of two ways:
+The host waits for a layer's reads while the layers before it replay. Each piece reads the static inputs
+(decode_inputs.py) and the streams the piece before it wrote; the first also embeds, the last makes the
+logits. An Engram layer's rows reach its piece either copied in (staged by the lookup executor, copied into
+the piece's static rows right before it replays: hot-row caches over the host tier) or from a slab (disk
+tables): a pinned slab per layer, sized for the largest bucket, into which a step's lookup reads the rows'
+pages (``DiskTable.read_slab``) and which the piece decodes with its captured UVA gather
+(``DiskTable.decode_slab``). Over a hot-row cache the piece probes the cache's device-mirrored tags and waits
+for the host's lookup (a pinned flag) only on a miss (store/kernels/cache_probe.py); when every layer
+probes (``probes_all``) the whole step is queued before its lookups run (``begin(whole=True)``).
 
-* copied in: the lookup executor stages the layer's rows and they are copied into the piece's static rows
-  right before it replays (hot-row caches over the host tier);
-* from a slab (disk tables): each disk layer owns a pinned slab of its table sized for the largest bucket; a
-  step's lookup only reads the rows' pages into it (``DiskTable.read_slab``), and the piece that starts with
-  the layer decodes the slab with the UVA gather it captured (``DiskTable.decode_slab``), so no decode kernel
-  is launched from Python and no rows are copied in on the step's critical path. Over a hot-row cache the
-  piece finds its rows in the cache's tags mirrored on the device and waits for the host's lookup (a pinned
-  flag) only when a row is missing (store/kernels/cache_probe.py): when every layer does (``probes_all``) the
-  whole step is queued before its lookups run (``begin(whole=True)``).
-
-``read_lookups`` runs the lookups of layers whose pieces are queued already (host work only, which signals
-each layer's flag), ``finish_lookups`` caches the rows they read once no piece waits for a flag, and
-``abort_lookups`` fails the pieces still waiting when the lookups failed or will not run. The runner
-(piecewise.py) decides on which thread, and when.
-"""
+``read_lookups`` runs the lookups of layers whose pieces are queued (host work, signalling each flag),
+``finish_lookups`` caches the rows read once no piece waits for a flag, ``abort_lookups`` fails the pieces
+still waiting. The runner (piecewise.py) decides on which thread, and when."""
 from __future__ import annotations
 
 import logging
@@ -38,9 +31,8 @@ log = logging.getLogger(__name__)
 
 
 def piece_ranges(engram_layer_ids, num_layers: int) -> list[tuple[int, int, int | None]]:
-    """Layer ranges [lo, hi) of a piecewise decode graph, cut before every Engram layer, with the Engram
-    layer each range starts with (None for a range that starts with a plain layer): every piece needs at
-    most the rows of its first layer, copied in right before it replays."""
+    """Layer ranges [lo, hi) cut before every Engram layer, with the Engram layer each starts with (None for a
+    plain layer): every piece needs at most its first layer's rows."""
     engram = sorted(set(engram_layer_ids))
     cuts = sorted({0, num_layers, *engram})
     return [(lo, hi, lo if lo in engram else None) for lo, hi in zip(cuts, cuts[1:])]
@@ -137,9 +129,8 @@ class DecodePieces:
 
     @torch.inference_mode()
     def begin(self, step: StepDescription, patch: PendingPatch | None = None, whole: bool = False) -> None:
-        """The part of the step that needs no Engram rows, queued now: the step's inputs and the pieces before
-        the first Engram layer; with ``whole`` (``probes_all``) every piece, since each finds its rows on the
-        device and waits only for rows its lookup has yet to read. ``run`` of the same step replays the rest."""
+        """Queue the part of the step that needs no Engram rows: the inputs and the pieces before the first Engram
+        layer; with ``whole`` (``probes_all``) every piece. ``run`` of the same step replays the rest."""
         size = self.io.fill(step, patch)
         k = 0
         self._slab_turn = 1 - self._slab_turn
@@ -157,11 +148,10 @@ class DecodePieces:
 
     @torch.inference_mode()
     def run(self, step: StepDescription, staged: StagedRows | None, patch: PendingPatch | None = None) -> torch.Tensor:
-        """Replay what ``begin(step)`` (called here if it was not) left -> logits [S, vocab], a view the next
-        replay overwrites. Each piece's rows right before it (copied in from ``staged``, or read into its slab):
-        the host waits for them while earlier pieces run; the lookups of layers whose pieces ``begin`` queued
-        run first. ``staged`` None after a whole ``begin``: nothing is left; the runner runs ``read_lookups``
-        and ``finish_lookups`` itself."""
+        """Replay what ``begin(step)`` (called here if it was not) left -> logits [S, vocab], a view the next replay
+        overwrites. Each piece gets its rows right before it (copied in from ``staged``, or read into its slab) while
+        earlier pieces run. ``staged`` None after a whole ``begin``: the runner runs ``read_lookups`` and
+        ``finish_lookups`` itself."""
         s = step.num_seqs
         begun, self._begun = self._begun, None
         if begun is None or begun[0] != step.step_id:
@@ -191,10 +181,10 @@ class DecodePieces:
 
     def read_lookups(self, step: StepDescription, staged: StagedRows, first: int | None = None,
                      release: bool = True, after_each: Callable[[], None] | None = None) -> None:
-        """Run the lookups of the Engram layers whose pieces ``begin`` queued already (all of them when
-        ``first`` is None: the whole step was queued), in layer order: host work only, which signals each
-        layer's flag. A failed lookup fails the pieces still waiting (``abort_lookups``) and is raised.
-        ``release``: cancel what is left of ``staged`` after. ``after_each()``: after each layer's lookup."""
+        """Run, in layer order, the lookups of the Engram layers whose pieces ``begin`` queued (all when ``first`` is
+        None); host work only, signalling each layer's flag. A failed lookup aborts the waiting pieces
+        (``abort_lookups``) and is raised. ``release``: cancel what is left of ``staged`` after; ``after_each()``
+        runs after each layer's lookup."""
         upto = self.ranges if first is None else self.ranges[:first]
         try:
             for lid in [lid for _, _, lid in upto if lid is not None]:
@@ -209,9 +199,9 @@ class DecodePieces:
                 staged.release()
 
     def _settle_slab(self, lid: int) -> None:
-        """After layer ``lid``'s lookup of a step: the slab's next lookup waits for this step's decode of it
-        (``slab.done``), and so do the next writes into its cache's storage. Not sooner: this step's lookup
-        (which writes the slots) must not wait for this step's piece, which may be waiting for that lookup."""
+        """After layer ``lid``'s lookup: the slab's next lookup and the next writes into its cache's storage wait for
+        this step's decode of it (``slab.done``). Not sooner: this step's lookup writes the slots that this step's
+        piece may be waiting for."""
         slab = self.slabs[lid]
         slab.done = self._slab_decoded[lid][self._slab_turn]
         cache = getattr(self.slab_tables[lid], "cache", None)
@@ -219,9 +209,8 @@ class DecodePieces:
             cache.note_read(slab.done)
 
     def finish_lookups(self) -> None:
-        """After a step's lookups, on the engine's thread: each slab's next lookup waits for this step's decode
-        of it (first: the copies out of a slab that ``admit_probed`` queues come after its decode), and the rows
-        read are taken out of the slabs to be cached during the tables' next lookups (``admit_probed``,
+        """After a step's lookups, on the engine's thread: each slab's next lookup waits for this step's decode of it,
+        and the rows read are taken out of the slabs to be cached during the tables' next lookups (``admit_probed``,
         store/late_caching.py). ``last_step_read``: whether those lookups read any row from disk."""
         for lid in self.slabs:
             self._settle_slab(lid)

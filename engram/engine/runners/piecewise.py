@@ -2,21 +2,17 @@
 
 The order of a step (``launch``), over the pieces of pieces.py:
 
-1. over slabs with pending tokens (async scheduling), the step's row ids start on their way to the host
-   (``LookupExecutor.start_host_ids``) before anything else, so their copy follows the step before's sampler
-   alone;
-2. the step before's lookups, if they still run in the background, are finished (``settle``): before this
-   step's pieces are queued;
-3. over slabs: the pieces that need no rows are queued (``begin``; all of them when every layer is probed),
-   then the lookups are submitted, reading pages into the slabs. When every layer is probed and the step before
-   read from disk, the lookups run on a thread of their own beside the engine's host work
-   (engine/step_lookups.py), and the pieces wait on the device for the flags they set; else they run inline;
+1. over slabs with pending tokens, the row ids start on their way to the host (``start_host_ids``) first, so
+   their copy follows only the step before's sampler;
+2. the step before's background lookups are finished (``settle``) before this step's pieces are queued;
+3. over slabs: the pieces that need no rows are queued (``begin``; all when every layer probes), then the
+   lookups read pages into the slabs: on a background thread (engine/step_lookups.py) when every layer
+   probes and the step before read from disk, else inline;
 4. without slabs (hot-row caches over the host tier): the lookups stage rows, copied in before each piece;
 5. ``run`` replays what is left.
 
-The Worker calls ``settle(step_id)`` before it reads a step's tokens and ``check`` after: a failure of the
-step's background lookups is raised there, with the read's own message, before the pieces' FAILED flags.
-"""
+The Worker calls ``settle(step_id)`` before it reads a step's tokens and ``check`` after: a background
+lookup's failure is raised there, with the read's own message, before the pieces' FAILED flags."""
 from __future__ import annotations
 
 import functools

@@ -1,12 +1,9 @@
 """Gather kernels behind one function: ``gather_rows`` / ``gather_raw``.
 
-``reference.py`` is plain torch and runs everywhere. With backend "auto" (default) the Triton kernels
-take over when the table lives on a CUDA device (triton_gather.py) or in pinned host memory read
-through UVA (uva.py) and triton imports; their results are bitwise equal to the reference and land on
-the GPU (ids' device, else ``out``'s, else the current one), also for a pinned host table, which is the
-point of the host tier. Tests flip the backend with ``set_backend("torch")`` or ``ENGRAM_KERNELS=torch``;
-"triton" insists on the fast path and raises where it cannot run.
-"""
+``reference.py`` is plain torch and runs everywhere; with backend "auto" the Triton kernels take over for tables on a
+CUDA device (triton_gather.py) or in pinned host memory (uva.py), bitwise equal to the reference, rows on the GPU (ids'
+device, else ``out``'s, else the current one). ``set_backend("torch")`` or ``ENGRAM_KERNELS=torch`` forces the
+reference; "triton" raises where the fast path cannot run."""
 from __future__ import annotations
 
 import functools

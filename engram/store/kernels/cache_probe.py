@@ -1,35 +1,18 @@
 """A hot-row cache probed on the device: a decode step's slots into the cache's storage, found without the host.
 
-A disk table behind a hot-row cache (store/cache.py) keeps its policy on the host, but mirrors the cache's tags
-on the device (``RowCache.dev_tags``: every insert writes its tags there after the rows' bytes). A decode-graph
-piece resolves its layer's rows from that mirror (``resolve_slots``): each row id is hashed to its set exactly
-as the host hashes it and compared with the set's ways. When every id is found the piece gathers from the
-cache's storage at once, and the host's lookup of the step (the policy's stamps) runs beside it. When an id is
-missing the piece waits for the step's flag and then follows the host's plan for every position: cached rows
-by their slot, missing rows from the pages the lookup read into the slab's pinned buffer (a second gather over
-UVA). So the device waits for the host only when a row has to come from disk, and only for its read.
+A disk table's cache mirrors its tags on the device (``RowCache.mirror_tags``). A decode piece hashes each id to its set
+as the host does and looks in the mirror (``resolve_slots``): when every id is found it gathers from the cache at once;
+otherwise it waits for the step's flag and follows the host's plan (cached rows by slot, read rows from the slab's
+pinned pages). The device waits for the host only when a row comes from disk.
 
-Deadlock freedom: the work that sets a flag is host work only (the cache's bookkeeping, the disk reads into
-pinned memory, the plan and the flag written into pinned memory). The rows are put into the cache after the
-flag (device work on the table's cache stream), so no CUDA call that might wait for the device (an allocation
-that frees cached blocks, a pinned allocation) runs while a piece may be waiting.
+Deadlock freedom: the work that sets a flag is host work only (bookkeeping, disk reads into pinned memory, plan, flag);
+the rows enter the cache after the flag, on the table's cache stream. The mirror can be trusted: the pieces are ordered
+after every earlier lookup's writes, a lookup never evicts a row it finds, bytes are written before tags, and rows a
+full set cannot take never enter the mirror.
 
-Why the mirror can be trusted: the host's tags at the start of a step's lookup are the mirror after every
-earlier lookup's writes, which the step's pieces are ordered after (the consumer's stream waits for the cache
-stream after each step's pieces). A lookup never evicts a row it finds, so an id the piece finds is still there
-when it is read; an id found because the same step's insert already landed has its bytes in place (bytes are
-written before tags). Rows a full set cannot take never enter the mirror: the piece always waits for them.
-
-The flag (pinned host int64) holds ``2 * plan id`` once a step's lookup has its plan and ``2 * plan id + 1``
-when it failed (``signal(..., ok=False)``). Each resolve writes a ``status``: FOUND (every row in the mirror),
-WAITED (followed the host's plan) or FAILED (the flag said failed, or the wait gave up after ``SPIN_LIMIT``
-reads of it). The Worker reads it back with the sampled tokens and raises on FAILED: the step fails loudly
-rather than decode rows that never arrived.
-
-``resolve_slots`` runs the Triton kernel on CUDA (one program: a decode step has at most a few thousand ids)
-and the torch reference elsewhere; the reference cannot wait, so it treats an unset flag as a failed wait.
-Bitwise: both write the same int64 outputs (tests/unit/test_cache_probe.py, tests/gpu/test_cache_probe_gpu.py).
-"""
+The flag (pinned int64) reads ``2 * plan id`` once the plan is in place, ``2 * plan id + 1`` on failure. Each resolve
+writes a ``status``: FOUND, WAITED or FAILED (failure flag, or ``SPIN_LIMIT`` reads without it); the Worker raises on
+FAILED. The torch reference cannot wait: an unset flag is a failed wait. Both write the same int64 outputs."""
 from __future__ import annotations
 
 import functools
@@ -51,22 +34,18 @@ def set_of(ids: torch.Tensor, n_sets: int) -> torch.Tensor:
 
 
 def signal(flag: torch.Tensor, plan_id: int, ok: bool = True) -> None:
-    """A step's lookup has its plan in place (``ok``) or failed: a host write of the pinned ``flag`` that a
-    waiting piece reads (after every host write before it: the plan)."""
+    """Host write of the pinned ``flag``: the step's plan is in place (``ok``) or the lookup failed; a waiting piece
+    sees every host write before it."""
     flag.numpy()[0] = 2 * plan_id + (0 if ok else 1)
 
 
 def resolve_slots(ids: torch.Tensor, tags: torch.Tensor, plan_host: torch.Tensor, flag: torch.Tensor,
                   plan: torch.Tensor, out: torch.Tensor, status: torch.Tensor, *,
                   spin_limit: int | None = None) -> torch.Tensor:
-    """Where the rows of ``ids`` (int64 [N] on the tags' device; -1 marks a padding position, which reads
-    cache slot 0 and never waits) come from, into ``out`` (int64 [3, >= N]: SLOTS, ROWS, RUNS): found in
-    ``tags`` (int64 [n_sets, ways], the device mirror): their slots, and RUNS -1 (nothing to read from the
-    slab); or, when any id is missing, the host's plan ``plan_host`` (int64 [3, >= N], pinned on CUDA:
-    cache slots of cached rows, slab rows of read ones, RUNS i where position i was read, else -1), once
-    ``flag`` (int64 [1], pinned) reads ``2 * plan`` (``plan``: int64 [1], the step's plan id). Writes
-    ``status`` (int32 [1]: FOUND, WAITED or FAILED). No host synchronisation on CUDA: a CUDA graph can hold
-    it."""
+    """Where the rows of ``ids`` (int64 [N] on the tags' device; -1: padding, reads slot 0, never waits) come from, into
+    ``out`` int64 [3, >= N] (SLOTS, ROWS, RUNS): found in ``tags`` [n_sets, ways] -> their slots, RUNS -1; any id
+    missing -> the host's ``plan_host`` (int64 [3, >= N], pinned) once ``flag`` reads ``2 * plan``. Writes ``status``
+    int32 [1]. No host synchronisation on CUDA (graph-capturable)."""
     n = ids.numel()
     if out.shape[0] != 3 or out.shape[1] < n or tags.dim() != 2 or ids.dtype != torch.int64:
         raise ValueError(f"resolve_slots: ids {tuple(ids.shape)} {ids.dtype}, tags {tuple(tags.shape)}, "

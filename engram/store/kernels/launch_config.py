@@ -1,7 +1,5 @@
-"""Tile shape and grid of a Triton gather launch, and the parser of a sweep's config flag.
-
-Kept apart from triton_gather.py so that it imports (and is validated) on machines without triton.
-"""
+"""Tile shape and grid of a Triton gather launch, and the parser of a sweep's config flag; apart from triton_gather.py
+so it imports without triton."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,10 +7,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Tile shape and grid of one launch. Defaults are the HBM winner of the sweep in
-    benchmarks/gpu_lookup.py on the H200 (bench/results/2026-11-29-gpu-lookup-3.json): one program per
-    tile beat every persistent grid (0.82 vs <= 0.71 of the copy limit at 4 M rows), and the streaming
-    cache hints cost 6-8 %. uva.UVA_CONFIG holds the host-table winner."""
+    """Tile shape and grid of one launch. The defaults are the HBM table's fastest (one program per tile, no streaming
+    cache hints); uva.UVA_CONFIG holds the host table's."""
 
     block_r: int = 32  # ids per tile
     num_warps: int = 4  # warps per program
@@ -44,9 +40,8 @@ SPREAD_MIN_PROGRAMS = 8  # the fewest programs tiles_per_program leaves a gather
 
 
 def spread_programs(n_tiles: int, tiles_per_program: int) -> int:
-    """How many programs a grid of ``n_tiles`` tiles may use under ``tiles_per_program``: each program takes
-    up to that many tiles, never fewer than SPREAD_MIN_PROGRAMS programs, never more than one per tile
-    (``tiles_per_program`` 1: one program per tile)."""
+    """Programs a grid of ``n_tiles`` may use: up to ``tiles_per_program`` tiles each, at least SPREAD_MIN_PROGRAMS, at
+    most one per tile."""
     if tiles_per_program <= 1:
         return n_tiles
     return min(n_tiles, max(SPREAD_MIN_PROGRAMS, -(-n_tiles // tiles_per_program)))

@@ -1,10 +1,5 @@
-"""Plain torch gather + dequant of packed table rows: the reference every fast kernel must match bitwise.
-
-Inputs are the raw table bytes as the store keeps them (see engram/store/format.py):
-``values`` uint8 [R, stride] (row r's first dim*itemsize bytes are its values, the rest padding) and, for
-MXFP8 rows, ``scales`` uint8 [R, dim // 32]. Works on any device, including pinned host memory read from
-the CPU.
-"""
+"""Plain torch gather + dequant of packed table rows: the reference every fast kernel must match bitwise. ``values``
+uint8 [R, stride] (values then padding), ``scales`` uint8 [R, dim // 32] for MXFP8; any device."""
 from __future__ import annotations
 
 import torch

@@ -1,17 +1,11 @@
-"""Rows of a pinned host table gathered by the CPU into pinned staging and sent to the GPU in chunks.
+"""Rows of a pinned host table gathered by the CPU into pinned staging and sent to the GPU in chunks: the ``host``
+tier's route for batches where UVA's per-row address translation costs more than a CPU gather plus a contiguous copy
+(uva.py).
 
-The ``host`` tier's second route beside UVA (uva.py). On the device machine a UVA read of a random row
-costs a host-side address translation that grows with the span of host memory the batch touches (several
-times more per row over tens of GiB than within a few hundred MiB, the same with 4 KiB, huge-page and 2 MiB
-cuMemCreate mappings: docs/store.md), while the CPU gathers random rows at ~40 GB/s and the copy engine moves a
-contiguous buffer at the PCIe rate. So: CPU threads ``index_select`` chunk after chunk of rows into a
-pinned buffer; each chunk's host-to-device copy is queued on a side stream as soon as it is gathered, so
-copies overlap the next chunk's gather; the GPU then dequantizes the staged packed rows with the HBM
-kernel (rows in id order, bitwise equal to every other route). The call waits for the gather (CPU
-work) but never for the GPU: the copies and the dequant are queued, and the caller's stream is ordered
-after them. Each call's staging comes from torch's caching pinned-memory allocator, which hands a block
-out again only once the copies that read it have run (it polls their events, it never waits on them).
-"""
+CPU threads ``index_select`` chunk after chunk into pinned staging from torch's caching pinned allocator; each chunk's
+copy is queued on a side stream as soon as it is gathered, and the HBM kernel dequantizes the staged rows (bitwise equal
+to every route). The call waits for the CPU gather, never for the GPU; the caller's stream is ordered after the copies
+and the dequant."""
 from __future__ import annotations
 
 import threading
@@ -22,10 +16,9 @@ CHUNK_ROWS = 16384  # rows per pipelined copy (StoreOptions.staged_chunk_rows se
 
 
 def row_sources(values: torch.Tensor, scales: torch.Tensor | None) -> list[torch.Tensor]:
-    """The 2-D tensors a row gather copies from. When ``scales`` sit in the same rows right after the values
-    (the host tier's packed layout), one source: the whole rows of the underlying buffer, [R, row stride]
-    and contiguous where the storage holds every row's padding (so ``index_select`` copies each row with one
-    memcpy), else [R, value_bytes + scale_cols]. Otherwise values [and scales]."""
+    """The 2-D tensors a row gather copies from: for the packed layout one source, the whole rows of the buffer ([R, row
+    stride], contiguous where it holds every row's padding: one memcpy a row), else [R, value_bytes + scale_cols];
+    otherwise values [and scales]."""
     if (scales is not None and scales.stride(0) == values.stride(0) and scales.stride(1) == 1
             and values.stride(1) == 1 and scales.shape[0] == values.shape[0]
             and scales.data_ptr() == values.data_ptr() + values.shape[1]):
@@ -58,9 +51,8 @@ def device_for(ids: torch.Tensor, out: torch.Tensor | None) -> torch.device:
 
 def stage_rows(sources: list[torch.Tensor], ids: torch.Tensor, device: torch.device,
                chunk_rows: int = CHUNK_ROWS) -> list[torch.Tensor]:
-    """Rows ``ids`` of each source (CPU [R, w_j]) as uint8 [N, w_j] tensors on ``device``; the current stream
-    of ``device`` is ordered after their copies. No host sync when ``ids`` are on the CPU (on the GPU they
-    are copied back first, which syncs)."""
+    """Rows ``ids`` of each source (CPU [R, w_j]) as uint8 [N, w_j] on ``device``, the current stream ordered after
+    their copies. No host sync for CPU ids (GPU ids are copied back first)."""
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows={chunk_rows} must be >= 1")
     idx = ids.to("cpu", torch.int64)  # [N]
@@ -89,8 +81,8 @@ def stage_rows(sources: list[torch.Tensor], ids: torch.Tensor, device: torch.dev
 def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor, row_dtype: str, dim: int,
                 out: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16, *,
                 device: torch.device | None = None, chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
-    """Rows ``ids`` of a pinned host table dequantized into ``out`` [N, dim] ``dtype`` on the GPU (``device``:
-    out's, else ids' if on CUDA, else the current one), through CPU gather + pipelined copies."""
+    """Rows ``ids`` of a pinned host table dequantized into ``out`` [N, dim] on the GPU (out's device, else ids' if
+    CUDA, else the current one) through CPU gather + pipelined copies."""
     if device is None:
         device = out.device if out is not None else device_for(ids, None)
     n = ids.numel()

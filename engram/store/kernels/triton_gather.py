@@ -1,15 +1,10 @@
 """Triton gather of packed table rows, with MXFP8 dequant fused: the fast path behind ``gather_rows``.
 
-One kernel serves the HBM table and the pinned host table (read through UVA): programs stride over tiles
-of BLOCK_R ids (a persistent grid, or one program per tile, which measured faster; see LaunchConfig);
-each tile loads its rows with 16-byte vector loads (8 when the row stride is not a multiple of 16),
-prefetches the next tile's ids, dequantizes in fp32 and stores ``dtype`` rows. Optional
-``dst`` (output row per id) and ``runs`` (first position of each run of equal sorted ids; the others
-are skipped) let uva.py gather sorted, deduplicated ids and scatter them back in the same pass. Results
-equal reference.gather_rows bitwise: the dequant is exact in fp32 (value x 2**(byte-127) built from the
-exponent bits, byte 0 -> 0.0, 255 -> NaN) and the final cast rounds to nearest even, as torch does.
-Only CUDA; importing needs triton.
-"""
+One kernel serves the HBM table and the pinned host table (over UVA): programs take tiles of BLOCK_R ids (LaunchConfig),
+load rows with 16-byte vector loads (8 when the stride is not a multiple of 16), prefetch the next tile's ids,
+dequantize in fp32 and store ``dtype`` rows. ``dst`` (output row per id) and ``runs`` (first position of each run of
+equal sorted ids; the rest skipped) let uva.py gather sorted, deduplicated ids and scatter them back. Bitwise equal to
+reference.gather_rows (exact fp32 dequant, round-to-nearest-even cast). CUDA only; importing needs triton."""
 from __future__ import annotations
 
 import torch
@@ -28,8 +23,8 @@ _SM_COUNT: dict[int, int] = {}
 
 
 class HostPointer:
-    """A pinned host tensor as Triton sees an argument: its UVA address (equal to the host address for
-    memory registered as mapped on 64-bit Linux) and element dtype."""
+    """A pinned host tensor as Triton sees an argument: its UVA address (the host address for memory registered as
+    mapped on 64-bit Linux) and element dtype."""
 
     def __init__(self, t: torch.Tensor) -> None:
         self.dtype = t.dtype
@@ -62,9 +57,8 @@ def _resident_programs(compiled, num_warps: int) -> int:
 
 
 def _launch(kernel, n_tiles: int, device: torch.device, cfg: LaunchConfig, args: tuple, consts: dict) -> None:
-    """Launch ``kernel`` over ``n_tiles`` tiles: one program per tile, or a persistent grid of SMs x
-    programs_per_sm (-1: the resident count measured from the compiled kernel on its first launch); either
-    capped at ``max_programs`` when set and spread by ``tiles_per_program`` (launch_config.spread_programs)."""
+    """Launch ``kernel`` over ``n_tiles`` tiles: one program per tile, or a persistent grid of SMs x programs_per_sm
+    (-1: the compiled kernel's resident count); capped at ``max_programs`` and spread by ``tiles_per_program``."""
     if cfg.programs_per_sm == 0:
         programs = n_tiles
     else:
@@ -224,12 +218,10 @@ def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Te
                 out: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16, *,
                 dst: torch.Tensor | None = None, runs: torch.Tensor | None = None,
                 cfg: LaunchConfig | None = None, ids_pinned: bool = False) -> torch.Tensor:
-    """Rows ``ids`` (int32/int64 [N] on the GPU, or with ``ids_pinned`` and ``out`` given in pinned host
-    memory, which the kernel reads over UVA, as a decode graph's slab decode does: the caller vouches for
-    the pinning, which cannot be asked while a graph is captured) of ``values`` (GPU or pinned host)
-    dequantized into ``out`` [M, dim] ``dtype`` on the GPU: row ids[i] goes to out[dst[i]] (dst default: i),
-    skipped where runs[i] != i (runs: int64 [N], first position of i's run of equal sorted ids; see
-    copy_duplicates). ``out`` defaults to a new [N, dim] tensor on ids' device."""
+    """Rows ``ids`` of ``values`` (GPU or pinned host) dequantized into ``out`` [M, dim] ``dtype`` on the GPU: row
+    ids[i] goes to out[dst[i]] (default i), skipped where runs[i] != i (see copy_duplicates). ``ids``: int32/int64 [N]
+    on the GPU, or pinned host memory with ``ids_pinned`` and ``out`` given (the caller vouches for the pinning, which
+    cannot be asked during a capture). ``out`` defaults to a new [N, dim] on ids' device."""
     _check_table(values, scales, row_dtype, dim)
     if not ids.is_cuda and not (ids_pinned and ids.device.type == "cpu" and out is not None and dst is None
                                 and runs is None):
@@ -289,8 +281,8 @@ def gather_raw(values: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None
 
 def copy_duplicates(out: torch.Tensor, dst: torch.Tensor, runs: torch.Tensor,
                     cfg: LaunchConfig | None = None) -> torch.Tensor:
-    """For every i with runs[i] != i: out[dst[i]] = out[dst[runs[i]]] (rows of a CUDA ``out``): fills the
-    positions a runs-gather skipped from the first of their run, an HBM-only pass."""
+    """For every i with runs[i] != i: out[dst[i]] = out[dst[runs[i]]] (an HBM-only pass filling what a runs-gather
+    skipped)."""
     cfg = cfg or CONFIG
     n = dst.shape[0]
     if n == 0:

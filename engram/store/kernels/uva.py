@@ -1,18 +1,10 @@
 """Gather from a pinned host table into GPU memory: the fast paths of the ``host`` tier.
 
-Three routes, picked per batch by ``route_for`` (or forced with ``route=``, as benchmarks do):
-- "direct": one Triton kernel reads the rows through UVA as the ids come (one launch, no host sync);
-- "sorted": the ids are sorted first so that neighbouring reads share host pages; the kernel reads each
-  distinct row once (``runs``: first index of each run of equal ids) and stores it at its caller's
-  position (``dst`` = the sort permutation); a second, HBM-only pass fills the run's other positions;
-- "staged": CPU threads gather the rows into pinned staging and the copy engine moves them (staged.py).
-On the device machine a UVA read of a random row pays a host-side address translation that grows with
-the span of host memory a batch touches (docs/benchmarks.md, "where the time goes"): small batches go
-direct, mid-size ones (``RouteBands.staged_min_rows``) staged, big ones (``sorted_min_rows``, dense
-enough that sorted ids share pages) sorted. All routes return the same bytes. The host tier fixes its bands
-once at open (``engram.store.host_route``, from StoreOptions); ``route_for`` with the default bands is
-what a bare call here uses.
-"""
+Routes, picked per batch by ``route_for`` (or forced with ``route=``): "direct" (one Triton kernel reads rows through
+UVA, no host sync), "sorted" (ids sorted so neighbouring reads share host pages; each distinct row read once, then an
+HBM pass fills repeats) and "staged" (CPU threads gather into pinned staging, the copy engine moves it: staged.py). UVA
+reads pay a host address translation that grows with the span a batch touches, hence bands by batch size
+(``RouteBands``); all routes return the same bytes."""
 from __future__ import annotations
 
 import dataclasses
@@ -29,17 +21,15 @@ ROUTES = ("direct", "sorted", "staged")
 
 @dataclass(frozen=True)
 class RouteBands:
-    """Batch-size bands of the host tier's routes. Defaults from the wall-clock series of
-    bench/results/2026-11-29-gpu-lookup-6.json (32 GiB packed table): direct is fastest up to 16 K ids,
-    staged from 64 K to 256 K, sorted from 1 M. Validated by StoreOptions, which the table's bands come from."""
+    """Batch-size bands of the host tier's routes (direct below ``staged_min_rows``, staged below ``sorted_min_rows``,
+    then sorted); validated by StoreOptions."""
 
     staged_min_rows: int = 32768  # direct below, staged from here (ids on the CPU)
     sorted_min_rows: int = 524288  # sorted from here
     staged_chunk_rows: int = staged.CHUNK_ROWS  # rows per pipelined copy of the staged route
 
     def route(self, n: int, ids_on_cpu: bool = True) -> str:
-        """The route of a batch of ``n`` ids. Ids already on the GPU never take "staged" (its CPU gather
-        would copy them back, a host sync): they go direct below ``staged_min_rows`` and sorted from there."""
+        """The route of ``n`` ids; ids already on the GPU never take "staged" (a host sync): direct, then sorted."""
         if n < self.staged_min_rows:
             return "direct"
         return "staged" if ids_on_cpu and n < self.sorted_min_rows else "sorted"
@@ -48,8 +38,7 @@ class RouteBands:
 DEFAULT_BANDS = RouteBands()
 STAGED_MIN_ROWS = DEFAULT_BANDS.staged_min_rows
 SORTED_MIN_ROWS = DEFAULT_BANDS.sorted_min_rows
-# Sorted 4 M rows from a 32 GiB pinned table (bench/results/2026-11-29-gpu-lookup-3.json): 16-row tiles
-# 35 GB/s, 32-row 23 GB/s, 64-row 22 GB/s, 64-row persistent 20 GB/s.
+# 16-row tiles: the fastest tile for sorted reads from a large pinned table
 UVA_CONFIG = LaunchConfig(block_r=16, num_warps=4, programs_per_sm=0, stream=True)
 
 
@@ -83,9 +72,8 @@ def route_for(n: int, route: str | None = None, bands: RouteBands = DEFAULT_BAND
 
 @functools.lru_cache(maxsize=None)
 def uva_config(max_programs: int = 0, tiles_per_program: int = 1) -> LaunchConfig:
-    """UVA_CONFIG, with its grid capped at ``max_programs`` programs when that is not 0 and spread at
-    ``tiles_per_program`` tiles a program when that is above 1 (launch_config.spread_programs). One object
-    per pair: a host table asks for it at every gather."""
+    """UVA_CONFIG with its grid capped at ``max_programs`` (0: none) and spread at ``tiles_per_program``; one cached
+    object per pair."""
     if not max_programs and tiles_per_program == 1:
         return UVA_CONFIG
     return dataclasses.replace(UVA_CONFIG, max_programs=max_programs, tiles_per_program=tiles_per_program)
@@ -95,13 +83,10 @@ def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Te
                 out: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16, *,
                 route: str | None = None, chunk_rows: int = staged.CHUNK_ROWS, max_programs: int = 0,
                 tiles_per_program: int = 1) -> torch.Tensor:
-    """Rows ``ids`` of a pinned host (or device) table, dequantized into a GPU ``out`` [N, dim] ``dtype``.
-    ``route``: None = ``route_for``'s choice; "direct", "sorted" or "staged" forces one (a device table
-    has no staged route; staged with ids on the GPU copies them to the CPU first, a host sync).
-    ``chunk_rows``: rows per pipelined copy of the staged route. ``max_programs``: cap on the UVA kernels'
-    grid (0: one program per tile), ``tiles_per_program``: a grid that grows with the batch (1: one program
-    per tile); the rows depend on neither. CPU ids should sit in pinned memory: the
-    other routes copy them to the GPU with non_blocking=True."""
+    """Rows ``ids`` of a pinned host (or device) table dequantized into a GPU ``out`` [N, dim] ``dtype``. ``route``:
+    None picks by ``route_for``; "staged" with GPU ids syncs; a device table has no staged route. ``chunk_rows``: rows
+    per staged copy; ``max_programs`` / ``tiles_per_program`` shape the grid, never the rows. CPU ids should be pinned
+    (copied with non_blocking=True)."""
     from engram.store.kernels import triton_gather  # needs triton; route_for and sort_plan do not
     device = staged.device_for(ids, out)
     n = ids.shape[0]
