@@ -1,20 +1,14 @@
 """N-gram hashing: compressed token ids -> global row ids of each Engram layer's table.
 
-At position p, column (order n, head h): R = XOR over s = 0..n-1 of id[p-s] * m[s]; row = R mod prime +
-column offset (EngramConfig.primes / column_offsets / multipliers). Positions before the sequence start
-use the compressed pad id. A DEAD token (compressed id -1) is sticky: once the lookback from p reaches a
-DEAD token, that slot and every older slot use the pad id; at a DEAD position itself the fusion gate is 0
-(``dead_mask``). Everything is vectorized int64 torch and runs unchanged on CPU and CUDA; products never
-overflow because multipliers are bounded by (2**63-1) // compressed_vocab_size.
+At position p, column (order n, head h): R = XOR over s = 0..n-1 of id[p-s] * m[s]; row = R mod prime + column offset
+(EngramConfig.primes / column_offsets / multipliers). Positions before the sequence start use the compressed pad id. A
+DEAD token (compressed id -1) is sticky: once the lookback from p reaches it, that slot and every older one use the pad
+id; at a DEAD position the fusion gate is 0 (``dead_mask``). Vectorized int64 on CPU and CUDA; products never overflow
+(multipliers <= (2**63-1) // compressed_vocab_size).
 
-``hash_step`` (the engine's one call per step) has a numpy twin for CPU tensors, the same math in a
-handful of numpy calls instead of dozens of small torch ops (host time adds to every decode step);
-``hash_step_reference`` is the torch implementation it is tested bitwise against, and CUDA inputs take it.
-
-A sequence processed in chunks carries a *lookback*: its last ``max_ngram_size - 1`` compressed ids
-(DEAD kept as -1), oldest first, pad-filled at the start. Hashing chunk by chunk with lookbacks equals
-hashing the whole sequence.
-"""
+A chunked sequence carries a *lookback*: its last ``max_ngram_size - 1`` compressed ids (DEAD kept), oldest first,
+pad-filled; hashing chunk by chunk with lookbacks equals hashing the whole. ``hash_step`` takes a numpy twin for CPU
+inputs, bitwise equal to ``hash_step_reference`` (torch, any device)."""
 from __future__ import annotations
 
 import functools
@@ -53,11 +47,9 @@ class NgramHasher:
 
     @classmethod
     def from_tokenizer(cls, cfg: EngramConfig, compressed_tokenizer: "CompressedTokenizer") -> "NgramHasher":
-        """The hasher of ``cfg`` for text compressed by ``compressed_tokenizer``. The one place of the
-        compressed-pad-id rule: ``pad_id = compress([cfg.pad_token_id])[0]`` (the raw pad id's compressed id;
-        never DEAD, whatever ``cfg.dead_token_ids`` holds). ValueError when the tokenizer's compressed size is
-        not ``cfg.compressed_vocab_size`` (``CompressedTokenizer.check_config``: every row id would move) or
-        ``cfg.pad_token_id`` is not one of its raw ids."""
+        """The hasher of ``cfg`` for text compressed by ``compressed_tokenizer``; ``pad_id =
+        compress([cfg.pad_token_id])[0]`` (never DEAD). ValueError when the tokenizer's compressed size is not
+        ``cfg.compressed_vocab_size`` or ``cfg.pad_token_id`` is not one of its raw ids."""
         compressed_tokenizer.check_config(cfg)
         if not cfg.pad_token_id < compressed_tokenizer.vocab_size:
             raise ValueError(f"engram.pad_token_id={cfg.pad_token_id}: outside the tokenizer's "
@@ -136,10 +128,9 @@ class NgramHasher:
 
     def hash_step(self, ids: torch.Tensor, cu_seqlens: torch.Tensor,
                   lookback: torch.Tensor) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-        """One engine step: (``hash_packed_all``, ``next_lookback``) from a single packed buffer: ids [T]
-        (DEAD = -1), cu_seqlens [S+1], lookback [S, max_ngram-1] -> ({layer_id: [T, n_cols]}, [S, max_ngram-1]),
-        int64 on the ids' device. All-CPU inputs take ``_hash_step_numpy`` (CPU tensors that share memory with
-        numpy arrays), anything else ``hash_step_reference``; the two are bitwise equal."""
+        """One engine step: ids [T] (DEAD = -1), cu_seqlens [S+1], lookback [S, max_ngram-1] -> ({layer_id: [T,
+        n_cols]}, next lookback [S, max_ngram-1]), int64 on the ids' device. All-CPU inputs take ``_hash_step_numpy``,
+        anything else ``hash_step_reference``; bitwise equal."""
         if ids.device.type == cu_seqlens.device.type == lookback.device.type == "cpu":
             return self._hash_step_numpy(ids, cu_seqlens, lookback)
         return self.hash_step_reference(ids, cu_seqlens, lookback)
@@ -155,10 +146,8 @@ class NgramHasher:
 
     def _hash_step_numpy(self, ids: torch.Tensor, cu_seqlens: torch.Tensor,
                          lookback: torch.Tensor) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-        """``hash_step_reference`` for CPU tensors in numpy: the same windows, sticky DEAD, int64 products
-        (numpy array arithmetic wraps like torch's), XOR prefix over slots and floor remainder
-        (``np.remainder`` and ``torch.remainder`` both take the divisor's sign), every layer in one pass.
-        The outputs are CPU tensors sharing memory with numpy arrays (the layers' row ids are views of one)."""
+        """``hash_step_reference`` in numpy for CPU tensors (int64 products wrap alike; ``np.remainder`` takes the
+        divisor's sign like torch), every layer in one pass; outputs share memory with numpy arrays."""
         x = ids.numpy().astype(np.int64, copy=False)
         cu = cu_seqlens.numpy().astype(np.int64, copy=False)
         lb = lookback.numpy().astype(np.int64, copy=False)
@@ -184,11 +173,9 @@ class NgramHasher:
 
     # ----------------------------------------------------------------- tokens not read yet (async scheduling)
     def pending_partials(self, before: np.ndarray) -> np.ndarray:
-        """Host half of the row ids of tokens whose value only the device has (sampled by a step whose result
-        the engine has not read): ``before`` [P, W] int64, the compressed ids of the W positions before each
-        such token (oldest first, pad-filled, DEAD = -1) -> [L, P, n_cols] int64 per Engram layer (cfg order):
-        at column (order n, head h) the XOR over slots s = 1..n-1 of the (sticky-DEAD-padded) id at p - s
-        times m[s]. ``hash_pending`` finishes it with the token."""
+        """Host half of the row ids of tokens only the device has: ``before`` [P, W] int64 (the compressed ids of the W
+        positions before each, oldest first, pad-filled, DEAD = -1) -> [L, P, n_cols] int64 (cfg layer order): per
+        column (order n, head h) the XOR over s = 1..n-1 of the sticky-DEAD-padded id at p - s times m[s]."""
         p, w = before.shape
         if w != self.window:
             raise ValueError(f"pending_partials: expected [P, {self.window}] ids, got {tuple(before.shape)}")
@@ -203,10 +190,8 @@ class NgramHasher:
         return np.ascontiguousarray(out).reshape(len(tab.mult), p, w * heads)
 
     def hash_pending(self, compressed: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
-        """Device half: ``compressed`` [P] int64 compressed ids of the tokens (DEAD = -1) and ``partials``
-        [L, P, n_cols] from ``pending_partials``, on one device -> row ids [L, P, n_cols] on it, bitwise what
-        ``hash_step`` gives at those positions. A DEAD token pads its whole window (sticky from slot 0).
-        A few elementwise kernels, no host synchronisation."""
+        """Device half: ``compressed`` [P] int64 (DEAD = -1) and ``partials`` [L, P, n_cols] on one device -> row ids
+        [L, P, n_cols], bitwise ``hash_step``'s; a DEAD token pads its whole window. No host synchronisation."""
         m0, pad_mixed, primes, offsets = self._pending_consts(compressed.device)
         c = compressed.reshape(1, -1, 1)
         mixed = torch.where(c == DEAD, pad_mixed, (c * m0) ^ partials)
@@ -274,8 +259,8 @@ class NgramHasher:
 
 
 def _prefix(op: np.ufunc, a: np.ndarray, small: bool) -> None:
-    """In place along axis 0 of ``a[k, ...]``: a[k] = op(a[k - 1], a[k]) for k = 1, 2, ... One ``accumulate``
-    call for small arrays; for big ones a call per row (accumulate over a non-last axis loops per element)."""
+    """In place along axis 0: a[k] = op(a[k - 1], a[k]); one ``accumulate`` for small arrays, a call per row for big
+    ones."""
     if small:
         op.accumulate(a, axis=0, out=a)
     else:
@@ -284,11 +269,9 @@ def _prefix(op: np.ufunc, a: np.ndarray, small: bool) -> None:
 
 
 def _gather_index(cu_bytes: bytes, w: int) -> tuple[np.ndarray, np.ndarray]:
-    """Where ``NgramHasher._hash_step_numpy`` reads from ``src = [lookback.ravel() | ids]`` (S*W + T entries),
-    a pure function of cu_seqlens (int64 bytes) and W: (window index [W+1, T], row k = position p - k;
-    next-lookback index [S, W], each sequence's last W ids, a zero-length chunk's being its old lookback).
-    Built like ``_packed_ext``, over positions in ``src`` instead of ids: ext = each sequence's
-    [lookback | tokens] back to back. The arrays are read-only: the memo below hands the same ones out."""
+    """Where ``_hash_step_numpy`` reads from ``src = [lookback.ravel() | ids]``, a pure function of cu_seqlens (int64
+    bytes) and W: (window index [W+1, T], row k = position p - k; next-lookback index [S, W]). Read-only arrays (the
+    memo hands the same ones out)."""
     cu = np.frombuffer(cu_bytes, dtype=np.int64)
     s, t = cu.shape[0] - 1, int(cu[-1])
     lens = cu[1:] - cu[:-1]

@@ -45,10 +45,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass
 class Projected:
-    """What an Engram layer computes from its rows alone, before the hidden state is needed: v41 the
-    ``wkv`` output [T, (hc_mult+1)*H]; paper the key projections (hc_mult of [T, H]) and the value [T, H].
-    ``Engram.project`` makes it and ``Engram.forward`` takes it in place of the rows, so it can be computed
-    ahead, on another stream (the lookup stream's WKV run-ahead), by the same kernels."""
+    """What an Engram layer computes from its rows alone: v41 the ``wkv`` output [T, (hc_mult+1)*H]; paper the key
+    projections (hc_mult of [T, H]) and the value [T, H]. ``Engram.forward`` takes it in place of the rows, so it can be
+    computed ahead on another stream by the same kernels."""
 
     num_tokens: int
     tensors: tuple[torch.Tensor, ...]
@@ -142,8 +141,8 @@ class Engram(nn.Module):
                              f"got {dead_mask.dtype} {tuple(dead_mask.shape)}")
 
     def _forward_v41(self, x: torch.Tensor, kv: torch.Tensor, dead_mask: torch.Tensor | None) -> torch.Tensor:
-        """kv [T, (hc+1)*H]: the projected rows (``project``). The torch code is the reference; on CUDA
-        ``engram.model.layers.fused`` may route it to one fused kernel (its ``GATE_SWITCH``)."""
+        """kv [T, (hc+1)*H]: the projected rows. The torch code is the reference; on CUDA ``model.layers.fused`` may
+        route it to one fused kernel."""
         from engram.model.layers import fused  # here, not at the top: engram.model imports this module
 
         if fused.engram_gate_fast(x, kv):

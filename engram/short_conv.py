@@ -1,12 +1,9 @@
 """ShortConv of the paper variant and its explicit per-sequence decode state.
 
-``ShortConv`` maps v' [T, hc_mult, H] (packed tokens of one or more sequences) to SiLU(conv(RMSNorm(v'))):
-a per-branch RMSNorm, then a depthwise causal Conv1d over the hc_mult*H channels (kernel ``kernel_size``,
-dilation ``max_ngram_size``, no bias). A ``ShortConvState`` holds, per sequence, the conv's last
-L = (kernel-1)*dilation *inputs* (post-norm), so running a sequence whole, in chunks or one token at a
-time gives the same numbers: every output is the same fixed sum of k taps, whatever the packing.
-The state knows nothing about which engine slot or request a row belongs to; the engine decides that.
-"""
+``ShortConv`` maps v' [T, hc_mult, H] (packed tokens of one or more sequences) to SiLU(conv(RMSNorm(v'))): a per-branch
+RMSNorm, then a depthwise causal Conv1d over hc_mult*H channels (``kernel_size``, dilation ``max_ngram_size``, no bias).
+A ``ShortConvState`` holds each sequence's last L = (kernel-1)*dilation post-norm inputs, so whole, chunked and
+token-by-token runs give the same numbers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,12 +23,9 @@ def history_len(cfg: EngramConfig) -> int:
 
 @dataclass
 class ShortConvState:
-    """Conv history of S sequences whose new tokens are packed back to back in one call.
-
-    ``conv[s, i]`` is sequence s's conv input i steps into its window, oldest first; a fresh sequence has
-    zeros (exactly the causal zero padding of a whole-sequence run). ``ShortConv.forward`` overwrites
-    ``conv`` in place with the window that ends at each sequence's last new token.
-    """
+    """Conv history of S sequences whose new tokens are packed back to back in one call: ``conv[s, i]`` is sequence s's
+    conv input i steps into its window, oldest first (zeros when fresh); ``ShortConv.forward`` overwrites it in place
+    with the window ending at each sequence's last new token."""
 
     conv: torch.Tensor  # [S, L, hc_mult*H] post-norm conv inputs, L = (kernel-1)*dilation
     cu_seqlens: torch.Tensor | None = None  # [S+1] int64 token offsets of the packed call; None: S == 1
@@ -152,12 +146,9 @@ def causal_conv_packed(x: torch.Tensor, history: torch.Tensor, cu_seqlens: torch
 
 
 class ShortConv(nn.Module):
-    """Per-branch RMSNorm -> depthwise causal Conv1d (no bias) -> SiLU over [T, hc_mult, H].
-
-    Parameter names follow DeepSeek's demo (``conv.weight`` [C, 1, k], ``norms.{i}.weight``), so its
-    state dicts load unchanged. The conv weight is applied by ``causal_conv_packed``, not by
-    ``nn.Conv1d.forward``: one code path for whole, chunked and packed inputs.
-    """
+    """Per-branch RMSNorm -> depthwise causal Conv1d (no bias) -> SiLU over [T, hc_mult, H]. Parameter names follow
+    DeepSeek's demo (``conv.weight`` [C, 1, k], ``norms.{i}.weight``); the weight is applied by ``causal_conv_packed``
+    (one path for whole, chunked and packed inputs)."""
 
     def __init__(self, cfg: EngramConfig):
         super().__init__()

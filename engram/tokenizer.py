@@ -1,15 +1,11 @@
-"""CompressedTokenizer: maps raw token ids onto a smaller id space where tokens that normalize to the same
-text share one id, so n-grams like "Hello"/" hello" hash to the same rows.
+"""CompressedTokenizer: maps raw token ids onto a smaller id space where tokens that normalize to the same text share
+one id, so n-grams like "Hello"/" hello" hash to the same rows.
 
-Each token id is decoded alone (tokenizers' Rust backend, skip_special_tokens=False, no extra clean-up) and
-keyed by its text after NFKC, NFD, StripAccents, Lowercase, whitespace runs of [ \\t\\r\\n] -> " ", a lone
-space protected through Strip, and Strip. A decode containing U+FFFD (a partial UTF-8 byte token) keys on
-the raw token string; an empty normalization keys on the original text. New ids are handed out in order of
-first appearance over ascending token ids. The map is cached on disk, keyed by a SHA-256 of the tokenizer's
-content (and MAP_VERSION), next to a SHA-256 of that key and the map's bytes: a cache file that fails to
-load, or whose map is valid but not the one stored (damaged, shuffled, copied from another tokenizer), is
-rebuilt with a warning instead of being used.
-"""
+Each token is decoded alone and keyed by its text after NFKC, NFD, StripAccents, Lowercase, whitespace runs -> " " (a
+lone space kept) and Strip; a decode with U+FFFD keys on the raw token string, an empty normalization on the original
+text. New ids go in order of first appearance over ascending raw ids. The map is cached on disk by a SHA-256 of the
+tokenizer's content (and MAP_VERSION) with a checksum; a cache file that fails to load or check is rebuilt with a
+warning."""
 from __future__ import annotations
 
 import hashlib
@@ -88,10 +84,8 @@ def write_cached_map(path: Path, key: str, mapping: np.ndarray) -> None:
 
 
 def read_cached_map(path: Path, key: str) -> tuple[np.ndarray | None, str]:
-    """(the cached map, "") when ``path`` holds an int64 [vocab] map whose checksum matches ``key``; else
-    (None, why it is not used). The file is only a cache: whatever reading it raises (a truncated or
-    bit-flipped zip gives BadZipFile, a bad CRC-32, an unsupported compression method, a broken npy
-    header, ...) makes it unusable, never fatal."""
+    """(the cached map, "") when ``path`` holds an int64 [vocab] map whose checksum matches ``key``; else (None, why).
+    Whatever reading raises makes the cache unusable, never fatal."""
     try:
         with np.load(path, allow_pickle=False) as z:
             mapping, check = z["map"], z["check"]

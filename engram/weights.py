@@ -1,12 +1,9 @@
 """Load an ``Engram`` module's weights from a checkpoint state dict (or safetensors files).
 
-V4.1 names (per layer, prefix ``layers.L.engram.``): ``wkv.weight`` [(hc+1)*H, n_cols*head_dim] in bf16/fp32,
-or FP8 E4M3 with ``wkv.scale`` [ceil(out/32), ceil(in/32)] block scales (E8M0 bytes, value 2**(byte-127),
-byte 0 -> 0; or float multipliers), dequantized to float32 at load — exact, as every FP8 value times a
-power of two fits float32; ``q_weight``, ``k_weight`` [hc, H]. Paper names follow DeepSeek's demo and
-match the module's own. Table tensors (``embed.*``, ``multi_head_embedding.*``) are skipped and reported:
-the table lives in ``engram.store``, never in the module.
-"""
+V4.1 names (prefix ``layers.L.engram.``): ``wkv.weight`` [(hc+1)*H, n_cols*head_dim] in bf16/fp32, or FP8 E4M3 with
+``wkv.scale`` [ceil(out/32), ceil(in/32)] block scales, dequantized to float32 at load (exact); ``q_weight``,
+``k_weight`` [hc, H]. Paper names match the module's. Table tensors (``embed.*``, ``multi_head_embedding.*``) are
+skipped and reported: the table lives in ``engram.store``."""
 from __future__ import annotations
 
 import os

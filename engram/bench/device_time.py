@@ -1,11 +1,6 @@
-"""Device busy time of a piece of code, from torch.profiler: how long the device worked while it ran.
-
-``measure_busy(fn, device_type)`` is the union of the intervals of the device's work while ``fn`` ran: on
-"cuda" every kernel, memcpy and memset (overlapping streams count once; synchronization waits are not work),
-on "cpu" every torch operator. ``measure_profile`` adds that work grouped by kernel name. Events are read
-from the profiler's raw kineto results, which is cheap per event. ``fn`` runs with the profiler's own host
-overhead, so wall-clock numbers are timed separately.
-"""
+"""Device busy time of a piece of code, from torch.profiler: ``measure_busy(fn, device_type)`` is the union of the
+device's work intervals while ``fn`` ran (CUDA kernels, memcpys, memsets, overlaps once, waits excluded; on "cpu" torch
+operators); ``measure_profile`` adds it by kernel name. Wall time is timed separately."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -44,8 +39,8 @@ def busy_intervals_ns(events, device_type: str) -> list[tuple[int, int]]:
 
 
 def _activity(evt) -> str:
-    """The kineto activity type of an event. torch < 2.12 has no ``activity_type()``: there a device event is
-    work unless its name says it is a synchronization wait, and a host event is a torch operator."""
+    """An event's kineto activity type; torch < 2.12 lacks ``activity_type()``, so there a device event is work unless
+    named a synchronization wait, a host event an operator."""
     if hasattr(evt, "activity_type"):
         return evt.activity_type()
     from torch.autograd import DeviceType
@@ -86,8 +81,8 @@ def kernel_times(events, device_type: str) -> list[KernelTime]:
 
 
 def cuda_kernels(events) -> list[tuple[int, int, int, str]]:
-    """(start ns, end ns, stream id, name) of every CUDA kernel among kineto ``events`` (no copies or
-    memsets), in start order: which stream ran what, when (the lookup-overlap test and its trace script)."""
+    """(start ns, end ns, stream id, name) of every CUDA kernel among ``events`` (no copies or memsets), in start order.
+    """
     from torch.autograd import DeviceType
 
     out = [(e.start_ns(), e.end_ns(), e.device_resource_id(), e.name()) for e in events
@@ -97,9 +92,8 @@ def cuda_kernels(events) -> list[tuple[int, int, int, str]]:
 
 
 def measure_busy(fn: Callable[[], object], device_type: str) -> float:
-    """Seconds ``device_type`` ("cuda" | "cpu") was busy while ``fn()`` ran (see the module docstring).
-    On CUDA the device is synchronized before the profile closes; a profile with no such event at all
-    raises RuntimeError (the profiler saw nothing, which must not read as an idle device)."""
+    """Seconds ``device_type`` was busy while ``fn()`` ran; synchronizes CUDA before the profile closes. RuntimeError
+    when the profile has no such event at all (not an idle device)."""
     return measure_profile(fn, device_type).busy_s
 
 

@@ -1,18 +1,11 @@
-"""The disk arms of `engram bench placement`: the disk's raw random read rate and the bound a disk step is
-held to.
+"""The disk arms of ``engram bench placement``: the disk's raw random read rate and the bound a disk step is held to.
 
-Raw reads (``measure_raw_reads``): uniformly random 4 KiB reads of the arm's first table file through the
-tier's own pread pool and no table work (``engram.bench.lookup.raw_cell``), at the arm's io mode and at the
-depth its steps read at (``read_depth``), right before each comparison; for O_DIRECT arms also right before
-and right after each sample (``sample_rate``), since the rate drifts within a run. The bound
-(``add_bounds``), against a host-tier arm at the same batch (the other arm of the comparison, else the first
-B on the host tier): bound_ms = host step ms + read ops per step / raw read ops/s x 1000 (medians), ratio =
-disk step ms / bound_ms, target ratio <= ``BOUND_FACTOR``; "paired" holds each sample to the rate right
-before it, "bracketed" to the harmonic mean of the rates before and after it, each with the bootstrap
-interval of its median. The floor: host step ms + one lookup's reads as a raw call (at batch 1 a call of a
-few dozen pages waits for the disk's latency, not its rate). ``disk_summary`` adds hit rates cold (first
-samples) and warm (the median).
-"""
+Raw reads (``measure_raw_reads``): random 4 KiB reads of the arm's first table file through the tier's pread pool
+(``lookup.raw_cell``) at the arm's io mode and step depth (``read_depth``), before each comparison and, for O_DIRECT,
+around each sample (``sample_rate``: the rate drifts). The bound (``add_bounds``), against a host-tier arm at the same
+batch: bound_ms = host step ms + read ops per step / raw read ops/s x 1000, ratio = disk step ms / bound_ms, target
+ratio <= ``BOUND_FACTOR``, held "paired" (rate before each sample) and "bracketed" (harmonic mean around it), each with
+a bootstrap interval. The floor: host step ms + one lookup's reads as a raw call."""
 from __future__ import annotations
 
 import itertools
@@ -34,9 +27,8 @@ ARM_LABELS = {"A": ("A", "A'"), "B": ("B",)}  # the samples of an arm's engine i
 
 
 def read_depth(tables: dict, together: bool) -> int:
-    """The reads a disk arm's step keeps in flight: its first table's reader's queue depth, times its tables
-    when their lookups read side by side (``together``: ``lookup.reads_together``) each on a queue of its own
-    (``reader.queue_per_thread``: O_DIRECT through each table thread's AIO context); else that depth."""
+    """Reads a disk arm's step keeps in flight: the first table's queue depth, times the tables when their lookups read
+    side by side (``together``) each on its own queue (``reader.queue_per_thread``)."""
     from engram.store.reader import queue_per_thread
 
     reader = tables[min(tables)].reader
@@ -44,11 +36,9 @@ def read_depth(tables: dict, together: bool) -> int:
 
 
 def _raw_calls(tables: dict, pages: int, seconds: float, seed: int, depth: int | None = None) -> tuple:
-    """``engram.bench.lookup.raw_cell`` calls of ``pages`` random pages of the first Engram layer's
-    values.bin, with the io mode that table's reader has in effect, at queue depth ``depth`` (default the
-    reader's; cold, the file dropped from the page cache before every call, when that io is buffered): one
-    unrecorded call (the pool's threads, the buffer's first touch), then calls for ``seconds``. Returns
-    (layer, reader, cell, cell.result())."""
+    """``lookup.raw_cell`` calls of ``pages`` random pages of the first layer's values.bin, with its reader's io mode at
+    ``depth`` (cold when buffered): one unrecorded call, then calls for ``seconds`` -> (layer, reader, cell,
+    cell.result())."""
     from engram.bench.lookup import raw_cell
 
     lid = min(tables)
@@ -72,9 +62,7 @@ def measure_raw_reads(tables: dict, seconds: float, pages: int, seed: int, depth
 
 def sample_rate(tables: dict, seconds: float, pages: int, seed: int,
                 depth: int | None = None) -> Callable[[], float]:
-    """A measure of the disk's read rate (ops/s) to take right before each of an arm's samples:
-    ``measure_raw_reads`` for ``seconds`` at queue depth ``depth``, each call at pages of its own (the seed
-    advances)."""
+    """The disk's read rate (ops/s) right before one sample: ``measure_raw_reads`` at pages of its own."""
     calls = itertools.count(1)
 
     def rate() -> float:
@@ -83,8 +71,7 @@ def sample_rate(tables: dict, seconds: float, pages: int, seed: int,
 
 
 def measure_lookup_reads(tables: dict, read_ops_per_step: float | None, seconds: float, seed: int) -> dict | None:
-    """How long one lookup's reads take as a raw call: ``_raw_calls`` of ceil(read ops per step / number of
-    tables) pages a call for ``seconds``; None when a step read nothing (every row a cache hit)."""
+    """One lookup's reads as a raw call (ceil(read ops per step / tables) pages); None when a step read nothing."""
     import math
 
     if not read_ops_per_step:
@@ -101,9 +88,8 @@ def _median(xs: list):
 
 
 def disk_summary(arm: ArmSpec, records: list[dict], labels: tuple, raw: dict, fresh: bool, placement: str) -> dict:
-    """What a disk arm did in one comparison: hit rates cold (first warm-up sample, first recorded sample)
-    and warm (median of the recorded samples), median read ops per step and step ms, and the raw read rate
-    measured before the comparison; the bound fields are filled in by ``add_bounds``."""
+    """A disk arm in one comparison: hit rates cold and warm, median read ops and step ms, the raw read rate before it;
+    ``add_bounds`` fills the bound fields."""
     mine = [r for r in records if r["label"] in labels]
     warmups = [r for r in mine if r["round"] < 0]
     recorded = [r for r in mine if r["round"] >= 0]
@@ -126,11 +112,9 @@ def disk_summary(arm: ArmSpec, records: list[dict], labels: tuple, raw: dict, fr
 
 
 def add_bounds(comparisons: list[dict], ab_cfg: stats.ABConfig | None = None) -> None:
-    """For every disk arm of every comparison, the bound against a host-tier arm at the same batch: the other
-    arm of its own comparison when that is on the host tier (interleaved with it), else the first B on the
-    host tier at that batch (its comparison's B samples). bound_ms = host step ms + disk read ops per step /
-    raw read ops/s x 1000 (medians), ratio = disk step ms / bound_ms, target_met = ratio <= BOUND_FACTOR.
-    Without a host-tier arm at that batch the fields stay None and ``bound_note`` says so."""
+    """For every disk arm, the bound against a host-tier arm at the same batch (its comparison's other arm when on the
+    host tier, else the first such B): bound_ms, ratio and target_met as in the module docstring; without one the fields
+    stay None and ``bound_note`` says why."""
     for c in comparisons:
         for label, d in c.get("disk", {}).items():
             other = "B" if label == "A" else "A"
@@ -163,8 +147,8 @@ def add_bounds(comparisons: list[dict], ab_cfg: stats.ABConfig | None = None) ->
 
 
 def _held_to(ratios: list[float], ab_cfg: stats.ABConfig | None) -> tuple[float, list[float], str]:
-    """Samples' step ÷ bound ratios -> their median, its bootstrap interval (``stats.median_ci``) and the
-    verdict: "met" when the interval lies at or below ``BOUND_FACTOR``, "missed" above it, else "undecided"."""
+    """Step ÷ bound ratios -> their median, its bootstrap interval and "met" (interval <= ``BOUND_FACTOR``), "missed"
+    (above) or "undecided"."""
     lo, hi = stats.median_ci(ratios, ab_cfg or stats.ABConfig())
     return _median(ratios), [lo, hi], "met" if hi <= BOUND_FACTOR else "missed" if lo > BOUND_FACTOR else "undecided"
 

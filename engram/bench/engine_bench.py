@@ -1,14 +1,11 @@
-"""`engram bench engine`: engine decode and prefill ms/step per model, tier and Engram on/off, beside an HF
+"""``engram bench engine``: engine decode and prefill ms/step per model, tier and Engram on/off, beside an HF
 transformers peer, each point against a roofline measured in the same run.
 
-Arms per model: Engram on each ``--tiers`` tier, the same seeded weights without Engram ("engram-off") and
-``hf-peer`` (engram/bench/hf_peer.py); every arm decodes the same prompts. A decode point is
-``--decode-steps`` steps in which each of B sequences emits exactly one token (engram/bench/engine_steps.py
-drives and checks them), a prefill point one step that prefills S prompts of N tokens whole. On CUDA
-``ms_gpu`` is the device busy time of ``--profile-steps`` more steps under torch.profiler; ``roofline_ms`` is
-the least time the step's bytes and FLOPs allow at ceilings measured at the start of the run
-(engram/bench/roofline.py). Output: the JSON of engram.bench.report (``--out``), tables, ``--plot``.
-"""
+Arms per model: Engram on each ``--tiers`` tier, the same weights without Engram ("engram-off") and ``hf-peer``
+(hf_peer.py), all on the same prompts. A decode point is ``--decode-steps`` steps of one token per sequence
+(engine_steps.py), a prefill point one step prefilling S prompts of N tokens. On CUDA ``ms_gpu`` is the device busy time
+of ``--profile-steps`` more steps; ``roofline_ms`` the least time the step's bytes and FLOPs allow (roofline.py).
+Output: engram.bench.report's JSON (``--out``), tables, ``--plot``."""
 from __future__ import annotations
 
 import argparse
@@ -65,8 +62,8 @@ DEFAULT_PREFILL_SHAPES = "1x2048,16x512"
 
 
 def default_prefill_shapes(max_position_embeddings: int, block_size: int = 16) -> str:
-    """DEFAULT_PREFILL_SHAPES with each prompt cut to fit ``max_position_embeddings`` (a prefill of N tokens
-    needs N + 1 positions: the step samples one), in whole KV blocks; a note on stderr when one is cut."""
+    """DEFAULT_PREFILL_SHAPES with each prompt cut to fit ``max_position_embeddings`` (N tokens need N + 1 positions) in
+    whole KV blocks; a note on stderr when one is cut."""
     fit = max(block_size, (max_position_embeddings - 1) // block_size * block_size)
     shapes = ",".join(f"{n}x{min(t, fit)}" for n, t in parse_prefill_shapes(DEFAULT_PREFILL_SHAPES))
     if shapes != DEFAULT_PREFILL_SHAPES:
@@ -202,8 +199,8 @@ def peer_points(cfg, s: Settings, device, dtype, ceilings, compile_mode: str | N
 
 
 def engram_cost(points: list[dict]) -> list[dict]:
-    """Per Engram point with an engram-off point of the same model, phase, batch and context: the
-    difference in ms_wall (and ms_gpu where both have one)."""
+    """Per Engram point with an engram-off point of the same model, phase, batch and context: the ms_wall (and ms_gpu)
+    difference."""
     off = {(p["model"], p["phase"], p["batch"], p["context"]): p for p in points if p["arm"] == "engram-off"}
     rows = []
     for p in points:

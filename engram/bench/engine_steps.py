@@ -1,13 +1,9 @@
 """Drive an LLMEngine to one measured point, and the settings every engine bench shares.
 
-``measure_decode`` times ``steps`` calls of ``engine.step()`` in which each of B sequences emits exactly one
-token (``NotADecodeStep`` otherwise), after prefill and ``warmup_tokens``; with ``forced`` every request
-emits the given ids instead of its sampled ones (the step still samples, so it costs what a free step
-does); with ``busy_device``, ``profile_steps`` more steps run under torch.profiler, apart from the timed
-ones. ``measure_prefill`` times single steps that prefill S fresh prompts whole (``NotAPrefillStep``
-otherwise). Every request is aborted at the end, also on error. ``Settings`` and ``engine_config`` are
-what the benches' options give every engine; prompts are seeded ids over the non-special range.
-"""
+``measure_decode`` times ``steps`` engine steps in which each of B sequences emits exactly one token (``NotADecodeStep``
+otherwise), after prefill and ``warmup_tokens``; ``forced`` ids are emitted instead of the sampled ones (the step still
+samples); with ``busy_device``, ``profile_steps`` more run under torch.profiler. ``measure_prefill`` times steps that
+prefill S fresh prompts whole. Every request is aborted at the end, also on error."""
 from __future__ import annotations
 
 import gc
@@ -41,8 +37,8 @@ def prompt_ids(num_seqs: int, length: int, vocab_size: int, seed: int) -> list[l
 
 def decode_max_tokens(batch: int, context_len: int, max_num_batched_tokens: int, warmup_tokens: int,
                       steps: int, profile_steps: int) -> int:
-    """Tokens each decode request may generate: the first sequences decode while later ones are still in
-    prefill (one token per prefill step), then warm-up, timed and profiled steps, plus a margin of 2."""
+    """Tokens each decode request may generate: one per step while later prompts prefill, then warm-up, timed and
+    profiled steps, plus 2."""
     prefill_steps = math.ceil(batch * context_len / max_num_batched_tokens) + 1
     return prefill_steps + warmup_tokens + steps + profile_steps + 2
 
@@ -77,8 +73,8 @@ def parse_ints(text: str, option: str) -> tuple[int, ...]:
 
 
 def engine_config(s: Settings, max_position_embeddings: int, block_size: int = 16):
-    """The EngineConfig every engine arm runs with: room for the largest batch and prefill shape in one
-    step, and max_model_len for the longest decode (rounded up to a block)."""
+    """The EngineConfig every engine arm runs: room for the largest batch and prefill in one step, max_model_len for the
+    longest decode (rounded up to a block)."""
     from engram.engine.config import EngineConfig
 
     seqs = max(s.batch_sizes + tuple(n for n, _ in s.prefill_shapes))
@@ -145,8 +141,8 @@ class PrefillTimes:
 
 def _decode_step(engine, ids: list[str], generated: dict[str, int], context_len: int,
                  tokens: dict[str, list[int]] | None = None) -> list[int]:
-    """One engine step that must decode every request in ``ids`` by one token; updates ``generated`` (and
-    ``tokens``: each request's generated ids so far); returns each sequence's KV length after the step."""
+    """One step that must decode every request in ``ids`` by one token; updates ``generated`` (and ``tokens``) -> each
+    sequence's KV length after it."""
     ctx = [context_len + generated[rid] for rid in ids]  # the last sampled token is computed this step
     outs = engine.step()
     by_id = {o.request_id: o for o in outs}
@@ -255,8 +251,7 @@ def _prefill_step(engine, prompts: list[list[int]], tag: str) -> float:
 
 def measure_prefill(engine, num_seqs: int, length: int, vocab_size: int, repeats: int = 3,
                     busy_device: str | None = None, seed: int = 0) -> PrefillTimes:
-    """Time single steps that prefill ``num_seqs`` fresh prompts of ``length`` tokens each (see the module
-    docstring). Every shot draws new prompt ids (seed, seed + 1, ...)."""
+    """Time single steps that prefill ``num_seqs`` fresh prompts of ``length`` tokens; every shot draws new ids."""
     if engine.has_unfinished():
         raise RuntimeError("measure_prefill needs an idle engine")
     if repeats < 1:

@@ -1,13 +1,7 @@
-"""Forced natural decoding for `engram bench placement`: windows cut from a request corpus, and the check
-that every arm emitted them.
-
-A random-weight model decoding freely repeats one token, which hashes to a few Engram rows and flatters every
-placement. So the corpus, tokenized with the presets' tokenizer, becomes one token stream (``corpus_stream``);
-for batch size B sequence i takes the window at offset i * len // B (wrapping): ``context_len`` prompt ids,
-then the ids it is forced to emit (``SamplingParams.forced_token_ids``: the step still samples). After every
-sample ``check_forced`` verifies every sequence emitted its forced ids (``OutputMismatch`` naming the arm,
-sequence and position otherwise): all arms ran the same work.
-"""
+"""Forced natural decoding for ``engram bench placement``: windows cut from a request corpus, and the check that every
+arm emitted them. The corpus becomes one token stream; at batch B sequence i takes the window at offset i * len // B
+(wrapping): ``context_len`` prompt ids, then the ids it must emit (``forced_token_ids``). ``check_forced`` raises
+``OutputMismatch`` naming arm, sequence and position otherwise."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,8 +12,8 @@ class OutputMismatch(AssertionError):
 
 
 def corpus_stream(encoded, vocab_size: int):
-    """Prompt and continuation ids of every request, in corpus order, as one int64 stream; ValueError
-    when an id is outside the model's vocabulary (nothing is mapped)."""
+    """Every request's prompt and continuation ids, in corpus order, as one int64 stream; ValueError when an id is
+    outside the vocabulary."""
     import numpy as np
 
     stream = np.concatenate([x for pair in encoded for x in pair]).astype(np.int64)  # [tokens]

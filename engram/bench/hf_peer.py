@@ -1,11 +1,7 @@
-"""The HF transformers peer: ``transformers.Qwen3ForCausalLM`` with the ModelConfig's decoder shapes (no
-Engram, no hyper-connections: for presets with ``hc_mult > 1`` a shape peer only), decoding as HF users run
-it: ``generate`` with a static cache and, unless ``compile_mode`` is None, torch.compile of the decoding
-forward. ms/step is the difference of two generate calls of the same cache size (``w + steps`` tokens and
-``w``) over ``steps``: prefill, cache allocation and graph capture are in both and cancel, leaving ``steps``
-decode forwards at the KV lengths the engine's timed steps have. The transformers import stays inside the
-functions.
-"""
+"""The HF transformers peer: ``Qwen3ForCausalLM`` with the ModelConfig's decoder shapes (no Engram or hyper-connections:
+a shape peer for ``hc_mult > 1``), run through ``generate`` with a static cache and, unless ``compile_mode`` is None,
+torch.compile. ms/step is the difference of two generate calls of one cache size (``w + steps`` and ``w`` tokens) over
+``steps``, so prefill, allocation and capture cancel."""
 from __future__ import annotations
 
 import time

@@ -1,14 +1,10 @@
-"""`engram bench hit-rate`: hot-row cache hit rate against its size, on natural text, per Engram layer.
+"""``engram bench hit-rate``: hot-row cache hit rate against its size, on natural text, per Engram layer.
 
-Per case (an Engram layout and a tokenizer) the corpus is tokenized, served by the model in
-engram/bench/serving_trace.py and hashed into one row trace per layer; the hit rate counts distinct rows per
-step, as the cache's own counters do. On each trace: LRU at every size at once from stack distances
-(engram/bench/stack_distance.py), and with ``--rowcache`` the engine's own ``RowCache`` (set associative,
-its lfu or lru policy) fed each step's rows; cold (from empty) and warm (after ``--warmup`` of the accesses),
-by n-gram order, against the infinite cache; and distinct rows per token as the text grows. Sizes are shares
-of the table's rows. A tokenizer whose compressed vocabulary differs from the layout's gets the layout with
-its own (same primes and rows; the result records both).
-"""
+Per case (layout, tokenizer) the corpus is served (serving_trace.py) and hashed into one row trace per layer, counting
+distinct rows per step as the cache does. On each trace: LRU at every size from stack distances (stack_distance.py) and,
+with ``--rowcache``, the engine's ``RowCache``; cold and warm (after ``--warmup``), by n-gram order, against the
+infinite cache; and distinct rows per token as the text grows. A tokenizer whose compressed vocabulary differs gets the
+layout with its own (both recorded)."""
 from __future__ import annotations
 
 import argparse
@@ -47,8 +43,8 @@ def cold_warm(hits: np.ndarray, order: np.ndarray, warm_start: int) -> dict[str,
 
 
 def rowcache_hits(trace: LayerTrace, capacity: int, policy: str, ways: int = 8) -> tuple[np.ndarray, int]:
-    """Hit flags of the engine's ``RowCache`` (``capacity`` rows, rounded down to whole sets) fed one step's
-    distinct rows per lookup call, and its actual capacity."""
+    """Hit flags of the engine's ``RowCache`` (``capacity`` rows, whole sets) fed each step's distinct rows, and its
+    actual capacity."""
     import torch
 
     from engram.store.cache import RowCache
@@ -94,9 +90,8 @@ def lru_curve(dist: np.ndarray, table_rows: int, warm_start: int) -> dict[str, A
 
 
 def distinct_growth(trace: LayerTrace) -> list[dict[str, Any]]:
-    """Distinct rows touched by the first 1 K, 2 K, 5 K, ... tokens of the text (requests one after the
-    other, every lookup counted; the serving order does not matter here), and by all of it: per token,
-    per token of each n-gram order, and as a share of the table."""
+    """Distinct rows touched by the first 1 K, 2 K, 5 K, ... tokens and by all: per token, per token of each order, and
+    as a share of the table."""
     t, n_cols = trace.text_rows.shape
     first = reuse_index(trace.text_rows.reshape(-1))[0] < 0
     per_order = np.cumsum(first.reshape(t, n_cols // trace.n_heads, trace.n_heads).sum(axis=2), axis=0)
@@ -142,8 +137,7 @@ def analyze_layer(trace: LayerTrace, sizes_pct: tuple[float, ...], policies: tup
 
 
 def layout_config(name: str, table_rows: int | None = None):
-    """The EngramConfig of a model preset (``4b-like``: its V4.1-shaped tables; ``table_rows`` applies to
-    4b-like / 8b-like) or of an ``EngramConfig.preset`` (``deepseek-v4.1-flash``: the published layout)."""
+    """The EngramConfig of a model preset (``table_rows`` for 4b-like / 8b-like) or of an ``EngramConfig.preset``."""
     from engram.config import EngramConfig
     from engram.model.presets import MODEL_PRESETS, preset_config
 
@@ -166,9 +160,8 @@ class CaseTraces:
 
 def case_traces(corpus, layout: str, tokenizer: str, *, concurrency: int,
                 table_rows: int | None = None) -> CaseTraces:
-    """``corpus`` tokenized with ``tokenizer``, compressed and hashed with ``layout`` (its
-    compressed_vocab_size replaced by the tokenizer's when they differ), served ``concurrency`` requests at a
-    time (``engram.bench.serving_trace``): each Engram layer's row trace."""
+    """``corpus`` tokenized, compressed and hashed with ``layout`` (its compressed_vocab_size replaced by the
+    tokenizer's when they differ), served ``concurrency`` at a time: each layer's row trace."""
     from engram.bench.corpus import encode_corpus, load_tokenizer
     from engram.bench.serving_trace import compressed_sequences, layer_traces, serving_schedule
     from engram.hashing import NgramHasher

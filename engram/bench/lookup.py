@@ -1,12 +1,9 @@
-"""`engram bench lookup`: row-lookup throughput of a table on any tier, and of the disk tier against its disk.
+"""``engram bench lookup``: row-lookup throughput of a table on any tier, and of the disk tier against its disk.
 
-Each cell (tier options x id distribution x batch size x cache size) times ``table.gather`` on fresh ids per
-batch (id generation and cache drops are outside the timed region; CUDA is synchronized around it) and
-reports µs/batch, rows/s, GB/s of rows delivered, and for the disk tier read ops/s, disk MB/s and page
-amplification. ``--tier disk`` also sweeps queue depths and io modes and, with ``--raw``, measures the
-same values.bin with plain random page reads and no table work; raw and table cells of one (io, queue
-depth) run interleaved in rounds, so ``reader / raw`` compares them under the same conditions.
-"""
+Each cell (tier options x id distribution x batch x cache size) times ``table.gather`` on fresh ids per batch (id
+generation and cache drops untimed; CUDA synchronized around it): µs/batch, rows/s, GB/s delivered, and on the disk tier
+read ops/s, disk MB/s and page amplification. ``--tier disk`` also sweeps queue depths and io modes and, with ``--raw``,
+plain random page reads of the same file, interleaved with the table cells."""
 from __future__ import annotations
 
 import argparse
@@ -74,9 +71,8 @@ def build_random_table(rows: int, dim: int, workdir: str) -> Path:
 
 
 class IdSource:
-    """Fresh row ids per batch: uniform, or Zipf(s) over a fixed random permutation of the rows.
-
-    The Zipf CDF and permutation (16 B per row) are built once per (rows, s) and shared by every cell."""
+    """Fresh row ids per batch: uniform, or Zipf(s) over a fixed random permutation of the rows (CDF and permutation
+    built once per (rows, s))."""
 
     _zipf: dict[tuple[int, float], tuple[Any, Any]] = {}
 
@@ -217,8 +213,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def estimate(args: argparse.Namespace, groups: int) -> str:
-    """What the run will time, said before it starts: ``--seconds`` is per cell, and the disk tier's sweep
-    multiplies the cells by every (io, queue depth) group."""
+    """What the run will time, said before it starts (``--seconds`` is per cell; the disk sweep multiplies cells)."""
     table_cells = len(_ints(args.cache_rows)) * len(_words(args.ops)) * len(_words(args.dists)) * \
         len(_ints(args.batch_sizes))
     cells = table_cells + (1 if args.tier == "disk" and args.raw else 0)

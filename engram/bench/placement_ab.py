@@ -1,22 +1,12 @@
-"""`engram bench placement`: Engram table placements and engine settings A/B'd in one process, interleaved,
-with an A/A control, over forced natural decoding.
+"""``engram bench placement``: Engram table placements and engine settings A/B'd in one process, interleaved, with an
+A/A control, over forced natural decoding.
 
-One process because a large model's tables take minutes to build: the model is loaded once, each distinct
-placement's tables (a tier and its table options) are opened once, and every distinct arm gets its own
-``LLMEngine`` over them, built from its own ``RuntimeOptions`` and ``EngineConfig``
-(engram/bench/placement_arms.py says what an arm is). All engines live for the whole run, since the arms
-interleave; each has its own KV cache of one fixed budget (``--kv-cache-memory``, default sized for the
-largest batch), its own CUDA graphs and its own streams.
-
-Every sample decodes the same corpus windows and must emit exactly their forced ids
-(engram/bench/forced_windows.py), so every arm runs the same work; on CUDA every timed step must replay a
-CUDA graph unless the arm runs eagerly. Each B is compared with A in its own interleaved run per batch size
-(engram/bench/placement_compare.py, scheduled and judged by ``engram.bench.stats`` as ``engram bench ab``
-is). A disk arm is also held to its bound, from the disk's raw read rate measured in the run
-(engram/bench/disk_bound.py). Output: the JSON of engram.bench.report (``--out``): per comparison the
-ABResult, every sample (tok/s, step spread, table counters, hit rate, read ops per step) and per-arm
-summaries, with disk arms their raw reads and bound; tables; ``--plot``.
-"""
+The model loads once, each distinct placement's tables open once, and every arm (placement_arms.py) gets its own
+``LLMEngine`` (KV cache of one fixed budget, graphs, streams), alive for the whole run. Every sample decodes the same
+corpus windows and must emit their forced ids (forced_windows.py); on CUDA every timed step must replay a graph unless
+the arm runs eagerly. Each B is compared with A per batch size (placement_compare.py, judged by ``engram.bench.stats``);
+a disk arm is also held to its bound (disk_bound.py). Output: engram.bench.report's JSON (``--out``), tables,
+``--plot``."""
 from __future__ import annotations
 
 import argparse
@@ -90,8 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def table_info(tables: dict) -> dict:
-    """Per Engram layer: the table's type, rows, device, bytes of its storage (values and scales, a shared
-    buffer counted once) and of its hot-row cache."""
+    """Per Engram layer: the table's type, rows, device and bytes of its storage (a shared buffer once) and cache."""
     out = {}
     for lid, t in tables.items():
         storages = {}
@@ -107,8 +96,8 @@ def table_info(tables: dict) -> dict:
 
 
 def default_kv_budget(cfg, ecfg, dtype, tables_by_placement: dict) -> int:
-    """Bytes for every sequence of the largest batch at max_model_len, the Engram staging of a full step
-    and the largest hot-row cache of any placement (what an explicit budget pays first: engine/memory.py)."""
+    """Bytes for the largest batch at max_model_len, a full step's Engram staging and the largest hot-row cache of any
+    placement (what an explicit budget pays first)."""
     from engram.engine.lookup import staging_bytes
     from engram.model.kv_cache import KVCache
 
@@ -121,8 +110,8 @@ def default_kv_budget(cfg, ecfg, dtype, tables_by_placement: dict) -> int:
 
 
 def _checked_settings(args: argparse.Namespace, device, seed: int):
-    """The run's Settings, AB config, model preset and KV budget from the command line (SystemExit naming the
-    option otherwise), before anything loads."""
+    """The run's Settings, AB config, preset and KV budget from the command line, checked before anything loads
+    (SystemExit naming the option)."""
     from engram.bench import stats
     from engram.bench.engine_steps import Settings, parse_ints
     from engram.config import parse_bytes

@@ -1,14 +1,9 @@
-"""What an arm of `engram bench placement` is, and how it is checked before anything loads.
+"""What an arm of ``engram bench placement`` is, checked before anything loads.
 
-An arm is a JSON object (``--a``, each ``--b``) with the keys ``tier`` ("gpu" | "host" | "disk", required),
-``engram_config`` (``--engram-config`` keys this arm sets over the shared ones: ``lookup_overlap`` and table
-options such as ``cache_rows``, ``io``, ``queue_depth``) and ``engine`` (EngineConfig fields this arm's
-engine overrides, e.g. ``{"enforce_eager": true}`` or ``{"async_scheduling": false}``). Every arm is its own
-engine built from its own typed configs, so two arms differ only in what their JSON says. ``parse_arm``
-checks an arm completely (SystemExit naming the option, ``--a`` or ``--b[k]``, and the key) and returns a
-hashable ``ArmSpec``: one engine per distinct arm. A placement is a distinct (tier, table options) pair,
-named by ``placement_name``; its tables are opened once and shared by the arms on it.
-"""
+An arm is a JSON object (``--a``, each ``--b``): ``tier`` (required), ``engram_config`` (``--engram-config`` keys over
+the shared ones) and ``engine`` (EngineConfig overrides). Each arm is its own engine, so arms differ only in what their
+JSON says. ``parse_arm`` returns a hashable ``ArmSpec`` (SystemExit naming the option and key); a placement, a distinct
+(tier, table options) pair named by ``placement_name``, opens its tables once."""
 from __future__ import annotations
 
 import json

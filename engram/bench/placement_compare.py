@@ -1,12 +1,7 @@
-"""One comparison of `engram bench placement`: arm A against one arm B at one batch size, interleaved.
-
-``run_comparison`` hands ``stats.run_interleaved`` (the schedule and statistics of ``engram bench ab``) one
-measure per arm (``arm_measure``): a ``measure_decode`` over the batch's forced windows on that arm's engine,
-whose outputs must be the forced ids and whose timed steps must all have replayed a CUDA graph where the
-engine has them (``GraphFallback`` otherwise). Each sample is recorded with its step spread and what its
-tables' counters gained over the timed steps (hits, misses, read ops); disk arms add their raw read rates and
-``disk_bound.disk_summary``. ``table_row`` is the comparison's line of the printed table.
-"""
+"""One comparison of ``engram bench placement``: arm A against one arm B at one batch size, interleaved by
+``stats.run_interleaved``. Each arm's measure (``arm_measure``) is a ``measure_decode`` over the batch's forced windows
+whose outputs must be the forced ids and whose timed steps must all replay a graph where the engine has them
+(``GraphFallback``); each sample records its step spread and table counter gains, disk arms their raw read rates."""
 from __future__ import annotations
 
 import json
@@ -39,8 +34,8 @@ def hit_rate(counts: dict, cached: bool) -> float | None:
 
 
 def step_spread(wall_s: list[float]) -> dict:
-    """A sample's timed steps beyond their mean: the median step (ms), the longest, how many took over
-    ``SLOW_FACTOR`` x the median (a stall, not a steady cost), and every step's wall time (ms, to the us)."""
+    """A sample's timed steps beyond their mean: the median (ms), the longest, how many took over ``SLOW_FACTOR`` x the
+    median (stalls), and every step's wall time (ms, to the us)."""
     p50 = statistics.median(wall_s) * 1e3
     return {"step_ms_p50": p50, "step_ms_max": max(wall_s) * 1e3,
             "slow_steps": sum(w * 1e3 > SLOW_FACTOR * p50 for w in wall_s),
@@ -64,11 +59,10 @@ def _summary(samples: list[dict]) -> dict:
 
 def arm_measure(engine, arm: ArmSpec, win: Windows, batch: int, s, records: list[dict], graphs: bool,
                 cached: bool, raw_rate: Callable[[], float] | None = None):
-    """The ``measure`` of ``arm`` at ``batch``: one ``measure_decode`` over the windows, its outputs checked
-    against the forced ids and its graph replays against the timed steps (all of them when ``graphs``, else
-    none); appends the sample's record to ``records`` and returns decode tok/s. ``cached``: whether the arm's
-    tables have a hot-row cache (its hit rate is None otherwise). ``raw_rate``: the disk's read rate, measured
-    right before the sample (``raw_read_ops_per_s``) and right after its timed steps (``..._after``)."""
+    """The ``measure`` of ``arm`` at ``batch``: one ``measure_decode`` over the windows, outputs checked against the
+    forced ids and replays against the timed steps (all when ``graphs``, else none); appends the record, returns tok/s.
+    ``cached``: whether the tables have a hot-row cache; ``raw_rate``: the disk's read rate, measured before the sample
+    and after its timed steps."""
     from engram.bench.engine_steps import measure_decode
 
     def measure() -> float:
@@ -95,11 +89,9 @@ def arm_measure(engine, arm: ArmSpec, win: Windows, batch: int, s, records: list
 
 def run_comparison(engines: dict, arm_a: ArmSpec, arm_b: ArmSpec, k: int, batch: int, win: Windows, s, ab_cfg,
                    quiet: bool, graphs: dict, cached: dict, disk: dict | None = None, rates: dict | None = None):
-    """A against the k-th B at ``batch``, interleaved (``stats.run_interleaved``): the ABResult and the
-    comparison's JSON record (the ABResult dict, every sample's record in run order, per-arm summaries).
-    ``graphs`` and ``cached``: per arm, ``arm_measure``'s. ``disk``: per disk arm's label ("A" / "B"), (raw
-    read record, fresh_tables, placement name), which adds ``raw_reads`` and ``disk`` to the record;
-    ``rates``: per label, the read rate to measure around each of that arm's samples."""
+    """A against the k-th B at ``batch``, interleaved -> (ABResult, the comparison's JSON record). ``graphs`` /
+    ``cached``: per arm, as ``arm_measure``; ``disk``: per disk arm's label, (raw read record, fresh_tables, placement
+    name); ``rates``: per label, the read rate to measure around each sample."""
     from engram.bench import stats
 
     records: list[dict] = []

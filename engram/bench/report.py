@@ -1,11 +1,6 @@
-"""Shared output of every `engram bench` command: one JSON file per run and a readable table.
-
-``write_result`` stores ``{"name", "date", "git", "machine", "config", "result"}`` at the path the caller
-names (a bench's ``--out``), else as ``<tmp>/engram-bench/<date>-<name>.json``: never into the working tree
-by default. A number in the docs can always be traced to the commit and machine that produced it.
-``format_table`` renders a list of dicts as aligned text. This module knows nothing about what a bench
-measures.
-"""
+"""Shared output of every ``engram bench`` command: one JSON file per run and a readable table. ``write_result`` stores
+``{"name", "date", "git", "machine", "config", "result"}`` at ``--out``, else under ``<tmp>/engram-bench/`` (never into
+the working tree by default); ``format_table`` renders rows of dicts."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -26,11 +21,8 @@ _SOURCE_DIR = Path(__file__).resolve().parent
 
 
 def git_commit(cwd: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Commit of the engram source tree (``cwd`` overrides): {"commit": sha | None, "dirty": bool | None}.
-
-    Outside a checkout (an installed wheel, the device machine's copy of the tree) the commit is taken
-    from the ``ENGRAM_COMMIT`` environment variable, which whoever shipped the tree sets.
-    """
+    """{"commit": sha | None, "dirty": bool | None} of the source tree (``cwd`` overrides); outside a checkout, from
+    ``ENGRAM_COMMIT``."""
     where = str(cwd or _SOURCE_DIR)
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True,

@@ -1,14 +1,10 @@
 """Roofline of one engine step: the least time its bytes and FLOPs allow at ceilings measured on the machine.
 
-``step_cost(cfg, shape, itemsize, tier)`` counts a step (``StepShape``: new tokens and KV length per sequence,
-rows that sample) as a lower bound: every weight once (an untied embedding only the step's rows), K and V
-read for every layer's KV length and written for the new tokens, T x n_cols Engram rows per layer as stored
-(over the host link on tier "host"); FLOPs are 2 per multiply-add of the projections, the LM head over the
-sampling rows and causal attention (norms, RoPE and elementwise work are not counted). ``parameter_counts``
-counts parameters exactly as EngramDecoder allocates them (a test compares them). ``measure_ceilings``
-measures copy bandwidth, matmul rate in the compute dtype and, on CUDA, the pinned-host link;
-``roofline(cost, ceilings)`` is the largest of the three times, and which one it is.
-"""
+``step_cost`` counts a ``StepShape`` as a lower bound: every weight once (an untied embedding only the step's rows), K/V
+read for every layer's KV length and written for the new tokens, T x n_cols Engram rows per layer as stored (over the
+host link on tier "host"); FLOPs of the projections, the LM head over sampling rows and causal attention.
+``parameter_counts`` matches EngramDecoder's allocation exactly (a test compares). ``measure_ceilings`` measures copy
+bandwidth, matmul rate and (CUDA) the pinned-host link; ``roofline`` is the largest of the three times, and which."""
 from __future__ import annotations
 
 import statistics
@@ -29,8 +25,8 @@ REPEATS = 7
 
 # ----------------------------------------------------------------- parameters
 def parameter_counts(cfg: ModelConfig) -> dict[str, int]:
-    """Parameters by group, as EngramDecoder allocates them: embedding, lm_head (0 when tied), attention
-    (projections, biases, q/k norms), mlp, norms (two per layer + final), hyper_connections, engram."""
+    """Parameters by group as EngramDecoder allocates them: embedding, lm_head (0 when tied), attention, mlp, norms,
+    hyper_connections, engram."""
     h, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qdim, kvdim = nh * hd, nkv * hd
     attn = 0
@@ -65,8 +61,7 @@ def _engram_layer_params(cfg: ModelConfig) -> int:
 
 
 def matmul_params_per_token(cfg: ModelConfig) -> int:
-    """Weights every token is multiplied by (all but the embedding and the LM head): q/k/v/o and
-    gate/up/down of each layer, the Engram projections of each Engram layer."""
+    """Weights every token is multiplied by: q/k/v/o and gate/up/down of each layer, the Engram projections."""
     h, qdim, kvdim = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     total = 0
     for layer in range(cfg.num_layers):
@@ -80,8 +75,8 @@ def matmul_params_per_token(cfg: ModelConfig) -> int:
 # ----------------------------------------------------------------- one step
 @dataclass(frozen=True)
 class StepShape:
-    """One step's sequences: ``new_tokens[s]`` computed this step, ``context_lens[s]`` KV entries after it
-    (>= new_tokens[s]), ``sampled`` rows that go through the LM head."""
+    """One step's sequences: ``new_tokens[s]`` computed, ``context_lens[s]`` KV entries after it, ``sampled`` rows
+    through the LM head."""
 
     new_tokens: tuple[int, ...]
     context_lens: tuple[int, ...]
@@ -186,9 +181,8 @@ def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int
 def measure_ceilings(device: torch.device | str, dtype: torch.dtype, copy_bytes: int | None = None,
                      matmul_n: int | None = None,
                      timer: Callable[[Callable[[], object], torch.device], float] | None = None) -> Ceilings:
-    """Measure copy bandwidth, matmul rate and (CUDA) host-link bandwidth on ``device``; sizes default to
-    CUDA_* / CPU_* of this module. ``timer(fn, device)``: the seconds one call of ``fn`` takes (default: the
-    median of ``REPEATS`` runs, ``_median_seconds``). Buffers are freed before returning."""
+    """Measure copy bandwidth, matmul rate and (CUDA) host-link bandwidth on ``device`` (sizes default to CUDA_* /
+    CPU_*); ``timer(fn, device)`` times one call (default ``_median_seconds``). Buffers are freed before returning."""
     timer = timer or _median_seconds
     device = torch.device(device)
     on_cuda = device.type == "cuda"
@@ -219,9 +213,8 @@ def measure_ceilings(device: torch.device | str, dtype: torch.dtype, copy_bytes:
 
 
 def roofline(cost: StepCost, ceilings: Ceilings) -> tuple[float, str]:
-    """(seconds, bound): the largest of memory_bytes / memory bandwidth, link_bytes / link bandwidth (CUDA)
-    and FLOPs / matmul rate; bound names the winner ("memory", "link" or "compute"). On the CPU link bytes
-    are memory bytes (the host tier is the same RAM)."""
+    """(seconds, bound): the largest of memory bytes / bandwidth, link bytes / link bandwidth (CUDA) and FLOPs / matmul
+    rate, named "memory", "link" or "compute"; on the CPU link bytes are memory bytes."""
     memory_bytes = cost.memory_bytes + (cost.link_bytes if ceilings.link_GBps is None else 0)
     terms = {"memory": memory_bytes / (ceilings.memory_GBps * 1e9),
              "compute": cost.flops / (ceilings.matmul_TFLOPs * 1e12)}

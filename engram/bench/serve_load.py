@@ -1,12 +1,8 @@
-"""`engram bench serve`: hold N concurrent streaming requests against a server for a fixed time.
-
-Starts `engram serve` on a free local port (or uses ``--url``), then runs ``--concurrency`` workers that
-each send streaming completions back to back until ``--duration`` seconds have passed. Prompts are natural
-text: the prompts of a request corpus (engram/bench/corpus.py; ``--corpus FILE``, default the committed
-bench/corpus/natural-v1.jsonl, SHA-256 checked), in an order shuffled by ``--seed``; repeated filler would
-hash to a handful of rows and flatter every cache. Reports errors, request and token throughput, and
-TTFT / TPOT percentiles as JSON (``--out``) and a table.
-"""
+"""``engram bench serve``: hold N concurrent streaming requests against a server for a fixed time. Starts ``engram
+serve`` on a free port (or uses ``--url``); ``--concurrency`` workers send streaming completions back to back for
+``--duration`` seconds, prompts from a request corpus (``--corpus``, default the committed
+bench/corpus/natural-v1.jsonl, checked) shuffled by ``--seed``. Reports errors, throughput and TTFT / TPOT percentiles
+as JSON (``--out``) and a table."""
 from __future__ import annotations
 
 import argparse
@@ -23,10 +19,8 @@ DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "bench" / "corpus" / "nat
 
 
 def corpus_prompts(path: str | os.PathLike | None = None, seed: int = 0) -> tuple[list[str], str]:
-    """Every prompt of the corpus file at ``path`` (default ``DEFAULT_CORPUS``, the committed
-    bench/corpus/natural-v1.jsonl), ordered by ``numpy.random.default_rng(seed).permutation``, and the
-    file's SHA-256. Deterministic for (file, seed); CorpusError naming the file when it is missing, fails
-    its recorded checksum or is malformed (``load_corpus``)."""
+    """Every prompt of the corpus at ``path`` (default ``DEFAULT_CORPUS``) in ``default_rng(seed).permutation`` order,
+    and the file's SHA-256; CorpusError naming the file (``load_corpus``)."""
     from engram.bench.corpus import CorpusError, load_corpus
 
     path = Path(DEFAULT_CORPUS if path is None else path)
@@ -53,8 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _pct(values: list[float], q: float) -> float | None:
-    """The q-th percentile; None (JSON null) when no request got that far (every one failed, say), so the
-    result of a failed run is still written, with its errors."""
+    """The q-th percentile; None when no request got that far, so a failed run's result is still written."""
     return float(np.percentile(values, q)) if values else None
 
 

@@ -1,16 +1,9 @@
 """The Engram row accesses of a corpus served by a continuous-batching engine, one trace per Engram layer.
 
-Serving model (``serving_schedule``): at most ``concurrency`` requests run at once and are admitted in
-corpus order as slots free up. A request admitted at step a is prefilled whole at step a and then feeds one
-continuation token per step (continuation token i at step a + 1 + i; the continuation stands in for what
-the model would generate); its slot is free again from step a + 1 + len(continuation).
-
-Trace (``layer_traces``): each request is one sequence, prompt then continuation, hashed from its own start
-(lookback = pad) with ``NgramHasher`` on ``CompressedTokenizer`` ids, so every token looks up ``n_cols``
-rows per layer. Like the engine's lookup plan (``torch.unique`` per step), a step reads each distinct row
-once, in ascending id order: the trace of a layer is, step after step, the sorted distinct rows of that
-step. A row belongs to exactly one hash column, so each access also has an n-gram order.
-"""
+``serving_schedule``: at most ``concurrency`` requests at once, admitted in corpus order; a request admitted at step a
+prefills whole at a, then feeds continuation token i at step a + 1 + i. ``layer_traces``: each request is hashed from
+its own start, and like the engine's plan a step reads each distinct row once, ascending; each access also has its
+n-gram order."""
 from __future__ import annotations
 
 import heapq
@@ -31,8 +24,7 @@ class ServingSchedule:
 
 
 def serving_schedule(prompt_lens: np.ndarray, continuation_lens: np.ndarray, concurrency: int) -> ServingSchedule:
-    """Steps of the serving model above. ValueError naming the value for concurrency < 1 or a request with
-    an empty prompt."""
+    """Steps of the serving model above; ValueError naming the value for concurrency < 1 or an empty prompt."""
     p = np.asarray(prompt_lens, dtype=np.int64)
     c = np.asarray(continuation_lens, dtype=np.int64)
     if concurrency < 1:

@@ -1,25 +1,17 @@
 """LRU stack distances of an access trace in one pass (Mattson et al., 1970), O(N log N), vectorized numpy.
 
-The stack distance of access t to row x is the number of *distinct other* rows accessed since the previous
-access p to x (0 = x was the last row touched), or -1 when t is the first access to x. LRU is a stack
-algorithm: an LRU cache of C rows, started empty, hits access t exactly when ``0 <= d[t] < C``, so one pass
-gives the hit rate of every LRU size at once.
-
-How: the distinct rows in the window (p, t) are the accesses j in the window whose own previous access
-lies before p, ``d[t] = #{j in (p, t): prev[j] < p}``. Every j <= p has ``prev[j] < j <= p``, so
-``d[t] = #{j < t: prev[j] < p} - (p + 1)``: a count of values below a bound in a prefix of the array
-``prev``, answered for all t together by a wavelet matrix over ``prev + 1`` (one level per bit of N: a
-stable partition, a prefix count and two gathers per level).
-"""
+The stack distance of access t to row x is the number of distinct other rows accessed since x's previous access p (-1
+for a first access); an LRU cache of C rows hits t exactly when ``0 <= d[t] < C``, so one pass gives every size. ``d[t]
+= #{j < t: prev[j] < p} - (p + 1)``, a prefix count below a bound answered for all t at once by a wavelet matrix over
+``prev + 1``."""
 from __future__ import annotations
 
 import numpy as np
 
 
 def reuse_index(trace: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(prev, dense) of a trace of non-negative ids: ``prev[t]`` the index of the previous access to
-    ``trace[t]`` (-1 for its first access) and ``dense[t]`` its id renumbered 0..D-1 in ascending id order
-    (both int64 [N]). ValueError naming the value when an id is negative."""
+    """(prev, dense) of a trace of non-negative ids: the index of the previous access (-1 first) and the id renumbered
+    0..D-1 ascending, both int64 [N]; ValueError naming a negative id."""
     trace = np.asarray(trace, dtype=np.int64)
     n = trace.size
     prev = np.full(n, -1, dtype=np.int64)
@@ -48,10 +40,9 @@ def previous_access(trace: np.ndarray) -> np.ndarray:
 
 
 def _count_below_in_prefix(values: np.ndarray, ends: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-    """``out[k] = #{j < ends[k]: values[j] < bounds[k]}`` for non-negative ``values``: a wavelet matrix
-    walked by every query at once, most significant bit first. At each level a query holds a range [l, r)
-    of that level's arrangement (elements sharing the bits of its bound seen so far); where the bound's bit
-    is 1 the range's zeros are all below it (counted), and the query follows the ones."""
+    """``out[k] = #{j < ends[k]: values[j] < bounds[k]}`` for non-negative ``values``: a wavelet matrix walked by every
+    query at once, most significant bit first; where a bound's bit is 1 the range's zeros are counted and the query
+    follows the ones."""
     n = values.size
     dt = np.int32 if n < 2**30 else np.int64  # sums like zeros + position stay below 2**31
     cur = values.astype(dt)

@@ -1,16 +1,10 @@
 """Interleaved A/B runs with an A/A control, bootstrap confidence intervals and honest verdicts.
 
-Method. Arms run in rounds, each round measuring every arm once: A, then A' (A again under its own label,
-the A/A control), then B. With order "abba" rounds alternate forward (A A' B) and reversed (B A' A), so a
-*block* of two rounds is a palindrome in which every arm has the same mean position: a linear drift in run
-order (heat, caches filling, a neighbour's job) adds the same amount to every arm and cancels; "abab"
-keeps the forward order (one round per block) and does not cancel it. Each block gives one paired ratio
-mean(B)/mean(A); the estimate is the median of those ratios, and its CI is the percentile interval of that
-median over blocks resampled with replacement (a seeded numpy Generator: same samples, same CI). A'/A is
-computed the same way and shows what the machine alone produces: a B/A difference is reported only when
-its whole CI lies outside the A/A envelope [-f, +f], f = max |A/A CI bound| (so also outside 0), else
-"no difference detectable"; an A/A CI that excludes 0 warns that the machine is not stable enough to judge.
-"""
+Arms run in rounds of A, A' (A again: the A/A control), B; order "abba" reverses every other round, so a block of two
+rounds is a palindrome that cancels a linear drift ("abab" does not). Each block gives a ratio mean(B)/mean(A); the
+estimate is their median, its CI the percentile interval over blocks resampled with a seeded Generator. A B/A difference
+is reported only when its CI lies outside the A/A envelope [-f, +f], f = max |A/A CI bound|, else "no difference
+detectable"; an A/A CI excluding 0 warns that the machine is unstable."""
 from __future__ import annotations
 
 import time
@@ -262,12 +256,9 @@ def analyze(samples: dict[str, Sequence[float]], cfg: ABConfig, arms: dict[str, 
 
 def run_interleaved(a: Arm, b: Arm, cfg: ABConfig,
                     on_run: Callable[[Run], None] | None = None) -> ABResult:
-    """Run both arms (and the A/A control) interleaved as ``cfg`` says, then ``analyze`` the samples.
-
-    Services: without restart each arm is started once before warm-ups and stopped at the end (A and A'
-    share A's service); with restart only one service is up at a time, and it is started fresh (then
-    warmed up) at every change of label in the run order.
-    """
+    """Run both arms (and the A/A control) interleaved as ``cfg`` says, then ``analyze``. Without restart each arm's
+    service starts once (A and A' share A's); with restart one service is up at a time, started fresh and warmed up at
+    every change of label."""
     labels = arm_labels(cfg.aa)
     arm_of = {"A": a, AA_LABEL: a, "B": b}
     runs: list[Run] = []

@@ -1,11 +1,8 @@
 """EngramDecoder: a plain, single-device Llama/Qwen-style decoder with Engram before chosen layers' attention.
 
-``forward(step: StepInputs, kv: KVCache) -> hidden [len(logits_indices), H]`` runs one engine step of
-packed tokens; ``compute_logits(hidden) -> [N, vocab_size]`` float32. Parameter names are the HF ones
-(``model.embed_tokens``, ``model.layers.L.self_attn.q_proj``, ..., ``lm_head``) plus
-``model.layers.L.engram.*`` (engram.module.Engram) and ``model.layers.L.{attn,mlp}_hc.*``
-(hyper-connections). The model never reads a table: each Engram layer asks ``step.engram_rows(L)``.
-"""
+``forward(step, kv) -> hidden [len(logits_indices), H]`` runs one engine step of packed tokens; ``compute_logits(hidden)
+-> [N, vocab_size]`` float32. Parameter names are HF's plus ``model.layers.L.engram.*`` and
+``model.layers.L.{attn,mlp}_hc.*``. The model never reads a table: each Engram layer asks ``step.engram_rows(L)``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,10 +48,9 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, step: StepInputs, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv: KVCache,
                 delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """h [T, hc_mult, H] and ``delta`` [T, H] (the previous layer's MLP output, not yet added to its single
-        residual stream; None: nothing pending) -> (h, delta) of this layer, where h + delta is its output.
-        With one stream the residual adds are fused into the next norm (fused.add_rms_norm), so the last MLP
-        output is handed on; the sums are those of the plain adds."""
+        """h [T, hc_mult, H] and ``delta`` [T, H] (the previous layer's MLP output not yet added to its single residual
+        stream; None: nothing pending) -> (h, delta) of this layer, h + delta its output. With one stream the residual
+        adds are fused into the next norm (fused.add_rms_norm), with the sums of the plain adds."""
         if delta is not None and (self.engram is not None or self.hc_mult > 1):
             h, delta = h + delta.unsqueeze(1), None  # Engram and hyper-connections read the whole stream
         if self.engram is not None:

@@ -1,10 +1,6 @@
-"""StepInputs: everything the decoder needs for one engine step, as one plain dataclass.
-
-Tokens of all sequences in the step are packed along one axis T (prefill chunks and decode tokens
-alike); per-sequence metadata says where each sequence's queries sit and which KV blocks it reads.
-Engram rows come from ``engram_rows``, a callable the engine supplies, so the model never knows where
-tables live (GPU, host, disk) or whether rows were prefetched.
-"""
+"""StepInputs: everything the decoder needs for one engine step, as one plain dataclass. Tokens of all sequences are
+packed along one axis T; per-sequence metadata says where each sequence's queries sit and which KV blocks it reads.
+Engram rows come from the ``engram_rows`` callable, so the model never knows where tables live."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,9 +53,8 @@ class StepInputs:
 def make_step_inputs(chunks: list[list[int]], past_lens: list[int], block_tables: list[list[int]],
                      block_size: int, engram_rows: Callable[[int], torch.Tensor] | None,
                      device: torch.device | str = "cpu", **extra: Any) -> StepInputs:
-    """Pack one step from Python lists: sequence s feeds tokens ``chunks[s]`` after ``past_lens[s]`` cached
-    tokens and owns KV blocks ``block_tables[s]`` (long enough for past + new). A reference builder for
-    tests and simple drivers; the engine builds StepInputs from its own block manager."""
+    """Pack one step from Python lists (a reference builder for tests and simple drivers): sequence s feeds
+    ``chunks[s]`` after ``past_lens[s]`` cached tokens and owns KV blocks ``block_tables[s]``."""
     if not len(chunks) == len(past_lens) == len(block_tables):
         raise ValueError(f"chunks ({len(chunks)}), past_lens ({len(past_lens)}) and block_tables "
                          f"({len(block_tables)}) must describe the same sequences")

@@ -1,9 +1,6 @@
-"""Paged KV cache: per KV-source layer, K and V tensors [num_blocks, block_size, n_kv_heads, head_dim].
-
-A token's K/V live at flat slot ``block * block_size + offset``; the engine hands out blocks (block
-tables) and slots (slot mapping). Only layers that own a cache get tensors (``kv_source_layer_ids``);
-a KV-sharing layer reads its source's entry. Plain torch, any dtype (float64 included), any device.
-"""
+"""Paged KV cache: per KV-source layer, K and V [num_blocks, block_size, n_kv_heads, head_dim]; a token lives at flat
+slot ``block * block_size + offset``. Only KV-source layers get tensors (``kv_source_layer_ids``); a sharing layer reads
+its source's. Plain torch, any dtype and device."""
 from __future__ import annotations
 
 import torch
@@ -41,9 +38,8 @@ class KVCache:
 
     def write(self, layer_id: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               keep: torch.Tensor | None = None) -> None:
-        """Store k, v [T, n_kv, hd] at flat slots ``slot_mapping`` [T]. ``keep`` (LongTensor of token rows)
-        restricts the write to those rows, e.g. the ones whose slot is >= 0; None writes every row (no
-        host sync, so every slot must then be valid)."""
+        """Store k, v [T, n_kv, hd] at flat slots ``slot_mapping`` [T]; ``keep`` (token rows) restricts the write, None
+        writes every row (no host sync: every slot must be valid)."""
         self._check(layer_id)
         if keep is not None:
             slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]

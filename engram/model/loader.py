@@ -1,14 +1,11 @@
 """load_model / save_model: a preset or an HF-style checkpoint directory -> a ready LoadedModel.
 
-A checkpoint is ``config.json`` (Llama / Qwen2 / Qwen3 fields + ``engram_*``) + ``*.safetensors`` +
-``tokenizer.json`` (+ ``tokenizer_config.json`` for the chat template). Decoder tensors use HF names,
-with or without the ``model.`` prefix; Engram tensors are ``[model.]layers.L.engram.{embed.weight,
-embed.scale, wkv.weight, wkv.scale, q_weight, k_weight}``. The tables are converted once into the cache
-directory (see tables.py); the Worker that runs the model opens them on the chosen tier
-(``LoadedModel.open_tables``), on its own device. A preset's tables may instead be built there straight in
-memory (``tables_in_memory``), never as files. Pickled weights (``.bin``/``.pt``) are refused.
-Errors name the tensor and the expected and found shapes.
-"""
+A checkpoint is ``config.json`` (Llama / Qwen2 / Qwen3 fields + ``engram_*``), ``*.safetensors`` and ``tokenizer.json``
+(+ ``tokenizer_config.json``). Decoder tensors use HF names, with or without ``model.``; Engram tensors are
+``[model.]layers.L.engram.{embed.weight, embed.scale, wkv.weight, wkv.scale, q_weight, k_weight}``. Tables are converted
+once into the cache directory (tables.py) and opened by the Worker on its tier and device (``LoadedModel.open_tables``),
+or built in memory for presets (``tables_in_memory``). Pickled weights are refused; errors name the tensor and both
+shapes."""
 from __future__ import annotations
 
 import json
@@ -53,9 +50,8 @@ class LoadedModel:
     lookup_overlap: bool = True  # the Worker gathers Engram rows on a lookup stream (CUDA; engine/lookup_stream.py)
 
     def open_tables(self) -> dict[int, Any]:
-        """The tables, opened on ``tier`` and ``device`` at the first call (the Worker's, at its start):
-        from ``table_dirs``, or, with ``memory_table_seed``, the preset's random tables built in memory
-        (tables.open_random_tables, no files); tables passed in already opened are kept as they are."""
+        """The tables, opened on ``tier`` and ``device`` at the first call (the Worker's start): from ``table_dirs``, or
+        with ``memory_table_seed`` built in memory; tables passed in already opened are kept."""
         if self.tables or self.engram_config is None:
             return self.tables
         options = self.store_options.to_dict() if self.store_options is not None else None
@@ -79,9 +75,8 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> EngramDecoder:
-    """A model constructed directly on ``device`` (float32 construction, then cast to ``dtype``); its
-    values are placeholders until weights are loaded or ``init_random_weights`` runs. (Constructing on the
-    meta device instead costs seconds of torch imports on every start, more than a tiny model takes.)"""
+    """A model constructed on ``device`` (float32, then cast to ``dtype``); placeholder values until weights load or
+    ``init_random_weights`` runs (the meta device would cost more in imports than a tiny model takes)."""
     with torch.device(device):
         model = EngramDecoder(cfg)
     model = model.to(dtype)
@@ -92,13 +87,9 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> E
 def load_model(model: str | os.PathLike = "tiny", tier: str = "gpu", dtype: str | torch.dtype | None = None,
                device: str | torch.device | None = None, engram_config=None,
                cache_dir: str | os.PathLike | None = None, progress: bool = True) -> LoadedModel:
-    """Load a preset ("tiny" | "small" | "4b-like" | "8b-like") or a checkpoint directory.
-
-    ``engram_config`` (the --engram-config dict, or engine.options.RuntimeOptions) gives ``cpu_offload``
-    (true -> tier "host"), ``table_rows`` (rows per Engram layer of 4b-like / 8b-like), ``seed`` (preset
-    weights and tables), ``tables_in_memory`` (a preset's tables built in memory when they open, no files;
-    refused for tier "disk" and for checkpoints) and the table options that ``LoadedModel.open_tables`` uses.
-    """
+    """Load a preset ("tiny" | "small" | "4b-like" | "8b-like") or a checkpoint directory. ``engram_config`` (a dict or
+    RuntimeOptions): ``cpu_offload`` (tier "host"), ``table_rows`` (4b-like / 8b-like), ``seed``, ``tables_in_memory``
+    (presets only, not tier "disk") and the table options."""
     from engram.model.options import RuntimeOptions
 
     opts = engram_config if isinstance(engram_config, RuntimeOptions) else RuntimeOptions.from_dict(engram_config)
@@ -140,10 +131,8 @@ def _load_preset(name, tier, dtype, device, opts, cache_dir, progress) -> Loaded
 def random_model(cfg: ModelConfig, tier: str = "gpu", dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", seed: int = 0, cache_dir=None, opts=None,
                  progress: bool = True) -> LoadedModel:
-    """Any ModelConfig with deterministic random weights and random tables, built-in tokenizer. The tables
-    are generated into the cache once, or, with ``opts.tables_in_memory``, built in memory when
-    ``LoadedModel.open_tables`` runs (no files). ``opts``: RuntimeOptions (their ``store`` options open the
-    tables)."""
+    """Any ModelConfig with deterministic random weights and tables and the built-in tokenizer; tables generated into
+    the cache once, or built in memory (``opts.tables_in_memory``). ``opts``: RuntimeOptions."""
     in_memory = opts is not None and opts.tables_in_memory
     if in_memory:
         opts.tier(tier)  # tier "disk" is refused before anything is built

@@ -1,15 +1,9 @@
-"""ModelConfig: the shape of a dense decoder (Llama / Qwen2 / Qwen3 family) plus its Engram layout.
+"""ModelConfig: the shape of a dense decoder (Llama / Qwen2 / Qwen3) plus its Engram layout.
 
-It reads and writes the HF ``config.json`` fields of those families (``model_type`` llama | qwen2 |
-qwen3) and the ``engram_*`` fields of EngramConfig, plus two of ours: ``hc_mult`` (hyper-connection
-streams) and ``kv_source_layer_ids`` (cross-layer KV sharing). A config.json is read with
-``engram.config.hf_text_config`` (top level overridden by ``text_config``), like every other reader.
-``kv_source_layer_ids`` is validated by ``engram.model.sharing_fields.source_layer_ids``, the rule and
-messages of the PP planner, so ``engram plan-pp`` and ``load_model`` accept and refuse the same layouts;
-DeepSeek-V4.1 attention fields (``compress_ratios``, index and candidate sharing) are refused, since this
-decoder does not implement them. Validation is in ``__post_init__``; errors are ValueError naming the
-field and value. It knows nothing about weights or devices.
-"""
+Reads and writes those families' HF ``config.json`` fields (through ``hf_text_config``) and EngramConfig's ``engram_*``,
+plus ``hc_mult`` and ``kv_source_layer_ids`` (validated by ``sharing_fields.source_layer_ids``, the PP planner's rule
+and messages). DeepSeek-V4.1 attention fields are refused. Validated in ``__post_init__`` (ValueError naming field and
+value)."""
 from __future__ import annotations
 
 import dataclasses

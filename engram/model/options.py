@@ -1,12 +1,7 @@
 """``RuntimeOptions``: the ``--engram-config`` JSON (``LLM(engram_config=...)``) validated once into types.
-
-Keys as vLLM names them where it has them: ``cpu_offload`` (true ⇒ tier "host" unless a tier was chosen),
-``lookup_overlap``; the loader's ``table_rows`` (rows per Engram layer of the 4b-like / 8b-like presets),
-``seed`` (preset weights and tables) and ``tables_in_memory`` (build a preset's tables straight in device
-or pinned host memory, never as files: tiers gpu and host only); every other key is a table option
-(engram.store.StoreOptions: cache_rows, cache_policy, io, queue_depth, host_layout, ...). An unknown key or
-a bad value is a ValueError naming it, raised before anything loads.
-"""
+``cpu_offload`` (tier "host" unless one was chosen), ``lookup_overlap``, ``table_rows`` (4b-like / 8b-like), ``seed``
+and ``tables_in_memory`` (tiers gpu and host); every other key is a table option (StoreOptions). An unknown key or bad
+value raises ValueError before anything loads."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,13 +1,9 @@
 """Built-in model presets and their deterministic random weights.
 
-``tiny`` (CPU tests in seconds; 4 layers, hc_mult 2, Engram at [1, 3]), ``small`` (~100 M parameters,
-hc_mult 2), ``4b-like`` / ``8b-like`` (Qwen3-4B / Qwen3-8B dense shapes with Engram at [1, 15] and
-V4.1-shaped tables: 24 columns x 256 values, MXFP8). All use the built-in tokenizer; the large presets
-keep Qwen3's 151936-row embedding and LM head (padded vocab) so their compute is that of the real shape.
-Weights are a pure function of the preset and seed (and, for 4b-like / 8b-like, which are drawn on the
-target device, of the device type): each parameter draws from its own generator seeded by the seed and
-the parameter's name, so construction order never changes a value.
-"""
+``tiny`` (CPU tests; 4 layers, hc_mult 2, Engram at [1, 3]), ``small`` (~100 M parameters), ``4b-like`` / ``8b-like``
+(Qwen3-4B / 8B dense shapes, Engram at [1, 15], V4.1-shaped MXFP8 tables, Qwen3's padded 151936-row vocab). Weights are
+a pure function of preset and seed (and, for the large ones drawn on the target device, of the device type): each
+parameter has its own generator seeded by the seed and its name."""
 from __future__ import annotations
 
 import zlib
@@ -91,13 +87,10 @@ def _param_generator(seed: int, name: str, device: torch.device) -> torch.Genera
 
 @torch.no_grad()
 def init_random_weights(model: nn.Module, seed: int, on_device: bool | None = None) -> None:
-    """Fill every parameter deterministically (see module docstring). Norm weights are 1, biases 0,
-    linear weights N(0, 0.02) (output projections scaled by 1/sqrt(2 * layers); Engram projections scaled
-    so that, over the random preset tables, their output is about N(0, 0.08)), Engram gate weights 1 + N(0, 0.1),
-    hyper-connections near
-    a plain residual, anything else N(0, 0.02). Values are drawn on the CPU (identical whatever the
-    model's device) unless ``on_device`` or, by default, the model has more than HOST_INIT_MAX_PARAMS
-    parameters (4b-like / 8b-like: drawing billions of values on the CPU would take minutes)."""
+    """Fill every parameter deterministically: norms 1, biases 0, linears N(0, 0.02) (output projections scaled by
+    1/sqrt(2 * layers), Engram projections to about N(0, 0.08) over the preset tables), Engram gate weights 1 + N(0,
+    0.1), hyper-connections near a plain residual. Drawn on the CPU (device-independent) unless ``on_device`` or, by
+    default, the model has more than HOST_INIT_MAX_PARAMS parameters."""
     from engram.model.layers.hyper_connections import HyperConnection
     from engram.module import Engram
 

@@ -1,18 +1,10 @@
-"""The cross-layer sharing fields of a config, validated once for the PP planner and the runtime decoder.
+"""The cross-layer sharing fields of a config, validated once for the PP planner and the runtime decoder, so both accept
+or refuse a layout with the same ``<field>=<value>: <why>`` ValueError.
 
-``engram.parallel.pp_graph`` (``engram plan-pp``) and ``engram.model.model_config.ModelConfig`` (``load_model``)
-read ``num_hidden_layers``, ``compress_ratios`` and the source lists through these functions, so a layout is
-accepted by both or refused by both with the same message, ``<field>=<value>: <why>`` (ValueError).
-
-Source-list rule (``source_layer_ids``): a list of ints, unique, ascending, each in ``[0, num_hidden_layers)``
-and a layer that takes part in sharing (``compress_ratios[x] != 0``; without ``compress_ratios`` every layer
-does); every participating layer reads the nearest source at or before it, so the first participating layer
-must itself be a source. Our decoder has no ``compress_ratios``, so its ``kv_source_layer_ids`` starts at 0.
-
-The runtime decoder implements KV sharing only: ``v41_attention_field`` names the first DeepSeek-V4.1
-attention field (compressed KV, indexer, candidate blocks) a config sets, which the planner plans and the
-runtime refuses to load.
-"""
+Source-list rule (``source_layer_ids``): unique ascending ints in ``[0, num_hidden_layers)``, each a layer that takes
+part in sharing (``compress_ratios[x] != 0``; without it every layer); each participating layer reads the nearest source
+at or before it, so the first must be a source. The runtime implements KV sharing only: ``v41_attention_field`` names a
+DeepSeek-V4.1 attention field it refuses."""
 from __future__ import annotations
 
 from typing import Any
@@ -43,8 +35,8 @@ def num_hidden_layers(hf: dict[str, Any]) -> int:
 
 
 def compress_ratios(hf: dict[str, Any], n: int) -> tuple[int, ...] | None:
-    """V4.1 ``compress_ratios`` cut to the ``n`` decoder layers (extra entries belong to MTP layers, which are
-    not pipeline stages); None when absent. Entries are ints >= 0, 0 = sliding window only (no sharing)."""
+    """V4.1 ``compress_ratios`` cut to the ``n`` decoder layers (extra entries are MTP layers); None when absent.
+    Entries are ints >= 0, 0 = sliding window only."""
     ratios = hf.get("compress_ratios")
     if ratios is None:
         return None
@@ -57,9 +49,8 @@ def compress_ratios(hf: dict[str, Any], n: int) -> tuple[int, ...] | None:
 
 def source_layer_ids(ids: Any, name: str, kind: str, n: int,
                      ratios: tuple[int, ...] | None = None) -> tuple[int, ...] | None:
-    """Validate a source list (``kv_source_layer_ids``: kind ``kv``; ``index_source_layer_ids``: kind
-    ``index``) of a decoder with ``n`` layers by the module's rule; the list as a tuple, None when ``ids`` is
-    None. The value in a message is always shown as a list, whatever sequence type came in."""
+    """Validate a source list (kind ``kv`` or ``index``) of an ``n``-layer decoder by the module's rule -> a tuple (None
+    for None); messages show the value as a list."""
     if ids is None:
         return None
     if not isinstance(ids, (list, tuple)):
@@ -86,8 +77,8 @@ def source_layer_ids(ids: Any, name: str, kind: str, n: int,
 
 
 def v41_attention_field(hf: dict[str, Any]) -> str | None:
-    """The first of V41_ATTENTION_FIELDS that ``hf`` sets to something other than "none" (absent, null,
-    -1 for the candidate source, 0 for the candidate blocks); None when the config uses none of them."""
+    """The first of V41_ATTENTION_FIELDS ``hf`` sets to other than "none" (absent, null, -1 for the candidate source, 0
+    for the candidate blocks), else None."""
     off = {"candidate_source_layer_id": -1, "candidate_topk_blocks": 0}
     for name in V41_ATTENTION_FIELDS:
         value = hf.get(name)

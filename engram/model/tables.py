@@ -1,17 +1,9 @@
 """Engram tables of a loaded model: where they are cached, how preset tables are made, how they open.
 
-Both kinds go through the store's converter (``engram.store.convert``, what ``engram convert`` runs):
-preset tables are ``convert_random`` tables (valid random MXFP8 bytes, seeded per layer), generated once
-per (layer fingerprints, row dtype, seed) into ``<cache>/tables/random-<key>/layer<L>`` with a progress
-bar and reused afterwards; checkpoint tables are ``convert_safetensors`` copies of the checkpoint's
-``[model.]layers.L.engram.embed.{weight,scale}`` tensors, made once into
-``<cache>/tables/<name>-<key>/layer_<L>`` with a key derived from the checkpoint files. The cache root
-is ``cache_dir``, else ``$ENGRAM_CACHE_DIR``, else ``~/.cache/engram``.
-
-Preset tables can also be built straight in memory on tier gpu or host (``open_random_tables``, the
-loader's ``tables_in_memory``): no file is written or read, and every row is bitwise the row the cached
-file holds for the same layout and seed (same chunks, same per-chunk generators).
-"""
+Preset tables are ``convert_random`` tables generated once per (layer fingerprints, row dtype, seed) into
+``<cache>/tables/random-<key>/layer<L>``; checkpoint tables are ``convert_safetensors`` copies made once into
+``<cache>/tables/<name>-<key>/layer_<L>``. Preset tables can instead be built in memory on tier gpu or host
+(``open_random_tables``), bitwise the cached files' rows."""
 from __future__ import annotations
 
 import functools
@@ -72,10 +64,8 @@ def generate_random_table(directory: Path, cfg: EngramConfig, layer_id: int, see
 
 
 def random_rows(rows: int, dim: int, seed: int, row_dtype: str = "mxfp8") -> RowChunks:
-    """The rows ``convert_random(out, rows, dim, seed, row_dtype)`` writes, as ``RowChunks`` for
-    ``engram.store.build.build_table``: the same chunks from the same generator (``convert.random_chunk``),
-    so every row is bitwise the file's (tests/unit/test_tables_in_memory.py compares them). Each worker
-    thread keeps one chunk's buffers (MXFP8: 2.25 x the chunk's value bytes)."""
+    """``convert_random(out, rows, dim, seed, row_dtype)``'s rows as ``RowChunks`` (same chunks, same generators, so
+    bitwise the file's); each worker keeps one chunk's buffers."""
     if row_dtype not in ITEMSIZE:
         raise ValueError(f"row_dtype={row_dtype!r} must be one of {sorted(ITEMSIZE)}")
     step = convert.random_chunk_rows(dim, row_dtype)
@@ -93,9 +83,8 @@ def random_rows(rows: int, dim: int, seed: int, row_dtype: str = "mxfp8") -> Row
 
 
 def random_manifest(cfg: EngramConfig, layer_id: int, seed: int) -> TableManifest:
-    """The manifest of layer ``layer_id``'s random table of a preset of ``seed`` built in memory: the
-    geometry, layer and fingerprint ``generate_random_table`` writes, no files, and a path that names it
-    (``memory:random-seed<S>/layer<L>``) in messages."""
+    """The manifest ``generate_random_table`` would write for this layer and seed (no files), with the path
+    ``memory:random-seed<S>/layer<L>`` for messages."""
     dim = cfg.head_dim
     return TableManifest(path=Path(f"memory:random-seed{seed}") / f"layer{layer_id}", rows=cfg.table_rows(layer_id),
                          dim=dim, row_dtype=cfg.row_dtype, row_stride=row_stride(dim * ITEMSIZE[cfg.row_dtype]),
@@ -105,15 +94,10 @@ def random_manifest(cfg: EngramConfig, layer_id: int, seed: int) -> TableManifes
 
 def open_random_table(cfg: EngramConfig, layer_id: int, seed: int, tier: str = "gpu", device=None,
                       options: StoreOptions | None = None, progress: bool = True):
-    """Layer ``layer_id``'s preset random table built straight in memory: tier "gpu" (device memory; RAM
-    without CUDA) or "host" (pinned host memory, one registration; RAM without CUDA). No file is written or
-    read; the rows are bitwise those ``generate_random_table`` writes for the same layout and seed, and the
-    object is the tier's usual GpuTable / HostTable (same gather, routes, cache and stats).
-
-    ``options`` as for ``open_table``: a hot-row cache on "host" (the gpu tier takes none), ``host_layout``,
-    ``check_memory`` (the same preflight, before anything is made) and ``load_threads`` (the generator
-    workers). Generation runs at the CPU's rate (docs/store.md, "Tables built in memory"); ``progress``
-    shows a bar on a terminal. Tier "disk" is refused: it serves tables from their files."""
+    """Layer ``layer_id``'s preset random table built in memory on tier "gpu" or "host" (pinned, one registration; RAM
+    without CUDA): the tier's usual GpuTable / HostTable, rows bitwise the generated file's. ``options`` as for
+    ``open_table`` (cache on "host" only, ``host_layout``, ``check_memory``, the worker count). Tier "disk" is refused.
+    """
     tier = Tier.parse(tier)
     m = random_manifest(cfg, layer_id, seed)
     if tier is Tier.DISK:
@@ -157,10 +141,8 @@ def checkpoint_table_dirs(checkpoint: Path, cfg: EngramConfig, cache_dir=None) -
 
 def open_tables(dirs: dict[int, Path], cfg: EngramConfig, tier: str = "gpu", device=None,
                 options: StoreOptions | Mapping[str, Any] | None = None) -> dict[int, Any]:
-    """Open each layer's table on ``tier`` with the same ``options``, checking it against the layout's
-    fingerprint. ``options``: a StoreOptions, or a mapping of StoreOptions.KEYS validated by
-    ``StoreOptions.from_dict`` (an unknown key raises ValueError listing the known ones) before any table
-    opens; None means the defaults."""
+    """Open each layer's table on ``tier`` with the same ``options`` (StoreOptions or a mapping validated before any
+    table opens; None: defaults), checked against the layout's fingerprint."""
     from engram.store import open_table
 
     opts = options if isinstance(options, StoreOptions) else StoreOptions.from_dict(options)
@@ -170,10 +152,8 @@ def open_tables(dirs: dict[int, Path], cfg: EngramConfig, tier: str = "gpu", dev
 
 def convert_checkpoint_tables(checkpoint: Path, dirs: dict[int, Path], cfg: EngramConfig,
                               progress: bool = True) -> None:
-    """Convert the tables of the layers in ``dirs`` that are not there yet from the checkpoint's
-    safetensors (store's ``convert_safetensors``, sizes checked against ``cfg``), and give the ones cached
-    before table format 2 their page checksums. All ``dirs`` share one parent, as ``checkpoint_table_dirs``
-    makes them."""
+    """Convert the missing tables of ``dirs`` from the checkpoint's safetensors (sizes checked against ``cfg``) and give
+    cached format-1 ones their page checksums; ``dirs`` share one parent (``checkpoint_table_dirs``)."""
     todo = [lid for lid, d in dirs.items() if not (d / MANIFEST).is_file()]
     for lid, d in dirs.items():
         if lid not in todo:
@@ -184,9 +164,8 @@ def convert_checkpoint_tables(checkpoint: Path, dirs: dict[int, Path], cfg: Engr
 
 
 def read_table_tensors(directory: Path) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A whole table back as checkpoint tensors: values [rows, dim] in the row dtype (float8_e4m3fn for
-    MXFP8) and scales float8_e8m0fnu [rows, dim/32] (None for other dtypes). Reads the files into RAM
-    (store's ``load_table``, CRC-checked)."""
+    """A whole table as checkpoint tensors: values [rows, dim] in the row dtype (float8_e4m3fn for MXFP8) and scales
+    float8_e8m0fnu [rows, dim/32] | None; CRC-checked read into RAM."""
     m = read_manifest(directory)
     raw, scales = load_table(m)  # uint8 [rows, row_stride], uint8 [rows, scale_cols] | None
     values = raw[:, : m.value_bytes].contiguous().view(ROW_TORCH_DTYPES[m.row_dtype])  # [rows, dim]

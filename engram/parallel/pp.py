@@ -1,13 +1,10 @@
 """Pipeline-parallel planner: split a decoder's layers into PP stages without cutting a sharing edge.
 
-``plan_pipeline(config, pp)`` is a pure function of the config, ``pp`` and the optional partition / costs,
-so every rank computes the same plan without communicating. A cut is legal where no edge of
-``pp_graph.sharing_graph`` crosses it; the planner picks the pp-1 legal cuts that minimise the largest
-stage cost (ties: smallest sum of squared stage costs, then earliest cuts). An explicit partition (argument,
-else ``ENGRAM_PP_LAYER_PARTITION``) is validated and used as given, or rejected with NotImplementedError
-listing the crossing edges and a suggested partition. ``local_allocation`` tells a stage which layers own
-caches and staging buffers. Nothing here allocates memory or talks to other ranks.
-"""
+``plan_pipeline(config, pp)`` is a pure function of its inputs, so every rank computes the same plan without
+communicating: among cuts no ``pp_graph.sharing_graph`` edge crosses, the pp-1 that minimise the largest stage cost
+(ties: smallest sum of squares, then earliest). An explicit partition (argument, else ``ENGRAM_PP_LAYER_PARTITION``) is
+used as given or refused with NotImplementedError listing the crossing edges and a suggestion. ``local_allocation`` says
+which layers' caches a stage allocates."""
 from __future__ import annotations
 
 import math
@@ -171,8 +168,8 @@ def crossing_edges(graph: SharingGraph, partition: Sequence[int]) -> list[Sharin
 
 def check_partition(graph: SharingGraph, pp: int, partition: Sequence[int], origin: str = "partition",
                     costs: Sequence[float] | None = None) -> None:
-    """ValueError when the partition is malformed (count != pp, sum != layers, empty stage);
-    NotImplementedError listing up to four crossing edges and a suggested partition when it cuts one."""
+    """ValueError when the partition is malformed (count != pp, sum != layers, empty stage); NotImplementedError listing
+    up to four crossing edges and a suggested partition when it cuts one."""
     part = list(partition)
     n = graph.num_layers
     if len(part) != pp:
@@ -212,12 +209,9 @@ def _suggestion(graph: SharingGraph, pp: int, costs: Sequence[float]) -> str:
 def plan_pipeline(config: str | os.PathLike | dict | SharingGraph, pp: int,
                   partition: Sequence[int] | str | None = None, costs: Sequence[float] | None = None,
                   engram_cost: float = ENGRAM_EXTRA_COST, env: Mapping[str, str] | None = None) -> PipelinePlan:
-    """Plan ``pp`` stages for a config (path, dict or an already built SharingGraph).
-
-    ``partition`` (layers per stage, a sequence or "a,b,...") wins over ``ENGRAM_PP_LAYER_PARTITION`` in
-    ``env`` (default the process's: engram/envs.py); without either, the planner chooses. Config errors and malformed
-    partitions raise ValueError; a partition that cuts a sharing edge, or a pp larger than the legal cuts
-    allow, raises NotImplementedError."""
+    """Plan ``pp`` stages for a config (path, dict or SharingGraph). ``partition`` (a sequence or "a,b,...") wins over
+    ``ENGRAM_PP_LAYER_PARTITION`` in ``env``; without either the planner chooses. Config errors and malformed partitions
+    raise ValueError; a cut sharing edge or too few legal cuts, NotImplementedError."""
     graph = config if isinstance(config, SharingGraph) else sharing_graph(config)
     if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
         raise ValueError(f"pp={pp!r}: must be an int >= 1")
@@ -247,8 +241,8 @@ def plan_pipeline(config: str | os.PathLike | dict | SharingGraph, pp: int,
 
 # ------------------------------------------------------------------------------------- allocation
 def local_allocation(plan: PipelinePlan, stage: int) -> StageAllocation:
-    """Caches and buffers stage ``stage`` allocates: only those of its own layers (a valid plan keeps every
-    source with its consumers, so nothing remote is ever read)."""
+    """Caches and buffers stage ``stage`` allocates: only its own layers' (a valid plan keeps every source with its
+    consumers)."""
     if not 0 <= stage < plan.pp:
         raise ValueError(f"stage={stage}: out of range [0, {plan.pp}) for pp={plan.pp}")
     g = plan.graph

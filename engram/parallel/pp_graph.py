@@ -1,14 +1,10 @@
 """Cross-layer sharing graph of a decoder, read from its HF-style config before anything is allocated.
 
-``sharing_graph(config)`` turns a config.json (path, directory or dict) into
-the edges a pipeline cut must not separate: ``kv`` and ``index`` (a layer reads the nearest earlier
-source's cache / top-k selection), ``index_k`` (an index source that is not a KV source reads its KV
-source) and ``candidate`` (every index source after the candidate source reads its candidate blocks).
-Engram layers are inputs, not edges: the stage holding one needs the step's token ids and lookbacks.
-Fields are read with ``engram.config.hf_text_config`` (top level overridden by ``text_config``) and the
-per-field rules of ``sharing_fields`` (shared with the runtime's ModelConfig); bad fields raise ValueError
-naming the field and value. This module knows nothing about stages or costs.
-"""
+``sharing_graph(config)`` gives the edges a pipeline cut must not separate: ``kv`` and ``index`` (a layer reads the
+nearest earlier source's cache / top-k selection), ``index_k`` (an index source that is not a KV source reads its KV
+source) and ``candidate`` (index sources after the candidate source read its blocks). Engram layers are inputs, not
+edges. Fields are read by ``hf_text_config`` and ``sharing_fields`` (shared with ModelConfig); bad fields raise
+ValueError naming field and value."""
 from __future__ import annotations
 
 import os

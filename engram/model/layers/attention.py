@@ -1,11 +1,6 @@
-"""GQA self-attention over a paged KV cache, and the per-step attention layout it reads.
-
-A KV-source layer projects K/V for the step's tokens and writes them through ``slot_mapping``; every
-layer (source or sharer) then reads its source's cache through ``block_tables`` (paged_attention.py: a
-Triton fast path on CUDA, plain torch as the reference). ``AttentionMetadata`` is built once per forward
-from host numbers: which sequences decode (one new token) and which prefill (chunks), as device index
-tensors copied without a host sync.
-"""
+"""GQA self-attention over a paged KV cache, and the per-step attention layout it reads. A KV-source layer writes its
+step's K/V through ``slot_mapping``; every layer reads its source's cache through ``block_tables`` (paged_attention.py).
+``AttentionMetadata`` is built once per forward from host numbers, without a host sync."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,8 +38,7 @@ class AttentionMetadata:
     @classmethod
     def from_step(cls, cu_seqlens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                   slot_mapping: torch.Tensor, host: "HostLayout | None" = None) -> "AttentionMetadata":
-        """The step's layout. With ``host`` (the engine's own numbers) nothing is read back from the device;
-        without it (reference builders, tests) offsets and lengths are read in one host sync."""
+        """The step's layout; with ``host`` (the engine's numbers) nothing is read back, without it one host sync."""
         n = context_lens.shape[0]
         if host is None:
             flat = torch.cat([cu_seqlens.long(), context_lens.long(), (slot_mapping < 0).any().long().view(1)]).tolist()
@@ -83,10 +77,8 @@ class HostLayout:
 
 
 class Attention(nn.Module):
-    """Llama/Qwen attention block: q/k/v/o projections (+ Qwen2 q/k/v bias, + Qwen3 per-head q/k norm).
-
-    A layer that shares KV (``kv_source != layer_id``) has no k/v projections and reads the source's cache.
-    """
+    """Llama/Qwen attention: q/k/v/o projections (+ Qwen2 bias, + Qwen3 per-head q/k norm); a KV-sharing layer
+    (``kv_source != layer_id``) has no k/v projections."""
 
     def __init__(self, cfg, layer_id: int):
         super().__init__()

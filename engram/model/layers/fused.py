@@ -1,11 +1,7 @@
-"""Small ops with a fused CUDA path: ``rms_norm``, ``add_rms_norm``, ``norm_rope``, ``norm_rope_store``,
-``norm_rope_qk_store``, ``silu_mul``, one signature each.
-
-The torch code here is the reference (any device, any dtype, float64 included) and what the CPU runs; on
-CUDA, for bf16 / fp16 / fp32 tensors, the Triton kernels of fused_triton.py take over (one launch each
-instead of five to ten). ``set_backend("torch")`` (or ``ENGRAM_KERNELS=fused=torch``, a debugging switch)
-forces the reference; "triton" insists on the fast path.
-"""
+"""Small ops with a fused CUDA path, one signature each: ``rms_norm``, ``add_rms_norm``, ``norm_rope``,
+``norm_rope_store``, ``norm_rope_qk_store``, ``silu_mul``. The torch code is the reference (any device and dtype); on
+CUDA for bf16 / fp16 / fp32 the Triton kernels of fused_triton.py take over. ``set_backend`` or
+``ENGRAM_KERNELS=fused=torch`` forces the reference; "triton" insists on the fast path."""
 from __future__ import annotations
 
 
@@ -54,8 +50,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + r, rms_norm(x + r)): a residual add and the next norm in one launch on the fast path, where
-    the sum is bitwise the reference's (rounded to x's dtype before the norm)."""
+    """(x + r, rms_norm(x + r)) in one launch on the fast path (the sum rounded to x's dtype before the norm, bitwise
+    the reference's)."""
     if _fast(x) and x.stride(-1) == 1 and r.stride(-1) == 1 and r.dtype == x.dtype and r.shape == x.shape:
         from engram.model.layers import fused_triton
 
@@ -94,9 +90,8 @@ def _kv_store_fast(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def norm_rope_store(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Tensor,
                     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """A step's KV write: ``k_cache[slots] = norm_rope(k)``, ``v_cache[slots] = v`` with k, v [T, heads, hd],
-    caches [rows, heads, hd] (a paged cache's flat view) and slots [T] int64 (every slot valid). One launch on
-    the fast path, which stores bitwise what ``norm_rope`` returns."""
+    """A step's KV write: ``k_cache[slots] = norm_rope(k)``, ``v_cache[slots] = v``; k, v [T, heads, hd], caches [rows,
+    heads, hd] (a flat view), slots [T] int64 (all valid). One launch on the fast path, bitwise ``norm_rope``."""
     hd = k.shape[-1]
     if _kv_store_fast(k, v, k_cache, v_cache):
         from engram.model.layers import fused_triton
@@ -111,9 +106,7 @@ def norm_rope_store(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor | None, ep
 def norm_rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Tensor | None,
                        wk: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """A layer's queries and its KV write: returns ``norm_rope(q, wq, ...)`` and does
-    ``norm_rope_store(k, v, wk, ...)``; one launch on the fast path (bitwise the two launches, which is also
-    what the reference runs)."""
+    """Returns ``norm_rope(q, wq, ...)`` and does ``norm_rope_store(k, v, wk, ...)``; one launch on the fast path."""
     hd = q.shape[-1]
     if _kv_store_fast(k, v, k_cache, v_cache) and q.stride(-1) == 1 and q.dtype == k.dtype:
         from engram.model.layers import fused_triton

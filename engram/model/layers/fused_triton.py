@@ -1,21 +1,15 @@
-"""Fused small ops on CUDA in Triton: one launch where the torch reference takes five to ten.
+"""Fused small ops on CUDA in Triton, one launch each:
 
-* ``rms_norm(x, w, eps)``: rows of x [M, N] normalised in float32, weight applied; one program per row.
-  ``add_rms_norm(x, r, w, eps)`` first adds the residual branch r (rounded to x's dtype, as torch's add
-  rounds) and returns the sum too: the normalised values are bitwise ``rms_norm(x + r)``'s.
-* ``norm_rope(x, w, eps, cos, sin)``: Qwen3's per-head q/k RMSNorm followed by rotary embedding ("rotate
-  half"), or the rotation alone (``w`` None); x [T, heads, hd], cos/sin [T, hd]; one program per token.
-  ``norm_rope_store`` writes the result (and v) straight into the paged KV cache rows of a slot mapping:
-  the step's KV write without its two index_copy launches, the stored K bitwise ``norm_rope``'s.
-  ``norm_rope_qk_store`` does a layer's queries and its KV write in one launch (bitwise the two launches).
-* ``silu_mul(g, u)``: SwiGLU's silu(g) * u, elementwise over [rows, cols] views (packed gate/up halves).
-* ``engram_gate_v41(x, kv, q_w, k_w, eps, dead_mask)``: the v41 Engram fusion after the row projection
-  (engram/module.py, ``Engram._forward_v41``): both RMS statistics, the gate logit, the gate and x + g*v
-  in one launch per step, one program per (token, branch), where the torch reference takes ~29.
+* ``rms_norm`` (one program per row) and ``add_rms_norm`` (adds r rounded to x's dtype first, returns the sum);
+* ``norm_rope``: Qwen3's per-head q/k RMSNorm then rotary embedding ("rotate half"), or the rotation alone;
+  ``norm_rope_store`` writes it (and v) into the paged KV cache's slots; ``norm_rope_qk_store`` does the
+  queries and the KV write in one launch;
+* ``silu_mul``: SwiGLU's silu(g) * u;
+* ``engram_gate_v41``: the v41 Engram fusion after the row projection (``Engram._forward_v41``), one program per
+  (token, branch).
 
-Each computes in float32 and rounds once, so it matches the torch reference (fused.py) within bf16
-rounding, not bitwise; the parity test states the tolerance. Only CUDA; importing needs triton.
-"""
+Each computes in float32 and rounds once: equal to the torch reference within bf16 rounding, not bitwise (the parity
+test states the tolerance). CUDA only; importing needs triton."""
 from __future__ import annotations
 
 import torch
@@ -27,9 +21,8 @@ from engram.model.layers.pdl import launch_options
 
 @triton.jit
 def pdl_enter(USE_PDL: tl.constexpr):
-    """First thing in a kernel launched with programmatic dependent launch (engram/model/layers/pdl.py): wait
-    until the kernel before it has finished and its writes are visible, then let the kernel after it be
-    scheduled. Nothing without USE_PDL."""
+    """First thing in a kernel launched with PDL (pdl.py): wait until the kernel before finished and its writes are
+    visible, then let the next be scheduled. Nothing without USE_PDL."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -55,8 +48,8 @@ def _rms_norm_kernel(X, W, Y, R, S, n, eps, s_x, s_y, s_r, s_s, BLOCK: tl.conste
 
 @triton.jit
 def _norm_rope_consts(W, COS, SIN, t, s_c, HALF: tl.constexpr, NORM: tl.constexpr):
-    """What _norm_rope_rows needs besides its rows, none of it written during a step's layers: the norm weight
-    halves (ones without NORM) and token t's cos/sin halves, float32. Read before the PDL wait (pdl.py)."""
+    """What _norm_rope_rows needs besides its rows, none of it written during a step's layers (so read before the PDL
+    wait): the norm weight halves (ones without NORM) and token t's cos/sin halves, float32."""
     c = tl.arange(0, HALF)
     if NORM:
         w1 = tl.load(W + c).to(tl.float32)

@@ -1,11 +1,7 @@
-"""Static hyper-connections (Zhu et al., 2024): ``hc_mult`` residual streams around each block.
-
-The hidden state is ``h [T, hc_mult, H]``. Before a block, ``collapse`` mixes the streams into its input
-``x = sum_k in_weight[k] * h[:, k]``; after it, ``expand`` mixes the streams among themselves and adds the
-block output to each: ``h'[:, k] = sum_j res_weight[k, j] * h[:, j] + out_weight[k] * y``. Initialised to
-a plain residual on one stream (in = one-hot, res = I, out = 1); with ``hc_mult == 1`` the decoder skips
-this module entirely, so a single stream is exactly ``h + y``. The v41 Engram gate runs once per stream.
-"""
+"""Static hyper-connections (Zhu et al., 2024): ``hc_mult`` residual streams ``h [T, hc_mult, H]`` around each block.
+``collapse``: x = sum_k in_weight[k] * h[:, k]; ``expand``: h'[:, k] = sum_j res_weight[k, j] * h[:, j] + out_weight[k]
+* y. Initialised to a plain residual on one stream; with ``hc_mult == 1`` the decoder skips this module (exactly ``h +
+y``)."""
 from __future__ import annotations
 
 import torch

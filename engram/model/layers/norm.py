@@ -1,7 +1,5 @@
-"""RMSNorm as Llama/Qwen compute it: statistics in float32 (float64 stays float64), weight applied last.
-
-``y = w * (x / sqrt(mean(x**2) + eps))`` over the last dim, returned in the input dtype (fused.rms_norm).
-"""
+"""RMSNorm as Llama/Qwen compute it: ``y = w * (x / sqrt(mean(x**2) + eps))`` over the last dim, statistics in float32
+(float64 stays float64), returned in the input dtype (fused.rms_norm)."""
 from __future__ import annotations
 
 import torch

@@ -1,11 +1,6 @@
-"""Packing sibling projections (q/k/v, gate/up) into one weight so each runs as one larger GEMM.
-
-``pack_linears([q_proj, k_proj, v_proj])`` concatenates the layers' weights (and biases) into one tensor
-whose row blocks then *are* the layers' parameters: each ``nn.Linear.weight`` becomes a view into it, so
-parameter names, state dicts and memory stay as they were (no second copy). At batch 1 a projection is a
-matrix-vector product that reads its weight once; one GEMM over the packed weight reads the same bytes with
-a third of the launches and tiles that fill the chip better.
-"""
+"""Packing sibling projections (q/k/v, gate/up) into one weight so each runs as one GEMM: ``pack_linears`` concatenates
+the weights (and biases) and each ``nn.Linear.weight`` becomes a view of its row block, so names, state dicts and memory
+stay as they were."""
 from __future__ import annotations
 
 import torch

@@ -1,12 +1,8 @@
-"""``paged_attention``: attention of a step's queries over the paged KV cache, one function, two paths.
-
-The torch path (``paged_attention_reference``) is the reference and the float64 oracle: decode sequences
-(one new token) are attended in one batched call over their KV padded to the longest, longer chunks one
-sequence at a time with a causal mask offset by the tokens already cached (SDPA; enable_gqa, no K/V
-copies). On CUDA, for bf16 / fp16 / fp32, the Triton kernels of paged_attention_triton.py read K/V in
-place through the block table (split-KV decode, varlen causal prefill). ``set_backend("torch")`` (or
-``ENGRAM_KERNELS=attention=torch``, a debugging switch) forces the reference; "triton" insists on the fast path.
-"""
+"""``paged_attention``: attention of a step's queries over the paged KV cache, one function, two paths. The torch path
+(``paged_attention_reference``) is the reference and float64 oracle: decode sequences in one batched call over KV padded
+to the longest, longer chunks one sequence at a time (SDPA, causal mask offset by the cached tokens). On CUDA for bf16 /
+fp16 / fp32 the Triton kernels (paged_attention_triton.py) read K/V in place. ``set_backend`` or
+``ENGRAM_KERNELS=attention=torch`` forces the reference; "triton" insists on the fast path."""
 from __future__ import annotations
 
 import torch

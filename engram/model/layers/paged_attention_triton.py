@@ -1,27 +1,16 @@
 """Paged attention on CUDA in Triton: K/V read in place through the block table, no padded copies.
 
-Two kernels, the fast path of ``attention.paged_attention`` (whose torch code is the reference and the
-float64 oracle; a parity test runs both over odd sizes):
+* **decode** (one new token), split-KV: a sequence's keys are cut into fixed splits of SPLIT_LEN; a program per
+  (sequence, KV head), or a few striding over the splits, holds the GQA group of query heads as the M dimension,
+  writes an unnormalised partial (acc, max, sum) per split, and a second kernel combines them in order. The
+  fixed split length makes a result independent of the batch and the launch; splits past a sequence's end are
+  not computed, so a graph sized for max_model_len costs nearly what eager does.
+* **prefill** (chunks): flash-attention over packed varlen queries, one program per (query tile, head), causal
+  with the chunk's offset (query i at position ctx - q_len + i).
 
-* **decode** (sequences with one new token), split-KV: a sequence's keys are cut into fixed splits of
-  SPLIT_LEN; a program per (sequence, KV head) — or a few, striding over the splits — holds the whole GQA
-  group of query heads as the M dimension of its dot products, walks each split in tiles gathered through
-  the block table, and writes an unnormalised partial (acc, max, sum) per split; a second kernel combines
-  the sequence's splits in order (log-sum-exp). Splits keep the chip busy when few sequences decode long
-  contexts; their fixed length makes a sequence's result independent of the batch and of the launch, and
-  splits past a sequence's end are not computed (their programs exit before loading the query), so a CUDA
-  graph sized for max_model_len computes what eager does, at nearly eager's cost.
-* **prefill** (chunks of several tokens: fresh prompts, chunked prefill over a cached prefix, recompute):
-  flash-attention over packed varlen queries, one program per (query tile of one sequence, query head),
-  causal with the chunk's offset into its context (query i sits at position ctx - q_len + i).
-
-Both walk their keys with the same two helpers (inlined by Triton): ``_kv_tile_scores`` gathers a K/V tile
-through the block table and scores it, ``_online_softmax_update`` folds it into the running max, sum and
-accumulator; each kernel applies its own mask in between (decode: the split's end; prefill: causal).
-Both take q [T, nh, hd] and the cache's K/V [num_blocks, block_size, n_kv, hd] as they are; heads map to
-KV heads by h // (nh // n_kv). float32 inputs use IEEE fp32 dot products (no TF32), so the fp32 parity
-test compares against a plain fp32 reference. Only CUDA; importing needs triton.
-"""
+Both use ``_kv_tile_scores`` and ``_online_softmax_update``, and take q [T, nh, hd] and K/V [num_blocks, block_size,
+n_kv, hd] as they are; head h reads KV head h // (nh // n_kv). float32 uses IEEE fp32 dot products (no TF32). CUDA only;
+importing needs triton."""
 from __future__ import annotations
 
 import torch
@@ -35,10 +24,9 @@ from engram.model.layers.pdl import launch_options
 @triton.jit
 def _kv_tile_scores(q, K, V, BT, seq, kvh, pos, valid, c, cmask, s_bt, s_kb, s_ks, s_kh,
                     BS: tl.constexpr, IEEE: tl.constexpr):
-    """One tile of keys of sequence ``seq``, KV head ``kvh``, read in place through the block table: the
-    raw scores q @ K^T [rows of q, len(pos)] (unscaled, unmasked) and the V tile [len(pos), BLOCK_HD].
-    ``pos`` are the keys' positions, ``valid`` which of them exist (masked loads: K = V = 0 at the others);
-    ``c`` / ``cmask`` index the head dim. IEEE: fp32 dot products without TF32."""
+    """One tile of keys of sequence ``seq``, KV head ``kvh``, read through the block table: raw scores q @ K^T [rows of
+    q, len(pos)] and the V tile [len(pos), BLOCK_HD]; ``valid`` masks missing keys (K = V = 0); ``c`` / ``cmask`` index
+    the head dim."""
     blk = tl.load(BT + seq * s_bt + pos // BS, mask=valid, other=0).to(tl.int64)
     row = blk * s_kb + (pos % BS) * s_ks + kvh * s_kh
     kv_mask = valid[:, None] & cmask[None, :]
@@ -53,12 +41,9 @@ def _kv_tile_scores(q, K, V, BT, seq, kvh, pos, valid, c, cmask, s_bt, s_kb, s_k
 
 @triton.jit
 def _online_softmax_update(acc, m, l, s, v, IEEE: tl.constexpr, EMPTY_ROWS: tl.constexpr):
-    """Fold one tile of scaled, masked scores ``s`` [M, N] (-inf where masked) and its V tile into the
-    running (acc [M, BLOCK_HD], max m [M], sum l [M]), all float32; returns the new (acc, m, l).
-    EMPTY_ROWS: a row may have no unmasked score yet (running max -inf), so the max the exponentials are
-    shifted by is taken as 0 there instead of -inf (exp(-inf - -inf) would be NaN); without it the caller
-    guarantees every row an unmasked score in every tile and the max is used as it is. The returned max
-    is the true one (-inf stays -inf)."""
+    """Fold scaled, masked scores ``s`` [M, N] (-inf where masked) and their V tile into the running (acc [M, BLOCK_HD],
+    max m [M], sum l [M]), float32. EMPTY_ROWS: a row may have no unmasked score yet, so its shift is 0 instead of -inf
+    (exp(-inf - -inf) is NaN); the returned max stays the true one."""
     m_new = tl.maximum(m, tl.max(s, 1))
     if EMPTY_ROWS:
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -76,8 +61,8 @@ def _online_softmax_update(acc, m, l, s, v, IEEE: tl.constexpr, EMPTY_ROWS: tl.c
 
 @triton.jit
 def _prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte lines at ``ptrs`` (``prefetch.global.L2``; nothing is loaded into registers or
-    L1, so a line written later is still read fresh through L2, the GPU's point of coherence)."""
+    """Ask L2 for the 128-byte lines at ``ptrs`` (``prefetch.global.L2``: nothing enters registers or L1, so a line
+    written later is still read fresh)."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
 
@@ -93,8 +78,7 @@ def _decode_split_kernel(Q, K, V, BT, SEQ, TOK, LENS, O, ML, scale, split_len,
     seq = tl.load(SEQ + d)  # step inputs: read before the PDL wait (pdl.py)
     tok = tl.load(TOK + d)
     length = tl.load(LENS + d)
-    # Programs past the sequence's splits (a graph's grid is sized for max_model_len) skip even the query
-    # load: at batch 1 under `engram serve` (40 K tokens) 316 of a KV head's 320 programs have nothing to do.
+    # Programs past the sequence's splits (a graph's grid is sized for max_model_len) skip even the query load.
     n_splits = tl.cdiv(length, split_len)
     if PREFETCH:  # the first split's K/V lines into L2 while the kernel before still runs (see _prefetch_l2)
         if tl.program_id(2) < n_splits:
@@ -205,10 +189,7 @@ def _prefill_kernel(Q, K, V, BT, OUT, TILE_SEQ, TILE_M0, SEQ, START, QLEN, CTX, 
 
 SPLIT_LEN = 128  # keys per decode split: fixed, so results do not depend on the launch shape
 DECODE_BLOCK_N = 64  # keys per tile of the decode kernel (divides SPLIT_LEN)
-# Split programs a decode launch aims for (~30 per SM of an H200): one program walks its splits one tile after
-# another, so parallel programs are what keeps loads in flight; programs past a sequence's end exit at once.
-# 4096 against 8192: the same launch up to 16 sequences, 7 % faster at 64 sequences, 1.5 % at 256 (H200 sweep,
-# docs/benchmarks.md); the results do not depend on it.
+# Split programs a decode launch aims for: parallel programs keep loads in flight; the results do not depend on it.
 DECODE_PROGRAMS = 4096
 # The decode split kernel asks L2 for its first split's K/V lines before its PDL wait (16-bit caches, head dim 64,
 # 128 or 256, at most PREFETCH_MAX_SEQS sequences); the results do not depend on it.
@@ -223,16 +204,12 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
            seqs: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor, max_len: int, out: torch.Tensor,
            scale: float, block_n: int = DECODE_BLOCK_N, target_programs: int = DECODE_PROGRAMS,
            num_warps: int = 4, num_stages: int | None = None) -> None:
-    """One new token per sequence: out[tokens[d]] = attention of q[tokens[d]] over the first lens[d] keys of
-    sequence seqs[d]. q, out [T, nh, hd]; caches [NB, BS, n_kv, hd]; block_tables [S, W] int64; ``max_len``
-    bounds lens (host number). Keys are split in fixed runs of SPLIT_LEN, so a sequence's result does not
-    depend on ``max_len``, on the other sequences or on how many programs the launch has: each sequence
-    computes its ceil(len / SPLIT_LEN) splits, spread over min(splits of max_len, DECODE_PROGRAMS / (D *
-    n_kv)) programs per (sequence, KV head), and the combine folds exactly those splits in order. So a
-    graph captured for a long max_len (40 K tokens) does no work for splits its sequences do not reach.
-    ``block_n`` (keys per tile; it changes the summation order, so one value serves every launch),
-    ``target_programs``, ``num_warps``, ``num_stages``: launch knobs for tuning sweeps
-    (benchmarks/decode_attention.py); the defaults are what the engine runs."""
+    """One new token per sequence: out[tokens[d]] = attention of q[tokens[d]] over the first lens[d] keys of sequence
+    seqs[d]. q, out [T, nh, hd]; caches [NB, BS, n_kv, hd]; block_tables [S, W] int64; ``max_len`` bounds lens. Each
+    sequence computes its ceil(len / SPLIT_LEN) splits over min(splits of max_len, DECODE_PROGRAMS / (D * n_kv))
+    programs per (sequence, KV head); the result depends on neither ``max_len`` nor the batch. ``block_n`` (changes the
+    summation order: one value serves every launch), ``target_programs``, ``num_warps``, ``num_stages``: tuning knobs;
+    the defaults are what the engine runs."""
     if SPLIT_LEN % block_n:
         raise ValueError(f"block_n={block_n} must divide SPLIT_LEN={SPLIT_LEN}")
     d = seqs.numel()

@@ -1,30 +1,14 @@
-"""Programmatic dependent launch (PDL) of the decode step's small Triton kernels (Hopper and newer).
+"""Programmatic dependent launch (PDL) of the decode step's small Triton kernels (compute capability 9.0+).
 
-A kernel launched with PDL may be scheduled while the kernel before it on its stream is still running; its
-programs then wait on the device (``griddepcontrol.wait``: every program of the kernel before has finished
-and its memory is visible) before they read or write anything, and release the kernel after them
-(``griddepcontrol.launch_dependents``) at once. So nothing a kernel computes changes, and its outputs are
-bitwise the same; what it can save is the gap between two dependent kernels, which at batch 1 is a fair
-share of the ~6 small launches per layer (norms, q/k rope and KV write, attention's split and combine,
-SwiGLU). Captured into a CUDA graph, the launch becomes a programmatic edge between the two kernel nodes.
+A PDL kernel may be scheduled while the one before it runs; its programs wait on the device (``griddepcontrol.wait``)
+before reading or writing and release the next at once, so outputs are bitwise the same and only the launch gap is
+saved. Kernels take ``USE_PDL: tl.constexpr``, call ``pdl_enter`` first and launch with ``**launch_options(device)``;
+the Engram gate kernel (after a lookup-stream wait) is not.
 
-PDL is used wherever the device can (compute capability 9.0 or newer; docs/log.md has the A/B that decided
-it). Kernels take
-``USE_PDL: tl.constexpr`` and call ``pdl_enter(USE_PDL)`` (fused_triton.py) first; their launches add
-``**launch_options(device)``. The Engram gate kernel, which follows a wait on the lookup stream's event,
-is not launched this way.
-
-**Reads before the wait.** Every kernel releases the next only after its own wait has returned, and a kernel
-launched without PDL starts only once the one before has finished; so when a kernel's program runs, every
-kernel of its stream but the one just before it has finished and its writes are visible. A kernel may
-therefore read, before its wait, what the kernel just before it does not write: weights, the step's inputs
-(positions, slots, block tables, sequence lengths; copied in before the step's first kernel), cos/sin (made
-before the first layer), and the keys and values of earlier steps. The rms norm reads its weight this way,
-the q/k norm + rope its weights, cos/sin and slot, the decode attention its sequence's length and block
-table (and it asks L2 for its first split's K/V lines), and its combine the lengths. tests/unit/
-test_pdl_early_reads.py parses the kernels and fails on an early read not in that list; tests/gpu/test_pdl.py
-runs a layer's kernels with PDL on and off, eager and in a graph, and compares the outputs bitwise.
-"""
+**Reads before the wait.** When a kernel's program runs, every kernel of its stream but the one just before has
+finished; so before its wait it may read what that kernel does not write: weights, the step's inputs, cos/sin and
+earlier steps' K/V. tests/unit/test_pdl_early_reads.py fails on an early read outside that list; tests/gpu/test_pdl.py
+compares outputs with PDL on and off, bitwise."""
 from __future__ import annotations
 
 import torch

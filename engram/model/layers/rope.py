@@ -1,9 +1,5 @@
-"""Rotary position embedding, HF "rotate half" layout (what Llama/Qwen checkpoints expect).
-
-Angles are computed per token from its absolute position (packed batches carry ``positions`` [T]),
-in float32, or float64 when the model runs in float64, then cast to the activation dtype; applying them
-("rotate half") is fused.norm_rope, together with Qwen3's per-head q/k norm.
-"""
+"""Rotary position embedding, HF "rotate half" layout: angles per token from its absolute position, in float32 (float64
+for float64 models), cast to the activation dtype; applied by fused.norm_rope."""
 from __future__ import annotations
 
 import torch
