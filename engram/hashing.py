@@ -1,14 +1,10 @@
 """N-gram hashing: compressed token ids -> global row ids of each Engram layer's table.
 
-At position p, column (order n, head h): R = XOR over s = 0..n-1 of id[p-s] * m[s]; row = R mod prime + column offset
-(EngramConfig.primes / column_offsets / multipliers). Positions before the sequence start use the compressed pad id. A
-DEAD token (compressed id -1) is sticky: once the lookback from p reaches it, that slot and every older one use the pad
-id; at a DEAD position the fusion gate is 0 (``dead_mask``). Vectorized int64 on CPU and CUDA; products never overflow
-(multipliers <= (2**63-1) // compressed_vocab_size).
-
-A chunked sequence carries a *lookback*: its last ``max_ngram_size - 1`` compressed ids (DEAD kept), oldest first,
-pad-filled; hashing chunk by chunk with lookbacks equals hashing the whole. ``hash_step`` takes a numpy twin for CPU
-inputs, bitwise equal to ``hash_step_reference`` (torch, any device)."""
+At position p, column (order n, head h): R = XOR over s = 0..n-1 of id[p-s] * m[s]; row = R mod prime + column offset.
+Positions before the start use the compressed pad id; a DEAD token (-1) is sticky: once the lookback reaches it, that
+slot and every older one use the pad id, and at a DEAD position the gate is 0 (``dead_mask``). A chunked sequence
+carries a *lookback* (its last ``max_ngram_size - 1`` ids), so chunked hashing equals whole hashing. Products never
+overflow (multipliers <= (2**63-1) // compressed_vocab_size)."""
 from __future__ import annotations
 
 import functools

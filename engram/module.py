@@ -1,18 +1,13 @@
 """Engram fusion: gate looked-up table rows against the hidden state and fuse them in.
 
-``Engram(cfg, layer_id)(hidden, rows, dead_mask=None, state=None)`` takes hidden [T, hc_mult, H] and the
-layer's rows [T, n_cols, head_dim] (any float dtype, cast to hidden's dtype), already gathered by the
-caller. ``v41`` returns the new hidden x + g*v per branch (``residual_output`` False); ``paper`` returns
-the residual contribution y = v' + ShortConv(v') that the decoder adds (``residual_output`` True). The
-module never owns, reads or hashes the big table, and keeps no per-sequence state of its own: the paper
-variant's conv history is a ``ShortConvState`` the caller passes in (updated in place).
+``Engram(cfg, layer_id)(hidden [T, hc_mult, H], rows [T, n_cols, head_dim], dead_mask, state)``: ``v41``
+returns x + g*v per branch; ``paper`` returns the residual contribution v' + ShortConv(v'). The module never
+reads or hashes the table and keeps no per-sequence state (the paper's conv history is a caller's
+``ShortConvState``). Gate per branch i, reductions over H, in float32 (float64 for float64 hidden)::
 
-Gate (both variants, per branch i, reductions over H):
     v41:   d = sum(x * q_w[i] * k_w[i] * k_i) * rms(x) * rms(k_i) / sqrt(H),  rms(z) = rsqrt(mean(z^2) + eps)
     paper: d = sum(norm2[i](x) * norm1[i](key_proj[i](e))) / sqrt(H)          (nn.RMSNorm, eps = cfg)
-    g = sigmoid(sign(d) * sqrt(max(|d|, 1e-6))); DEAD positions get g = 0.
-The gate is computed in float32 (float64 when hidden is float64); projections run in hidden's dtype.
-"""
+    g = sigmoid(sign(d) * sqrt(max(|d|, 1e-6))); DEAD positions get g = 0"""
 from __future__ import annotations
 
 import math

@@ -1,11 +1,8 @@
 """CompressedTokenizer: maps raw token ids onto a smaller id space where tokens that normalize to the same text share
-one id, so n-grams like "Hello"/" hello" hash to the same rows.
-
-Each token is decoded alone and keyed by its text after NFKC, NFD, StripAccents, Lowercase, whitespace runs -> " " (a
-lone space kept) and Strip; a decode with U+FFFD keys on the raw token string, an empty normalization on the original
-text. New ids go in order of first appearance over ascending raw ids. The map is cached on disk by a SHA-256 of the
-tokenizer's content (and MAP_VERSION) with a checksum; a cache file that fails to load or check is rebuilt with a
-warning."""
+one id ("Hello"/" hello"). Each token is decoded alone and keyed by its NFKC/NFD/StripAccents/Lowercase,
+whitespace-collapsed, stripped text (see ``token_key``); new ids follow first appearance over ascending raw ids. The map
+is cached on disk by a SHA-256 of the tokenizer (and MAP_VERSION) with a checksum; a cache that fails to load or check
+is rebuilt with a warning."""
 from __future__ import annotations
 
 import hashlib
@@ -44,7 +41,9 @@ def build_normalizer() -> normalizers.Normalizer:
 
 
 def token_key(text: str, raw_token: str | None, normalizer: normalizers.Normalizer) -> str:
-    """The key a decoded token is grouped by (see the module docstring)."""
+    """The key a decoded token is grouped by: its text after NFKC, NFD, StripAccents, Lowercase, whitespace runs -> " "
+    (a lone space kept) and Strip; the raw token string when the decode holds U+FFFD (a partial UTF-8 byte); the
+    original text when the normalization is empty."""
     if "\ufffd" in text:
         return raw_token if raw_token is not None else text
     norm = normalizer.normalize_str(text)

@@ -1,13 +1,8 @@
-"""Output equivalence of two configurations of one model (``engram check``): arms, probes, comparison.
-
-An **arm** is an ``engram.LLM`` built from an ``ArmSpec``: ``tier``, ``dtype``, ``device``, ``engram_config``, any
-``EngineConfig`` field and ``table_dirs`` ({layer: table directory} served instead of the model's). Every key is
-validated before anything loads; both arms must agree on the loader keys. A **probe** is a list of prompts submitted
-``serial``, ``concurrent`` or ``fixed-prefix``; every request is greedy with ``logprobs=2`` and ``ignore_eos``.
-
-**Comparison** (docs/design.md, determinism policy): identical tokens are ``equal``; at a first difference a top-1 minus
-top-2 gap below ``near_tie`` in either arm is a ``near-tie``, else the request ``diverged`` and every Engram row its
-prompt + common prefix reads is fetched from both arms' tables and compared bytewise."""
+"""Output equivalence of two configurations of one model (``engram check``): two **arms** (``ArmSpec``: tier, dtype,
+device, ``engram_config``, EngineConfig fields, substitute ``table_dirs``; validated before anything loads) run the same
+**probes** (greedy, ``logprobs=2``, ``ignore_eos``; serial, concurrent or fixed-prefix). Identical tokens are ``equal``;
+at a first difference a top-1 minus top-2 gap below ``near_tie`` is a ``near-tie``, else the request ``diverged`` and
+the Engram rows it read are compared bytewise across the arms (docs/design.md, determinism policy)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

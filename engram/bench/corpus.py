@@ -1,15 +1,9 @@
 """Natural-text request corpus for benchmarks: ``engram bench corpus`` writes one, ``load_corpus`` reads it (the
-presets' random weights generate one repeated token, which hashes to the same rows: a cache measured on that measures
-nothing).
+presets' random weights repeat one token, which hashes to the same rows and measures nothing).
 
-A request is a *prompt* and a *continuation*, cut one after another from the standard library's prose
-(``corpus_source``, files shuffled by the seed), so no text is used twice. Token lengths are ``LengthRange`` draws; each
-cut is the word boundary within [low, high] nearest the draw whose piece encodes alone to exactly that many tokens, so
-recorded counts are exact for the corpus tokenizer.
-
-File: UTF-8 JSON lines, keys sorted: a header ``{"format", "seed", "requests", "prompt_tokens", "continuation_tokens",
-"tokenizer": {name, sha256, vocab_size}, "source", "python", "files", "tokens"}``, then one ``{"id", "prompt",
-"continuation", "prompt_tokens", "continuation_tokens", "sources"}`` per request; ``<stem>.sha256`` beside it, which
+Requests (a *prompt* and a *continuation*) are cut one after another from the standard library's prose
+(``corpus_source``), at word boundaries whose pieces encode to exactly the drawn ``LengthRange`` lengths. The file is
+UTF-8 JSON lines with sorted keys (a header, then one line per request) with ``<stem>.sha256`` beside it, which
 ``load_corpus`` checks."""
 from __future__ import annotations
 

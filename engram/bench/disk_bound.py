@@ -1,11 +1,7 @@
-"""The disk arms of ``engram bench placement``: the disk's raw random read rate and the bound a disk step is held to.
-
-Raw reads (``measure_raw_reads``): random 4 KiB reads of the arm's first table file through the tier's pread pool
-(``lookup.raw_cell``) at the arm's io mode and step depth (``read_depth``), before each comparison and, for O_DIRECT,
-around each sample (``sample_rate``: the rate drifts). The bound (``add_bounds``), against a host-tier arm at the same
-batch: bound_ms = host step ms + read ops per step / raw read ops/s x 1000, ratio = disk step ms / bound_ms, target
-ratio <= ``BOUND_FACTOR``, held "paired" (rate before each sample) and "bracketed" (harmonic mean around it), each with
-a bootstrap interval. The floor: host step ms + one lookup's reads as a raw call."""
+"""The disk arms of ``engram bench placement``: the disk's raw random 4 KiB read rate (``measure_raw_reads``, through
+the tier's own pool at the step's depth, around the samples since it drifts) and the bound a disk step is held to
+(``add_bounds``): bound_ms = host-tier step ms + read ops per step / raw read ops/s x 1000, target ratio <=
+``BOUND_FACTOR``."""
 from __future__ import annotations
 
 import itertools
@@ -113,8 +109,9 @@ def disk_summary(arm: ArmSpec, records: list[dict], labels: tuple, raw: dict, fr
 
 def add_bounds(comparisons: list[dict], ab_cfg: stats.ABConfig | None = None) -> None:
     """For every disk arm, the bound against a host-tier arm at the same batch (its comparison's other arm when on the
-    host tier, else the first such B): bound_ms, ratio and target_met as in the module docstring; without one the fields
-    stay None and ``bound_note`` says why."""
+    host tier, else the first such B): bound_ms = host step ms + read ops per step / raw read ops/s x 1000 (medians),
+    ratio = disk step ms / bound_ms, target_met = ratio <= BOUND_FACTOR; without a host-tier arm the fields stay None
+    and ``bound_note`` says why."""
     for c in comparisons:
         for label, d in c.get("disk", {}).items():
             other = "B" if label == "A" else "A"

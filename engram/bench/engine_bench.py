@@ -1,11 +1,6 @@
-"""``engram bench engine``: engine decode and prefill ms/step per model, tier and Engram on/off, beside an HF
-transformers peer, each point against a roofline measured in the same run.
-
-Arms per model: Engram on each ``--tiers`` tier, the same weights without Engram ("engram-off") and ``hf-peer``
-(hf_peer.py), all on the same prompts. A decode point is ``--decode-steps`` steps of one token per sequence
-(engine_steps.py), a prefill point one step prefilling S prompts of N tokens. On CUDA ``ms_gpu`` is the device busy time
-of ``--profile-steps`` more steps; ``roofline_ms`` the least time the step's bytes and FLOPs allow (roofline.py).
-Output: engram.bench.report's JSON (``--out``), tables, ``--plot``."""
+"""``engram bench engine``: decode and prefill ms/step per model, tier and Engram on/off, beside an HF transformers peer
+(hf_peer.py), each point against a roofline measured in the same run (roofline.py). Points are driven and checked by
+engine_steps.py; on CUDA ``ms_gpu`` is the device busy time of ``--profile-steps`` more steps."""
 from __future__ import annotations
 
 import argparse

@@ -1,12 +1,7 @@
-"""``engram bench placement``: Engram table placements and engine settings A/B'd in one process, interleaved, with an
-A/A control, over forced natural decoding.
-
-The model loads once, each distinct placement's tables open once, and every arm (placement_arms.py) gets its own
-``LLMEngine`` (KV cache of one fixed budget, graphs, streams), alive for the whole run. Every sample decodes the same
-corpus windows and must emit their forced ids (forced_windows.py); on CUDA every timed step must replay a graph unless
-the arm runs eagerly. Each B is compared with A per batch size (placement_compare.py, judged by ``engram.bench.stats``);
-a disk arm is also held to its bound (disk_bound.py). Output: engram.bench.report's JSON (``--out``), tables,
-``--plot``."""
+"""``engram bench placement``: table placements and engine settings A/B'd in one process, interleaved, with an A/A
+control, over forced natural decoding. The model loads once, each placement's tables open once, every arm
+(placement_arms.py) is its own engine for the whole run; every sample must emit the same forced ids (forced_windows.py)
+and, on CUDA, replay a graph unless eager. Comparisons: placement_compare.py; disk bounds: disk_bound.py."""
 from __future__ import annotations
 
 import argparse

@@ -37,8 +37,8 @@ class IncrementalDetokenizer:
         self.resolve(self._decode(prefix_ids), self._decode(new_ids))
 
     def push(self, token_id: int) -> tuple[list[int], list[int]]:
-        """Append one token and return the two windows to decode (text before it, text with it) for ``resolve``, so a
-        step decodes every sequence's windows in one call (``detokenize_step``)."""
+        """Append one token -> the two windows (before it, with it) whose decodes ``resolve`` takes (batched per step).
+        """
         if self.stopped_by is not None:
             raise RuntimeError("add_token after a stop string matched")
         self._ids.append(int(token_id))
@@ -83,8 +83,7 @@ class IncrementalDetokenizer:
 
 
 def detokenize_step(tokenizer: Tokenizer, detoks: list[IncrementalDetokenizer], tokens: list[int]) -> None:
-    """``add_token`` for many sequences at once, decoded in the calling thread (``decode_batch``'s thread pool costs
-    more than windows this small)."""
+    """``add_token`` for many sequences, decoded in this thread (``decode_batch``'s pool costs more than this)."""
     decode = tokenizer.decode
     for d, t in zip(detoks, tokens):
         prefix, full = d.push(t)

@@ -106,8 +106,7 @@ class LLMEngine(StepPipeline):
         return self.scheduler.num_unfinished()
 
     def stats(self) -> dict[str, Any]:
-        """One snapshot for metrics and benchmarks: queue sizes, KV usage, preemptions, steps, and the
-        Workers' counters (``tables``: Engram layer id -> table counters)."""
+        """One snapshot for metrics: queues, KV usage, preemptions, steps, and ``tables`` (layer id -> counters)."""
         blocks = self.scheduler.blocks
         total = self.executor.num_kv_blocks
         worker = self.executor.stats()
@@ -130,8 +129,8 @@ class LLMEngine(StepPipeline):
         self._finished_seq_ids.append(seq.seq_id)
 
     def _postprocess(self, launched: "Launched", result: StepResult) -> list[RequestOutput]:
-        """Commit a read step: prompt logprobs, then each sampling sequence's token, stop checks and output.
-        Sequences that finished (or were aborted) while the step was in flight drop their token."""
+        """Commit a read step: prompt logprobs, then each sampling sequence's token, stop checks and output; sequences
+        that finished while the step was in flight drop their token."""
         batch = launched.batch
         now = time.monotonic()
         for i, scored in result.prompt_logprobs.items():
@@ -175,8 +174,7 @@ class LLMEngine(StepPipeline):
             seq.finish("length")
 
     def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
-        """The request's output after a step that added ``new_tokens``: cumulative, or (``output_kind``
-        "delta") only what the step added."""
+        """The request's output after a step: cumulative, or (``output_kind`` "delta") what the step added."""
         done = seq.is_finished
         delta = seq.detokenizer.take_delta(done)
         wants_logprobs = seq.params.logprobs is not None

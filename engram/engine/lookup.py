@@ -1,15 +1,10 @@
 """Lookup execution (worker side): a step's planned Engram row ids -> rows staged for the model.
 
-``LookupExecutor.submit(step)`` hands each Engram layer's planned row ids (CPU int64) to its table and returns
-``StagedRows``: per layer [T, n_cols, head_dim] on the Worker's device, tagged with the step id; rows asked
-for with another step's id are refused. Without a lookup stream every layer is staged before the model runs;
-with one (``lookup_overlap``, engine/lookup_stream.py) the gathers and each layer's projection
-(``Engram.project``, the WKV run-ahead) run on that stream and a consumer waits for its own layer's event.
-Over host-read tables (the disk tier) the first layer's lookup runs on the calling thread when the model
-reaches that layer (``ChainedLookups``); a later layer whose reads still run is *deferred*: its ``rows``
-waits for them and finishes on the consuming stream (bitwise equal to staging everything first). With async
-scheduling ``start_host_ids`` queues the host-read tables' id patch and copy, so a decode graph can queue its
-first pieces before ``HostIds.wait``."""
+``LookupExecutor.submit(step)`` hands each layer's row ids to its table and returns ``StagedRows`` ([T, n_cols,
+head_dim] per layer, tagged with the step id). With a lookup stream (``lookup_overlap``) the gathers and each layer's
+projection run on it and a consumer waits for its own layer's event; over host-read tables the first lookup runs when
+the model reaches its layer (``ChainedLookups``) and a later one still reading is deferred to its consumer (bitwise
+equal to staging everything first)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -27,10 +22,8 @@ from engram.store.base import CompletedLookup, LookupHandle
 from engram.transfer import to_device
 
 def reads_together(first_ids: int, queue_depth: int | None) -> bool:
-    """Whether a step submits its later layers' lookups before its first layer's, their reads beside it: only
-    when the first layer's ``first_ids`` fill its table's read queue (``queue_depth``; None, no disk: never).
-    Then the disk is rate-bound already and the later reads keep its queue full through the hand-off; otherwise
-    reads beside the first would delay the rows the model needs first."""
+    """Whether the later layers' lookups are submitted before the first layer's, reading beside it: only when
+    ``first_ids`` fill the table's read queue (``queue_depth``; None: never), so the disk is rate-bound already."""
     return queue_depth is not None and first_ids >= queue_depth
 
 
@@ -204,9 +197,8 @@ class LookupExecutor:
 
     def _stage(self, step: StepDescription, patch: PendingPatch | None, done, deferred: dict,
                slabs: dict | None = None, early: HostIds | None = None) -> dict[int, torch.Tensor]:
-        """Every layer's rows [T, n_cols, D] on the current stream, ``done(layer, rows)`` after each; a layer (after the
-        first) whose reads still run goes to ``deferred`` as (handle, finish). Layers in ``slabs`` are always chained
-        and deferred; their rows are None."""
+        """Every layer's rows [T, n_cols, D] on the current stream, ``done(layer, rows)`` after each; a later layer
+        whose reads still run goes to ``deferred`` as (handle, finish), and so do ``slabs`` layers (rows None)."""
         handles: dict = {}
         slabs = slabs or {}
         try:
@@ -272,9 +264,8 @@ class LookupExecutor:
             raise
 
     def start_host_ids(self, step: StepDescription, patch: PendingPatch) -> HostIds:
-        """Every layer's row ids [T, n_cols] with the pending rows patched in (on the lookup stream, if any), then one
-        non-blocking copy to the host; ``wait()`` on the result gives them. Work queued on the main stream after this
-        call does not delay them (DecodePieces.begin)."""
+        """Every layer's row ids [T, n_cols], pending rows patched in (on the lookup stream, if any), on a non-blocking
+        copy to the host (``wait()`` gives them); main-stream work queued after this does not delay them."""
         if self.stream is None:
             return self._ids_to_host(step, patch)
         with self.stream.issue(patch.rows, *patch.row_ids.values()):
@@ -332,7 +323,6 @@ def _read_only(nothing: None) -> None:
 
 
 def staging_bytes(cfg: EngramConfig, max_tokens: int, dtype: torch.dtype) -> int:
-    """Peak bytes of one step's staged rows: per layer the gathered [T * n_cols, D] rows and their reshape into the
-    model's dtype."""
+    """Peak bytes of a step's staged rows: per layer the [T * n_cols, D] gather and its reshape into the model dtype."""
     per_layer = 2 * max_tokens * cfg.n_cols * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
     return per_layer * len(cfg.layer_ids)

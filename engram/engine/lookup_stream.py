@@ -1,16 +1,10 @@
 """Lookup stream (worker side, CUDA): a step's Engram gathers run on their own stream, one event per layer.
 
-A step's row ids are known before its first layer runs, so with ``lookup_overlap`` the lookup executor
-(eager steps) and the decode graphs (captured steps) fork this stream from the main stream through an event,
-issue every Engram layer's gather on it and record one event per layer; the consuming layer makes the main
-stream wait on its layer's event just before it reads the rows, so a layer never reads unwritten rows.
-Inside a capture the lookup stream becomes a graph branch joined at each consumer (CUDA requires every
-branch joined). Memory it allocates in eager steps is handed to the main stream (``record_stream``).
-
-``exposed_seconds()``: how long consumers of eager steps waited (``engram_lookup_exposed_seconds``), from a
-timing-event pair per layer, read lazily; replays are not timed (events inside a capture cannot be).
-Test-only knobs: ``DELAY_CYCLES`` spins the lookup stream before its first gather, ``DROP_WAIT`` skips the
-waits (tests/gpu/test_lookup_overlap.py shows the race and its absence)."""
+With ``lookup_overlap`` the lookup executor and the decode graphs fork this stream from the main stream, issue every
+layer's gather on it and record one event per layer; the consuming layer waits on its layer's event just before reading,
+so it never reads unwritten rows. In a capture the stream is a graph branch joined at each consumer; eager allocations
+are handed to the main stream (``record_stream``). ``exposed_seconds()`` sums how long eager consumers waited.
+Test-only: ``DELAY_CYCLES`` spins the stream first, ``DROP_WAIT`` skips waits."""
 from __future__ import annotations
 
 import contextlib
@@ -35,10 +29,8 @@ class LookupStream:
 
     @contextlib.contextmanager
     def issue(self, *inputs: torch.Tensor):
-        """Work inside runs on the lookup stream, ordered after everything the main stream has queued so
-        far (the step's id uploads included); call ``done(layer)`` after each layer's gather. ``inputs``:
-        tensors the main stream made that the lookup stream reads (marked used by it, so the caching
-        allocator does not hand their memory to the main stream again before the lookup stream is done)."""
+        """Work inside runs on the lookup stream after all the main stream queued so far; call ``done(layer)`` after
+        each layer's gather. ``inputs``: main-stream tensors it reads (marked used by it for the caching allocator)."""
         main = torch.cuda.current_stream(self.device)
         self._fork.record(main)
         self.stream.wait_event(self._fork)
@@ -57,8 +49,8 @@ class LookupStream:
             self._timed[layer_id].record(self.stream)
 
     def wait(self, layer_id: int, *tensors: torch.Tensor) -> None:
-        """Make the current stream wait for layer ``layer_id``'s rows; ``tensors`` (allocated on the lookup
-        stream in an eager step) are marked as used by the current stream for the caching allocator."""
+        """Make the current stream wait for ``layer_id``'s rows; ``tensors`` (eager allocations) are marked used by it.
+        """
         main = torch.cuda.current_stream(self.device)
         done = self._timed.pop(layer_id, None)
         if done is not None and not torch.cuda.is_current_stream_capturing():
@@ -73,16 +65,15 @@ class LookupStream:
             t.record_stream(main)
 
     def join(self) -> None:
-        """Make the current stream wait for everything queued on the lookup stream so far. A graph's capture
-        ends with it, so the lookup branch is joined even where a consumer's wait is dropped (``DROP_WAIT``);
-        when every consumer waited it adds no wait that was not there."""
+        """Make the current stream wait for all queued on the lookup stream; a capture ends with it, so the branch is
+        joined even where a wait is dropped (``DROP_WAIT``)."""
         end = torch.cuda.Event()
         end.record(self.stream)
         torch.cuda.current_stream(self.device).wait_event(end)
 
     def exposed_seconds(self) -> float:
-        """Seconds consuming layers of eager steps waited for their lookups, summed over the pairs of events
-        that have both run (the rest count at a later call)."""
+        """Seconds eager consumers waited for their lookups, over event pairs that have both run (the rest count later).
+        """
         pending = []
         for consumer, done in self._pairs:
             if consumer.query() and done.query():

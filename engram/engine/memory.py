@@ -35,8 +35,7 @@ class MemoryPlan:
 def plan_memory(cfg: EngineConfig, max_model_len: int, bytes_per_block: int, staging_bytes: int,
                 cache_bytes: int, device: torch.device, step_peak_bytes: int | None = None,
                 graph_bytes: int = 0) -> MemoryPlan:
-    """``step_peak_bytes``: what the profiled warm-up step added at its peak (CUDA, no explicit budget);
-    ``graph_bytes``: set aside for the CUDA graphs' memory pool (captured after the KV cache exists)."""
+    """``step_peak_bytes``: the profiled warm-up step's peak (CUDA, no budget); ``graph_bytes``: the graphs' pool."""
     per_seq = -(-max_model_len // cfg.block_size)  # blocks one full-length sequence needs
     if cfg.num_kv_blocks is not None:
         num_blocks = cfg.num_kv_blocks
@@ -66,9 +65,8 @@ def plan_memory(cfg: EngineConfig, max_model_len: int, bytes_per_block: int, sta
 
 
 def warmup_step(cfg: EngineConfig, ecfg, block_size: int) -> StepDescription:
-    """The largest step the scheduler can build: ``max_num_batched_tokens`` prompt tokens spread over
-    ``max_num_seqs`` fresh sequences (blocks numbered from 0), every sequence sampling greedily, Engram row 0
-    for every lookup."""
+    """The largest step: ``max_num_batched_tokens`` prompt tokens over ``max_num_seqs`` fresh sequences, all sampling
+    greedily, Engram row 0 for every lookup."""
     t = cfg.max_num_batched_tokens
     s = min(cfg.max_num_seqs, t)
     lens = [t // s + (1 if i < t % s else 0) for i in range(s)]
@@ -90,8 +88,8 @@ def warmup_step(cfg: EngineConfig, ecfg, block_size: int) -> StepDescription:
 
 
 def profile_peak_bytes(worker, bytes_per_block: int) -> int:
-    """Run ``warmup_step`` on the worker's model, lookups and sampler over a scratch KV cache -> the peak CUDA bytes
-    it allocated beyond what existed (scratch KV excluded). Table counters are reset afterwards."""
+    """``warmup_step``'s peak CUDA bytes beyond what existed (over a scratch KV cache); table counters are reset after.
+    """
     step = warmup_step(worker.config, worker.ecfg, worker.config.block_size)
     blocks = int(step.block_tables.max()) + 1
     kv = KVCache.for_model(worker.model_config, blocks, worker.config.block_size, worker.dtype, worker.device)

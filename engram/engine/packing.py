@@ -1,13 +1,7 @@
-"""Packing (engine side, CPU): a ScheduledBatch and its lookup plan -> the StepDescription a Worker runs.
-
-``pack`` lays the new tokens of every scheduled sequence back to back (raw and compressed ids, positions,
-offsets, KV lengths, block tables, lookbacks) as CPU tensors; ``describe`` adds the slot mapping, the plan's
-row ids and each sampling sequence's SampleSpec. Nothing here touches a device.
-
-Async scheduling packs a step before the previous one's tokens are read: a chunk may end in one *pending*
-token, whose row holds placeholders (raw id 0, the compressed pad id) and is listed in ``pending`` with its
-index among the previous step's sampled tokens and the W compressed ids before it; the Worker fills it in and
-finishes its row ids on the device (hashing.NgramHasher.pending_partials / hash_pending)."""
+"""Packing (engine side, CPU): a ScheduledBatch and its lookup plan -> the StepDescription a Worker runs (``pack``: the
+new tokens back to back with their metadata; ``describe``: slots, row ids, SampleSpecs). With async scheduling a chunk
+may end in one *pending* token: placeholders in its row (raw id 0, the compressed pad id), listed in ``pending`` for the
+Worker to fill in on the device."""
 from __future__ import annotations
 
 import itertools
@@ -86,8 +80,7 @@ def _padded(rows: list[list[int]]) -> torch.Tensor:
 
 def slot_mapping(cu_seqlens: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                  block_size: int) -> torch.Tensor:
-    """[T] flat KV slot of each new token: its block's id * block_size + offset in the block (numpy: a torch CPU op
-    this small costs more in dispatch than work)."""
+    """[T] flat KV slot of each new token (numpy: a torch CPU op this small costs more in dispatch than work)."""
     lens = np.diff(cu_seqlens.numpy())
     seq_of_tok = np.repeat(np.arange(lens.size), lens)  # [T]
     pos = positions.numpy()
@@ -122,8 +115,7 @@ def describe(step_id: int, batch: ScheduledBatch, packed: PackedBatch, plan: Loo
 
 
 def prompt_logprobs_spec(s: int, seq, s0: int, n: int) -> PromptLogprobsSpec | None:
-    """Rows of sequence ``seq``'s chunk [s0, s0 + n) still to score for its prompt logprobs: row j predicts
-    prompt token s0 + j + 1; tokens already scored (before a preemption) are not scored again."""
+    """Rows of ``seq``'s chunk [s0, s0 + n) still to score (row j predicts prompt token s0 + j + 1), none twice."""
     k = seq.params.prompt_logprobs
     if k is None:
         return None

@@ -56,8 +56,7 @@ class PendingTokens:
         self._step_id, self._tokens = step_id, token_ids
 
     def patch(self, step: StepDescription) -> PendingPatch | None:
-        """The device patch of ``step``'s pending rows (None without any); RuntimeError if they refer to a step other
-        than the last one launched."""
+        """The device patch of ``step``'s pending rows (None without); RuntimeError if they are not the last step's."""
         if not step.pending_rows:
             return None
         if step.pending_step_id != self._step_id or self._tokens is None:

@@ -30,8 +30,8 @@ class LookupPlanner:
 
     def plan(self, compressed_ids: torch.Tensor, cu_seqlens: torch.Tensor, lookback: torch.Tensor,
              pending_before: list[list[int]] = ()) -> LookupPlan:
-        """compressed_ids [T] (DEAD = -1), cu_seqlens [S+1], lookback [S, max_ngram-1], and per pending token
-        the max_ngram-1 compressed ids before it -> LookupPlan (pending rows' row ids are placeholders)."""
+        """compressed_ids [T] (DEAD = -1), cu_seqlens [S+1], lookback [S, max_ngram-1] and each pending token's
+        max_ngram-1 ids before it -> LookupPlan (pending rows' ids are placeholders)."""
         if self.hasher is None:
             return LookupPlan({})
         rows, _ = self.hasher.hash_step(compressed_ids, cu_seqlens, lookback)  # {layer: [T, n_cols]}

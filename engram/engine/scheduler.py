@@ -57,8 +57,8 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def schedule(self, hold: Callable[[Sequence], bool] | None = None) -> ScheduledBatch:
-        """The next step. ``hold``: running sequences it is true for sit this step out (async scheduling
-        holds a sequence whose token in flight is certain to be its last)."""
+        """The next step; running sequences ``hold`` is true for sit it out (a token in flight certain to be the last).
+        """
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         i = 0

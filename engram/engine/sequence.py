@@ -71,8 +71,7 @@ class Sequence:
         return self.num_scheduled_tokens - self.num_computed_tokens
 
     def lookback_before(self, position: int) -> list[int]:
-        """The W compressed ids before ``position``, oldest first, pad-filled before the start (DEAD kept as -1);
-        positions before it must be read."""
+        """The W compressed ids before ``position``, oldest first, pad-filled, DEAD kept; they must have been read."""
         w = len(self._pad)
         if position >= w:
             return self.compressed_ids[position - w:position]

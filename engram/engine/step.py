@@ -1,15 +1,10 @@
-"""The engine ↔ worker contract: one ``StepDescription`` in, one ``StepResult`` out, per step.
-
-Plain, picklable CPU data (int64 CPU tensors, lists, ints, small dataclasses) built from the scheduler's host
-numbers, so a Worker never reads a device tensor back to learn the batch layout; Workers in other processes
-would receive the same object broadcast and rank 0's ``StepResult`` is the one the engine reads.
+"""The engine ↔ worker contract: one ``StepDescription`` in, one ``StepResult`` out, per step: plain, picklable
+CPU data built from the scheduler's host numbers, so a Worker never reads a device tensor back to learn the
+batch layout. With async scheduling N+1's decode tokens travel as ``pending_*`` references (packing.py)::
 
     engine (CPU)                                     worker (device)
     schedule → pack → plan lookups ──StepDescription──► upload (pinned, non-blocking) → lookups → model
-    postprocess ◄────────────────────StepResult────────  sample → one read of the sampled ids
-
-With async scheduling step N+1 is sent before step N's result is read: N+1's decode tokens are N's sampled
-ids, which only the Worker has; they travel as ``pending_*`` references (packing.py)."""
+    postprocess ◄────────────────────StepResult────────  sample → one read of the sampled ids"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -38,8 +33,8 @@ class SampleSpec:
 
     @classmethod
     def from_params(cls, p: SamplingParams, num_output_tokens: int, eos_token_id: int | None) -> "SampleSpec":
-        """The spec of a sequence about to sample its token number ``num_output_tokens`` (0-based): EOS
-        (unless ignore_eos) and stop_token_ids banned before min_tokens; the forced token at that index."""
+        """The spec of a sequence sampling its output token ``num_output_tokens`` (0-based): EOS (unless ignore_eos) and
+        stop ids banned before min_tokens; the forced token at that index."""
         banned: list[int] = []
         if num_output_tokens < p.min_tokens:
             banned = list(p.stop_token_ids)

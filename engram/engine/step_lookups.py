@@ -1,20 +1,12 @@
-"""A decode step's lookups on a thread of their own, beside the engine's host work (the piecewise runner's part).
+"""A probed decode step's lookups on a background thread, beside the engine's host work (the piecewise runner's part):
+the pieces wait for the lookups' pinned flags on the device, so the disk reads run while the engine's thread samples,
+collects, schedules and packs.
 
-When every Engram layer of a piecewise decode graph probes its rows on the device (store/kernels/cache_probe.py),
-the whole step is queued before its lookups run and the pieces wait for the lookups' pinned flags on the
-device; the lookups (disk reads of the cache misses) then run on one background thread while the engine's
-thread samples, collects, schedules, packs and hashes, so the disk is not idle during that host work.
-
-Order, kept by the runner: ``start`` after the step's pieces are queued; ``finish`` on the engine's thread
-before the next step's pieces are queued and before the step's tokens are read. ``finish`` waits and then
-calls ``settle`` (the rows read go into the caches; each slab's next lookup waits for this step's decode of
-it). A failed lookup has already failed its waiting pieces (``cache_probe.signal(..., ok=False)``); its error
-is kept for that step's collect (``error``), which raises it with the read's own message.
-
-The GIL: a waiting thread gets it back only every ``sys.getswitchinterval()``, so the first
-``start`` (and a Worker with disk tables) lowers it to ``SWITCH_INTERVAL_S``, never raising it; and ``start``
-returns only once the lookups' first read is issued (``reader.on_read_start``), their first layer returned
-without one (``handed_off``), they ended, or ``HANDOFF_TIMEOUT_S`` passed."""
+Order, kept by the runner: ``start`` after the step's pieces are queued; ``finish`` (wait, then ``settle``) on the
+engine's thread before the next step's pieces are queued and before the step's tokens are read. A failed lookup has
+already failed its waiting pieces; its error is raised by that step's collect (``error``). The first ``start`` lowers
+the GIL switch interval to ``SWITCH_INTERVAL_S``, and ``start`` returns only once the first read is issued
+(``reader.on_read_start``), ``handed_off`` was called, the lookups ended, or ``HANDOFF_TIMEOUT_S`` passed."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -49,8 +41,7 @@ class BackgroundLookups:
         return self._pending[0] if self._pending is not None else None
 
     def start(self, step_id: int, read: Callable[[], None]) -> None:
-        """Run ``read`` (the step's lookups) on the thread; return once its first disk read is issued (or it
-        ended, or ``HANDOFF_TIMEOUT_S`` passed). The previous step's must be finished first."""
+        """Run ``read`` on the thread (the previous step's finished first); return once its first read is issued."""
         if self._pending is not None:
             raise RuntimeError(f"step {step_id}: the lookups of step {self._pending[0]} were never finished")
         if self._pool is None:
@@ -75,8 +66,7 @@ class BackgroundLookups:
         reader.on_read_start(self._issued.set)
 
     def finish(self, settle: Callable[[], None]) -> None:
-        """Wait for the started lookups, if any, then ``settle()`` on this thread, whether they failed or not; a failure
-        is kept for ``error(step_id)``."""
+        """Wait for the started lookups, then ``settle()`` here even if they failed (kept for ``error(step_id)``)."""
         if self._pending is None:
             return
         (step_id, future), self._pending = self._pending, None
@@ -93,8 +83,7 @@ class BackgroundLookups:
 
 
 def shorten_switch_interval(seconds: float | None = None) -> None:
-    """Lower the interpreter's GIL switch interval to ``seconds`` (default ``SWITCH_INTERVAL_S``) if it is
-    longer (see the module docstring)."""
+    """Lower the GIL switch interval to ``seconds`` (default ``SWITCH_INTERVAL_S``) if it is longer."""
     seconds = SWITCH_INTERVAL_S if seconds is None else seconds
     before = sys.getswitchinterval()
     if before > seconds:

@@ -1,18 +1,12 @@
-"""The engine's step pipeline: launch a step, collect it, and recover when one fails.
+"""The engine's step pipeline (``StepPipeline``, part of ``LLMEngine``): schedule, launch (pack → plan lookups →
+describe → ``executor.launch``), collect (→ ``_postprocess``), and recover when a step fails.
 
-``StepPipeline`` (part of ``LLMEngine``) turns scheduled batches into committed tokens: ``step()`` schedules,
-launches (pack → plan lookups → describe → ``executor.launch``) and collects (``executor.collect`` →
-``_postprocess``). Launching commits the scheduler-visible state (tokens computed, tokens in flight); a failed
-step is rolled back and, when it held several requests, re-run in halves so the others go on (``StepError``).
-
-Async scheduling (``EngineConfig.async_scheduling``, default on CUDA) launches step N+1 before reading step N;
-N+1's decode tokens are N's sampled ids, still on the device (``Sequence.num_pending``, engine/pending.py).
-Greedy and seeded outputs equal synchronous scheduling's; a stopping sequence computes one dropped token, a
-request is admitted one step later, and a sequence whose token in flight is certainly its last sits out.
-
-The mixin uses the engine's ``config``, ``device``, ``scheduler``, ``executor``, ``planner``, ``hasher``,
-``eos_token_id``, ``max_model_len``, ``_dead_ids``, ``_finished_seq_ids``, ``_step_ids``, ``_inflight``,
-``num_steps``, ``num_preemptions`` and ``_postprocess``."""
+Launching commits the scheduler-visible state; a failed step is rolled back and re-run in halves so the other requests
+go on (``StepError``). Async scheduling launches step N+1 before reading step N (its decode tokens are N's sampled ids,
+still on the device); outputs equal synchronous scheduling's, but a stopping sequence computes one dropped token and
+admission comes one step later. The mixin uses the engine's ``config``, ``device``, ``scheduler``, ``executor``,
+``planner``, ``hasher``, ``eos_token_id``, ``max_model_len``, ``_dead_ids``, ``_finished_seq_ids``, ``_step_ids``,
+``_inflight``, ``num_steps``, ``num_preemptions`` and ``_postprocess``."""
 from __future__ import annotations
 
 import logging
@@ -29,9 +23,8 @@ log = logging.getLogger(__name__)
 
 
 class StepError(RuntimeError):
-    """Some requests of a step failed; the rest of the step ran. ``request_ids``: the failed requests
-    (still queued, nothing of the failed step committed: abort them, or step again to retry);
-    ``outputs``: the RequestOutputs of the requests that advanced; ``__cause__``: the first failure."""
+    """Some requests of a step failed; the rest ran. ``request_ids``: the failed ones (still queued, nothing committed:
+    abort or retry); ``outputs``: the others' RequestOutputs; ``__cause__``: the first failure."""
 
     def __init__(self, error: BaseException, request_ids: list[str], outputs: list[RequestOutput]):
         super().__init__(f"{type(error).__name__}: {error}")
@@ -43,8 +36,7 @@ class StepPipeline:
     """Scheduling, launching, collecting and failure isolation of ``LLMEngine`` (see the module docstring)."""
 
     def step(self) -> list[RequestOutput]:
-        """Run one step and return the outputs of the step that completed: with async scheduling the step launched
-        here is read by the next call; otherwise it is launched and read in this call."""
+        """Run one step -> the outputs of the step that completed (with async scheduling, the one launched before)."""
         if self._async():
             return self._step_async()
         if self._inflight is not None:  # async scheduling was just turned off (a replaced lookup executor)
@@ -57,8 +49,7 @@ class StepPipeline:
         return self._run_isolated(batch)
 
     def _async(self) -> bool:
-        """Async scheduling: asked for, or (auto) on CUDA wherever the Workers take steps with tokens left on the
-        device (every tier: host-read tables wait for those tokens inside the launch)."""
+        """Async scheduling: asked for, or (auto) on CUDA wherever the Workers take steps with tokens on the device."""
         c = self.config.async_scheduling
         if c is not None:
             return c
@@ -91,8 +82,7 @@ class StepPipeline:
 
     def _launch_ahead(self, batch: ScheduledBatch, prev: "Launched | None",
                       outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """Launch ``batch`` and leave it in flight; if the launch fails, run it synchronously instead (its
-        outputs, or a StepError carrying ``outputs`` too)."""
+        """Launch ``batch`` and leave it in flight; if the launch fails, run it synchronously instead."""
         if batch.is_empty:
             return []
         try:
@@ -118,8 +108,7 @@ class StepPipeline:
         return batch
 
     def _last_token_in_flight(self, seq: Sequence) -> bool:
-        """Whether a token of ``seq`` still in flight is certain to be its last (length limits): then it sits
-        the next step out instead of computing a token nobody reads."""
+        """Whether ``seq``'s token in flight is certainly its last (length limits): then it sits the next step out."""
         if not seq.num_pending:
             return False
         total = seq.num_scheduled_tokens
@@ -128,8 +117,8 @@ class StepPipeline:
                                                and total - seq.num_prompt_tokens >= p.max_tokens)
 
     def _collect_or_rerun(self, launched: "Launched") -> list[RequestOutput]:
-        """Read a launched step; if that fails, drop the step launched after it (its inputs were this one's
-        tokens) and re-run this one's batch synchronously, isolating the failing requests."""
+        """Read a launched step; on failure drop the step launched after it and re-run this batch, isolating failures.
+        """
         try:
             return self._collect(launched)
         except Exception as e:
@@ -170,9 +159,8 @@ class StepPipeline:
         return self._collect(self._launch(batch, None))
 
     def _launch(self, batch: ScheduledBatch, prev: "Launched | None") -> "Launched":
-        """Describe ``batch`` and start it on the executor; then (only then) advance the scheduler-visible
-        state: tokens computed, tokens in flight. ``prev``: the step still in flight whose sampled tokens
-        some of this step's inputs are."""
+        """Describe ``batch``, start it, and only then advance the scheduler-visible state. ``prev``: the step in flight
+        whose sampled tokens some of this step's inputs are."""
         packed = pack(batch, self.hasher.pad_id if self.hasher else 0)
         sources = []
         for _, seq, _ in packed.pending:
@@ -217,8 +205,8 @@ class StepPipeline:
             launched.batch.seqs[i].num_pending -= 1
 
     def _run_isolating(self, batch: ScheduledBatch, failed: list[str]) -> list[RequestOutput]:
-        """Re-run a failed batch in halves (each a step of its own); a single sequence that still fails is
-        left uncommitted and its request id goes to ``failed``."""
+        """Re-run a failed batch in halves; a single sequence that still fails stays uncommitted, its id in ``failed``.
+        """
         if len(batch.seqs) == 1:
             try:
                 return self._run(batch)

@@ -1,13 +1,10 @@
 """Worker: everything on one device — model, KV cache, Engram tables, lookups, step runners, sampler.
 
-Driven only through ``execute(StepDescription) -> StepResult`` (engine/step.py) or its halves ``launch``
-(enqueue the device work and the copy of its tokens to the host) and ``collect`` (wait for that copy: the
-step's one host synchronisation); reports through ``stats()``. It never sees a Sequence or the scheduler
-(of the tokenizer it keeps the raw -> compressed id map, to hash tokens still on the device). At start it
-opens its tables, sizes the KV cache (memory.py), and chooses its runners once (engine/runners/): unless
-``enforce_eager``, ``GraphRunner`` when every table gathers on the device, else ``PiecewiseRunner``, for the
-decode steps their graphs cover; the eager runner for the rest. Per-sequence device state (the paper variant's
-conv state) is dropped when the engine lists the sequence as finished."""
+Driven only through ``execute(step) -> StepResult`` or its halves ``launch`` and ``collect`` (the step's one host
+synchronisation), reporting through ``stats()``; it never sees a Sequence or the scheduler. At start it opens its
+tables, sizes the KV cache (memory.py) and chooses its runners once (engine/runners/): unless ``enforce_eager``,
+``GraphRunner`` when every table gathers on the device, else ``PiecewiseRunner``, then the eager runner for every other
+step."""
 from __future__ import annotations
 
 import functools
@@ -52,9 +49,7 @@ class LaunchedStep:
 
 
 class Worker:
-    """``wrap_lookup`` (tests): applied to the lookup executor the Worker builds, e.g. one that records or fails
-    steps; the runners then submit every lookup through what it returns (the memory profile's warm-up step
-    goes to the executor it wraps)."""
+    """``wrap_lookup`` (tests): wraps the lookup executor the runners submit through (not the memory warm-up's)."""
 
     def __init__(self, loaded, config: EngineConfig, max_model_len: int, device: torch.device, dtype: torch.dtype,
                  progress: bool | None = None,
@@ -99,8 +94,8 @@ class Worker:
         return self.device.type == "cuda" and c.num_kv_blocks is None and c.kv_cache_memory is None
 
     def _graph_runner(self, max_model_len: int, progress: bool | None) -> StepRunner:
-        """Decided once: one graph per bucket with the gathers inside when every table gathers on the device,
-        else graphs cut at every Engram layer, the host reading each layer's rows while earlier pieces run."""
+        """Decided once: one graph per bucket when every table gathers on the device, else pieces cut at Engram layers.
+        """
         c = self.config
         shape = dict(max_batch=min(c.max_num_seqs, c.max_graph_batch), max_model_len=max_model_len,
                      block_size=c.block_size, null_block=self.memory.num_blocks, device=self.device, progress=progress)
@@ -115,8 +110,8 @@ class Worker:
         return self.collect(self.launch(step))
 
     def launch(self, step: StepDescription) -> LaunchedStep:
-        """Enqueue one step's device work on the first runner that covers it, and the non-blocking copy of its tokens
-        to the host; returns without waiting for the device (nor, over probed slabs, for the lookups)."""
+        """Enqueue a step on the first runner covering it and the copy of its tokens to the host; returns without
+        waiting for the device (nor, over probed slabs, for the lookups)."""
         self.eager.free(step.finished_seq_ids)
         patch = self.pending.patch(step)
         runner = next(r for r in self.runners if r.covers(step))
@@ -156,8 +151,7 @@ class Worker:
         return result
 
     def takes_pending_tokens(self) -> bool:
-        """Whether ``launch`` takes steps with pending tokens (async scheduling): it does, over any tables
-        (host-read ones wait for the tokens inside the lookups)."""
+        """Whether ``launch`` takes steps with pending tokens: always (host-read tables wait inside the lookups)."""
         return True
 
     # ----------------------------------------------------------------- reporting
@@ -183,8 +177,7 @@ def read_tokens(sampled: SampledTokens) -> tuple[list[int], tuple | None]:
 
 
 def _graphs_supported(step_dtype: torch.dtype, ecfg, device: torch.device) -> bool:
-    """Whether a model of this kind can run its decode steps as graphs at all: CUDA, a dtype of the Triton
-    attention (not its torch reference), not the paper variant (its conv state is gathered in Python)."""
+    """Whether decode steps can be graphs: CUDA, a Triton attention dtype, not the paper variant (Python conv state)."""
     if device.type != "cuda" or step_dtype not in pa.FAST_DTYPES or pa.SWITCH.value == "torch":
         return False
     return ecfg is None or ecfg.variant != "paper"

@@ -1,11 +1,7 @@
-"""load_model / save_model: a preset or an HF-style checkpoint directory -> a ready LoadedModel.
-
-A checkpoint is ``config.json`` (Llama / Qwen2 / Qwen3 fields + ``engram_*``), ``*.safetensors`` and ``tokenizer.json``
-(+ ``tokenizer_config.json``). Decoder tensors use HF names, with or without ``model.``; Engram tensors are
-``[model.]layers.L.engram.{embed.weight, embed.scale, wkv.weight, wkv.scale, q_weight, k_weight}``. Tables are converted
-once into the cache directory (tables.py) and opened by the Worker on its tier and device (``LoadedModel.open_tables``),
-or built in memory for presets (``tables_in_memory``). Pickled weights are refused; errors name the tensor and both
-shapes."""
+"""load_model / save_model: a preset or an HF-style checkpoint directory (``config.json``, ``*.safetensors``,
+``tokenizer.json``) -> a ready LoadedModel. Tables are converted once into the cache directory (tables.py) and opened by
+the Worker (``LoadedModel.open_tables``), or built in memory for presets. Pickled weights are refused; errors name the
+tensor and both shapes."""
 from __future__ import annotations
 
 import json

@@ -24,8 +24,8 @@ STAT_KEYS = ("lookups", "rows", "unique_rows", "hits", "misses", "evictions", "b
 
 
 class Tier(str, enum.Enum):
-    """Where a table's rows live. ``gpu``: device memory (RAM without CUDA); ``host``: pinned host memory
-    (RAM without CUDA), read over PCIe; ``disk``: the table files, read on demand (scales stay in RAM)."""
+    """Where a table's rows live: ``gpu`` device memory, ``host`` pinned host memory read over PCIe (both RAM without
+    CUDA), ``disk`` the table files read on demand."""
 
     GPU = "gpu"
     HOST = "host"
@@ -72,12 +72,8 @@ class CompletedLookup(LookupHandle):
 
 
 class TableBackend:
-    """Base class of the tiers: set up storage, implement ``_fetch``.
-
-    Attributes: ``manifest``, ``rows``, ``dim``, ``row_dtype``, ``value_bytes``, ``scale_cols`` (0 unless mxfp8),
-    ``row_bytes`` (their sum), ``device`` (where rows are returned), ``cache`` (RowCache | None), ``options`` and
-    ``count_unique`` (resident lookups count distinct ids for ``unique_rows``: a device sort per call; off by default,
-    ``unique_rows`` then stays 0 there)."""
+    """Base class of the tiers (set up storage, implement ``_fetch``). ``count_unique``: resident lookups count distinct
+    ids for ``unique_rows`` (a device sort per call; off by default, unique_rows then stays 0 there)."""
 
     tier: Tier
     host_backed = True  # the rows live host-side (RAM, pinned, disk): _fetch takes CPU ids
@@ -106,15 +102,14 @@ class TableBackend:
 
     # ----------------------------------------------------------------- subclass hooks
     def _fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Packed rows of ``ids`` (int64 [M], in range, distinct, ascending; on the CPU when ``host_backed`` or through
-        the cache) on the store's device: (values uint8 [M, >= value_bytes], scales uint8 [M, scale_cols] | None). Adds
-        bytes_read/read_ops."""
+        """Packed rows of ``ids`` (int64 [M], in range, distinct, ascending) on the store's device: (values uint8 [M, >=
+        value_bytes], scales uint8 [M, scale_cols] | None). Adds bytes_read/read_ops."""
         raise NotImplementedError
 
     # ----------------------------------------------------------------- public API
     def check_ids(self, ids: torch.Tensor | Any) -> torch.Tensor:
-        """int64 [N] view of ``ids`` (tensor, list or array) where they are. CPU ids: IndexError outside [0, rows). GPU
-        ids are unchecked (checking would sync the host) unless ``options.check_device_ids``."""
+        """int64 [N] view of ``ids`` where they are; CPU ids: IndexError outside [0, rows); GPU ids unchecked (a sync)
+        unless ``check_device_ids``."""
         if self._closed:
             raise RuntimeError(f"table {self.manifest.path} is closed")
         ids = as_ids(ids)
@@ -159,8 +154,7 @@ class TableBackend:
 
     @property
     def gathers_on_device(self) -> bool:
-        """Whether ``gather`` of GPU ids into a GPU ``out`` is device work alone (no host sync, no CPU step, no pinned
-        allocation), so a CUDA graph can capture it."""
+        """Whether ``gather`` of GPU ids into a GPU ``out`` is device work alone, so a CUDA graph can capture it."""
         return False
 
     def record_lookups(self, lookups: int, rows: int) -> None:
@@ -169,8 +163,7 @@ class TableBackend:
                     read_ops=lookups if rows else 0)
 
     def stats(self) -> dict[str, int]:
-        """Counters since open: lookups, rows, unique_rows (see ``count_unique``), hits / misses / evictions (0 without
-        a cache), bytes_read and read_ops."""
+        """Counters since open: lookups, rows, unique_rows, hits / misses / evictions, bytes_read and read_ops."""
         with self._lock:
             pending, self._unique_acc = self._unique_acc, {}
             self._counts["unique_rows"] += sum(int(t) for t in pending.values())
@@ -227,8 +220,8 @@ class TableBackend:
         return uniq, inverse
 
     def _unique_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Each distinct row of ``ids`` [N] fetched once (through the cache): (values [U, >= value_bytes], scales [U,
-        scale_cols] | None, inverse [N] into U), on ``self.device``."""
+        """Each distinct row of ``ids`` [N] fetched once (through the cache) -> (values [U, >= value_bytes], scales,
+        inverse [N] into U) on ``self.device``."""
         uniq, inverse = self._dedupe(ids)
         if self.cache is None:
             vals, scales = self._fetch(uniq.cpu() if self.host_backed else uniq)
@@ -248,17 +241,16 @@ StorageBuild = Callable[..., "tuple[torch.Tensor, torch.Tensor | None]"]
 
 
 class ResidentTable(TableBackend):
-    """A tier whose bytes are all tensors (gpu, host): ``values`` uint8 [rows, row_stride], ``scales`` uint8 [rows,
-    scale_cols] | None. Uncached lookups are one fused kernel call; ``_fetch`` serves the cache and ``gather_raw``."""
+    """A tier whose bytes are all tensors (gpu, host): ``values`` uint8 [rows, row_stride], ``scales`` | None; uncached
+    lookups are one fused kernel call."""
 
     values: torch.Tensor
     scales: torch.Tensor | None
 
     def _storage(self, target: str | torch.device, layout: str, progress: bool,
                  build: StorageBuild | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(values, scales) on ``target`` ("ram", "pinned" or a device) in ``layout`` ("split" | "packed"), as
-        ``load.load_table`` returns them: from ``build`` when given (no file read), else from the manifest's files (CRCs
-        checked when ``options.verify``)."""
+        """(values, scales) on ``target`` in ``layout``, as ``load.load_table`` returns them: from ``build`` when given,
+        else the manifest's files."""
         threads = self.options.advanced.load_threads
         if build is not None:
             return build(target, layout=layout, progress=progress, threads=threads)
@@ -266,13 +258,12 @@ class ResidentTable(TableBackend):
                           threads=threads)
 
     def _kernel_gather(self, ids: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``ids`` (checked, int64 [N >= 1], CPU or GPU) dequantized by one kernel call, into ``out`` when given.
-        """
+        """Rows ``ids`` (checked, int64 [N >= 1]) dequantized by one kernel call, into ``out`` when given."""
         raise NotImplementedError
 
     def _gather_resident(self, ids: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """One fused kernel call over the whole table: no dedupe, no cache, no host sync; distinct ids counted on the
-        ids' device when ``count_unique``."""
+        """One fused kernel call over the table: no dedupe, no cache, no host sync (``count_unique`` sorts on the
+        device)."""
         ids = self.check_ids(ids)
         n = ids.numel()
         self._check_out(out, n, dtype)

@@ -18,9 +18,8 @@ from engram.store.load import (DEVICE_WINDOW, LAYOUTS, LOAD_THREADS, _bar, _chec
 
 @dataclass(frozen=True)
 class RowChunks:
-    """A table's rows made chunk by chunk: ``make(k)`` -> rows [k * rows, min(table rows, (k + 1) * rows)) as (values
-    uint8 [n, value_bytes], scales uint8 [n, scale_cols] | None), CPU. Called from several threads, once per chunk, in
-    any order; the result is read before the same thread calls again (one buffer per thread is fine)."""
+    """A table's rows made chunk by chunk: ``make(k)`` -> rows [k * rows, (k + 1) * rows) (clipped) as CPU (values
+    uint8, scales | None); called from several threads, any order, each result read before that thread's next call."""
 
     rows: int  # rows per chunk
     make: Callable[[int], "tuple[torch.Tensor, torch.Tensor | None]"]
@@ -28,12 +27,9 @@ class RowChunks:
 
 def build_table(m: TableManifest, chunks: RowChunks, target: str | torch.device = "ram", layout: str = "split",
                 progress: bool = False, threads: int = LOAD_THREADS) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``load_table(m, target, layout=layout)``'s result with the bytes made by ``chunks`` (``m.files`` unused; no file
-    read or written); padding bytes are zero, as in the files.
-
-    ``threads`` workers make chunks and copy them into place. Host targets are filled in one pass, then pinned by one
-    registration; a device target goes through two pinned windows of DEVICE_WINDOW bytes. A failed chunk raises (the
-    first in chunk order) and keeps nothing. ``progress``: a bar when stderr is a terminal."""
+    """``load_table(m, target, layout=layout)``'s result with the bytes made by ``chunks`` (no file read or written;
+    padding zero, as in the files): host targets filled in one pass then pinned once, a device through two pinned
+    windows. A failed chunk raises (the first in chunk order) and keeps nothing."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
     _check_threads(threads)
@@ -58,8 +54,8 @@ def build_table(m: TableManifest, chunks: RowChunks, target: str | torch.device 
 
 def _fill_rows(pool: ThreadPoolExecutor, chunks: RowChunks, m: TableManifest, views: tuple, r0: int, r1: int,
                bar) -> None:
-    """Table rows [r0, r1) (r0 a multiple of chunks.rows) into ``views`` = (values, scales | None, padding | None),
-    uint8 CPU tensors whose row 0 is table row r0, one chunk per job."""
+    """Table rows [r0, r1) into ``views`` (values, scales | None, padding | None; row 0 is table row r0), a job a chunk.
+    """
     vals, scales, pad = (v.numpy() if v is not None else None for v in views)
     stop = threading.Event()
 

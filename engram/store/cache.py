@@ -1,18 +1,14 @@
 """Vectorized hot-row cache in front of a slow tier (host, disk): set-associative, LRU or LFU with aging.
 
-A row id maps to one of ``n_sets`` sets (multiplicative hash) and may sit in any of its ``ways``. The
-bookkeeping lives on the host whatever the cache's device, so hits, misses and victims never wait for a GPU;
-only the bytes live on ``device``, moved by index with slot lists uploaded non-blocking from pinned memory::
+The bookkeeping lives on the host (numpy views, a fixed number of operations per lookup), so hits, misses and
+victims never wait for a GPU; only the bytes live on ``device``. Rows touched by the current lookup are never
+evicted by it; misses beyond a set's ways are served but not cached; the cache never changes what a lookup
+returns::
 
     tags   [n_sets, ways] int64     set s = ((id * 0x9E3779B97F4A7C15) >> 32) mod n_sets; -1 empty
     stamp  [n_sets, ways] int64     lookup call that last touched the slot (LRU key, LFU tie-break)
     freq   [n_sets, ways] int64     uses since insert, halved every `capacity` lookups (LFU aging)
-    values [n_sets * ways, value_bytes] uint8     slot = set * ways + way
-
-A lookup is a fixed number of numpy operations on views of the bookkeeping (no loop per row; numpy because the disk tier
-runs it on every step's critical path). Rows touched by the current lookup are never evicted by it; misses beyond a
-set's ways are served but not cached. The cache only stores bytes it was given, so it never changes what a lookup
-returns. ``mirror_tags`` mirrors the tags on ``device`` for decode-graph probes."""
+    values [n_sets * ways, value_bytes] uint8     slot = set * ways + way"""
 from __future__ import annotations
 
 from typing import Callable
@@ -33,8 +29,8 @@ Fetch = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
 
 
 class RowCache:
-    """Hot rows of one table: their bytes on ``device``, the bookkeeping on the host. ``capacity_rows`` is rounded
-    down to whole sets."""
+    """Hot rows of one table: bytes on ``device``, bookkeeping on the host; ``capacity_rows`` rounds down to whole sets.
+    """
 
     def __init__(self, capacity_rows: int, value_bytes: int, scale_cols: int = 0, *, policy: str = "lru",
                  ways: int = 8, device: torch.device | str = "cpu") -> None:
@@ -108,9 +104,8 @@ class RowCache:
             self.dev_tags.fill_(-1)
 
     def mirror_tags(self) -> torch.Tensor:
-        """The tags [n_sets, ways] mirrored on the cache's device from now on (store/kernels/cache_probe.py): every
-        insert writes them into the mirror on the current stream after the rows' bytes, so a tag found there means its
-        row is in place."""
+        """The tags [n_sets, ways] mirrored on the cache's device from now on; each insert writes them after the rows'
+        bytes, on the current stream, so a tag found there means its row is in place."""
         if self.dev_tags is None:
             self.dev_tags = self.tags.to(self.device, copy=True)
         return self.dev_tags
@@ -142,9 +137,8 @@ class RowCache:
         return np.where(match.any(axis=1), sets * self.ways + match.argmax(axis=1), -1)
 
     def fetch(self, ids: torch.Tensor, fetch: Fetch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows of distinct ``ids`` [U]: hits from the cache, the rest from ``fetch(miss_ids)`` (CPU ids -> values uint8
-        [M, >= value_bytes], scales [M, scale_cols] | None, any device), then cached. Returns (values [U, value_bytes],
-        scales [U, scale_cols] | None) on the cache device."""
+        """Rows of distinct ``ids`` [U] on the cache device: hits, and ``fetch(miss_ids)``'s rows (any device), then
+        cached -> (values [U, value_bytes], scales [U, scale_cols] | None)."""
         ids = _host_ids(ids)
         u = len(ids)
         hit_pos, hit_slots, miss_pos = self._hits(ids)
@@ -168,9 +162,8 @@ class RowCache:
         return vals, scales
 
     def slots(self, ids: torch.Tensor, fetch: Fetch) -> torch.Tensor:
-        """Slots int64 [U] (host, rows of ``storage()``) of distinct ``ids`` after this call: hits where cached, misses
-        fetched (the ``fetch`` contract) and cached, or, where a set is full, in the overflow rows after the cache's
-        slots (``reserve_overflow``), rewritten by the next call. Bytes are written on the current stream."""
+        """Slots int64 [U] (host, rows of ``storage()``) of distinct ``ids``: hits, misses fetched and cached, or past a
+        full set the overflow rows (``reserve_overflow``), rewritten by the next call; written on the current stream."""
         return torch.from_numpy(self.slots_np(_host_ids(ids), fetch))
 
     def slots_np(self, ids: np.ndarray, fetch: Fetch) -> np.ndarray:
@@ -198,15 +191,14 @@ class RowCache:
         return slots
 
     def split(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """First half of a call whose caller reads the misses itself (a probed slab): tick, touch the hits of distinct
-        host ``ids`` -> (hit positions [H], their slots [H], miss positions [M]); ``admit`` ends the call."""
+        """First half of a call whose caller reads the misses (a probed slab) -> (hit positions, their slots, miss
+        positions); ``admit`` ends the call."""
         return self._hits(ids)
 
     def admit(self, miss_ids: np.ndarray, vals: torch.Tensor | None, scales: torch.Tensor | None, looked_up: int,
               missed: int | None = None, recheck: bool = False) -> None:
-        """Second half: cache ``miss_ids`` [M] (host) with their rows (values [M, >= value_bytes], scales; any device)
-        on the current stream and count the call (``looked_up`` distinct ids, ``missed``: default M). ``recheck`` skips
-        ids cached since the split (late caching may have placed them); without it nothing may have been inserted."""
+        """Second half: cache ``miss_ids`` [M] with their rows on the current stream and count the call. ``recheck``
+        skips ids cached since the split (late caching); without it nothing may have been inserted."""
         missed = len(miss_ids) if missed is None else missed
         if len(miss_ids):
             new = np.flatnonzero(self._lookup(miss_ids) < 0) if recheck else np.arange(len(miss_ids))
@@ -235,14 +227,13 @@ class RowCache:
         self.overflow_rows = rows
 
     def storage(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(values uint8 [capacity + overflow, value_bytes], scales | None): what ``slots`` index. Never moved from now
-        on (a CUDA graph may hold them): ``reserve_overflow`` may not grow them."""
+        """(values uint8 [capacity + overflow, value_bytes], scales | None), never moved from now on (graphs hold them).
+        """
         self._handed_out = True
         return self._values, self._scales
 
     def _hits(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A call's start: tick, touch the hits of distinct host ``ids`` -> (hit positions [H], slots [H], miss
-        positions [M]), positions in ``ids``."""
+        """A call's start: tick, touch the hits -> (hit positions [H], slots [H], miss positions [M]) in ``ids``."""
         self.clock += 1
         slots = self._lookup(ids)  # [U]
         hit = slots >= 0
@@ -263,8 +254,8 @@ class RowCache:
         return miss_ids, *self._on_device(mv, ms)
 
     def _on_device(self, vals: torch.Tensor, scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows to cache (values [M, >= value_bytes], scales | None, any device) -> values [M, value_bytes] and scales
-        on the cache's device (host rows via pinned memory)."""
+        """Rows to cache (any device) -> values [M, value_bytes] and scales on the cache's device (via pinned memory).
+        """
         mv = to_device(vals[:, : self.value_bytes], self.device)
         return mv, to_device(scales, self.device) if scales is not None and self.scale_cols else None
 
@@ -274,8 +265,8 @@ class RowCache:
         self._age(looked_up)
 
     def _insert(self, ids: np.ndarray, vals: torch.Tensor, scales: torch.Tensor | None) -> np.ndarray:
-        """Place distinct missed ``ids`` [M] (host), evicting each set's lowest-key way not touched this call; ``vals``
-        / ``scales`` [M, ...] on the cache's device. Returns slots [M] (host), -1 where the set had no way left."""
+        """Place missed ``ids`` [M], evicting each set's lowest-key way untouched this call -> slots [M] (-1: set full).
+        """
         m = len(ids)
         sets = self._set_of(ids)
         order = np.argsort(sets, kind="stable")  # [M] misses grouped by set
@@ -310,9 +301,8 @@ class RowCache:
         return placed
 
     def _upload(self, *rows: np.ndarray) -> torch.Tensor:
-        """``rows`` (host int64 arrays of one length K) -> one [len(rows), K] tensor on the cache's device, one copy on
-        the current stream, through a ring of STAGING_RING pinned buffers; a buffer is reused only once its last copy
-        ran (its event), else this call goes through ``to_device``: never a host wait."""
+        """Host int64 arrays of one length K -> one [len(rows), K] device tensor in one copy, through a ring of
+        STAGING_RING pinned buffers reused once their copy ran (else ``to_device``): never a host wait."""
         if self.device.type != "cuda":
             return torch.from_numpy(np.stack(rows)).to(self.device)
         n = len(rows) * len(rows[0])
@@ -332,16 +322,14 @@ class RowCache:
 
     def _write(self, values: torch.Tensor, scales: torch.Tensor | None, dst: torch.Tensor, vals: torch.Tensor,
                vscales: torch.Tensor | None, src: torch.Tensor) -> None:
-        """Rows ``src`` of ``vals`` / ``vscales`` into rows ``dst`` of the storage, on the current stream after every
-        reader of the storage (``_wait_readers``)."""
+        """Rows ``src`` of ``vals`` / ``vscales`` into storage rows ``dst`` on the current stream, after its readers."""
         self._wait_readers()
         values.index_copy_(0, dst, vals.index_select(0, src))
         if scales is not None:
             scales.index_copy_(0, dst, vscales.index_select(0, src))
 
     def _wait_readers(self) -> None:
-        """Make the current stream wait for every stream's last read of the storage (a graph's gather on the main stream
-        may still be queued while a lookup runs on another)."""
+        """Make the current stream wait for every stream's last read of the storage (a graph's gather may be queued)."""
         if self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
             for event in list(self.reads.values()):

@@ -188,9 +188,8 @@ def random_chunk_buffers(rows: int, dim: int) -> tuple[torch.Tensor, ...]:
 
 
 def random_chunk(seed: int, k: int, n: int, dim: int, row_dtype: str, buf: tuple[torch.Tensor, ...] | None):
-    """Chunk ``k`` (``n`` rows) of ``seed``'s random table, from its own generator: MXFP8 -> (values uint8 [n, dim],
-    scales uint8 [n, dim/32]) in ``buf``; other dtypes -> (values [n, dim],). Shared by ``convert_random`` and in-memory
-    tables (model/tables.py), so both hold the same bytes."""
+    """Chunk ``k`` (``n`` rows) of ``seed``'s random table from its own generator (MXFP8: (values, scales) in ``buf``;
+    else (values,)); shared with in-memory tables (model/tables.py), so both hold the same bytes."""
     gen = torch.Generator().manual_seed((seed * 1_000_003 + k) % (1 << 63))  # chunk k's own stream
     if row_dtype == "mxfp8":
         return _random_mxfp8(n, dim, gen, buf)
@@ -199,8 +198,7 @@ def random_chunk(seed: int, k: int, n: int, dim: int, row_dtype: str, buf: tuple
 
 def _random_mxfp8(n: int, dim: int, gen: torch.Generator,
                   buf: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """n random MXFP8 rows in ``buf`` (int64 scratch) -> (uint8 [n, dim] E4M3 bytes without NaN, uint8 [n, dim/32] scale
-    bytes in [118, 125])."""
+    """n random MXFP8 rows in ``buf`` -> (E4M3 bytes [n, dim] without NaN, scale bytes [n, dim/32] in [118, 125])."""
     words, sw, t = buf[0][: n * dim // 8], buf[1][: n * dim // SCALE_BLOCK // 8 + 1], buf[2][: n * dim // 8]
     words.random_(-(1 << 63), None, generator=gen)  # every bit uniform
     # Byte b is a NaN encoding when b & 0x7f == 0x7f: adding 1 to its low 7 bits then carries into bit 7.
@@ -216,9 +214,8 @@ def _random_mxfp8(n: int, dim: int, gen: torch.Generator,
 def convert_random(out: str | os.PathLike, rows: int, dim: int, seed: int = 0, row_dtype: str = "mxfp8", *,
                    layer_id: int | None = None, config: Any = None, progress: bool = True,
                    chunk_bytes: int | None = None, workers: int | None = None) -> TableManifest:
-    """A synthetic table; the bytes depend only on (rows, dim, seed, row_dtype), not on ``workers``: each chunk has its
-    own generator, ``workers`` generate ahead while the writer writes in order, into a ring of IN_FLIGHT + workers + 1
-    reused buffers."""
+    """A synthetic table whose bytes depend only on (rows, dim, seed, row_dtype): each chunk has its own generator,
+    ``workers`` generate ahead into a ring of IN_FLIGHT + workers + 1 buffers while the writer writes in order."""
     if row_dtype == "mxfp8" and dim % SCALE_BLOCK:
         raise ValueError(f"dim={dim} must be a multiple of {SCALE_BLOCK} for mxfp8 rows")
     if row_dtype not in ITEMSIZE:

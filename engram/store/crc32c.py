@@ -106,8 +106,8 @@ def crc32c(data, crc: int = 0) -> int:
 
 
 def crc32c_pages(buf, page_size: int) -> np.ndarray:
-    """uint32 [len(buf) // page_size]: the CRC32C of each ``page_size`` page of ``buf`` (bytes-like, numpy
-    array or CPU tensor of whole pages); ValueError when it is not whole pages."""
+    """uint32 [len(buf) // page_size]: each page's CRC32C (bytes-like, array or CPU tensor); ValueError unless whole
+    pages."""
     if hasattr(buf, "numpy"):
         buf = buf.numpy()
     arr = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf

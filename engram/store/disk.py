@@ -1,11 +1,9 @@
-"""Disk tier: value rows stay in ``values.bin`` and are read on demand; scales stay resident in RAM.
+"""Disk tier: value rows stay in ``values.bin`` and are read on demand; scales and page CRCs stay in RAM.
 
-A lookup dedupes its ids, reads the distinct 4 KiB pages holding them (``PageReader``: a C pthread pool, ``queue_depth``
-preads in flight), checks each page against its CRC32C (the resident ``values.crc32c`` sidecar: a corrupt page raises
-CorruptPageError naming file and offset, counts in ``corrupt_pages`` and never reaches the cache) and decodes through
-the shared kernels, so rows are bitwise the gpu tier's. ``submit`` runs lookups on the table's thread (disk_lookup.py),
-at most ``max_inflight`` unconsumed; a read failure fails that lookup only. Slab reads for decode graphs are
-disk_slabs.py. Format-1 tables (no sidecar) are refused.
+A lookup dedupes its ids, reads the distinct 4 KiB pages (``PageReader``), checks each against its CRC32C (a
+corrupt page raises CorruptPageError naming file and offset and never reaches the cache) and decodes through
+the shared kernels, bitwise the gpu tier's. ``submit`` runs lookups on the table's thread (at most
+``max_inflight``); slab reads for decode graphs are disk_slabs.py::
 
     values.bin  |<- page p (4096 B) ->|      row r lives in page r // (4096 // stride), slot r % (4096 // stride)
                 | r0 | r1 | ... | r15 |      (V4.1: 256-B rows, 16 per page: a cold row costs a whole page)"""
@@ -36,8 +34,8 @@ from engram.store.scrub import Scrubber
 
 
 class DiskTable(SlabReads, TableBackend):
-    """One table served from its files; resident: the scales and page CRCs (``resident_bytes``) plus the cache.
-    ``options.background_verify`` starts a ``Scrubber`` that checks every page once (verify_state, verified_pages)."""
+    """One table served from its files (resident: scales and page CRCs, ``resident_bytes``, plus the cache);
+    ``background_verify`` starts a ``Scrubber``."""
 
     tier = Tier.DISK
     reads_from_disk = True
@@ -82,8 +80,7 @@ class DiskTable(SlabReads, TableBackend):
             self._extra["corrupt_pages"] += pages
 
     def _check_pages(self, offsets: np.ndarray, buf: torch.Tensor, size: int, crcs: np.ndarray | None = None) -> None:
-        """The pages of one read against their CRC32Cs (``crcs``: as the reader computed them while reading);
-        a corrupt one is counted and fails the lookup."""
+        """The pages of one read against their CRC32Cs (``crcs``: the reader's); a corrupt one is counted and raises."""
         try:
             self.pages.check(offsets, buf, size, crcs)
         except CorruptPageError as e:
@@ -123,9 +120,8 @@ class DiskTable(SlabReads, TableBackend):
         return torch.index_select(rows, 0, inverse, out=out) if out is not None else rows.index_select(0, inverse)
 
     def _gather_direct(self, ids: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """A lookup of at most ``chunk_pages`` ids: its distinct pages are read in one call into a reused slab
-        (page_slabs.py) and CRC-checked, scale bytes placed (slab_plan.py), and one gather decodes every id straight
-        into [N, dim] (on CUDA over UVA from the pinned slab): no host copy of rows, no upload first."""
+        """A lookup of at most ``chunk_pages`` ids: one read of its pages into a reused slab, checked, scales placed,
+        and one gather decodes every id into [N, dim] (on CUDA over UVA from the pinned slab)."""
         ids_np = ids.numpy()
         n = len(ids_np)
         slab = self._slabs.acquire(n, n)
@@ -139,8 +135,8 @@ class DiskTable(SlabReads, TableBackend):
             self._slabs.release(slab, torch.cuda.current_stream(self.device) if slab.pinned else None)
 
     def _read_into(self, ids_np: np.ndarray, slab: PageSlab, count: bool = True) -> int:
-        """A one-read lookup's host part: plan, read, check (CorruptPageError before any decode), place the scales;
-        counts the lookup unless ``count`` is False. Returns the pages read."""
+        """A one-read lookup's host part: plan, read, check (before any decode), place scales; counts the lookup unless
+        ``count`` is False -> the pages read."""
         n = len(ids_np)
         n_pages, n_unique = slab_plan.plan(ids_np, self._slabs.rows_per_page, self.page, slab)
         if count:
@@ -161,10 +157,9 @@ class DiskTable(SlabReads, TableBackend):
 
     def _decode_slab(self, values: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, pinned: bool,
                      out: torch.Tensor | None, dtype: torch.dtype, runs: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows ``slots`` of a slab -> [N, dim] on ``self.device``: by the UVA kernel from a pinned slab
-        (graph-capturable), else ``kernels.gather_rows``. ``runs`` (int64 [N], with ``out`` and device slots): only
-        positions with runs[i] == i are written. The caller keeps the slab until the decode ran (``SlabPool.release``,
-        ``slab.done``)."""
+        """Rows ``slots`` of a slab -> [N, dim] on ``self.device`` (the UVA kernel from a pinned slab, else
+        ``kernels.gather_rows``); with ``runs`` only positions with runs[i] == i are written. Keep the slab until it
+        ran."""
         if out is None and self.device.type != "cpu":
             out = torch.empty(slots.numel(), self.dim, dtype=dtype, device=self.device)
         if uva_decodes(pinned) and (runs is None or slots.is_cuda):
@@ -179,8 +174,8 @@ class DiskTable(SlabReads, TableBackend):
         return kernels.gather_rows(values, scales, slots, self.row_dtype, self.dim, out=out, dtype=dtype)
 
     def _plan(self, ids: torch.Tensor) -> tuple[list[tuple[np.ndarray, int, int, torch.Tensor | None]], int, int]:
-        """Read plan for unique ascending ``ids``: chunks of (file offsets int64 [k], first row, end row, slot
-        of each row in the chunk's buffer or None when rows are whole reads), read size, buffer pages."""
+        """Read plan for unique ascending ``ids``: chunks of (file offsets [k], first row, end row, buffer slots |
+        None), read size, buffer pages."""
         chunk = self.options.advanced.chunk_pages
         m = ids.numel()
         if self.stride <= self.page:  # numpy: a lookup plans a few dozen to a few thousand rows
@@ -207,11 +202,9 @@ class DiskTable(SlabReads, TableBackend):
         return plan, self.stride, min(m, per_chunk) * (self.stride // PAGE)
 
     def _fetch(self, ids: torch.Tensor, on_rows: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ids int64 [M] unique ascending -> (values uint8 [M, stride], scales uint8 [M, scale_cols] | None).
-
-        Pages are read ``chunk_pages`` at a time into two page-aligned buffers, two chunks queued: while chunk k+1 is
-        read this thread cuts chunk k's rows out, queues k+2 and hands the rows to ``on_rows(r0, r1, vals, scales)``. A
-        lookup holds at most 2 * chunk_pages * page_size bytes of pages."""
+        """ids int64 [M] unique ascending -> (values uint8 [M, stride], scales | None), read ``chunk_pages`` at a time
+        into two alternating buffers: while chunk k+1 is read, chunk k's rows go to ``on_rows(r0, r1, vals, scales)``.
+        """
         plan, size, buf_pages = self._plan(ids)
         vals = torch.empty(ids.numel(), self.stride, dtype=torch.uint8)  # [M, stride]
         scales = self.scales.index_select(0, ids) if self.scales is not None else None  # [M, scale_cols]
@@ -255,8 +248,8 @@ class DiskTable(SlabReads, TableBackend):
     # ----------------------------------------------------------------- bounded prefetch
     def submit(self, ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
                into: PageSlab | None = None, plan: int | None = None) -> DiskLookup:
-        """Start a lookup on the worker thread; raises InflightLimitError past ``max_inflight``. ``into``: read
-        the rows into that slab instead (``read_slab``, which signals ``plan``); ``wait`` then returns None."""
+        """Start a lookup on the worker thread (InflightLimitError past ``max_inflight``); ``into``: read into that slab
+        (``read_slab``, signalling ``plan``), ``wait`` then returns None."""
         ids = self.check_ids(ids)
         if into is not None:
             check_fits(ids, into)
@@ -278,9 +271,8 @@ class DiskTable(SlabReads, TableBackend):
 
     def _lookup(self, ids: torch.Tensor, dtype: torch.dtype, into: PageSlab | None = None,
                 plan: int | None = None) -> tuple[torch.Tensor | None, "torch.cuda.Event | None"]:
-        """A submitted lookup on the table's thread -> the rows and, on CUDA, an event after the work that made them
-        (the consumer runs on another thread and stream); with ``into``, (None, None) once the rows are in the slab
-        ((None, event) with a cache on CUDA)."""
+        """A submitted lookup on the table's thread -> the rows and, on CUDA, an event after the work that made them;
+        with ``into``, (None, None) once in the slab ((None, event) with a cache on CUDA)."""
         if into is not None:
             self._read_into_owned(ids, into, plan)
             if self.cache is None or self.device.type != "cuda" or (into.probe is not None and plan is not None):
@@ -302,9 +294,8 @@ class DiskTable(SlabReads, TableBackend):
 
     # ----------------------------------------------------------------- stats and lifetime
     def stats(self) -> dict[str, Any]:
-        """Base counters plus disk_rows, page_amplification (bytes read per byte of row values read), inflight,
-        inflight_bytes, io, corrupt_pages (each time a bad page is read) and, with background_verify, verify_state and
-        verified_pages."""
+        """Base counters plus disk_rows, page_amplification, inflight, inflight_bytes, io, corrupt_pages and, with
+        background_verify, verify_state and verified_pages."""
         out = super().stats()
         with self._lock:
             out.update(self._extra)
@@ -334,6 +325,5 @@ class DiskTable(SlabReads, TableBackend):
 
 def open_disk_table(directory: str | Path, device: str | torch.device = "cpu", cache: Any = None,
                     **options: Any) -> DiskTable:
-    """A DiskTable without the placement checks of ``engram.store.open_table`` (tests, benches);
-    ``options``: StoreOptions fields (io, queue_depth, max_inflight, chunk_pages, ...)."""
+    """A DiskTable without ``open_table``'s placement checks (tests, benches); ``options``: StoreOptions fields."""
     return DiskTable.open(directory, device=device, cache=cache, options=StoreOptions().replace(**options))

@@ -20,9 +20,8 @@ class InflightLimitError(RuntimeError):
 
 
 class DiskLookup(LookupHandle):
-    """A lookup running (or queued) on a DiskTable's worker thread (LookupHandle's contract). It holds its depth slot
-    and rows until ``wait()`` or ``cancel()``; cancelled while reading, it finishes the reads in the background and then
-    frees both; ``wait`` then raises CancelledError."""
+    """A lookup on a DiskTable's worker thread, holding its depth slot and rows until ``wait()`` or ``cancel()``;
+    cancelled mid-read it finishes the reads, then frees both (``wait`` raises CancelledError)."""
 
     def __init__(self, table: "DiskTable", future: cf.Future, nbytes: int):
         self._table = table
@@ -46,8 +45,8 @@ class DiskLookup(LookupHandle):
             self._release()
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
-        """The rows, usable on the caller's current stream: on CUDA it waits for the producing work's event and the rows
-        are marked used by it."""
+        """The rows, usable on the caller's stream (on CUDA it waits for their event; the rows are marked used by it).
+        """
         fut = self._future
         if self._cancelled or fut is None:
             raise cf.CancelledError("this lookup was cancelled")

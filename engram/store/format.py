@@ -1,17 +1,13 @@
-"""On-disk format of one Engram table: a directory with ``manifest.json``, ``values.bin`` and ``scales.bin``::
+"""On-disk format of one Engram table: a directory with ``manifest.json`` (written last: version, geometry, file
+sizes, a CRC32 per chunk of each file, the layout fingerprint), ``values.bin``, ``scales.bin`` and
+``values.crc32c``; every defect raises ``TableFormatError`` naming file and byte offset. Format 1 (no page
+CRCs) opens on the gpu and host tiers only::
 
     values.bin   | row 0 | row 1 | ... | row 15 | row 16 | ...          fixed row_stride bytes per row
                  |<------------- page 0 (4096 B) ------>|<- page 1 ...  row r at byte r * row_stride
-                 row_stride: a power of two dividing 4096 (or whole pages), so no row straddles two pages;
-                 zero-padded to a whole page
+                 (no row straddles two pages; zero-padded to a whole page)
     scales.bin   | 8 B row 0 | 8 B row 1 | ...                         (mxfp8 only) dim/32 E8M0 bytes/row
-    values.crc32c| crc page 0 | crc page 1 | ...                       (format 2) little-endian uint32 CRC32C
-                 of each page of values.bin (engram/store/page_crc.py)
-
-Scales are a separate file so they can stay resident for the disk tier without breaking page alignment.
-``manifest.json`` (written last) records version, layer, rows, dim, dtype, scale block, stride, file sizes, a CRC32 per
-chunk of each file and the layout fingerprint. Format 1 (no page CRCs) opens on the gpu and host tiers only; the disk
-tier names ``engram convert --add-checksums``. Every defect raises ``TableFormatError`` naming file and byte offset."""
+    values.crc32c| crc page 0 | crc page 1 | ...                       (format 2) uint32 LE CRC32C per page"""
 from __future__ import annotations
 
 import json

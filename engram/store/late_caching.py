@@ -1,14 +1,10 @@
-"""Caching a probed slab's rows late: during the table's next lookup's reads instead of before it.
-
-``admit_probed`` only takes the rows out of the slab (what must precede the slab's next read) and ``hold``s them; the
+"""Caching a probed slab's rows late: ``admit_probed`` only takes the rows out of the slab and ``hold``s them; the
 table's next probed lookup ``hand_over``s them right after its cache split, and they are cached on this object's thread
-while that lookup's reads run, off the step's critical path. Exactness (docs/disk.md, "Caching a step's rows late"):
+while that lookup reads (docs/disk.md, "Caching a step's rows late").
 
-* the caching runs after the next lookup's split, whose hits carry the current clock, which
-  ``RowCache._insert`` never evicts; bytes are written before tags, so a piece finding a new tag reads them;
-* an id the next lookup missed too is read twice and cached once (``RowCache.admit`` rechecks);
-* ``settle`` comes before any other use of the cache (the next ``admit_probed``, the table's other lookups);
-  it ends by making the engine's stream wait for the cache stream, and caches rows never handed over."""
+Exact because the caching follows the next split (whose hits carry the current clock, never evicted), bytes are written
+before tags, ``RowCache.admit`` rechecks ids cached since the split, and ``settle`` (which makes the engine's stream
+wait for the cache stream and caches rows never handed over) precedes any other use of the cache."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -24,7 +20,7 @@ import torch
 @dataclass
 class TakenRows:
     """A probed lookup's rows taken out of its slab: ``RowCache.admit``'s arguments, the stream to cache them on and the
-    stream that waits for that (None, None on the CPU)."""
+    stream that waits for it (None, None on the CPU)."""
     miss_ids: np.ndarray  # [M] host
     values: torch.Tensor  # [M, stride] uint8
     scales: torch.Tensor | None  # [M, scale_cols] uint8
@@ -34,8 +30,7 @@ class TakenRows:
 
 
 class LateCaching:
-    """One table's rows held for late caching and the caching handed to this object's thread; ``cache(rows)`` caches one
-    ``TakenRows``."""
+    """One table's rows held for late caching; ``cache(rows)`` caches one ``TakenRows`` (on this object's thread)."""
 
     def __init__(self, cache: Callable[[TakenRows], None], device: torch.device):
         self._cache, self.device = cache, device
@@ -53,8 +48,7 @@ class LateCaching:
             self._held, self.used = rows, True
 
     def hand_over(self) -> None:
-        """The table's next probed lookup, right after its cache split: the held rows, if any, are cached on
-        this object's thread while that lookup reads."""
+        """Called by the next probed lookup right after its cache split: cache the held rows on the thread meanwhile."""
         with self._lock:
             rows, self._held = self._held, None
             if rows is None:

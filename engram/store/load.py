@@ -53,9 +53,8 @@ def _pread_into(fd: int, buf: torch.Tensor, off: int, path, size: int) -> None:
 
 
 def _scatter_rows(dst: np.ndarray, piece: np.ndarray, start: int, fstride: int) -> None:
-    """Place ``piece`` (the file's bytes [start, start + len)) into ``dst`` [rows, width]: row r's ``width`` used bytes
-    sit at r * fstride in the file (the rest is padding); only the first and last row can be cut. numpy copies (GIL
-    released; torch's would start an OpenMP team inside every worker)."""
+    """Place ``piece`` (file bytes [start, start + len)) into ``dst`` [rows, width], row r at r * fstride in the file
+    (numpy copies release the GIL; torch's would start an OpenMP team inside every worker)."""
     rows, width = dst.shape
     end = start + piece.size
     first, last = start // fstride, min(rows - 1, (end - 1) // fstride)
@@ -74,9 +73,8 @@ def _scatter_rows(dst: np.ndarray, piece: np.ndarray, start: int, fstride: int) 
 
 
 class _FileFill:
-    """The chunks of one data file and where their bytes go: a flat image (``flat`` uint8, from ``base`` on) or rows
-    ``rows_dst`` [rows, width] (``fstride`` file bytes apart) whose ``pad`` columns are zeroed by the chunk holding the
-    row's first byte. ``only``: the range of chunk indices to run."""
+    """One data file's chunks and their destination: a flat image (``flat``, from ``base``) or rows ``rows_dst``
+    (``fstride`` apart, ``pad`` columns zeroed); ``only``: the chunk indices to run."""
 
     def __init__(self, m: TableManifest, kind: str, flat: torch.Tensor | None = None,
                  rows_dst: torch.Tensor | None = None, fstride: int = 0, pad: torch.Tensor | None = None,
@@ -118,8 +116,8 @@ class _FileFill:
 
 
     def _checksum_error(self, fd: int, i: int, off: int, n: int) -> TableFormatError:
-        """Chunk ``i`` failed its CRC32 -> the error, naming (as CorruptPageError, like the disk tier) its first page
-        failing the page CRC32C when the file has page CRCs (the chunk is read again to look)."""
+        """Chunk ``i`` failed its CRC32 -> the error, naming its first page failing the page CRC32C when there are page
+        CRCs (CorruptPageError, read again to look)."""
         err = checksum_error(self.path, i, off, n)
         if self.pages is None:
             return err
@@ -140,8 +138,8 @@ class _FileFill:
 
 
 def _fill(fills: list[_FileFill], verify: bool, threads: int, bar) -> None:
-    """Run every chunk of ``fills`` on ``threads`` workers, in file order; after a failure unstarted chunks are skipped
-    and the first bad chunk's error is raised."""
+    """Run ``fills``' chunks on ``threads`` workers in file order; after a failure the rest is skipped and the first bad
+    chunk's error raised."""
     local = threading.local()
     stop = threading.Event()
     fds = {}
@@ -190,8 +188,8 @@ def _check_threads(threads: int) -> None:
 
 def load_file(m: TableManifest, kind: str, target: str | torch.device = "ram", verify: bool = True,
               progress: bool = False, threads: int = LOAD_THREADS) -> torch.Tensor:
-    """Whole data file ``kind`` ("values" | "scales") as uint8 [file bytes] on ``target``; host targets are
-    read by ``threads`` workers."""
+    """Data file ``kind`` ("values" | "scales") as uint8 [file bytes] on ``target`` (``threads`` workers for the host).
+    """
     _check_threads(threads)
     entry = m.files[kind]
     path = m.path / entry.name
@@ -212,8 +210,7 @@ DEVICE_WINDOW = 256 << 20  # bytes of a file read (in parallel) into one pinned 
 
 def _load_to_device(m: TableManifest, kind: str, dev: torch.device, verify: bool, bar,
                     threads: int = LOAD_THREADS) -> torch.Tensor:
-    """One data file into device memory through two pinned windows: workers read and CRC one window while the other's
-    copy runs."""
+    """One data file into device memory: workers read and CRC one pinned window while the other's copy runs."""
     size, cb = m.files[kind].bytes, m.chunk_bytes
     out = torch.empty(size, dtype=torch.uint8, device=dev)
     span = max(cb, DEVICE_WINDOW // cb * cb)  # whole chunks per window
@@ -227,9 +224,8 @@ def _load_to_device(m: TableManifest, kind: str, dev: torch.device, verify: bool
 
 def _through_windows(outs: list[torch.Tensor], span: int,
                      fill: Callable[[list[torch.Tensor], int, int], None]) -> None:
-    """Write ``outs`` (one device, sharing dim 0) ``span`` entries at a time: ``fill(hosts, w0, w1)`` writes entries
-    [w0, w1) into host windows (pinned under CUDA) copied on a side stream while the next fills; two windows per output
-    alternate. The caller's stream is ordered after the copies; after an error no copy still writes."""
+    """Write ``outs`` (one device, sharing dim 0) ``span`` entries at a time through two alternating host windows
+    (``fill(hosts, w0, w1)``) copied on a side stream; the caller's stream follows the copies, also after an error."""
     dev, n = outs[0].device, outs[0].shape[0]
     cuda = dev.type == "cuda"
     windows = [[torch.empty((min(span, n), *o.shape[1:]), dtype=o.dtype, pin_memory=cuda) for o in outs]
@@ -262,8 +258,7 @@ def _through_windows(outs: list[torch.Tensor], span: int,
 
 def fill_packed(m: TableManifest, dst: torch.Tensor, verify: bool = True, threads: int = LOAD_THREADS,
                 bar=None) -> None:
-    """Write MXFP8 table ``m``'s packed layout into ``dst`` (uint8 host memory of rows * S bytes), CRC-checking every
-    chunk of both files."""
+    """Write MXFP8 table ``m``'s packed layout into ``dst`` (rows * S bytes of host memory), every chunk CRC-checked."""
     _check_threads(threads)
     vb, sc = m.value_bytes, m.scale_cols
     stride = packed_row_bytes(vb, sc)
@@ -302,9 +297,8 @@ def load_packed(m: TableManifest, target: str = "pinned", verify: bool = True, p
 def load_table(m: TableManifest, target: str | torch.device = "ram", verify: bool = True,
                progress: bool = False, layout: str = "split",
                threads: int = LOAD_THREADS) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(values uint8 [rows, >= value_bytes], scales uint8 [rows, scale_cols] | None) on ``target``. "split": one buffer
-    per file. "packed" (MXFP8 in host memory): views of one ``load_packed`` buffer (row stride S); a table without
-    scales loads "split"."""
+    """(values uint8 [rows, >= value_bytes], scales | None) on ``target``: "split", one buffer per file; "packed" (MXFP8
+    in host memory), views of one ``load_packed`` buffer."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
     if layout == "packed" and m.scale_cols:

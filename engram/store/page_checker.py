@@ -27,9 +27,8 @@ class PageChecker:
 
     def check(self, offsets: np.ndarray, buf: torch.Tensor | np.ndarray, size: int,
               crcs: np.ndarray | None = None) -> None:
-        """Return when every page of a read is intact (``buf``: len(offsets) blocks of ``size`` bytes from
-        ``offsets[i]``; ``crcs``: the reader's page CRC32Cs), else raise CorruptPageError for the lowest bad page
-        (``bad_pages``: how many were bad)."""
+        """Return when every page of a read (``buf``: a block of ``size`` bytes per offset; ``crcs``: the reader's) is
+        intact, else raise CorruptPageError for the lowest bad page (``bad_pages``: how many)."""
         pages, got = bad_pages(buf.numpy() if isinstance(buf, torch.Tensor) else buf,
                                np.asarray(offsets, dtype=np.int64) // self.page_size, size // self.page_size,
                                self.crcs, self.page_size, got=crcs)

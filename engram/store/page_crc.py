@@ -71,9 +71,8 @@ def sidecar_bytes(crcs: np.ndarray) -> bytes:
 
 def bad_pages(buf: np.ndarray | None, first_pages: np.ndarray, pages_per_block: int, expected: np.ndarray,
               page_size: int, got: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(page numbers int64 [k], their CRC32C as read uint32 [k]) of the pages of ``buf`` (uint8: len(first_pages) blocks
-    of ``pages_per_block`` pages, block i from page ``first_pages[i]``) not matching ``expected``. ``got``: the CRC32Cs
-    the reader computed (``buf`` is then not read)."""
+    """(page numbers [k], CRC32Cs as read [k]) of the pages of ``buf`` (blocks of ``pages_per_block`` pages from
+    ``first_pages[i]``) not matching ``expected``; ``got``: the reader's CRC32Cs (``buf`` then unread)."""
     n = len(first_pages) * pages_per_block
     if got is None:
         got = crc32c_pages(buf.reshape(-1)[: n * page_size], page_size)  # [n]

@@ -51,8 +51,8 @@ class PageSlab:
 
 
 class SlabPool:
-    """Slabs of one table: ``acquire(pages, rows)`` one at least that big, ``release(slab, stream)`` once the lookup's
-    decode is queued (on ``stream``). Thread-safe."""
+    """Slabs of one table: ``acquire(pages, rows)``, ``release(slab, stream)`` once its decode is queued. Thread-safe.
+    """
 
     def __init__(self, page_size: int, stride: int, scale_cols: int, pinned: bool, keep: int = 2):
         if page_size % PAGE:

@@ -67,16 +67,15 @@ def _free_host(ptr: int, nbytes: int) -> None:
 
 
 def _copy_chunks(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int, threads: int) -> None:
-    """dst[:] = src (uint8 [nbytes] each) in chunks from a few threads: first touches (page faults) and
-    the copy itself run in parallel; torch's copy releases the GIL."""
+    """dst[:] = src (uint8) in chunks from a few threads, so page faults and copy run in parallel (GIL released)."""
     spans = [(off, min(chunk_bytes, src.numel() - off)) for off in range(0, src.numel(), chunk_bytes)]
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(spans)))) as pool:
         list(pool.map(lambda s: dst[s[0]:s[0] + s[1]].copy_(src[s[0]:s[0] + s[1]]), spans))
 
 
 def _map_region(nbytes: int, huge_pages: bool) -> tuple[mmap.mmap, memoryview, memoryview]:
-    """A fresh anonymous mapping with a 2 MiB-aligned window of ``nbytes`` (advised for transparent huge
-    pages when asked): (the map, a view of all of it, the aligned window)."""
+    """A fresh anonymous mapping with a 2 MiB-aligned window of ``nbytes`` (THP-advised when asked) -> (the map, a view
+    of it, the window)."""
     # Over-allocate one huge page so the window can start on a 2 MiB boundary (THP backs aligned spans only).
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     view = memoryview(region)
@@ -101,8 +100,7 @@ def _unmap(region: mmap.mmap, *views: memoryview) -> None:
 
 
 def _drop_fill_frames(err: BaseException) -> None:
-    """Clear the locals of the frames ``err`` passed through (the fill's workers hold views of the destination), so a
-    failed fill frees its mapping now."""
+    """Clear the locals of the frames ``err`` passed (workers' views of the destination): the mapping frees now."""
     while err is not None:
         traceback.clear_frames(err.__traceback__)  # executing frames are skipped
         err = err.__cause__ or err.__context__
@@ -160,10 +158,9 @@ def _filled_alloc(nbytes: int, fill: Callable[[torch.Tensor], None]) -> torch.Te
 
 def pinned_empty_filled(nbytes: int, fill: Callable[[torch.Tensor], None], *, method: str = "register",
                         huge_pages: bool = True) -> torch.Tensor:
-    """A host tensor uint8 [nbytes] written by ``fill(dst)``, then page-locked when CUDA is available. "register": the
-    aligned mapping (MADV_HUGEPAGE when ``huge_pages``) registered once after the fill (unregistered RAM without CUDA);
-    "alloc": cuMemHostAlloc, then the fill. If ``fill`` raises, nothing stays registered or mapped and the error
-    propagates. ``fill`` owns ``dst`` (and may use threads) until it returns."""
+    """uint8 [nbytes] written by ``fill(dst)`` (which owns ``dst`` until it returns), then pinned when CUDA is there:
+    "register" (one cudaHostRegister after the fill) or "alloc" (cuMemHostAlloc first). If ``fill`` raises, nothing
+    stays registered or mapped."""
     if method not in PIN_METHODS:
         raise ValueError(f"method={method!r} is not one of {PIN_METHODS}")
     if nbytes < 0:

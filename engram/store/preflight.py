@@ -77,8 +77,7 @@ _CGROUP_FILES = (  # (limit, usage, stat, the stat key of the page cache nobody 
 
 
 def cgroup_available(root: str = "/sys/fs/cgroup") -> int | None:
-    """Bytes left under this process's cgroup memory limit (v2 or v1), None when unlimited/unknown. Inactive file pages
-    are taken off the usage (the kernel reclaims them first), active ones count as used."""
+    """Bytes left under the cgroup memory limit (v2 or v1; inactive file pages not counted), None when unlimited."""
     for limit_f, usage_f, stat_f, inactive_key in _CGROUP_FILES:
         limit = _read_int(f"{root}/{limit_f}")
         if limit is not None and limit < (1 << 60):
@@ -109,8 +108,7 @@ def machine_budget(device: torch.device | None = None) -> MemoryBudget:
 
 def memory_need(m: TableManifest, tier: str, device: torch.device, cache_rows: int = 0,
                 host_layout: str = "packed", chunk_pages: int = 2048) -> MemoryNeed:
-    """What opening ``m`` on ``tier`` with rows on ``device`` takes (``host_layout``: the host tier's layout;
-    ``chunk_pages``: the disk tier's pages per read)."""
+    """What opening ``m`` on ``tier`` with rows on ``device`` takes (``host_layout``, ``chunk_pages``: the tier's)."""
     values = m.rows * m.row_stride
     scales = m.rows * m.scale_cols
     cache = RowCache.bytes_for_rows(cache_rows, m.value_bytes, m.scale_cols) if cache_rows else 0

@@ -1,11 +1,7 @@
-"""Batched page reads from one file: ``PageReader.read(offsets, out)`` fills ``out`` with whole pages.
-
-Backends: the C pthread pool ``engram.store._pread_pool`` (csrc/pread_pool.c; GIL released, ``queue_depth`` preads in
-flight) and, for ``io="direct"`` (O_DIRECT, page-aligned buffers: ``aligned_pages``), its Linux AIO reader
-(csrc/aio_reader.c); without the extension a Python thread pool returns identical bytes (one warning per process). A
-failed, short or stale read raises ``DiskReadError`` naming file and offset; only that call fails.
-``ENGRAM_KERNELS=reader=auto|c|python`` sets the initial backend; tests use ``set_backend`` and
-``PageReader.fault_hook``."""
+"""Batched page reads from one file: ``PageReader.read(offsets, out)`` fills ``out`` with whole pages, through the C
+pthread pool (csrc/pread_pool.c, GIL released), its Linux AIO reader for ``io="direct"`` (O_DIRECT), or a Python thread
+pool with identical bytes when the extension is missing. A failed, short or stale read raises ``DiskReadError`` naming
+file and offset; only that call fails."""
 from __future__ import annotations
 
 import errno as errno_mod
@@ -54,16 +50,15 @@ _read_start = threading.local()  # per thread: the hook ``on_read_start`` set
 
 
 def on_read_start(hook: Callable[[], None] | None) -> Callable[[], None] | None:
-    """Call ``hook()`` on this thread right before each ``PageReader.read`` hands its pages to the pool (where the GIL
-    is released); None stops it. Returns the hook it replaces (step_lookups.py, lookup.first_then_later)."""
+    """Call ``hook()`` on this thread right before each ``PageReader.read`` hands its pages to the pool (None stops) ->
+    the hook it replaces."""
     before = getattr(_read_start, "hook", None)
     _read_start.hook = hook
     return before
 
 
 class DiskReadError(OSError):
-    """A page read failed: ``path``, byte ``offset``, ``errno`` (0 for a short or stale read, whose message
-    then carries no "[Errno 0]")."""
+    """A page read failed: ``path``, byte ``offset``, ``errno`` (0 for a short or stale read)."""
 
     def __init__(self, path: str, offset: int, err: int, detail: str):
         message = f"{path}: read at byte offset {offset} failed: {detail}"
@@ -146,8 +141,8 @@ class _PythonPool:
 
 
 def _aio(queue_depth: int):
-    """This thread's Linux AIO context of ``queue_depth`` slots (csrc/aio_reader.c), or None where the kernel
-    refuses one (then the pool reads); one per thread, since a context hands completions to whoever waits."""
+    """This thread's Linux AIO context of ``queue_depth`` slots, or None where the kernel refuses one (one per thread: a
+    context hands completions to whoever waits)."""
     global _aio_broken
     per = getattr(_aio_local, "by_depth", None)
     if per is None or _aio_local.pid != os.getpid():  # a forked child builds its own
@@ -165,14 +160,12 @@ def _aio(queue_depth: int):
 
 
 def queue_per_thread(io: str) -> bool:
-    """Whether reads with ``io`` from different threads each keep their own ``queue_depth`` in flight (C backend,
-    io="direct": an AIO context per thread) rather than sharing one process-wide pool's."""
+    """Whether each thread keeps its own ``queue_depth`` in flight with ``io`` (C backend, "direct": AIO per thread)."""
     return io == "direct" and not _aio_broken and SWITCH.active() == "c"
 
 
 def _pool(queue_depth: int, io: str = "buffered"):
-    """With the C backend and io="direct", this thread's AIO context; else the process-wide pool for this backend and
-    depth (rebuilt in a forked child)."""
+    """This thread's AIO context (C backend, io="direct"), else the process-wide pool (rebuilt after a fork)."""
     global _pools_pid
     kind = "c" if SWITCH.use_fast(stacklevel=2) else "python"  # the first fallback under "auto" warns
     if queue_per_thread(io):
@@ -191,8 +184,7 @@ def _pool(queue_depth: int, io: str = "buffered"):
 
 
 def aligned_pages(n: int, pin: bool = False) -> torch.Tensor:
-    """A page-aligned uint8 buffer [n, PAGE] (O_DIRECT needs the buffer address aligned too); in pinned
-    memory with ``pin`` (needs CUDA)."""
+    """A page-aligned uint8 buffer [n, PAGE] (O_DIRECT), pinned with ``pin`` (needs CUDA)."""
     raw = torch.empty(n * PAGE + PAGE, dtype=torch.uint8, pin_memory=pin)
     skip = (-raw.data_ptr()) % PAGE
     return raw[skip:skip + n * PAGE].view(n, PAGE)  # keeps `raw` alive through the view's storage
@@ -207,9 +199,8 @@ def _file_bytes(fd: int) -> int | str:
 
 
 class PageReader:
-    """Reads whole pages of one file through a shared queue_depth-wide pool. ``fault_hook(offsets) -> Fault | None``
-    runs before every read (tests inject EIO or short reads). A read whose ``path`` no longer names the open inode
-    raises, and the reader reopens the new file."""
+    """Reads whole pages of one file through a shared queue_depth-wide pool; ``fault_hook(offsets)`` lets tests inject
+    faults. A read after ``path`` was replaced raises, and the reader reopens the new file."""
 
     def __init__(self, path: str | os.PathLike, io: str = "direct", queue_depth: int = 64):
         if io not in IO_MODES:
@@ -276,9 +267,8 @@ class PageReader:
 
     def read(self, offsets: np.ndarray, out: torch.Tensor, size: int = PAGE, crcs: np.ndarray | None = None,
              crc_page: int = PAGE) -> None:
-        """Read ``size`` bytes at each of ``offsets`` (int64 [n]) into ``out`` (uint8, n*size bytes). ``crcs`` (uint32
-        [n * size // crc_page]) receives the CRC32C of every ``crc_page`` bytes read, computed by the reading thread
-        (equal to crc32c_pages over ``out``)."""
+        """Read ``size`` bytes at each of ``offsets`` (int64 [n]) into ``out`` (uint8, n*size); ``crcs`` (uint32)
+        receives each ``crc_page``'s CRC32C, computed by the reading thread."""
         offsets = np.ascontiguousarray(offsets, dtype=np.int64)
         n = len(offsets)
         if n == 0:

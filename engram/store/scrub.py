@@ -20,8 +20,8 @@ BLOCK_PAGES = 256  # pages per read: 1 MiB at 4 KiB pages
 
 
 class Scrubber:
-    """Reads every page of ``reader``'s file once on a daemon thread, checking it against ``pages``;
-    ``on_corrupt(n)`` is called with the number of bad pages of each block that has some."""
+    """Reads every page of ``reader``'s file once on a daemon thread, checking it against ``pages``; ``on_corrupt(n)``
+    gets each bad block's count."""
 
     def __init__(self, reader: PageReader, pages: PageChecker, on_corrupt: Callable[[int], None]) -> None:
         self._reader, self._pages, self._on_corrupt = reader, pages, on_corrupt

@@ -1,11 +1,7 @@
-"""The read plan of one disk-tier lookup into a slab, and its check: C (csrc/slab_plan.c) or numpy.
-
-``plan(ids, rows_per_page, page_size, slab)`` fills, from ids int64 [N] (in range, N <= slab rows): ``offsets[:P]`` each
-distinct page's byte offset, ascending; ``uniq[:U]`` each distinct id, ascending, and ``uslots[:U]`` its buffer row
-(page index * rows_per_page + id % rows_per_page); ``slots[:N]`` that row per id. Returns (P, U). ``check(slab, n_pages,
-n_unique, page_size, expected, scales)`` compares each read page's CRC32C with ``expected`` and, when all match, places
-each distinct id's scale bytes at its buffer row. Returns (bad pages, index of the first or -1). C runs with the "c"
-reader backend; both give the same arrays."""
+"""The read plan of one disk-tier lookup into a slab, and its check: C (csrc/slab_plan.c, with the "c" reader backend)
+or numpy, the same arrays either way. ``plan`` fills the slab's ``offsets`` (distinct pages), ``uniq`` / ``uslots``
+(distinct ids, their buffer rows) and ``slots`` (every id's row) -> (P, U); ``check`` compares the read pages' CRC32Cs
+and places each distinct id's scales -> (bad pages, first bad index or -1)."""
 from __future__ import annotations
 
 import numpy as np

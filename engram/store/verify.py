@@ -41,8 +41,7 @@ class VerifyReport:
 
 
 def _stored_page_crcs(m: TableManifest) -> Any:
-    """The sidecar's page CRCs (numpy uint32 [pages]) when it loads with its chunk CRCs intact; else None
-    (verify_table reports the sidecar's own defects)."""
+    """The sidecar's page CRCs (uint32 [pages]) when its chunk CRCs hold, else None (reported by verify_table)."""
     if not m.has_page_crcs:
         return None
     try:
@@ -52,8 +51,8 @@ def _stored_page_crcs(m: TableManifest) -> Any:
 
 
 def verify_table(directory: str | os.PathLike, progress: bool = False) -> VerifyReport:
-    """Check a table directory completely (manifest, file sizes, chunk CRC32s, format 2's page CRC32Cs) -> a report;
-    never raises on a bad table (``report.raise_first()`` does)."""
+    """Check a table directory completely (manifest, sizes, chunk CRC32s, page CRC32Cs) -> a report; never raises on a
+    bad table (``report.raise_first()`` does)."""
     t0 = time.perf_counter()
     report = VerifyReport(path=str(directory), files=[], errors=[])
     try:

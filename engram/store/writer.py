@@ -45,9 +45,8 @@ def as_bytes(x: torch.Tensor | np.ndarray, width: int, what: str) -> np.ndarray:
 
 
 class _FileSink:
-    """A data file fed by one producer: a CRC thread and a write thread work on each buffer in parallel, with a
-    background fdatasync every FLUSH_BYTES. ``page_size``: also each page's CRC32C (``pages``). Errors resurface on the
-    next put or on close."""
+    """A data file fed by one producer: CRC and write threads per buffer, a background fdatasync every FLUSH_BYTES, page
+    CRC32Cs with ``page_size``; errors resurface on the next put or on close."""
 
     def __init__(self, path: Path, chunk_bytes: int, sync: bool = True, page_size: int = 0) -> None:
         self.path = path
@@ -132,10 +131,9 @@ class _FileSink:
 class TableWriter:
     """Write one table of ``rows`` x ``dim`` ``row_dtype`` rows to ``directory`` in appended pieces.
 
-    ``append(values, scales=None)``: values [n, dim] of the row dtype or raw bytes uint8 [n, value_bytes]; scales uint8
-    / float8_e8m0fnu [n, dim/32] for mxfp8. The arrays may be referenced until IN_FLIGHT later appends return (reuse a
-    ring of IN_FLIGHT + 1 buffers). A context manager (finishes on success, removes all on error) or ``finish()``; an
-    existing table at the target is replaced only once the new one is complete."""
+    ``append(values, scales=None)``: values [n, dim] of the row dtype or raw bytes uint8 [n, value_bytes]; scales [n,
+    dim/32] for mxfp8, referenced until IN_FLIGHT later appends return. A context manager (removes all on error) or
+    ``finish()``; an existing table is replaced only once the new one is complete."""
 
     def __init__(self, directory: str | os.PathLike, rows: int, dim: int, row_dtype: str = "mxfp8", *,
                  layer_id: int | None = None, fingerprint: dict[str, Any] | None = None,
@@ -259,8 +257,7 @@ def _check_target(target: Path) -> None:
 
 
 def write_sidecar(path: Path, crcs: np.ndarray, chunk_bytes: int, sync: bool = True) -> FileEntry:
-    """Write the page-CRC sidecar (engram.store.page_crc) of page CRCs ``crcs`` to ``path`` and return its
-    manifest entry (named PAGE_CRC_FILE, where the table keeps it)."""
+    """Write the page-CRC sidecar of ``crcs`` to ``path`` -> its manifest entry (PAGE_CRC_FILE)."""
     data = sidecar_bytes(crcs)
     crc = ChunkCrc(chunk_bytes)
     crc.update(data)
@@ -358,9 +355,8 @@ def write_table(directory: str | os.PathLike, values: torch.Tensor, scales: torc
                 meta: dict[str, Any] | None = None, *, chunk_rows: int = 1 << 18,
                 chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                 progress: bool = False) -> TableManifest:
-    """Write an in-memory table. values [R, D]: float8_e4m3fn (with scales uint8 / float8_e8m0fnu [R, D/32])
-    or bfloat16 / float16 / float32 (no scales). ``meta`` keys ``layer_id`` and ``fingerprint`` go to the
-    manifest's fields of those names, the rest to its ``meta``."""
+    """Write an in-memory table: values [R, D] float8_e4m3fn (+ scales [R, D/32]) or bf16 / f16 / f32; ``meta``'s
+    ``layer_id`` and ``fingerprint`` go to those manifest fields, the rest to its ``meta``."""
     if values.dim() != 2:
         raise ValueError(f"values must be 2-D [rows, dim], got shape {tuple(values.shape)}")
     if values.dtype == torch.uint8:

@@ -1,11 +1,7 @@
-"""The contract between a Worker and its step runners.
-
-A Worker holds its runners in order, chosen at construction (``GraphRunner`` or ``PiecewiseRunner``, then
-``EagerRunner``, which covers every step); each step goes to the first that ``covers`` it, whose ``launch``
-enqueues its lookups and forward and returns a ``Forward``. The Worker calls ``settle(upto)`` (finish the
-background lookups of steps up to ``upto``; None: all) on every runner before it reads a step's tokens, and on
-the other runners before it launches on one, so no two steps' lookups overlap; ``check`` after the read
-raises a failure of the step's lookups or flags."""
+"""The contract between a Worker and its step runners: each step goes to the first runner that ``covers`` it (the graph
+or piecewise runner, then ``EagerRunner``, which covers all), whose ``launch`` returns a ``Forward``. The Worker calls
+``settle(upto)`` on every runner before reading a step's tokens, and on the others before launching on one, so no two
+steps' lookups overlap; ``check`` after the read raises a failed lookup."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,10 +1,6 @@
-"""The static inputs of decode CUDA graphs, shared by the graph runners: buckets, buffers, one copy a step.
-
-A decode step of S sequences replays the graphs of the smallest bucket B >= S (``graph_buckets``). The graphs
-read static buffers filled before each replay from the StepDescription through one pinned buffer and one
-non-blocking copy. The S..B padding sequences decode token 0 at position 0 into a reserved KV block no
-sequence owns (``null_block``); their logits are dropped. Prefill and mixed steps, batches above the largest
-bucket (logged once), and steps with DEAD tokens or prompt logprobs run eager."""
+"""The static inputs of decode CUDA graphs: buckets (``graph_buckets``), buffers filled from a StepDescription by one
+pinned non-blocking copy a step. Padding sequences S..B decode token 0 into a KV block no sequence owns
+(``null_block``), their logits dropped. Prefill, mixed, oversized, DEAD-token and prompt-logprob steps run eager."""
 from __future__ import annotations
 
 import logging
@@ -33,17 +29,15 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 
 
 def graph_reserve_bytes(config, step_peak_bytes: int | None) -> int:
-    """What the KV plan sets aside for the graphs' pool: B / max_num_batched_tokens of the profiled largest step's
-    peak, B the largest bucket (activations scale with tokens); the real size is ``pool_bytes`` after capture."""
+    """The graphs' pool in the KV plan: B / max_num_batched_tokens of the profiled step's peak (B: largest bucket)."""
     if step_peak_bytes is None:
         return 0
     return step_peak_bytes * min(config.max_num_seqs, config.max_graph_batch) // config.max_num_batched_tokens
 
 
 class DecodeInputs:
-    """Static input buffers of the largest bucket; ``fill`` writes a step into them, ``inputs(size)`` is what a
-    graph of bucket ``size`` reads. ``row_layers``: the Engram layers whose row ids are inputs, padded with
-    ``pad_row_id`` (0: row 0 for a gather; -1: no row, for a probe)."""
+    """Static inputs of the largest bucket: ``fill`` writes a step, ``inputs(size)`` is what bucket ``size`` reads.
+    ``row_layers``' row ids are padded with ``pad_row_id`` (0 for a gather, -1 for a probe)."""
 
     def __init__(self, max_batch: int, max_model_len: int, block_size: int, null_block: int, n_cols: int,
                  row_layers: list[int], pad_row_id: int, device: torch.device):
@@ -75,8 +69,7 @@ class DecodeInputs:
         self._warned_too_large = False
 
     def _views(self, buf, b: int):
-        """token ids [b], positions [b], KV lengths [b], slots [b], block tables [b, max_blocks] and
-        {layer: row ids [b, n_cols]} of ``buf``."""
+        """(token ids, positions, KV lengths, slots [b], block tables [b, max_blocks], {layer: row ids [b, n_cols]})."""
         parts = [buf[i * b:(i + 1) * b] for i in range(4)]
         at = b * (4 + self.max_blocks)
         tables = buf[4 * b:at].reshape(b, self.max_blocks)
@@ -85,8 +78,8 @@ class DecodeInputs:
         return (*parts, tables, ids)
 
     def fits(self, step: StepDescription) -> bool:
-        """Whether a decode graph can run ``step``: every sequence decodes one token and samples it, no DEAD
-        tokens, no prompt logprobs, at most the largest bucket's sequences."""
+        """Whether a graph runs ``step``: one sampled token per sequence, no DEAD tokens or prompt logprobs, fits a
+        bucket."""
         if step.dead_mask is not None or step.prompt_logprobs or any(n != 1 for n in step.num_new_tokens):
             return False
         if len(step.sample_rows) != step.num_seqs:  # a one-token prompt chunk that does not sample yet
@@ -112,8 +105,8 @@ class DecodeInputs:
                           engram_rows=engram_rows, logits_indices=idx, attention=meta)
 
     def fill(self, step: StepDescription, patch: PendingPatch | None) -> int:
-        """The step's tokens, positions, KV slots, block tables and row ids into the static inputs of its
-        bucket (padded), patched on the device with the pending tokens -> the bucket size."""
+        """Write the step into its bucket's static inputs (padded; pending tokens patched on the device) -> bucket size.
+        """
         s = step.num_seqs
         size = next(b for b in self.buckets if b >= s)
         turn, self._turn = self._turn, 1 - self._turn

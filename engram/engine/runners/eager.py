@@ -48,9 +48,8 @@ class EagerRunner(StepRunner):
 
     @torch.inference_mode()
     def run(self, step: StepDescription, staged: StagedRows, patch: PendingPatch | None = None) -> torch.Tensor:
-        """One forward over the packed step -> float32 logits [len(step.sample_rows), vocab]; prompt-logprob rows are
-        scored on the way (``prompt_scores``). ``patch``: the pending tokens' device values (``staged`` holds their
-        rows already)."""
+        """One forward -> float32 logits [len(step.sample_rows), vocab], prompt-logprob rows scored on the way
+        (``prompt_scores``). ``patch``: the pending tokens' device values."""
         dev = self.device
         cu_seqlens = to_device(step.cu_seqlens, dev)  # [S+1], shared by attention and the conv states
         conv = self._gather_conv_state(step, cu_seqlens)
@@ -81,8 +80,7 @@ class EagerRunner(StepRunner):
         return logits
 
     def _score_prompt(self, step: StepDescription, hidden: torch.Tensor):
-        """hidden [P, H] of the prompt rows -> (target logprobs [P], top-k logprobs [P, k], their ids [P, k]),
-        k the largest asked; full-vocabulary logits exist for PROMPT_SCORE_ROWS rows at a time only."""
+        """hidden [P, H] -> (target logprobs [P], top-k logprobs and ids [P, k]), PROMPT_SCORE_ROWS rows at a time."""
         k = max(p.k for p in step.prompt_logprobs)
         targets = to_device([t for p in step.prompt_logprobs for t in p.targets], self.device)  # [P]
         own, top_v, top_i = [], [], []

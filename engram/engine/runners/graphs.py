@@ -1,13 +1,7 @@
-"""The graph runner: decode steps as one CUDA graph per bucket, device-resident tables gathered inside.
-
-For models whose every table gathers device ids as device work (``gathers_on_device``: tier gpu, tier host
-without a hot-row cache), or that have no Engram layers. A graph gathers each layer's rows (+ MXFP8 dequant)
-from the static row ids into static rows [B, n_cols, head_dim]; with ``lookup_overlap`` the gathers and
-projections run on a branch forked at its start and joined at each Engram layer (engine/lookup_stream.py).
-
-Stale rows: the branch tags each layer's rows with the replayed step's plan id and the consuming layer
-compares it into a per-layer flag (``stale``), copied to the host with the tokens and checked (``check``); a
-mismatch fails the step. ``replays`` counts replays, so tests can tell a silent eager fallback."""
+"""The graph runner: decode steps as one CUDA graph per bucket, with the gathers of tables that gather on the device
+(``gathers_on_device``) inside. With ``lookup_overlap`` the gathers and projections run on a branch joined at each
+Engram layer; each layer compares its rows' plan-id tag with the replayed step's into a ``stale`` flag, checked after
+the step (a mismatch fails it). ``replays`` counts replays for tests."""
 from __future__ import annotations
 
 import contextlib
@@ -66,8 +60,8 @@ class GraphRunner(StepRunner):
         return self.io.fits(step)
 
     def _consume(self, layer_id: int, size: int) -> torch.Tensor:
-        """Layer ``layer_id``'s static rows [size, n_cols, D], after its gather when that runs on the lookup
-        branch (a captured wait: the branch joins the main stream here)."""
+        """Layer ``layer_id``'s static rows [size, n_cols, D], after a captured wait for its gather on the lookup
+        branch."""
         if self.lookup_stream is not None:
             self.lookup_stream.wait(layer_id)
             i = self.layer_ids.index(layer_id)
@@ -105,8 +99,7 @@ class GraphRunner(StepRunner):
 
     @torch.inference_mode()
     def launch(self, step: StepDescription, patch: PendingPatch | None) -> Forward:
-        """Fill the static inputs (patched on the device with the pending tokens), replay the bucket's graph ->
-        logits [S, vocab], a view the next replay overwrites: sample from it first."""
+        """Fill the static inputs, replay the bucket's graph -> logits [S, vocab], a view the next replay overwrites."""
         s = step.num_seqs
         size = self.io.fill(step, patch)
         self.graphs[size].replay()

@@ -1,18 +1,11 @@
-"""Piecewise decode graphs for host-read tables: one graph per range of layers, cut at each Engram layer.
+"""Piecewise decode graphs for host-read tables: one graph per range of layers, cut before each Engram layer, so the
+host reads a layer's rows while the layers before it replay.
 
-The host waits for a layer's reads while the layers before it replay. Each piece reads the static inputs
-(decode_inputs.py) and the streams the piece before it wrote; the first also embeds, the last makes the
-logits. An Engram layer's rows reach its piece either copied in (staged by the lookup executor, copied into
-the piece's static rows right before it replays: hot-row caches over the host tier) or from a slab (disk
-tables): a pinned slab per layer, sized for the largest bucket, into which a step's lookup reads the rows'
-pages (``DiskTable.read_slab``) and which the piece decodes with its captured UVA gather
-(``DiskTable.decode_slab``). Over a hot-row cache the piece probes the cache's device-mirrored tags and waits
-for the host's lookup (a pinned flag) only on a miss (store/kernels/cache_probe.py); when every layer
-probes (``probes_all``) the whole step is queued before its lookups run (``begin(whole=True)``).
-
-``read_lookups`` runs the lookups of layers whose pieces are queued (host work, signalling each flag),
-``finish_lookups`` caches the rows read once no piece waits for a flag, ``abort_lookups`` fails the pieces
-still waiting. The runner (piecewise.py) decides on which thread, and when."""
+A layer's rows reach its piece copied in (staged rows, hot-row caches over the host tier) or from a pinned slab (disk
+tables: the lookup reads pages into it, the piece decodes it with its captured UVA gather). Over a hot-row cache the
+piece probes the device-mirrored tags and waits for the host only on a miss (kernels/cache_probe.py); when every layer
+probes (``probes_all``) the whole step is queued first (``begin(whole=True)``). The runner (piecewise.py) decides when
+``read_lookups``, ``finish_lookups`` and ``abort_lookups`` run."""
 from __future__ import annotations
 
 import logging
@@ -31,8 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def piece_ranges(engram_layer_ids, num_layers: int) -> list[tuple[int, int, int | None]]:
-    """Layer ranges [lo, hi) cut before every Engram layer, with the Engram layer each starts with (None for a
-    plain layer): every piece needs at most its first layer's rows."""
+    """Ranges [lo, hi) cut before every Engram layer, each with the Engram layer it starts with (None: a plain one)."""
     engram = sorted(set(engram_layer_ids))
     cuts = sorted({0, num_layers, *engram})
     return [(lo, hi, lo if lo in engram else None) for lo, hi in zip(cuts, cuts[1:])]
@@ -82,8 +74,7 @@ class DecodePieces:
 
     @property
     def probes_all(self) -> bool:
-        """Whether every Engram layer's piece finds its rows without the host (all slabs probed): ``begin`` may
-        then queue the whole step before the step's lookups run."""
+        """Whether every Engram layer's piece finds its rows without the host, so ``begin`` may queue the whole step."""
         return bool(self.probed) and len(self.probed) == len(self.rows)
 
     @property
@@ -129,8 +120,8 @@ class DecodePieces:
 
     @torch.inference_mode()
     def begin(self, step: StepDescription, patch: PendingPatch | None = None, whole: bool = False) -> None:
-        """Queue the part of the step that needs no Engram rows: the inputs and the pieces before the first Engram
-        layer; with ``whole`` (``probes_all``) every piece. ``run`` of the same step replays the rest."""
+        """Queue the inputs and the pieces before the first Engram layer (every piece with ``whole``); ``run`` does the
+        rest."""
         size = self.io.fill(step, patch)
         k = 0
         self._slab_turn = 1 - self._slab_turn
@@ -148,10 +139,8 @@ class DecodePieces:
 
     @torch.inference_mode()
     def run(self, step: StepDescription, staged: StagedRows | None, patch: PendingPatch | None = None) -> torch.Tensor:
-        """Replay what ``begin(step)`` (called here if it was not) left -> logits [S, vocab], a view the next replay
-        overwrites. Each piece gets its rows right before it (copied in from ``staged``, or read into its slab) while
-        earlier pieces run. ``staged`` None after a whole ``begin``: the runner runs ``read_lookups`` and
-        ``finish_lookups`` itself."""
+        """Replay what ``begin(step)`` (called here if need be) left -> logits [S, vocab], a view the next replay
+        overwrites; each piece gets its rows right before it. ``staged`` None after a whole ``begin``."""
         s = step.num_seqs
         begun, self._begun = self._begun, None
         if begun is None or begun[0] != step.step_id:
@@ -181,10 +170,9 @@ class DecodePieces:
 
     def read_lookups(self, step: StepDescription, staged: StagedRows, first: int | None = None,
                      release: bool = True, after_each: Callable[[], None] | None = None) -> None:
-        """Run, in layer order, the lookups of the Engram layers whose pieces ``begin`` queued (all when ``first`` is
-        None); host work only, signalling each layer's flag. A failed lookup aborts the waiting pieces
-        (``abort_lookups``) and is raised. ``release``: cancel what is left of ``staged`` after; ``after_each()``
-        runs after each layer's lookup."""
+        """Run, in layer order, the lookups of layers whose pieces are queued (all when ``first`` is None), signalling
+        each flag; a failure aborts the waiting pieces and is raised. ``release``, ``after_each()``: after each lookup.
+        """
         upto = self.ranges if first is None else self.ranges[:first]
         try:
             for lid in [lid for _, _, lid in upto if lid is not None]:
@@ -199,9 +187,8 @@ class DecodePieces:
                 staged.release()
 
     def _settle_slab(self, lid: int) -> None:
-        """After layer ``lid``'s lookup: the slab's next lookup and the next writes into its cache's storage wait for
-        this step's decode of it (``slab.done``). Not sooner: this step's lookup writes the slots that this step's
-        piece may be waiting for."""
+        """After layer ``lid``'s lookup (not sooner: that lookup writes what this step's piece may wait for), the slab's
+        next lookup and cache writes wait for this step's decode of it (``slab.done``)."""
         slab = self.slabs[lid]
         slab.done = self._slab_decoded[lid][self._slab_turn]
         cache = getattr(self.slab_tables[lid], "cache", None)
@@ -209,9 +196,8 @@ class DecodePieces:
             cache.note_read(slab.done)
 
     def finish_lookups(self) -> None:
-        """After a step's lookups, on the engine's thread: each slab's next lookup waits for this step's decode of it,
-        and the rows read are taken out of the slabs to be cached during the tables' next lookups (``admit_probed``,
-        store/late_caching.py). ``last_step_read``: whether those lookups read any row from disk."""
+        """After a step's lookups, on the engine's thread: slabs' next lookups wait for this step's decodes and the rows
+        read are handed to late caching (``admit_probed``). ``last_step_read``: whether any row came from disk."""
         for lid in self.slabs:
             self._settle_slab(lid)
         read = [self.slab_tables[lid].admit_probed(self.slabs[lid]) for lid in self.probed]

@@ -1,18 +1,11 @@
 """The piecewise runner: decode steps over host-read tables, each step's lookups paired with its pieces.
 
-The order of a step (``launch``), over the pieces of pieces.py:
-
-1. over slabs with pending tokens, the row ids start on their way to the host (``start_host_ids``) first, so
-   their copy follows only the step before's sampler;
-2. the step before's background lookups are finished (``settle``) before this step's pieces are queued;
-3. over slabs: the pieces that need no rows are queued (``begin``; all when every layer probes), then the
-   lookups read pages into the slabs: on a background thread (engine/step_lookups.py) when every layer
-   probes and the step before read from disk, else inline;
-4. without slabs (hot-row caches over the host tier): the lookups stage rows, copied in before each piece;
-5. ``run`` replays what is left.
-
-The Worker calls ``settle(step_id)`` before it reads a step's tokens and ``check`` after: a background
-lookup's failure is raised there, with the read's own message, before the pieces' FAILED flags."""
+``launch``: (1) over slabs with pending tokens, the row ids start to the host first (``start_host_ids``); (2) the step
+before's background lookups are settled before this step's pieces are queued; (3) over slabs, the pieces needing no rows
+are queued (``begin``), then the lookups read pages into the slabs, on a background thread (step_lookups.py) when every
+layer probes and the step before read from disk, else inline; (4) without slabs the lookups stage rows, copied in before
+each piece; (5) ``run`` replays the rest. The Worker calls ``settle(step_id)`` before reading a step's tokens and
+``check`` after."""
 from __future__ import annotations
 
 import functools
@@ -53,8 +46,8 @@ class PiecewiseRunner(StepRunner):
 
     def _submit_slab_step(self, step: StepDescription, patch: PendingPatch | None,
                           host_ids: HostIds | None) -> StagedRows | None:
-        """Queue the pieces that need no rows, then submit the lookups into the slabs. None when they run in
-        the background (``read_lookups`` releases the staged rows); else the staged rows for ``run``."""
+        """Queue the pieces needing no rows, then submit the slab lookups -> the staged rows, or None when they run in
+        the background."""
         whole = self.pieces.probes_all
         self.pieces.begin(step, patch, whole=whole)
         staged = None
@@ -74,8 +67,7 @@ class PiecewiseRunner(StepRunner):
             raise
 
     def settle(self, upto: int | None = None) -> None:
-        """Wait for the lookups started in the background (of a step up to ``upto``), then cache what they read,
-        on this thread: the one place a background step's lookups finish."""
+        """Wait for background lookups (of steps up to ``upto``) and cache what they read: the one place they finish."""
         pending = self._lookups.pending_step
         if pending is not None and (upto is None or pending <= upto):
             self._lookups.finish(self.pieces.finish_lookups)

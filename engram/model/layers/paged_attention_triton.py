@@ -1,16 +1,13 @@
 """Paged attention on CUDA in Triton: K/V read in place through the block table, no padded copies.
 
-* **decode** (one new token), split-KV: a sequence's keys are cut into fixed splits of SPLIT_LEN; a program per
-  (sequence, KV head), or a few striding over the splits, holds the GQA group of query heads as the M dimension,
-  writes an unnormalised partial (acc, max, sum) per split, and a second kernel combines them in order. The
-  fixed split length makes a result independent of the batch and the launch; splits past a sequence's end are
-  not computed, so a graph sized for max_model_len costs nearly what eager does.
-* **prefill** (chunks): flash-attention over packed varlen queries, one program per (query tile, head), causal
-  with the chunk's offset (query i at position ctx - q_len + i).
+* **decode** (one new token), split-KV: each (sequence, KV head) walks fixed splits of SPLIT_LEN keys with its
+  GQA group of query heads as the M dimension, writing a partial (acc, max, sum) per split that a second
+  kernel combines in order; fixed splits make a result independent of batch and launch, and splits past a
+  sequence's end are skipped, so a graph sized for max_model_len costs nearly what eager does.
+* **prefill** (chunks): flash-attention over packed varlen queries, causal with the chunk's offset.
 
-Both use ``_kv_tile_scores`` and ``_online_softmax_update``, and take q [T, nh, hd] and K/V [num_blocks, block_size,
-n_kv, hd] as they are; head h reads KV head h // (nh // n_kv). float32 uses IEEE fp32 dot products (no TF32). CUDA only;
-importing needs triton."""
+Head h reads KV head h // (nh // n_kv); float32 uses IEEE fp32 dot products (no TF32). CUDA only; importing needs
+triton."""
 from __future__ import annotations
 
 import torch

@@ -1,14 +1,11 @@
-"""Programmatic dependent launch (PDL) of the decode step's small Triton kernels (compute capability 9.0+).
+"""Programmatic dependent launch (PDL) of the decode step's small Triton kernels (compute capability 9.0+): a kernel may
+be scheduled while the one before runs, its programs waiting on the device (``griddepcontrol.wait``) before touching
+memory, so outputs are bitwise the same and only the launch gap is saved. Kernels take ``USE_PDL``, call ``pdl_enter``
+first and launch with ``**launch_options(device)``; the Engram gate kernel is not.
 
-A PDL kernel may be scheduled while the one before it runs; its programs wait on the device (``griddepcontrol.wait``)
-before reading or writing and release the next at once, so outputs are bitwise the same and only the launch gap is
-saved. Kernels take ``USE_PDL: tl.constexpr``, call ``pdl_enter`` first and launch with ``**launch_options(device)``;
-the Engram gate kernel (after a lookup-stream wait) is not.
-
-**Reads before the wait.** When a kernel's program runs, every kernel of its stream but the one just before has
-finished; so before its wait it may read what that kernel does not write: weights, the step's inputs, cos/sin and
-earlier steps' K/V. tests/unit/test_pdl_early_reads.py fails on an early read outside that list; tests/gpu/test_pdl.py
-compares outputs with PDL on and off, bitwise."""
+**Reads before the wait.** Every kernel of the stream but the one just before has finished, so before its wait a kernel
+may read what that one does not write: weights, the step's inputs, cos/sin and earlier steps' K/V
+(tests/unit/test_pdl_early_reads.py enforces the list; tests/gpu/test_pdl.py compares outputs bitwise)."""
 from __future__ import annotations
 
 import torch

@@ -1,18 +1,11 @@
-"""A hot-row cache probed on the device: a decode step's slots into the cache's storage, found without the host.
+"""A hot-row cache probed on the device: a decode piece finds its rows' slots in the cache's mirrored tags
+(``resolve_slots``) and waits for the host's lookup (a pinned flag, then its plan) only when a row is missing.
 
-A disk table's cache mirrors its tags on the device (``RowCache.mirror_tags``). A decode piece hashes each id to its set
-as the host does and looks in the mirror (``resolve_slots``): when every id is found it gathers from the cache at once;
-otherwise it waits for the step's flag and follows the host's plan (cached rows by slot, read rows from the slab's
-pinned pages). The device waits for the host only when a row comes from disk.
-
-Deadlock freedom: the work that sets a flag is host work only (bookkeeping, disk reads into pinned memory, plan, flag);
-the rows enter the cache after the flag, on the table's cache stream. The mirror can be trusted: the pieces are ordered
-after every earlier lookup's writes, a lookup never evicts a row it finds, bytes are written before tags, and rows a
-full set cannot take never enter the mirror.
-
-The flag (pinned int64) reads ``2 * plan id`` once the plan is in place, ``2 * plan id + 1`` on failure. Each resolve
-writes a ``status``: FOUND, WAITED or FAILED (failure flag, or ``SPIN_LIMIT`` reads without it); the Worker raises on
-FAILED. The torch reference cannot wait: an unset flag is a failed wait. Both write the same int64 outputs."""
+Deadlock freedom: the work that sets a flag is host work only; rows enter the cache after it, on the table's cache
+stream. The mirror can be trusted: pieces are ordered after every earlier lookup's writes, a lookup never evicts a row
+it finds, bytes are written before tags, and rows a full set cannot take never enter it. The flag reads ``2 * plan id``
+when planned, ``2 * plan id + 1`` on failure; each resolve writes a ``status`` (FOUND, WAITED, FAILED) that the Worker
+checks. The torch reference cannot wait: an unset flag fails."""
 from __future__ import annotations
 
 import functools

@@ -1,11 +1,6 @@
-"""Rows of a pinned host table gathered by the CPU into pinned staging and sent to the GPU in chunks: the ``host``
-tier's route for batches where UVA's per-row address translation costs more than a CPU gather plus a contiguous copy
-(uva.py).
-
-CPU threads ``index_select`` chunk after chunk into pinned staging from torch's caching pinned allocator; each chunk's
-copy is queued on a side stream as soon as it is gathered, and the HBM kernel dequantizes the staged rows (bitwise equal
-to every route). The call waits for the CPU gather, never for the GPU; the caller's stream is ordered after the copies
-and the dequant."""
+"""Rows of a pinned host table gathered by CPU threads into pinned staging and copied to the GPU chunk by chunk on a
+side stream, then dequantized by the HBM kernel: the host tier's route where UVA's per-row address translation costs
+more (uva.py). Waits for the CPU gather, never for the GPU; the caller's stream is ordered after the copies."""
 from __future__ import annotations
 
 import threading
