@@ -14,6 +14,7 @@ from engram.model.inputs import StepInputs
 from engram.model.kv_cache import KVCache
 from engram.model.layers.attention import Attention, AttentionMetadata
 from engram.model.layers.fused import add_rms_norm
+from engram.model.layers.split_linear import Partials, dense
 from engram.model.layers.hyper_connections import HyperConnection
 from engram.model.layers.mlp import MLP
 from engram.model.layers.norm import RMSNorm
@@ -47,12 +48,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, step: StepInputs, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv: KVCache,
-                delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                delta: torch.Tensor | Partials | None = None) -> tuple[torch.Tensor, torch.Tensor | Partials | None]:
         """h [T, hc_mult, H] and ``delta`` [T, H] (the previous layer's MLP output not yet added to its single residual
         stream; None: nothing pending) -> (h, delta) of this layer, h + delta its output. With one stream the residual
-        adds are fused into the next norm (fused.add_rms_norm), with the sums of the plain adds."""
+        adds are fused into the next norm (fused.add_rms_norm), with the sums of the plain adds; at one to four rows the
+        o and down projections hand on float32 partials that the fused add sums (split_linear.py), so ``delta`` may
+        be a ``Partials``."""
         if delta is not None and (self.engram is not None or self.hc_mult > 1):
-            h, delta = h + delta.unsqueeze(1), None  # Engram and hyper-connections read the whole stream
+            h, delta = h + dense(delta).unsqueeze(1), None  # Engram and hyper-connections read the whole stream
         if self.engram is not None:
             h = self._apply_engram(h, step)
         if self.hc_mult == 1:
@@ -61,10 +64,10 @@ class DecoderLayer(nn.Module):
                 normed = self.input_layernorm(x)
             else:
                 x, normed = add_rms_norm(x, delta, self.input_layernorm.weight, self.input_layernorm.eps)
-            x, normed = add_rms_norm(x, self.self_attn(normed, cos, sin, meta, kv),
+            x, normed = add_rms_norm(x, self.self_attn(normed, cos, sin, meta, kv, partials=True),
                                      self.post_attention_layernorm.weight,
                                      self.post_attention_layernorm.eps)
-            return x.unsqueeze(1), self.mlp(normed)
+            return x.unsqueeze(1), self.mlp(normed, partials=True)
         y = self.self_attn(self.input_layernorm(self.attn_hc.collapse(h)), cos, sin, meta, kv)  # [T, H]
         h = self.attn_hc.expand(h, y)
         y = self.mlp(self.post_attention_layernorm(self.mlp_hc.collapse(h)))
@@ -82,7 +85,7 @@ class ForwardState:
     cos: torch.Tensor
     sin: torch.Tensor
     h: torch.Tensor
-    delta: torch.Tensor | None = None
+    delta: torch.Tensor | Partials | None = None
 
 
 class DecoderBody(nn.Module):
@@ -142,7 +145,7 @@ class EngramDecoder(nn.Module):
 
     def forward_end(self, state: "ForwardState") -> torch.Tensor:
         """After the last layer: the final-normed hidden of the ``logits_indices`` rows [N, H]."""
-        h = state.h if state.delta is None else state.h + state.delta.unsqueeze(1)
+        h = state.h if state.delta is None else state.h + dense(state.delta).unsqueeze(1)
         h = h.index_select(0, state.step.logits_indices)  # [N, hc, H]
         return self.model.norm(h.sum(dim=1) if self.config.hc_mult > 1 else h[:, 0])  # [N, H]
 

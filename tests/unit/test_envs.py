@@ -20,8 +20,8 @@ DELETED = ("ENGRAM_FIRST_LOOKUP_ALONE", "ENGRAM_TOGETHER_WHEN_DEEP", "ENGRAM_LAT
            "ENGRAM_ATTN_PREFETCH", "ENGRAM_GIL_SWITCH_MS", "ENGRAM_SPLIT_GEMV", "ENGRAM_PDL", "ENGRAM_ATTENTION",
            "ENGRAM_FUSED", "ENGRAM_FUSED_GATE", "ENGRAM_READER", "ENGRAM_GATHER_CONFIG",
            "FIRST_LOOKUP_ALONE", "TOGETHER_WHEN_DEEP", "LATER_AT_FIRST_READ", "DISK_DECODE_IN_GRAPH", "CACHE_PROBE",
-           "EARLY_HOST_IDS", "L2_PREFETCH", "kernel_switches", "wkv_run_ahead", "env_flag", "split_gemv",
-           "split_linear", "config_from_env", "cuda_graphs", "graph_slabs")
+           "EARLY_HOST_IDS", "L2_PREFETCH", "kernel_switches", "wkv_run_ahead", "env_flag",
+           "config_from_env", "cuda_graphs", "graph_slabs", "CPU_TOO")
 HASH = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
 TIMING = re.compile(r"\b\d+(?:\.\d+)? ?(?:ms|µs|us|ns)\b")
 

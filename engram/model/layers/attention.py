@@ -10,10 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engram.model.kv_cache import KVCache
+from engram.model.layers import split_linear
 from engram.model.layers.fused import norm_rope, norm_rope_qk_store
 from engram.model.layers.norm import RMSNorm
 from engram.model.layers.packed_linear import pack_linears
 from engram.model.layers.paged_attention import PREFILL_BLOCK_M, paged_attention
+from engram.model.layers.split_linear import Partials
 from engram.transfer import to_device
 
 
@@ -105,8 +107,9 @@ class Attention(nn.Module):
             self.qkv = pack_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                kv: KVCache) -> torch.Tensor:
-        """x [T, H] -> [T, H]; writes this step's K/V first when the layer owns a cache."""
+                kv: KVCache, partials: bool = False) -> torch.Tensor | Partials:
+        """x [T, H] -> [T, H]; writes this step's K/V first when the layer owns a cache. ``partials``: the output
+        projection may return split_linear.Partials (for a caller that adds them in a fused norm)."""
         t = x.shape[0]
         nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if self.qkv is not None:
@@ -129,6 +132,8 @@ class Attention(nn.Module):
             q = norm_rope(q, _weight(self.q_norm), self.eps, cos, sin)  # [T, nh, hd]
         o = paged_attention(q, kv, self.kv_source, meta, self.scale)  # [T, nh, hd]
         o = o.reshape(t, self.num_heads * self.head_dim)
+        if partials:
+            return split_linear.linear(o, self.o_proj.weight, self.o_proj.bias)
         return self.o_proj(o)
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from engram.fast_path import FastPathSwitch, importable
+from engram.model.layers.split_linear import Partials
 
 SWITCH = FastPathSwitch("fused-op backend", "fused")
 FAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -48,10 +49,18 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * xf.to(dtype)
 
 
-def add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor,
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor | Partials, w: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + r, rms_norm(x + r)) in one launch on the fast path (the sum rounded to x's dtype before the norm, bitwise
-    the reference's)."""
+    the reference's). ``r`` may be a projection's float32 partials (split_linear.Partials), summed first as
+    ``Partials.total`` does."""
+    if isinstance(r, Partials):
+        if (_fast(x) and x.dim() == 2 and x.stride(-1) == 1 and r.parts.is_contiguous() and r.dtype == x.dtype
+                and r.shape == x.shape):
+            from engram.model.layers import fused_triton
+
+            return fused_triton.add_rms_norm(x, r.parts, w, eps, parts=True)
+        r = r.total()
     if _fast(x) and x.stride(-1) == 1 and r.stride(-1) == 1 and r.dtype == x.dtype and r.shape == x.shape:
         from engram.model.layers import fused_triton
 

@@ -1,15 +1,8 @@
-"""Fused small ops on CUDA in Triton, one launch each:
-
-* ``rms_norm`` (one program per row) and ``add_rms_norm`` (adds r rounded to x's dtype first, returns the sum);
-* ``norm_rope``: Qwen3's per-head q/k RMSNorm then rotary embedding ("rotate half"), or the rotation alone;
-  ``norm_rope_store`` writes it (and v) into the paged KV cache's slots; ``norm_rope_qk_store`` does the
-  queries and the KV write in one launch;
-* ``silu_mul``: SwiGLU's silu(g) * u;
-* ``engram_gate_v41``: the v41 Engram fusion after the row projection (``Engram._forward_v41``), one program per
-  (token, branch).
-
-Each computes in float32 and rounds once: equal to the torch reference within bf16 rounding, not bitwise (the parity
-test states the tolerance). CUDA only; importing needs triton."""
+"""Fused small ops on CUDA in Triton, one launch each: ``rms_norm``, ``add_rms_norm``, ``norm_rope`` (Qwen3's per-head
+q/k norm then "rotate half", or the rotation alone), ``norm_rope_store`` (into the paged KV cache's slots),
+``norm_rope_qk_store``, ``silu_mul`` and ``engram_gate_v41`` (``Engram._forward_v41`` after the projection). Each
+computes in float32 and rounds once: within bf16 rounding of the torch reference, not bitwise. CUDA only; importing
+needs triton."""
 from __future__ import annotations
 
 import torch
@@ -29,8 +22,8 @@ def pdl_enter(USE_PDL: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(X, W, Y, R, S, n, eps, s_x, s_y, s_r, s_s, BLOCK: tl.constexpr, ADD: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+def _rms_norm_kernel(X, W, Y, R, S, n, eps, s_x, s_y, s_r, s_s, s_part, BLOCK: tl.constexpr, ADD: tl.constexpr,
+                     PARTS: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK)
     mask = c < n
@@ -39,6 +32,10 @@ def _rms_norm_kernel(X, W, Y, R, S, n, eps, s_x, s_y, s_r, s_s, BLOCK: tl.conste
     x = tl.load(X + row * s_x + c, mask=mask, other=0.0)
     if ADD:  # x + r rounded to x's dtype (what torch's add stores), kept, then normalised
         r = tl.load(R + row * s_r + c, mask=mask, other=0.0)
+        if PARTS > 0:  # r: float32 partials [PARTS, M, N], summed in order and rounded (Partials.total)
+            for i in tl.static_range(1, PARTS):
+                r = r + tl.load(R + i * s_part + row * s_r + c, mask=mask, other=0.0)
+            r = r.to(x.dtype)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(S + row * s_s + c, x, mask=mask)
     x = x.to(tl.float32)
@@ -180,23 +177,29 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return _rms_norm(x, None, w, eps)[1]
 
 
-def add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, r [M, N] (last dims contiguous, x's dtype) -> (x + r, rms_norm(x + r)), one launch."""
-    return _rms_norm(x, r, w, eps)
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float,
+                 parts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, r [M, N] (last dims contiguous, x's dtype) -> (x + r, rms_norm(x + r)), one launch. With ``parts``,
+    r is float32 partials [P, M, N] (contiguous) of a projection (split_linear.Partials), summed first."""
+    return _rms_norm(x, r, w, eps, parts)
 
 
-def _rms_norm(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float):
+def _rms_norm(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float, parts: bool = False):
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     y = torch.empty_like(x2)
     s = torch.empty_like(x2) if r is not None else y
     if r is None:
         r2 = x2  # not read (ADD is off)
+    elif parts:
+        r2 = r  # float32 partials [P, M, N]: slice stride r2.stride(0), row stride r2.stride(1)
     else:
         r2 = r.reshape(-1, n)
+    s_r = r2.stride(-2)
     if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, w, y, r2, s, n, eps, x2.stride(0), y.stride(0), r2.stride(0), s.stride(0),
-                                         BLOCK=triton.next_power_of_2(n), ADD=r is not None,
+        _rms_norm_kernel[(x2.shape[0],)](x2, w, y, r2, s, n, eps, x2.stride(0), y.stride(0), s_r, s.stride(0),
+                                         r2.stride(0) if parts else 0, BLOCK=triton.next_power_of_2(n),
+                                         ADD=r is not None, PARTS=r2.shape[0] if parts else 0,
                                          num_warps=4 if n <= 2048 else 8, **launch_options(x.device))
     return (s.view(x.shape) if r is not None else None), y.view(x.shape)
 

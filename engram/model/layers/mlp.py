@@ -5,8 +5,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engram.model.layers import split_linear
 from engram.model.layers.fused import silu_mul
 from engram.model.layers.packed_linear import pack_linears
+from engram.model.layers.split_linear import Partials
 
 
 class MLP(nn.Module):
@@ -23,10 +25,12 @@ class MLP(nn.Module):
         if self.gate_up is None:
             self.gate_up = pack_linears([self.gate_proj, self.up_proj])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]."""
+    def forward(self, x: torch.Tensor, partials: bool = False) -> torch.Tensor | Partials:
+        """x [T, H] -> [T, H]; ``partials``: the down projection may return split_linear.Partials."""
         if self.gate_up is not None:
             g, u = F.linear(x, *self.gate_up).split(self.intermediate_size, dim=-1)  # views of one [T, 2I]
         else:
             g, u = self.gate_proj(x), self.up_proj(x)
+        if partials:
+            return split_linear.linear(silu_mul(g, u), self.down_proj.weight, self.down_proj.bias)
         return self.down_proj(silu_mul(g, u))  # [T, H]
