@@ -22,16 +22,14 @@ DEAD = -1
 
 
 class _HashTables(NamedTuple):
-    """Every Engram layer's hash constants stacked in ``cfg.layer_ids`` order (L layers, W = max_ngram - 1,
-    H = n_heads; column (order n, head h) is [n - 2, h])."""
+    """Every layer's hash constants stacked in ``cfg.layer_ids`` order; column (order n, head h) is [n - 2, h]."""
     mult: np.ndarray  # [L, max_ngram] int64 multipliers, slot s = position p - s
     primes: np.ndarray  # [L, W, H] int64
     offsets: np.ndarray  # [L, W, H] int64 first table row of each column
 
 
 class NgramHasher:
-    """Row ids for every Engram layer of ``cfg``. ``pad_id`` is the *compressed* pad id; ``from_tokenizer``
-    derives it from ``cfg.pad_token_id`` and the model's compressed tokenizer."""
+    """Row ids for every Engram layer of ``cfg``; ``pad_id`` is the *compressed* pad id (``from_tokenizer``)."""
 
     def __init__(self, cfg: EngramConfig, pad_id: int):
         if not 0 <= pad_id < cfg.compressed_vocab_size:
@@ -77,8 +75,8 @@ class NgramHasher:
 
     # ----------------------------------------------------------------- core
     def _undead(self, windows: torch.Tensor) -> torch.Tensor:
-        """windows [..., max_ngram] compressed ids, slot s = position p - s (DEAD = -1) -> the ids each slot
-        hashes: pad from the first DEAD slot on (sticky). The same for every layer."""
+        """windows [..., max_ngram] (slot s = position p - s) -> the ids each slot hashes: pad from the first DEAD slot
+        on."""
         dead = (windows == DEAD).to(torch.int8).cummax(dim=-1).values.bool()  # slot s is dead if any slot <= s is
         return torch.where(dead, self.pad_id, windows)
 
@@ -112,8 +110,7 @@ class NgramHasher:
 
     def hash_packed(self, ids: torch.Tensor, cu_seqlens: torch.Tensor, lookback: torch.Tensor,
                     layer_id: int) -> torch.Tensor:
-        """Packed form for the engine: ids [T] (all sequences' new tokens back to back), cu_seqlens [S+1],
-        lookback [S, max_ngram-1] (each sequence's ids before this chunk) -> row ids [T, n_cols]."""
+        """ids [T] (sequences back to back), cu_seqlens [S+1], lookback [S, max_ngram-1] -> row ids [T, n_cols]."""
         windows = self.packed_windows(ids, cu_seqlens, lookback)
         return self._hash_ids(self._undead(windows), layer_id)
 
@@ -142,8 +139,8 @@ class NgramHasher:
 
     def _hash_step_numpy(self, ids: torch.Tensor, cu_seqlens: torch.Tensor,
                          lookback: torch.Tensor) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-        """``hash_step_reference`` in numpy for CPU tensors (int64 products wrap alike; ``np.remainder`` takes the
-        divisor's sign like torch), every layer in one pass; outputs share memory with numpy arrays."""
+        """``hash_step_reference`` in numpy for CPU tensors (int64 wraps and ``np.remainder``'s sign match torch), every
+        layer in one pass; outputs share memory with numpy arrays."""
         x = ids.numpy().astype(np.int64, copy=False)
         cu = cu_seqlens.numpy().astype(np.int64, copy=False)
         lb = lookback.numpy().astype(np.int64, copy=False)
@@ -216,16 +213,14 @@ class NgramHasher:
         return self._lookback_from_ext(ext, cu_seqlens.to(ids.device, torch.int64))
 
     def _lookback_from_ext(self, ext: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
-        """The last W entries of each sequence's [lookback | tokens] segment of ``ext`` (it ends at
-        cu[s+1] + W*(s+1)); a zero-length chunk leaves exactly its old lookback there -> [S, W]."""
+        """The last W entries of each sequence's [lookback | tokens] segment of ``ext`` -> [S, W]."""
         w = self.window
         first = cu[1:] + w * torch.arange(cu.numel() - 1, device=ext.device)  # [S]
         return ext[first.unsqueeze(1) + torch.arange(w, device=ext.device)]  # [S, W]
 
     def _packed_ext(self, ids: torch.Tensor, cu_seqlens: torch.Tensor,
                     lookback: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """For each sequence [its lookback (W) | its new tokens] back to back -> (ext [T + W*S], tok_pos [T]):
-        token j of the packed batch sits at ext[tok_pos[j]] = ext[j + W*(seq + 1)]."""
+        """Each sequence's [lookback (W) | new tokens] back to back -> (ext [T + W*S], tok_pos [T])."""
         device = ids.device
         cu = cu_seqlens.to(device, torch.int64)
         self._check_packed(ids, cu, lookback)
@@ -255,8 +250,7 @@ class NgramHasher:
 
 
 def _prefix(op: np.ufunc, a: np.ndarray, small: bool) -> None:
-    """In place along axis 0: a[k] = op(a[k - 1], a[k]); one ``accumulate`` for small arrays, a call per row for big
-    ones."""
+    """In place along axis 0: a[k] = op(a[k - 1], a[k]) (one ``accumulate`` when small, a call per row when big)."""
     if small:
         op.accumulate(a, axis=0, out=a)
     else:
@@ -265,9 +259,8 @@ def _prefix(op: np.ufunc, a: np.ndarray, small: bool) -> None:
 
 
 def _gather_index(cu_bytes: bytes, w: int) -> tuple[np.ndarray, np.ndarray]:
-    """Where ``_hash_step_numpy`` reads from ``src = [lookback.ravel() | ids]``, a pure function of cu_seqlens (int64
-    bytes) and W: (window index [W+1, T], row k = position p - k; next-lookback index [S, W]). Read-only arrays (the
-    memo hands the same ones out)."""
+    """Where ``_hash_step_numpy`` reads from ``[lookback.ravel() | ids]``: (window index [W+1, T], next-lookback index
+    [S, W]), a pure function of cu_seqlens and W, memoized (read-only arrays)."""
     cu = np.frombuffer(cu_bytes, dtype=np.int64)
     s, t = cu.shape[0] - 1, int(cu[-1])
     lens = cu[1:] - cu[:-1]

@@ -40,21 +40,16 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass
 class Projected:
-    """What an Engram layer computes from its rows alone: v41 the ``wkv`` output [T, (hc_mult+1)*H]; paper the key
-    projections (hc_mult of [T, H]) and the value [T, H]. ``Engram.forward`` takes it in place of the rows, so it can be
-    computed ahead on another stream by the same kernels."""
+    """What a layer computes from its rows alone (v41: the ``wkv`` output [T, (hc_mult+1)*H]; paper: keys and value),
+    taken by ``Engram.forward`` in place of the rows, so it can run ahead on another stream."""
 
     num_tokens: int
     tensors: tuple[torch.Tensor, ...]
 
 
 class Engram(nn.Module):
-    """One Engram layer's fusion module (parameters created in float32; convert with ``.to()``).
-
-    v41 parameters: ``wkv.weight`` [(hc_mult+1)*H, n_cols*head_dim] (hc_mult keys, then the shared value),
-    ``q_weight``, ``k_weight`` [hc_mult, H]. Paper parameters use the demo's names: ``value_proj``,
-    ``key_projs.{i}``, ``norm1.{i}`` (key), ``norm2.{i}`` (query), ``short_conv.*``.
-    """
+    """One Engram layer's fusion module (float32 parameters). v41: ``wkv.weight`` [(hc_mult+1)*H, n_cols*head_dim]
+    (keys, then the shared value), ``q_weight``, ``k_weight`` [hc_mult, H]; paper: the demo's names."""
 
     def __init__(self, cfg: EngramConfig, layer_id: int):
         super().__init__()
@@ -95,8 +90,7 @@ class Engram(nn.Module):
 
     # ----------------------------------------------------------------- forward
     def project(self, rows: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> Projected:
-        """rows [T, n_cols, head_dim] -> their projections in ``dtype`` (the compute dtype of the hidden state).
-        ``out`` (v41): the [T, (hc_mult+1)*H] buffer to write the wkv output into (nothing is allocated then)."""
+        """rows [T, n_cols, head_dim] -> their projections in ``dtype``; ``out`` (v41): the wkv buffer to write into."""
         emb = rows.to(dtype).flatten(1)  # [T, n_cols*head_dim]
         if self.variant == "v41":
             return Projected(rows.shape[0], (torch.mm(emb, self.wkv.weight.to(dtype).t(), out=out),))
@@ -106,9 +100,8 @@ class Engram(nn.Module):
 
     def forward(self, hidden: torch.Tensor, rows: torch.Tensor | Projected, dead_mask: torch.Tensor | None = None,
                 state: ShortConvState | None = None) -> torch.Tensor:
-        """hidden [T, hc_mult, H], rows [T, n_cols, head_dim] (or their ``project``-ion, computed ahead),
-        dead_mask [T] bool -> [T, hc_mult, H] (v41: the new hidden; paper: the contribution to add to the
-        residual)."""
+        """hidden [T, hc_mult, H], rows [T, n_cols, head_dim] or their ``project``-ion, dead_mask [T] bool -> [T,
+        hc_mult, H] (v41: the new hidden; paper: the residual contribution)."""
         self._check_inputs(hidden, rows, dead_mask)
         if self.variant == "v41" and state is not None:
             raise ValueError(f"Engram layer {self.layer_id} (v41) keeps no conv state; pass state=None")
@@ -136,8 +129,8 @@ class Engram(nn.Module):
                              f"got {dead_mask.dtype} {tuple(dead_mask.shape)}")
 
     def _forward_v41(self, x: torch.Tensor, kv: torch.Tensor, dead_mask: torch.Tensor | None) -> torch.Tensor:
-        """kv [T, (hc+1)*H]: the projected rows. The torch code is the reference; on CUDA ``model.layers.fused`` may
-        route it to one fused kernel."""
+        """kv [T, (hc+1)*H]: the projected rows; the torch reference, routed on CUDA to one fused kernel where it can.
+        """
         from engram.model.layers import fused  # here, not at the top: engram.model imports this module
 
         if fused.engram_gate_fast(x, kv):

@@ -110,16 +110,10 @@ def _check_cu_seqlens(cu: torch.Tensor, num_seqs: int, num_tokens: int) -> None:
 
 def causal_conv_packed(x: torch.Tensor, history: torch.Tensor, cu_seqlens: torch.Tensor, weight: torch.Tensor,
                        dilation: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv over packed sequences that continue from ``history``.
-
-    x [T, C] packed tokens; history [S, L, C] the previous L = (k-1)*dilation inputs of each sequence;
-    cu_seqlens [S+1]; weight [C, k] (tap k-1 is the current token). Returns y [T, C] with
-    y[t] = sum_j weight[:, j] * in[t - (k-1-j)*dilation] (taps summed in order j = 0..k-1, so the result
-    does not depend on how tokens are packed) and the new history [S, L, C].
-
-    Packed layout: sequence s's history and tokens sit back to back in one extended buffer,
-    ``ext = [hist_0 | tok_0 | hist_1 | tok_1 | ...]``, sequence s starting at cu[s] + s*L.
-    """
+    """Depthwise causal conv over packed sequences that continue from ``history``: x [T, C], history [S, L, C],
+    cu_seqlens [S+1], weight [C, k] (tap k-1 is the current token) -> (y [T, C], new history). y[t] = sum_j weight[:, j]
+    * in[t - (k-1-j)*dilation], taps summed in order, so packing never changes it. Sequence s sits at cu[s] + s*L of
+    ``ext = [hist_0 | tok_0 | hist_1 | tok_1 | ...]``."""
     num_tokens, channels = x.shape
     num_seqs, hist, _ = history.shape
     k = weight.shape[1]
@@ -161,8 +155,8 @@ class ShortConv(nn.Module):
         self.norms = nn.ModuleList(nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps) for _ in range(cfg.hc_mult))
 
     def forward(self, x: torch.Tensor, state: ShortConvState | None = None) -> torch.Tensor:
-        """x [T, hc_mult, H] -> [T, hc_mult, H]. ``state`` None: x is one whole sequence from its start;
-        otherwise x packs ``state.num_seqs`` sequences (``state.cu_seqlens``) and the state is updated."""
+        """x [T, hc_mult, H] -> same; ``state`` None: one whole sequence, else ``state.num_seqs`` packed ones (updated).
+        """
         if x.dim() != 3 or x.shape[1:] != (self.hc_mult, self.hidden_size):
             raise ValueError(f"ShortConv input has shape {tuple(x.shape)}, "
                              f"expected [T, {self.hc_mult}, {self.hidden_size}]")

@@ -83,8 +83,8 @@ def write_cached_map(path: Path, key: str, mapping: np.ndarray) -> None:
 
 
 def read_cached_map(path: Path, key: str) -> tuple[np.ndarray | None, str]:
-    """(the cached map, "") when ``path`` holds an int64 [vocab] map whose checksum matches ``key``; else (None, why).
-    Whatever reading raises makes the cache unusable, never fatal."""
+    """(the cached map, "") when ``path`` holds an int64 map whose checksum matches ``key``, else (None, why): any read
+    error makes the cache unusable, never fatal."""
     try:
         with np.load(path, allow_pickle=False) as z:
             mapping, check = z["map"], z["check"]

@@ -28,11 +28,8 @@ def v41_prefix(layer_id: int) -> str:
 
 def dequantize_block_fp8(weight: torch.Tensor, scale: torch.Tensor, block: int = WKV_BLOCK,
                          dtype: torch.dtype = torch.float32, name: str = "weight") -> torch.Tensor:
-    """weight [O, I] FP8 (uint8 = E4M3 bytes) with scale [ceil(O/block), ceil(I/block)] -> [O, I] ``dtype``.
-
-    A uint8 / float8_e8m0fnu scale is a power-of-two byte (``engram.quant.scale_factors``); a float scale
-    multiplies as is. Each block [block x block] of the weight shares one scale.
-    """
+    """weight [O, I] FP8 (E4M3 bytes) with scale [ceil(O/block), ceil(I/block)], one per block (E8M0 bytes or float
+    multipliers) -> [O, I] ``dtype``."""
     w = weight.view(torch.float8_e4m3fn) if weight.dtype == torch.uint8 else weight
     if w.dim() != 2 or w.dtype not in _FP8:
         raise ValueError(f"{name}: expected a 2-D FP8 weight, got {weight.dtype} {tuple(weight.shape)}")
@@ -68,9 +65,8 @@ def _take(sd: Mapping[str, torch.Tensor], prefix: str, table_keys: Iterable[str]
 
 
 def convert_state_dict(layer: Engram, sd: Mapping[str, torch.Tensor], prefix: str = "") -> tuple[dict, list[str]]:
-    """Checkpoint tensors under ``prefix`` -> (module state dict in float32 with shapes checked, skipped
-    table keys). Raises ValueError naming the key, the layer and the shapes on any mismatch, a missing
-    tensor, or an unexpected one."""
+    """Checkpoint tensors under ``prefix`` -> (float32 module state dict, skipped table keys); ValueError naming key,
+    layer and shapes on a mismatch, a missing or an unexpected tensor."""
     where = f"Engram layer {layer.layer_id} ({layer.variant}), prefix {prefix!r}"
     table_keys = V41_TABLE_KEYS if layer.variant == "v41" else PAPER_TABLE_KEYS
     own, table = _take(sd, prefix, table_keys)
@@ -113,8 +109,7 @@ def load_engram_weights(layer: Engram, sd: Mapping[str, torch.Tensor], prefix: s
 
 def read_safetensors(paths: str | os.PathLike | Iterable[str | os.PathLike], prefix: str,
                      skip: Iterable[str] = V41_TABLE_KEYS + PAPER_TABLE_KEYS) -> dict[str, torch.Tensor]:
-    """Tensors under ``prefix`` from one or more safetensors files, never reading the ``skip`` (table) ones,
-    so a layer's projections load without touching its multi-GiB table."""
+    """Tensors under ``prefix`` from safetensors files, never reading the ``skip`` (table) ones."""
     from safetensors import safe_open
 
     if isinstance(paths, (str, os.PathLike)):

@@ -38,8 +38,8 @@ class KVCache:
 
     def write(self, layer_id: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               keep: torch.Tensor | None = None) -> None:
-        """Store k, v [T, n_kv, hd] at flat slots ``slot_mapping`` [T]; ``keep`` (token rows) restricts the write, None
-        writes every row (no host sync: every slot must be valid)."""
+        """Store k, v [T, n_kv, hd] at flat slots [T]; ``keep`` (token rows) restricts it, None writes all (all valid).
+        """
         self._check(layer_id)
         if keep is not None:
             slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]

@@ -46,8 +46,8 @@ class LoadedModel:
     lookup_overlap: bool = True  # the Worker gathers Engram rows on a lookup stream (CUDA; engine/lookup_stream.py)
 
     def open_tables(self) -> dict[int, Any]:
-        """The tables, opened on ``tier`` and ``device`` at the first call (the Worker's start): from ``table_dirs``, or
-        with ``memory_table_seed`` built in memory; tables passed in already opened are kept."""
+        """The tables, opened on ``tier`` and ``device`` at the first call (from ``table_dirs``, or built in memory with
+        ``memory_table_seed``); tables passed in opened are kept."""
         if self.tables or self.engram_config is None:
             return self.tables
         options = self.store_options.to_dict() if self.store_options is not None else None
@@ -71,8 +71,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> EngramDecoder:
-    """A model constructed on ``device`` (float32, then cast to ``dtype``); placeholder values until weights load or
-    ``init_random_weights`` runs (the meta device would cost more in imports than a tiny model takes)."""
+    """A model built on ``device`` (float32, cast to ``dtype``) with placeholder values until weights are loaded."""
     with torch.device(device):
         model = EngramDecoder(cfg)
     model = model.to(dtype)
@@ -83,9 +82,8 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> E
 def load_model(model: str | os.PathLike = "tiny", tier: str = "gpu", dtype: str | torch.dtype | None = None,
                device: str | torch.device | None = None, engram_config=None,
                cache_dir: str | os.PathLike | None = None, progress: bool = True) -> LoadedModel:
-    """Load a preset ("tiny" | "small" | "4b-like" | "8b-like") or a checkpoint directory. ``engram_config`` (a dict or
-    RuntimeOptions): ``cpu_offload`` (tier "host"), ``table_rows`` (4b-like / 8b-like), ``seed``, ``tables_in_memory``
-    (presets only, not tier "disk") and the table options."""
+    """Load a preset ("tiny" | "small" | "4b-like" | "8b-like") or a checkpoint directory; ``engram_config``: a dict or
+    RuntimeOptions (model/options.py)."""
     from engram.model.options import RuntimeOptions
 
     opts = engram_config if isinstance(engram_config, RuntimeOptions) else RuntimeOptions.from_dict(engram_config)
@@ -127,8 +125,8 @@ def _load_preset(name, tier, dtype, device, opts, cache_dir, progress) -> Loaded
 def random_model(cfg: ModelConfig, tier: str = "gpu", dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", seed: int = 0, cache_dir=None, opts=None,
                  progress: bool = True) -> LoadedModel:
-    """Any ModelConfig with deterministic random weights and tables and the built-in tokenizer; tables generated into
-    the cache once, or built in memory (``opts.tables_in_memory``). ``opts``: RuntimeOptions."""
+    """Any ModelConfig with deterministic random weights and tables and the built-in tokenizer (``opts``:
+    RuntimeOptions)."""
     in_memory = opts is not None and opts.tables_in_memory
     if in_memory:
         opts.tier(tier)  # tier "disk" is refused before anything is built
@@ -172,8 +170,8 @@ def _read_json(path: Path) -> dict:
 
 @torch.no_grad()
 def _load_weights(model: EngramDecoder, files: list[Path]) -> None:
-    """Copy every decoder/Engram tensor into ``model``, skipping the tables (the store's converter reads
-    those). Raises ValueError naming missing, unexpected or mis-shaped tensors."""
+    """Copy every decoder/Engram tensor into ``model``, tables skipped; ValueError naming missing, unexpected or
+    mis-shaped tensors."""
     from safetensors import safe_open
 
     from engram.weights import load_engram_weights
@@ -241,10 +239,8 @@ def _load_checkpoint(path: Path, tier, dtype, device, opts, cache_dir, progress)
 
 # ----------------------------------------------------------------- save
 def save_model(directory: str | os.PathLike, loaded: LoadedModel, dtype: torch.dtype | None = None) -> Path:
-    """Write ``loaded`` as a checkpoint directory that load_model reads back: config.json, model.safetensors
-    (decoder in ``dtype`` or the model's, Engram tables as ``embed.weight`` / ``embed.scale``),
-    tokenizer.json and tokenizer_config.json. Tables are read from their store files (small models only);
-    tables built in memory (``tables_in_memory``) have none, and are refused."""
+    """Write ``loaded`` as a checkpoint load_model reads back (config, safetensors with the tables as ``embed.weight`` /
+    ``embed.scale``, tokenizer files); tables built in memory have no files and are refused."""
     from safetensors.torch import save_file
 
     if loaded.memory_table_seed is not None:

@@ -18,8 +18,7 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Decoder shape. ``vocab_size`` ids get logits; ``padded_vocab_size`` rows exist in the embedding and
-    LM head (vLLM-style padding: presets keep a Qwen3-sized head with a small tokenizer)."""
+    """Decoder shape: ``vocab_size`` ids get logits, ``padded_vocab_size`` rows exist in the embedding and LM head."""
 
     name: str  # preset name or checkpoint directory name
     architecture: str  # "llama" | "qwen2" | "qwen3" (tensor names and config.json model_type)
@@ -140,8 +139,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], name: str = "checkpoint") -> "ModelConfig":
-        """Build from a config.json dict, read by ``hf_text_config`` (top level overridden by ``text_config``).
-        Raises ValueError naming a missing field, an unsupported model_type or a DeepSeek-V4.1 attention field."""
+        """Build from a config.json dict (``hf_text_config``); ValueError naming a missing field, an unsupported
+        model_type or a DeepSeek-V4.1 attention field."""
         hf = hf_text_config(raw)
         arch = hf.get("model_type", "llama")
         if arch not in ARCHITECTURES:

@@ -30,8 +30,7 @@ MODEL_PRESETS = ("tiny", "small", "4b-like", "8b-like")
 
 
 def _v41_tables(hidden: int, hc_mult: int, layer_ids: tuple[int, ...], table_rows: int) -> EngramConfig:
-    """V4.1-shaped layout (orders 2..4, 8 heads, 256-d MXFP8 rows) with about ``table_rows`` rows per layer:
-    each column's prime base is table_rows // 24, so a layer holds the sum of its 24 primes."""
+    """V4.1-shaped layout (orders 2..4, 8 heads, 256-d MXFP8) of about ``table_rows`` rows a layer (prime base / 24)."""
     n_cols = 3 * 8
     if table_rows < n_cols * 2:
         raise ValueError(f"table_rows={table_rows}: need at least {n_cols * 2} rows (24 columns)")
@@ -87,10 +86,9 @@ def _param_generator(seed: int, name: str, device: torch.device) -> torch.Genera
 
 @torch.no_grad()
 def init_random_weights(model: nn.Module, seed: int, on_device: bool | None = None) -> None:
-    """Fill every parameter deterministically: norms 1, biases 0, linears N(0, 0.02) (output projections scaled by
-    1/sqrt(2 * layers), Engram projections to about N(0, 0.08) over the preset tables), Engram gate weights 1 + N(0,
-    0.1), hyper-connections near a plain residual. Drawn on the CPU (device-independent) unless ``on_device`` or, by
-    default, the model has more than HOST_INIT_MAX_PARAMS parameters."""
+    """Fill every parameter deterministically (norms 1, biases 0, linears N(0, 0.02) with output and Engram projections
+    scaled, gate weights 1 + N(0, 0.1), hyper-connections near a plain residual), on the CPU unless ``on_device`` or, by
+    default, more than HOST_INIT_MAX_PARAMS parameters."""
     from engram.model.layers.hyper_connections import HyperConnection
     from engram.module import Engram
 

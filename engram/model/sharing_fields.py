@@ -35,8 +35,7 @@ def num_hidden_layers(hf: dict[str, Any]) -> int:
 
 
 def compress_ratios(hf: dict[str, Any], n: int) -> tuple[int, ...] | None:
-    """V4.1 ``compress_ratios`` cut to the ``n`` decoder layers (extra entries are MTP layers); None when absent.
-    Entries are ints >= 0, 0 = sliding window only."""
+    """V4.1 ``compress_ratios`` cut to the ``n`` decoder layers (the rest are MTP layers), ints >= 0; None if absent."""
     ratios = hf.get("compress_ratios")
     if ratios is None:
         return None
@@ -49,8 +48,7 @@ def compress_ratios(hf: dict[str, Any], n: int) -> tuple[int, ...] | None:
 
 def source_layer_ids(ids: Any, name: str, kind: str, n: int,
                      ratios: tuple[int, ...] | None = None) -> tuple[int, ...] | None:
-    """Validate a source list (kind ``kv`` or ``index``) of an ``n``-layer decoder by the module's rule -> a tuple (None
-    for None); messages show the value as a list."""
+    """Validate a source list (kind ``kv`` or ``index``) of an ``n``-layer decoder by the module's rule -> a tuple."""
     if ids is None:
         return None
     if not isinstance(ids, (list, tuple)):
@@ -77,8 +75,7 @@ def source_layer_ids(ids: Any, name: str, kind: str, n: int,
 
 
 def v41_attention_field(hf: dict[str, Any]) -> str | None:
-    """The first of V41_ATTENTION_FIELDS ``hf`` sets to other than "none" (absent, null, -1 for the candidate source, 0
-    for the candidate blocks), else None."""
+    """The first of V41_ATTENTION_FIELDS ``hf`` sets to other than its "none" value, else None."""
     off = {"candidate_source_layer_id": -1, "candidate_topk_blocks": 0}
     for name in V41_ATTENTION_FIELDS:
         value = hf.get(name)

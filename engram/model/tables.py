@@ -57,15 +57,13 @@ def layer_seed(seed: int, layer_id: int) -> int:
 
 def generate_random_table(directory: Path, cfg: EngramConfig, layer_id: int, seed: int,
                           progress: bool = True) -> None:
-    """Write layer ``layer_id``'s random table (store's ``convert_random``; bytes depend only on the
-    layout, the seed and the layer)."""
+    """Write layer ``layer_id``'s random table (``convert_random``: bytes depend only on layout, seed and layer)."""
     convert_random(directory, cfg.table_rows(layer_id), cfg.head_dim, seed=layer_seed(seed, layer_id),
                    row_dtype=cfg.row_dtype, layer_id=layer_id, config=cfg, progress=progress)
 
 
 def random_rows(rows: int, dim: int, seed: int, row_dtype: str = "mxfp8") -> RowChunks:
-    """``convert_random(out, rows, dim, seed, row_dtype)``'s rows as ``RowChunks`` (same chunks, same generators, so
-    bitwise the file's); each worker keeps one chunk's buffers."""
+    """``convert_random``'s rows as ``RowChunks`` (same chunks and generators: bitwise the file's)."""
     if row_dtype not in ITEMSIZE:
         raise ValueError(f"row_dtype={row_dtype!r} must be one of {sorted(ITEMSIZE)}")
     step = convert.random_chunk_rows(dim, row_dtype)
@@ -83,8 +81,7 @@ def random_rows(rows: int, dim: int, seed: int, row_dtype: str = "mxfp8") -> Row
 
 
 def random_manifest(cfg: EngramConfig, layer_id: int, seed: int) -> TableManifest:
-    """The manifest ``generate_random_table`` would write for this layer and seed (no files), with the path
-    ``memory:random-seed<S>/layer<L>`` for messages."""
+    """The manifest ``generate_random_table`` would write, no files, path ``memory:random-seed<S>/layer<L>``."""
     dim = cfg.head_dim
     return TableManifest(path=Path(f"memory:random-seed{seed}") / f"layer{layer_id}", rows=cfg.table_rows(layer_id),
                          dim=dim, row_dtype=cfg.row_dtype, row_stride=row_stride(dim * ITEMSIZE[cfg.row_dtype]),
@@ -94,10 +91,8 @@ def random_manifest(cfg: EngramConfig, layer_id: int, seed: int) -> TableManifes
 
 def open_random_table(cfg: EngramConfig, layer_id: int, seed: int, tier: str = "gpu", device=None,
                       options: StoreOptions | None = None, progress: bool = True):
-    """Layer ``layer_id``'s preset random table built in memory on tier "gpu" or "host" (pinned, one registration; RAM
-    without CUDA): the tier's usual GpuTable / HostTable, rows bitwise the generated file's. ``options`` as for
-    ``open_table`` (cache on "host" only, ``host_layout``, ``check_memory``, the worker count). Tier "disk" is refused.
-    """
+    """Layer ``layer_id``'s preset random table built in memory on tier "gpu" or "host" (the tier's usual table, rows
+    bitwise the file's); ``options`` as for ``open_table``. Tier "disk" is refused."""
     tier = Tier.parse(tier)
     m = random_manifest(cfg, layer_id, seed)
     if tier is Tier.DISK:
@@ -111,15 +106,13 @@ def open_random_table(cfg: EngramConfig, layer_id: int, seed: int, tier: str = "
 def open_random_tables(cfg: EngramConfig, seed: int, tier: str = "gpu", device=None,
                        options: StoreOptions | Mapping[str, Any] | None = None,
                        progress: bool = True) -> dict[int, Any]:
-    """Every Engram layer's preset random table built in memory (``open_random_table``), layer by layer;
-    ``options`` as for ``open_tables``."""
+    """Every Engram layer's ``open_random_table``; ``options`` as for ``open_tables``."""
     opts = options if isinstance(options, StoreOptions) else StoreOptions.from_dict(options)
     return {lid: open_random_table(cfg, lid, seed, tier, device, opts, progress) for lid in cfg.layer_ids}
 
 
 def ensure_preset_tables(cfg: EngramConfig, seed: int, cache_dir=None, progress: bool = True) -> dict[int, Path]:
-    """Generate the missing random tables of a preset layout (and give cached ones written before table
-    format 2 their page checksums); returns layer id -> table directory."""
+    """Generate a preset layout's missing random tables (page checksums added to format-1 ones) -> layer -> dir."""
     dirs = preset_table_dirs(cfg, seed, cache_dir)
     for lid, d in dirs.items():
         if not (d / MANIFEST).is_file():
@@ -130,8 +123,7 @@ def ensure_preset_tables(cfg: EngramConfig, seed: int, cache_dir=None, progress:
 
 
 def checkpoint_table_dirs(checkpoint: Path, cfg: EngramConfig, cache_dir=None) -> dict[int, Path]:
-    """Cache directories of a checkpoint's converted tables, keyed by its safetensors files (name, size,
-    mtime) and the layout, so a changed checkpoint converts again."""
+    """Cache directories of a checkpoint's tables, keyed by its safetensors (name, size, mtime) and the layout."""
     files = sorted(checkpoint.glob("*.safetensors"))
     ident = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     key = _digest({"checkpoint": str(checkpoint.resolve()), "files": ident, "layout": cfg.to_dict()})
@@ -141,8 +133,7 @@ def checkpoint_table_dirs(checkpoint: Path, cfg: EngramConfig, cache_dir=None) -
 
 def open_tables(dirs: dict[int, Path], cfg: EngramConfig, tier: str = "gpu", device=None,
                 options: StoreOptions | Mapping[str, Any] | None = None) -> dict[int, Any]:
-    """Open each layer's table on ``tier`` with the same ``options`` (StoreOptions or a mapping validated before any
-    table opens; None: defaults), checked against the layout's fingerprint."""
+    """Open each layer's table on ``tier`` with the same ``options`` (validated first), fingerprint checked."""
     from engram.store import open_table
 
     opts = options if isinstance(options, StoreOptions) else StoreOptions.from_dict(options)
@@ -152,8 +143,8 @@ def open_tables(dirs: dict[int, Path], cfg: EngramConfig, tier: str = "gpu", dev
 
 def convert_checkpoint_tables(checkpoint: Path, dirs: dict[int, Path], cfg: EngramConfig,
                               progress: bool = True) -> None:
-    """Convert the missing tables of ``dirs`` from the checkpoint's safetensors (sizes checked against ``cfg``) and give
-    cached format-1 ones their page checksums; ``dirs`` share one parent (``checkpoint_table_dirs``)."""
+    """Convert the missing tables of ``dirs`` (one parent) from the checkpoint's safetensors; add page checksums to
+    format-1 ones."""
     todo = [lid for lid, d in dirs.items() if not (d / MANIFEST).is_file()]
     for lid, d in dirs.items():
         if lid not in todo:
@@ -164,8 +155,7 @@ def convert_checkpoint_tables(checkpoint: Path, dirs: dict[int, Path], cfg: Engr
 
 
 def read_table_tensors(directory: Path) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A whole table as checkpoint tensors: values [rows, dim] in the row dtype (float8_e4m3fn for MXFP8) and scales
-    float8_e8m0fnu [rows, dim/32] | None; CRC-checked read into RAM."""
+    """A whole table as checkpoint tensors (values in the row dtype, scales float8_e8m0fnu | None), CRC-checked."""
     m = read_manifest(directory)
     raw, scales = load_table(m)  # uint8 [rows, row_stride], uint8 [rows, scale_cols] | None
     values = raw[:, : m.value_bytes].contiguous().view(ROW_TORCH_DTYPES[m.row_dtype])  # [rows, dim]

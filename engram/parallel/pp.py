@@ -108,8 +108,8 @@ def _stages(partition: Sequence[int], prefix: Sequence[float]) -> tuple[Stage, .
 
 # ---------------------------------------------------------------------------------------- planner
 def best_partition(graph: SharingGraph, pp: int, costs: Sequence[float]) -> tuple[int, ...] | None:
-    """The pp-stage partition over legal cuts minimising the largest stage cost (ties: smallest sum of
-    squared stage costs, then earliest cuts); None when there are fewer than pp-1 legal cuts."""
+    """The partition over legal cuts minimising the largest stage cost (ties: sum of squares, then earliest); None when
+    there are fewer than pp-1 legal cuts."""
     n = graph.num_layers
     points = [0, *graph.legal_cut_points(), n]  # candidate stage boundaries
     if pp < 1 or pp - 1 > len(points) - 2:
@@ -241,8 +241,8 @@ def plan_pipeline(config: str | os.PathLike | dict | SharingGraph, pp: int,
 
 # ------------------------------------------------------------------------------------- allocation
 def local_allocation(plan: PipelinePlan, stage: int) -> StageAllocation:
-    """Caches and buffers stage ``stage`` allocates: only its own layers' (a valid plan keeps every source with its
-    consumers)."""
+    """Caches and buffers stage ``stage`` allocates: only its own layers' (a valid plan keeps sources with consumers).
+    """
     if not 0 <= stage < plan.pp:
         raise ValueError(f"stage={stage}: out of range [0, {plan.pp}) for pp={plan.pp}")
     g = plan.graph

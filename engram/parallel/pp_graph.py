@@ -96,8 +96,7 @@ def _engram_layers(hf: dict[str, Any], n: int) -> tuple[int, ...]:
 
 
 def _nearest_edges(kind: str, sources: tuple[int, ...], n: int, ratios: tuple[int, ...] | None) -> list[SharingEdge]:
-    """Every participating layer reads the nearest source at or before it; no edge when it is its own.
-    ``sources`` passed ``source_layer_ids``, so every participating layer has one."""
+    """Each participating layer reads the nearest source at or before it (no edge to itself)."""
     edges, current = [], None
     src = set(sources)
     for layer in range(n):

@@ -21,9 +21,8 @@ from engram.model.layers.pdl import launch_options
 @triton.jit
 def _kv_tile_scores(q, K, V, BT, seq, kvh, pos, valid, c, cmask, s_bt, s_kb, s_ks, s_kh,
                     BS: tl.constexpr, IEEE: tl.constexpr):
-    """One tile of keys of sequence ``seq``, KV head ``kvh``, read through the block table: raw scores q @ K^T [rows of
-    q, len(pos)] and the V tile [len(pos), BLOCK_HD]; ``valid`` masks missing keys (K = V = 0); ``c`` / ``cmask`` index
-    the head dim."""
+    """One K/V tile of (``seq``, ``kvh``) read through the block table -> raw scores q @ K^T [M, len(pos)] and the V
+    tile; ``valid`` masks missing keys (K = V = 0), ``c`` / ``cmask`` index the head dim."""
     blk = tl.load(BT + seq * s_bt + pos // BS, mask=valid, other=0).to(tl.int64)
     row = blk * s_kb + (pos % BS) * s_ks + kvh * s_kh
     kv_mask = valid[:, None] & cmask[None, :]
@@ -38,9 +37,8 @@ def _kv_tile_scores(q, K, V, BT, seq, kvh, pos, valid, c, cmask, s_bt, s_kb, s_k
 
 @triton.jit
 def _online_softmax_update(acc, m, l, s, v, IEEE: tl.constexpr, EMPTY_ROWS: tl.constexpr):
-    """Fold scaled, masked scores ``s`` [M, N] (-inf where masked) and their V tile into the running (acc [M, BLOCK_HD],
-    max m [M], sum l [M]), float32. EMPTY_ROWS: a row may have no unmasked score yet, so its shift is 0 instead of -inf
-    (exp(-inf - -inf) is NaN); the returned max stays the true one."""
+    """Fold masked scores ``s`` [M, N] and their V tile into the running (acc, max m, sum l), float32; EMPTY_ROWS shifts
+    a row with no score yet by 0, not -inf (exp(-inf - -inf) is NaN)."""
     m_new = tl.maximum(m, tl.max(s, 1))
     if EMPTY_ROWS:
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -58,8 +56,7 @@ def _online_softmax_update(acc, m, l, s, v, IEEE: tl.constexpr, EMPTY_ROWS: tl.c
 
 @triton.jit
 def _prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte lines at ``ptrs`` (``prefetch.global.L2``: nothing enters registers or L1, so a line
-    written later is still read fresh)."""
+    """Ask L2 for the 128-byte lines at ``ptrs`` (nothing enters registers or L1, so later writes are still seen)."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
 
@@ -201,12 +198,10 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
            seqs: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor, max_len: int, out: torch.Tensor,
            scale: float, block_n: int = DECODE_BLOCK_N, target_programs: int = DECODE_PROGRAMS,
            num_warps: int = 4, num_stages: int | None = None) -> None:
-    """One new token per sequence: out[tokens[d]] = attention of q[tokens[d]] over the first lens[d] keys of sequence
-    seqs[d]. q, out [T, nh, hd]; caches [NB, BS, n_kv, hd]; block_tables [S, W] int64; ``max_len`` bounds lens. Each
-    sequence computes its ceil(len / SPLIT_LEN) splits over min(splits of max_len, DECODE_PROGRAMS / (D * n_kv))
-    programs per (sequence, KV head); the result depends on neither ``max_len`` nor the batch. ``block_n`` (changes the
-    summation order: one value serves every launch), ``target_programs``, ``num_warps``, ``num_stages``: tuning knobs;
-    the defaults are what the engine runs."""
+    """One new token per sequence: out[tokens[d]] = attention of q[tokens[d]] over the first lens[d] keys of seqs[d]; q,
+    out [T, nh, hd], caches [NB, BS, n_kv, hd], block_tables [S, W] int64, ``max_len`` >= lens. The result does not
+    depend on ``max_len`` or the batch. ``block_n`` (one value for every launch: it orders the sums),
+    ``target_programs``, ``num_warps``, ``num_stages``: tuning knobs; the defaults are what the engine runs."""
     if SPLIT_LEN % block_n:
         raise ValueError(f"block_n={block_n} must divide SPLIT_LEN={SPLIT_LEN}")
     d = seqs.numel()
@@ -235,9 +230,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
 def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
             tile_seq: torch.Tensor, tile_m0: torch.Tensor, seqs: torch.Tensor, starts: torch.Tensor,
             q_lens: torch.Tensor, ctx_lens: torch.Tensor, block_m: int, out: torch.Tensor, scale: float) -> None:
-    """Chunks of several tokens: for each prefill sequence p (``seqs``, ``starts``, ``q_lens``, ``ctx_lens``),
-    its q_len queries attend causally to its first ctx keys; one program per (tile, head), tiles of
-    ``block_m`` queries listed in ``tile_seq`` / ``tile_m0``."""
+    """Each prefill sequence's q_len queries attend causally to its first ctx keys; one program per (query tile, head),
+    tiles listed in ``tile_seq`` / ``tile_m0``."""
     nh, hd = q.shape[1], q.shape[2]
     n_kv, bs = k_cache.shape[2], k_cache.shape[1]
     fp32 = q.dtype == torch.float32

@@ -28,6 +28,5 @@ _OFF = {"USE_PDL": False}
 
 
 def launch_options(device: torch.device) -> dict:
-    """Keyword arguments of a Triton launch on ``device`` (read-only): the kernel's ``USE_PDL`` constexpr
-    and, when it is true, Triton's ``launch_pdl`` launch option."""
+    """A Triton launch's keyword arguments on ``device`` (read-only): ``USE_PDL`` and, when true, ``launch_pdl``."""
     return _ON if active(device) else _OFF
