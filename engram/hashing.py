@@ -41,9 +41,9 @@ class NgramHasher:
 
     @classmethod
     def from_tokenizer(cls, cfg: EngramConfig, compressed_tokenizer: "CompressedTokenizer") -> "NgramHasher":
-        """The hasher of ``cfg`` for text compressed by ``compressed_tokenizer``; ``pad_id =
-        compress([cfg.pad_token_id])[0]`` (never DEAD). ValueError when the tokenizer's compressed size is not
-        ``cfg.compressed_vocab_size`` or ``cfg.pad_token_id`` is not one of its raw ids."""
+        """The hasher of ``cfg`` for text compressed by ``compressed_tokenizer``;
+        ``pad_id = compress([cfg.pad_token_id])[0]`` (never DEAD). ValueError when the tokenizer's compressed size is
+        not ``cfg.compressed_vocab_size`` or ``cfg.pad_token_id`` is not one of its raw ids."""
         compressed_tokenizer.check_config(cfg)
         if not cfg.pad_token_id < compressed_tokenizer.vocab_size:
             raise ValueError(f"engram.pad_token_id={cfg.pad_token_id}: outside the tokenizer's "

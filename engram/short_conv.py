@@ -1,9 +1,8 @@
-"""ShortConv of the paper variant and its explicit per-sequence decode state.
-
-``ShortConv`` maps v' [T, hc_mult, H] (packed tokens of one or more sequences) to SiLU(conv(RMSNorm(v'))): a per-branch
-RMSNorm, then a depthwise causal Conv1d over hc_mult*H channels (``kernel_size``, dilation ``max_ngram_size``, no bias).
-A ``ShortConvState`` holds each sequence's last L = (kernel-1)*dilation post-norm inputs, so whole, chunked and
-token-by-token runs give the same numbers."""
+"""ShortConv of the paper variant and its explicit per-sequence decode state. ``ShortConv`` maps v' [T, hc_mult, H]
+(packed tokens of one or more sequences) to SiLU(conv(RMSNorm(v'))): a per-branch RMSNorm, then a depthwise causal
+Conv1d over hc_mult*H channels (``kernel_size``, dilation ``max_ngram_size``, no bias). A ``ShortConvState`` holds each
+sequence's last L = (kernel-1)*dilation post-norm inputs, so whole, chunked and token-by-token runs give the same
+numbers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -111,9 +110,9 @@ def _check_cu_seqlens(cu: torch.Tensor, num_seqs: int, num_tokens: int) -> None:
 def causal_conv_packed(x: torch.Tensor, history: torch.Tensor, cu_seqlens: torch.Tensor, weight: torch.Tensor,
                        dilation: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv over packed sequences that continue from ``history``: x [T, C], history [S, L, C],
-    cu_seqlens [S+1], weight [C, k] (tap k-1 is the current token) -> (y [T, C], new history). y[t] = sum_j weight[:, j]
-    * in[t - (k-1-j)*dilation], taps summed in order, so packing never changes it. Sequence s sits at cu[s] + s*L of
-    ``ext = [hist_0 | tok_0 | hist_1 | tok_1 | ...]``."""
+    cu_seqlens [S+1], weight [C, k] (tap k-1 is the current token) -> (y [T, C], new history).
+    y[t] = sum_j weight[:, j] * in[t - (k-1-j)*dilation], taps summed in order, so packing never changes it.
+    Sequence s sits at cu[s] + s*L of ``ext = [hist_0 | tok_0 | hist_1 | tok_1 | ...]``."""
     num_tokens, channels = x.shape
     num_seqs, hist, _ = history.shape
     k = weight.shape[1]

@@ -122,8 +122,7 @@ def _resolved_device(spec: ArmSpec):
 
 
 def share_device(a: ArmSpec, b: ArmSpec) -> None:
-    """Arms sharing one CUDA device: arm a's KV cache is capped at ``SHARED_DEVICE_UTILIZATION`` unless its spec sizes
-    it (the profiled plan counts device-wide use, so arm b gets the rest up to its own utilization)."""
+    """On one CUDA device arm a's KV cache is capped at ``SHARED_DEVICE_UTILIZATION`` unless its spec sizes it."""
     da = _resolved_device(a)
     sized = ("gpu_memory_utilization", "kv_cache_memory", "num_kv_blocks")
     if da.type == "cuda" and da == _resolved_device(b) and not any(k in a.engine for k in sized):
@@ -131,8 +130,7 @@ def share_device(a: ArmSpec, b: ArmSpec) -> None:
 
 
 def build_arm(model: str, spec: ArmSpec, cache_dir: str | None = None):
-    """The arm's ``engram.LLM``, with ``table_dirs`` opened (the arm's tier, device and options; fingerprint checked) in
-    place of those layers' tables."""
+    """The arm's ``engram.LLM``, its ``table_dirs`` opened (fingerprint checked) in place of those layers' tables."""
     from engram.engine.llm import LLM
     from engram.model.tables import open_tables
 
@@ -153,8 +151,7 @@ def build_arm(model: str, spec: ArmSpec, cache_dir: str | None = None):
 
 
 def substitute_table(llm, layer_id: int, table) -> None:
-    """Serve ``table`` for ``layer_id`` from the next step on (the lookup executor reads ``llm.loaded.tables``); the old
-    table is closed."""
+    """Serve ``table`` for ``layer_id`` from the next step on (via ``llm.loaded.tables``); the old one is closed."""
     tables = llm.loaded.tables
     if getattr(getattr(llm.engine.executor, "worker", None), "lookup", None) is None or \
             llm.engine.executor.worker.lookup.tables is not tables:
@@ -181,8 +178,7 @@ class Probe:
 
 def make_probes(prompts: Sequence[Sequence[int]], names: Sequence[str], prefix_tokens: int,
                 suffix_tokens: int) -> list[Probe]:
-    """``serial`` and ``concurrent`` run ``prompts`` as they are; ``fixed-prefix`` runs the first ``prefix_tokens`` ids
-    of all prompts concatenated, then each prompt's first ``suffix_tokens``."""
+    """``serial`` / ``concurrent``: ``prompts`` as they are; ``fixed-prefix``: a shared prefix, then each suffix."""
     prompts = [list(p) for p in prompts]
     prefix = [t for p in prompts for t in p][:prefix_tokens]
     made = {"serial": prompts, "concurrent": prompts,
@@ -225,8 +221,7 @@ def _logit_gap(top: list, own: int | None, other: int | None) -> float | None:
 
 def compare(probe: str, request: int, prompt_tokens: int, a: tuple[list[int], list], b: tuple[list[int], list],
             near_tie: float) -> Comparison:
-    """Classify one request from both arms' (token ids, TokenLogprobs); a length difference past a common prefix is a
-    divergence with the missing token None."""
+    """Classify one request from both arms' (ids, TokenLogprobs); a length difference is a divergence at the end."""
     (ta, la), (tb, lb) = a, b
     c = Comparison(probe, request, EQUAL, prompt_tokens)
     if ta == tb:
@@ -246,9 +241,8 @@ def compare(probe: str, request: int, prompt_tokens: int, a: tuple[list[int], li
 
 
 def differing_rows(llm_a, llm_b, token_ids: Sequence[int], limit: int) -> dict[str, Any]:
-    """Every Engram row ``token_ids`` (a whole sequence) reads, fetched from both arms' tables and compared bytewise
-    (different formats all differ) -> counts and the first ``limit`` {layer, position, column, row}, in (position,
-    layer, column) order."""
+    """Every Engram row ``token_ids`` reads, compared bytewise across both arms' tables -> counts and the first
+    ``limit`` differences in (position, layer, column) order."""
     import torch
 
     from engram.hashing import NgramHasher

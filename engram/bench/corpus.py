@@ -82,8 +82,7 @@ class CorpusTokenizer:
 
 
 def load_tokenizer(spec: str) -> CorpusTokenizer:
-    """``builtin`` (the presets' tokenizer), ``pkg:PACKAGE/PATH`` (a file inside an installed package) or a
-    tokenizer.json path."""
+    """``builtin``, ``pkg:PACKAGE/PATH`` (a file in an installed package) or a tokenizer.json path."""
     from tokenizers import Tokenizer
 
     if spec == "builtin":
@@ -130,8 +129,7 @@ class Corpus:
 
 
 class _TextStream:
-    """The concatenated documents from a cursor on, and the encoding of what is buffered; ``sources``: (character offset
-    in ``text``, file) of every document overlapping it."""
+    """The concatenated documents from a cursor on, the encoding of what is buffered, and their ``sources``."""
 
     def __init__(self, docs: Iterator[tuple[str, str]], tok: CorpusTokenizer):
         self.docs, self.tok = docs, tok
@@ -165,8 +163,8 @@ class _TextStream:
                                   f"fewer requests or shorter lengths")
 
     def cut(self, start: int, lo: int, hi: int, target: int) -> int:
-        """Token index j in [start + lo, start + hi] nearest start + target, at a word boundary, whose piece
-        tokens[start:j] encodes alone to exactly j - start tokens."""
+        """Token index j in [start + lo, start + hi] nearest start + target, at a word boundary, whose piece encodes
+        alone to exactly j - start tokens."""
         offsets, text = self.enc.offsets, self.text
         c0 = offsets[start][0]
 
@@ -194,8 +192,7 @@ class _TextStream:
 
 def generate_corpus(requests: int, seed: int, prompt_tokens: LengthRange, continuation_tokens: LengthRange,
                     tok: CorpusTokenizer, root: str | os.PathLike | None = None) -> Corpus:
-    """``requests`` requests from the standard library under ``root`` (default: this interpreter's), token
-    lengths under ``tok``. Deterministic in (seed, the stdlib's files, tokenizer, lengths)."""
+    """``requests`` requests from the stdlib under ``root``, deterministic in (seed, files, tokenizer, lengths)."""
     from engram.bench.corpus_source import SOURCE_NAME, documents, stdlib_files
 
     if requests < 1:
@@ -241,8 +238,8 @@ def write_corpus(corpus: Corpus, path: str | os.PathLike) -> str:
 
 
 def load_corpus(path: str | os.PathLike, sha256: str | None = None) -> Corpus:
-    """Read a corpus file after checking its SHA-256 (``sha256``, default the recorded one). CorpusError naming the file
-    when the checksum is missing or differs, or a line breaks ``FORMAT``."""
+    """Read a corpus file after checking its SHA-256 (``sha256``, else the recorded one); CorpusError naming the file.
+    """
     path = Path(path)
     if sha256 is None:
         sums = checksum_path(path)
@@ -287,8 +284,7 @@ def load_corpus(path: str | os.PathLike, sha256: str | None = None) -> Corpus:
 
 
 def encode_corpus(corpus: Corpus, tok: CorpusTokenizer) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(prompt ids, continuation ids) of every request under ``tok``; with the corpus's own tokenizer the counts must
-    equal the recorded ones (CorpusError naming request and field)."""
+    """(prompt ids, continuation ids) per request under ``tok``; its own tokenizer must give the recorded counts."""
     prompts = tok.encode([r.prompt for r in corpus.requests])
     conts = tok.encode([r.continuation for r in corpus.requests])
     if tok.sha256 == corpus.header.get("tokenizer", {}).get("sha256"):

@@ -1,6 +1,5 @@
-"""English prose shipped with Python itself: the standard library's docstrings, comments and pydoc topics.
-
-A *document* is one stdlib file's prose in source order (docstrings and full-line comment blocks, split into paragraphs;
+"""English prose shipped with Python itself: the standard library's docstrings, comments and pydoc topics. A *document*
+is one stdlib file's prose in source order (docstrings and full-line comment blocks, split into paragraphs;
 ``pydoc_data/topics.py`` gives its help topics). A paragraph is kept when ``is_prose`` accepts it and it was not seen
 before in the iteration; whitespace collapses to single spaces. Only local files are read; the text depends on the
 Python version, so benchmarks publish the corpus file with its SHA-256."""
@@ -35,8 +34,8 @@ def stdlib_root() -> Path:
 
 
 def stdlib_files(root: str | os.PathLike | None = None) -> list[str]:
-    """Sorted ``/``-separated paths (relative to ``root``, default ``stdlib_root()``) of its ``.py`` files,
-    without ``EXCLUDED_DIRS``. ValueError naming ``root`` when it holds none."""
+    """Sorted relative ``.py`` paths under ``root`` (default ``stdlib_root()``) minus ``EXCLUDED_DIRS``; ValueError if
+    none."""
     base = Path(root) if root is not None else stdlib_root()
     found: list[str] = []
     for d, dirs, files in os.walk(base):
@@ -105,8 +104,7 @@ def _topic_texts(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def file_paragraphs(root: str | os.PathLike, rel: str) -> list[str]:
-    """The normalized paragraphs of one file (docstrings and comment blocks in source order; the help
-    topics for ``TOPICS_FILE``), unfiltered. A file Python cannot parse yields none."""
+    """One file's normalized paragraphs in source order, unfiltered (none when Python cannot parse it)."""
     source = (Path(root) / rel).read_bytes()
     try:
         tree = ast.parse(source, rel)
@@ -118,8 +116,7 @@ def file_paragraphs(root: str | os.PathLike, rel: str) -> list[str]:
 
 
 def documents(files: Iterable[str], root: str | os.PathLike | None = None) -> Iterator[tuple[str, str]]:
-    """(relative path, document text) for ``files`` in order; files without new prose are skipped, paragraphs already
-    produced dropped."""
+    """(relative path, document text) for ``files`` in order, paragraphs already produced dropped."""
     base = Path(root) if root is not None else stdlib_root()
     seen: set[str] = set()
     for rel in files:

@@ -39,8 +39,7 @@ def busy_intervals_ns(events, device_type: str) -> list[tuple[int, int]]:
 
 
 def _activity(evt) -> str:
-    """An event's kineto activity type; torch < 2.12 lacks ``activity_type()``, so there a device event is work unless
-    named a synchronization wait, a host event an operator."""
+    """An event's kineto activity type (torch < 2.12: work unless named a synchronization wait)."""
     if hasattr(evt, "activity_type"):
         return evt.activity_type()
     from torch.autograd import DeviceType
@@ -81,8 +80,7 @@ def kernel_times(events, device_type: str) -> list[KernelTime]:
 
 
 def cuda_kernels(events) -> list[tuple[int, int, int, str]]:
-    """(start ns, end ns, stream id, name) of every CUDA kernel among ``events`` (no copies or memsets), in start order.
-    """
+    """(start ns, end ns, stream id, name) of every CUDA kernel among ``events``, in start order."""
     from torch.autograd import DeviceType
 
     out = [(e.start_ns(), e.end_ns(), e.device_resource_id(), e.name()) for e in events
@@ -92,8 +90,7 @@ def cuda_kernels(events) -> list[tuple[int, int, int, str]]:
 
 
 def measure_busy(fn: Callable[[], object], device_type: str) -> float:
-    """Seconds ``device_type`` was busy while ``fn()`` ran; synchronizes CUDA before the profile closes. RuntimeError
-    when the profile has no such event at all (not an idle device)."""
+    """Seconds ``device_type`` was busy while ``fn()`` ran; RuntimeError when the profile saw no such event at all."""
     return measure_profile(fn, device_type).busy_s
 
 

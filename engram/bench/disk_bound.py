@@ -23,8 +23,8 @@ ARM_LABELS = {"A": ("A", "A'"), "B": ("B",)}  # the samples of an arm's engine i
 
 
 def read_depth(tables: dict, together: bool) -> int:
-    """Reads a disk arm's step keeps in flight: the first table's queue depth, times the tables when their lookups read
-    side by side (``together``) each on its own queue (``reader.queue_per_thread``)."""
+    """Reads a disk arm's step keeps in flight: the queue depth, times the tables when they read side by side each on a
+    queue of its own (``reader.queue_per_thread``)."""
     from engram.store.reader import queue_per_thread
 
     reader = tables[min(tables)].reader
@@ -32,9 +32,8 @@ def read_depth(tables: dict, together: bool) -> int:
 
 
 def _raw_calls(tables: dict, pages: int, seconds: float, seed: int, depth: int | None = None) -> tuple:
-    """``lookup.raw_cell`` calls of ``pages`` random pages of the first layer's values.bin, with its reader's io mode at
-    ``depth`` (cold when buffered): one unrecorded call, then calls for ``seconds`` -> (layer, reader, cell,
-    cell.result())."""
+    """One unrecorded, then ``seconds`` of ``lookup.raw_cell`` calls of ``pages`` random pages of the first table's
+    values.bin (its io mode, ``depth``) -> (layer, reader, cell, cell.result())."""
     from engram.bench.lookup import raw_cell
 
     lid = min(tables)
@@ -47,8 +46,7 @@ def _raw_calls(tables: dict, pages: int, seconds: float, seed: int, depth: int |
 
 
 def measure_raw_reads(tables: dict, seconds: float, pages: int, seed: int, depth: int | None = None) -> dict:
-    """The disk's random 4 KiB read rate, now: ``_raw_calls`` of ``pages`` pages a call for ``seconds``, at
-    queue depth ``depth`` (default the first table's reader's)."""
+    """The disk's random 4 KiB read rate now: ``_raw_calls`` for ``seconds`` at ``depth``."""
     lid, reader, cell, r = _raw_calls(tables, pages, seconds, seed, depth)
     return {"layer": lid, "io": reader.io, "io_requested": reader.io_requested, "queue_depth": cell.key["queue_depth"],
             "cold": reader.io == "buffered", "pages_per_call": pages, "calls": r["batches"],
@@ -84,8 +82,8 @@ def _median(xs: list):
 
 
 def disk_summary(arm: ArmSpec, records: list[dict], labels: tuple, raw: dict, fresh: bool, placement: str) -> dict:
-    """A disk arm in one comparison: hit rates cold and warm, median read ops and step ms, the raw read rate before it;
-    ``add_bounds`` fills the bound fields."""
+    """A disk arm in one comparison: hit rates cold and warm, read ops, step ms, the raw rate (bounds: ``add_bounds``).
+    """
     mine = [r for r in records if r["label"] in labels]
     warmups = [r for r in mine if r["round"] < 0]
     recorded = [r for r in mine if r["round"] >= 0]
@@ -144,8 +142,8 @@ def add_bounds(comparisons: list[dict], ab_cfg: stats.ABConfig | None = None) ->
 
 
 def _held_to(ratios: list[float], ab_cfg: stats.ABConfig | None) -> tuple[float, list[float], str]:
-    """Step ÷ bound ratios -> their median, its bootstrap interval and "met" (interval <= ``BOUND_FACTOR``), "missed"
-    (above) or "undecided"."""
+    """Step ÷ bound ratios -> median, bootstrap interval, and "met" / "missed" / "undecided" against ``BOUND_FACTOR``.
+    """
     lo, hi = stats.median_ci(ratios, ab_cfg or stats.ABConfig())
     return _median(ratios), [lo, hi], "met" if hi <= BOUND_FACTOR else "missed" if lo > BOUND_FACTOR else "undecided"
 

@@ -57,8 +57,7 @@ DEFAULT_PREFILL_SHAPES = "1x2048,16x512"
 
 
 def default_prefill_shapes(max_position_embeddings: int, block_size: int = 16) -> str:
-    """DEFAULT_PREFILL_SHAPES with each prompt cut to fit ``max_position_embeddings`` (N tokens need N + 1 positions) in
-    whole KV blocks; a note on stderr when one is cut."""
+    """DEFAULT_PREFILL_SHAPES cut to fit ``max_position_embeddings`` in whole KV blocks (noted on stderr)."""
     fit = max(block_size, (max_position_embeddings - 1) // block_size * block_size)
     shapes = ",".join(f"{n}x{min(t, fit)}" for n, t in parse_prefill_shapes(DEFAULT_PREFILL_SHAPES))
     if shapes != DEFAULT_PREFILL_SHAPES:
@@ -194,8 +193,7 @@ def peer_points(cfg, s: Settings, device, dtype, ceilings, compile_mode: str | N
 
 
 def engram_cost(points: list[dict]) -> list[dict]:
-    """Per Engram point with an engram-off point of the same model, phase, batch and context: the ms_wall (and ms_gpu)
-    difference."""
+    """Per Engram point: the ms difference from the engram-off point of the same model, phase, batch and context."""
     off = {(p["model"], p["phase"], p["batch"], p["context"]): p for p in points if p["arm"] == "engram-off"}
     rows = []
     for p in points:

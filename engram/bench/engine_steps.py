@@ -1,9 +1,8 @@
-"""Drive an LLMEngine to one measured point, and the settings every engine bench shares.
-
-``measure_decode`` times ``steps`` engine steps in which each of B sequences emits exactly one token (``NotADecodeStep``
-otherwise), after prefill and ``warmup_tokens``; ``forced`` ids are emitted instead of the sampled ones (the step still
-samples); with ``busy_device``, ``profile_steps`` more run under torch.profiler. ``measure_prefill`` times steps that
-prefill S fresh prompts whole. Every request is aborted at the end, also on error."""
+"""Drive an LLMEngine to one measured point, and the settings every engine bench shares. ``measure_decode`` times
+``steps`` engine steps in which each of B sequences emits exactly one token (``NotADecodeStep`` otherwise), after
+prefill and ``warmup_tokens``; ``forced`` ids are emitted instead of the sampled ones (the step still samples); with
+``busy_device``, ``profile_steps`` more run under torch.profiler. ``measure_prefill`` times steps that prefill S fresh
+prompts whole. Every request is aborted at the end, also on error."""
 from __future__ import annotations
 
 import gc
@@ -27,8 +26,7 @@ class NotAPrefillStep(AssertionError):
 
 
 def prompt_ids(num_seqs: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
-    """``num_seqs`` prompts of ``length`` ids drawn uniformly from [3, vocab_size) by a generator seeded
-    with ``seed``."""
+    """``num_seqs`` prompts of ``length`` ids uniform in [3, vocab_size), seeded with ``seed``."""
     if vocab_size <= FIRST_ID + 1:
         raise ValueError(f"vocab_size={vocab_size} leaves no ordinary token ids")
     g = torch.Generator().manual_seed(seed)
@@ -37,8 +35,7 @@ def prompt_ids(num_seqs: int, length: int, vocab_size: int, seed: int) -> list[l
 
 def decode_max_tokens(batch: int, context_len: int, max_num_batched_tokens: int, warmup_tokens: int,
                       steps: int, profile_steps: int) -> int:
-    """Tokens each decode request may generate: one per step while later prompts prefill, then warm-up, timed and
-    profiled steps, plus 2."""
+    """Tokens a decode request may generate: prefill-time steps, warm-up, timed and profiled steps, plus 2."""
     prefill_steps = math.ceil(batch * context_len / max_num_batched_tokens) + 1
     return prefill_steps + warmup_tokens + steps + profile_steps + 2
 
@@ -73,8 +70,7 @@ def parse_ints(text: str, option: str) -> tuple[int, ...]:
 
 
 def engine_config(s: Settings, max_position_embeddings: int, block_size: int = 16):
-    """The EngineConfig every engine arm runs: room for the largest batch and prefill in one step, max_model_len for the
-    longest decode (rounded up to a block)."""
+    """The EngineConfig every engine arm runs: the largest batch and prefill in one step, the longest decode."""
     from engram.engine.config import EngineConfig
 
     seqs = max(s.batch_sizes + tuple(n for n, _ in s.prefill_shapes))
@@ -141,8 +137,7 @@ class PrefillTimes:
 
 def _decode_step(engine, ids: list[str], generated: dict[str, int], context_len: int,
                  tokens: dict[str, list[int]] | None = None) -> list[int]:
-    """One step that must decode every request in ``ids`` by one token; updates ``generated`` (and ``tokens``) -> each
-    sequence's KV length after it."""
+    """One step that must decode every request in ``ids`` by one token -> each sequence's KV length after it."""
     ctx = [context_len + generated[rid] for rid in ids]  # the last sampled token is computed this step
     outs = engine.step()
     by_id = {o.request_id: o for o in outs}
@@ -164,8 +159,7 @@ def _decode_step(engine, ids: list[str], generated: dict[str, int], context_len:
 def measure_decode(engine, prompts: list[list[int]], steps: int, warmup_tokens: int = 3,
                    profile_steps: int = 0, busy_device: str | None = None, tag: str = "decode",
                    forced: list[list[int]] | None = None) -> DecodeTimes:
-    """Time ``steps`` pure decode steps of ``len(prompts)`` sequences (see the module docstring);
-    ``forced``: per prompt, the token ids its request emits instead of sampled ones."""
+    """Time ``steps`` pure decode steps of ``len(prompts)`` sequences; ``forced``: ids each request emits instead."""
     if engine.has_unfinished():
         raise RuntimeError("measure_decode needs an idle engine (it aborts every request it adds)")
     if steps < 1 or warmup_tokens < 1:

@@ -12,8 +12,7 @@ class OutputMismatch(AssertionError):
 
 
 def corpus_stream(encoded, vocab_size: int):
-    """Every request's prompt and continuation ids, in corpus order, as one int64 stream; ValueError when an id is
-    outside the vocabulary."""
+    """Every request's prompt and continuation ids as one int64 stream; ValueError for an id outside the vocabulary."""
     import numpy as np
 
     stream = np.concatenate([x for pair in encoded for x in pair]).astype(np.int64)  # [tokens]
@@ -36,8 +35,7 @@ class Windows:
 
 
 def cut_windows(stream, batch: int, context_len: int, max_tokens: int) -> Windows:
-    """Sequence i: ``context_len`` prompt ids then ``max_tokens`` forced ids from offset i * n // batch of
-    the stream (n ids), wrapping around its end."""
+    """Sequence i: ``context_len`` prompt ids, then ``max_tokens`` forced ids, from offset i * n // batch (wrapping)."""
     import numpy as np
 
     n = stream.size
@@ -51,8 +49,7 @@ def cut_windows(stream, batch: int, context_len: int, max_tokens: int) -> Window
 
 
 def check_forced(times, windows: Windows, min_tokens: int, arm: str) -> int:
-    """Every sequence generated at least ``min_tokens`` ids, all of them its forced ids (OutputMismatch
-    naming the arm, sequence and first difference otherwise); returns the ids checked."""
+    """Every sequence emitted at least ``min_tokens`` ids, all forced (else OutputMismatch) -> the ids checked."""
     if len(times.token_ids) != len(windows.forced):
         raise OutputMismatch(f"arm {arm}: {len(times.token_ids)} sequences reported, {len(windows.forced)} ran")
     checked = 0

@@ -25,8 +25,7 @@ def unavailable_reason() -> str | None:
 
 
 def qwen3_config(cfg: ModelConfig):
-    """A ``transformers.Qwen3Config`` with ``cfg``'s decoder shapes (no Engram, no hyper-connections, no
-    special token ids: generation stops only at its length)."""
+    """A ``transformers.Qwen3Config`` of ``cfg``'s decoder shapes, without special token ids."""
     from transformers import Qwen3Config
 
     return Qwen3Config(vocab_size=cfg.padded_vocab_size, hidden_size=cfg.hidden_size,
@@ -62,8 +61,7 @@ class PeerTimes:
 def measure_peer(model, prompts: list[list[int]], steps: int, warmup_tokens: int = 3,
                  compile_mode: str | None = "reduce-overhead", busy_device: str | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> PeerTimes:
-    """Greedy decode ms/step of ``model`` for these prompts (one batch, equal lengths); see the module docstring.
-    ``clock``: the host clock the two generate calls are timed with (seconds)."""
+    """Greedy decode ms/step of ``model`` for these prompts (one batch, equal lengths); ``clock``: the host clock."""
     from transformers import StoppingCriteria, StoppingCriteriaList
     from transformers.generation import CompileConfig
 

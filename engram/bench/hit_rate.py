@@ -25,8 +25,7 @@ CURVE_POINTS = 49  # LRU curve: log-spaced sizes from 0.01 % to 100 % of the tab
 
 
 def summarize(hits: np.ndarray, order: np.ndarray, start: int = 0) -> dict[str, Any]:
-    """Hits, accesses and rate of ``hits[start:]``, overall and per n-gram order (their sums are the
-    overall counts)."""
+    """Hits, accesses and rate of ``hits[start:]``, overall and per n-gram order."""
     h, o = hits[start:], order[start:]
     orders = np.unique(order).tolist()
     by = {}
@@ -43,8 +42,7 @@ def cold_warm(hits: np.ndarray, order: np.ndarray, warm_start: int) -> dict[str,
 
 
 def rowcache_hits(trace: LayerTrace, capacity: int, policy: str, ways: int = 8) -> tuple[np.ndarray, int]:
-    """Hit flags of the engine's ``RowCache`` (``capacity`` rows, whole sets) fed each step's distinct rows, and its
-    actual capacity."""
+    """Hit flags of the engine's ``RowCache`` fed each step's distinct rows, and its actual capacity."""
     import torch
 
     from engram.store.cache import RowCache
@@ -90,8 +88,7 @@ def lru_curve(dist: np.ndarray, table_rows: int, warm_start: int) -> dict[str, A
 
 
 def distinct_growth(trace: LayerTrace) -> list[dict[str, Any]]:
-    """Distinct rows touched by the first 1 K, 2 K, 5 K, ... tokens and by all: per token, per token of each order, and
-    as a share of the table."""
+    """Distinct rows touched by the first 1 K, 2 K, 5 K, ... tokens and by all (per token, per order, share)."""
     t, n_cols = trace.text_rows.shape
     first = reuse_index(trace.text_rows.reshape(-1))[0] < 0
     per_order = np.cumsum(first.reshape(t, n_cols // trace.n_heads, trace.n_heads).sum(axis=2), axis=0)
@@ -160,8 +157,7 @@ class CaseTraces:
 
 def case_traces(corpus, layout: str, tokenizer: str, *, concurrency: int,
                 table_rows: int | None = None) -> CaseTraces:
-    """``corpus`` tokenized, compressed and hashed with ``layout`` (its compressed_vocab_size replaced by the
-    tokenizer's when they differ), served ``concurrency`` at a time: each layer's row trace."""
+    """Each layer's row trace of ``corpus`` under ``layout`` and ``tokenizer``, served ``concurrency`` at a time."""
     from engram.bench.corpus import encode_corpus, load_tokenizer
     from engram.bench.serving_trace import compressed_sequences, layer_traces, serving_schedule
     from engram.hashing import NgramHasher
@@ -236,8 +232,7 @@ def growth_rows(case: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def plot(cases: list[dict[str, Any]], path: str, policies: tuple[str, ...]) -> None:
-    """Top: hit rate vs cache size (LRU curves, RowCache points, infinite-cache line) per case; bottom:
-    distinct rows per token as the text grows."""
+    """Hit rate vs cache size per case (top) and distinct rows per token as the text grows (bottom)."""
     import matplotlib
 
     matplotlib.use("Agg")

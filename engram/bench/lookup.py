@@ -1,8 +1,7 @@
-"""``engram bench lookup``: row-lookup throughput of a table on any tier, and of the disk tier against its disk.
-
-Each cell (tier options x id distribution x batch x cache size) times ``table.gather`` on fresh ids per batch (id
-generation and cache drops untimed; CUDA synchronized around it): µs/batch, rows/s, GB/s delivered, and on the disk tier
-read ops/s, disk MB/s and page amplification. ``--tier disk`` also sweeps queue depths and io modes and, with ``--raw``,
+"""``engram bench lookup``: row-lookup throughput of a table on any tier, and of the disk tier against its disk. Each
+cell (tier options x id distribution x batch x cache size) times ``table.gather`` on fresh ids per batch (id generation
+and cache drops untimed; CUDA synchronized around it): µs/batch, rows/s, GB/s delivered, and on the disk tier read
+ops/s, disk MB/s and page amplification. ``--tier disk`` also sweeps queue depths and io modes and, with ``--raw``,
 plain random page reads of the same file, interleaved with the table cells."""
 from __future__ import annotations
 
@@ -61,8 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_random_table(rows: int, dim: int, workdir: str) -> Path:
-    """A random MXFP8 table of ``rows`` x ``dim`` (``convert_random``, seed 0) in a fresh directory under
-    ``workdir``."""
+    """A random MXFP8 table (``convert_random``, seed 0) in a fresh directory under ``workdir``."""
     from engram.store.convert import convert_random
 
     root = Path(tempfile.mkdtemp(prefix=".engram-bench-lookup-", dir=workdir))
@@ -71,8 +69,7 @@ def build_random_table(rows: int, dim: int, workdir: str) -> Path:
 
 
 class IdSource:
-    """Fresh row ids per batch: uniform, or Zipf(s) over a fixed random permutation of the rows (CDF and permutation
-    built once per (rows, s))."""
+    """Fresh row ids per batch: uniform, or Zipf(s) over a fixed permutation of the rows (built once per (rows, s))."""
 
     _zipf: dict[tuple[int, float], tuple[Any, Any]] = {}
 

@@ -91,8 +91,7 @@ def table_info(tables: dict) -> dict:
 
 
 def default_kv_budget(cfg, ecfg, dtype, tables_by_placement: dict) -> int:
-    """Bytes for the largest batch at max_model_len, a full step's Engram staging and the largest hot-row cache of any
-    placement (what an explicit budget pays first)."""
+    """Bytes for the largest batch at max_model_len, a step's Engram staging and the largest hot-row cache."""
     from engram.engine.lookup import staging_bytes
     from engram.model.kv_cache import KVCache
 
@@ -105,8 +104,7 @@ def default_kv_budget(cfg, ecfg, dtype, tables_by_placement: dict) -> int:
 
 
 def _checked_settings(args: argparse.Namespace, device, seed: int):
-    """The run's Settings, AB config, preset and KV budget from the command line, checked before anything loads
-    (SystemExit naming the option)."""
+    """The run's Settings, AB config, preset and KV budget, checked before anything loads."""
     from engram.bench import stats
     from engram.bench.engine_steps import Settings, parse_ints
     from engram.config import parse_bytes

@@ -1,9 +1,8 @@
-"""What an arm of ``engram bench placement`` is, checked before anything loads.
-
-An arm is a JSON object (``--a``, each ``--b``): ``tier`` (required), ``engram_config`` (``--engram-config`` keys over
-the shared ones) and ``engine`` (EngineConfig overrides). Each arm is its own engine, so arms differ only in what their
-JSON says. ``parse_arm`` returns a hashable ``ArmSpec`` (SystemExit naming the option and key); a placement, a distinct
-(tier, table options) pair named by ``placement_name``, opens its tables once."""
+"""What an arm of ``engram bench placement`` is, checked before anything loads. An arm is a JSON object (``--a``, each
+``--b``): ``tier`` (required), ``engram_config`` (``--engram-config`` keys over the shared ones) and ``engine``
+(EngineConfig overrides). Each arm is its own engine, so arms differ only in what their JSON says. ``parse_arm`` returns
+a hashable ``ArmSpec`` (SystemExit naming the option and key); a placement, a distinct (tier, table options) pair named
+by ``placement_name``, opens its tables once."""
 from __future__ import annotations
 
 import json
@@ -45,8 +44,7 @@ class ArmSpec:
 
 
 def merged_config(shared: dict, own: dict) -> dict:
-    """An arm's --engram-config: the shared keys with the arm's over them, its ``advanced`` knobs merged into
-    the shared ones key by key."""
+    """An arm's --engram-config: the shared keys under its own, ``advanced`` knobs merged key by key."""
     merged = {**shared, **own}
     if "advanced" in shared and "advanced" in own:
         merged["advanced"] = {**shared["advanced"], **own["advanced"]}
@@ -54,8 +52,7 @@ def merged_config(shared: dict, own: dict) -> dict:
 
 
 def parse_shared(text: str | None) -> dict:
-    """--engram-config: what every arm shares (its table options are the base an arm's override); the tier
-    (``cpu_offload``) is each arm's own."""
+    """--engram-config: what every arm shares (the tier, ``cpu_offload``, is each arm's own)."""
     from engram.bench.engine_steps import parse_engram_config, runtime_options
 
     raw = parse_engram_config(text)
@@ -66,8 +63,7 @@ def parse_shared(text: str | None) -> dict:
 
 
 def parse_arm(text: str, option: str, shared: dict) -> ArmSpec:
-    """An arm's JSON -> ArmSpec, its engram_config checked over ``shared`` and its engine overrides by
-    EngineConfig; SystemExit naming ``option`` and the offending key otherwise."""
+    """An arm's JSON -> ArmSpec, every key checked; SystemExit naming ``option`` and the key otherwise."""
     import dataclasses
 
     from engram.bench.engine_steps import parse_engram_config, runtime_options

@@ -22,8 +22,7 @@ class GraphFallback(RuntimeError):
 
 
 def counter_deltas(before: dict, after: dict) -> dict:
-    """``COUNTER_KEYS`` the tables' counters (engine.stats()["tables"]) gained between two snapshots, summed
-    over the tables."""
+    """``COUNTER_KEYS`` gained between two ``engine.stats()["tables"]`` snapshots, summed over the tables."""
     return {k: sum(after[lid].get(k, 0) - before[lid].get(k, 0) for lid in after) for k in COUNTER_KEYS}
 
 
@@ -34,8 +33,7 @@ def hit_rate(counts: dict, cached: bool) -> float | None:
 
 
 def step_spread(wall_s: list[float]) -> dict:
-    """A sample's timed steps beyond their mean: the median (ms), the longest, how many took over ``SLOW_FACTOR`` x the
-    median (stalls), and every step's wall time (ms, to the us)."""
+    """A sample's timed steps: median and longest (ms), how many took over ``SLOW_FACTOR`` x the median, all of them."""
     p50 = statistics.median(wall_s) * 1e3
     return {"step_ms_p50": p50, "step_ms_max": max(wall_s) * 1e3,
             "slow_steps": sum(w * 1e3 > SLOW_FACTOR * p50 for w in wall_s),
@@ -59,10 +57,8 @@ def _summary(samples: list[dict]) -> dict:
 
 def arm_measure(engine, arm: ArmSpec, win: Windows, batch: int, s, records: list[dict], graphs: bool,
                 cached: bool, raw_rate: Callable[[], float] | None = None):
-    """The ``measure`` of ``arm`` at ``batch``: one ``measure_decode`` over the windows, outputs checked against the
-    forced ids and replays against the timed steps (all when ``graphs``, else none); appends the record, returns tok/s.
-    ``cached``: whether the tables have a hot-row cache; ``raw_rate``: the disk's read rate, measured before the sample
-    and after its timed steps."""
+    """The ``measure`` of ``arm`` at ``batch``: one checked ``measure_decode`` over the windows (forced ids; graph
+    replays when ``graphs``), its record appended -> tok/s. ``raw_rate``: the disk's rate around the sample."""
     from engram.bench.engine_steps import measure_decode
 
     def measure() -> float:
@@ -89,9 +85,7 @@ def arm_measure(engine, arm: ArmSpec, win: Windows, batch: int, s, records: list
 
 def run_comparison(engines: dict, arm_a: ArmSpec, arm_b: ArmSpec, k: int, batch: int, win: Windows, s, ab_cfg,
                    quiet: bool, graphs: dict, cached: dict, disk: dict | None = None, rates: dict | None = None):
-    """A against the k-th B at ``batch``, interleaved -> (ABResult, the comparison's JSON record). ``graphs`` /
-    ``cached``: per arm, as ``arm_measure``; ``disk``: per disk arm's label, (raw read record, fresh_tables, placement
-    name); ``rates``: per label, the read rate to measure around each sample."""
+    """A against the k-th B at ``batch``, interleaved -> (ABResult, the comparison's JSON record)."""
     from engram.bench import stats
 
     records: list[dict] = []

@@ -21,8 +21,7 @@ _SOURCE_DIR = Path(__file__).resolve().parent
 
 
 def git_commit(cwd: str | os.PathLike | None = None) -> dict[str, Any]:
-    """{"commit": sha | None, "dirty": bool | None} of the source tree (``cwd`` overrides); outside a checkout, from
-    ``ENGRAM_COMMIT``."""
+    """{"commit", "dirty"} of the source tree; outside a checkout the commit comes from ``ENGRAM_COMMIT``."""
     where = str(cwd or _SOURCE_DIR)
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True,
@@ -65,8 +64,7 @@ def result_path(name: str, results_dir: str | os.PathLike | None = None, now: _d
 
 
 def args_config(args: Any) -> dict[str, Any]:
-    """A bench's argparse namespace as the ``config`` of its result: every option, without the CLI's private
-    or callable entries (the dispatcher's handler)."""
+    """A bench's argparse namespace as its result's ``config``, without private or callable entries."""
     return {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}
 
 

@@ -25,8 +25,7 @@ REPEATS = 7
 
 # ----------------------------------------------------------------- parameters
 def parameter_counts(cfg: ModelConfig) -> dict[str, int]:
-    """Parameters by group as EngramDecoder allocates them: embedding, lm_head (0 when tied), attention, mlp, norms,
-    hyper_connections, engram."""
+    """Parameters by group (embedding, lm_head, attention, mlp, norms, hyper_connections, engram), as allocated."""
     h, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qdim, kvdim = nh * hd, nkv * hd
     attn = 0
@@ -75,8 +74,7 @@ def matmul_params_per_token(cfg: ModelConfig) -> int:
 # ----------------------------------------------------------------- one step
 @dataclass(frozen=True)
 class StepShape:
-    """One step's sequences: ``new_tokens[s]`` computed, ``context_lens[s]`` KV entries after it, ``sampled`` rows
-    through the LM head."""
+    """One step: ``new_tokens[s]`` computed, ``context_lens[s]`` KV entries after it, ``sampled`` LM-head rows."""
 
     new_tokens: tuple[int, ...]
     context_lens: tuple[int, ...]
@@ -121,8 +119,7 @@ class StepCost:
 
 
 def step_cost(cfg: ModelConfig, shape: StepShape, itemsize: int, tier: str | None = "gpu") -> StepCost:
-    """Bytes and FLOPs of one step of ``cfg`` in a dtype of ``itemsize`` bytes; ``tier`` says where Engram
-    rows come from ("gpu": device memory, "host": the host link; ignored without Engram layers)."""
+    """Bytes and FLOPs of one step in a dtype of ``itemsize`` bytes; ``tier``: where Engram rows come from."""
     h, t = cfg.hidden_size, shape.num_tokens
     counts = parameter_counts(cfg)
     read = sum(counts.values())
@@ -181,8 +178,8 @@ def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int
 def measure_ceilings(device: torch.device | str, dtype: torch.dtype, copy_bytes: int | None = None,
                      matmul_n: int | None = None,
                      timer: Callable[[Callable[[], object], torch.device], float] | None = None) -> Ceilings:
-    """Measure copy bandwidth, matmul rate and (CUDA) host-link bandwidth on ``device`` (sizes default to CUDA_* /
-    CPU_*); ``timer(fn, device)`` times one call (default ``_median_seconds``). Buffers are freed before returning."""
+    """Measure copy bandwidth, matmul rate and (CUDA) host-link bandwidth on ``device``; ``timer(fn, device)`` times one
+    call (default ``_median_seconds``)."""
     timer = timer or _median_seconds
     device = torch.device(device)
     on_cuda = device.type == "cuda"
@@ -213,8 +210,7 @@ def measure_ceilings(device: torch.device | str, dtype: torch.dtype, copy_bytes:
 
 
 def roofline(cost: StepCost, ceilings: Ceilings) -> tuple[float, str]:
-    """(seconds, bound): the largest of memory bytes / bandwidth, link bytes / link bandwidth (CUDA) and FLOPs / matmul
-    rate, named "memory", "link" or "compute"; on the CPU link bytes are memory bytes."""
+    """(seconds, "memory" | "link" | "compute"): the largest of the three times (CPU: link bytes are memory bytes)."""
     memory_bytes = cost.memory_bytes + (cost.link_bytes if ceilings.link_GBps is None else 0)
     terms = {"memory": memory_bytes / (ceilings.memory_GBps * 1e9),
              "compute": cost.flops / (ceilings.matmul_TFLOPs * 1e12)}

@@ -1,6 +1,6 @@
-"""``engram bench serve``: hold N concurrent streaming requests against a server for a fixed time. Starts ``engram
-serve`` on a free port (or uses ``--url``); ``--concurrency`` workers send streaming completions back to back for
-``--duration`` seconds, prompts from a request corpus (``--corpus``, default the committed
+"""``engram bench serve``: hold N concurrent streaming requests against a server for a fixed time. Starts
+``engram serve`` on a free port (or uses ``--url``); ``--concurrency`` workers send streaming completions back to back
+for ``--duration`` seconds, prompts from a request corpus (``--corpus``, default the committed
 bench/corpus/natural-v1.jsonl, checked) shuffled by ``--seed``. Reports errors, throughput and TTFT / TPOT percentiles
 as JSON (``--out``) and a table."""
 from __future__ import annotations
@@ -19,8 +19,7 @@ DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "bench" / "corpus" / "nat
 
 
 def corpus_prompts(path: str | os.PathLike | None = None, seed: int = 0) -> tuple[list[str], str]:
-    """Every prompt of the corpus at ``path`` (default ``DEFAULT_CORPUS``) in ``default_rng(seed).permutation`` order,
-    and the file's SHA-256; CorpusError naming the file (``load_corpus``)."""
+    """The corpus's prompts in ``default_rng(seed).permutation`` order, and its SHA-256 (checked by ``load_corpus``)."""
     from engram.bench.corpus import CorpusError, load_corpus
 
     path = Path(DEFAULT_CORPUS if path is None else path)
@@ -95,8 +94,7 @@ async def _worker(client, model: str, prompts: list[str], start: int, stride: in
 
 async def run_load(url: str, model: str, concurrency: int, duration: float, max_tokens: int,
                    prompts: list[str]) -> dict:
-    """Hold ``concurrency`` streams for ``duration`` seconds; worker w sends prompts w, w + concurrency, ...
-    (cycling through ``prompts``). Returns the counts, throughputs and latency percentiles."""
+    """Hold ``concurrency`` streams for ``duration`` seconds (worker w sends prompts w, w + concurrency, ...)."""
     import httpx
 
     if not prompts:

@@ -1,5 +1,4 @@
 """The Engram row accesses of a corpus served by a continuous-batching engine, one trace per Engram layer.
-
 ``serving_schedule``: at most ``concurrency`` requests at once, admitted in corpus order; a request admitted at step a
 prefills whole at a, then feeds continuation token i at step a + 1 + i. ``layer_traces``: each request is hashed from
 its own start, and like the engine's plan a step reads each distinct row once, ascending; each access also has its
@@ -75,8 +74,7 @@ def compressed_sequences(encoded: list[tuple[np.ndarray, np.ndarray]], ctok, dea
 
 
 def layer_traces(sequences: list[np.ndarray], schedule: ServingSchedule, hasher) -> list[LayerTrace]:
-    """One ``LayerTrace`` per Engram layer of ``hasher.cfg`` (an ``NgramHasher``) for compressed
-    ``sequences`` served by ``schedule``."""
+    """One ``LayerTrace`` per Engram layer of ``hasher.cfg`` for ``sequences`` served by ``schedule``."""
     import torch
 
     cfg = hasher.cfg

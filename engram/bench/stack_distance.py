@@ -1,17 +1,15 @@
-"""LRU stack distances of an access trace in one pass (Mattson et al., 1970), O(N log N), vectorized numpy.
-
-The stack distance of access t to row x is the number of distinct other rows accessed since x's previous access p (-1
-for a first access); an LRU cache of C rows hits t exactly when ``0 <= d[t] < C``, so one pass gives every size. ``d[t]
-= #{j < t: prev[j] < p} - (p + 1)``, a prefix count below a bound answered for all t at once by a wavelet matrix over
-``prev + 1``."""
+"""LRU stack distances of an access trace in one pass (Mattson et al., 1970), O(N log N), vectorized numpy. The stack
+distance of access t to row x is the number of distinct other rows accessed since x's previous access p (-1 for a first
+access); an LRU cache of C rows hits t exactly when ``0 <= d[t] < C``, so one pass gives every size.
+``d[t] = #{j < t: prev[j] < p} - (p + 1)``, a prefix count below a bound answered for all t at once by a wavelet matrix
+over ``prev + 1``."""
 from __future__ import annotations
 
 import numpy as np
 
 
 def reuse_index(trace: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(prev, dense) of a trace of non-negative ids: the index of the previous access (-1 first) and the id renumbered
-    0..D-1 ascending, both int64 [N]; ValueError naming a negative id."""
+    """(previous access index or -1, id renumbered 0..D-1 ascending), int64 [N]; ValueError naming a negative id."""
     trace = np.asarray(trace, dtype=np.int64)
     n = trace.size
     prev = np.full(n, -1, dtype=np.int64)
@@ -40,9 +38,8 @@ def previous_access(trace: np.ndarray) -> np.ndarray:
 
 
 def _count_below_in_prefix(values: np.ndarray, ends: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-    """``out[k] = #{j < ends[k]: values[j] < bounds[k]}`` for non-negative ``values``: a wavelet matrix walked by every
-    query at once, most significant bit first; where a bound's bit is 1 the range's zeros are counted and the query
-    follows the ones."""
+    """``out[k] = #{j < ends[k]: values[j] < bounds[k]}`` for non-negative ``values``: a wavelet matrix walked by all
+    queries at once, most significant bit first."""
     n = values.size
     dt = np.int32 if n < 2**30 else np.int64  # sums like zeros + position stay below 2**31
     cur = values.astype(dt)
@@ -71,8 +68,7 @@ def _count_below_in_prefix(values: np.ndarray, ends: np.ndarray, bounds: np.ndar
 
 
 def stack_distances(trace: np.ndarray, prev: np.ndarray | None = None) -> np.ndarray:
-    """LRU stack distance of every access (int64 [N]; -1 for a first access). ``prev`` may pass
-    ``previous_access(trace)`` when the caller has it."""
+    """LRU stack distance of every access (int64 [N], -1 first); ``prev``: ``previous_access(trace)`` if known."""
     if prev is None:
         prev = previous_access(trace)
     dist = np.full(prev.size, -1, dtype=np.int64)

@@ -256,9 +256,8 @@ def analyze(samples: dict[str, Sequence[float]], cfg: ABConfig, arms: dict[str, 
 
 def run_interleaved(a: Arm, b: Arm, cfg: ABConfig,
                     on_run: Callable[[Run], None] | None = None) -> ABResult:
-    """Run both arms (and the A/A control) interleaved as ``cfg`` says, then ``analyze``. Without restart each arm's
-    service starts once (A and A' share A's); with restart one service is up at a time, started fresh and warmed up at
-    every change of label."""
+    """Run both arms (and A') interleaved as ``cfg`` says, then ``analyze``; services start once, or with restart fresh
+    at every change of label (one up at a time)."""
     labels = arm_labels(cfg.aa)
     arm_of = {"A": a, AA_LABEL: a, "B": b}
     runs: list[Run] = []

@@ -1,9 +1,7 @@
-"""Incremental detokenization and stop strings, correct for streaming.
-
-Each new token is decoded inside a small window of the tokens before it (so context-dependent decoders give
-the text of decoding everything at once); text ending in an incomplete character (U+FFFD) waits for the next
-token. The last ``len(longest stop) - 1`` characters are held back from ``visible_text`` until they cannot
-start a stop."""
+"""Incremental detokenization and stop strings, correct for streaming. Each new token is decoded inside a small window
+of the tokens before it (so context-dependent decoders give the text of decoding everything at once); text ending in an
+incomplete character (U+FFFD) waits for the next token. The last ``len(longest stop) - 1`` characters are held back from
+``visible_text`` until they cannot start a stop."""
 from __future__ import annotations
 
 from tokenizers import Tokenizer

@@ -1,9 +1,7 @@
-"""LLMEngine (CPU side): the requests and what a step commits. Everything on a device lives in the Workers.
-
-The engine owns the scheduler, the sequences, lookup planning (row ids hashed on the CPU), the detokenizers
-and the outputs. ``step()`` is the inherited step pipeline (engine/stepping.py); here are ``add_request``,
-``abort_request``, ``stats()`` (the one snapshot metrics read) and ``_postprocess`` (a collected step's
-tokens, stop checks and RequestOutputs)."""
+"""LLMEngine (CPU side): the requests and what a step commits. Everything on a device lives in the Workers. The engine
+owns the scheduler, the sequences, lookup planning (row ids hashed on the CPU), the detokenizers and the outputs.
+``step()`` is the inherited step pipeline (engine/stepping.py); here are ``add_request``, ``abort_request``, ``stats()``
+(the one snapshot metrics read) and ``_postprocess`` (a collected step's tokens, stop checks and RequestOutputs)."""
 from __future__ import annotations
 
 import itertools

@@ -1,8 +1,7 @@
 """Executor: how the engine reaches its Workers. One method per direction, nothing model-specific.
-
 ``execute(step) -> StepResult`` (rank 0's), split into ``launch`` and ``collect`` for async scheduling;
-``takes_pending_tokens()`` says whether the Workers accept steps whose inputs are still on the device;
-``stats()`` gathers the Workers' counters. ``UniProcExecutor`` calls one in-process Worker directly."""
+``takes_pending_tokens()`` says whether the Workers accept steps whose inputs are still on the device; ``stats()``
+gathers the Workers' counters. ``UniProcExecutor`` calls one in-process Worker directly."""
 from __future__ import annotations
 
 from typing import Any

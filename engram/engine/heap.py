@@ -1,9 +1,7 @@
-"""The heap of a long-running engine process: start-up objects kept out of the cyclic collector.
-
-``freeze_startup_heap`` collects once and freezes what is alive (``gc.freeze``, as vLLM does), so a full
-collection walks only what the steps allocate instead of stalling the step loop. Frozen objects are never
-collected as cycles: call it only where the process is the engine's (``engram serve``, ``engram generate``);
-``thaw_heap`` before dropping a model that froze with them."""
+"""The heap of a long-running engine process: start-up objects kept out of the cyclic collector. ``freeze_startup_heap``
+collects once and freezes what is alive (``gc.freeze``, as vLLM does), so a full collection walks only what the steps
+allocate instead of stalling the step loop. Frozen objects are never collected as cycles: call it only where the process
+is the engine's (``engram serve``, ``engram generate``); ``thaw_heap`` before dropping a model that froze with them."""
 from __future__ import annotations
 
 import gc

@@ -203,9 +203,8 @@ class LookupExecutor:
         slabs = slabs or {}
         try:
             if patch is None or not self.takes_device_ids():
-                # host ids: the first layer's lookup, which the model needs at once, runs on this thread (no
-                # hand-off to its table's thread and back); the later layers' are submitted before it (their
-                # disk reads overlap it) or after it (reads_together)
+                # host ids: the first layer's lookup runs on this thread (no hand-off and back); the later layers'
+                # are submitted before it (reads_together) or after it
                 host_ids = (step.engram_row_ids if patch is None else early.wait() if early is not None else
                             self._host_ids(step, patch))
                 layers = list(host_ids)

@@ -62,8 +62,7 @@ def pack(batch: ScheduledBatch, pad_id: int = 0) -> PackedBatch:
     )
 
 
-# Step tensors are built through numpy: torch.tensor of a Python list is several times slower (a nested one
-# more), on every step's host time.
+# Step tensors are built through numpy: torch.tensor of a Python list costs several times the host time.
 def _ints(values, count: int = -1) -> torch.Tensor:
     """int64 [N] CPU tensor of an iterable of ints (``count`` when known)."""
     return torch.from_numpy(np.fromiter(values, dtype=np.int64, count=count))

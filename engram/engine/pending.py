@@ -1,9 +1,8 @@
-"""Tokens in flight (worker side of async scheduling): a step's inputs that the previous step sampled.
-
-The Worker keeps the last launched step's sampled ids (``remember``) and turns a description's ``pending_*``
-references into a ``PendingPatch`` of device tensors (rows, raw ids, Engram row ids finished by
-``NgramHasher.hash_pending``, DEAD flags). It is applied on the same stream after the inputs are uploaded and
-before anything reads them: no host synchronisation, and the rows equal what the engine would have planned."""
+"""Tokens in flight (worker side of async scheduling): a step's inputs that the previous step sampled. The Worker keeps
+the last launched step's sampled ids (``remember``) and turns a description's ``pending_*`` references into a
+``PendingPatch`` of device tensors (rows, raw ids, Engram row ids finished by ``NgramHasher.hash_pending``, DEAD flags).
+It is applied on the same stream after the inputs are uploaded and before anything reads them: no host synchronisation,
+and the rows equal what the engine would have planned."""
 from __future__ import annotations
 
 from dataclasses import dataclass

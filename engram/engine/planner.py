@@ -1,8 +1,7 @@
 """Lookup planning (engine side, CPU): which Engram rows a step needs, known before the first layer runs.
-
-``LookupPlanner.plan`` hashes the step's compressed ids, with each sequence's lookback, into a ``LookupPlan``:
-per Engram layer the row ids [T, n_cols] int64 CPU, and the host half of pending tokens' ids
-(``pending_partials``). Not deduplicated: the tiers that gain from it deduplicate inside the store."""
+``LookupPlanner.plan`` hashes the step's compressed ids, with each sequence's lookback, into a ``LookupPlan``: per
+Engram layer the row ids [T, n_cols] int64 CPU, and the host half of pending tokens' ids (``pending_partials``). Not
+deduplicated: the tiers that gain from it deduplicate inside the store."""
 from __future__ import annotations
 
 from dataclasses import dataclass

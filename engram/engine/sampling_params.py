@@ -1,10 +1,8 @@
-"""SamplingParams: how one request picks its tokens and when it stops, with vLLM's field names.
-
-Validated in ``__post_init__``. ``temperature == 0`` is greedy; ``seed`` gives the request its own random
-stream. ``n > 1`` is fanned out by ``LLM.generate`` and the server into n requests (``for_choice``).
-``logprobs``/``prompt_logprobs=k``: each token's logprob and the step's top-k. ``forced_token_ids``: decode
-samples as usual, then emits that continuation's next token (free past its end). ``stop`` strings are cut
-from the text."""
+"""SamplingParams: how one request picks its tokens and when it stops, with vLLM's field names. Validated in
+``__post_init__``. ``temperature == 0`` is greedy; ``seed`` gives the request its own random stream. ``n > 1`` is fanned
+out by ``LLM.generate`` and the server into n requests (``for_choice``). ``logprobs``/``prompt_logprobs=k``: each
+token's logprob and the step's top-k. ``forced_token_ids``: decode samples as usual, then emits that continuation's next
+token (free past its end). ``stop`` strings are cut from the text."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,9 +1,8 @@
-"""Continuous batching: which sequences run this step and how many of their tokens.
-
-A step spends at most ``max_num_batched_tokens`` over at most ``max_num_seqs`` sequences: running sequences
-first, oldest first, then waiting ones in arrival order, prompts chunked to the budget left. When KV blocks
-run out the newest running sequence is preempted by recompute and nothing is admitted that step. Batch
-composition depends on the requests alone, never on lookup timing."""
+"""Continuous batching: which sequences run this step and how many of their tokens. A step spends at most
+``max_num_batched_tokens`` over at most ``max_num_seqs`` sequences: running sequences first, oldest first, then waiting
+ones in arrival order, prompts chunked to the budget left. When KV blocks run out the newest running sequence is
+preempted by recompute and nothing is admitted that step. Batch composition depends on the requests alone, never on
+lookup timing."""
 from __future__ import annotations
 
 from collections import deque

@@ -1,9 +1,7 @@
-"""Sequence: one request's tokens, its KV blocks, its Engram state and its progress through the engine.
-
-``token_ids``: prompt + generated tokens the engine has read; ``num_pending`` more were sampled by steps in
-flight (at most two, on the device only) and the scheduler counts them. ``num_computed_tokens`` have K/V in
-the cache (or will, once launched steps run). Preemption by recompute drops the blocks; everything is rebuilt
-from the tokens when the sequence runs again."""
+"""Sequence: one request's tokens, its KV blocks, its Engram state and its progress through the engine. ``token_ids``:
+prompt + generated tokens the engine has read; ``num_pending`` more were sampled by steps in flight (at most two, on the
+device only) and the scheduler counts them. ``num_computed_tokens`` have K/V in the cache (or will, once launched steps
+run). Preemption by recompute drops the blocks; everything is rebuilt from the tokens when the sequence runs again."""
 from __future__ import annotations
 
 import enum

@@ -1,10 +1,8 @@
-"""Worker: everything on one device — model, KV cache, Engram tables, lookups, step runners, sampler.
-
-Driven only through ``execute(step) -> StepResult`` or its halves ``launch`` and ``collect`` (the step's one host
-synchronisation), reporting through ``stats()``; it never sees a Sequence or the scheduler. At start it opens its
-tables, sizes the KV cache (memory.py) and chooses its runners once (engine/runners/): unless ``enforce_eager``,
-``GraphRunner`` when every table gathers on the device, else ``PiecewiseRunner``, then the eager runner for every other
-step."""
+"""Worker: everything on one device — model, KV cache, Engram tables, lookups, step runners, sampler. Driven only
+through ``execute(step) -> StepResult`` or its halves ``launch`` and ``collect`` (the step's one host synchronisation),
+reporting through ``stats()``; it never sees a Sequence or the scheduler. At start it opens its tables, sizes the KV
+cache (memory.py) and chooses its runners once (engine/runners/): unless ``enforce_eager``, ``GraphRunner`` when every
+table gathers on the device, else ``PiecewiseRunner``, then the eager runner for every other step."""
 from __future__ import annotations
 
 import functools

@@ -1,7 +1,6 @@
 """EngramDecoder: a plain, single-device Llama/Qwen-style decoder with Engram before chosen layers' attention.
-
-``forward(step, kv) -> hidden [len(logits_indices), H]`` runs one engine step of packed tokens; ``compute_logits(hidden)
--> [N, vocab_size]`` float32. Parameter names are HF's plus ``model.layers.L.engram.*`` and
+``forward(step, kv) -> hidden [len(logits_indices), H]`` runs one engine step of packed tokens;
+``compute_logits(hidden) -> [N, vocab_size]`` float32. Parameter names are HF's plus ``model.layers.L.engram.*`` and
 ``model.layers.L.{attn,mlp}_hc.*``. The model never reads a table: each Engram layer asks ``step.engram_rows(L)``."""
 from __future__ import annotations
 

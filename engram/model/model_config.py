@@ -1,9 +1,7 @@
-"""ModelConfig: the shape of a dense decoder (Llama / Qwen2 / Qwen3) plus its Engram layout.
-
-Reads and writes those families' HF ``config.json`` fields (through ``hf_text_config``) and EngramConfig's ``engram_*``,
-plus ``hc_mult`` and ``kv_source_layer_ids`` (validated by ``sharing_fields.source_layer_ids``, the PP planner's rule
-and messages). DeepSeek-V4.1 attention fields are refused. Validated in ``__post_init__`` (ValueError naming field and
-value)."""
+"""ModelConfig: the shape of a dense decoder (Llama / Qwen2 / Qwen3) plus its Engram layout. Reads and writes those
+families' HF ``config.json`` fields (through ``hf_text_config``) and EngramConfig's ``engram_*``, plus ``hc_mult`` and
+``kv_source_layer_ids`` (validated by ``sharing_fields.source_layer_ids``, the PP planner's rule and messages).
+DeepSeek-V4.1 attention fields are refused. Validated in ``__post_init__`` (ValueError naming field and value)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,6 +1,5 @@
-"""Engram tables of a loaded model: where they are cached, how preset tables are made, how they open.
-
-Preset tables are ``convert_random`` tables generated once per (layer fingerprints, row dtype, seed) into
+"""Engram tables of a loaded model: where they are cached, how preset tables are made, how they open. Preset tables are
+``convert_random`` tables generated once per (layer fingerprints, row dtype, seed) into
 ``<cache>/tables/random-<key>/layer<L>``; checkpoint tables are ``convert_safetensors`` copies made once into
 ``<cache>/tables/<name>-<key>/layer_<L>``. Preset tables can instead be built in memory on tier gpu or host
 (``open_random_tables``), bitwise the cached files' rows."""

@@ -1,9 +1,8 @@
-"""Build table directories from checkpoints or from a seed, streaming (never the whole table in RAM).
-
-Sources: safetensors shards with the DeepSeek-V4.1 names ``[model.]layers.L.engram.embed.weight`` (F8_E4M3 [rows, dim])
-+ ``...embed.scale`` (F8_E8M0 [rows, dim/32]), read lazily slice by slice (BF16/F16/F32 weights stay that dtype, or
-MXFP8 with ``quantize="mxfp8"``; any tensor by name); or synthetic tables from (rows, dim, seed) whose bytes depend only
-on the arguments (valid E4M3, no NaN; scale bytes in [118, 125])."""
+"""Build table directories from checkpoints or from a seed, streaming (never the whole table in RAM). Sources:
+safetensors shards with the DeepSeek-V4.1 names ``[model.]layers.L.engram.embed.weight`` (F8_E4M3 [rows, dim]) +
+``...embed.scale`` (F8_E8M0 [rows, dim/32]), read lazily slice by slice (BF16/F16/F32 weights stay that dtype, or MXFP8
+with ``quantize="mxfp8"``; any tensor by name); or synthetic tables from (rows, dim, seed) whose bytes depend only on
+the arguments (valid E4M3, no NaN; scale bytes in [118, 125])."""
 from __future__ import annotations
 
 import collections

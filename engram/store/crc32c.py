@@ -1,9 +1,8 @@
-"""CRC32C (Castagnoli), the checksum of every page of ``values.bin`` (page_crc.py).
-
-``crc32c(data, crc=0)`` continues from ``crc`` like zlib.crc32; ``crc32c_pages(buf, page_size)`` gives uint32 [pages].
-The C implementation (csrc/crc32c.h, in engram.store._pread_pool: SSE4.2 or slicing-by-8) has a numpy fallback with the
-same values (one warning per process; ``set_backend("numpy")`` in tests). Not a PyPI package: the GPU machine installs
-with ``--no-deps`` offline, and the C file is built there anyway."""
+"""CRC32C (Castagnoli), the checksum of every page of ``values.bin`` (page_crc.py). ``crc32c(data, crc=0)`` continues
+from ``crc`` like zlib.crc32; ``crc32c_pages(buf, page_size)`` gives uint32 [pages]. The C implementation
+(csrc/crc32c.h, in engram.store._pread_pool: SSE4.2 or slicing-by-8) has a numpy fallback with the same values (one
+warning per process; ``set_backend("numpy")`` in tests). Not a PyPI package: the GPU machine installs with ``--no-deps``
+offline, and the C file is built there anyway."""
 from __future__ import annotations
 
 import functools

@@ -105,10 +105,8 @@ class SlabReads:
         except BaseException:
             cache_probe.signal(probe.flag, plan, ok=False)  # a piece waiting for it fails, not hangs
             raise
-        # the misses and their rows in the slab's pages: the slots themselves (pinned on CUDA, so admit_probed
-        # uploads them without a copy), which stay until this slab's next lookup; that lookup comes after
-        # admit_probed or drops what is pending first (above), and its read waits for admit_probed's upload
-        # (slab.done is recorded after it)
+        # the misses' slots in the slab's pages (pinned on CUDA: admit_probed uploads them without a copy) stay
+        # until this slab's next lookup, which comes after admit_probed or drops what is pending first (above)
         probe.pending = (uniq[miss_pos], slab.slots[:m], u)
         cache_probe.signal(probe.flag, plan)
 

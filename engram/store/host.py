@@ -72,11 +72,10 @@ class RowStaging:
 
 
 class HostTable(ResidentTable):
-    """A table in (pinned) host memory serving rows to ``device`` (default: the CUDA device, else the CPU).
-
-    "packed": ``values`` and ``scales`` are strided views of one buffer uint8 [rows, S] (S = ``packed_row_bytes``);
-    "split": two buffers. Loaded from the files (CRC-checked when ``options.verify``) or made by ``build``. ``route``:
-    the HostRoute; ``staging``: the RowStaging for missed rows and ``gather_raw``."""
+    """A table in (pinned) host memory serving rows to ``device`` (default: the CUDA device, else the CPU). "packed":
+    ``values`` and ``scales`` are strided views of one buffer uint8 [rows, S] (S = ``packed_row_bytes``); "split": two
+    buffers. Loaded from the files (CRC-checked when ``options.verify``) or made by ``build``. ``route``: the HostRoute;
+    ``staging``: the RowStaging for missed rows and ``gather_raw``."""
 
     tier = Tier.HOST
 

@@ -1,9 +1,7 @@
-"""``HostRoute``: how an uncached host-tier lookup reads its rows, decided once when the table opens.
-
-The kernel ("uva": Triton over UVA, needing CUDA, triton, pinned memory and rows on a GPU; else "reference": torch on
-the CPU) and the UVA routes' batch-size bands (StoreOptions) are fixed at open; a lookup costs one comparison. CPU ids
-stay there for the staged route and go to the GPU through pinned memory otherwise; GPU ids never take the staged route.
-"""
+"""``HostRoute``: how an uncached host-tier lookup reads its rows, decided once when the table opens. The kernel ("uva":
+Triton over UVA, needing CUDA, triton, pinned memory and rows on a GPU; else "reference": torch on the CPU) and the UVA
+routes' batch-size bands (StoreOptions) are fixed at open; a lookup costs one comparison. CPU ids stay there for the
+staged route and go to the GPU through pinned memory otherwise; GPU ids never take the staged route."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,8 +1,7 @@
-"""Row ids on their way into a lookup: their form and their range check.
-
-CPU ids are range-checked on the CPU and reach the GPU through pinned memory with ``non_blocking=True``, so neither
-makes the host wait. GPU ids are trusted (the engine's hashing yields ids below each table's size; checking would sync
-per lookup) unless ``StoreOptions.check_device_ids``."""
+"""Row ids on their way into a lookup: their form and their range check. CPU ids are range-checked on the CPU and reach
+the GPU through pinned memory with ``non_blocking=True``, so neither makes the host wait. GPU ids are trusted (the
+engine's hashing yields ids below each table's size; checking would sync per lookup) unless
+``StoreOptions.check_device_ids``."""
 from __future__ import annotations
 
 from typing import Any

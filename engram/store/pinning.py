@@ -1,8 +1,7 @@
-"""Page-locked (pinned) host copies of big tables, fast enough for tables of tens of gigabytes.
-
-``pin_tensor(t)`` returns a pinned copy of ``t`` when CUDA is available, else ``t``; ``pinned_empty_filled`` is the same
-with the caller writing the bytes. The memory is a fresh 2 MiB-aligned anonymous mapping advised for huge pages, filled
-by several threads, then registered with one ``cudaHostRegister`` (mapped + portable, for UVA; a copy may not span two
+"""Page-locked (pinned) host copies of big tables, fast enough for tables of tens of gigabytes. ``pin_tensor(t)``
+returns a pinned copy of ``t`` when CUDA is available, else ``t``; ``pinned_empty_filled`` is the same with the caller
+writing the bytes. The memory is a fresh 2 MiB-aligned anonymous mapping advised for huge pages, filled by several
+threads, then registered with one ``cudaHostRegister`` (mapped + portable, for UVA; a copy may not span two
 registrations), and unregistered when the last tensor viewing it is freed."""
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""Streaming table writer: rows go to disk chunk by chunk, never the whole table in RAM.
-
-``TableWriter`` fills a hidden temporary directory next to the target (CRCs and writes on background threads), writes
-manifest.json last, fsyncs and renames it into place: a crash leaves no table at the target. Temporary directories name
-their writer (``.NAME.partial-HOST-PID-N``, ``.NAME.old-HOST-PID-N``), so the next writer removes those of dead writers
+"""Streaming table writer: rows go to disk chunk by chunk, never the whole table in RAM. ``TableWriter`` fills a hidden
+temporary directory next to the target (CRCs and writes on background threads), writes manifest.json last, fsyncs and
+renames it into place: a crash leaves no table at the target. Temporary directories name their writer
+(``.NAME.partial-HOST-PID-N``, ``.NAME.old-HOST-PID-N``), so the next writer removes those of dead writers
 (``remove_stale_partials``). ``write_table`` writes in-memory tensors."""
 from __future__ import annotations
 
@@ -130,7 +129,6 @@ class _FileSink:
 
 class TableWriter:
     """Write one table of ``rows`` x ``dim`` ``row_dtype`` rows to ``directory`` in appended pieces.
-
     ``append(values, scales=None)``: values [n, dim] of the row dtype or raw bytes uint8 [n, value_bytes]; scales [n,
     dim/32] for mxfp8, referenced until IN_FLIGHT later appends return. A context manager (removes all on error) or
     ``finish()``; an existing table is replaced only once the new one is complete."""

@@ -15,9 +15,8 @@ from engram.model.layers.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
-# Only this thread's unsafe CUDA calls may break a capture: another thread's (a table's lookup finishing in
-# the background, which allocates pinned staging or copies to the device) would invalidate a "global"-mode
-# capture of another engine's graphs.
+# Only this thread's unsafe CUDA calls may break a capture: another thread's (a background lookup allocating
+# pinned staging) would invalidate a "global"-mode capture of another engine's graphs.
 CAPTURE_ERROR_MODE = "thread_local"
 
 
@@ -47,9 +46,8 @@ class DecodeInputs:
         self.n_cols, self.row_layers, self.pad_row_id = n_cols, list(row_layers), pad_row_id
         b = self.buckets[-1]
         # Every per-step input in one int64 buffer, [token ids | positions | KV lengths | slots | block tables |
-        # row ids per layer | the step's plan id], staged in pinned memory and copied with one non-blocking copy
-        # per step. Two pinned buffers take turns: with async scheduling a step is filled while the copy of the
-        # one before may still be queued; an event per buffer says when its copy has run.
+        # row ids per layer | plan id], one non-blocking copy a step from two pinned buffers taking turns (async
+        # scheduling fills a step while the copy before may be queued; an event per buffer says when it ran).
         n = b * (4 + self.max_blocks + n_cols * len(self.row_layers)) + 1
         self.host_in = [torch.zeros(n, dtype=torch.long).pin_memory() for _ in range(2)]
         self._copied = [torch.cuda.Event() for _ in range(2)]

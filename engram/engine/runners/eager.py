@@ -1,9 +1,7 @@
-"""The eager step runner: any step, its lookups staged by the lookup executor, then one forward of the model.
-
-``run`` uploads the step's CPU tensors (pinned, non-blocking), builds the attention layout from the host
-numbers (no read-back), serves the staged rows through ``engram_rows`` (checking the step) and returns logits
-[N, vocab]. The paper variant's conv state is kept here by sequence id: position 0 starts from zeros;
-``free`` drops finished sequences' state."""
+"""The eager step runner: any step, its lookups staged by the lookup executor, then one forward of the model. ``run``
+uploads the step's CPU tensors (pinned, non-blocking), builds the attention layout from the host numbers (no read-back),
+serves the staged rows through ``engram_rows`` (checking the step) and returns logits [N, vocab]. The paper variant's
+conv state is kept here by sequence id: position 0 starts from zeros; ``free`` drops finished sequences' state."""
 from __future__ import annotations
 
 import torch

@@ -1,7 +1,7 @@
 """Static hyper-connections (Zhu et al., 2024): ``hc_mult`` residual streams ``h [T, hc_mult, H]`` around each block.
-``collapse``: x = sum_k in_weight[k] * h[:, k]; ``expand``: h'[:, k] = sum_j res_weight[k, j] * h[:, j] + out_weight[k]
-* y. Initialised to a plain residual on one stream; with ``hc_mult == 1`` the decoder skips this module (exactly ``h +
-y``)."""
+``collapse``: x = sum_k in_weight[k] * h[:, k]; ``expand``: h'[:, k] = sum_j res_weight[k, j] * h[:, j] +
+out_weight[k] * y. Initialised to a plain residual on one stream; with ``hc_mult == 1`` the decoder skips this module
+(exactly h + y)."""
 from __future__ import annotations
 
 import torch

@@ -92,9 +92,8 @@ def _decode_split_kernel(Q, K, V, BT, SEQ, TOK, LENS, O, ML, scale, split_len,
         q = tl.load(Q + tok * s_qt + heads[:, None] * s_qh + c[None, :], mask=gmask[:, None] & cmask[None, :],
                     other=0.0)
         n = tl.arange(0, BLOCK_N)
-        # Program p of the launch's P computes splits p, p + P, ... of its sequence's own ceil(length /
-        # split_len): each split alone, in key order, as it would with one program per split; splits past the
-        # sequence's end are neither computed nor stored (the combine reads only the used ones).
+        # Program p of P computes splits p, p + P, ... of its sequence's own ceil(length / split_len), each alone in
+        # key order; splits past the sequence's end are neither computed nor stored (the combine skips them).
         for sp in range(tl.program_id(2), n_splits, tl.num_programs(2)):
             lo = sp * split_len
             hi = tl.minimum(lo + split_len, length)
