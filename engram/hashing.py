@@ -1,10 +1,9 @@
-"""N-gram hashing: compressed token ids -> global row ids of each Engram layer's table.
-
-At position p, column (order n, head h): R = XOR over s = 0..n-1 of id[p-s] * m[s]; row = R mod prime + column offset.
-Positions before the start use the compressed pad id; a DEAD token (-1) is sticky: once the lookback reaches it, that
-slot and every older one use the pad id, and at a DEAD position the gate is 0 (``dead_mask``). A chunked sequence
-carries a *lookback* (its last ``max_ngram_size - 1`` ids), so chunked hashing equals whole hashing. Products never
-overflow (multipliers <= (2**63-1) // compressed_vocab_size)."""
+"""N-gram hashing: compressed token ids -> global row ids of each Engram layer's table. At position p, column (order n,
+head h): R = XOR over s = 0..n-1 of id[p-s] * m[s]; row = R mod prime + column offset (multipliers <= (2**63-1) //
+compressed_vocab_size, so products never overflow). Positions before the start use the pad id; a DEAD token (-1) is
+sticky: once the lookback reaches it, that slot and every older one use the pad id, and the gate is 0 at it
+(``dead_mask``). A chunked sequence carries a lookback (its last max_ngram_size - 1 ids), so chunked hashing equals
+whole hashing."""
 from __future__ import annotations
 
 import functools
@@ -75,8 +74,7 @@ class NgramHasher:
 
     # ----------------------------------------------------------------- core
     def _undead(self, windows: torch.Tensor) -> torch.Tensor:
-        """windows [..., max_ngram] (slot s = position p - s) -> the ids each slot hashes: pad from the first DEAD slot
-        on."""
+        """windows [..., max_ngram] (slot s = position p - s) -> ids each slot hashes: pad from the first DEAD slot."""
         dead = (windows == DEAD).to(torch.int8).cummax(dim=-1).values.bool()  # slot s is dead if any slot <= s is
         return torch.where(dead, self.pad_id, windows)
 

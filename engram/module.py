@@ -129,8 +129,7 @@ class Engram(nn.Module):
                              f"got {dead_mask.dtype} {tuple(dead_mask.shape)}")
 
     def _forward_v41(self, x: torch.Tensor, kv: torch.Tensor, dead_mask: torch.Tensor | None) -> torch.Tensor:
-        """kv [T, (hc+1)*H]: the projected rows; the torch reference, routed on CUDA to one fused kernel where it can.
-        """
+        """kv [T, (hc+1)*H]: the projected rows; the torch reference, routed on CUDA to one fused kernel where it can"""
         from engram.model.layers import fused  # here, not at the top: engram.model imports this module
 
         if fused.engram_gate_fast(x, kv):

@@ -1,8 +1,7 @@
 """ShortConv of the paper variant and its explicit per-sequence decode state. ``ShortConv`` maps v' [T, hc_mult, H]
-(packed tokens of one or more sequences) to SiLU(conv(RMSNorm(v'))): a per-branch RMSNorm, then a depthwise causal
-Conv1d over hc_mult*H channels (``kernel_size``, dilation ``max_ngram_size``, no bias). A ``ShortConvState`` holds each
-sequence's last L = (kernel-1)*dilation post-norm inputs, so whole, chunked and token-by-token runs give the same
-numbers."""
+(packed sequences) to SiLU(conv(RMSNorm(v'))): a per-branch RMSNorm, then a depthwise causal Conv1d over hc_mult*H
+channels (``kernel_size``, dilation ``max_ngram_size``, no bias). A ``ShortConvState`` holds each sequence's last L =
+(kernel-1)*dilation post-norm inputs, so whole, chunked and token-by-token runs give the same numbers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -154,8 +153,7 @@ class ShortConv(nn.Module):
         self.norms = nn.ModuleList(nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps) for _ in range(cfg.hc_mult))
 
     def forward(self, x: torch.Tensor, state: ShortConvState | None = None) -> torch.Tensor:
-        """x [T, hc_mult, H] -> same; ``state`` None: one whole sequence, else ``state.num_seqs`` packed ones (updated).
-        """
+        """x [T, hc_mult, H] -> same; ``state`` None: one whole sequence, else ``state.num_seqs`` packed (updated)"""
         if x.dim() != 3 or x.shape[1:] != (self.hc_mult, self.hidden_size):
             raise ValueError(f"ShortConv input has shape {tuple(x.shape)}, "
                              f"expected [T, {self.hc_mult}, {self.hidden_size}]")

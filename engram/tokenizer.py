@@ -1,8 +1,7 @@
 """CompressedTokenizer: maps raw token ids onto a smaller id space where tokens that normalize to the same text share
-one id ("Hello"/" hello"). Each token is decoded alone and keyed by its NFKC/NFD/StripAccents/Lowercase,
-whitespace-collapsed, stripped text (see ``token_key``); new ids follow first appearance over ascending raw ids. The map
-is cached on disk by a SHA-256 of the tokenizer (and MAP_VERSION) with a checksum; a cache that fails to load or check
-is rebuilt with a warning."""
+one id ("Hello"/" hello"). Each token is decoded alone and keyed by ``token_key``; new ids follow first appearance over
+ascending raw ids. The map is cached on disk by a SHA-256 of the tokenizer (and MAP_VERSION) with a checksum; a cache
+that fails to load or check is rebuilt with a warning."""
 from __future__ import annotations
 
 import hashlib

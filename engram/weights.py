@@ -1,8 +1,7 @@
 """Load an ``Engram`` module's weights from a checkpoint state dict (or safetensors files). V4.1 names (prefix
 ``layers.L.engram.``): ``wkv.weight`` [(hc+1)*H, n_cols*head_dim] in bf16/fp32, or FP8 E4M3 with ``wkv.scale``
 [ceil(out/32), ceil(in/32)] block scales, dequantized to float32 at load (exact); ``q_weight``, ``k_weight`` [hc, H].
-Paper names match the module's. Table tensors (``embed.*``, ``multi_head_embedding.*``) are skipped and reported: the
-table lives in ``engram.store``."""
+Table tensors (``embed.*``, ``multi_head_embedding.*``) are skipped and reported: tables live in ``engram.store``."""
 from __future__ import annotations
 
 import os

@@ -1,7 +1,6 @@
 """``engram bench ab``: A/B any two shell commands that print a number, interleaved, with an A/A control. A sample is
-one run: the last non-empty stdout line as a number, a JSON field (``--field``) or the wall time (``--wall-time``). An
-arm may have a background service (``--a-setup``/``--b-setup``), started once or per block with ``--restart``.
-Statistics: engram.bench.stats."""
+one run: the last stdout line as a number, a JSON field (``--field``) or the wall time (``--wall-time``). An arm may
+have a background service (``--a-setup``/``--b-setup``), restarted per block with ``--restart``."""
 from __future__ import annotations
 
 import argparse

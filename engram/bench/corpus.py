@@ -238,8 +238,7 @@ def write_corpus(corpus: Corpus, path: str | os.PathLike) -> str:
 
 
 def load_corpus(path: str | os.PathLike, sha256: str | None = None) -> Corpus:
-    """Read a corpus file after checking its SHA-256 (``sha256``, else the recorded one); CorpusError naming the file.
-    """
+    """Read a corpus file after checking its SHA-256 (``sha256``, else the recorded one); CorpusError names the file."""
     path = Path(path)
     if sha256 is None:
         sums = checksum_path(path)

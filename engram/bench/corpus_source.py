@@ -34,8 +34,8 @@ def stdlib_root() -> Path:
 
 
 def stdlib_files(root: str | os.PathLike | None = None) -> list[str]:
-    """Sorted relative ``.py`` paths under ``root`` (default ``stdlib_root()``) minus ``EXCLUDED_DIRS``; ValueError if
-    none."""
+    """Sorted relative ``.py`` paths under ``root`` (default ``stdlib_root()``) but EXCLUDED_DIRS; ValueError if none.
+    """
     base = Path(root) if root is not None else stdlib_root()
     found: list[str] = []
     for d, dirs, files in os.walk(base):

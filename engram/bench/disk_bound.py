@@ -1,7 +1,6 @@
-"""The disk arms of ``engram bench placement``: the disk's raw random 4 KiB read rate (``measure_raw_reads``, through
-the tier's own pool at the step's depth, around the samples since it drifts) and the bound a disk step is held to
-(``add_bounds``): bound_ms = host-tier step ms + read ops per step / raw read ops/s x 1000, target ratio <=
-``BOUND_FACTOR``."""
+"""The disk arms of ``engram bench placement``: the disk's raw random 4 KiB read rate (``measure_raw_reads``, at the
+step's depth, around the samples since it drifts) and the bound a disk step is held to (``add_bounds``): host-tier step
+ms + read ops per step / raw read ops/s x 1000, target ratio <= ``BOUND_FACTOR``."""
 from __future__ import annotations
 
 import itertools
@@ -82,8 +81,7 @@ def _median(xs: list):
 
 
 def disk_summary(arm: ArmSpec, records: list[dict], labels: tuple, raw: dict, fresh: bool, placement: str) -> dict:
-    """A disk arm in one comparison: hit rates cold and warm, read ops, step ms, the raw rate (bounds: ``add_bounds``).
-    """
+    """A disk arm in one comparison: hit rates cold and warm, read ops, step ms, the raw rate (bounds: add_bounds)."""
     mine = [r for r in records if r["label"] in labels]
     warmups = [r for r in mine if r["round"] < 0]
     recorded = [r for r in mine if r["round"] >= 0]
@@ -106,10 +104,9 @@ def disk_summary(arm: ArmSpec, records: list[dict], labels: tuple, raw: dict, fr
 
 
 def add_bounds(comparisons: list[dict], ab_cfg: stats.ABConfig | None = None) -> None:
-    """For every disk arm, the bound against a host-tier arm at the same batch (its comparison's other arm when on the
-    host tier, else the first such B): bound_ms = host step ms + read ops per step / raw read ops/s x 1000 (medians),
-    ratio = disk step ms / bound_ms, target_met = ratio <= BOUND_FACTOR; without a host-tier arm the fields stay None
-    and ``bound_note`` says why."""
+    """For every disk arm, the bound against a host-tier arm at the same batch (its comparison's other one, else the
+    first host-tier B): bound_ms = host step ms + read ops per step / raw read ops/s x 1000, ratio = disk step ms /
+    bound_ms, target_met = ratio <= BOUND_FACTOR; without one the fields stay None (``bound_note`` says why)."""
     for c in comparisons:
         for label, d in c.get("disk", {}).items():
             other = "B" if label == "A" else "A"
@@ -142,8 +139,7 @@ def add_bounds(comparisons: list[dict], ab_cfg: stats.ABConfig | None = None) ->
 
 
 def _held_to(ratios: list[float], ab_cfg: stats.ABConfig | None) -> tuple[float, list[float], str]:
-    """Step ÷ bound ratios -> median, bootstrap interval, and "met" / "missed" / "undecided" against ``BOUND_FACTOR``.
-    """
+    """Step ÷ bound ratios -> median, bootstrap interval, and "met" / "missed" / "undecided" vs ``BOUND_FACTOR``."""
     lo, hi = stats.median_ci(ratios, ab_cfg or stats.ABConfig())
     return _median(ratios), [lo, hi], "met" if hi <= BOUND_FACTOR else "missed" if lo > BOUND_FACTOR else "undecided"
 

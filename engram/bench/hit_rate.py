@@ -1,10 +1,8 @@
-"""``engram bench hit-rate``: hot-row cache hit rate against its size, on natural text, per Engram layer.
-
-Per case (layout, tokenizer) the corpus is served (serving_trace.py) and hashed into one row trace per layer, counting
-distinct rows per step as the cache does. On each trace: LRU at every size from stack distances (stack_distance.py) and,
-with ``--rowcache``, the engine's ``RowCache``; cold and warm (after ``--warmup``), by n-gram order, against the
-infinite cache; and distinct rows per token as the text grows. A tokenizer whose compressed vocabulary differs gets the
-layout with its own (both recorded)."""
+"""``engram bench hit-rate``: hot-row cache hit rate against its size, on natural text, per Engram layer. Per case
+(layout, tokenizer) the corpus is served (serving_trace.py) and hashed into one row trace per layer (distinct rows per
+step, as the cache counts). On each trace: LRU at every size (stack_distance.py) and, with ``--rowcache``, the engine's
+``RowCache``; cold and warm, by n-gram order, against the infinite cache; and distinct rows per token as the text grows.
+A tokenizer with another compressed vocabulary gets the layout with its own."""
 from __future__ import annotations
 
 import argparse

@@ -1,5 +1,4 @@
 """Roofline of one engine step: the least time its bytes and FLOPs allow at ceilings measured on the machine.
-
 ``step_cost`` counts a ``StepShape`` as a lower bound: every weight once (an untied embedding only the step's rows), K/V
 read for every layer's KV length and written for the new tokens, T x n_cols Engram rows per layer as stored (over the
 host link on tier "host"); FLOPs of the projections, the LM head over sampling rows and causal attention.

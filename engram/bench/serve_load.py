@@ -1,8 +1,7 @@
-"""``engram bench serve``: hold N concurrent streaming requests against a server for a fixed time. Starts
-``engram serve`` on a free port (or uses ``--url``); ``--concurrency`` workers send streaming completions back to back
-for ``--duration`` seconds, prompts from a request corpus (``--corpus``, default the committed
-bench/corpus/natural-v1.jsonl, checked) shuffled by ``--seed``. Reports errors, throughput and TTFT / TPOT percentiles
-as JSON (``--out``) and a table."""
+"""``engram bench serve``: hold N concurrent streaming requests against a server for a fixed time: ``engram serve`` on a
+free port (or ``--url``), ``--concurrency`` workers sending completions back to back for ``--duration`` seconds, prompts
+from a checked corpus (``--corpus``, default bench/corpus/natural-v1.jsonl) shuffled by ``--seed``. Reports errors,
+throughput and TTFT / TPOT percentiles as JSON (``--out``) and a table."""
 from __future__ import annotations
 
 import argparse

@@ -1,8 +1,7 @@
 """The Engram row accesses of a corpus served by a continuous-batching engine, one trace per Engram layer.
-``serving_schedule``: at most ``concurrency`` requests at once, admitted in corpus order; a request admitted at step a
-prefills whole at a, then feeds continuation token i at step a + 1 + i. ``layer_traces``: each request is hashed from
-its own start, and like the engine's plan a step reads each distinct row once, ascending; each access also has its
-n-gram order."""
+``serving_schedule``: at most ``concurrency`` requests at once, in corpus order; a request admitted at step a prefills
+whole at a, then feeds continuation token i at step a + 1 + i. ``layer_traces``: like the engine's plan, a step reads
+each distinct row once, ascending; each access also has its n-gram order."""
 from __future__ import annotations
 
 import heapq

@@ -1,8 +1,7 @@
-"""LRU stack distances of an access trace in one pass (Mattson et al., 1970), O(N log N), vectorized numpy. The stack
-distance of access t to row x is the number of distinct other rows accessed since x's previous access p (-1 for a first
-access); an LRU cache of C rows hits t exactly when ``0 <= d[t] < C``, so one pass gives every size.
-``d[t] = #{j < t: prev[j] < p} - (p + 1)``, a prefix count below a bound answered for all t at once by a wavelet matrix
-over ``prev + 1``."""
+"""LRU stack distances of an access trace in one pass (Mattson et al., 1970), O(N log N), vectorized numpy: access t to
+row x has distance d[t] = the distinct other rows accessed since x's previous access p (-1 for a first), so an LRU cache
+of C rows hits t exactly when 0 <= d[t] < C. d[t] = #{j < t: prev[j] < p} - (p + 1), a prefix count below a bound
+answered for all t at once by a wavelet matrix over prev + 1."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,10 +1,9 @@
-"""Interleaved A/B runs with an A/A control, bootstrap confidence intervals and honest verdicts.
-
-Arms run in rounds of A, A' (A again: the A/A control), B; order "abba" reverses every other round, so a block of two
-rounds is a palindrome that cancels a linear drift ("abab" does not). Each block gives a ratio mean(B)/mean(A); the
-estimate is their median, its CI the percentile interval over blocks resampled with a seeded Generator. A B/A difference
-is reported only when its CI lies outside the A/A envelope [-f, +f], f = max |A/A CI bound|, else "no difference
-detectable"; an A/A CI excluding 0 warns that the machine is unstable."""
+"""Interleaved A/B runs with an A/A control, bootstrap confidence intervals and honest verdicts. Arms run in rounds of
+A, A' (A again: the A/A control), B; order "abba" reverses every other round, so a block of two rounds is a palindrome
+that cancels a linear drift ("abab" does not). Each block gives a ratio mean(B)/mean(A); the estimate is their median,
+its CI the percentile interval over blocks resampled with a seeded Generator. A B/A difference is reported only when its
+CI lies outside the A/A envelope [-f, +f], f = max |A/A CI bound|, else "no difference detectable"; an A/A CI excluding
+0 warns that the machine is unstable."""
 from __future__ import annotations
 
 import time

@@ -35,8 +35,7 @@ class IncrementalDetokenizer:
         self.resolve(self._decode(prefix_ids), self._decode(new_ids))
 
     def push(self, token_id: int) -> tuple[list[int], list[int]]:
-        """Append one token -> the two windows (before it, with it) whose decodes ``resolve`` takes (batched per step).
-        """
+        """Append one token -> the two windows (before it, with it) whose decodes ``resolve`` takes (batched a step)."""
         if self.stopped_by is not None:
             raise RuntimeError("add_token after a stop string matched")
         self._ids.append(int(token_id))

@@ -1,7 +1,6 @@
 """``engram.LLM``: load a model (preset or checkpoint) and generate, vLLM style.
 ``LLM(model, tier, dtype, engram_config, **engine_options)`` loads through ``load_model`` and builds an LLMEngine;
-``generate`` returns RequestOutputs in prompt order. ``engram_config``: the runtime keys of ``--engram-config``
-(model/options.py); engine options are EngineConfig fields."""
+``generate`` returns RequestOutputs in prompt order. ``engram_config``: ``--engram-config`` keys (model/options.py)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,5 +1,4 @@
 """Lookup execution (worker side): a step's planned Engram row ids -> rows staged for the model.
-
 ``LookupExecutor.submit(step)`` hands each layer's row ids to its table and returns ``StagedRows`` ([T, n_cols,
 head_dim] per layer, tagged with the step id). With a lookup stream (``lookup_overlap``) the gathers and each layer's
 projection run on it and a consumer waits for its own layer's event; over host-read tables the first lookup runs when
@@ -106,9 +105,8 @@ class ChainedLookups:
 
 
 def first_then_later(gather_first, submit_later, later: dict):
-    """``gather_first()``, with ``submit_later()``'s handles put into ``later`` right before its first disk read on
-    this thread (``reader.on_read_start``; a hook set before runs after them), or after it returned when it read
-    nothing on this thread."""
+    """``gather_first()``, with ``submit_later()``'s handles put into ``later`` right before its first disk read here
+    (``reader.on_read_start``; an earlier hook runs after), or after it returned if it read nothing here."""
     submitted = False
     before = None
 

@@ -1,10 +1,9 @@
-"""Lookup stream (worker side, CUDA): a step's Engram gathers run on their own stream, one event per layer.
-
-With ``lookup_overlap`` the lookup executor and the decode graphs fork this stream from the main stream, issue every
-layer's gather on it and record one event per layer; the consuming layer waits on its layer's event just before reading,
-so it never reads unwritten rows. In a capture the stream is a graph branch joined at each consumer; eager allocations
-are handed to the main stream (``record_stream``). ``exposed_seconds()`` sums how long eager consumers waited.
-Test-only: ``DELAY_CYCLES`` spins the stream first, ``DROP_WAIT`` skips waits."""
+"""Lookup stream (worker side, CUDA): a step's Engram gathers run on their own stream, one event per layer. With
+``lookup_overlap`` the lookup executor and the decode graphs fork this stream from the main stream, issue every layer's
+gather on it and record one event per layer; the consuming layer waits on its layer's event just before reading, so it
+never reads unwritten rows. In a capture the stream is a graph branch joined at each consumer; eager allocations are
+handed to the main stream (``record_stream``). ``exposed_seconds()`` sums how long eager consumers waited. Test-only:
+``DELAY_CYCLES`` spins the stream first, ``DROP_WAIT`` skips waits."""
 from __future__ import annotations
 
 import contextlib
@@ -49,8 +48,7 @@ class LookupStream:
             self._timed[layer_id].record(self.stream)
 
     def wait(self, layer_id: int, *tensors: torch.Tensor) -> None:
-        """Make the current stream wait for ``layer_id``'s rows; ``tensors`` (eager allocations) are marked used by it.
-        """
+        """Make the current stream wait for ``layer_id``'s rows; ``tensors`` (eager allocations) are marked used."""
         main = torch.cuda.current_stream(self.device)
         done = self._timed.pop(layer_id, None)
         if done is not None and not torch.cuda.is_current_stream_capturing():
@@ -72,8 +70,7 @@ class LookupStream:
         torch.cuda.current_stream(self.device).wait_event(end)
 
     def exposed_seconds(self) -> float:
-        """Seconds eager consumers waited for their lookups, over event pairs that have both run (the rest count later).
-        """
+        """Seconds eager consumers waited for their lookups, over event pairs that both ran (the rest count later)."""
         pending = []
         for consumer, done in self._pairs:
             if consumer.query() and done.query():

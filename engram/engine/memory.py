@@ -86,8 +86,7 @@ def warmup_step(cfg: EngineConfig, ecfg, block_size: int) -> StepDescription:
 
 
 def profile_peak_bytes(worker, bytes_per_block: int) -> int:
-    """``warmup_step``'s peak CUDA bytes beyond what existed (over a scratch KV cache); table counters are reset after.
-    """
+    """``warmup_step``'s peak CUDA bytes beyond what existed (scratch KV cache); table counters are reset after."""
     step = warmup_step(worker.config, worker.ecfg, worker.config.block_size)
     blocks = int(step.block_tables.max()) + 1
     kv = KVCache.for_model(worker.model_config, blocks, worker.config.block_size, worker.dtype, worker.device)

@@ -1,10 +1,8 @@
-"""Sampler (worker side): logits of the sequences that reached their last token -> one token each.
-
-Greedy rows (temperature 0) take the argmax; others are scaled, cut to top-k/top-p and drawn by the
-exponential race (argmax of p / Exp(1)). A seeded row's Exp(1) draws are a hash of (seed, draw, token id), so
-its tokens depend neither on the batch, preemption nor process; unseeded rows share the sampler's generator.
-``banned_token_ids`` are masked first; a forced token is emitted after sampling as usual. Per-row parameters
-reach the device through pinned non-blocking copies: sampling never waits for the GPU."""
+"""Sampler (worker side): logits of the sequences that reached their last token -> one token each. Greedy rows
+(temperature 0) take the argmax; others are scaled, cut to top-k/top-p and drawn by the exponential race (argmax of p /
+Exp(1)). A seeded row's Exp(1) draws hash (seed, draw, token id), so its tokens depend neither on the batch, preemption
+nor process. ``banned_token_ids`` are masked first; a forced token is emitted after sampling as usual. Per-row
+parameters reach the device through pinned non-blocking copies: sampling never waits for the GPU."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,8 +1,7 @@
 """Continuous batching: which sequences run this step and how many of their tokens. A step spends at most
 ``max_num_batched_tokens`` over at most ``max_num_seqs`` sequences: running sequences first, oldest first, then waiting
 ones in arrival order, prompts chunked to the budget left. When KV blocks run out the newest running sequence is
-preempted by recompute and nothing is admitted that step. Batch composition depends on the requests alone, never on
-lookup timing."""
+preempted by recompute and nothing is admitted that step; lookup timing never matters."""
 from __future__ import annotations
 
 from collections import deque
@@ -56,8 +55,7 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def schedule(self, hold: Callable[[Sequence], bool] | None = None) -> ScheduledBatch:
-        """The next step; running sequences ``hold`` is true for sit it out (a token in flight certain to be the last).
-        """
+        """The next step; running sequences ``hold`` is true for sit it out (a token in flight certainly their last)."""
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         i = 0

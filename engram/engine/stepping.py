@@ -117,8 +117,7 @@ class StepPipeline:
                                                and total - seq.num_prompt_tokens >= p.max_tokens)
 
     def _collect_or_rerun(self, launched: "Launched") -> list[RequestOutput]:
-        """Read a launched step; on failure drop the step launched after it and re-run this batch, isolating failures.
-        """
+        """Read a launched step; on failure drop the step launched after it, re-run this batch isolating failures."""
         try:
             return self._collect(launched)
         except Exception as e:
@@ -205,8 +204,7 @@ class StepPipeline:
             launched.batch.seqs[i].num_pending -= 1
 
     def _run_isolating(self, batch: ScheduledBatch, failed: list[str]) -> list[RequestOutput]:
-        """Re-run a failed batch in halves; a single sequence that still fails stays uncommitted, its id in ``failed``.
-        """
+        """Re-run a failed batch in halves; a sequence failing alone stays uncommitted, its id in ``failed``."""
         if len(batch.seqs) == 1:
             try:
                 return self._run(batch)

@@ -92,8 +92,7 @@ class Worker:
         return self.device.type == "cuda" and c.num_kv_blocks is None and c.kv_cache_memory is None
 
     def _graph_runner(self, max_model_len: int, progress: bool | None) -> StepRunner:
-        """Decided once: one graph per bucket when every table gathers on the device, else pieces cut at Engram layers.
-        """
+        """Decided once: one graph a bucket when every table gathers on the device, else pieces cut at Engram layers."""
         c = self.config
         shape = dict(max_batch=min(c.max_num_seqs, c.max_graph_batch), max_model_len=max_model_len,
                      block_size=c.block_size, null_block=self.memory.num_blocks, device=self.device, progress=progress)

@@ -53,8 +53,7 @@ class StepInputs:
 def make_step_inputs(chunks: list[list[int]], past_lens: list[int], block_tables: list[list[int]],
                      block_size: int, engram_rows: Callable[[int], torch.Tensor] | None,
                      device: torch.device | str = "cpu", **extra: Any) -> StepInputs:
-    """Pack one step from lists (tests, simple drivers): sequence s feeds ``chunks[s]`` after ``past_lens[s]`` tokens.
-    """
+    """Pack one step from lists (tests, drivers): sequence s feeds ``chunks[s]`` after ``past_lens[s]`` tokens."""
     if not len(chunks) == len(past_lens) == len(block_tables):
         raise ValueError(f"chunks ({len(chunks)}), past_lens ({len(past_lens)}) and block_tables "
                          f"({len(block_tables)}) must describe the same sequences")

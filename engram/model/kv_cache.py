@@ -38,7 +38,7 @@ class KVCache:
 
     def write(self, layer_id: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               keep: torch.Tensor | None = None) -> None:
-        """Store k, v [T, n_kv, hd] at flat slots [T]; ``keep`` (token rows) restricts it, None writes all (all valid).
+        """Store k, v [T, n_kv, hd] at flat slots [T]; ``keep`` (token rows) restricts it, None: all rows (all valid).
         """
         self._check(layer_id)
         if keep is not None:

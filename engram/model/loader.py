@@ -1,7 +1,6 @@
 """load_model / save_model: a preset or an HF-style checkpoint directory (``config.json``, ``*.safetensors``,
 ``tokenizer.json``) -> a ready LoadedModel. Tables are converted once into the cache directory (tables.py) and opened by
-the Worker (``LoadedModel.open_tables``), or built in memory for presets. Pickled weights are refused; errors name the
-tensor and both shapes."""
+the Worker (``LoadedModel.open_tables``). Pickled weights are refused; errors name tensor and shapes."""
 from __future__ import annotations
 
 import json
@@ -125,8 +124,7 @@ def _load_preset(name, tier, dtype, device, opts, cache_dir, progress) -> Loaded
 def random_model(cfg: ModelConfig, tier: str = "gpu", dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", seed: int = 0, cache_dir=None, opts=None,
                  progress: bool = True) -> LoadedModel:
-    """Any ModelConfig with deterministic random weights and tables and the built-in tokenizer (``opts``:
-    RuntimeOptions)."""
+    """Any ModelConfig with deterministic random weights and tables, built-in tokenizer (``opts``: RuntimeOptions)."""
     in_memory = opts is not None and opts.tables_in_memory
     if in_memory:
         opts.tier(tier)  # tier "disk" is refused before anything is built
@@ -170,8 +168,7 @@ def _read_json(path: Path) -> dict:
 
 @torch.no_grad()
 def _load_weights(model: EngramDecoder, files: list[Path]) -> None:
-    """Copy every decoder/Engram tensor into ``model``, tables skipped; ValueError naming missing, unexpected or
-    mis-shaped tensors."""
+    """Copy every decoder/Engram tensor into ``model`` (not the tables); ValueError naming a bad or missing tensor."""
     from safetensors import safe_open
 
     from engram.weights import load_engram_weights

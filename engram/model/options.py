@@ -45,8 +45,7 @@ class RuntimeOptions:
         return cls(store=StoreOptions.from_dict(options), **own)
 
     def tier(self, tier: str) -> str:
-        """The tier: "host" for ``cpu_offload`` unless another was chosen; ValueError for ``tables_in_memory`` on
-        "disk"."""
+        """The tier: "host" for ``cpu_offload`` unless one was chosen; ValueError for ``tables_in_memory`` on "disk"."""
         tier = "host" if self.cpu_offload and tier == "gpu" else tier
         if self.tables_in_memory and tier == "disk":
             raise ValueError("engram_config.tables_in_memory=true: tier 'disk' serves tables from their files; "

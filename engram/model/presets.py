@@ -1,8 +1,7 @@
 """Built-in model presets and their deterministic random weights. ``tiny`` (CPU tests; 4 layers, hc_mult 2, Engram at
 [1, 3]), ``small`` (~100 M parameters), ``4b-like`` / ``8b-like`` (Qwen3-4B / 8B dense shapes, Engram at [1, 15],
-V4.1-shaped MXFP8 tables, Qwen3's padded 151936-row vocab). Weights are a pure function of preset and seed (and, for the
-large ones drawn on the target device, of the device type): each parameter has its own generator seeded by the seed and
-its name."""
+V4.1-shaped MXFP8 tables, Qwen3's padded vocab). Weights are a pure function of preset and seed (and, for the large ones
+drawn on the device, of its type): each parameter has a generator seeded by the seed and its name."""
 from __future__ import annotations
 
 import zlib

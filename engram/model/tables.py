@@ -1,8 +1,7 @@
 """Engram tables of a loaded model: where they are cached, how preset tables are made, how they open. Preset tables are
 ``convert_random`` tables generated once per (layer fingerprints, row dtype, seed) into
 ``<cache>/tables/random-<key>/layer<L>``; checkpoint tables are ``convert_safetensors`` copies made once into
-``<cache>/tables/<name>-<key>/layer_<L>``. Preset tables can instead be built in memory on tier gpu or host
-(``open_random_tables``), bitwise the cached files' rows."""
+``<cache>/tables/<name>-<key>/layer_<L>``. Presets may instead build them in memory (``open_random_tables``)."""
 from __future__ import annotations
 
 import functools
@@ -142,8 +141,7 @@ def open_tables(dirs: dict[int, Path], cfg: EngramConfig, tier: str = "gpu", dev
 
 def convert_checkpoint_tables(checkpoint: Path, dirs: dict[int, Path], cfg: EngramConfig,
                               progress: bool = True) -> None:
-    """Convert the missing tables of ``dirs`` (one parent) from the checkpoint's safetensors; add page checksums to
-    format-1 ones."""
+    """Convert the missing tables of ``dirs`` (one parent) from the checkpoint; page checksums added to format 1."""
     todo = [lid for lid, d in dirs.items() if not (d / MANIFEST).is_file()]
     for lid, d in dirs.items():
         if lid not in todo:

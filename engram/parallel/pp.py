@@ -1,10 +1,8 @@
 """Pipeline-parallel planner: split a decoder's layers into PP stages without cutting a sharing edge.
-
-``plan_pipeline(config, pp)`` is a pure function of its inputs, so every rank computes the same plan without
-communicating: among cuts no ``pp_graph.sharing_graph`` edge crosses, the pp-1 that minimise the largest stage cost
-(ties: smallest sum of squares, then earliest). An explicit partition (argument, else ``ENGRAM_PP_LAYER_PARTITION``) is
-used as given or refused with NotImplementedError listing the crossing edges and a suggestion. ``local_allocation`` says
-which layers' caches a stage allocates."""
+``plan_pipeline(config, pp)`` is a pure function of its inputs, so every rank computes the same plan: among cuts no
+``pp_graph.sharing_graph`` edge crosses, the pp-1 minimising the largest stage cost (ties: smallest sum of squares, then
+earliest). An explicit partition (argument, else ``ENGRAM_PP_LAYER_PARTITION``) is used as given or refused with
+NotImplementedError naming the crossing edges and a suggestion."""
 from __future__ import annotations
 
 import math
@@ -241,8 +239,7 @@ def plan_pipeline(config: str | os.PathLike | dict | SharingGraph, pp: int,
 
 # ------------------------------------------------------------------------------------- allocation
 def local_allocation(plan: PipelinePlan, stage: int) -> StageAllocation:
-    """Caches and buffers stage ``stage`` allocates: only its own layers' (a valid plan keeps sources with consumers).
-    """
+    """Caches and buffers stage ``stage`` allocates: its own layers' only (a valid plan keeps sources by consumers)."""
     if not 0 <= stage < plan.pp:
         raise ValueError(f"stage={stage}: out of range [0, {plan.pp}) for pp={plan.pp}")
     g = plan.graph

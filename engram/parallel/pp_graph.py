@@ -1,10 +1,8 @@
 """Cross-layer sharing graph of a decoder, read from its HF-style config before anything is allocated.
-
 ``sharing_graph(config)`` gives the edges a pipeline cut must not separate: ``kv`` and ``index`` (a layer reads the
 nearest earlier source's cache / top-k selection), ``index_k`` (an index source that is not a KV source reads its KV
 source) and ``candidate`` (index sources after the candidate source read its blocks). Engram layers are inputs, not
-edges. Fields are read by ``hf_text_config`` and ``sharing_fields`` (shared with ModelConfig); bad fields raise
-ValueError naming field and value."""
+edges. Bad fields (``sharing_fields``, shared with ModelConfig) raise ValueError naming field and value."""
 from __future__ import annotations
 
 import os

@@ -1,10 +1,8 @@
-"""The one interface every table tier implements: ``Tier``, ``TableBackend`` and ``LookupHandle``.
-
-A backend serves rows of one table by id: ``gather`` -> dequantized rows [N, dim], ``gather_raw`` -> packed row bytes
-[N, row_bytes] (values then scale bytes), ``submit`` -> a handle, ``stats`` -> counters. CPU ids are range-checked
-(IndexError naming the id and table size); GPU ids are trusted unless ``check_device_ids`` (ids.py). The base class
-holds the shared path (check, dedupe, cache, decode); a tier provides ``_fetch`` and may override ``gather``
-(``ResidentTable``). Tiers know nothing about models or plans."""
+"""The one interface every table tier implements: ``Tier``, ``TableBackend`` and ``LookupHandle``. A backend serves rows
+of one table by id: ``gather`` -> dequantized rows [N, dim], ``gather_raw`` -> packed row bytes [N, row_bytes] (values
+then scales), ``submit`` -> a handle, ``stats`` -> counters. CPU ids are range-checked (IndexError naming id and size);
+GPU ids are trusted unless ``check_device_ids`` (ids.py). The base class holds the shared path; a tier provides
+``_fetch`` and may override ``gather`` (``ResidentTable``). Tiers know nothing about models."""
 from __future__ import annotations
 
 import enum
@@ -262,8 +260,7 @@ class ResidentTable(TableBackend):
         raise NotImplementedError
 
     def _gather_resident(self, ids: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """One fused kernel call over the table: no dedupe, no cache, no host sync (``count_unique`` sorts on the
-        device)."""
+        """One fused kernel call over the table: no dedupe, cache or host sync (``count_unique`` sorts on device)."""
         ids = self.check_ids(ids)
         n = ids.numel()
         self._check_out(out, n, dtype)

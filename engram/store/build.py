@@ -1,6 +1,5 @@
 """Tables built in memory: what ``load_table`` returns, for rows made chunk by chunk (``RowChunks``) instead of read
-from files. The destinations are load.py's (``_host_buffer``, ``_through_windows``), so a built table equals a
-written-then-loaded one byte for byte."""
+from files, through load.py's destinations, so a built table equals a written-then-loaded one byte for byte."""
 from __future__ import annotations
 
 import threading
@@ -54,8 +53,7 @@ def build_table(m: TableManifest, chunks: RowChunks, target: str | torch.device 
 
 def _fill_rows(pool: ThreadPoolExecutor, chunks: RowChunks, m: TableManifest, views: tuple, r0: int, r1: int,
                bar) -> None:
-    """Table rows [r0, r1) into ``views`` (values, scales | None, padding | None; row 0 is table row r0), a job a chunk.
-    """
+    """Table rows [r0, r1) into ``views`` (values, scales | None, padding | None; row 0 is table row r0)."""
     vals, scales, pad = (v.numpy() if v is not None else None for v in views)
     stop = threading.Event()
 

@@ -29,8 +29,7 @@ Fetch = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
 
 
 class RowCache:
-    """Hot rows of one table: bytes on ``device``, bookkeeping on the host; ``capacity_rows`` rounds down to whole sets.
-    """
+    """Hot rows of one table: bytes on ``device``, bookkeeping on the host; ``capacity_rows`` rounds down to sets."""
 
     def __init__(self, capacity_rows: int, value_bytes: int, scale_cols: int = 0, *, policy: str = "lru",
                  ways: int = 8, device: torch.device | str = "cpu") -> None:
@@ -227,8 +226,7 @@ class RowCache:
         self.overflow_rows = rows
 
     def storage(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(values uint8 [capacity + overflow, value_bytes], scales | None), never moved from now on (graphs hold them).
-        """
+        """(values uint8 [capacity + overflow, value_bytes], scales | None), never moved (graphs hold them)."""
         self._handed_out = True
         return self._values, self._scales
 
@@ -254,8 +252,7 @@ class RowCache:
         return miss_ids, *self._on_device(mv, ms)
 
     def _on_device(self, vals: torch.Tensor, scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows to cache (any device) -> values [M, value_bytes] and scales on the cache's device (via pinned memory).
-        """
+        """Rows to cache (any device) -> values [M, value_bytes] and scales on the cache's device (via pinned)."""
         mv = to_device(vals[:, : self.value_bytes], self.device)
         return mv, to_device(scales, self.device) if scales is not None and self.scale_cols else None
 
@@ -265,8 +262,7 @@ class RowCache:
         self._age(looked_up)
 
     def _insert(self, ids: np.ndarray, vals: torch.Tensor, scales: torch.Tensor | None) -> np.ndarray:
-        """Place missed ``ids`` [M], evicting each set's lowest-key way untouched this call -> slots [M] (-1: set full).
-        """
+        """Place missed ``ids`` [M], evicting each set's lowest-key way untouched this call -> slots [M], -1: full."""
         m = len(ids)
         sets = self._set_of(ids)
         order = np.argsort(sets, kind="stable")  # [M] misses grouped by set

@@ -1,8 +1,7 @@
-"""CRC32C (Castagnoli), the checksum of every page of ``values.bin`` (page_crc.py). ``crc32c(data, crc=0)`` continues
-from ``crc`` like zlib.crc32; ``crc32c_pages(buf, page_size)`` gives uint32 [pages]. The C implementation
-(csrc/crc32c.h, in engram.store._pread_pool: SSE4.2 or slicing-by-8) has a numpy fallback with the same values (one
-warning per process; ``set_backend("numpy")`` in tests). Not a PyPI package: the GPU machine installs with ``--no-deps``
-offline, and the C file is built there anyway."""
+"""CRC32C (Castagnoli), the checksum of every page of ``values.bin`` (page_crc.py): ``crc32c(data, crc=0)`` continues
+like zlib.crc32, ``crc32c_pages(buf, page_size)`` gives uint32 [pages]. C (csrc/crc32c.h, in engram.store._pread_pool:
+SSE4.2 or slicing-by-8), with a numpy fallback of the same values (one warning; ``set_backend("numpy")`` in tests); not
+a PyPI package, since the GPU machine installs offline with ``--no-deps``."""
 from __future__ import annotations
 
 import functools
@@ -105,8 +104,7 @@ def crc32c(data, crc: int = 0) -> int:
 
 
 def crc32c_pages(buf, page_size: int) -> np.ndarray:
-    """uint32 [len(buf) // page_size]: each page's CRC32C (bytes-like, array or CPU tensor); ValueError unless whole
-    pages."""
+    """uint32 [len(buf) // page_size]: each page's CRC32C (bytes-like, array or CPU tensor); ValueError unless pages."""
     if hasattr(buf, "numpy"):
         buf = buf.numpy()
     arr = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf

@@ -157,9 +157,8 @@ class DiskTable(SlabReads, TableBackend):
 
     def _decode_slab(self, values: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, pinned: bool,
                      out: torch.Tensor | None, dtype: torch.dtype, runs: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows ``slots`` of a slab -> [N, dim] on ``self.device`` (the UVA kernel from a pinned slab, else
-        ``kernels.gather_rows``); with ``runs`` only positions with runs[i] == i are written. Keep the slab until it
-        ran."""
+        """Rows ``slots`` of a slab -> [N, dim] on ``self.device`` (UVA kernel from a pinned slab, else
+        ``gather_rows``); with ``runs`` only positions with runs[i] == i are written. Keep the slab until it ran."""
         if out is None and self.device.type != "cpu":
             out = torch.empty(slots.numel(), self.dim, dtype=dtype, device=self.device)
         if uva_decodes(pinned) and (runs is None or slots.is_cuda):
@@ -202,9 +201,8 @@ class DiskTable(SlabReads, TableBackend):
         return plan, self.stride, min(m, per_chunk) * (self.stride // PAGE)
 
     def _fetch(self, ids: torch.Tensor, on_rows: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ids int64 [M] unique ascending -> (values uint8 [M, stride], scales | None), read ``chunk_pages`` at a time
-        into two alternating buffers: while chunk k+1 is read, chunk k's rows go to ``on_rows(r0, r1, vals, scales)``.
-        """
+        """ids int64 [M] unique ascending -> (values uint8 [M, stride], scales | None), ``chunk_pages`` at a time into
+        two alternating buffers: while chunk k+1 is read, chunk k's rows go to ``on_rows(r0, r1, vals, scales)``."""
         plan, size, buf_pages = self._plan(ids)
         vals = torch.empty(ids.numel(), self.stride, dtype=torch.uint8)  # [M, stride]
         scales = self.scales.index_select(0, ids) if self.scales is not None else None  # [M, scale_cols]

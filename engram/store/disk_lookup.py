@@ -45,8 +45,7 @@ class DiskLookup(LookupHandle):
             self._release()
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
-        """The rows, usable on the caller's stream (on CUDA it waits for their event; the rows are marked used by it).
-        """
+        """The rows, usable on the caller's stream (on CUDA it waits for their event; they are marked used by it)."""
         fut = self._future
         if self._cancelled or fut is None:
             raise cf.CancelledError("this lookup was cancelled")

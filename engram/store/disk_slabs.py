@@ -172,11 +172,10 @@ class SlabReads:
 
     def decode_slab(self, slab: PageSlab, n: int, out: torch.Tensor, ids: torch.Tensor | None = None,
                     plan: torch.Tensor | None = None, status: torch.Tensor | None = None) -> torch.Tensor:
-        """The first ``n`` slots of ``slab`` dequantized into ``out`` [n, dim]: one gather over the slab's whole
-        capacity (graph-capturable: the launch does not depend on the read's plan; slots past the last read hold row 0).
-        With a cache the slots index its storage; with ``ids`` [n] (-1 padding), ``plan`` [1] and ``status`` int32 [1],
-        the rows are found in the mirrored tags and the decode waits for the lookup's plan only on a miss
-        (cache_probe.resolve_slots)."""
+        """The first ``n`` slots of ``slab`` dequantized into ``out`` [n, dim] by one gather over the whole slab
+        (graph-capturable; unread slots hold row 0). With a cache the slots index its storage; with ``ids`` [n] (-1
+        padding), ``plan`` [1] and ``status`` int32 [1] the rows are found in the mirrored tags and the decode waits for
+        the lookup's plan only on a miss (cache_probe.resolve_slots)."""
         if self.cache is None:
             values, scales = slab.data.view(-1, self.stride), slab.scales  # [pages * rows_per_page, stride]
             return self._decode_slab(values, scales, slab.slots[:n], slab.pinned, out, out.dtype)

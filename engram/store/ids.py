@@ -1,7 +1,6 @@
 """Row ids on their way into a lookup: their form and their range check. CPU ids are range-checked on the CPU and reach
 the GPU through pinned memory with ``non_blocking=True``, so neither makes the host wait. GPU ids are trusted (the
-engine's hashing yields ids below each table's size; checking would sync per lookup) unless
-``StoreOptions.check_device_ids``."""
+engine's hashing keeps them in range; checking syncs) unless ``StoreOptions.check_device_ids``."""
 from __future__ import annotations
 
 from typing import Any
@@ -19,8 +18,7 @@ def as_ids(ids: torch.Tensor | Any) -> torch.Tensor:
 
 
 def check_range(ids: torch.Tensor, rows: int, what: Any) -> None:
-    """IndexError naming the first id outside [0, rows), its position and ``what``; on a GPU one reduction and one sync.
-    """
+    """IndexError naming the first id outside [0, rows), its position and ``what``; on a GPU one reduction, one sync."""
     if ids.numel() == 0:
         return
     if ids.device.type == "cpu":  # numpy: cheaper than torch's ops at a decode lookup's few ids

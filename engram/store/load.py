@@ -1,10 +1,9 @@
-"""Read a table's files into memory (RAM, pinned RAM or device memory), checking CRCs on the way.
-
-``load_file`` loads one data file, ``load_table`` a whole table in the "split" layout (the files' own) or, for MXFP8
-tables in host memory, "packed" (``load_packed``). Host targets are filled in one parallel pass: workers pread checksum
-chunks straight into the destination and CRC them, so no second copy of the table is held; a device target goes through
-two alternating pinned windows. A bad chunk raises TableFormatError naming the file and byte offset (for values.bin, its
-first page failing the CRC32C), and nothing loaded so far is kept."""
+"""Read a table's files into memory (RAM, pinned RAM or device memory), checking CRCs on the way. ``load_file`` loads
+one data file, ``load_table`` a whole table in the "split" layout (the files' own) or, for MXFP8 tables in host memory,
+"packed" (``load_packed``). Host targets are filled in one parallel pass: workers pread checksum chunks straight into
+the destination and CRC them, so no second copy of the table is held; a device target goes through two alternating
+pinned windows. A bad chunk raises TableFormatError naming the file and byte offset (for values.bin, its first page
+failing the CRC32C), and nothing loaded so far is kept."""
 from __future__ import annotations
 
 import os
@@ -138,8 +137,7 @@ class _FileFill:
 
 
 def _fill(fills: list[_FileFill], verify: bool, threads: int, bar) -> None:
-    """Run ``fills``' chunks on ``threads`` workers in file order; after a failure the rest is skipped and the first bad
-    chunk's error raised."""
+    """Run ``fills``' chunks on ``threads`` workers in file order; a failure skips the rest and raises the first."""
     local = threading.local()
     stop = threading.Event()
     fds = {}
@@ -188,8 +186,7 @@ def _check_threads(threads: int) -> None:
 
 def load_file(m: TableManifest, kind: str, target: str | torch.device = "ram", verify: bool = True,
               progress: bool = False, threads: int = LOAD_THREADS) -> torch.Tensor:
-    """Data file ``kind`` ("values" | "scales") as uint8 [file bytes] on ``target`` (``threads`` workers for the host).
-    """
+    """Data file ``kind`` ("values" | "scales") as uint8 [file bytes] on ``target`` (host: ``threads`` workers)."""
     _check_threads(threads)
     entry = m.files[kind]
     path = m.path / entry.name

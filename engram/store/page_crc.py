@@ -1,8 +1,7 @@
-"""Per-page checksums of ``values.bin``: the ``values.crc32c`` sidecar (format 2), written and checked. One
-little-endian uint32 CRC32C per page, in page order; a data file of the manifest like the others (its chunk CRC32s
-checked on load). ``PageCrcStream`` computes it while a writer streams values.bin; ``PageChecker`` (page_checker.py)
-checks the pages a read returned before any row is cut out, raising ``CorruptPageError`` (file and page offset);
-``bad_pages`` finds every mismatch of a buffer."""
+"""Per-page checksums of ``values.bin``: the ``values.crc32c`` sidecar (format 2), one little-endian uint32 CRC32C per
+page (its own chunk CRC32s checked on load). ``PageCrcStream`` computes it as a writer streams values.bin;
+``PageChecker`` (page_checker.py) checks the pages a read returned before any row is cut out, raising
+``CorruptPageError`` (file and page offset); ``bad_pages`` finds every mismatch of a buffer."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,10 +1,9 @@
-"""Reusable read buffers of the disk tier's one-read lookups (``DiskTable``'s direct path).
-
-A ``PageSlab`` holds one lookup's plan (slab_plan.py), its pages (page-aligned for O_DIRECT), their CRC32Cs, each asked
-id's buffer row (``slots``) and, for MXFP8, each read row's scales at that row, so one gather over the slab decodes the
-lookup. On CUDA slabs are pinned and read over UVA: ``release`` records an event on the reading stream and ``acquire``
-only hands out slabs whose event passed (allocating rather than waiting). Slabs grow to the largest lookup (powers of
-two of pages); at most ``keep`` idle ones are kept, the extra dropped once its event passed."""
+"""Reusable read buffers of the disk tier's one-read lookups (``DiskTable``'s direct path). A ``PageSlab`` holds one
+lookup's plan (slab_plan.py), its pages (page-aligned for O_DIRECT), their CRC32Cs, each asked id's buffer row
+(``slots``) and, for MXFP8, each read row's scales at that row, so one gather over the slab decodes the lookup. On CUDA
+slabs are pinned and read over UVA: ``release`` records an event on the reading stream and ``acquire`` only hands out
+slabs whose event passed (allocating rather than waiting). Slabs grow to the largest lookup (powers of two of pages); at
+most ``keep`` idle ones are kept, the extra dropped once its event passed."""
 from __future__ import annotations
 
 import threading
@@ -51,8 +50,7 @@ class PageSlab:
 
 
 class SlabPool:
-    """Slabs of one table: ``acquire(pages, rows)``, ``release(slab, stream)`` once its decode is queued. Thread-safe.
-    """
+    """Slabs of one table: ``acquire(pages, rows)``, ``release(slab, stream)`` once its decode is queued; threadsafe."""
 
     def __init__(self, page_size: int, stride: int, scale_cols: int, pinned: bool, keep: int = 2):
         if page_size % PAGE:

@@ -73,8 +73,7 @@ def _copy_chunks(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int, threads
 
 
 def _map_region(nbytes: int, huge_pages: bool) -> tuple[mmap.mmap, memoryview, memoryview]:
-    """A fresh anonymous mapping with a 2 MiB-aligned window of ``nbytes`` (THP-advised when asked) -> (the map, a view
-    of it, the window)."""
+    """A fresh anonymous mapping with a 2 MiB-aligned ``nbytes`` window (THP when asked) -> (map, its view, window)."""
     # Over-allocate one huge page so the window can start on a 2 MiB boundary (THP backs aligned spans only).
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     view = memoryview(region)
@@ -157,9 +156,8 @@ def _filled_alloc(nbytes: int, fill: Callable[[torch.Tensor], None]) -> torch.Te
 
 def pinned_empty_filled(nbytes: int, fill: Callable[[torch.Tensor], None], *, method: str = "register",
                         huge_pages: bool = True) -> torch.Tensor:
-    """uint8 [nbytes] written by ``fill(dst)`` (which owns ``dst`` until it returns), then pinned when CUDA is there:
-    "register" (one cudaHostRegister after the fill) or "alloc" (cuMemHostAlloc first). If ``fill`` raises, nothing
-    stays registered or mapped."""
+    """uint8 [nbytes] written by ``fill(dst)`` (which owns ``dst`` until it returns), then pinned with CUDA: "register"
+    (one cudaHostRegister after the fill) or "alloc" (cuMemHostAlloc first). A raising ``fill`` leaves nothing."""
     if method not in PIN_METHODS:
         raise ValueError(f"method={method!r} is not one of {PIN_METHODS}")
     if nbytes < 0:

@@ -1,7 +1,6 @@
 """Memory preflight: before a table loads, compare the bytes its tier needs with what the machine allows.
 ``memory_need`` splits a footprint into RAM, pinned RAM and device memory; ``machine_budget`` reads available RAM
-(capped by the cgroup) and free device memory; ``preflight`` raises ``MemoryPreflightError`` naming the sizes and an
-option that would fit."""
+(cgroup-capped) and free device memory; ``preflight`` raises ``MemoryPreflightError`` naming sizes and a fit."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -50,8 +50,7 @@ _read_start = threading.local()  # per thread: the hook ``on_read_start`` set
 
 
 def on_read_start(hook: Callable[[], None] | None) -> Callable[[], None] | None:
-    """Call ``hook()`` on this thread right before each ``PageReader.read`` hands its pages to the pool (None stops) ->
-    the hook it replaces."""
+    """Call ``hook()`` here before each ``PageReader.read`` hands its pages to the pool (None stops) -> the old hook."""
     before = getattr(_read_start, "hook", None)
     _read_start.hook = hook
     return before

@@ -1,8 +1,7 @@
 """Background verification of a disk-tier table: read ``values.bin`` once, checking every page's CRC32C. With
-``background_verify`` a DiskTable starts a ``Scrubber``: a thread reads the file in BLOCK_PAGES blocks through the
-table's own PageReader (sharing its pool with lookups) and checks every page; a corrupt page is counted in
-``corrupt_pages`` and warned about (file, offset). ``status()``: verify_state ("running", "done", "stopped", "failed:
-<error>") and verified_pages."""
+``background_verify`` a DiskTable starts a ``Scrubber`` thread reading BLOCK_PAGES blocks through the table's own
+PageReader; a corrupt page is counted in ``corrupt_pages`` and warned about (file, offset). ``status()``: verify_state
+("running", "done", "stopped", "failed: <error>") and verified_pages."""
 from __future__ import annotations
 
 import threading

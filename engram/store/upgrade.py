@@ -18,8 +18,7 @@ from engram.store.writer import fsync_dir, write_synced, write_sidecar
 
 
 def add_checksums(directory: str | os.PathLike, progress: bool = False) -> tuple[TableManifest, bool]:
-    """(the manifest, whether it changed); TableFormatError (file, offset) when a chunk does not match, nothing written.
-    """
+    """(the manifest, whether it changed); TableFormatError (file, offset) when a chunk mismatches, nothing written."""
     m = read_manifest(directory)
     if m.has_page_crcs:
         return m, False

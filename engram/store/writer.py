@@ -322,9 +322,8 @@ def _running(pid: int) -> bool:
 
 def remove_stale_partials(directory: str | os.PathLike) -> list[Path]:
     """Remove each ``.NAME.partial-*`` in ``directory`` whose writer no longer runs on this machine, and each such
-    ``.NAME.old-*`` once NAME exists; an ``.old`` whose NAME is missing is renamed back to NAME. Other machines' and
-    running writers' directories are left. Each action warns (RuntimeWarning naming directory, size, writer); returns
-    the directories removed or restored."""
+    ``.NAME.old-*`` once NAME exists (else rename it back to NAME); others are left. Each action warns (RuntimeWarning
+    naming directory, size, writer); returns the directories removed or restored."""
     root, here, done = Path(directory), _host(), []
     for path in sorted(root.iterdir(), key=lambda p: ".old-" not in p.name):  # restore before removing
         m = _TEMP_DIR.fullmatch(path.name)

@@ -76,8 +76,7 @@ class DecodeInputs:
         return (*parts, tables, ids)
 
     def fits(self, step: StepDescription) -> bool:
-        """Whether a graph runs ``step``: one sampled token per sequence, no DEAD tokens or prompt logprobs, fits a
-        bucket."""
+        """Whether a graph runs ``step``: one sampled token a sequence, no DEAD tokens, no prompt logprobs, a bucket."""
         if step.dead_mask is not None or step.prompt_logprobs or any(n != 1 for n in step.num_new_tokens):
             return False
         if len(step.sample_rows) != step.num_seqs:  # a one-token prompt chunk that does not sample yet
@@ -103,8 +102,7 @@ class DecodeInputs:
                           engram_rows=engram_rows, logits_indices=idx, attention=meta)
 
     def fill(self, step: StepDescription, patch: PendingPatch | None) -> int:
-        """Write the step into its bucket's static inputs (padded; pending tokens patched on the device) -> bucket size.
-        """
+        """Write the step into its bucket's static inputs (padded, pending tokens patched on device) -> bucket size."""
         s = step.num_seqs
         size = next(b for b in self.buckets if b >= s)
         turn, self._turn = self._turn, 1 - self._turn

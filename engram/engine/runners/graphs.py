@@ -60,8 +60,7 @@ class GraphRunner(StepRunner):
         return self.io.fits(step)
 
     def _consume(self, layer_id: int, size: int) -> torch.Tensor:
-        """Layer ``layer_id``'s static rows [size, n_cols, D], after a captured wait for its gather on the lookup
-        branch."""
+        """Layer ``layer_id``'s static rows [size, n_cols, D], after a captured wait for its gather on the branch."""
         if self.lookup_stream is not None:
             self.lookup_stream.wait(layer_id)
             i = self.layer_ids.index(layer_id)

@@ -120,8 +120,7 @@ class DecodePieces:
 
     @torch.inference_mode()
     def begin(self, step: StepDescription, patch: PendingPatch | None = None, whole: bool = False) -> None:
-        """Queue the inputs and the pieces before the first Engram layer (every piece with ``whole``); ``run`` does the
-        rest."""
+        """Queue the inputs and the pieces before the first Engram layer (all with ``whole``); ``run`` does the rest."""
         size = self.io.fill(step, patch)
         k = 0
         self._slab_turn = 1 - self._slab_turn
@@ -171,8 +170,7 @@ class DecodePieces:
     def read_lookups(self, step: StepDescription, staged: StagedRows, first: int | None = None,
                      release: bool = True, after_each: Callable[[], None] | None = None) -> None:
         """Run, in layer order, the lookups of layers whose pieces are queued (all when ``first`` is None), signalling
-        each flag; a failure aborts the waiting pieces and is raised. ``release``, ``after_each()``: after each lookup.
-        """
+        each flag; a failure aborts the waiting pieces and is raised. ``release``, ``after_each()``: after each one."""
         upto = self.ranges if first is None else self.ranges[:first]
         try:
             for lid in [lid for _, _, lid in upto if lid is not None]:

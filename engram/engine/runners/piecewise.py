@@ -1,11 +1,9 @@
-"""The piecewise runner: decode steps over host-read tables, each step's lookups paired with its pieces.
-
-``launch``: (1) over slabs with pending tokens, the row ids start to the host first (``start_host_ids``); (2) the step
-before's background lookups are settled before this step's pieces are queued; (3) over slabs, the pieces needing no rows
-are queued (``begin``), then the lookups read pages into the slabs, on a background thread (step_lookups.py) when every
+"""The piecewise runner: decode steps over host-read tables, each step's lookups paired with its pieces. ``launch``: (1)
+over slabs with pending tokens, the row ids start to the host first (``start_host_ids``); (2) the step before's
+background lookups are settled before this step's pieces are queued; (3) over slabs, the pieces needing no rows are
+queued (``begin``), then the lookups read pages into the slabs, on a background thread (step_lookups.py) when every
 layer probes and the step before read from disk, else inline; (4) without slabs the lookups stage rows, copied in before
-each piece; (5) ``run`` replays the rest. The Worker calls ``settle(step_id)`` before reading a step's tokens and
-``check`` after."""
+each piece; (5) ``run`` replays the rest. The Worker calls ``settle(step_id)``, then ``check``."""
 from __future__ import annotations
 
 import functools
@@ -46,8 +44,7 @@ class PiecewiseRunner(StepRunner):
 
     def _submit_slab_step(self, step: StepDescription, patch: PendingPatch | None,
                           host_ids: HostIds | None) -> StagedRows | None:
-        """Queue the pieces needing no rows, then submit the slab lookups -> the staged rows, or None when they run in
-        the background."""
+        """Queue the pieces needing no rows, submit the slab lookups -> staged rows (None: run in the background)."""
         whole = self.pieces.probes_all
         self.pieces.begin(step, patch, whole=whole)
         staged = None

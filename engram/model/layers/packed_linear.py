@@ -1,6 +1,5 @@
-"""Packing sibling projections (q/k/v, gate/up) into one weight so each runs as one GEMM: ``pack_linears`` concatenates
-the weights (and biases) and each ``nn.Linear.weight`` becomes a view of its row block, so names, state dicts and memory
-stay as they were."""
+"""Packing sibling projections (q/k/v, gate/up) into one weight so each runs as one GEMM: each ``nn.Linear.weight``
+becomes a view of its row block, so names, state dicts and memory stay as they were."""
 from __future__ import annotations
 
 import torch

@@ -1,8 +1,7 @@
 """Gather kernels behind one function: ``gather_rows`` / ``gather_raw``. ``reference.py`` is plain torch and runs
 everywhere; with backend "auto" the Triton kernels take over for tables on a CUDA device (triton_gather.py) or in pinned
-host memory (uva.py), bitwise equal to the reference, rows on the GPU (ids' device, else ``out``'s, else the current
-one). ``set_backend("torch")`` or ``ENGRAM_KERNELS=torch`` forces the reference; "triton" raises where the fast path
-cannot run."""
+host memory (uva.py), bitwise equal, rows on the GPU (ids' device, else ``out``'s, else the current one).
+``set_backend("torch")`` or ``ENGRAM_KERNELS=torch`` forces the reference; "triton" raises where it cannot run."""
 from __future__ import annotations
 
 import functools

@@ -40,8 +40,7 @@ SPREAD_MIN_PROGRAMS = 8  # the fewest programs tiles_per_program leaves a gather
 
 
 def spread_programs(n_tiles: int, tiles_per_program: int) -> int:
-    """Programs a grid of ``n_tiles`` may use: up to ``tiles_per_program`` tiles each, at least SPREAD_MIN_PROGRAMS, at
-    most one per tile."""
+    """Programs ``n_tiles`` may use: up to ``tiles_per_program`` tiles each, >= SPREAD_MIN_PROGRAMS, <= one a tile."""
     if tiles_per_program <= 1:
         return n_tiles
     return min(n_tiles, max(SPREAD_MIN_PROGRAMS, -(-n_tiles // tiles_per_program)))

@@ -11,9 +11,8 @@ CHUNK_ROWS = 16384  # rows per pipelined copy (StoreOptions.staged_chunk_rows se
 
 
 def row_sources(values: torch.Tensor, scales: torch.Tensor | None) -> list[torch.Tensor]:
-    """The 2-D tensors a row gather copies from: for the packed layout one source, the whole rows of the buffer ([R, row
-    stride], contiguous where it holds every row's padding: one memcpy a row), else [R, value_bytes + scale_cols];
-    otherwise values [and scales]."""
+    """The 2-D tensors a row gather copies from: for the packed layout the buffer's whole rows (contiguous where it
+    holds every row's padding: one memcpy a row); otherwise values [and scales]."""
     if (scales is not None and scales.stride(0) == values.stride(0) and scales.stride(1) == 1
             and values.stride(1) == 1 and scales.shape[0] == values.shape[0]
             and scales.data_ptr() == values.data_ptr() + values.shape[1]):

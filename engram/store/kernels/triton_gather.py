@@ -1,10 +1,9 @@
-"""Triton gather of packed table rows, with MXFP8 dequant fused: the fast path behind ``gather_rows``.
-
-One kernel serves the HBM table and the pinned host table (over UVA): programs take tiles of BLOCK_R ids (LaunchConfig),
-load rows with 16-byte vector loads (8 when the stride is not a multiple of 16), prefetch the next tile's ids,
-dequantize in fp32 and store ``dtype`` rows. ``dst`` (output row per id) and ``runs`` (first position of each run of
-equal sorted ids; the rest skipped) let uva.py gather sorted, deduplicated ids and scatter them back. Bitwise equal to
-reference.gather_rows (exact fp32 dequant, round-to-nearest-even cast). CUDA only; importing needs triton."""
+"""Triton gather of packed table rows, with MXFP8 dequant fused: the fast path behind ``gather_rows``. One kernel serves
+the HBM table and the pinned host table (over UVA): programs take tiles of BLOCK_R ids (LaunchConfig), load rows with
+16-byte vector loads (8 when the stride is not a multiple of 16), prefetch the next tile's ids, dequantize in fp32 and
+store ``dtype`` rows. ``dst`` (output row per id) and ``runs`` (first position of each run of equal sorted ids; the rest
+skipped) let uva.py gather sorted, deduplicated ids and scatter them back. Bitwise equal to reference.gather_rows (exact
+fp32 dequant, round-to-nearest-even cast). CUDA only; importing needs triton."""
 from __future__ import annotations
 
 import torch
@@ -281,8 +280,7 @@ def gather_raw(values: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None
 
 def copy_duplicates(out: torch.Tensor, dst: torch.Tensor, runs: torch.Tensor,
                     cfg: LaunchConfig | None = None) -> torch.Tensor:
-    """For every i with runs[i] != i: out[dst[i]] = out[dst[runs[i]]] (an HBM-only pass filling what a runs-gather
-    skipped)."""
+    """For every i with runs[i] != i: out[dst[i]] = out[dst[runs[i]]] (an HBM pass filling a runs-gather's gaps)."""
     cfg = cfg or CONFIG
     n = dst.shape[0]
     if n == 0:

@@ -1,10 +1,8 @@
-"""Gather from a pinned host table into GPU memory: the fast paths of the ``host`` tier.
-
-Routes, picked per batch by ``route_for`` (or forced with ``route=``): "direct" (one Triton kernel reads rows through
-UVA, no host sync), "sorted" (ids sorted so neighbouring reads share host pages; each distinct row read once, then an
-HBM pass fills repeats) and "staged" (CPU threads gather into pinned staging, the copy engine moves it: staged.py). UVA
-reads pay a host address translation that grows with the span a batch touches, hence bands by batch size
-(``RouteBands``); all routes return the same bytes."""
+"""Gather from a pinned host table into GPU memory: the fast paths of the ``host`` tier. Routes, picked per batch by
+``route_for`` (or forced with ``route=``): "direct" (one Triton kernel reads rows through UVA, no host sync), "sorted"
+(ids sorted so neighbouring reads share host pages; each distinct row read once, an HBM pass fills repeats) and "staged"
+(CPU threads gather into pinned staging: staged.py). UVA's host address translation grows with the span a batch touches,
+hence bands by batch size (``RouteBands``); all routes return the same bytes."""
 from __future__ import annotations
 
 import dataclasses
@@ -72,8 +70,7 @@ def route_for(n: int, route: str | None = None, bands: RouteBands = DEFAULT_BAND
 
 @functools.lru_cache(maxsize=None)
 def uva_config(max_programs: int = 0, tiles_per_program: int = 1) -> LaunchConfig:
-    """UVA_CONFIG with its grid capped at ``max_programs`` (0: none) and spread at ``tiles_per_program``; one cached
-    object per pair."""
+    """UVA_CONFIG with its grid capped at ``max_programs`` (0: none), spread at ``tiles_per_program``; cached."""
     if not max_programs and tiles_per_program == 1:
         return UVA_CONFIG
     return dataclasses.replace(UVA_CONFIG, max_programs=max_programs, tiles_per_program=tiles_per_program)
@@ -84,9 +81,8 @@ def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Te
                 route: str | None = None, chunk_rows: int = staged.CHUNK_ROWS, max_programs: int = 0,
                 tiles_per_program: int = 1) -> torch.Tensor:
     """Rows ``ids`` of a pinned host (or device) table dequantized into a GPU ``out`` [N, dim] ``dtype``. ``route``:
-    None picks by ``route_for``; "staged" with GPU ids syncs; a device table has no staged route. ``chunk_rows``: rows
-    per staged copy; ``max_programs`` / ``tiles_per_program`` shape the grid, never the rows. CPU ids should be pinned
-    (copied with non_blocking=True)."""
+    None picks by ``route_for``; "staged" with GPU ids syncs. ``chunk_rows``: rows per staged copy; ``max_programs`` /
+    ``tiles_per_program`` shape the grid, never the rows. CPU ids should be pinned (copied non_blocking)."""
     from engram.store.kernels import triton_gather  # needs triton; route_for and sort_plan do not
     device = staged.device_for(ids, out)
     n = ids.shape[0]
