@@ -19,6 +19,7 @@ from torch import nn
 
 from engram.config import EngramConfig
 from engram.embedding import EngramEmbedding
+from engram.model.layers import fused
 from engram.short_conv import ShortConv, ShortConvState
 
 __all__ = ["Engram", "EngramEmbedding", "Projected", "ShortConv", "ShortConvState", "GATE_CLAMP"]
@@ -130,8 +131,6 @@ class Engram(nn.Module):
 
     def _forward_v41(self, x: torch.Tensor, kv: torch.Tensor, dead_mask: torch.Tensor | None) -> torch.Tensor:
         """kv [T, (hc+1)*H]: the projected rows; the torch reference, routed on CUDA to one fused kernel where it can"""
-        from engram.model.layers import fused  # here, not at the top: engram.model imports this module
-
         if fused.engram_gate_fast(x, kv):
             from engram.model.layers import fused_triton
 

@@ -14,13 +14,12 @@ from engram.engine.engine import LLMEngine
 from engram.model.options import RuntimeOptions
 from engram.engine.outputs import RequestOutput
 from engram.engine.sampling_params import SamplingParams
+from engram.model.loader import load_model, resolve_dtype
 
 class LLM:
     def __init__(self, model: str = "tiny", tier: str = "gpu", dtype: str | torch.dtype | None = None,
                  engram_config: dict[str, Any] | None = None, device: str | torch.device | None = None,
                  cache_dir: str | None = None, **engine_options: Any):
-        from engram.model.loader import load_model, resolve_dtype
-
         engine_config = EngineConfig.from_options(engine_options)  # bad options fail before loading
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)

@@ -18,6 +18,10 @@ from engram.model.presets import MODEL_PRESETS, TOKENIZER_FILE, init_random_weig
 from engram.model.tables import (checkpoint_table_dirs, convert_checkpoint_tables, ensure_preset_tables,
                                  open_random_tables, open_tables)
 from engram.weights import V41_TABLE_KEYS
+from engram.model.options import RuntimeOptions
+from engram.model.tables import read_table_tensors
+from engram.tokenizer import CompressedTokenizer
+from engram.weights import load_engram_weights
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -83,8 +87,6 @@ def load_model(model: str | os.PathLike = "tiny", tier: str = "gpu", dtype: str 
                cache_dir: str | os.PathLike | None = None, progress: bool = True) -> LoadedModel:
     """Load a preset ("tiny" | "small" | "4b-like" | "8b-like") or a checkpoint directory; ``engram_config``: a dict or
     RuntimeOptions (model/options.py)."""
-    from engram.model.options import RuntimeOptions
-
     opts = engram_config if isinstance(engram_config, RuntimeOptions) else RuntimeOptions.from_dict(engram_config)
     tier = opts.tier(tier)
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -108,7 +110,6 @@ def load_model(model: str | os.PathLike = "tiny", tier: str = "gpu", dtype: str 
 def _tokenizers(path: Path):
     from tokenizers import Tokenizer
 
-    from engram.tokenizer import CompressedTokenizer
 
     if not path.is_file():
         raise ValueError(f"{path}: tokenizer.json not found (a checkpoint needs one)")
@@ -171,7 +172,6 @@ def _load_weights(model: EngramDecoder, files: list[Path]) -> None:
     """Copy every decoder/Engram tensor into ``model`` (not the tables); ValueError naming a bad or missing tensor."""
     from safetensors import safe_open
 
-    from engram.weights import load_engram_weights
 
     cfg = model.config
     params = dict(model.named_parameters())  # a tied lm_head is listed once (as the embedding)
@@ -243,7 +243,6 @@ def save_model(directory: str | os.PathLike, loaded: LoadedModel, dtype: torch.d
     if loaded.memory_table_seed is not None:
         raise ValueError(f"{loaded.name}: its tables were built in memory (engram_config.tables_in_memory) and "
                          "have no files to save; load it without tables_in_memory to save it")
-    from engram.model.tables import read_table_tensors
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,8 @@ from torch import nn
 from engram.config import EngramConfig
 from engram.model.layers.norm import RMSNorm
 from engram.model.model_config import ModelConfig
+from engram.model.layers.hyper_connections import HyperConnection
+from engram.module import Engram
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 TOKENIZER_FILE = ASSETS / "tokenizer.json"
@@ -87,9 +89,6 @@ def init_random_weights(model: nn.Module, seed: int, on_device: bool | None = No
     """Fill every parameter deterministically (norms 1, biases 0, linears N(0, 0.02) with output and Engram projections
     scaled, gate weights 1 + N(0, 0.1), hyper-connections near a plain residual), on the CPU unless ``on_device`` or, by
     default, more than HOST_INIT_MAX_PARAMS parameters."""
-    from engram.model.layers.hyper_connections import HyperConnection
-    from engram.module import Engram
-
     cfg = model.config
     out_std = 0.02 / (2 * cfg.num_layers) ** 0.5
     engram_std = 0.02 / (cfg.engram.n_cols * cfg.engram.head_dim) ** 0.5 if cfg.engram is not None else 0.02

@@ -26,6 +26,7 @@ from engram.store.options import StoreOptions
 from engram.store.placement import place_table
 from engram.store.upgrade import add_checksums
 from engram.tokenizer import cache_root as tokenizer_cache_root
+from engram.store import open_table
 
 GENERATOR_VERSION = 2  # bump when generate_random_table changes what it writes
 
@@ -132,8 +133,6 @@ def checkpoint_table_dirs(checkpoint: Path, cfg: EngramConfig, cache_dir=None) -
 def open_tables(dirs: dict[int, Path], cfg: EngramConfig, tier: str = "gpu", device=None,
                 options: StoreOptions | Mapping[str, Any] | None = None) -> dict[int, Any]:
     """Open each layer's table on ``tier`` with the same ``options`` (validated first), fingerprint checked."""
-    from engram.store import open_table
-
     opts = options if isinstance(options, StoreOptions) else StoreOptions.from_dict(options)
     return {lid: open_table(d, tier=tier, device=device, expect=cfg.fingerprint(lid), options=opts)
             for lid, d in dirs.items()}

@@ -42,6 +42,7 @@ from engram.server.prompt import chars_per_token_bound, encode, too_long
 from engram.server.protocol import (ChatCompletionRequest, CompletionRequest, error_body, new_id, now,
                                     unsupported_field)
 from engram.server.response import Choice, PromptSpec, ResponseState, Shape
+from engram.engine.sampling_params import SamplingParams
 
 # The ``engram_requests_rejected_total`` reason of each refused status (ApiError's default).
 REJECT_REASONS = {400: "invalid", 404: "not_found", 405: "invalid", 413: "too_large", 422: "invalid",
@@ -175,8 +176,6 @@ class OpenAIServing:
 
     def _params(self, req: CompletionRequest | ChatCompletionRequest, shape: Shape):
         """The SamplingParams every choice starts from (``SamplingParams.for_choice`` gives choice j its seed)."""
-        from engram.engine.sampling_params import SamplingParams
-
         vocab = self.engine.llm.loaded.tokenizer.get_vocab_size()
         for i, t in enumerate(req.stop_token_ids or []):
             if t >= vocab:

@@ -31,6 +31,7 @@ from engram.store.disk_slabs import SlabReads, check_fits, uva_decodes
 from engram.store.page_slabs import PageSlab, SlabPool
 from engram.store.reader import PAGE, PageReader, aligned_pages
 from engram.store.scrub import Scrubber
+from engram.store.kernels import uva
 
 
 class DiskTable(SlabReads, TableBackend):
@@ -162,7 +163,7 @@ class DiskTable(SlabReads, TableBackend):
         if out is None and self.device.type != "cpu":
             out = torch.empty(slots.numel(), self.dim, dtype=dtype, device=self.device)
         if uva_decodes(pinned) and (runs is None or slots.is_cuda):
-            from engram.store.kernels import triton_gather, uva
+            from engram.store.kernels import triton_gather
             return triton_gather.gather_rows(values, scales, slots, self.row_dtype, self.dim, out=out, dtype=dtype,
                                              cfg=uva.UVA_CONFIG, ids_pinned=runs is None, runs=runs)
         if runs is not None:  # the reference of runs: the positions that are their own run

@@ -16,6 +16,7 @@ from engram.store.kernels import cache_probe
 from engram.store.late_caching import TakenRows
 from engram.store.page_slabs import PageSlab, SlotProbe
 from engram.transfer import to_device
+from engram.store.kernels import uva as uva_kernels
 
 
 class SlabReads:
@@ -141,7 +142,6 @@ class SlabReads:
             values = pages.index_select(0, where)  # [M, stride], host copies of the pages' rows
             scales = slab.scales.index_select(0, where) if slab.scales is not None else None
         else:
-            from engram.store.kernels import uva as uva_kernels
             with torch.cuda.stream(stream):
                 if slab.done is not None:  # after the slab's decode, so the event below stands for both
                     stream.wait_event(slab.done)

@@ -12,6 +12,7 @@ from engram.store import kernels
 from engram.store.kernels import reference
 from engram.store.kernels.uva import RouteBands
 from engram.transfer import to_device
+from engram.store.kernels import uva
 
 KERNELS = ("uva", "reference")
 
@@ -45,7 +46,6 @@ class HostRoute:
         if route == "reference":
             return reference.gather_rows(values, scales, ids.cpu(), row_dtype, dim,
                                          out=out if out is None or out.device.type == "cpu" else None, dtype=dtype)
-        from engram.store.kernels import uva
         if route != "staged":
             ids = to_device(ids, device)
         return uva.gather_rows(values, scales, ids, row_dtype, dim, out=out, dtype=dtype, route=route,

@@ -21,6 +21,9 @@ from engram.store.format import check_fingerprint, read_manifest
 from engram.store.gpu import default_device
 from engram.store.options import StoreOptions
 from engram.store.preflight import preflight
+from engram.store.disk import DiskTable
+from engram.store.gpu import GpuTable
+from engram.store.host import HostTable
 
 
 def resolve_options(options: StoreOptions | None, **given: Any) -> StoreOptions:
@@ -70,12 +73,9 @@ def place_table(m, tier: Tier, device, opts: StoreOptions, progress: bool = True
     cache = (RowCache(min(cache_rows, m.rows), m.value_bytes, m.scale_cols, policy=opts.cache_policy,
                       ways=opts.advanced.cache_ways, device=dev) if cache_rows else None)
     if tier is Tier.GPU:
-        from engram.store.gpu import GpuTable
         return GpuTable(m, dev, opts, progress=progress, build=build)
     if tier is Tier.HOST:
-        from engram.store.host import HostTable
         return HostTable(m, dev, cache, opts, progress=progress, build=build)
     if build is not None:
         raise ValueError(f"{m.path}: tier 'disk' serves tables from their files, not from storage built in memory")
-    from engram.store.disk import DiskTable
     return DiskTable(m, device=dev, cache=cache, options=opts)

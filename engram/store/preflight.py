@@ -10,6 +10,7 @@ import torch
 
 from engram.store.cache import RowCache
 from engram.store.format import TableManifest
+from engram.store.load import packed_row_bytes
 
 GiB = 1 << 30
 HEADROOM_FRACTION = 0.10  # of RAM left for the process itself, the page cache and the OS
@@ -121,7 +122,6 @@ def memory_need(m: TableManifest, tier: str, device: torch.device, cache_rows: i
             need.ram = values + scales
     elif tier == "host":
         if host_layout == "packed" and m.scale_cols:  # one buffer of rows padded to 16 B (load.py)
-            from engram.store.load import packed_row_bytes
             rows_bytes = m.rows * packed_row_bytes(m.value_bytes, m.scale_cols)
             need.parts = {"packed rows": rows_bytes, "cache": cache}
         else:

@@ -131,3 +131,28 @@ def test_no_import_cycle():
         if m not in state:
             visit(m, [m])
     assert not cycles, cycles
+
+
+# Function-level imports of package modules: only of the Triton modules (triton has no CPU backend, so they
+# import only where a GPU path runs), and in the command layer, which defers each subcommand's imports until
+# it runs (``engram --help`` loads no model code).
+OPTIONAL = ("triton_gather", "fused_triton", "paged_attention_triton", "_pread_pool")  # _pread_pool: the C reader
+DEFERRING = ("engram.commands", "engram.bench", "engram.cli")
+
+
+def test_lazy_package_imports_only_for_optional_dependencies():
+    offenders = []
+    for mod, path in _modules().items():
+        if mod.startswith(DEFERRING):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        top, skip = {id(n) for n in tree.body}, _type_checking_nodes(tree)
+        for node in ast.walk(tree):
+            if id(node) in top or id(node) in skip or not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [f"{node.module}.{a.name}" for a in node.names] if node.module else [])
+            bad = [n for n in names if n.startswith("engram") and not n.rsplit(".", 1)[-1] in OPTIONAL
+                   and not n.rsplit(".", 2)[-2] in OPTIONAL]
+            offenders += [f"{mod}:{node.lineno} imports {n} lazily" for n in bad]
+    assert not offenders, offenders

@@ -9,7 +9,7 @@ import functools
 import torch
 
 from engram.fast_path import FastPathSwitch
-from engram.store.kernels import reference
+from engram.store.kernels import reference, uva
 
 SWITCH = FastPathSwitch("kernel backend", "gather")
 
@@ -66,7 +66,6 @@ def gather_rows(values: torch.Tensor, scales: torch.Tensor | None, ids: torch.Te
         return triton_gather.gather_rows(values, scales, ids.to(values.device, non_blocking=True), row_dtype,
                                          dim, out=out, dtype=dtype)
     if kind == "uva":
-        from engram.store.kernels import uva
         return uva.gather_rows(values, scales, ids, row_dtype, dim, out=out, dtype=dtype)
     return reference.gather_rows(values, scales, ids, row_dtype, dim, out=out, dtype=dtype)
 
@@ -78,6 +77,5 @@ def gather_raw(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         from engram.store.kernels import triton_gather
         return triton_gather.gather_raw(values, ids.to(values.device, non_blocking=True))
     if kind == "uva":
-        from engram.store.kernels import uva
         return uva.gather_raw(values, ids)
     return reference.gather_raw(values, ids)
