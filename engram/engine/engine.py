@@ -1,11 +1,10 @@
 """LLMEngine (CPU side): the requests and what a step commits. Everything on a device lives in the Workers. The engine
 owns the scheduler, the sequences, lookup planning (row ids hashed on the CPU), the detokenizers and the outputs.
-``step()`` is the inherited step pipeline (engine/stepping.py); here are ``add_request``, ``abort_request``, ``stats()``
+``step()`` runs the step pipeline it holds (engine/stepping.py); here are ``add_request``, ``abort_request``, ``stats()``
 (the one snapshot metrics read) and ``_postprocess`` (a collected step's tokens, stop checks and RequestOutputs)."""
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from typing import Any
 
@@ -27,10 +26,8 @@ from engram.hashing import NgramHasher
 
 __all__ = ["LLMEngine", "StepError"]  # StepError lives with the step pipeline; callers import it from here
 
-log = logging.getLogger(__name__)
 
-
-class LLMEngine(StepPipeline):
+class LLMEngine:
     def __init__(self, loaded, config: EngineConfig, device: torch.device, dtype: torch.dtype,
                  executor: Executor | None = None):
         mcfg, ecfg = loaded.model_config, loaded.engram_config
@@ -49,12 +46,22 @@ class LLMEngine(StepPipeline):
         self.planner = LookupPlanner(self.hasher)
         self._seqs: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()
-        self._step_ids = itertools.count()
-        self._finished_seq_ids: list[int] = []  # told to the Workers with the next step (they free state)
-        self.num_preemptions = 0  # sequences preempted by recompute since start
-        self.num_steps = 0
         self.device = torch.device(device)
-        self._inflight: Launched | None = None  # async scheduling: the launched step not read yet
+        self.pipeline = StepPipeline(config, self.device, self.scheduler, self.executor, self.planner,
+                                     self.hasher.pad_id if self.hasher else 0, self.eos_token_id,
+                                     bool(self._dead_ids), self.max_model_len, self._postprocess)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step -> the outputs of the step that completed (with async scheduling, the one launched before)."""
+        return self.pipeline.step()
+
+    @property
+    def num_steps(self) -> int:
+        return self.pipeline.num_steps
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.pipeline.num_preemptions
 
     # ----------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
@@ -92,13 +99,8 @@ class LLMEngine(StepPipeline):
         return True
 
     def has_unfinished(self) -> bool:
-        if self._inflight is not None and all(seq.is_finished for seq in self._inflight.batch.seqs):
-            gone, self._inflight = self._inflight, None  # every request of the step in flight is gone (aborted)
-            try:
-                self._collect(gone)  # read it so that no device work outlives them; its tokens are dropped
-            except Exception as e:
-                log.warning("a step whose requests were all aborted failed: %s: %s", type(e).__name__, e)
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        self.pipeline.drop_orphaned()
+        return self.scheduler.has_unfinished() or self.pipeline.in_flight is not None
 
     def num_unfinished(self) -> int:
         return self.scheduler.num_unfinished()
@@ -124,7 +126,7 @@ class LLMEngine(StepPipeline):
 
     def _retire(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
-        self._finished_seq_ids.append(seq.seq_id)
+        self.pipeline.retire(seq.seq_id)
 
     def _postprocess(self, launched: "Launched", result: StepResult) -> list[RequestOutput]:
         """Commit a read step: prompt logprobs, then each sampling sequence's token, stop checks and output; sequences

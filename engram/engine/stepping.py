@@ -1,23 +1,30 @@
-"""The engine's step pipeline (``StepPipeline``, part of ``LLMEngine``): schedule, launch (pack → plan lookups →
-describe → ``executor.launch``), collect (→ ``_postprocess``), and recover when a step fails.
+"""The engine's step pipeline (``StepPipeline``, held by ``LLMEngine``): schedule, launch (pack → plan lookups →
+describe → ``executor.launch``), collect (→ the engine's ``postprocess``), and recover when a step fails.
 
 Launching commits the scheduler-visible state; a failed step is rolled back and re-run in halves so the other requests
 go on (``StepError``). Async scheduling launches step N+1 before reading step N (its decode tokens are N's sampled ids,
 still on the device); outputs equal synchronous scheduling's, but a stopping sequence computes one dropped token and
-admission comes one step later. The mixin uses the engine's ``config``, ``device``, ``scheduler``, ``executor``,
-``planner``, ``hasher``, ``eos_token_id``, ``max_model_len``, ``_dead_ids``, ``_finished_seq_ids``, ``_step_ids``,
-``_inflight``, ``num_steps``, ``num_preemptions`` and ``_postprocess``."""
+admission comes one step later. The pipeline owns the step in flight, the step counters and the ids of sequences
+retired since the last launch (``retire``: told to the Workers with the next step); everything else comes through
+its constructor."""
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+import itertools
+from typing import Any, Callable
 
+import torch
+
+from engram.engine.config import EngineConfig
+from engram.engine.executor import Executor
 from engram.engine.outputs import RequestOutput
 from engram.engine.packing import describe, pack
-from engram.engine.scheduler import ScheduledBatch
+from engram.engine.planner import LookupPlanner
+from engram.engine.scheduler import ScheduledBatch, Scheduler
 from engram.engine.sequence import Sequence
+from engram.engine.step import StepResult
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +40,43 @@ class StepError(RuntimeError):
 
 
 class StepPipeline:
-    """Scheduling, launching, collecting and failure isolation of ``LLMEngine`` (see the module docstring)."""
+    """Scheduling, launching, collecting and failure isolation of ``LLMEngine`` (see the module docstring).
+    ``postprocess(launched, result) -> outputs`` commits a collected step (the engine's)."""
+
+    def __init__(self, config: EngineConfig, device: torch.device, scheduler: Scheduler, executor: Executor,
+                 planner: LookupPlanner, pad_id: int, eos_token_id: int | None, has_dead_tokens: bool,
+                 max_model_len: int, postprocess: Callable[["Launched", StepResult], list[RequestOutput]]):
+        self.config, self.device, self.scheduler, self.executor, self.planner = (config, torch.device(device),
+                                                                                 scheduler, executor, planner)
+        self.pad_id, self.eos_token_id, self.has_dead_tokens = pad_id, eos_token_id, has_dead_tokens
+        self.max_model_len, self._postprocess = max_model_len, postprocess
+        self._step_ids = itertools.count()
+        self._finished_seq_ids: list[int] = []  # retired since the last launch: told to the Workers with the next
+        self.num_preemptions = 0  # sequences preempted by recompute since start
+        self.num_steps = 0
+        self._inflight: Launched | None = None  # async scheduling: the launched step not read yet
+
+    def retire(self, seq_id: int) -> None:
+        """A sequence finished or was aborted: the Workers drop its state with the next step."""
+        self._finished_seq_ids.append(seq_id)
+
+    @property
+    def in_flight(self) -> "Launched | None":
+        return self._inflight
+
+    def drop_orphaned(self) -> None:
+        """Read the step in flight when every request in it is gone (aborted), so no device work outlives them;
+        its tokens are dropped."""
+        if self._inflight is not None and all(seq.is_finished for seq in self._inflight.batch.seqs):
+            gone, self._inflight = self._inflight, None
+            try:
+                self._collect(gone)
+            except Exception as e:
+                log.warning("a step whose requests were all aborted failed: %s: %s", type(e).__name__, e)
 
     def step(self) -> list[RequestOutput]:
         """Run one step -> the outputs of the step that completed (with async scheduling, the one launched before)."""
-        if self._async():
+        if self.async_scheduling():
             return self._step_async()
         if self._inflight is not None:  # async scheduling was just turned off (a replaced lookup executor)
             prev, self._inflight = self._inflight, None
@@ -48,7 +87,7 @@ class StepPipeline:
             return []
         return self._run_isolated(batch)
 
-    def _async(self) -> bool:
+    def async_scheduling(self) -> bool:
         """Async scheduling: asked for, or (auto) on CUDA wherever the Workers take steps with tokens on the device."""
         c = self.config.async_scheduling
         if c is not None:
@@ -160,7 +199,7 @@ class StepPipeline:
     def _launch(self, batch: ScheduledBatch, prev: "Launched | None") -> "Launched":
         """Describe ``batch``, start it, and only then advance the scheduler-visible state. ``prev``: the step in flight
         whose sampled tokens some of this step's inputs are."""
-        packed = pack(batch, self.hasher.pad_id if self.hasher else 0)
+        packed = pack(batch, self.pad_id)
         sources = []
         for _, seq, _ in packed.pending:
             if prev is None or seq.seq_id not in prev.sample_index:
@@ -169,7 +208,7 @@ class StepPipeline:
         plan = self.planner.plan(packed.compressed_ids, packed.cu_seqlens, packed.lookback,
                                  [before for _, _, before in packed.pending])  # row ids per layer
         step = describe(next(self._step_ids), batch, packed, plan, self.config.block_size, self.eos_token_id,
-                        bool(self._dead_ids), self._finished_seq_ids)
+                        self.has_dead_tokens, self._finished_seq_ids)
         if packed.pending:
             step.pending_rows = [row for row, _, _ in packed.pending]
             step.pending_sources, step.pending_step_id = sources, prev.step_id

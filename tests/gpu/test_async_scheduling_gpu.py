@@ -62,7 +62,7 @@ def test_tables_that_need_host_ids_take_tokens_in_flight_by_default(tmp_path, ti
     want, ahead = generate(sync, 4)
     assert ahead == 0 and all(len(t) == 24 for t, _ in want)
     auto = LLMEngine(loaded, EngineConfig(**cfg), CUDA, torch.bfloat16)
-    assert auto._async()  # auto: on CUDA for every tier (host-read tables wait for the tokens in the launch)
+    assert auto.pipeline.async_scheduling()  # auto: on CUDA for every tier (host-read tables wait for the tokens in the launch)
     replays = auto.stats()["graph_replays"]
     got, ahead = generate(auto, 4)  # the same batches, the same tokens
     assert got == want

@@ -53,7 +53,7 @@ def test_decode_steps_replay_and_a_replay_equals_eager_at_the_bucket_size(tiny):
                                                                                ignore_eos=True))
     engine.step()  # prefill: eager (with async scheduling the first decode step is launched too)
     first = engine.stats()["graph_replays"]
-    assert first == int(engine._async())
+    assert first == int(engine.pipeline.async_scheduling())
     for _ in range(4):
         engine.step()
     assert engine.stats()["graph_replays"] == first + 4  # a silent eager fallback would leave this at first

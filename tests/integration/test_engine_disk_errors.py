@@ -27,7 +27,7 @@ def test_repeated_read_errors_leave_no_lookup_in_flight_and_the_engine_recovers(
     size = values.stat().st_size
     with open(values, "r+b") as f:
         f.write(b"\0" * size)  # every page now fails its checksum
-    limit = tables[min(tables)].options.max_inflight
+    limit = tables[min(tables)].options.advanced.max_inflight
     for i in range(limit + 3):
         engine.add_request(f"bad{i}", [5, 17, 99, 4 + i], PARAMS)
         with pytest.raises(CorruptPageError) as err:
