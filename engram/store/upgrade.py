@@ -14,7 +14,7 @@ import numpy as np
 from engram.store.crc32c import crc32c_pages
 from engram.store.format import (FORMAT_VERSION, MANIFEST, PAGE_CRC_FILE, TableManifest, check_file_size,
                                  checksum_error, iter_chunks, read_manifest)
-from engram.store.writer import fsync_dir, write_synced, write_sidecar
+from engram.store.writer import owner_tag, fsync_dir, remove_stale_partials, write_synced, write_sidecar
 
 
 def add_checksums(directory: str | os.PathLike, progress: bool = False) -> tuple[TableManifest, bool]:
@@ -42,11 +42,12 @@ def add_checksums(directory: str | os.PathLike, progress: bool = False) -> tuple
         if bar is not None:
             bar.close()
     root = Path(m.path)
-    tmp = root / f".{PAGE_CRC_FILE}.partial-{os.getpid()}"
+    remove_stale_partials(root)  # files an upgrade killed before it finished left behind
+    tmp = root / f".{PAGE_CRC_FILE}.partial-{owner_tag()}"
     entry = write_sidecar(tmp, np.concatenate(pages), m.chunk_bytes)
     os.replace(tmp, root / PAGE_CRC_FILE)
     new = dataclasses.replace(m, files={**m.files, "page_crc": entry}, format_version=FORMAT_VERSION)
-    mtmp = root / f".{MANIFEST}.partial-{os.getpid()}"
+    mtmp = root / f".{MANIFEST}.partial-{owner_tag()}"
     write_synced(mtmp, new.to_json().encode(), True)
     os.replace(mtmp, root / MANIFEST)
     fsync_dir(root)

@@ -156,7 +156,7 @@ class TableWriter:
         self.written = 0
         self.target.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_partials(self.target.parent)
-        self.tmp = self.target.parent / f".{self.target.name}.partial-{_owner()}"
+        self.tmp = self.target.parent / f".{self.target.name}.partial-{owner_tag()}"
         self.tmp.mkdir()
         self._values = _FileSink(self.tmp / VALUES_FILE, chunk_bytes, sync, page_size=PAGE_SIZE)
         self._scales = _FileSink(self.tmp / SCALES_FILE, chunk_bytes, sync) if self.scale_cols else None
@@ -284,7 +284,7 @@ def _install(tmp: Path, target: Path, sync: bool) -> None:
     _check_target(target)
     old = None
     if target.exists():
-        old = target.parent / f".{target.name}.old-{_owner()}"
+        old = target.parent / f".{target.name}.old-{owner_tag()}"
         os.rename(target, old)
     os.rename(tmp, target)
     if sync:
@@ -301,7 +301,8 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())[:64] or "host"
 
 
-def _owner() -> str:  # HOST-PID-N of a temporary directory this process makes (N tells them apart)
+def owner_tag() -> str:
+    """HOST-PID-N naming a temporary file or directory this process makes (N tells them apart)."""
     return f"{_host()}-{os.getpid()}-{time.monotonic_ns()}"
 
 
@@ -321,25 +322,29 @@ def _running(pid: int) -> bool:
 
 
 def remove_stale_partials(directory: str | os.PathLike) -> list[Path]:
-    """Remove each ``.NAME.partial-*`` in ``directory`` whose writer no longer runs on this machine, and each such
-    ``.NAME.old-*`` once NAME exists (else rename it back to NAME); others are left. Each action warns (RuntimeWarning
-    naming directory, size, writer); returns the directories removed or restored."""
+    """Remove each ``.NAME.partial-*`` in ``directory`` (a table directory, or a file a table upgrade was writing)
+    whose writer no longer runs on this machine, and each such ``.NAME.old-*`` once NAME exists (else rename it back
+    to NAME); others are left. Each action warns (RuntimeWarning naming path, size, writer); returns the paths
+    removed or restored."""
     root, here, done = Path(directory), _host(), []
     for path in sorted(root.iterdir(), key=lambda p: ".old-" not in p.name):  # restore before removing
         m = _TEMP_DIR.fullmatch(path.name)
-        if m is None or not path.is_dir() or (m["host"] or here) != here or _running(int(m["pid"])):
+        is_file = m is not None and m["kind"] == "partial" and path.is_file() and not path.is_symlink()
+        if m is None or not (path.is_dir() or is_file) or (m["host"] or here) != here or _running(int(m["pid"])):
             continue
         target = root / m["name"]
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+        size = (path.stat().st_size if is_file
+                else sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink()))
         writer = f"process {m['pid']}, which is no longer running"
         try:
             if m["kind"] == "old" and not target.exists():
                 os.rename(path, target)
                 msg = f"restored the table {target} from {path.name} ({size} bytes), left by {writer}"
             else:
-                shutil.rmtree(path)
-                msg = (f"removed {path} ({size} bytes): "
-                       f"{'an unfinished' if m['kind'] == 'partial' else 'a replaced'} table left by {writer}")
+                path.unlink() if is_file else shutil.rmtree(path)
+                what = ("an unfinished file" if is_file
+                        else f"{'an unfinished' if m['kind'] == 'partial' else 'a replaced'} table")
+                msg = f"removed {path} ({size} bytes): {what} left by {writer}"
         except OSError as e:  # another process cleaned it up first, or it is not ours to remove
             msg, path = f"could not clean up {path}: {e}", None
         warnings.warn(f"engram: {msg}", RuntimeWarning, stacklevel=2)

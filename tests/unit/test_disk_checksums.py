@@ -194,3 +194,31 @@ def test_cached_preset_tables_of_format_1_get_their_checksums(tmp_path):
     assert all(read_manifest(d).format_version == 2 for d in dirs.values())
     tables = open_tables(dirs, cfg, "disk", "cpu", {"io": "buffered"})
     assert all(t.gather(torch.tensor([0, 5])).shape == (2, cfg.head_dim) for t in tables.values())
+
+
+def test_add_checksums_removes_the_files_a_killed_upgrade_left(table, capsys):
+    """An upgrade killed between writing its temporary sidecar and renaming it leaves
+    ``.values.crc32c.partial-HOST-PID-N``; the next upgrade of that table removes such files of dead processes
+    (and says so), and leaves those of a process still running."""
+    import os
+    import subprocess
+    import sys
+    import warnings
+
+    from engram.store.writer import _host
+
+    d, _ = table
+    _downgrade(d)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a real process that no longer runs
+    dead = d / f".{PAGE_CRC_FILE}.partial-{_host()}-{gone.pid}-1"
+    live = d / f".{MANIFEST}.partial-{_host()}-{os.getpid()}-1"
+    dead.write_bytes(b"\0" * 4096)
+    live.write_bytes(b"{}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["convert", "--add-checksums", str(d), "--no-progress"]) == 0
+    assert not dead.exists() and live.exists()
+    assert any(f"removed {dead} (4096 bytes): an unfinished file left by process {gone.pid}" in str(w.message)
+               for w in caught)
+    assert read_manifest(d).format_version == 2
