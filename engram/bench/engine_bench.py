@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import statistics
 import sys
+import time
 import traceback
 
 HELP = "Engine decode/prefill ms/step per model, tier, Engram on/off and an HF peer, against a measured roofline."
@@ -240,6 +241,18 @@ def _progress(p: dict) -> None:
 
 
 # ----------------------------------------------------------------- the command
+def plan(models: list[str], arms: int, s, peer: bool) -> str:
+    """What the run will measure, said before it starts (a model's time is known only once it ran: each model
+    ends with the time taken and an estimate of what is left)."""
+    points = len(s.batch_sizes) + len(s.prefill_shapes)
+    steps = s.warmup_tokens + s.decode_steps + s.profile_steps
+    return (f"bench engine: {len(models)} model(s) x {arms} arm(s) x {points} point(s) ({len(s.batch_sizes)} decode "
+            f"batches of {steps} steps after a {s.context_len}-token prefill, {len(s.prefill_shapes)} prefill shapes x "
+            f"{s.prefill_repeats} repeats); each arm loads its model and, on CUDA, captures its graphs"
+            + ("; the HF peer compiles first (minutes on CUDA; --no-peer skips it)" if peer else "")
+            + ". Fewer --models, --tiers, --batch-sizes or --prefill-shapes shorten it.")
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -276,6 +289,9 @@ def run(args: argparse.Namespace) -> int:
     busy_device = "cuda" if device.type == "cuda" and s.profile_steps > 0 else None  # 0: no profiling at all
     peer_reason = "--no-peer" if args.no_peer else unavailable_reason()
 
+    arms = len(dict.fromkeys(opts.tier(t) for t in tiers)) + (not args.no_engram_off) + (peer_reason is None)
+    print(plan(models, arms, s, peer_reason is None), file=sys.stderr, flush=True)
+    started = time.monotonic()
     ceilings = measure_ceilings(device, dtype)
     print(f"ceilings on {device}: copy {ceilings.memory_GBps:.1f} GB/s, matmul {ceilings.matmul_TFLOPs:.2f} TFLOP/s "
           f"({ceilings.dtype})" + (f", host link {ceilings.link_GBps:.1f} GB/s" if ceilings.link_GBps else ""),
@@ -304,6 +320,10 @@ def run(args: argparse.Namespace) -> int:
             if compile_mode is not None and graphs == 0:
                 warnings.append(f"{name}: hf-peer asked for torch.compile ({compile_mode}) but no graph was "
                                 f"compiled: its numbers are eager")
+        done = list(configs).index(name) + 1
+        took = time.monotonic() - started
+        print(f"bench engine: {done} of {len(configs)} models in {took:.0f} s, about "
+              f"{took / done * (len(configs) - done):.0f} s left", file=sys.stderr, flush=True)
     status = "skipped" if peer_reason else "failed" if peer_failed else "ran"
     peer = {"status": status, "reason": peer_reason, "compile": compile_mode or "off",
             "transformers": None if peer_reason else sys.modules["transformers"].__version__}

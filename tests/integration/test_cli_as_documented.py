@@ -52,6 +52,10 @@ def test_bench_engine_runs_with_its_default_shapes_on_the_tiny_model(tmp_path, c
     assert rc == 0
     err = capsys.readouterr().err
     assert "--prefill-shapes: the default 1x2048,16x512 does not fit max_position_embeddings=2048" in err, err
+    # said before it starts: what it will measure; and after each model how long it took and what is left
+    plan = next(line for line in err.splitlines() if line.startswith("bench engine: 1 model(s)"))
+    assert "x 1 arm(s) x 3 point(s)" in plan and "1 decode batches of 3 steps" in plan, plan
+    assert "bench engine: 1 of 1 models in" in err and "about 0 s left" in err, err
     points = json.loads(out.read_text())["result"]["points"]
     prefills = sorted((p["batch"], p["context"]) for p in points if p["phase"] == "prefill")
     assert prefills == [(1, 2032), (16, 512)], prefills
