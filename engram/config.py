@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -61,6 +62,20 @@ def parse_json_object(text: str, where: str) -> dict[str, Any]:
     return raw
 
 
+BYTE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30,
+              "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+
+
+def parse_bytes(text: str, where: str) -> int:
+    """"8589934592", "8GiB", "8G", "512MiB" (binary units, case-insensitive) -> bytes; ValueError naming
+    ``where`` (an option) for anything else or for less than one byte."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in BYTE_UNITS or int(float(m.group(1)) * BYTE_UNITS[unit]) < 1:
+        raise ValueError(f"{where}: {text!r} is not a positive byte count (e.g. 8589934592, 8GiB, 512MiB)")
+    return int(float(m.group(1)) * BYTE_UNITS[unit])
+
+
 def read_config_json(source: str | os.PathLike | dict) -> dict[str, Any]:
     """A HF-style config as a dict: the dict itself, a config.json path, or a directory holding one."""
     if isinstance(source, dict):
@@ -73,16 +88,10 @@ def read_config_json(source: str | os.PathLike | dict) -> dict[str, Any]:
 
 
 def hf_text_config(source: str | os.PathLike | dict) -> dict[str, Any]:
-    """The text model's fields of a HF-style config (a dict, a config.json path or a directory holding one).
-
-    The one rule every reader uses (EngramConfig, ModelConfig, the PP sharing graph): the top-level fields,
-    overridden by the fields under ``text_config`` when the config has one. Multimodal configs such as
-    DeepSeek-V4.1's keep the decoder's and Engram's fields (num_hidden_layers, hidden_size, engram_*) under
-    ``text_config`` while wrapper fields (image_token_id, tie_word_embeddings, ...) may sit at the top level;
-    both are read, and where a field is in both places the text model's wins. A flat config is read as it
-    is. The result is a new dict without a ``text_config`` key; ValueError when ``text_config`` is present
-    but not a JSON object.
-    """
+    """The text model's fields of a HF-style config (dict, config.json path or directory): the top-level fields
+    overridden by those under ``text_config`` (multimodal configs such as DeepSeek-V4.1's keep the decoder's there); a
+    flat config is read as it is. The one rule every reader uses. Returns a new dict without ``text_config``; ValueError
+    when ``text_config`` is not a JSON object."""
     raw = read_config_json(source)
     text = raw.get("text_config")
     if text is not None and not isinstance(text, dict):
@@ -302,9 +311,9 @@ class EngramConfig:
 
 
 def _engram_kwargs(hf: dict[str, Any]) -> dict[str, Any]:
-    """EngramConfig keyword arguments from a config's text fields (``hf_text_config``); ValueError naming a
-    missing field. ``engram_pad_id`` is accepted for ``engram_pad_token_id``; ``image_token_id`` becomes the
-    DEAD token when no ``engram_dead_token_ids`` are given."""
+    """EngramConfig keyword arguments from a config's text fields; ValueError naming a missing field. ``engram_pad_id``
+    is accepted for ``engram_pad_token_id``; ``image_token_id`` is the DEAD token unless ``engram_dead_token_ids`` are
+    given."""
     if "engram_layer_ids" not in hf:
         raise ValueError("config has no engram_layer_ids (looked at the top level and under text_config)")
 
