@@ -1,12 +1,7 @@
-"""FastAPI routes of `engram serve` (routes and error mapping only; the logic is in serving.py).
+"""FastAPI routes of `engram serve` and the mapping of refusals to OpenAI error bodies (logic: serving.py).
 
-/health answers 200 only once the model is loaded (503 while loading or after a failed load);
-/v1/models, /v1/models/{id}, /v1/completions, /v1/chat/completions follow the OpenAI API; /metrics is
-Prometheus text. A request body over ``max_request_bytes`` gets 413 before it is parsed, one that does not
-arrive within ``body_timeout`` seconds 408, and one still arriving when a graceful shutdown starts
-(``app.state.stopping`` set) 503 (BodyLimit). Bad requests get OpenAI-style error bodies with 400/404/408/413,
-never a 500, and every refusal (4xx, and 503 when loading, full or stopping) is counted once in
-``engram_requests_rejected_total{reason}``.
+A bad request gets 400/404/408/413, never a 500; every refusal (4xx, and 503 when loading, full or stopping)
+is counted once in ``engram_requests_rejected_total{reason}``.
 """
 from __future__ import annotations
 
@@ -35,14 +30,10 @@ def error_response(body: dict, status: int, headers: dict[str, str] | None = Non
 
 
 class BodyLimit:
-    """ASGI middleware: the whole request body is read before the app runs, within limits of size and time.
-    A body over ``limit`` bytes is refused with 413 before anything parses it (a Content-Length over the limit
-    without reading the body; a body without one as soon as it passes the limit). A body that has not arrived
-    ``timeout`` seconds after the request's head gets 408, and one still arriving when ``stopping`` is set (a
-    graceful shutdown started) gets 503: a slow or stalled client never holds a connection, or the process,
-    open. Each refusal calls ``on_reject(reason)`` ("too_large", "timeout", "shutting_down") and closes the
-    connection. A body within the limits is handed on in one piece; later receive() calls (disconnects) go to
-    the client as before."""
+    """ASGI middleware: the whole body is read before the app runs. Over ``limit`` bytes: 413 before anything
+    parses it; not arrived ``timeout`` seconds after the head: 408; still arriving once ``stopping`` is set:
+    503. Each refusal calls ``on_reject(reason)`` ("too_large", "timeout", "shutting_down") and closes the
+    connection; a body within the limits reaches the app as one message."""
 
     def __init__(self, app: Callable, limit: int, on_reject: Callable[[str], None], timeout: float | None = None,
                  stopping: asyncio.Event | None = None):
@@ -117,10 +108,9 @@ class BodyLimit:
 def build_app(build_llm: Callable[[], Any], model_name: str, tier: str, max_num_seqs: int,
               max_waiting: int = 256, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               on_load_error: Callable[[str], None] | None = None, body_timeout: float | None = None) -> FastAPI:
-    """``build_llm`` runs on the engine thread and returns an ``engram.LLM`` (the model loads there, so
-    /health can answer 503 meanwhile); if it raises, ``on_load_error(reason)`` is called on that thread
-    (`engram serve` stops the server and exits non-zero). ``body_timeout``: seconds a request body may take
-    (None: no limit). Setting ``app.state.stopping`` (an asyncio.Event) refuses bodies still arriving."""
+    """``build_llm`` returns an ``engram.LLM`` on the engine thread (/health is 503 meanwhile); if it raises,
+    ``on_load_error(reason)`` is called there. ``body_timeout``: seconds a body may take (None: no limit).
+    Setting ``app.state.stopping`` refuses bodies still arriving."""
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes={max_request_bytes} must be >= 1")
     metrics = ServerMetrics(model_name, tier)
@@ -211,9 +201,8 @@ def _where(err: dict) -> str:
 
 
 def _summary(errors: list[dict]) -> tuple[str, str | None]:
-    """One message for pydantic's errors and the first field it names. Where a field of a union type fails a
-    check of ours (a value error: a lone surrogate, too many stop strings), that is the message, not the
-    other union members' type mismatches."""
+    """One message for pydantic's errors and the first field it names; a field whose value error comes from
+    our check reports that alone, not the other union members' type mismatches."""
     items = [(_where(err), str(err.get("msg", "")).removeprefix("Value error, "), err.get("type")) for err in errors]
     checked = {w for w, _, kind in items if kind == "value_error"}
     kept = list(dict.fromkeys(f"{w}: {m}" for w, m, kind in items if kind == "value_error" or w not in checked))

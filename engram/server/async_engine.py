@@ -1,15 +1,8 @@
-"""AsyncEngine: runs the engine's step loop on one background thread and bridges it to asyncio.
+"""AsyncEngine: the engine's step loop on one background thread, bridged to asyncio.
 
-Contract: ``generate(requests)`` is an async iterator of the RequestOutputs of a group of engine requests
-(one HTTP request's choices: its prompts times ``n``), interleaved in step order; the group is admitted
-whole or not at all, and leaving the iterator early (client gone, task cancelled, one request failed)
-aborts every request of the group that has not finished and frees their sequences. All engine calls
-happen on the engine thread — requests and aborts reach it through a queue, outputs come back with
-``call_soon_threadsafe``. A step that raises fails the requests it held (or all running ones when it cannot
-tell) and the loop goes on, so one bad table read never takes the server down. Admission is bounded: more
-than ``max_num_seqs + max_waiting`` engine requests (each choice is one) in the system raise
-EngineOverloaded (HTTP 503). A model that fails to load sets ``load_error`` and calls
-``on_load_error(reason)`` on the engine thread (the server exits on it).
+Every engine call happens on that thread (requests and aborts arrive through a queue). A group of requests
+(one HTTP request's choices) is admitted whole or not at all, within ``max_num_seqs + max_waiting``, and
+leaving its iterator early aborts its unfinished requests. A step that raises fails only the requests it held.
 """
 from __future__ import annotations
 
@@ -84,11 +77,10 @@ class AsyncEngine:
         return len(self._streams)
 
     async def generate(self, requests: list[tuple[str, str | list[int], Any]]) -> AsyncIterator[Any]:
-        """Run ``requests`` ([(request_id, prompt, params)]) as one group and yield their RequestOutputs as
-        the engine steps (each output names its ``request_id``) until every one has finished. Raises, before
-        anything is yielded, ValueError for a request the engine refuses, EngineOverloaded when the whole
-        group does not fit the capacity left, EngineNotReady; RequestFailed when the engine fails any of them
-        (then or later). Every request of the group still running when the iterator is left is aborted."""
+        """Run ``requests`` ([(request_id, prompt, params)]) as one group; yield their RequestOutputs in step
+        order until all have finished. Before the first yield: ValueError for a request the engine refuses,
+        EngineOverloaded when the group does not fit, EngineNotReady; RequestFailed when the engine fails any
+        of them. Requests still running when the iterator is left are aborted."""
         if not self.ready.is_set():
             raise EngineNotReady(self.load_error or "the model is still loading")
         loop, outputs = asyncio.get_running_loop(), asyncio.Queue()  # one queue: outputs in step order
@@ -134,8 +126,7 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
     def _deliver_step(self, outputs: list) -> None:
-        """A step's outputs, one wake-up per event loop (not one per request: each wake-up is a syscall and
-        takes the GIL from this thread)."""
+        """A step's outputs, one wake-up per event loop: each wake-up is a syscall and takes the GIL."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -209,9 +200,8 @@ class AsyncEngine:
                 log.exception("on_step hook failed")
 
     def _fail_step(self, error: Exception) -> None:
-        """Fail the requests of the step that raised (``error.request_ids``, or every request when it does not
-        say) and deliver the outputs of the ones that advanced anyway (``error.outputs``, when the engine
-        isolated the failure); the engine and the other requests go on."""
+        """Fail ``error.request_ids`` (every request when it does not say) and deliver ``error.outputs``, the
+        requests that advanced anyway; the engine goes on."""
         ids = list(getattr(error, "request_ids", None) or list(self._streams))
         log.error("engine step failed for %d request(s): %s", len(ids), error)
         for rid in ids:

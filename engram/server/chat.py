@@ -1,12 +1,5 @@
-"""Chat prompts: the checkpoint's Jinja chat template when it has one, else a documented simple template.
-
-The simple template (used by the built-in presets unless their config carries a template) is::
-
-    <|system|>\\n{content}\\n<|user|>\\n{content}\\n<|assistant|>\\n
-
-one ``<|role|>`` line per message, followed by ``<|assistant|>\\n`` when a generation prompt is asked for.
-Jinja templates are rendered in a sandbox with ``messages``, ``add_generation_prompt``, ``bos_token`` and
-``eos_token``, as transformers does.
+"""Chat prompts: the checkpoint's Jinja template (sandboxed, with transformers' variables) when it has one,
+else ``<|role|>\\n{content}\\n`` per message, then ``<|assistant|>\\n`` for a generation prompt.
 """
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
-"""The HTTP layer's limits on slow clients, around uvicorn's h11 server (`engram serve` uses these).
+"""The HTTP layer's limits on slow clients, around uvicorn's h11 server.
 
-* ``HttpLimits``: every timeout of the HTTP layer, validated once (``ValueError`` naming the option).
-* ``timed_h11(limits)``: uvicorn's h11 protocol with a deadline on a request's head: a connection that has
-  not sent a complete request line and headers within ``request_headers`` seconds of connecting (or of the
-  first byte of its next request) gets ``408`` and is closed, so idle or dribbling connections (slowloris)
-  cannot pile up. uvicorn's own ``timeout_keep_alive`` closes connections idle between requests, and h11
-  refuses a request head it holds incomplete past 16 KiB with 400. The body's deadline is app.py's ``BodyLimit``.
-* ``DrainingServer``: ``uvicorn.Server`` that tells the app when a graceful shutdown starts (requests still
-  sending their body are then answered 503, so a slow upload never holds the process), and bounds the
-  drain of in-flight generations by ``graceful_shutdown`` seconds (uvicorn's ``timeout_graceful_shutdown``).
-* ``check_port(host, port)``: OSError before anything loads when the port cannot be bound.
+A request's head must arrive within ``HttpLimits.request_headers`` seconds of connecting (or of the first
+byte of the next request on a kept-alive connection), else 408 and close, so slowloris connections cannot
+pile up; the body's deadline is app.py's ``BodyLimit``.
 """
 from __future__ import annotations
 
@@ -27,6 +20,8 @@ _REQUEST_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnec
 
 @dataclass(frozen=True)
 class HttpLimits:
+    """Every timeout of the HTTP layer; ValueError naming the option for one that is not a positive number."""
+
     graceful_shutdown: float = 60.0  # seconds in-flight requests may take to finish after SIGTERM
     keep_alive: float = 5.0  # seconds an idle connection stays open between requests (uvicorn's default)
     request_headers: float = 10.0  # seconds a request's line and headers may take to arrive
@@ -42,7 +37,7 @@ class HttpLimits:
 
 
 def timed_h11(limits: HttpLimits) -> type[H11Protocol]:
-    """uvicorn's H11Protocol with the request-head deadline of ``limits`` (see the module docstring)."""
+    """uvicorn's H11Protocol with the request-head deadline of ``limits``."""
 
     class HeadDeadlineProtocol(H11Protocol):
         head_timeout = limits.request_headers
@@ -82,7 +77,8 @@ def timed_h11(limits: HttpLimits) -> type[H11Protocol]:
 
 
 class DrainingServer(uvicorn.Server):
-    """``uvicorn.Server`` that calls ``on_shutdown()`` (on the event loop) when its graceful shutdown starts."""
+    """``uvicorn.Server`` that calls ``on_shutdown()`` (on the event loop) when its graceful shutdown starts,
+    so bodies still arriving get 503 rather than holding the process."""
 
     def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None]):
         super().__init__(config)
@@ -101,10 +97,8 @@ def server_config(app, host: str, port: int, log_level: str, limits: HttpLimits)
 
 
 def check_port(host: str, port: int) -> None:
-    """OSError when ``host``:``port`` cannot be bound (in use, or not this machine's address), found by
-    binding it once and letting it go: before anything loads, so a taken port fails at once. uvicorn binds
-    it again itself (handing it a pre-bound socket made more of its early replies, e.g. a 413 sent before a
-    large body is read, get lost to the reset of the close)."""
+    """OSError when ``host``:``port`` cannot be bound, found by binding it once and letting it go. uvicorn binds
+    it again itself: with a pre-bound socket, early replies (a 413 before the body is read) are lost more often."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))

@@ -1,7 +1,5 @@
-"""Start a real `engram serve` subprocess on 127.0.0.1 and a free port (tests and load benches use it).
-
-``ServerProcess(args, cache_dir, log_path).wait_ready()`` returns once /health answers 200; ``stop()``
-sends SIGTERM (the server drains its streams) and waits; ``metric(url, name, labels)`` reads /metrics.
+"""A real `engram serve` subprocess on 127.0.0.1 and a free port, for tests and load benches:
+``wait_ready()`` returns once /health answers 200, ``stop()`` sends SIGTERM and waits.
 """
 from __future__ import annotations
 

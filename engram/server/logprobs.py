@@ -1,20 +1,8 @@
-"""Log probabilities in the two OpenAI response shapes, built from the engine's ``TokenLogprobs``.
+"""Log probabilities in the two OpenAI response shapes (docs/server.md), from the engine's ``TokenLogprobs``.
 
-A reported token is a ``Scored`` entry: its id, its logprob and top-k (None for the first prompt token, which
-nothing predicts), and whether its characters are part of the choice's text (a special token the detokenizer
-skips is not). Token strings follow OpenAI: a token whose bytes are valid UTF-8 is that text, any other
-(a piece of a multi-byte character) is ``"bytes:\\xe2\\x80"``, so distinct tokens never share a string and
-a top-k dict always has k keys. A token's bytes are exact for byte-level BPE tokenizers (every preset and the
-DeepSeek / Qwen checkpoints) and for added tokens; for other tokenizers they are the UTF-8 of the token
-decoded alone. Logprobs below ``LOGPROB_FLOOR`` (-inf included, which JSON cannot carry) are reported as it.
-
-- ``LegacyLogprobs`` (``/v1/completions``): ``{tokens, token_logprobs, top_logprobs, text_offset}``, one entry
-  per token, ``top_logprobs`` a ``{token: logprob}`` dict of the k most likely (``{}`` for k = 0), both null
-  for the first prompt token; ``text_offset`` is the number of characters of the choice's text (echoed
-  prompt included) before the token. ``add()`` is called once per response, or once per streamed chunk with
-  that chunk's tokens: the offsets continue across calls, so a stream's pieces concatenate to the whole.
-- ``chat_logprobs`` (``/v1/chat/completions``): ``[{token, logprob, bytes, top_logprobs: [{token, logprob,
-  bytes}]}]``.
+A token whose bytes are not UTF-8 is written ``"bytes:\\xe2\\x80"``, so distinct tokens never share a string
+and a top-k dict always has k keys. Bytes are exact for byte-level BPE and added tokens; for other tokenizers
+they are the UTF-8 of the token decoded alone.
 """
 from __future__ import annotations
 
@@ -22,7 +10,7 @@ import codecs
 import json
 from typing import Any, NamedTuple
 
-LOGPROB_FLOOR = -9999.0  # as vLLM reports impossible tokens
+LOGPROB_FLOOR = -9999.0  # lower logprobs (-inf: JSON has none) are reported as this, as vLLM does
 
 
 class Scored(NamedTuple):
@@ -31,7 +19,7 @@ class Scored(NamedTuple):
     token_id: int
     logprob: float | None  # None: the first prompt token (nothing predicts it)
     top: list[tuple[int, float]] | None  # the step's most likely (token id, logprob), most likely first
-    in_text: bool  # its characters are part of the choice's text
+    in_text: bool  # its characters are part of the choice's text (not a special token the detokenizer skips)
 
 
 def _byte_level_chars() -> dict[str, int]:
@@ -119,8 +107,8 @@ def generated_scored(strings: TokenStrings, logprobs: list) -> list[Scored]:
 
 
 class LegacyLogprobs:
-    """One completion choice's ``logprobs`` object, built in pieces (see the module docstring); ``k`` is the
-    number of alternatives per token (the engine may have computed more)."""
+    """One completion choice's ``logprobs`` object with ``k`` alternatives per token, built by one ``add()`` per
+    response or per streamed chunk: ``text_offset`` continues across calls, so a stream's pieces concatenate."""
 
     def __init__(self, strings: TokenStrings, k: int):
         self.strings, self.k = strings, k

@@ -1,8 +1,5 @@
-"""Prometheus metrics of the server, all named ``engram_*``, on a registry of their own.
-
-Request-level series (counts, TTFT/TPOT/latency histograms, token counters) are updated by the serving
-code; engine gauges and table counters come from a snapshot the engine thread takes after each step and
-are exported at scrape time, so a scrape never touches the engine.
+"""Prometheus metrics of the server (``engram_*``, own registry). Engine gauges and table counters come from
+the ``engine.stats()`` snapshot taken after each step, so a scrape never touches the engine.
 """
 from __future__ import annotations
 
@@ -38,8 +35,7 @@ class ServerMetrics:
         r.register(_SnapshotCollector(self))
 
     def update_from_engine(self, engine: Any, outputs: list) -> None:
-        """Engine-thread hook: keep the engine's ``stats()`` snapshot taken after a step (nothing else of
-        the engine is read)."""
+        """Engine-thread hook after each step: keep ``engine.stats()``."""
         snap = engine.stats()
         with self._lock:
             self._snapshot = snap

@@ -1,20 +1,13 @@
-"""Prompt preparation for the server, off the engine thread: a length bound checked before any tokenizing,
-then tokenization that releases the GIL.
-
-``chars_per_token_bound(tokenizer)`` is K such that a text of ``c`` characters always encodes to at least
-``c / K`` tokens, or None where no such bound holds; ``too_long(text, bound, max_model_len)`` uses it to refuse
-a prompt that cannot fit before spending any time on it. ``encode(tokenizer, text)`` gives the same ids as
-``tokenizer.encode(text).ids`` (special tokens added), through ``encode_batch``, which runs without the GIL:
-a long prompt tokenizing in a worker thread does not stall the engine thread or the event loop.
+"""Prompt preparation off the engine thread: a length bound checked before tokenizing (``too_long``), then
+tokenization that releases the GIL (``encode``), so a long prompt stalls neither the engine nor the event loop.
 """
 from __future__ import annotations
 
 import json
 from typing import Any
 
-# How much a normalizer can shrink a text, in characters: NFC / NFKC compose at most 4 code points into one
-# (e.g. U+1FA7 = omega + 3 combining marks). A normalizer that can shrink text without bound (Replace, Strip,
-# ...) gives no bound at all.
+# How much a normalizer can shrink a text: NFC / NFKC compose at most 4 code points into one (U+1FA7); any
+# other (Replace, Strip, ...) may shrink it without bound.
 _NORMALIZER_SHRINK = {"NFC": 4, "NFKC": 4}
 # Pre-tokenizers that keep every character; the others (Whitespace, BertPreTokenizer, ...) drop some.
 _KEEPING_PRE_TOKENIZERS = ("ByteLevel", "Metaspace", "Digits", "Split", "Punctuation", "Sequence")
@@ -44,12 +37,9 @@ def _keeps_characters(pre: dict | None) -> bool:
 
 def chars_per_token_bound(tokenizer: Any) -> int | None:
     """K such that a text of ``c`` characters always encodes to at least ``c / K`` tokens, or None where no
-    such bound is known: only BPE models (byte-level or not, unknown characters not fused) with no normalizer
-    or NFC / NFKC, and pre-tokenizers that keep every character, get one.
-
-    A BPE token covers at most as many characters as its vocabulary string has (a byte-level string has one
-    character per byte, and a character is at least one byte), an added token exactly its content; the
-    normalizer's worst shrink multiplies that.
+    such bound is known: only BPE models (unknown characters not fused) with no normalizer or NFC / NFKC,
+    and pre-tokenizers that keep every character, get one. Why it holds: a BPE token covers at most as many
+    characters as its vocabulary string has, times the normalizer's worst shrink.
     """
     config = json.loads(tokenizer.to_str())
     model = config.get("model") or {}

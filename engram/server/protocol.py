@@ -1,16 +1,8 @@
 """OpenAI-compatible request bodies (pydantic, the HTTP boundary only) and the error body.
 
-Field names, defaults and bounds follow the OpenAI API as vLLM serves it. The contract is strict: a field
-this server does not know is refused (400 naming it), and a field the OpenAI API has but this server does
-not implement (``logit_bias``, ``tools``, ...) is refused as soon as it asks for anything but its no-op value
-(see ``unsupported_field``), so nothing a client sends is silently ignored. ``n`` is at most ``MAX_N``,
-``logprobs`` / ``top_logprobs`` at most ``MAX_LOGPROBS`` alternatives. Every field is typed strictly (pydantic
-strict mode): ``"5"`` is not an integer, ``true`` is not 1, ``"yes"`` is not a boolean; only an integer may stand
-for a float. Floats must be finite (a NaN ``temperature`` is refused as not finite), and ``stream_options``
-needs ``stream: true``, as in vLLM. Every string must be valid
-Unicode (a lone surrogate such as ``"\\ud800"`` is a 400), ``seed`` must fit a signed 64-bit integer, and the
-stop conditions are bounded (``MAX_STOP`` strings of at most ``MAX_STOP_CHARS`` characters,
-``MAX_STOP_TOKEN_IDS`` ids). Responses are plain dicts built in serving.py.
+Fields, defaults and bounds follow the OpenAI API as vLLM serves it, typed strictly (no coercion). Nothing a
+client sends is silently ignored: an unknown field is a 400, and an unimplemented OpenAI field is refused
+unless it holds its no-op value (``unsupported_field``).
 """
 from __future__ import annotations
 

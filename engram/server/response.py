@@ -1,9 +1,5 @@
-"""What one OpenAI response is made of while it runs: its prompts, its choices and how they are rendered.
-
-``PromptSpec`` (a prompt's text and token ids), ``Shape`` (completions or chat, streaming, echo, logprobs),
-``Choice`` (one engine request of the response: its index, prompt, seed and progress) and
-``ResponseState`` (every choice of a response: recording the engine's outputs, the JSON body, the SSE
-chunks and the usage). serving.py drives them; nothing here talks to the engine.
+"""One OpenAI response while it runs: its prompts, its choices, and their rendering as a JSON body or SSE
+chunks. serving.py drives it; nothing here talks to the engine.
 """
 from __future__ import annotations
 
@@ -35,8 +31,7 @@ class Shape:
 
 @dataclass
 class Choice:
-    """One engine request of a response. Its requests report deltas (``output_kind="delta"``: no copy of the
-    output so far per step); the choice accumulates them: token ids, text pieces and logprobs."""
+    """One engine request of a response; it accumulates the request's deltas (``output_kind="delta"``)."""
 
     index: int  # OpenAI's choice index (prompt-major)
     request_id: str  # its engine request
@@ -178,8 +173,7 @@ class ResponseState:
     def usage(self) -> dict[str, int]:
         """Prompt tokens once per prompt (not per choice); completion tokens of every choice."""
         p = sum(len(x.ids) for x in self.prompts)
-        g = sum(len(c.token_ids) for c in self.choices) \
-            if self.shape.generate else 0
+        g = sum(len(c.token_ids) for c in self.choices) if self.shape.generate else 0
         return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
 
 

@@ -1,27 +1,10 @@
-"""OpenAI completions and chat completions on top of AsyncEngine: request -> checks -> token ids ->
-SamplingParams -> engine -> JSON body or an SSE stream that ends with ``data: [DONE]``.
+"""OpenAI completions and chat completions on AsyncEngine: request -> checks -> token ids -> SamplingParams
+-> engine -> JSON body or an SSE stream ending ``data: [DONE]``.
 
-A response has one choice per prompt and ``n`` (a completions ``prompt`` may be a list): each choice is an
-engine request of its own, ``{id}-{index}``, and all of them run as one group (admitted together, aborted
-together when the client leaves or one fails). OpenAI numbers choices prompt-major: prompt ``p``'s ``j``-th
-sequence is choice ``p * n + j``; with a ``seed`` it samples with ``seed + j``, so its tokens are those of
-the same prompt sent alone with that seed and the whole response is reproducible. Streams interleave the
-choices' chunks, each naming its ``index``. Logprobs come back in OpenAI's legacy completions shape or
-chat's (server/logprobs.py); ``echo`` puts the prompt, and with ``logprobs`` its tokens' logprobs, before the
-completion, and ``max_tokens=0`` (echo only) generates nothing: the engine (which generates at least one
-token) runs the request with ``max_tokens=1`` and the server drops that token (finish_reason "length",
-``completion_tokens`` 0).
-
-Everything a request can get wrong is refused here, before the engine sees it: an unimplemented OpenAI
-field (``protocol.unsupported_field``), a prompt that cannot fit ``max_model_len`` (by its length in
-characters, before tokenizing, where the tokenizer allows a bound; then by its token count), a prompt plus
-``max_tokens`` beyond ``max_model_len`` (vLLM's rule and message, ``context_error``; a chat request without
-``max_tokens`` may generate up to the context, as in vLLM), ``stop_token_ids`` outside the vocabulary.
-Chat templates render and prompts tokenize in a worker thread (tokenization releases the GIL), so the engine
-thread only ever receives token ids and a long prompt never stalls the requests already running. Errors are
-raised as ApiError (status, OpenAI error body and the ``engram_requests_rejected_total`` reason); app.py
-turns them into responses. A client that disconnects, streaming or not, cancels its request (the engine
-frees the sequence), and its tokens so far still count in the token counters.
+Each choice (prompt ``p``, sequence ``j``) is engine request ``{id}-{p * n + j}``, seeded ``seed + j``; a
+response's choices run as one group. Every refusal happens here, before the engine sees the request, as an
+ApiError that app.py renders; the engine thread only receives token ids (templates and tokenization run in
+worker threads). A client that disconnects cancels its requests; their tokens so far still count.
 """
 from __future__ import annotations
 
