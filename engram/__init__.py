@@ -1,8 +1,7 @@
 """engram: serve language models with Engram conditional memory.
 
-Public names (docs/design.md, "Public API"): EngramConfig, CompressedTokenizer, NgramHasher, Engram,
-LLM, SamplingParams and the submodules ``quant`` and ``store``. They are imported lazily so that
-``import engram`` and ``engram --help`` stay fast.
+The public names (docs/design.md, "Public API") are imported lazily so that ``import engram`` and
+``engram --help`` stay fast.
 """
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""`engram` command line: the one entry point.
-
-Subcommands live in ``engram.commands.<name>`` (see that package's docstring for the contract); this file
-only wires them into argparse.
-"""
+"""`engram` command line: wires the subcommands of ``engram.commands`` into argparse."""
 from __future__ import annotations
 
 import argparse

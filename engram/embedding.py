@@ -1,9 +1,5 @@
-"""EngramEmbedding: a small trainable Engram table addressed by the hasher's global row ids.
-
-``EngramEmbedding(cfg, layer_id)(row_ids [..., n_cols]) -> [..., n_cols, head_dim]`` is an nn.Embedding
-over the whole layer table (``cfg.table_rows(layer_id)`` rows, column offsets already folded into the row
-ids by ``NgramHasher``), so tiny models and research users can train end to end and hand the rows to
-``Engram``. It is for tables that fit in memory; serving uses ``engram.store`` tiers with the same ids.
+"""EngramEmbedding: a trainable in-memory Engram table addressed by ``NgramHasher``'s global row ids, for
+training end to end; serving reads the same ids from ``engram.store`` tiers.
 """
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Every environment variable engram reads, in one place: debugging and deployment switches, never settings.
-
-Settings (tiers, caches, overlap, scheduling limits) are typed objects passed down (EngineConfig,
-RuntimeOptions, StoreOptions); what is left here changes how a process finds its files or which
-implementation of a fast path it runs, and the outputs of every choice are tested equal. Each variable is
-listed in ``VARIABLES`` and documented in docs/config.md (a test keeps the two in step and fails on any
-``ENGRAM_*`` name read elsewhere in the package).
+"""Every environment variable engram reads: debugging and deployment switches, never settings (those are
+typed objects passed down). Each is listed in ``VARIABLES`` and documented in docs/config.md.
 """
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
 """``FastPathSwitch``: which implementation a function with a fast path and a reference uses.
 
-Two kinds of fast path share it. A fast CUDA path (Triton) beside a torch reference, whose ability to run
-depends on each call's tensors: "auto" takes the fast path where it can run (CUDA, the dtypes it
-supports, triton importable), "torch" always takes the reference, "triton" insists on the fast path and
-raises where it cannot run (``fast``). And a C extension beside a Python reference, whose availability is
-one fact of the process (``available``, e.g. whether ``engram.store._pread_pool`` was built): "auto"
-takes the C path when it is built and otherwise falls back with one warning per switch and process, the
-reference's name forces the fallback, and forcing the C path raises at once when it is not built
-(``set``, ``active``, ``use_fast``). The initial choice of a switch named by ``kernel`` comes from the
-ENGRAM_KERNELS debugging variable (engram/envs.py), checked like a ``set`` when the switch is made; tests
-flip it with ``set``.
+"auto" takes the fast path where it can run, the reference's name always takes the reference, and the fast
+name insists on the fast path and raises where it cannot run. Whether it can run is decided per call for a
+Triton kernel (``fast``) and once per process for a C extension (``available``, ``use_fast``). A switch
+named by ``kernel`` starts from ENGRAM_KERNELS (engram/envs.py); tests flip it with ``set``.
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Copies between host and device that never stall the host: pinned staging, non-blocking copies.
-
-A pageable host→device copy makes the CPU wait for the GPU (a host synchronisation); copying from page-locked
-memory with ``non_blocking=True`` only enqueues it. Every per-step input the engine hands a CUDA device goes
-through ``to_device``; on the CPU it is the identity (same tensor, no copy). ``to_host`` is the way back:
-non-blocking copies into pinned memory that the caller waits for through an event recorded after them.
+"""Copies between host and device that never stall the host: a pageable host->device copy synchronises the
+CPU with the GPU, one from pinned memory with ``non_blocking=True`` only enqueues it.
 """
 from __future__ import annotations
 
@@ -13,10 +9,8 @@ import torch
 
 
 def to_device(data: torch.Tensor | Sequence, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """A CPU tensor (or a list, built as ``dtype``) on ``device``; CUDA copies come from pinned memory,
-    non-blocking (the caching host allocator keeps the pinned buffer alive until the copy is done). A
-    non-contiguous CPU tensor (a column slice of packed rows) is made contiguous first, so the copy is one
-    pinned transfer rather than a pageable one."""
+    """A CPU tensor (or a list, built as ``dtype``) on ``device``: the same tensor off CUDA, else a
+    non-blocking copy from pinned memory (the caching host allocator keeps it alive until the copy is done)."""
     t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
     if device.type != "cuda" or t.device.type == "cuda":
         return t.to(device)

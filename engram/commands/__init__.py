@@ -1,7 +1,5 @@
-"""One module per `engram` subcommand, and the registry that wires such modules into argparse.
-
-Each module defines ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``; heavy imports
-happen inside ``run`` so that ``engram --help`` stays fast.
+"""One module per `engram` subcommand: ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``,
+its module docstring the command's description; heavy imports happen inside ``run`` so ``--help`` stays fast.
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Config names: the one resolver of a config name or path, for every command that reads a config.
-
-Every command that reads a config (``engram plan-pp CONFIG``, ``engram inspect --preset/--config``, ``engram
-convert``) resolves it through ``resolve_config``, so each accepts every name any command accepts
-(``config_names()``): the shipped layouts (engram/configs: ``deepseek-v4.1-flash``, ``paper-demo``) and the
-model presets (``engram.model.presets``: tiny, small, 4b-like, 8b-like: their config.json fields; ``tiny`` is
-also an Engram preset, and the model preset carries exactly that Engram layout). A name wins over a file or
-directory of the same name, as in ``load_model``.
+"""The one resolver of a config name or path, so every command that reads a config accepts the same names:
+the shipped layouts (engram/configs) and the model presets. A name wins over a file of the same name, as in
+``load_model``.
 """
 from __future__ import annotations
 

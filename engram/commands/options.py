@@ -1,9 +1,5 @@
-"""Options shared by `serve` and `generate`: one definition, one parser.
-
-``add_model_arguments`` (MODEL, --tier, --dtype, --engram-config, --device, --threads),
-``add_engine_arguments`` (the EngineConfig limits), ``check_options(args)``, which validates every value
-without loading anything (ValueError naming the option: `serve` exits 2 on it before its port opens), and
-``build_llm(args)``, which turns them into an ``engram.LLM``.
+"""Options shared by `serve` and `generate`: their arguments, their validation without loading anything
+(``check_options``), and the ``engram.LLM`` they describe (``build_llm``).
 """
 from __future__ import annotations
 
