@@ -38,6 +38,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_num_seqs: int = 64) -> 
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch step N+1 before reading step N (default: on for CUDA; with the disk tier or a "
                         "hot-row cache a launch waits for the tokens in flight)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="Worker processes, one tensor-parallel rank each (CPU gloo for now; docs/parallel.md)")
 
 
 def byte_count(option: str):
@@ -64,13 +66,14 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                 gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-                async_scheduling=args.async_scheduling)
+                async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size)
 
 
 _ENGINE_OPTIONS = {"engine.max_num_seqs=": "--max-num-seqs=", "engine.max_num_batched_tokens=":
                    "--max-num-batched-tokens=", "engine.max_model_len=": "--max-model-len=",
                    "engine.block_size=": "--block-size=", "engine.kv_cache_memory=": "--kv-cache-memory=",
-                   "engine.gpu_memory_utilization=": "--gpu-memory-utilization="}
+                   "engine.gpu_memory_utilization=": "--gpu-memory-utilization=",
+                   "engine.tensor_parallel_size=": "--tensor-parallel-size="}
 
 
 def check_options(args: argparse.Namespace) -> None:

@@ -22,12 +22,14 @@ class EngineConfig:
     # describe step N+1 while the device runs step N (None: on for CUDA where the tables allow it; True on
     # the CPU runs the same bookkeeping without any overlap, for tests)
     async_scheduling: bool | None = None
+    tensor_parallel_size: int = 1  # Worker processes, one tensor-parallel rank each (> 1: CPU gloo, docs/parallel.md)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"engine.{name}={getattr(self, name)!r}: {why}")
 
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_graph_batch"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_graph_batch",
+                     "tensor_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise bad(name, "must be an int >= 1")

@@ -11,10 +11,12 @@ import torch
 
 from engram.engine.config import EngineConfig
 from engram.engine.engine import LLMEngine
+from engram.engine.multiproc import MultiprocExecutor, RankSpec, free_port
 from engram.model.options import RuntimeOptions
 from engram.engine.outputs import RequestOutput
 from engram.engine.sampling_params import SamplingParams
 from engram.model.loader import load_model, resolve_dtype
+from engram.parallel import tp
 
 class LLM:
     def __init__(self, model: str = "tiny", tier: str = "gpu", dtype: str | torch.dtype | None = None,
@@ -23,11 +25,18 @@ class LLM:
         engine_config = EngineConfig.from_options(engine_options)  # bad options fail before loading
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
+        if engine_config.tensor_parallel_size > 1 and self.device.type != "cpu":  # before anything loads
+            raise NotImplementedError(f"tensor_parallel_size={engine_config.tensor_parallel_size} on {self.device}: "
+                                      "only the CPU gloo path exists; the NCCL path (one GPU per rank) is issue 47's "
+                                      "next step (docs/parallel.md)")
         self.options = RuntimeOptions.from_dict(engram_config)  # bad keys fail before loading
         self.tier = self.options.tier(tier)
         self.loaded = load_model(model, tier=self.tier, dtype=self.dtype, device=self.device,
                                  engram_config=self.options, cache_dir=cache_dir)
-        self.engine = LLMEngine(self.loaded, engine_config, self.device, self.dtype)
+        executor = None
+        if engine_config.tensor_parallel_size > 1:
+            executor = _tensor_parallel(model, self, engine_config, cache_dir)
+        self.engine = LLMEngine(self.loaded, engine_config, self.device, self.dtype, executor=executor)
         self._request_ids = itertools.count()
 
     def get_tokenizer(self):
@@ -68,6 +77,16 @@ class LLM:
                 self.engine.abort_request(child)
             raise
         return [_merge(rid, [done[c] for c in children[rid]]) for rid in ids]
+
+
+def _tensor_parallel(model: str, llm: "LLM", config: EngineConfig, cache_dir: str | None) -> MultiprocExecutor:
+    """N Worker processes on this node over gloo (engine/multiproc.py); the CUDA (NCCL) path is not built yet."""
+    n = config.tensor_parallel_size
+    tp.check_tp(llm.loaded.model_config, n)
+    spec = RankSpec(str(model), llm.tier, llm.dtype, llm.options, cache_dir, config,
+                    config.max_model_len or llm.loaded.model_config.max_position_embeddings,
+                    f"tcp://127.0.0.1:{free_port()}", max(1, torch.get_num_threads() // n))
+    return MultiprocExecutor(spec)
 
 
 def _merge(request_id: str, outs: list[RequestOutput]) -> RequestOutput:
