@@ -49,6 +49,18 @@ def test_tp2_matches_tp1_in_float64(tp1, tp2):
     assert worst <= 1e-9, f"max relative logprob difference {worst:.3e}"
 
 
+def test_tp4_with_fewer_kv_heads_than_ranks_matches_tp1(tp1):
+    """tiny has 2 KV heads: at TP4 each rank keeps the one KV head its single query head reads."""
+    llm = engram.LLM("tiny", tensor_parallel_size=4, **ENGINE)
+    try:
+        got = llm.generate(PROMPTS[:2], _params(4), use_tqdm=False)
+        assert llm.engine.stats()["kv_bytes"] * 2 == tp1.engine.stats()["kv_bytes"]
+    finally:
+        llm.engine.executor.close()
+    want = tp1.generate(PROMPTS[:2], _params(4), use_tqdm=False)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+
+
 def test_each_rank_holds_its_share(tp1, tp2):
     full = tp.parameter_bytes(tp1.loaded.model)
     ranks = tp2.engine.executor.rank_bytes
