@@ -140,7 +140,7 @@ class MultiprocExecutor(Executor):
                     if msg[0] == "error":
                         _log.error("rank %d raised:\n%s", r, msg[2])
                         notes.append(f"rank {r} raised {_last_line(msg[2])}")
-            except (EOFError, OSError):
+            except (EOFError, OSError):  # the rank's end of the pipe went with it: its exit code says enough
                 pass
         return "; ".join(notes) or "no rank answered in time"
 
@@ -160,7 +160,7 @@ def _stop(procs: list, conn) -> None:
     try:
         if all(p.is_alive() for p in procs):
             conn.send(("stop", None))
-    except (BrokenPipeError, ConnectionResetError, OSError):
+    except (BrokenPipeError, ConnectionResetError, OSError):  # rank 0 is gone already: the kills below remain
         pass
     for p in procs:
         p.join(STOP_TIMEOUT_S if all(q.is_alive() for q in procs) else 0.5)

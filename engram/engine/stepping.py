@@ -78,7 +78,7 @@ class StepPipeline:
         """Run one step -> the outputs of the step that completed (with async scheduling, the one launched before)."""
         if self.async_scheduling():
             return self._step_async()
-        if self._inflight is not None:  # async scheduling was just turned off (a replaced lookup executor)
+        if self._inflight is not None:  # async scheduling was just turned off (the executor stopped taking them)
             prev, self._inflight = self._inflight, None
             return self._collect(prev)
         batch = self.scheduler.schedule()
@@ -104,7 +104,7 @@ class StepPipeline:
         if batch.is_empty:
             return self._collect_or_rerun(prev)
         if not self.executor.takes_pending_tokens() and any(seq.num_pending for seq in batch.seqs):
-            # Workers that cannot take tokens still on the device (a replaced lookup executor): read prev
+            # Workers that cannot take tokens still on the device (the multi-process executor): read prev
             # first, then launch; steps without such tokens (prefill chunks) still run ahead.
             outputs = self._collect_or_rerun(prev)
             return outputs + self._launch_ahead(pick(batch, [i for i, seq in enumerate(batch.seqs)

@@ -4,6 +4,7 @@ or piecewise runner, then ``EagerRunner``, which covers all), whose ``launch`` r
 steps' lookups overlap; ``check`` after the read raises a failed lookup."""
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 
 import torch
@@ -21,14 +22,16 @@ class Forward:
     prompt_scores: tuple | None = None  # (own, top values, top ids) of the prompt rows asked for, eager only
 
 
-class StepRunner:
+class StepRunner(abc.ABC):
     """One way through a step; see the module docstring for the order the Worker keeps."""
 
+    @abc.abstractmethod
     def covers(self, step: StepDescription) -> bool:
-        raise NotImplementedError
+        """Whether this runner can run ``step``."""
 
+    @abc.abstractmethod
     def launch(self, step: StepDescription, patch: PendingPatch | None) -> Forward:
-        raise NotImplementedError
+        """Enqueue the step's lookups and forward; ``patch``: its tokens still on the device (async scheduling)."""
 
     def settle(self, upto: int | None = None) -> None:
         """Finish this runner's background lookups of steps up to ``upto`` (a failure is kept for ``check``)."""
