@@ -20,6 +20,7 @@ from engram.engine.sampling_params import SamplingParams
 from engram.engine.scheduler import Scheduler
 from engram.engine.sequence import Sequence
 from engram.engine.step import StepResult
+from engram.engine.step_trace import StepRecord
 from engram.engine.stepping import Launched, StepError, StepPipeline
 from engram.engine.worker import Worker
 from engram.hashing import NgramHasher
@@ -115,7 +116,12 @@ class LLMEngine:
                 "kv_usage": 1.0 - blocks.num_free_blocks / total if total else 0.0,
                 "preemptions": self.num_preemptions, "steps": self.num_steps, "tables": worker["tables"],
                 "kv_bytes": worker["kv_bytes"], "graph_replays": worker["graph_replays"],
-                "lookup_exposed_s": worker.get("lookup_exposed_s", 0.0)}
+                "mixed_graph_replays": worker.get("mixed_graph_replays", 0),
+                "lookup_exposed_s": worker.get("lookup_exposed_s", 0.0), **self.pipeline.trace.totals()}
+
+    def step_trace(self, since: int = -1) -> list[StepRecord]:
+        """The records of the collected steps after step id ``since`` that are still kept (step_trace.py)."""
+        return self.pipeline.trace.since(since)
 
     # ----------------------------------------------------------------- helpers
     def _compress(self, ids: list[int]) -> list[int]:

@@ -122,3 +122,6 @@ class StepResult:
     token_ids: list[int]  # [N] emitted tokens (sampled, or forced where a SampleSpec says so)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # [N] where SampleSpec.logprobs >= 0
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)  # seq index -> its targets'
+    route: str = ""  # the step runner that ran it (step_trace.py)
+    gpu_s: float | None = None  # its device work (CUDA events), None on the CPU
+    idle_s: float | None = None  # the device's idle time since the step before it, None on the CPU or the first

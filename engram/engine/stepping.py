@@ -25,6 +25,7 @@ from engram.engine.planner import LookupPlanner
 from engram.engine.scheduler import ScheduledBatch, Scheduler
 from engram.engine.sequence import Sequence
 from engram.engine.step import StepResult
+from engram.engine.step_trace import StepRecord, StepTrace
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class StepPipeline:
         self._finished_seq_ids: list[int] = []  # retired since the last launch: told to the Workers with the next
         self.num_preemptions = 0  # sequences preempted by recompute since start
         self.num_steps = 0
+        self.trace = StepTrace()  # the collected steps (step_trace.py)
         self._inflight: Launched | None = None  # async scheduling: the launched step not read yet
 
     def retire(self, seq_id: int) -> None:
@@ -224,7 +226,8 @@ class StepPipeline:
         for i in sampled:
             batch.seqs[i].num_pending += 1
         return Launched(batch, handle, step.step_id, {batch.seqs[i].seq_id: j for j, i in enumerate(sampled)},
-                         [seq.metrics.num_preemptions for seq in batch.seqs], sampled)
+                         [seq.metrics.num_preemptions for seq in batch.seqs], sampled,
+                         step.context_lens.tolist())
 
     def _collect(self, launched: "Launched") -> list[RequestOutput]:
         try:
@@ -232,6 +235,9 @@ class StepPipeline:
         except Exception:
             self._rollback(launched)
             raise
+        self.trace.append(StepRecord.from_shape(launched.step_id, result.route, launched.batch.num_new_tokens,
+                                                launched.context_lens, len(launched.sampled), result.gpu_s,
+                                                result.idle_s))
         return self._postprocess(launched, result)
 
     def _rollback(self, launched: "Launched") -> None:
@@ -265,6 +271,7 @@ class Launched:
     sample_index: dict[int, int]  # seq id -> index of its token among the step's sampled tokens
     epochs: list[int]  # each sequence's preemption count at launch (a later preemption voids its advance)
     sampled: list[int]  # indices into batch.seqs of the sequences that sample, in token order
+    context_lens: list[int]  # each sequence's KV length after the step (its shape, for the step trace)
 
 
 def pick(batch: ScheduledBatch, indices) -> ScheduledBatch:

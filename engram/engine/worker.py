@@ -1,8 +1,9 @@
 """Worker: everything on one device — model, KV cache, Engram tables, lookups, step runners, sampler. Driven only
 through ``execute(step) -> StepResult`` or its halves ``launch`` and ``collect`` (the step's one host synchronisation),
 reporting through ``stats()``; it never sees a Sequence or the scheduler. At start it opens its tables, sizes the KV
-cache (memory.py) and chooses its runners once (engine/runners/): unless ``enforce_eager``, ``GraphRunner`` when every
-table gathers on the device, else ``PiecewiseRunner``, then the eager runner for every other step."""
+cache (memory.py) and chooses its runners once (engine/runners/): unless ``enforce_eager``, two ``GraphRunner``s (decode
+steps, then mixed steps) when every table gathers on the device, else ``PiecewiseRunner`` (decode steps), then the
+eager runner for every other step."""
 from __future__ import annotations
 
 import functools
@@ -19,9 +20,10 @@ from engram.engine.lookup_stream import LookupStream
 from engram.engine.memory import MemoryPlan, plan_memory, profile_peak_bytes
 from engram.engine.pending import PendingTokens
 from engram.engine.runners.base import StepRunner
-from engram.engine.runners.decode_inputs import graph_reserve_bytes
+from engram.engine.runners.decode_inputs import DecodeInputs, graph_reserve_bytes
 from engram.engine.runners.eager import EagerRunner
 from engram.engine.runners.graphs import GraphRunner
+from engram.engine.runners.mixed_inputs import MixedInputs
 from engram.engine.runners.pieces import DecodePieces
 from engram.engine.runners.piecewise import PiecewiseRunner
 from engram.engine.sampler import SampledTokens, Sampler
@@ -44,6 +46,8 @@ class LaunchedStep:
     sampled: SampledTokens  # host copies (in flight until ``sampled.ready``)
     prompt_scores: tuple | None  # host copies of the prompt logprob scores, when the step asked for them
     flags: torch.Tensor | None = None  # host copy of the runner's flags (stale rows, failed waits)
+    started: "torch.cuda.Event | None" = None  # recorded before the step's first kernel (CUDA)
+    before: "torch.cuda.Event | None" = None  # the step before's ``sampled.ready``: the idle time runs from it
 
 
 class Worker:
@@ -79,27 +83,40 @@ class Worker:
             self.lookup = wrap_lookup(self.lookup)
         self.memory: MemoryPlan = plan_memory(config, max_model_len, bytes_per_block, staging,
                                               _hot_cache_bytes(self.tables), self.device, peak,
-                                              graph_reserve_bytes(config, peak) if use_graphs else 0)
+                                              graph_reserve_bytes(config, peak, self._gathers_on_device())
+                                              if use_graphs else 0)
         # With graphs, one more block than the scheduler hands out: padding sequences of a bucket write there.
         self.kv = KVCache.for_model(self.model_config, self.memory.num_blocks + use_graphs, config.block_size, dtype,
                                     self.device)
         self.eager = EagerRunner(self.model, self.kv, self.lookup, self.device, dtype, self.ecfg)
-        graphs = self._graph_runner(max_model_len, progress) if use_graphs else None
-        self.runners: list[StepRunner] = [graphs, self.eager] if graphs is not None else [self.eager]
+        graphs = self._graph_runners(max_model_len, progress) if use_graphs else []
+        self.runners: list[StepRunner] = [*graphs, self.eager]
+        self._last_ready: torch.cuda.Event | None = None  # the last launched step's ``sampled.ready``
+
+    def _gathers_on_device(self) -> bool:
+        return all(t.gathers_on_device for t in self.tables.values())
 
     def _profiles_memory(self) -> bool:
         c = self.config
         return self.device.type == "cuda" and c.num_kv_blocks is None and c.kv_cache_memory is None
 
-    def _graph_runner(self, max_model_len: int, progress: bool | None) -> StepRunner:
-        """Decided once: one graph a bucket when every table gathers on the device, else pieces cut at Engram layers."""
+    def _graph_runners(self, max_model_len: int, progress: bool | None) -> list[StepRunner]:
+        """Decided once. Every table gathers on the device: one graph a decode bucket, and one a mixed-step token
+        bucket (sharing one memory pool); else decode pieces cut at Engram layers (mixed steps then run eager)."""
         c = self.config
-        shape = dict(max_batch=min(c.max_num_seqs, c.max_graph_batch), max_model_len=max_model_len,
-                     block_size=c.block_size, null_block=self.memory.num_blocks, device=self.device, progress=progress)
-        if all(t.gathers_on_device for t in self.tables.values()):
-            return GraphRunner(self.model, self.kv, self.ecfg, self.tables, lookup_stream=self.lookup_stream, **shape)
-        return PiecewiseRunner(DecodePieces(self.model, self.kv, self.ecfg, self.tables, **shape), self.lookup,
-                               self.device)
+        shape = dict(max_model_len=max_model_len, block_size=c.block_size, null_block=self.memory.num_blocks)
+        batch = min(c.max_num_seqs, c.max_graph_batch)
+        if not self._gathers_on_device():
+            return [PiecewiseRunner(DecodePieces(self.model, self.kv, self.ecfg, self.tables, max_batch=batch,
+                                                 device=self.device, progress=progress, **shape),
+                                    self.lookup, self.device)]
+        n_cols, layers = (self.ecfg.n_cols, list(self.tables)) if self.ecfg else (0, [])
+        common = dict(model=self.model, kv=self.kv, ecfg=self.ecfg, tables=self.tables, device=self.device,
+                      progress=progress, lookup_stream=self.lookup_stream, pool=torch.cuda.graph_pool_handle())
+        mixed = MixedInputs(c.max_num_batched_tokens, c.max_num_seqs, n_cols=n_cols, row_layers=layers,
+                            device=self.device, **shape)
+        decode = DecodeInputs(batch, n_cols=n_cols, row_layers=layers, pad_row_id=0, device=self.device, **shape)
+        return [GraphRunner(io=decode, name="graph", **common), GraphRunner(io=mixed, name="mixed-graph", **common)]
 
     # ----------------------------------------------------------------- the step
     def execute(self, step: StepDescription) -> StepResult:
@@ -109,6 +126,9 @@ class Worker:
     def launch(self, step: StepDescription) -> LaunchedStep:
         """Enqueue a step on the first runner covering it and the copy of its tokens to the host; returns without
         waiting for the device (nor, over probed slabs, for the lookups)."""
+        started = torch.cuda.Event(enable_timing=True) if self.device.type == "cuda" else None
+        if started is not None:
+            started.record()
         self.eager.free(step.finished_seq_ids)
         patch = self.pending.patch(step)
         runner = next(r for r in self.runners if r.covers(step))
@@ -122,12 +142,13 @@ class Worker:
         flags = [forward.flags] if forward.flags is not None else []
         host = to_host([sampled.token_ids, sampled.logprobs, sampled.top_logprobs, sampled.top_token_ids]
                        + scores + flags, self.device)
-        ready = torch.cuda.Event() if self.device.type == "cuda" else None
+        ready = torch.cuda.Event(enable_timing=True) if started is not None else None
         if ready is not None:
             ready.record()
+        before, self._last_ready = self._last_ready, ready
         n = 4 + len(scores)
         return LaunchedStep(step, runner, SampledTokens(*host[:4], ready=ready), tuple(host[4:n]) if scores else None,
-                            host[n] if flags else None)
+                            host[n] if flags else None, started, before)
 
     def collect(self, launched: LaunchedStep) -> StepResult:
         """Wait for a launched step's tokens (the step's one host synchronisation) -> its StepResult."""
@@ -142,7 +163,12 @@ class Worker:
                 and not self.lookup_stream.idle()):
             raise RuntimeError(f"step {step.step_id}: the lookup stream still runs after the step's tokens were read "
                                "(a gather no layer waited for)")
-        result = StepResult(step.step_id, tokens, _logprobs(logprobs, step.samples, tokens))
+        result = StepResult(step.step_id, tokens, _logprobs(logprobs, step.samples, tokens),
+                            route=launched.runner.name)
+        if launched.started is not None:  # every event involved has completed: ``ready`` was waited for
+            result.gpu_s = launched.started.elapsed_time(launched.sampled.ready) / 1e3
+            if launched.before is not None:
+                result.idle_s = max(0.0, launched.before.elapsed_time(launched.started) / 1e3)
         if step.prompt_logprobs:
             result.prompt_logprobs = _prompt_logprobs(launched.prompt_scores, step)
         return result
@@ -156,7 +182,8 @@ class Worker:
         """Device-side counters: each Engram table's (by layer id), the KV cache's size, the graphs'."""
         out = {"tables": self.lookup.stats(), "kv_blocks": self.memory.num_blocks,
                "lookup_exposed_s": self.lookup_stream.exposed_seconds() if self.lookup_stream else 0.0,
-               "kv_bytes": self.memory.kv_bytes, "graph_replays": 0, "graph_pool_bytes": 0}
+               "kv_bytes": self.memory.kv_bytes, "graph_replays": 0, "graph_pool_bytes": 0,
+               "mixed_graph_replays": 0, "mixed_graph_pool_bytes": 0}
         for runner in self.runners:
             out.update(runner.stats())
         return out

@@ -16,6 +16,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engram.server import DEFAULT_MAX_REQUEST_BYTES
+from engram.engine.step_trace import StepTrace
 from engram.server.async_engine import AsyncEngine
 from engram.server.metrics import ServerMetrics
 from engram.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
@@ -185,6 +186,16 @@ def build_app(build_llm: Callable[[], Any], model_name: str, tier: str, max_num_
     @app.get("/metrics")
     async def metrics_route():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/engram/steps")
+    async def steps(since: int = -1):
+        """The engine's step records after step id ``since`` (engine/step_trace.py) and its counters: what
+        ``engram bench serve`` reads for the serving roofline."""
+        if not engine.ready.is_set():
+            return error_response({"status": "loading", "detail": engine.load_error}, 503)
+        body = StepTrace.to_json(engine.engine.step_trace(since))
+        body["stats"] = metrics.snapshot()
+        return body
 
     return app
 

@@ -25,6 +25,8 @@ class Forward:
 class StepRunner(abc.ABC):
     """One way through a step; see the module docstring for the order the Worker keeps."""
 
+    name: str  # the route it stands for in step records and stats ("eager", "graph", ...)
+
     @abc.abstractmethod
     def covers(self, step: StepDescription) -> bool:
         """Whether this runner can run ``step``."""

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from engram.engine.pending import PendingPatch
+from engram.engine.runners.upload import PinnedUpload
 from engram.engine.step import StepDescription
 from engram.model.inputs import StepInputs
 from engram.model.layers.attention import AttentionMetadata
@@ -27,10 +28,13 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
-def graph_reserve_bytes(config, step_peak_bytes: int | None) -> int:
-    """The graphs' pool in the KV plan: B / max_num_batched_tokens of the profiled step's peak (B: largest bucket)."""
+def graph_reserve_bytes(config, step_peak_bytes: int | None, mixed: bool) -> int:
+    """The graphs' pool in the KV plan: the profiled step's peak with mixed-step graphs (their largest bucket is that
+    step), else B / max_num_batched_tokens of it (B: the largest decode bucket)."""
     if step_peak_bytes is None:
         return 0
+    if mixed:
+        return step_peak_bytes
     return step_peak_bytes * min(config.max_num_seqs, config.max_graph_batch) // config.max_num_batched_tokens
 
 
@@ -41,19 +45,16 @@ class DecodeInputs:
     def __init__(self, max_batch: int, max_model_len: int, block_size: int, null_block: int, n_cols: int,
                  row_layers: list[int], pad_row_id: int, device: torch.device):
         self.buckets = graph_buckets(max_batch)
+        self.max_rows, self.unit = self.buckets[-1], "batch"  # token rows of the largest bucket; what buckets count
         self.max_model_len, self.block_size, self.null_block = max_model_len, block_size, null_block
         self.max_blocks = -(-max_model_len // block_size)
         self.n_cols, self.row_layers, self.pad_row_id = n_cols, list(row_layers), pad_row_id
         b = self.buckets[-1]
         # Every per-step input in one int64 buffer, [token ids | positions | KV lengths | slots | block tables |
-        # row ids per layer | plan id], one non-blocking copy a step from two pinned buffers taking turns (async
-        # scheduling fills a step while the copy before may be queued; an event per buffer says when it ran).
-        n = b * (4 + self.max_blocks + n_cols * len(self.row_layers)) + 1
-        self.host_in = [torch.zeros(n, dtype=torch.long).pin_memory() for _ in range(2)]
-        self._copied = [torch.cuda.Event() for _ in range(2)]
-        self._turn = 0
-        self.dev_in = torch.zeros(n, dtype=torch.long, device=device)
-        self._host_np = [buf.numpy() for buf in self.host_in]
+        # row ids per layer | plan id], one non-blocking copy a step (upload.py).
+        self.upload = PinnedUpload(b * (4 + self.max_blocks + n_cols * len(self.row_layers)) + 1, device)
+        self.dev_in = self.upload.device_buffer
+        self._host_np = self.upload.views()
         self._host = [self._views(buf, b) for buf in self._host_np]  # numpy views of the pinned buffers
         self.token_ids, self.positions, self.context_lens, self.slot_mapping, self.block_tables, self.row_ids = (
             self._views(self.dev_in, b))
@@ -105,9 +106,7 @@ class DecodeInputs:
         """Write the step into its bucket's static inputs (padded, pending tokens patched on device) -> bucket size."""
         s = step.num_seqs
         size = next(b for b in self.buckets if b >= s)
-        turn, self._turn = self._turn, 1 - self._turn
-        if not self._copied[turn].query():  # this buffer's previous copy (two steps ago) has run: no wait
-            self._copied[turn].synchronize()
+        turn = self.upload.begin()
         tok, pos, ctx, slots, tables, row_ids = self._host[turn]  # numpy views of a pinned staging buffer
         tok[:s], pos[:s], ctx[:s], slots[:s] = (step.token_ids.numpy(), step.positions.numpy(),
                                                 step.context_lens.numpy(), step.slot_mapping.numpy())
@@ -119,8 +118,7 @@ class DecodeInputs:
             ids[:s] = step.engram_row_ids[lid].numpy()  # [S, n_cols]
             ids[s:size] = self.pad_row_id
         self._host_np[turn][-1] = step.step_id  # the plan id the lookup branch tags its rows with
-        self.dev_in.copy_(self.host_in[turn], non_blocking=True)
-        self._copied[turn].record()
+        self.upload.upload(turn)
         if patch is not None:
             self.token_ids.index_copy_(0, patch.rows, patch.token_ids)
             for lid, ids in self.row_ids.items():

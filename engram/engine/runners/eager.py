@@ -21,6 +21,7 @@ PROMPT_SCORE_ROWS = 256  # prompt rows turned into full-vocabulary logits at onc
 
 class EagerRunner(StepRunner):
     """Covers every step (prefill, mixed, decode): the Worker's fallback behind its graph runner."""
+    name = "eager"
 
     def __init__(self, model, kv_cache, lookup: LookupExecutor, device: torch.device, dtype: torch.dtype,
                  ecfg: EngramConfig | None):

@@ -1,4 +1,5 @@
-"""The graph runner: decode steps as one CUDA graph per bucket, with the gathers of tables that gather on the device
+"""The graph runner: steps as one CUDA graph per bucket of its static inputs (decode steps by batch size, mixed steps
+by token count), with the gathers of tables that gather on the device
 (``gathers_on_device``) inside. With ``lookup_overlap`` the gathers and projections run on a branch joined at each
 Engram layer; each layer compares its rows' plan-id tag with the replayed step's into a ``stale`` flag, checked after
 the step (a mismatch fails it). ``replays`` counts replays for tests."""
@@ -13,7 +14,7 @@ import torch
 from engram.engine.lookup_stream import LookupStream
 from engram.engine.pending import PendingPatch
 from engram.engine.runners.base import Forward, StepRunner
-from engram.engine.runners.decode_inputs import CAPTURE_ERROR_MODE, DecodeInputs, capture_progress, warm_up
+from engram.engine.runners.decode_inputs import CAPTURE_ERROR_MODE, capture_progress, warm_up
 from engram.engine.step import StepDescription
 from engram.module import Projected
 
@@ -21,17 +22,18 @@ log = logging.getLogger(__name__)
 
 
 class GraphRunner(StepRunner):
-    def __init__(self, model, kv, ecfg, tables: dict, max_batch: int, max_model_len: int, block_size: int,
-                 null_block: int, device: torch.device, progress: bool | None = None,
-                 lookup_stream: LookupStream | None = None):
-        self.model, self.kv, self.device = model, kv, device
+    """``io``: the static inputs and buckets of the steps it runs (DecodeInputs: decode steps by batch size, "graph";
+    MixedInputs: mixed steps by token count, "mixed-graph"); runners sharing ``pool`` are never replayed at once."""
+
+    def __init__(self, model, kv, ecfg, tables: dict, io, device: torch.device, name: str = "graph",
+                 progress: bool | None = None, lookup_stream: LookupStream | None = None, pool=None):
+        self.model, self.kv, self.device, self.name = model, kv, device, name
         self.tables = tables  # {layer: table}, each gathering inside the graphs ({} without Engram layers)
         self.lookup_stream = lookup_stream if tables else None  # in-graph gathers on a forked branch
         self.layer_ids = list(tables)
         self.n_cols = ecfg.n_cols if ecfg else 0
-        self.io = DecodeInputs(max_batch, max_model_len, block_size, null_block, self.n_cols, self.layer_ids, 0,
-                               device)
-        b = self.io.buckets[-1]
+        self.io = io
+        b = self.io.max_rows
         checks = self.lookup_stream is not None
         self.row_tags = torch.full((len(self.layer_ids),), -1, dtype=torch.long, device=device) if checks else None
         self.stale = torch.zeros(len(self.layer_ids), dtype=torch.bool, device=device) if checks else None
@@ -45,7 +47,7 @@ class GraphRunner(StepRunner):
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.replays = 0
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         before, t0 = torch.cuda.memory_reserved(device), time.perf_counter()
         for size in capture_progress(self.io.buckets, progress):
             self._capture(size)
@@ -53,8 +55,8 @@ class GraphRunner(StepRunner):
             table.reset_stats()
         self.pool_bytes = torch.cuda.memory_reserved(device) - before
         self.capture_s = time.perf_counter() - t0
-        log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s; pool %.1f MiB", len(self.io.buckets),
-                 self.io.buckets[0], self.io.buckets[-1], self.capture_s, self.pool_bytes / 2**20)
+        log.info("captured %d %s CUDA graphs (%s %d..%d) in %.1f s; pool %.1f MiB", len(self.io.buckets), name,
+                 self.io.unit, self.io.buckets[0], self.io.buckets[-1], self.capture_s, self.pool_bytes / 2**20)
 
     def covers(self, step: StepDescription) -> bool:
         return self.io.fits(step)
@@ -98,14 +100,13 @@ class GraphRunner(StepRunner):
 
     @torch.inference_mode()
     def launch(self, step: StepDescription, patch: PendingPatch | None) -> Forward:
-        """Fill the static inputs, replay the bucket's graph -> logits [S, vocab], a view the next replay overwrites."""
-        s = step.num_seqs
+        """Fill the static inputs, replay the bucket's graph -> logits [N, vocab], a view the next replay overwrites."""
         size = self.io.fill(step, patch)
         self.graphs[size].replay()
         self.replays += 1
         for table in self.tables.values():
-            table.record_lookups(1, s * self.n_cols)
-        return Forward(self.logits[size][:s], self.stale)
+            table.record_lookups(1, step.num_tokens * self.n_cols)
+        return Forward(self.logits[size][:len(step.sample_rows)], self.stale)
 
     def check(self, step_id: int, flags: torch.Tensor | None) -> None:
         if flags is None or not bool(flags.any()):
@@ -115,4 +116,5 @@ class GraphRunner(StepRunner):
                            "branch had not yet gathered for this step (a missing wait on the lookup stream)")
 
     def stats(self) -> dict:
-        return {"graph_replays": self.replays, "graph_pool_bytes": self.pool_bytes}
+        return {f"{self.name.replace('-', '_')}_replays": self.replays, f"{self.name.replace('-', '_')}_pool_bytes":
+                self.pool_bytes}

@@ -18,6 +18,7 @@ from engram.engine.step_lookups import BackgroundLookups
 
 
 class PiecewiseRunner(StepRunner):
+    name = "piecewise"
     def __init__(self, pieces, lookup: LookupExecutor, device: torch.device):
         self.pieces = pieces  # DecodePieces (pieces.py), or a stand-in with its interface
         self.lookup = lookup

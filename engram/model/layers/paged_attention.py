@@ -39,7 +39,7 @@ def paged_attention(q: torch.Tensor, kv: KVCache, layer_id: int, meta, scale: fl
     if meta.decode_seqs is not None:
         tri.decode(q, k_cache, v_cache, meta.block_tables, meta.decode_seqs, meta.decode_tokens, meta.decode_lens,
                    meta.decode_max_len, out, scale)
-    if meta.prefill is not None:
+    if meta.prefill_tiles is not None:
         seqs, starts, q_lens, ctx = meta.prefill_index.unbind(0)
         tiles, m0 = meta.prefill_tiles.unbind(0)
         tri.prefill(q, k_cache, v_cache, meta.block_tables, tiles, m0, seqs, starts, q_lens, ctx,
@@ -53,11 +53,14 @@ def paged_attention_reference(q: torch.Tensor, kv: KVCache, layer_id: int, meta,
     out = torch.empty_like(q)
     groups = q.shape[1] // kv.n_kv_heads
     if meta.decode_seqs is not None:
-        out[meta.decode_tokens] = _decode_batched(q, kv, layer_id, meta, scale, groups)
-    for s, (start, q_len, ctx) in enumerate(zip(meta.starts, meta.q_lens, meta.context_lens)):
-        if q_len <= 1:
-            continue
-        k, v = kv.read(layer_id, meta.block_tables[s], ctx)  # [ctx, n_kv, hd] each
+        o = _decode_batched(q, kv, layer_id, meta, scale, groups)  # [D, nh, hd]
+        if meta.prefill_index is not None and not meta.starts:  # a graph's padded layout: empty entries write nothing
+            live = meta.decode_lens > 0
+            out[meta.decode_tokens[live]] = o[live]
+        else:
+            out[meta.decode_tokens] = o
+    for row, start, q_len, ctx in _prefill_entries(meta):
+        k, v = kv.read(layer_id, meta.block_tables[row], ctx)  # [ctx, n_kv, hd] each
         qs = q[start:start + q_len].transpose(0, 1)  # [nh, q_len, hd]
         ks = k.transpose(0, 1).to(q.dtype)  # [n_kv, ctx, hd]
         vs = v.transpose(0, 1).to(q.dtype)
@@ -70,6 +73,18 @@ def paged_attention_reference(q: torch.Tensor, kv: KVCache, layer_id: int, meta,
                                            enable_gqa=groups > 1)  # [nh, q_len, hd]
         out[start:start + q_len] = o.transpose(0, 1)
     return out
+
+
+def _prefill_entries(meta) -> list[tuple[int, int, int, int]]:
+    """(block-table row, first token, new tokens, KV length) of each sequence with several new tokens: from the host
+    lists, or (a graph's padded layout, which has none) read back from ``prefill_index``."""
+    if meta.starts:
+        rows = zip(range(len(meta.starts)), meta.starts, meta.q_lens, meta.context_lens)
+    elif meta.prefill_index is not None:
+        rows = zip(*meta.prefill_index.tolist())
+    else:
+        return []
+    return [r for r in rows if r[2] > 1]
 
 
 def _decode_batched(q: torch.Tensor, kv: KVCache, layer_id: int, meta, scale: float,

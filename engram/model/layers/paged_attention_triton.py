@@ -138,7 +138,8 @@ def _decode_combine_kernel(O, ML, TOK, LENS, OUT, split_len, s_od, s_oh, s_os, s
         acc = acc * a + o * b
         l = l * a + ls * b
         m = m_new
-    tl.store(OUT + tok * s_ot + h * s_oh2 + c, (acc / l).to(OUT.dtype.element_ty), mask=cmask)
+    # an entry of no keys (a graph's padding) writes nothing
+    tl.store(OUT + tok * s_ot + h * s_oh2 + c, (acc / l).to(OUT.dtype.element_ty), mask=cmask & (splits > 0))
 
 
 @triton.jit

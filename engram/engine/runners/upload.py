@@ -1,0 +1,36 @@
+"""``PinnedUpload``: a graph's int64 inputs staged in pinned memory and copied to one static device buffer by one
+non-blocking copy a step. Two pinned buffers take turns, so a step can be filled while the copy of the step before is
+still queued (async scheduling); an event per buffer says when its copy ran, and a buffer is only refilled after it."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class PinnedUpload:
+    """``begin()`` -> the numpy view of the pinned buffer to fill; ``upload(n)`` copies its first ``n`` elements (all by
+    default) into ``device_buffer``, whose other elements keep their values."""
+
+    def __init__(self, numel: int, device: torch.device):
+        self.host = [torch.zeros(numel, dtype=torch.long).pin_memory() for _ in range(2)]
+        self._np = [buf.numpy() for buf in self.host]
+        self._copied = [torch.cuda.Event() for _ in range(2)]
+        self._turn = 0
+        self.device_buffer = torch.zeros(numel, dtype=torch.long, device=device)
+
+    def views(self) -> list[np.ndarray]:
+        """Both pinned buffers as numpy arrays (to carve the same views from each)."""
+        return self._np
+
+    def begin(self) -> int:
+        """The turn (0 or 1) whose pinned buffer the caller fills now, after its previous copy has run."""
+        turn, self._turn = self._turn, 1 - self._turn
+        if not self._copied[turn].query():
+            self._copied[turn].synchronize()
+        return turn
+
+    def upload(self, turn: int, n: int | None = None) -> None:
+        src = self.host[turn] if n is None else self.host[turn][:n]
+        dst = self.device_buffer if n is None else self.device_buffer[:n]
+        dst.copy_(src, non_blocking=True)
+        self._copied[turn].record()

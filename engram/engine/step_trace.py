@@ -1,0 +1,97 @@
+"""The engine's record of the steps it ran, for serving benchmarks and the serving roofline: one ``StepRecord`` a
+collected step (its shape as totals, the runner that ran it, and on CUDA its GPU time and the GPU's idle time before
+it, from events around the step's work), the last ``capacity`` kept. ``StepTrace.since(step_id)`` returns the records
+after a step id, so a client can take the records of one measured window."""
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import astuple, dataclass, fields
+
+DEFAULT_CAPACITY = 1 << 17  # records kept (about 40 MB of Python tuples at most)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step as totals: ``attended`` is the causal (query, key) pairs of its attention, Σ n·(c − n) + n·(n + 1)/2
+    over its sequences (n new tokens, c KV entries after the step); ``kv_read`` is Σ c."""
+
+    step_id: int
+    route: str  # the step runner that ran it: "graph", "mixed-graph", "piecewise", "eager"
+    num_tokens: int
+    num_seqs: int
+    num_decode: int  # sequences computing exactly one token
+    sampled: int  # LM-head rows
+    kv_read: int
+    attended: int
+    gpu_s: float | None  # the step's device work, first kernel to the sampled ids' copy (CUDA), else None
+    idle_s: float | None  # the device's idle time between the step before and this one (CUDA), else None
+
+    @classmethod
+    def from_shape(cls, step_id: int, route: str, new_tokens: list[int], context_lens: list[int], sampled: int,
+                   gpu_s: float | None = None, idle_s: float | None = None) -> "StepRecord":
+        attended = sum(n * (c - n) + n * (n + 1) // 2 for n, c in zip(new_tokens, context_lens))
+        return cls(step_id, route, sum(new_tokens), len(new_tokens), sum(1 for n in new_tokens if n == 1), sampled,
+                   sum(context_lens), attended, gpu_s, idle_s)
+
+    @property
+    def kind(self) -> str:
+        """"decode" (every sequence one token), "prefill" (none), or "mixed"."""
+        if self.num_decode == self.num_seqs:
+            return "decode"
+        return "prefill" if self.num_decode == 0 else "mixed"
+
+
+FIELDS = tuple(f.name for f in fields(StepRecord))
+
+
+class StepTrace:
+    """A bounded, append-only log of StepRecords in step order; the engine's thread appends while a server's reads."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY):
+        self._records: collections.deque[StepRecord] = collections.deque(maxlen=capacity)
+        self._lock = threading.Lock()
+        self.steps_by_route: collections.Counter[str] = collections.Counter()  # every step since start
+        self.steps_by_kind: collections.Counter[str] = collections.Counter()
+        self.gpu_busy_s = 0.0  # Σ gpu_s
+        self.gpu_idle_s = 0.0  # Σ idle_s
+
+    def append(self, record: StepRecord) -> None:
+        with self._lock:
+            self._records.append(record)
+        self.steps_by_route[record.route] += 1
+        self.steps_by_kind[record.kind] += 1
+        self.gpu_busy_s += record.gpu_s or 0.0
+        self.gpu_idle_s += record.idle_s or 0.0
+
+    def totals(self) -> dict:
+        """Counters since start: steps by route and by kind, the device's busy and idle seconds."""
+        return {"steps_by_route": dict(self.steps_by_route), "steps_by_kind": dict(self.steps_by_kind),
+                "gpu_busy_s": self.gpu_busy_s, "gpu_idle_s": self.gpu_idle_s}
+
+    def since(self, step_id: int = -1) -> list[StepRecord]:
+        """The kept records of steps after ``step_id`` (all with -1), oldest first."""
+        out = []
+        with self._lock:
+            records = list(self._records)
+        for record in reversed(records):
+            if record.step_id <= step_id:
+                break
+            out.append(record)
+        return out[::-1]
+
+    def last_step_id(self) -> int:
+        with self._lock:
+            return self._records[-1].step_id if self._records else -1
+
+    @staticmethod
+    def to_json(records: list[StepRecord]) -> dict:
+        """{"fields": [...], "steps": [[...], ...]}: one row per record, in FIELDS order."""
+        return {"fields": list(FIELDS), "steps": [list(astuple(r)) for r in records]}
+
+    @staticmethod
+    def from_json(body: dict) -> list[StepRecord]:
+        """The inverse of ``to_json``; ValueError naming the field when the columns differ."""
+        if list(body.get("fields", [])) != list(FIELDS):
+            raise ValueError(f"step trace fields {body.get('fields')!r}: expected {list(FIELDS)}")
+        return [StepRecord(*row) for row in body["steps"]]
