@@ -85,8 +85,9 @@ class Worker:
                                               _hot_cache_bytes(self.tables), self.device, peak,
                                               graph_reserve_bytes(config, peak, self._gathers_on_device())
                                               if use_graphs else 0)
-        # With graphs, one more block than the scheduler hands out: padding sequences of a bucket write there.
-        self.kv = KVCache.for_model(self.model_config, self.memory.num_blocks + use_graphs, config.block_size, dtype,
+        # One more block than the scheduler hands out (``memory.num_blocks``): the padding of a graph's bucket
+        # writes there.
+        self.kv = KVCache.for_model(self.model_config, self.memory.num_blocks + 1, config.block_size, dtype,
                                     self.device)
         self.eager = EagerRunner(self.model, self.kv, self.lookup, self.device, dtype, self.ecfg)
         graphs = self._graph_runners(max_model_len, progress) if use_graphs else []

@@ -23,10 +23,12 @@ log = logging.getLogger(__name__)
 
 class GraphRunner(StepRunner):
     """``io``: the static inputs and buckets of the steps it runs (DecodeInputs: decode steps by batch size, "graph";
-    MixedInputs: mixed steps by token count, "mixed-graph"); runners sharing ``pool`` are never replayed at once."""
+    MixedInputs: mixed steps by token count, "mixed-graph"); runners sharing ``pool`` are never replayed at once.
+    ``capture=False`` (tests, the CPU) runs what a graph would hold eagerly on the same static inputs instead."""
 
     def __init__(self, model, kv, ecfg, tables: dict, io, device: torch.device, name: str = "graph",
-                 progress: bool | None = None, lookup_stream: LookupStream | None = None, pool=None):
+                 progress: bool | None = None, lookup_stream: LookupStream | None = None, pool=None,
+                 capture: bool = True):
         self.model, self.kv, self.device, self.name = model, kv, device, name
         self.tables = tables  # {layer: table}, each gathering inside the graphs ({} without Engram layers)
         self.lookup_stream = lookup_stream if tables else None  # in-graph gathers on a forked branch
@@ -47,15 +49,22 @@ class GraphRunner(StepRunner):
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.replays = 0
+        self.captured = capture
+        self.pool_bytes, self.capture_s = 0, 0.0
+        if capture:
+            self._capture_all(pool, progress)
+
+    def _capture_all(self, pool, progress: bool | None) -> None:
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        device = self.device
         before, t0 = torch.cuda.memory_reserved(device), time.perf_counter()
         for size in capture_progress(self.io.buckets, progress):
             self._capture(size)
-        for table in tables.values():  # the captures gathered once per bucket: not lookups
+        for table in self.tables.values():  # the captures gathered once per bucket: not lookups
             table.reset_stats()
         self.pool_bytes = torch.cuda.memory_reserved(device) - before
         self.capture_s = time.perf_counter() - t0
-        log.info("captured %d %s CUDA graphs (%s %d..%d) in %.1f s; pool %.1f MiB", len(self.io.buckets), name,
+        log.info("captured %d %s CUDA graphs (%s %d..%d) in %.1f s; pool %.1f MiB", len(self.io.buckets), self.name,
                  self.io.unit, self.io.buckets[0], self.io.buckets[-1], self.capture_s, self.pool_bytes / 2**20)
 
     def covers(self, step: StepDescription) -> bool:
@@ -102,7 +111,10 @@ class GraphRunner(StepRunner):
     def launch(self, step: StepDescription, patch: PendingPatch | None) -> Forward:
         """Fill the static inputs, replay the bucket's graph -> logits [N, vocab], a view the next replay overwrites."""
         size = self.io.fill(step, patch)
-        self.graphs[size].replay()
+        if self.captured:
+            self.graphs[size].replay()
+        else:
+            self.logits[size] = self._forward(size)
         self.replays += 1
         for table in self.tables.values():
             table.record_lookups(1, step.num_tokens * self.n_cols)

@@ -12,9 +12,11 @@ class PinnedUpload:
     default) into ``device_buffer``, whose other elements keep their values."""
 
     def __init__(self, numel: int, device: torch.device):
-        self.host = [torch.zeros(numel, dtype=torch.long).pin_memory() for _ in range(2)]
+        cuda = torch.device(device).type == "cuda"  # on the CPU (tests) the buffers are plain and copies synchronous
+        self.host = [torch.zeros(numel, dtype=torch.long) for _ in range(2)]
+        self.host = [buf.pin_memory() for buf in self.host] if cuda else self.host
         self._np = [buf.numpy() for buf in self.host]
-        self._copied = [torch.cuda.Event() for _ in range(2)]
+        self._copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._turn = 0
         self.device_buffer = torch.zeros(numel, dtype=torch.long, device=device)
 
@@ -25,12 +27,14 @@ class PinnedUpload:
     def begin(self) -> int:
         """The turn (0 or 1) whose pinned buffer the caller fills now, after its previous copy has run."""
         turn, self._turn = self._turn, 1 - self._turn
-        if not self._copied[turn].query():
-            self._copied[turn].synchronize()
+        event = self._copied[turn]
+        if event is not None and not event.query():
+            event.synchronize()
         return turn
 
     def upload(self, turn: int, n: int | None = None) -> None:
         src = self.host[turn] if n is None else self.host[turn][:n]
         dst = self.device_buffer if n is None else self.device_buffer[:n]
         dst.copy_(src, non_blocking=True)
-        self._copied[turn].record()
+        if self._copied[turn] is not None:
+            self._copied[turn].record()

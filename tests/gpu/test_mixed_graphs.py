@@ -1,0 +1,81 @@
+"""Mixed-step CUDA graphs (engine/runners/mixed_inputs.py through GraphRunner, skipped without a GPU): steps that
+mix prefill chunks (several query tiles each) with decodes replay a token-count bucket's graph (counted, by route);
+a whole run with them is bitwise equal to the same runner run eagerly at the padded bucket sizes (``capture=False``:
+the same callables on the same static inputs), with async scheduling; greedy tokens equal ``--enforce-eager``'s; the
+padding writes only the reserved block. The CPU checks of the layout: tests/unit/test_mixed_inputs.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engram.engine.config import EngineConfig
+from engram.engine.engine import LLMEngine
+from engram.engine.runners.graphs import GraphRunner
+from engram.engine.sampling_params import SamplingParams
+from engram.model.loader import load_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+CUDA = torch.device("cuda")
+LENGTHS = (150, 3, 290, 40, 1, 77, 130, 9)  # chunks of more than one 64-query tile, and one-token prompts
+
+
+def _engine(loaded, **config):
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, **config)
+    return LLMEngine(loaded, cfg, CUDA, loaded.dtype)
+
+
+def _run(engine):
+    for i, n in enumerate(LENGTHS):
+        engine.add_request(f"r{i}", [(7 * i + j) % 500 + 3 for j in range(n)],
+                           SamplingParams(temperature=0.0, max_tokens=10 + 3 * i, logprobs=3, ignore_eos=True))
+    out = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            c = o.outputs[0]
+            out[o.request_id] = (c.token_ids, [(lp.logprob, lp.top) for lp in c.logprobs])
+    return out
+
+
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def loaded(request):
+    return load_model("tiny", dtype=request.param, device=CUDA, progress=False)
+
+
+def test_mixed_steps_replay_and_equal_the_same_runner_run_eagerly_bitwise(loaded):
+    replayed = _engine(loaded)
+    want = _run(replayed)
+    stats = replayed.stats()
+    assert stats["mixed_graph_replays"] >= 5 and stats["steps_by_route"].get("mixed-graph", 0) >= 5, stats
+    assert stats["steps_by_route"].get("eager", 0) == 0, stats["steps_by_route"]  # every mixed step fitted a bucket
+    eager = _engine(loaded)
+    w = eager.executor.worker
+    mixed = next(r for r in w.runners if r.name == "mixed-graph")
+    w.runners[w.runners.index(mixed)] = GraphRunner(w.model, w.kv, w.ecfg, w.tables, mixed.io, w.device,
+                                                    name="mixed-graph", capture=False)
+    assert _run(eager) == want  # tokens and logprobs, bitwise
+
+
+def test_greedy_tokens_equal_enforce_eager(loaded):
+    got = _run(_engine(loaded))
+    want = _run(_engine(loaded, enforce_eager=True))
+    assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in want.items()}
+
+
+def test_padding_writes_only_the_reserved_block(loaded):
+    engine = _engine(loaded)
+    w = engine.executor.worker
+    used: set[int] = set()
+    launch = w.launch
+
+    def recording(step):
+        used.update(b for b in step.block_tables.flatten().tolist() if b >= 0)
+        return launch(step)
+
+    w.launch = recording  # the blocks every step's sequences own
+    before = {layer: k.clone() for layer, k in w.kv.k.items()}
+    _run(engine)
+    null = w.memory.num_blocks
+    changed = {b for layer, k in w.kv.k.items()
+               for b in torch.nonzero((before[layer] != k).flatten(1).any(1)).flatten().tolist()}
+    assert null in changed, "no padding token wrote the reserved block"
+    assert changed - used == {null}, sorted(changed - used)[:8]
