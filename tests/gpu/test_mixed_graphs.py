@@ -20,7 +20,7 @@ LENGTHS = (150, 3, 290, 40, 1, 77, 130, 9)  # chunks of more than one 64-query t
 
 
 def _engine(loaded, **config):
-    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, **config)
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=128, **config)
     return LLMEngine(loaded, cfg, CUDA, loaded.dtype)
 
 
@@ -45,8 +45,9 @@ def test_mixed_steps_replay_and_equal_the_same_runner_run_eagerly_bitwise(loaded
     replayed = _engine(loaded)
     want = _run(replayed)
     stats = replayed.stats()
-    assert stats["mixed_graph_replays"] >= 5 and stats["steps_by_route"].get("mixed-graph", 0) >= 5, stats
-    assert stats["steps_by_route"].get("eager", 0) == 0, stats["steps_by_route"]  # every mixed step fitted a bucket
+    routes = (stats["steps_by_route"], stats["steps_by_kind"])
+    assert stats["mixed_graph_replays"] >= 4 and stats["steps_by_route"].get("mixed-graph", 0) >= 4, routes
+    assert stats["steps_by_route"].get("eager", 0) == 0, routes  # every mixed step fitted a bucket
     eager = _engine(loaded)
     w = eager.executor.worker
     mixed = next(r for r in w.runners if r.name == "mixed-graph")
