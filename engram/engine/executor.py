@@ -1,13 +1,19 @@
 """Executor: how the engine reaches its Workers. One method per direction, nothing model-specific.
 ``execute(step) -> StepResult`` (rank 0's), split into ``launch`` and ``collect`` for async scheduling;
 ``takes_pending_tokens()`` says whether the Workers accept steps whose inputs are still on the device; ``stats()``
-gathers the Workers' counters. ``UniProcExecutor`` calls one in-process Worker directly."""
+gathers the Workers' counters. ``UniProcExecutor`` calls one in-process Worker directly. ``ExecutorFailed``: raised
+when the Workers are gone for good."""
 from __future__ import annotations
 
 from typing import Any
 
 from engram.engine.step import StepDescription, StepResult
 from engram.engine.worker import Worker
+
+
+class ExecutorFailed(RuntimeError):
+    """The executor can run no more steps (a Worker process died): whoever drives the engine should fail every
+    request in flight and stop, not retry (the server exits non-zero)."""
 
 
 class Executor:

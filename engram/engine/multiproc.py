@@ -1,56 +1,33 @@
 """MultiprocExecutor: N Worker processes on one node, one tensor-parallel rank each (torch.multiprocessing spawn, a
-gloo process group on 127.0.0.1). Each rank loads the model, shards it (parallel/tp.py) and builds its Worker. The
-engine's step description goes once, pickled, to rank 0, which broadcasts it on the gloo group
-(``broadcast_object_list``); every rank runs the step, only rank 0 sends its StepResult back. The executor waits on
-rank 0's pipe and on every rank's process sentinel together, so a rank that dies makes ``launch``, ``collect`` or
-``stats`` raise at once (the other ranks are then stopped), never hang. CPU only: the NCCL path is issue 47's next
-step. Steps run synchronously on the ranks (``takes_pending_tokens`` is False: no async-scheduling patches)."""
+gloo process group on 127.0.0.1); each rank builds its sharded Worker (engine/tp_rank.py). The engine's step
+description goes once, pickled, to rank 0, which broadcasts it on the gloo group (``broadcast_object_list``); every rank
+runs the step, only rank 0 sends its StepResult back. The executor waits on rank 0's pipe and on every rank's process
+sentinel together, so a rank that dies makes ``launch``, ``collect`` or ``stats`` raise ``RankFailed`` (an
+``ExecutorFailed``) at once (the other ranks are then stopped), never hang. CPU only. Steps run synchronously on the
+ranks (``takes_pending_tokens`` is False: no async-scheduling patches)."""
 from __future__ import annotations
 
 import collections
 import logging
 import socket
-import traceback
 import weakref
-from dataclasses import dataclass
-from datetime import timedelta
 from multiprocessing import connection
 from typing import Any
 
-import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engram.engine.config import EngineConfig
-from engram.engine.executor import Executor
+from engram.engine.executor import Executor, ExecutorFailed
 from engram.engine.step import StepDescription, StepResult
-from engram.engine.worker import Worker
-from engram.model.loader import load_model
-from engram.model.options import RuntimeOptions
-from engram.parallel import tp
+from engram.engine.tp_rank import RankSpec, rank_main
+
+__all__ = ["MultiprocExecutor", "RankFailed", "RankSpec", "free_port"]
 
 _log = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0  # a rank that is not ready by then fails the start
 STOP_TIMEOUT_S = 10.0  # after a stop message, ranks still alive are killed
-GLOO_TIMEOUT_S = 60.0  # a collective whose peer is gone gives up (the executor has usually stopped it first)
 
 
-@dataclass(frozen=True)
-class RankSpec:
-    """Everything a rank needs to build its Worker (picklable: it crosses the spawn)."""
-
-    model: str  # preset name or checkpoint directory
-    tier: str  # table tier
-    dtype: torch.dtype  # parameter and step dtype
-    options: RuntimeOptions  # the --engram-config options
-    cache_dir: str | None  # table cache directory (None: the default)
-    config: EngineConfig  # the engine's config (tensor_parallel_size = the world size)
-    max_model_len: int  # resolved by the engine's process
-    init_method: str  # gloo rendezvous, tcp://127.0.0.1:PORT
-    threads: int  # torch CPU threads per rank
-
-
-class RankFailed(RuntimeError):
+class RankFailed(ExecutorFailed):
     """A Worker process died or raised; the executor is stopped and every later call raises this again."""
 
 
@@ -76,6 +53,7 @@ class MultiprocExecutor(Executor):
             self._fail(f"ranks sized different KV caches {[m[1] for m in ready]}")
         self.num_kv_blocks = blocks.pop()
         self.rank_bytes: list[dict[str, int]] = [msg[2] for msg in ready]  # each rank's tp.parameter_bytes
+        self.table_bytes: list[dict[int, int]] = [msg[3] for msg in ready]  # each rank's table bytes by layer
 
     @property
     def pids(self) -> list[int]:
@@ -95,6 +73,11 @@ class MultiprocExecutor(Executor):
     def stats(self) -> dict[str, Any]:
         self._send(("stats", None))
         return self._receive(self._conn, "stats")[1]
+
+    def sampled(self) -> list[list[list[int]]]:
+        """Every rank's sampled ids of its recent steps (RankZeroSampler.history), rank by rank."""
+        self._send(("sampled", None))
+        return self._receive(self._conn, "sampled")[1]
 
     def close(self) -> None:
         """Stop every rank (a stop message, then a kill after STOP_TIMEOUT_S)."""
@@ -176,42 +159,3 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def rank_main(rank: int, spec: RankSpec, conn) -> None:
-    """A rank's process: build the sharded Worker, then run what rank 0 broadcasts until "stop"."""
-    try:
-        torch.set_num_threads(spec.threads)
-        world = spec.config.tensor_parallel_size
-        dist.init_process_group("gloo", init_method=spec.init_method, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=GLOO_TIMEOUT_S))
-        group = dist.group.WORLD
-        loaded = load_model(spec.model, tier=spec.tier, dtype=spec.dtype, device="cpu", engram_config=spec.options,
-                            cache_dir=spec.cache_dir, progress=False)
-        with torch.inference_mode():
-            tp.apply_tensor_parallel(loaded.model, rank, world, group)
-        loaded.model_config = tp.local_model_config(loaded.model_config, world)
-        worker = Worker(loaded, spec.config, spec.max_model_len, torch.device("cpu"), spec.dtype, progress=False)
-        conn.send(("ready", worker.memory.num_blocks, tp.parameter_bytes(loaded.model)))
-        with torch.inference_mode():
-            _serve(rank, worker, conn, group)
-    except BaseException:
-        try:
-            conn.send(("error", rank, traceback.format_exc()))
-        finally:
-            raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _serve(rank: int, worker: Worker, conn, group) -> None:
-    while True:
-        box = [conn.recv() if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=group)  # the one pickled description, to every rank
-        kind, payload = box[0]
-        if kind == "stop":
-            return
-        reply = ("result", worker.execute(payload)) if kind == "step" else ("stats", worker.stats())
-        if rank == 0:
-            conn.send(reply)

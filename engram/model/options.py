@@ -1,7 +1,7 @@
 """``RuntimeOptions``: the ``--engram-config`` JSON (``LLM(engram_config=...)``) validated once into types.
-``cpu_offload`` (tier "host" unless one was chosen), ``lookup_overlap``, ``table_rows`` (4b-like / 8b-like), ``seed``
-and ``tables_in_memory`` (tiers gpu and host); every other key is a table option (StoreOptions). An unknown key or bad
-value raises ValueError before anything loads."""
+``cpu_offload`` (tier "host" unless one was chosen), ``lookup_overlap``, ``wkv_tp`` (tensor parallelism's WKV layout),
+``table_rows`` (4b-like / 8b-like), ``seed`` and ``tables_in_memory`` (tiers gpu and host); every other key is a table
+option (StoreOptions). An unknown key or bad value raises ValueError before anything loads."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,7 +9,8 @@ from typing import Any, Mapping
 
 from engram.store.options import StoreOptions
 
-ENGINE_KEYS = ("cpu_offload", "lookup_overlap")
+ENGINE_KEYS = ("cpu_offload", "lookup_overlap", "wkv_tp")
+WKV_TP = ("replicated", "column")
 LOADER_KEYS = ("table_rows", "seed", "tables_in_memory")
 
 
@@ -19,13 +20,17 @@ class RuntimeOptions:
     # lookups (and each layer's projection of its rows, WKV) on their own stream, overlapping earlier layers
     # (CUDA; docs/engine.md)
     lookup_overlap: bool = True
+    # tensor parallelism: "replicated" wkv on every rank, or "column" (each rank its hidden slice; docs/parallel.md)
+    wkv_tp: str = "replicated"
     table_rows: int | None = None  # rows per Engram layer of a preset model (None: the preset's)
     seed: int = 0  # preset weights and tables
     tables_in_memory: bool = False  # preset tables built in memory (tier gpu / host), no files (model/tables.py)
     store: StoreOptions = field(default_factory=StoreOptions)  # options of every opened table
 
     def __post_init__(self) -> None:
-        for key in ENGINE_KEYS + ("tables_in_memory",):
+        if self.wkv_tp not in WKV_TP:
+            raise ValueError(f"engram_config.wkv_tp={self.wkv_tp!r}: must be one of {list(WKV_TP)}")
+        for key in ("cpu_offload", "lookup_overlap", "tables_in_memory"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"engram_config.{key}={getattr(self, key)!r}: must be true or false")
         if self.table_rows is not None and (isinstance(self.table_rows, bool) or not isinstance(self.table_rows, int)

@@ -1,8 +1,8 @@
 """Tensor parallelism applied around the single-device EngramDecoder after construction (gpt-fast's tp.py shape): the
 model file knows no ranks. ``apply_tensor_parallel(model, rank, world, group)`` shards the weights in place, before any
 projection packing, and hooks one all-reduce after each row-parallel block; ``local_model_config`` is the config a
-rank's KV cache is sized from. Engram layers stay whole on every rank (``wkv`` replicated, every hash column looked up
-on every rank), so their rows and keys/values are bitwise those of TP1; sharding tables by column is issue 47 item 4.
+rank's KV cache is sized from. The Engram modules stay whole here (``wkv`` replicated: keys and values bitwise TP1's);
+their tables are sharded by hash column in engram_tp.py, and ``wkv_tp: "column"`` splits ``wkv`` in wkv_column.py.
 
 Head shards of a layer, TP2 with 4 query heads and 2 KV heads (rank r holds q heads [2r, 2r+2), KV head r):
 
@@ -88,9 +88,10 @@ def apply_tensor_parallel(model: EngramDecoder, rank: int, world: int, group=Non
 
 
 def parameter_bytes(model: nn.Module) -> dict[str, int]:
-    """{"sharded": bytes of the SHARDED modules' parameters, "total": every parameter} (tied weights once)."""
+    """{"sharded": bytes of the SHARDED modules' parameters, "wkv": of the Engram ``wkv`` projections (whole unless
+    ``wkv_tp`` is "column"), "total": every parameter} (tied weights once)."""
     seen: set[int] = set()
-    out = {"sharded": 0, "total": 0}
+    out = {"sharded": 0, "wkv": 0, "total": 0}
     for name, module in model.named_modules():
         for p in module.parameters(recurse=False):
             if id(p) in seen:
@@ -100,6 +101,8 @@ def parameter_bytes(model: nn.Module) -> dict[str, int]:
             out["total"] += n
             if name.rsplit(".", 1)[-1] in SHARDED:
                 out["sharded"] += n
+            if name.rsplit(".", 1)[-1] == "wkv":
+                out["wkv"] += n
     return out
 
 
