@@ -5,14 +5,16 @@ checked first: a bad one exits with status 2 before the port opens. Then the por
 an address that is not this machine's, exits with status 3) and the model loads on the engine thread while
 the port is open, so /health answers 503 until it is ready. If it fails to load (an unknown model, a device
 that is not there, a --max-model-len the model cannot take, ...) the server prints the reason and exits
-with status 1, so a supervisor sees the failure and can restart it. SIGTERM (or Ctrl-C) stops accepting
+with status 1, so a supervisor sees the failure and can restart it; a tensor-parallel rank that dies once serving
+fails the requests in flight and the server exits with status 4. SIGTERM (or Ctrl-C) stops accepting
 connections, answers requests still sending their body with 503, lets in-flight generations finish for up
 to --timeout-graceful-shutdown seconds (then cancels them), and exits by that signal. Slow clients are cut
 off: a request's line and headers must arrive within --timeout-request-headers seconds, its body within
 --timeout-request-body seconds (else 408 and the connection closes), and an idle connection is closed after
 --timeout-keep-alive seconds.
 
-exit status: 0 stopped, 1 the model failed to load, 2 a bad option value, 3 the port could not be bound;
+exit status: 0 stopped, 1 the model failed to load, 2 a bad option value, 3 the port could not be bound, 4 the
+engine failed for good (a tensor-parallel rank died);
 after SIGTERM / SIGINT the process ends by that signal (143 / 130 in a shell).
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sys
 from engram.commands.options import add_engine_arguments, add_model_arguments, build_llm, check_options
 from engram.server import DEFAULT_MAX_REQUEST_BYTES
 
-EXIT_LOAD_FAILED, EXIT_BAD_OPTION, EXIT_CANNOT_LISTEN = 1, 2, 3
+EXIT_LOAD_FAILED, EXIT_BAD_OPTION, EXIT_CANNOT_LISTEN, EXIT_ENGINE_FAILED = 1, 2, 3, 4
 
 HELP = "serve a model over the OpenAI API (default: the built-in tiny model)"
 
@@ -87,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server: DrainingServer | None = None
 
-    def load_failed(reason: str) -> None:  # engine thread: stop serving; run() below then exits 1
+    def load_failed(reason: str) -> None:  # engine thread: stop serving; run() below then exits 1 (or 4)
         print(f"engram serve: error: {reason}", file=sys.stderr, flush=True)
         if server is not None:
             server.should_exit = True
@@ -100,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
         return llm
 
     app = build_app(load, name, args.tier, args.max_num_seqs, args.max_waiting,
-                    args.max_request_bytes, on_load_error=load_failed, body_timeout=limits.request_body)
+                    args.max_request_bytes, on_load_error=load_failed, body_timeout=limits.request_body,
+                    on_fatal=load_failed)
     server = DrainingServer(server_config(app, args.host, args.port, args.log_level, limits),
                             on_shutdown=app.state.stopping.set)
     print(f"engram: serving {name!r} on http://{args.host}:{args.port} (GET /health turns 200 when loaded)\n"
@@ -113,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
         return _cannot_listen(args, "see the error above")
     if app.state.engine.load_error is not None:
         return EXIT_LOAD_FAILED
+    if app.state.engine.fatal_error is not None:
+        return EXIT_ENGINE_FAILED
     return 0
 
 

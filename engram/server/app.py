@@ -108,15 +108,17 @@ class BodyLimit:
 
 def build_app(build_llm: Callable[[], Any], model_name: str, tier: str, max_num_seqs: int,
               max_waiting: int = 256, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              on_load_error: Callable[[str], None] | None = None, body_timeout: float | None = None) -> FastAPI:
+              on_load_error: Callable[[str], None] | None = None, body_timeout: float | None = None,
+              on_fatal: Callable[[str], None] | None = None) -> FastAPI:
     """``build_llm`` returns an ``engram.LLM`` on the engine thread (/health is 503 meanwhile); if it raises,
-    ``on_load_error(reason)`` is called there. ``body_timeout``: seconds a body may take (None: no limit).
-    Setting ``app.state.stopping`` refuses bodies still arriving."""
+    ``on_load_error(reason)`` is called there, and ``on_fatal(reason)`` once its executor failed for good.
+    ``body_timeout``: seconds a body may take (None: no limit). Setting ``app.state.stopping`` refuses bodies still
+    arriving."""
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes={max_request_bytes} must be >= 1")
     metrics = ServerMetrics(model_name, tier)
     engine = AsyncEngine(build_llm, max_num_seqs, max_waiting, on_step=metrics.update_from_engine,
-                         on_load_error=on_load_error)
+                         on_load_error=on_load_error, on_fatal=on_fatal)
     serving = OpenAIServing(engine, model_name, metrics)
 
     @asynccontextmanager
@@ -164,8 +166,8 @@ def build_app(build_llm: Callable[[], Any], model_name: str, tier: str, max_num_
     async def health():
         if engine.ready.is_set():
             return Response(status_code=200)
-        return error_response({"status": "error" if engine.load_error else "loading", "detail": engine.load_error},
-                              503)
+        failed = engine.fatal_error or engine.load_error
+        return error_response({"status": "error" if failed else "loading", "detail": failed}, 503)
 
     @app.get("/v1/models")
     async def models():

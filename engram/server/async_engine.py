@@ -2,7 +2,9 @@
 
 Every engine call happens on that thread (requests and aborts arrive through a queue). A group of requests
 (one HTTP request's choices) is admitted whole or not at all, within ``max_num_seqs + max_waiting``, and
-leaving its iterator early aborts its unfinished requests. A step that raises fails only the requests it held.
+leaving its iterator early aborts its unfinished requests. A step that raises fails only the requests it held; one
+whose executor failed for good (``ExecutorFailed``: a tensor-parallel rank died) fails every request, stops the loop
+and calls ``on_fatal(reason)`` (the server then exits non-zero).
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
+
+from engram.engine.executor import ExecutorFailed
 
 log = logging.getLogger("engram.server")
 
@@ -46,9 +50,10 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, build: Callable[[], Any], max_num_seqs: int, max_waiting: int = 256,
                  on_step: Callable[[Any, list], None] | None = None,
-                 on_load_error: Callable[[str], None] | None = None):
+                 on_load_error: Callable[[str], None] | None = None,
+                 on_fatal: Callable[[str], None] | None = None):
         self._build = build
-        self._on_load_error = on_load_error
+        self._on_load_error, self._on_fatal = on_load_error, on_fatal
         self.capacity = max_num_seqs + max_waiting
         self._on_step = on_step  # called on the engine thread after each step (metrics)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -62,6 +67,7 @@ class AsyncEngine:
         self.max_model_len: int | None = None  # prompt + output tokens per sequence, once loaded
         self.ready = threading.Event()
         self.load_error: str | None = None
+        self.fatal_error: str | None = None  # why the engine stopped for good after it was ready (ExecutorFailed)
 
     # ----------------------------------------------------------------- asyncio side
     def start(self) -> None:
@@ -82,7 +88,7 @@ class AsyncEngine:
         EngineOverloaded when the group does not fit, EngineNotReady; RequestFailed when the engine fails any
         of them. Requests still running when the iterator is left are aborted."""
         if not self.ready.is_set():
-            raise EngineNotReady(self.load_error or "the model is still loading")
+            raise EngineNotReady(self.fatal_error or self.load_error or "the model is still loading")
         loop, outputs = asyncio.get_running_loop(), asyncio.Queue()  # one queue: outputs in step order
         ids = [rid for rid, _, _ in requests]
         with self._lock:
@@ -201,7 +207,10 @@ class AsyncEngine:
 
     def _fail_step(self, error: Exception) -> None:
         """Fail ``error.request_ids`` (every request when it does not say) and deliver ``error.outputs``, the
-        requests that advanced anyway; the engine goes on."""
+        requests that advanced anyway; the engine goes on, unless its executor failed (``_stop_engine``)."""
+        if _executor_failed(error):
+            self._stop_engine(error)
+            return
         ids = list(getattr(error, "request_ids", None) or list(self._streams))
         log.error("engine step failed for %d request(s): %s", len(ids), error)
         for rid in ids:
@@ -210,6 +219,28 @@ class AsyncEngine:
         outputs = list(getattr(error, "outputs", None) or [])
         self._deliver_step(outputs)
         self._report(outputs)
+
+
+    def _stop_engine(self, error: Exception) -> None:
+        """The executor is gone: not ready any more, every request in flight failed, the loop stops, ``on_fatal``."""
+        self.fatal_error = f"the engine stopped: {error}"
+        self.ready.clear()
+        log.error("%s; failing %d request(s) in flight", self.fatal_error, len(self._streams))
+        self._stop.set()
+        for rid in list(self._streams):
+            self._deliver(rid, RequestFailed(f"request failed in the engine: {error}"))
+        if self._on_fatal is not None:
+            self._on_fatal(self.fatal_error)
+
+
+def _executor_failed(error: BaseException | None) -> bool:
+    """Whether ``error`` is, or was raised from, an ExecutorFailed."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, ExecutorFailed):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
 
 
 def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
