@@ -3,7 +3,7 @@
 A lookup dedupes its ids, reads the distinct 4 KiB pages (``PageReader``), checks each against its CRC32C (a
 corrupt page raises CorruptPageError naming file and offset and never reaches the cache) and decodes through
 the shared kernels, bitwise the gpu tier's. ``submit`` runs lookups on the table's thread (at most
-``max_inflight``); slab reads for decode graphs are disk_slabs.py::
+``max_inflight``); slab reads for decode graphs are its ``SlabReader`` (disk_slabs.py)::
 
     values.bin  |<- page p (4096 B) ->|      row r lives in page r // (4096 // stride), slot r % (4096 // stride)
                 | r0 | r1 | ... | r15 |      (V4.1: 256-B rows, 16 per page: a cold row costs a whole page)"""
@@ -21,22 +21,22 @@ from engram.store import kernels
 from engram.store.base import TableBackend, Tier
 from engram.store.disk_lookup import DiskLookup, InflightLimitError
 from engram.store.format import TableManifest, read_manifest
-from engram.store.late_caching import LateCaching
 from engram.store.load import load_file
 from engram.store.options import StoreOptions
 from engram.store import slab_plan
 from engram.store.page_checker import PageChecker
 from engram.store.page_crc import CorruptPageError, page_error
-from engram.store.disk_slabs import SlabReads, check_fits, uva_decodes
+from engram.store.disk_slabs import SlabReader, check_fits, uva_decodes
 from engram.store.page_slabs import PageSlab, SlabPool
 from engram.store.reader import PAGE, PageReader, aligned_pages
 from engram.store.scrub import Scrubber
 from engram.store.kernels import uva
 
 
-class DiskTable(SlabReads, TableBackend):
+class DiskTable(TableBackend):
     """One table served from its files (resident: scales and page CRCs, ``resident_bytes``, plus the cache);
-    ``background_verify`` starts a ``Scrubber``."""
+    ``background_verify`` starts a ``Scrubber``. Slab reads (``new_slab``, ``read_slab``, ``decode_slab``,
+    ``admit_probed``) go to ``slab_reader``."""
 
     tier = Tier.DISK
     reads_from_disk = True
@@ -58,8 +58,8 @@ class DiskTable(SlabReads, TableBackend):
         # one-read lookups (_gather_direct): pinned on CUDA, where the decode kernel reads them over UVA
         self._slabs = (SlabPool(self.page, self.stride, self.scale_cols, pinned=self.device.type == "cuda")
                        if self.stride <= self.page else None)
-        self._cache_stream: "torch.cuda.Stream | None" = None  # a probed slab's cache work (_probe_stream)
-        self._late = LateCaching(self._cache_taken, self.device)  # a probed slab's rows cached late (DEFER)
+        self.slab_reader = SlabReader(self._slabs, self.cache, self._cache_mutex, self.stride, self.device,
+                                      manifest.path, self._read_into, self._fetch, self._decode_slab, self._count)
         self._extra = {"disk_rows": 0, "inflight": 0, "inflight_bytes": 0, "corrupt_pages": 0}
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-disk")  # submit()
         self._io = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="engram-disk-io")  # 2 chunks queued
@@ -94,6 +94,29 @@ class DiskTable(SlabReads, TableBackend):
             ids = ids.cpu()
         return super().check_ids(ids)
 
+    # ----------------------------------------------------------------- slab reads (disk_slabs.py)
+    @property
+    def slab_reads(self) -> bool:
+        """Whether this table reads into slabs (rows of at most a page: ``new_slab`` works)."""
+        return self.slab_reader.enabled
+
+    def new_slab(self, rows: int, probe: bool = True) -> PageSlab:
+        """``SlabReader.new_slab``: a caller-owned slab for lookups of up to ``rows`` ids."""
+        return self.slab_reader.new_slab(rows, probe)
+
+    def read_slab(self, ids: torch.Tensor | Any, slab: PageSlab, plan: int | None = None) -> None:
+        """``SlabReader.read_slab`` of the checked ``ids``: rows into ``slab``, not decoded."""
+        return self.slab_reader.read_slab(self.check_ids(ids), slab, plan)
+
+    def decode_slab(self, slab: PageSlab, n: int, out: torch.Tensor, ids: torch.Tensor | None = None,
+                    plan: torch.Tensor | None = None, status: torch.Tensor | None = None) -> torch.Tensor:
+        """``SlabReader.decode_slab``: the first ``n`` slots of ``slab`` dequantized into ``out`` [n, dim]."""
+        return self.slab_reader.decode_slab(slab, n, out, ids, plan, status)
+
+    def admit_probed(self, slab: PageSlab) -> int:
+        """``SlabReader.admit_probed``: end the slab's last probed lookup -> the rows it read from disk."""
+        return self.slab_reader.admit_probed(slab)
+
     # ----------------------------------------------------------------- the backing-store read
     def gather(self, ids: torch.Tensor, out: torch.Tensor | None = None,
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -107,7 +130,7 @@ class DiskTable(SlabReads, TableBackend):
         if 0 < n <= self.options.advanced.chunk_pages and self.cache is None and self._slabs is not None:
             return self._gather_direct(ids, out, dtype)
         if self.cache is not None:
-            self._late.settle()  # rows of a probed lookup not yet cached go in first
+            self.slab_reader.late.settle()  # rows of a probed lookup not yet cached go in first
         if self.cache is not None or self.device.type != "cpu" or n == 0:
             return self._gather_deduped(ids, out, dtype)
         uniq, inverse = self._dedupe(ids)  # [U], [N]
@@ -273,7 +296,7 @@ class DiskTable(SlabReads, TableBackend):
         """A submitted lookup on the table's thread -> the rows and, on CUDA, an event after the work that made them;
         with ``into``, (None, None) once in the slab ((None, event) with a cache on CUDA)."""
         if into is not None:
-            self._read_into_owned(ids, into, plan)
+            self.slab_reader.read_owned(ids, into, plan)
             if self.cache is None or self.device.type != "cuda" or (into.probe is not None and plan is not None):
                 return None, None
             ready = torch.cuda.Event()  # after the cache's inserts, which the slab's slots may point at
@@ -317,7 +340,7 @@ class DiskTable(SlabReads, TableBackend):
             self.scrubber.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._io.shutdown(wait=True)
-        self._late.close()
+        self.slab_reader.close()
         super().close()
         self.reader.close()
 

@@ -1,30 +1,51 @@
 """A disk table's slabs owned by a caller (a decode graph keeps one per Engram layer): a step's lookup only reads the
 rows' pages into the slab (``read_slab``) and the graph's piece decodes them (``decode_slab``). Over a hot-row cache the
 slots index the cache's storage, and a probed slab lets the piece find its rows itself (store/kernels/cache_probe.py);
-``admit_probed`` caches what the lookup read once no piece waits. ``SlabReads`` is a part of ``DiskTable`` (disk.py): it
-uses its slab pool, reads, cache and mutex."""
+``admit_probed`` caches what the lookup read once no piece waits. ``SlabReader`` is a component ``DiskTable`` (disk.py)
+builds and holds: it gets the table's slab pool, cache, cache mutex and page reads through its constructor, and owns the
+late caching of probed rows and the cache stream."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from engram.store import kernels
 from engram.store.kernels import cache_probe
-from engram.store.late_caching import TakenRows
-from engram.store.page_slabs import PageSlab, SlotProbe
+from engram.store.late_caching import LateCaching, TakenRows
+from engram.store.page_slabs import PageSlab, SlabPool, SlotProbe
 from engram.transfer import to_device
 from engram.store.kernels import uva as uva_kernels
 
 
-class SlabReads:
-    """DiskTable's reads into a caller's slab, and their decode."""
+class SlabReader:
+    """One disk table's reads into a caller's slab, and their decode. ``pool``: the table's slabs (None when rows span
+    pages: no slab reads); ``cache`` / ``cache_mutex``: its hot-row cache (or None) and the lock of every cache use;
+    ``read_into(ids_np, slab, count=)``: the table's one-read lookup into a slab (-> pages read); ``fetch``: its backing
+    read for cache misses; ``decode(values, scales, slots, pinned, out, dtype, runs=)``: its slab decode; ``count``:
+    its lookup counters; ``path`` names the table in errors. ``late``: the rows of probed lookups cached late (the table
+    settles it before any other use of the cache)."""
+
+    def __init__(self, pool: SlabPool | None, cache: Any, cache_mutex: Any, stride: int, device: torch.device,
+                 path: Path, read_into: Callable[..., int], fetch: Callable, decode: Callable[..., torch.Tensor],
+                 count: Callable[..., None]):
+        self._slabs, self.cache, self._cache_mutex = pool, cache, cache_mutex
+        self.stride, self.device, self._path = stride, device, path
+        self._read_into, self._fetch, self._decode_slab, self._count = read_into, fetch, decode, count
+        self._cache_stream: "torch.cuda.Stream | None" = None  # a probed slab's cache work (_probe_stream)
+        self.late = LateCaching(self._cache_taken, device)  # a probed slab's rows cached late (DEFER)
+
+    def close(self) -> None:
+        """Settle and stop the late caching, then drop the cache (as the table's close does)."""
+        self.late.close()
+        self.cache = None
 
     @property
-    def slab_reads(self) -> bool:
-        """Whether this table reads into slabs (rows of at most a page: ``new_slab`` works)."""
+    def enabled(self) -> bool:
+        """Whether the table reads into slabs (rows of at most a page: ``new_slab`` works)."""
         return self._slabs is not None
 
     def new_slab(self, rows: int, probe: bool = True) -> PageSlab:
@@ -32,7 +53,7 @@ class SlabReads:
         hot-row cache its slots index the cache's storage and, unless ``probe`` is False, it gets a ``SlotProbe`` (the
         cache's tags mirrored on its device from now on)."""
         if self._slabs is None:
-            raise ValueError(f"{self.manifest.path}: rows of {self.stride} B span pages; no slab reads")
+            raise ValueError(f"{self._path}: rows of {self.stride} B span pages; no slab reads")
         if self.cache is not None:
             self.cache.reserve_overflow(rows)
         slab = self._slabs.new(rows, rows)
@@ -49,15 +70,15 @@ class SlabReads:
                                    torch.full((1,), -1, dtype=torch.int64, pin_memory=pin))
         return slab
 
-    def read_slab(self, ids: torch.Tensor | Any, slab: PageSlab, plan: int | None = None) -> None:
-        """Read rows ``ids`` into ``slab`` without decoding them (``decode_slab`` does), after the device work that last
-        read it (``slab.done``). With a cache the rows go through it; with a probe and the step's ``plan`` id the lookup
-        only writes the plan into the probe and signals it (``_read_probed``)."""
-        ids = self.check_ids(ids)
+    def read_slab(self, ids: torch.Tensor, slab: PageSlab, plan: int | None = None) -> None:
+        """Read rows ``ids`` (as the table's ``check_ids`` returns them) into ``slab`` without decoding them
+        (``decode_slab`` does), after the device work that last read it (``slab.done``); ValueError unless they fit.
+        With a cache the rows go through it; with a probe and the step's ``plan`` id the lookup only writes the plan
+        into the probe and signals it (``_read_probed``)."""
         check_fits(ids, slab)
-        self._read_into_owned(ids, slab, plan)
+        self.read_owned(ids, slab, plan)
 
-    def _read_into_owned(self, ids: torch.Tensor, slab: PageSlab, plan: int | None = None) -> None:
+    def read_owned(self, ids: torch.Tensor, slab: PageSlab, plan: int | None = None) -> None:
         """``read_slab`` of checked ids that fit: after the device work that last read the slab."""
         if not slab.ready():
             slab.done.synchronize()
@@ -70,7 +91,7 @@ class SlabReads:
         ids_np = ids.numpy()  # numpy from here: a few dozen ids a step, microseconds a call (cache.py)
         uniq, inverse = np.unique(ids_np, return_inverse=True)  # [U], [N]
         self._count(lookups=1, rows=len(ids_np), unique_rows=len(uniq))
-        self._late.settle()  # rows of a probed lookup not yet cached go in first
+        self.late.settle()  # rows of a probed lookup not yet cached go in first
         with self._cache_mutex:
             where = self.cache.slots_np(uniq, self._fetch)  # [U]
         np.take(where, inverse, out=slab.slots.numpy()[:len(ids_np)])
@@ -91,7 +112,7 @@ class SlabReads:
         try:
             with self._cache_mutex:
                 hit_pos, hit_slots, miss_pos = self.cache.split(uniq)
-            self._late.hand_over()  # rows held from this table's last lookup: cached beside this one's reads
+            self.late.hand_over()  # rows held from this table's last lookup: cached beside this one's reads
             slot_u, row_u = np.zeros(u, dtype=np.int64), np.full(u, -1, dtype=np.int64)
             slot_u[hit_pos] = hit_slots
             m = len(miss_pos)
@@ -120,7 +141,7 @@ class SlabReads:
         On CUDA with Triton the rows go from the pinned pages to the device over UVA on the cache stream, after the
         slab's decode, and ``slab.done`` becomes that gather's event; elsewhere the host copies them out. Both give the
         cache the same bytes."""
-        self._late.settle()
+        self.late.settle()
         pending, slab.probe.pending = slab.probe.pending, None
         if pending is None:
             return 0
@@ -129,7 +150,7 @@ class SlabReads:
             with self._cache_mutex:
                 self.cache.admit(miss_ids, None, None, looked_up)
             return 0
-        self._late.hold(self._take_rows(slab, miss_ids, where, looked_up))
+        self.late.hold(self._take_rows(slab, miss_ids, where, looked_up))
         return len(miss_ids)
 
     def _take_rows(self, slab: PageSlab, miss_ids: np.ndarray, where: torch.Tensor,
@@ -158,7 +179,7 @@ class SlabReads:
         """``rows`` into the cache, on their stream, which their consumer stream then waits for."""
         with torch.cuda.stream(rows.stream) if rows.stream is not None else contextlib.nullcontext():
             with self._cache_mutex:
-                self.cache.admit(rows.miss_ids, rows.values, rows.scales, rows.looked_up, recheck=self._late.used)
+                self.cache.admit(rows.miss_ids, rows.values, rows.scales, rows.looked_up, recheck=self.late.used)
         if rows.stream is not None:
             rows.consumer.wait_stream(rows.stream)
 

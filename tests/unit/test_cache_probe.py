@@ -101,7 +101,7 @@ def test_resolve_slots_reference_statuses():
 
 @pytest.mark.parametrize("cache_rows", [2, 64], ids=["spilling", "holding"])
 def test_a_probed_slab_read_signals_its_plan_or_its_failure(tmp_path, cache_rows):
-    """A probed slab's lookup (DiskTable._read_probed) writes the step's plan and signals the flag: cached rows
+    """A probed slab's lookup (SlabReader._read_probed) writes the step's plan and signals the flag: cached rows
     by slot, the others read into the slab's pages, taken out by ``admit_probed`` and held for late caching
     (store/late_caching.py: cached during the next probed lookup, or here at once by ``settle``, the order
     tests/unit/test_late_caching.py covers). The decode gives the table's rows bitwise (MXFP8 rows: their
@@ -130,7 +130,7 @@ def test_a_probed_slab_read_signals_its_plan_or_its_failure(tmp_path, cache_rows
             assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
             read = t.admit_probed(slab)  # the rows read are taken out to be cached; how many were read
             assert (read == 0) == found
-            t._late.settle()  # the rows held cached now, before the next lookup's split
+            t.slab_reader.late.settle()  # the rows held cached now, before the next lookup's split
         t.pages.crcs = t.pages.crcs.copy()
         t.pages.crcs[1] ^= 1  # page 1 (rows 16..31) no longer matches its checksum
         t.cache.clear()
@@ -167,7 +167,7 @@ def test_a_probed_lookup_never_admitted_is_counted_and_its_rows_dropped(tmp_path
         t.read_slab(torch.tensor([1, 4]), slab, plan=2)
         t.admit_probed(slab)
         assert len(t.cache) == 0  # held for the next probed lookup
-        t._late.settle()
+        t.slab_reader.late.settle()
         assert (t.stats()["hits"], t.stats()["misses"]) == (0, 5)
         assert len(t.cache) == 2 and (t.cache.lookup(torch.tensor([1, 4])) >= 0).all()
 

@@ -46,13 +46,13 @@ def cached(t, ids: list[int]) -> list[bool]:
 def caching_threads(t) -> list[str]:
     """The threads each caching of held rows runs on, from now on (their names' first part)."""
     threads: list[str] = []
-    real = t._late._cache
+    real = t.slab_reader.late._cache
 
     def recorded(rows):
         threads.append(threading.current_thread().name.split("_")[0])
         return real(rows)
 
-    t._late._cache = recorded
+    t.slab_reader.late._cache = recorded
     return threads
 
 
@@ -68,7 +68,7 @@ def test_rows_are_cached_during_the_next_lookup_and_its_hits_survive(table):
     # stamped by its split before the caching of step 3's rows runs, so those six are the others
     assert step(t, slab, ref, [100, 101, 102, 103, 104, 105], plan=3) == 6
     assert step(t, slab, ref, [2, 3, 100], plan=4) == 1
-    t._late.settle()
+    t.slab_reader.late.settle()
     assert cached(t, [2, 3]) == [True, True] and sum(cached(t, [1, 4, 5, 6, 7, 8])) == 0
     assert all(cached(t, [100, 101, 102, 103, 104, 105]))
     assert len(t.cache) == 8 and len(set(t.cache.tags.reshape(-1).tolist())) == 8  # 100 cached once
@@ -97,7 +97,7 @@ def test_a_next_lookup_that_fails_before_its_split_leaves_the_rows_for_the_next_
         t.read_slab(torch.tensor([-1]), slab, plan=2)  # refused before any split
     assert cached(t, [20, 21]) == [False, False]
     assert step(t, slab, ref, [20], plan=3) == 1  # handed over after this split
-    t._late.settle()
+    t.slab_reader.late.settle()
     assert cached(t, [20, 21]) == [True, True]
     assert int(slab.probe.flag) == 2 * 3
 
@@ -120,20 +120,20 @@ def test_admit_rechecking_skips_ids_cached_since_the_calls_split():
 def test_a_caching_that_fails_on_its_thread_is_raised_where_it_is_settled(table):
     t, ref = table
     slab = t.new_slab(16)
-    real = t._late._cache
+    real = t.slab_reader.late._cache
 
     def failing(rows):
         raise RuntimeError("planted caching failure")
 
-    t._late._cache = failing
+    t.slab_reader.late._cache = failing
     step(t, slab, ref, [40, 41], plan=1)
     t.read_slab(torch.tensor([42]), slab, plan=2)  # hands step 1's rows over: they fail on the thread
-    t._late._cache = real
+    t.slab_reader.late._cache = real
     with pytest.raises(RuntimeError, match="planted caching failure"):
         t.admit_probed(slab)
     assert cached(t, [40, 41]) == [False, False]  # dropped: read again when asked for
     assert step(t, slab, ref, [40, 42], plan=3) == 2  # the table goes on
-    t._late.settle()
+    t.slab_reader.late.settle()
     assert cached(t, [40, 42]) == [True, True]
 
 
@@ -144,5 +144,5 @@ def test_an_id_two_lookups_missed_is_cached_once_with_room_to_spare(table):
     step(t, slab, ref, [50, 51], plan=1)
     assert step(t, slab, ref, [50], plan=2) == 1  # missed again: step 1's rows are cached after this split
     step(t, slab, ref, [52], plan=3)  # hands step 2's [50] over: already cached
-    t._late.settle()
+    t.slab_reader.late.settle()
     assert t.cache.tags.reshape(-1).tolist().count(50) == 1 and len(t.cache) == 3

@@ -272,8 +272,8 @@ def test_probed_steps_caching_their_rows_late_give_the_eager_tokens(tmp_path, mo
     assert _generate(llm) == want
     assert pieces.replays > 5 and "engram-step-lookups" in pieces.read_threads
     for table in worker.tables.values():
-        table._late.settle()
-        assert table._late._thread is not None  # handed over to its thread
+        table.slab_reader.late.settle()
+        assert table.slab_reader.late._thread is not None  # handed over to its thread
         assert len(table.cache) == table.cache.capacity  # every row held was cached (or evicted one)
     assert bool(chained) == together  # the later lookups went at the first read
 
