@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from engram.commands.options import add_engine_arguments, add_model_arguments, build_llm
+from engram.commands.options import add_engine_arguments, add_model_arguments, build_llm, run_torchrun_rank
 
 HELP = "generate completions for prompts offline (continuous batching) and report throughput"
 
@@ -52,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
 
     from engram.engine.sampling_params import SamplingParams
 
+    if run_torchrun_rank(args):  # a torchrun rank other than 0: it served rank 0's steps
+        return 0
     try:
         prompts = read_prompts(args)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

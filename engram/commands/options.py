@@ -95,6 +95,28 @@ def check_options(args: argparse.Namespace) -> None:
         raise ValueError(text) from None
 
 
+def run_torchrun_rank(args: argparse.Namespace) -> bool:
+    """Under torchrun on a rank other than 0: build this rank's Worker from the command line and run rank 0's steps
+    until it stops (engine/torchrun.py) -> True; otherwise (no torchrun, or rank 0) False at once."""
+    from engram.engine.torchrun import serve_rank, torchrun_rank
+
+    rank = torchrun_rank()
+    if rank is None or rank == 0 or args.tensor_parallel_size == 1:
+        return False
+    import torch
+
+    from engram.engine.config import EngineConfig
+    from engram.engine.tp_rank import make_rank_spec
+    from engram.model.loader import resolve_dtype
+    from engram.model.options import RuntimeOptions
+
+    options = RuntimeOptions.from_dict(parse_engram_config(args.engram_config))
+    spec = make_rank_spec(args.model, options.tier(args.tier), resolve_dtype(args.dtype, torch.device("cpu")),
+                          options, None, EngineConfig.from_options(engine_options(args)), "env://", args.threads)
+    serve_rank(spec, rank)
+    return True
+
+
 def build_llm(args: argparse.Namespace):
     """An engram.LLM as the command line says (loads the model)."""
     import torch

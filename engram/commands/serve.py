@@ -22,7 +22,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engram.commands.options import add_engine_arguments, add_model_arguments, build_llm, check_options
+from engram.commands.options import (add_engine_arguments, add_model_arguments, build_llm, check_options,
+                                     run_torchrun_rank)
 from engram.server import DEFAULT_MAX_REQUEST_BYTES
 
 EXIT_LOAD_FAILED, EXIT_BAD_OPTION, EXIT_CANNOT_LISTEN, EXIT_ENGINE_FAILED = 1, 2, 3, 4
@@ -80,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"engram serve: error: {e}", file=sys.stderr)
         return EXIT_BAD_OPTION
+    if run_torchrun_rank(args):  # a torchrun rank other than 0 serves rank 0's steps, no port
+        return 0
     try:
         check_port(args.host, args.port)  # before anything loads: a port in use fails at once
     except OSError as e:

@@ -11,7 +11,9 @@ import torch
 
 from engram.engine.config import EngineConfig
 from engram.engine.engine import LLMEngine
-from engram.engine.multiproc import MultiprocExecutor, RankSpec, free_port
+from engram.engine.multiproc import MultiprocExecutor, free_port
+from engram.engine.tp_rank import make_rank_spec
+from engram.engine.torchrun import TorchrunExecutor, torchrun_rank
 from engram.model.options import RuntimeOptions
 from engram.engine.outputs import RequestOutput
 from engram.engine.sampling_params import SamplingParams
@@ -79,14 +81,18 @@ class LLM:
         return [_merge(rid, [done[c] for c in children[rid]]) for rid in ids]
 
 
-def _tensor_parallel(model: str, llm: "LLM", config: EngineConfig, cache_dir: str | None) -> MultiprocExecutor:
-    """N Worker processes on this node over gloo (engine/multiproc.py); the CUDA (NCCL) path is not built yet."""
-    n = config.tensor_parallel_size
-    tp.check_tp(llm.loaded.model_config, n)
-    spec = RankSpec(str(model), llm.tier, llm.dtype, llm.options, cache_dir, config,
-                    config.max_model_len or llm.loaded.model_config.max_position_embeddings,
-                    f"tcp://127.0.0.1:{free_port()}", max(1, torch.get_num_threads() // n))
-    return MultiprocExecutor(spec)
+def _tensor_parallel(model: str, llm: "LLM", config: EngineConfig, cache_dir: str | None):
+    """N Worker processes over gloo: spawned on this node (engine/multiproc.py), or torchrun's (engine/torchrun.py:
+    this process is rank 0, the others run ``serve_rank``); the CUDA (NCCL) path is not built yet."""
+    tp.check_tp(llm.loaded.model_config, config.tensor_parallel_size)
+    rank = torchrun_rank()
+    if rank is None:
+        return MultiprocExecutor(make_rank_spec(model, llm.tier, llm.dtype, llm.options, cache_dir, config,
+                                                f"tcp://127.0.0.1:{free_port()}"))
+    if rank != 0:
+        raise ValueError(f"LLM(...) on torchrun rank {rank}: only rank 0 runs the engine; the other ranks run "
+                         "engram.engine.torchrun.serve_rank (engram generate / serve do it)")
+    return TorchrunExecutor(make_rank_spec(model, llm.tier, llm.dtype, llm.options, cache_dir, config, "env://"))
 
 
 def _merge(request_id: str, outs: list[RequestOutput]) -> RequestOutput:

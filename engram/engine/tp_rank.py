@@ -39,12 +39,20 @@ class RankSpec:
     options: RuntimeOptions  # the --engram-config options (wkv_tp among them)
     cache_dir: str | None  # table cache directory (None: the default)
     config: EngineConfig  # the engine's config (tensor_parallel_size = the world size)
-    max_model_len: int  # resolved by the engine's process
+    max_model_len: int | None  # None: the model's max_position_embeddings
     init_method: str  # rendezvous: tcp://127.0.0.1:PORT (spawned ranks), env:// (torchrun)
     threads: int  # torch CPU threads per rank
     # called as before_lookup(rank, layer_id) before each local table read (tests delay one rank with it);
     # picklable: a module-level function or an instance of a module-level class
     before_lookup: Callable[[int, int], None] | None = None
+
+
+def make_rank_spec(model: str, tier: str, dtype: torch.dtype, options: RuntimeOptions, cache_dir: str | None,
+                   config: EngineConfig, init_method: str, threads: int | None = None) -> RankSpec:
+    """The RankSpec of a command line or LLM(...) call: CPU threads split over the node's ranks unless given."""
+    if threads is None:
+        threads = max(1, torch.get_num_threads() // config.tensor_parallel_size)
+    return RankSpec(str(model), tier, dtype, options, cache_dir, config, config.max_model_len, init_method, threads)
 
 
 class RankZeroSampler:
@@ -66,10 +74,10 @@ class RankZeroSampler:
         return sampled
 
 
-def init_group(spec: RankSpec, rank: int):
-    """Join the gloo group of ``spec.config.tensor_parallel_size`` ranks -> the group."""
+def init_group(spec: RankSpec, rank: int, timeout_s: float = GLOO_TIMEOUT_S):
+    """Join the gloo group of ``spec.config.tensor_parallel_size`` ranks (collectives give up after ``timeout_s``)."""
     dist.init_process_group("gloo", init_method=spec.init_method, rank=rank,
-                            world_size=spec.config.tensor_parallel_size, timeout=timedelta(seconds=GLOO_TIMEOUT_S))
+                            world_size=spec.config.tensor_parallel_size, timeout=timedelta(seconds=timeout_s))
     return dist.group.WORLD
 
 
@@ -86,8 +94,9 @@ def build_rank_worker(rank: int, spec: RankSpec, group) -> Worker:
             shard_wkv_columns(loaded.model, rank, world, group)
         if world > 1:
             loaded.tables = engram_tp.open_column_shards(loaded, rank, world, group, before)
+    max_model_len = spec.max_model_len or loaded.model_config.max_position_embeddings
     loaded.model_config = tp.local_model_config(loaded.model_config, world)
-    worker = Worker(loaded, spec.config, spec.max_model_len, torch.device("cpu"), spec.dtype, progress=False)
+    worker = Worker(loaded, spec.config, max_model_len, torch.device("cpu"), spec.dtype, progress=False)
     worker.sampler = RankZeroSampler(worker.sampler, rank, group)
     return worker
 
