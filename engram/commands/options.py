@@ -39,7 +39,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_num_seqs: int = 64) -> 
                    help="launch step N+1 before reading step N (default: on for CUDA; with the disk tier or a "
                         "hot-row cache a launch waits for the tokens in flight)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="Worker processes, one tensor-parallel rank each (CPU gloo for now; docs/parallel.md)")
+                   help="Worker processes, one tensor-parallel rank each (gloo on the CPU, one GPU a rank "
+                        "over NCCL; docs/parallel.md)")
 
 
 def byte_count(option: str):

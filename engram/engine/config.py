@@ -22,7 +22,7 @@ class EngineConfig:
     # describe step N+1 while the device runs step N (None: on for CUDA where the tables allow it; True on
     # the CPU runs the same bookkeeping without any overlap, for tests)
     async_scheduling: bool | None = None
-    tensor_parallel_size: int = 1  # Worker processes, one tensor-parallel rank each (> 1: CPU gloo, docs/parallel.md)
+    tensor_parallel_size: int = 1  # Worker processes, one tensor-parallel rank each (gloo on the CPU, NCCL on GPUs; docs/parallel.md)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:

@@ -27,13 +27,14 @@ class LLM:
         engine_config = EngineConfig.from_options(engine_options)  # bad options fail before loading
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
-        if engine_config.tensor_parallel_size > 1 and self.device.type != "cpu":  # before anything loads
-            raise NotImplementedError(f"tensor_parallel_size={engine_config.tensor_parallel_size} on {self.device}: "
-                                      "only the CPU gloo path exists; the NCCL path (one GPU per rank) is issue 47's "
-                                      "next step (docs/parallel.md)")
+        n = engine_config.tensor_parallel_size
+        if n > 1 and self.device.type == "cuda" and torch_ranks_missing(n):  # before anything loads
+            raise ValueError(f"tensor_parallel_size={n} on CUDA needs {n} GPUs (one a rank); this node has "
+                             f"{torch.cuda.device_count()}")
         self.options = RuntimeOptions.from_dict(engram_config)  # bad keys fail before loading
         self.tier = self.options.tier(tier)
-        self.loaded = load_model(model, tier=self.tier, dtype=self.dtype, device=self.device,
+        # with ranks, this process needs the config and tokenizers only: its copy of the weights stays in RAM
+        self.loaded = load_model(model, tier=self.tier, dtype=self.dtype, device=self.device if n == 1 else "cpu",
                                  engram_config=self.options, cache_dir=cache_dir)
         executor = None
         if engine_config.tensor_parallel_size > 1:
@@ -82,17 +83,23 @@ class LLM:
 
 
 def _tensor_parallel(model: str, llm: "LLM", config: EngineConfig, cache_dir: str | None):
-    """N Worker processes over gloo: spawned on this node (engine/multiproc.py), or torchrun's (engine/torchrun.py:
-    this process is rank 0, the others run ``serve_rank``); the CUDA (NCCL) path is not built yet."""
+    """N Worker processes: spawned on this node (engine/multiproc.py), or torchrun's (engine/torchrun.py: this
+    process is rank 0, the others run ``serve_rank``); gloo on the CPU, NCCL (one GPU a rank) on CUDA."""
     tp.check_tp(llm.loaded.model_config, config.tensor_parallel_size)
     rank = torchrun_rank()
     if rank is None:
         return MultiprocExecutor(make_rank_spec(model, llm.tier, llm.dtype, llm.options, cache_dir, config,
-                                                f"tcp://127.0.0.1:{free_port()}"))
+                                                f"tcp://127.0.0.1:{free_port()}", device=llm.device.type))
     if rank != 0:
         raise ValueError(f"LLM(...) on torchrun rank {rank}: only rank 0 runs the engine; the other ranks run "
                          "engram.engine.torchrun.serve_rank (engram generate / serve do it)")
-    return TorchrunExecutor(make_rank_spec(model, llm.tier, llm.dtype, llm.options, cache_dir, config, "env://"))
+    return TorchrunExecutor(make_rank_spec(model, llm.tier, llm.dtype, llm.options, cache_dir, config, "env://",
+                                           device=llm.device.type))
+
+
+def torch_ranks_missing(n: int) -> bool:
+    """Whether this node has fewer than ``n`` GPUs (spawned ranks take one each; torchrun's count across nodes)."""
+    return torchrun_rank() is None and torch.cuda.device_count() < n
 
 
 def _merge(request_id: str, outs: list[RequestOutput]) -> RequestOutput:

@@ -3,8 +3,9 @@ gloo process group on 127.0.0.1); each rank builds its sharded Worker (engine/tp
 description goes once, pickled, to rank 0, which broadcasts it on the gloo group (``broadcast_object_list``); every rank
 runs the step, only rank 0 sends its StepResult back. The executor waits on rank 0's pipe and on every rank's process
 sentinel together, so a rank that dies makes ``launch``, ``collect`` or ``stats`` raise ``RankFailed`` (an
-``ExecutorFailed``) at once (the other ranks are then stopped), never hang. CPU only. Steps run synchronously on the
-ranks (``takes_pending_tokens`` is False: no async-scheduling patches)."""
+``ExecutorFailed``) at once (the other ranks are then stopped), never hang, also when the ranks run on GPUs (NCCL:
+the sentinels are watched, not collective timeouts). Steps run synchronously on the ranks (``takes_pending_tokens``
+is False: no async-scheduling patches)."""
 from __future__ import annotations
 
 import collections
@@ -54,6 +55,7 @@ class MultiprocExecutor(Executor):
         self.num_kv_blocks = blocks.pop()
         self.rank_bytes: list[dict[str, int]] = [msg[2] for msg in ready]  # each rank's tp.parameter_bytes
         self.table_bytes: list[dict[int, int]] = [msg[3] for msg in ready]  # each rank's table bytes by layer
+        self.rank_env: list[dict[str, str | None]] = [msg[4] for msg in ready]  # each rank's tp_rank.NCCL_ENV keys
 
     @property
     def pids(self) -> list[int]:

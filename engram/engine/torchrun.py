@@ -38,6 +38,11 @@ def check_world(spec: RankSpec, environ: Mapping[str, str] | None = None) -> Non
                          f"WORLD_SIZE={env['WORLD_SIZE']}: start one process per rank (--nnodes x --nproc-per-node)")
 
 
+def _local_rank() -> int:
+    """This process's device index on its node (torchrun's LOCAL_RANK, else its RANK)."""
+    return int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+
+
 def _agree_on_blocks(worker, group) -> int:
     """Every rank's KV block count, which must be the same (the scheduler's one pool) -> it."""
     blocks: list = [None] * dist.get_world_size(group)
@@ -50,11 +55,11 @@ def _agree_on_blocks(worker, group) -> int:
 def serve_rank(spec: RankSpec, rank: int) -> None:
     """A rank other than 0: build its Worker, then run what rank 0 broadcasts until it says "stop"."""
     check_world(spec)
-    group = init_group(spec, rank, START_TIMEOUT_S)
+    groups = init_group(spec, rank, START_TIMEOUT_S, _local_rank())
     try:
-        worker = build_rank_worker(rank, spec, group)
-        _agree_on_blocks(worker, group)
-        serve_steps(rank, worker, group, None, None)
+        worker = build_rank_worker(rank, spec, groups)
+        _agree_on_blocks(worker, groups.control)
+        serve_steps(rank, worker, groups, None, None)
     finally:
         dist.destroy_process_group()
 
@@ -64,17 +69,17 @@ class TorchrunExecutor(Executor):
 
     def __init__(self, spec: RankSpec):
         check_world(spec)
-        self.group = init_group(spec, 0, START_TIMEOUT_S)
-        self.worker = build_rank_worker(0, spec, self.group)
-        self.num_kv_blocks = _agree_on_blocks(self.worker, self.group)
+        self.groups = init_group(spec, 0, START_TIMEOUT_S, _local_rank())
+        self.worker = build_rank_worker(0, spec, self.groups)
+        self.num_kv_blocks = _agree_on_blocks(self.worker, self.groups.control)
         self._results: collections.deque[StepResult] = collections.deque()
         self._open = [True]  # shared with the finalizer
-        self._finalizer = weakref.finalize(self, _stop_ranks, self.worker, self.group, self._open)
+        self._finalizer = weakref.finalize(self, _stop_ranks, self.worker, self.groups, self._open)
 
     def _run(self, msg: tuple) -> Any:
         if not self._open[0]:
             raise ExecutorFailed("the torchrun executor is closed")
-        return run_message(0, self.worker, self.group, msg)[1]
+        return run_message(0, self.worker, self.groups, msg)[1]
 
     def launch(self, step: StepDescription) -> int:
         self._results.append(self._run(("step", step)))  # synchronous: the step ran on every rank
@@ -98,8 +103,8 @@ class TorchrunExecutor(Executor):
         self._finalizer()
 
 
-def _stop_ranks(worker, group, open_: list) -> None:
+def _stop_ranks(worker, groups, open_: list) -> None:
     if open_[0]:
         open_[0] = False
-        run_message(0, worker, group, ("stop", None))
+        run_message(0, worker, groups, ("stop", None))
         dist.destroy_process_group()

@@ -7,7 +7,9 @@ the ranks other than 0 run ``serve_steps`` too (engine/torchrun.py). Messages, b
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
+import os
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,6 +29,8 @@ from engram.parallel.wkv_column import shard_wkv_columns
 
 GLOO_TIMEOUT_S = 60.0  # a collective whose peer is gone gives up (the executor has usually stopped it first)
 SAMPLED_HISTORY = 256  # steps of sampled ids each rank keeps for the "sampled" message
+# set in every rank before NCCL starts: NVLink multicast (NVLS) stays off on the lent machines (their KINDS.md)
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 @dataclass(frozen=True)
@@ -42,17 +46,30 @@ class RankSpec:
     max_model_len: int | None  # None: the model's max_position_embeddings
     init_method: str  # rendezvous: tcp://127.0.0.1:PORT (spawned ranks), env:// (torchrun)
     threads: int  # torch CPU threads per rank
+    device: str = "cpu"  # "cpu" (gloo), or "cuda": rank r on cuda:<its local rank> (NCCL for the model's collectives)
     # called as before_lookup(rank, layer_id) before each local table read (tests delay one rank with it);
     # picklable: a module-level function or an instance of a module-level class
     before_lookup: Callable[[int, int], None] | None = None
 
 
 def make_rank_spec(model: str, tier: str, dtype: torch.dtype, options: RuntimeOptions, cache_dir: str | None,
-                   config: EngineConfig, init_method: str, threads: int | None = None) -> RankSpec:
+                   config: EngineConfig, init_method: str, threads: int | None = None,
+                   device: str = "cpu") -> RankSpec:
     """The RankSpec of a command line or LLM(...) call: CPU threads split over the node's ranks unless given."""
     if threads is None:
         threads = max(1, torch.get_num_threads() // config.tensor_parallel_size)
-    return RankSpec(str(model), tier, dtype, options, cache_dir, config, config.max_model_len, init_method, threads)
+    return RankSpec(str(model), tier, dtype, options, cache_dir, config, config.max_model_len, init_method, threads,
+                    device=device)
+
+
+@dataclass(frozen=True)
+class RankGroups:
+    """A rank's process groups: ``control`` (gloo) carries the pickled messages, ``device`` the model's, the
+    tables' and the sampler's collectives (gloo on the CPU; NCCL on CUDA, on the main stream only)."""
+
+    control: object
+    device: object
+    torch_device: torch.device  # this rank's device
 
 
 class RankZeroSampler:
@@ -74,18 +91,28 @@ class RankZeroSampler:
         return sampled
 
 
-def init_group(spec: RankSpec, rank: int, timeout_s: float = GLOO_TIMEOUT_S):
-    """Join the gloo group of ``spec.config.tensor_parallel_size`` ranks (collectives give up after ``timeout_s``)."""
-    dist.init_process_group("gloo", init_method=spec.init_method, rank=rank,
-                            world_size=spec.config.tensor_parallel_size, timeout=timedelta(seconds=timeout_s))
-    return dist.group.WORLD
+def init_group(spec: RankSpec, rank: int, timeout_s: float = GLOO_TIMEOUT_S, local_rank: int | None = None
+               ) -> RankGroups:
+    """Join the group of ``spec.config.tensor_parallel_size`` ranks (collectives give up after ``timeout_s``); on
+    CUDA rank ``rank`` takes cuda:``local_rank`` (default: ``rank``) and NCCL, with NCCL_ENV set first."""
+    world, timeout = spec.config.tensor_parallel_size, timedelta(seconds=timeout_s)
+    if spec.device == "cpu":
+        dist.init_process_group("gloo", init_method=spec.init_method, rank=rank, world_size=world, timeout=timeout)
+        return RankGroups(dist.group.WORLD, dist.group.WORLD, torch.device("cpu"))
+    os.environ.update(NCCL_ENV)
+    dev = torch.device("cuda", rank if local_rank is None else local_rank)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", init_method=spec.init_method, rank=rank, world_size=world, timeout=timeout,
+                            device_id=dev)
+    return RankGroups(dist.new_group(backend="gloo", timeout=timeout), dist.group.WORLD, dev)
 
 
-def build_rank_worker(rank: int, spec: RankSpec, group) -> Worker:
-    """Rank ``rank``'s Worker: the sharded model, its column shards of the tables, the rank-0 sampler."""
-    world = spec.config.tensor_parallel_size
+def build_rank_worker(rank: int, spec: RankSpec, groups: RankGroups) -> Worker:
+    """Rank ``rank``'s Worker: the sharded model, its column shards of the tables, the rank-0 sampler. On CUDA every
+    collective stays on the main stream (no lookup stream) and steps run eager (no CUDA graphs yet)."""
+    world, dev, group = spec.config.tensor_parallel_size, groups.torch_device, groups.device
     torch.set_num_threads(spec.threads)
-    loaded = load_model(spec.model, tier=spec.tier, dtype=spec.dtype, device="cpu", engram_config=spec.options,
+    loaded = load_model(spec.model, tier=spec.tier, dtype=spec.dtype, device=dev, engram_config=spec.options,
                         cache_dir=spec.cache_dir, progress=False)
     before = functools.partial(spec.before_lookup, rank) if spec.before_lookup is not None else None
     with torch.inference_mode():
@@ -96,26 +123,31 @@ def build_rank_worker(rank: int, spec: RankSpec, group) -> Worker:
             loaded.tables = engram_tp.open_column_shards(loaded, rank, world, group, before)
     max_model_len = spec.max_model_len or loaded.model_config.max_position_embeddings
     loaded.model_config = tp.local_model_config(loaded.model_config, world)
-    worker = Worker(loaded, spec.config, max_model_len, torch.device("cpu"), spec.dtype, progress=False)
+    config = spec.config
+    if dev.type == "cuda":
+        loaded.lookup_overlap = False  # a lookup ends in an all-gather: never on a side stream
+        config = dataclasses.replace(config, enforce_eager=True)
+    worker = Worker(loaded, config, max_model_len, dev, spec.dtype, progress=False)
     worker.sampler = RankZeroSampler(worker.sampler, rank, group)
     return worker
 
 
 def rank_report(worker: Worker) -> tuple:
-    """What a rank reports once built: ("ready", KV blocks, parameter bytes, table bytes by layer)."""
+    """What a rank reports once built: ("ready", KV blocks, parameter bytes, table bytes by layer, its NCCL_ENV
+    variables as it sees them)."""
     return ("ready", worker.memory.num_blocks, tp.parameter_bytes(worker.model),
             {lid: t.table.rows * t.table.row_bytes if isinstance(t, engram_tp.ColumnShard) else t.rows * t.row_bytes
-             for lid, t in worker.tables.items()})
+             for lid, t in worker.tables.items()}, {k: os.environ.get(k) for k in NCCL_ENV})
 
 
 def rank_main(rank: int, spec: RankSpec, conn) -> None:
     """A spawned rank's process: build the sharded Worker, report, then run what rank 0 broadcasts until "stop"."""
     try:
-        group = init_group(spec, rank)
-        worker = build_rank_worker(rank, spec, group)
+        groups = init_group(spec, rank)
+        worker = build_rank_worker(rank, spec, groups)
         conn.send(rank_report(worker))
         with torch.inference_mode():
-            serve_steps(rank, worker, group, conn.recv if rank == 0 else None, conn.send if rank == 0 else None)
+            serve_steps(rank, worker, groups, conn.recv if rank == 0 else None, conn.send if rank == 0 else None)
     except BaseException:
         try:
             conn.send(("error", rank, traceback.format_exc()))
@@ -126,19 +158,21 @@ def rank_main(rank: int, spec: RankSpec, conn) -> None:
             dist.destroy_process_group()
 
 
-def serve_steps(rank: int, worker: Worker, group, receive: Callable[[], tuple] | None,
+def serve_steps(rank: int, worker: Worker, groups: RankGroups, receive: Callable[[], tuple] | None,
                 reply: Callable[[tuple], None] | None) -> None:
     """Run broadcast messages until "stop": rank 0 takes each from ``receive`` and hands its answer to ``reply``."""
     while True:
-        kind, payload = run_message(rank, worker, group, receive() if rank == 0 else None)
+        kind, payload = run_message(rank, worker, groups, receive() if rank == 0 else None)
         if kind == "stop":
             return
         if rank == 0:
             reply((kind, payload))
 
 
-def run_message(rank: int, worker: Worker, group, msg: tuple | None) -> tuple:
-    """Broadcast rank 0's ``msg`` (the one pickled copy), run it on every rank -> (kind, rank 0's answer)."""
+def run_message(rank: int, worker: Worker, groups: RankGroups, msg: tuple | None) -> tuple:
+    """Broadcast rank 0's ``msg`` (the one pickled copy, on the control group), run it on every rank -> (kind,
+    rank 0's answer)."""
+    group = groups.control
     box = [msg]
     dist.broadcast_object_list(box, src=0, group=group)
     kind, payload = box[0]

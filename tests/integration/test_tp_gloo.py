@@ -95,9 +95,3 @@ def test_a_killed_rank_makes_generate_raise():
         assert not any(p.is_alive() for p in llm.engine.executor.procs)
     finally:
         llm.engine.executor.close()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the NCCL refusal needs a CUDA device")
-def test_cuda_tp_is_not_built_yet():
-    with pytest.raises(NotImplementedError, match="NCCL"):
-        engram.LLM("tiny", tensor_parallel_size=2, max_model_len=256, num_kv_blocks=48)
