@@ -24,23 +24,24 @@ def v41_prefix(layer_id: int) -> str:
     return f"layers.{layer_id}.engram."
 
 
-def dequantize_block_fp8(weight: torch.Tensor, scale: torch.Tensor, block: int = WKV_BLOCK,
+def dequantize_block_fp8(weight: torch.Tensor, scale: torch.Tensor, block: int | tuple[int, int] = WKV_BLOCK,
                          dtype: torch.dtype = torch.float32, name: str = "weight") -> torch.Tensor:
-    """weight [O, I] FP8 (E4M3 bytes) with scale [ceil(O/block), ceil(I/block)], one per block (E8M0 bytes or float
-    multipliers) -> [O, I] ``dtype``."""
+    """weight [O, I] FP8 (E4M3 bytes) with scale [ceil(O/bo), ceil(I/bi)], one per block of ``block`` = bo x bi (an int:
+    square) (E8M0 bytes or float multipliers) -> [O, I] ``dtype``."""
     w = weight.view(torch.float8_e4m3fn) if weight.dtype == torch.uint8 else weight
     if w.dim() != 2 or w.dtype not in _FP8:
         raise ValueError(f"{name}: expected a 2-D FP8 weight, got {weight.dtype} {tuple(weight.shape)}")
+    bo, bi = (block, block) if isinstance(block, int) else block
     out_f, in_f = w.shape
-    want = (-(-out_f // block), -(-in_f // block))
+    want = (-(-out_f // bo), -(-in_f // bi))
     if tuple(scale.shape) != want:
         raise ValueError(f"{name}: scale has shape {tuple(scale.shape)}, expected {list(want)} for a "
-                         f"[{out_f}, {in_f}] weight in {block}x{block} blocks")
+                         f"[{out_f}, {in_f}] weight in {bo}x{bi} blocks")
     if scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
-        factors = scale_factors(scale)  # [O/b, I/b] fp32, byte 0 -> 0
+        factors = scale_factors(scale)  # [O/bo, I/bi] fp32, byte 0 -> 0
     else:
         factors = scale.to(torch.float32)
-    full = factors.repeat_interleave(block, 0)[:out_f].repeat_interleave(block, 1)[:, :in_f]  # [O, I]
+    full = factors.repeat_interleave(bo, 0)[:out_f].repeat_interleave(bi, 1)[:, :in_f]  # [O, I]
     return (w.to(torch.float32) * full).to(dtype)
 
 

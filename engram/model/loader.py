@@ -11,8 +11,11 @@ from typing import Any
 
 import torch
 
-from engram.config import EngramConfig, parse_json_object
+from engram.config import EngramConfig, hf_text_config, parse_json_object
 from engram.model.decoder import EngramDecoder
+from engram.model.deepseek_v4.checkpoint import load_v4_weights
+from engram.model.deepseek_v4.config import ARCHITECTURES as V4_ARCHITECTURES, V4Config
+from engram.model.deepseek_v4.decoder import DeepseekV4Model
 from engram.model.model_config import ModelConfig
 from engram.model.presets import MODEL_PRESETS, TOKENIZER_FILE, init_random_weights, preset_config
 from engram.model.tables import (checkpoint_table_dirs, convert_checkpoint_tables, ensure_preset_tables,
@@ -31,8 +34,8 @@ ENGRAM_TABLE_KEYS = tuple(f"engram.{k}" for k in V41_TABLE_KEYS)  # converted in
 
 @dataclass
 class LoadedModel:
-    model: EngramDecoder  # on ``device`` in ``dtype``, eval mode, no grads
-    model_config: ModelConfig
+    model: EngramDecoder | DeepseekV4Model  # on ``device`` in ``dtype``, eval mode, no grads
+    model_config: ModelConfig | V4Config
     engram_config: EngramConfig | None
     tokenizer: Any  # tokenizers.Tokenizer
     compressed_tokenizer: Any  # engram.tokenizer.CompressedTokenizer
@@ -214,15 +217,36 @@ def _load_weights(model: EngramDecoder, files: list[Path]) -> None:
         raise ValueError(f"checkpoint is missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
 
+def build_v4_model(cfg: V4Config, dtype: torch.dtype, device: torch.device) -> DeepseekV4Model:
+    """A DeepSeek-V4 model on ``device`` in ``dtype`` (its float32 pieces kept float32), placeholder values."""
+    with torch.device(device):
+        model = DeepseekV4Model(cfg)
+    model = model.to(dtype)
+    model.keep_fp32()
+    return model.eval().requires_grad_(False)
+
+
+def _load_v4(cfg: V4Config, files: list[Path], dtype, device) -> DeepseekV4Model:
+    model = build_v4_model(cfg, dtype, device)
+    engram = load_v4_weights(model, files, ENGRAM_TABLE_KEYS)
+    for lid, layer in model.engram_layers.items():
+        load_engram_weights(layer, engram[lid], prefix=f"model.layers.{lid}.engram.")
+    return model
+
+
 def _load_checkpoint(path: Path, tier, dtype, device, opts, cache_dir, progress) -> LoadedModel:
     raw = _read_json(path / "config.json")
     if not raw:
         raise ValueError(f"{path}: config.json not found or empty")
     tok_cfg = _read_json(path / "tokenizer_config.json")
-    cfg = ModelConfig.from_hf_dict(raw, name=path.name).replace(chat_template=tok_cfg.get("chat_template"))
     files = _safetensors_files(path)
-    model = build_model(cfg, dtype, device)
-    _load_weights(model, files)
+    if hf_text_config(raw).get("model_type") in V4_ARCHITECTURES:  # the one dispatch on model_type
+        cfg = V4Config.from_hf_dict(raw, name=path.name).replace(chat_template=tok_cfg.get("chat_template"))
+        model = _load_v4(cfg, files, dtype, device)
+    else:
+        cfg = ModelConfig.from_hf_dict(raw, name=path.name).replace(chat_template=tok_cfg.get("chat_template"))
+        model = build_model(cfg, dtype, device)
+        _load_weights(model, files)
     tok, ctok = _tokenizers(path / "tokenizer.json")
     dirs = {}
     if cfg.engram is not None:
