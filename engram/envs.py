@@ -52,3 +52,17 @@ def pp_layer_partition() -> str | None:
 
 def commit() -> str | None:
     return os.environ.get("ENGRAM_COMMIT")
+
+
+# Not engram's variables: torchrun's rendezvous contract (engine/torchrun.py reads it to know a process's rank)
+TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_environment() -> dict[str, str]:
+    """The torchrun rendezvous variables set in this process (TORCHRUN_KEYS; none set outside torchrun)."""
+    return {k: os.environ[k] for k in TORCHRUN_KEYS if k in os.environ}
+
+
+def values_of(keys) -> dict[str, str | None]:
+    """This process's values of other libraries' variables ``keys`` (e.g. NCCL's, to report them), None if unset."""
+    return {k: os.environ.get(k) for k in keys}

@@ -8,31 +8,32 @@ is gone gives up after START_TIMEOUT_S."""
 from __future__ import annotations
 
 import collections
-import os
 import weakref
 from typing import Any, Mapping
 
 import torch.distributed as dist
+
+from engram import envs
 
 from engram.engine.executor import Executor, ExecutorFailed
 from engram.engine.step import StepDescription, StepResult
 from engram.engine.tp_rank import RankSpec, build_rank_worker, init_group, run_message, serve_steps
 
 START_TIMEOUT_S = 300.0  # ranks wait this long for each other: loading (and writing table shards) included
-TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+NEEDED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # set by torchrun in every process it starts
 
 
 def torchrun_rank(environ: Mapping[str, str] | None = None) -> int | None:
     """This process's rank when torchrun started it (its rendezvous environment is set), else None."""
-    env = os.environ if environ is None else environ
-    if not all(k in env for k in TORCHRUN_KEYS):
+    env = envs.torchrun_environment() if environ is None else environ
+    if not all(k in env for k in NEEDED):
         return None
     return int(env["RANK"])
 
 
 def check_world(spec: RankSpec, environ: Mapping[str, str] | None = None) -> None:
     """ValueError unless torchrun's WORLD_SIZE equals the tensor-parallel size."""
-    env = os.environ if environ is None else environ
+    env = envs.torchrun_environment() if environ is None else environ
     if int(env["WORLD_SIZE"]) != spec.config.tensor_parallel_size:
         raise ValueError(f"--tensor-parallel-size={spec.config.tensor_parallel_size} under torchrun with "
                          f"WORLD_SIZE={env['WORLD_SIZE']}: start one process per rank (--nnodes x --nproc-per-node)")
@@ -40,7 +41,8 @@ def check_world(spec: RankSpec, environ: Mapping[str, str] | None = None) -> Non
 
 def _local_rank() -> int:
     """This process's device index on its node (torchrun's LOCAL_RANK, else its RANK)."""
-    return int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+    env = envs.torchrun_environment()
+    return int(env.get("LOCAL_RANK", env["RANK"]))
 
 
 def _agree_on_blocks(worker, group) -> int:

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from engram import envs
 from engram.engine.config import EngineConfig
 from engram.engine.sampler import SampledTokens, Sampler
 from engram.engine.step import SampleSpec
@@ -137,7 +138,7 @@ def rank_report(worker: Worker) -> tuple:
     variables as it sees them)."""
     return ("ready", worker.memory.num_blocks, tp.parameter_bytes(worker.model),
             {lid: t.table.rows * t.table.row_bytes if isinstance(t, engram_tp.ColumnShard) else t.rows * t.row_bytes
-             for lid, t in worker.tables.items()}, {k: os.environ.get(k) for k in NCCL_ENV})
+             for lid, t in worker.tables.items()}, envs.values_of(NCCL_ENV))
 
 
 def rank_main(rank: int, spec: RankSpec, conn) -> None:
