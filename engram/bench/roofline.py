@@ -2,7 +2,8 @@
 ``step_cost`` counts a ``StepShape`` as a lower bound: every weight once (an untied embedding only the step's rows), K/V
 read for every layer's KV length and written for the new tokens, T x n_cols Engram rows per layer as stored (over the
 host link on tier "host"); FLOPs of the projections, the LM head over sampling rows and causal attention.
-``parameter_counts`` matches EngramDecoder's allocation exactly (a test compares). ``measure_ceilings`` measures copy
+``totals_cost`` is the same count for a step given as totals (the engine's step records). ``parameter_counts`` matches
+EngramDecoder's allocation exactly (a test compares). ``measure_ceilings`` measures copy
 bandwidth, matmul rate and (CUDA) the pinned-host link; ``roofline`` is the largest of the three times, and which."""
 from __future__ import annotations
 
@@ -119,23 +120,35 @@ class StepCost:
 
 def step_cost(cfg: ModelConfig, shape: StepShape, itemsize: int, tier: str | None = "gpu") -> StepCost:
     """Bytes and FLOPs of one step in a dtype of ``itemsize`` bytes; ``tier``: where Engram rows come from."""
-    h, t = cfg.hidden_size, shape.num_tokens
+    attended = sum(n * (c - n) + n * (n + 1) // 2 for n, c in zip(shape.new_tokens, shape.context_lens))
+    return totals_cost(cfg, shape.num_tokens, sum(shape.context_lens), attended, shape.sampled, itemsize, tier)
+
+
+def flop_terms(cfg: ModelConfig, num_tokens: int, attended: int, sampled: int) -> tuple[int, int, int]:
+    """(projection FLOPs over ``num_tokens``, LM-head FLOPs over ``sampled`` rows, attention FLOPs over ``attended``
+    causal (query, key) pairs: QK^T and PV, 2 FLOPs each per head dimension)."""
+    return (2 * matmul_params_per_token(cfg) * num_tokens, 2 * cfg.padded_vocab_size * cfg.hidden_size * sampled,
+            4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * attended)
+
+
+def totals_cost(cfg: ModelConfig, num_tokens: int, kv_read: int, attended: int, sampled: int, itemsize: int,
+                tier: str | None = "gpu") -> StepCost:
+    """``step_cost`` of a step given as totals (an engine StepRecord): ``kv_read`` = Σ KV entries after the step,
+    ``attended`` = Σ causal (query, key) pairs."""
+    h, t = cfg.hidden_size, num_tokens
     counts = parameter_counts(cfg)
     read = sum(counts.values())
     if not cfg.tie_word_embeddings:  # an untied embedding: only the step's rows are read
         read += (min(t, cfg.padded_vocab_size) - cfg.padded_vocab_size) * h
     weight_bytes = read * itemsize
     kv_entry = 2 * cfg.num_kv_heads * cfg.head_dim * itemsize  # K and V of one token in one layer
-    kv_bytes = kv_entry * (cfg.num_layers * sum(shape.context_lens) + len(cfg.kv_layers) * t)
+    kv_bytes = kv_entry * (cfg.num_layers * kv_read + len(cfg.kv_layers) * t)
     e = cfg.engram
     engram_bytes = t * e.n_cols * e.row_bytes * len(e.layer_ids) if e is not None else 0
     on_link = e is not None and tier == "host"
-    attended = sum(n * (c - n) + n * (n + 1) // 2 for n, c in zip(shape.new_tokens, shape.context_lens))
-    flops = (2 * matmul_params_per_token(cfg) * t + 2 * cfg.padded_vocab_size * h * shape.sampled
-             + 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * attended)
     return StepCost(weight_bytes=weight_bytes, kv_bytes=kv_bytes, engram_bytes=engram_bytes,
                     memory_bytes=weight_bytes + kv_bytes + (0 if on_link else engram_bytes),
-                    link_bytes=engram_bytes if on_link else 0, flops=flops)
+                    link_bytes=engram_bytes if on_link else 0, flops=sum(flop_terms(cfg, t, attended, sampled)))
 
 
 # ----------------------------------------------------------------- ceilings
@@ -155,7 +168,7 @@ class Ceilings:
         return asdict(self)
 
 
-def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = REPEATS) -> float:
+def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = REPEATS) -> float:
     """Median time of ``fn`` over ``repeats`` runs after one warm-up: CUDA events on CUDA, else the host clock."""
     fn()
     times = []
@@ -178,8 +191,8 @@ def measure_ceilings(device: torch.device | str, dtype: torch.dtype, copy_bytes:
                      matmul_n: int | None = None,
                      timer: Callable[[Callable[[], object], torch.device], float] | None = None) -> Ceilings:
     """Measure copy bandwidth, matmul rate and (CUDA) host-link bandwidth on ``device``; ``timer(fn, device)`` times one
-    call (default ``_median_seconds``)."""
-    timer = timer or _median_seconds
+    call (default ``median_seconds``)."""
+    timer = timer or median_seconds
     device = torch.device(device)
     on_cuda = device.type == "cuda"
     nbytes = copy_bytes or (CUDA_COPY_BYTES if on_cuda else CPU_COPY_BYTES)

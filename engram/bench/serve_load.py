@@ -1,149 +1,234 @@
-"""``engram bench serve``: hold N concurrent streaming requests against a server for a fixed time: ``engram serve`` on a
-free port (or ``--url``), ``--concurrency`` workers sending completions back to back for ``--duration`` seconds, prompts
-from a checked corpus (``--corpus``, default bench/corpus/natural-v1.jsonl) shuffled by ``--seed``. Reports errors,
-throughput and TTFT / TPOT percentiles as JSON (``--out``) and a table."""
+"""``engram bench serve``: the serving benchmark, in the shape of ``vllm bench serve``. ``--num-prompts`` streaming
+completions (prompts of exactly the drawn ``--input-len`` tokens of natural prose, ``--output-len`` tokens with
+ignore_eos) against ``engram serve`` started on a free port (or ``--url``), at most ``--concurrency`` in flight, sent
+at ``--request-rate`` (Poisson; inf: all at once), after ``--warmup`` requests that are not measured. Reports output
+tok/s, TTFT / TPOT / ITL / e2e percentiles, errors, the engine's counters for the window (``GET /engram/steps``) and
+the serving roofline of the window's steps (serving_roofline.py), as JSON (``--out``) and tables."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import os
-import time
+import math
+import sys
 from pathlib import Path
 
-import numpy as np
+from engram.bench.serve_workload import DEFAULT_CORPUS, DEFAULT_LENGTHS  # noqa: F401  (DEFAULT_CORPUS: others cite it)
 
-HELP = "serving load: N concurrent streams for a fixed time; throughput, TTFT/TPOT percentiles, errors"
-DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "bench" / "corpus" / "natural-v1.jsonl"
-
-
-def corpus_prompts(path: str | os.PathLike | None = None, seed: int = 0) -> tuple[list[str], str]:
-    """The corpus's prompts in ``default_rng(seed).permutation`` order, and its SHA-256 (checked by ``load_corpus``)."""
-    from engram.bench.corpus import CorpusError, load_corpus
-
-    path = Path(DEFAULT_CORPUS if path is None else path)
-    if not path.is_file():
-        raise CorpusError(f"corpus {path}: no such file (write one with `engram bench corpus`, pass it with "
-                          f"--corpus)")
-    corpus = load_corpus(path)
-    order = np.random.default_rng(seed).permutation(len(corpus.requests))
-    return [corpus.requests[i].prompt for i in order], corpus.sha256
+HELP = ("serving benchmark: N streamed requests of natural prompts at a concurrency or request rate; throughput, "
+        "TTFT/TPOT/ITL percentiles, engine counters and the serving roofline")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, help="an engram (or any OpenAI-compatible) server; default: start one")
     p.add_argument("--model", default="tiny", help="model to start (and the model name sent)")
-    p.add_argument("--serve-args", default="", help="extra arguments for the started `engram serve`")
-    p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (ignore_eos, so exactly this)")
+    p.add_argument("--tokenizer", default=None, metavar="SPEC",
+                   help="tokenizer prompt lengths are counted in (a tokenizer.json path, builtin, pkg:PKG/PATH); "
+                        "default: the model's")
+    p.add_argument("--num-prompts", type=int, default=1000, help="measured requests")
+    p.add_argument("--warmup", type=int, default=8, help="requests sent and finished before the measured window")
+    p.add_argument("--concurrency", "--max-concurrency", dest="concurrency", type=int, default=None,
+                   help="requests in flight at most (default: no limit)")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests per second, Poisson arrivals (default inf: all at once, --concurrency paces them)")
+    p.add_argument("--input-len", default=DEFAULT_LENGTHS, metavar="LO:HI", help="prompt tokens, uniform integers")
+    p.add_argument("--output-len", default=DEFAULT_LENGTHS, metavar="LO:HI", help="output tokens, uniform integers")
+    p.add_argument("--seed", type=int, default=0, help="draws the lengths, the corpus order and the arrivals")
     p.add_argument("--corpus", default=None, metavar="FILE",
-                   help="request corpus whose prompts are sent (engram bench corpus; default: the committed "
-                        "bench/corpus/natural-v1.jsonl)")
-    p.add_argument("--seed", type=int, default=0, help="shuffles the order in which the corpus's prompts are sent")
+                   help="request corpus whose prose the prompts are cut from (default: bench/corpus/natural-v1.jsonl)")
+    g = p.add_argument_group("the server (passed to the one started; say what --url runs, for the roofline)")
+    g.add_argument("--tier", choices=("gpu", "host", "disk"), default="gpu")
+    g.add_argument("--dtype", default=None, help="compute dtype (default: bfloat16 on CUDA, float32 on the CPU)")
+    g.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens per step, at most (also the ideal schedule's prefill step)")
+    g.add_argument("--serve-args", default="", help="further arguments for the started `engram serve`")
+    p.add_argument("--no-roofline", action="store_true", help="skip measuring the ceilings and the roofline")
     p.add_argument("--out", default=None, help="result JSON path (default: a fresh file in a temporary directory)")
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    """The q-th percentile; None when no request got that far, so a failed run's result is still written."""
-    return float(np.percentile(values, q)) if values else None
+def server_args(args: argparse.Namespace) -> list[str]:
+    """The started server's command line: the model, the options the roofline relies on, then ``--serve-args``."""
+    import shlex
+
+    out = [args.model, "--tier", args.tier, "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.concurrency:
+        out += ["--max-num-seqs", str(args.concurrency)]
+    for flag, value in (("--dtype", args.dtype), ("--device", args.device)):
+        if value is not None:
+            out += [flag, value]
+    return out + shlex.split(args.serve_args)
 
 
-async def _worker(client, model: str, prompts: list[str], start: int, stride: int, deadline: float,
-                  max_tokens: int, stats: dict) -> None:
-    i = start
-    while time.monotonic() < deadline:
-        prompt = prompts[i % len(prompts)]
-        i += stride
-        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
-        t0 = time.monotonic()
-        times: list[float] = []
-        tokens = max_tokens  # what ignore_eos asks for; the usage chunk, when the server sends one, says exactly
-        try:
-            async with client.stream("POST", "/v1/completions", json=body) as r:
-                if r.status_code != 200:
-                    stats["errors"].append(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-                    continue
-                failed = False
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:  # the stream failed part way: an error, not a finished request
-                        stats["errors"].append(event["error"]["message"])
-                        failed = True
-                    elif event.get("usage"):
-                        tokens = event["usage"]["completion_tokens"]
-                    elif event.get("choices") and event["choices"][0].get("text"):
-                        times.append(time.monotonic())
-                if failed:
-                    continue
-        except Exception as e:  # a failed request is counted, the load goes on
-            stats["errors"].append(f"{type(e).__name__}: {e}")
-            continue
-        stats["requests"] += 1
-        stats["e2e"].append(time.monotonic() - t0)
-        if times:
-            stats["ttft"].append(times[0] - t0)
-            if len(times) > 1:
-                stats["tpot"].append((times[-1] - times[0]) / (len(times) - 1))
-        stats["tokens"] += tokens
+def _workload(args: argparse.Namespace):
+    from engram.bench.corpus import LengthRange
+    from engram.bench.serve_workload import arrival_offsets, make_requests, model_tokenizer, token_stream
+
+    if args.warmup < 0 or (args.concurrency is not None and args.concurrency < 1):
+        raise ValueError(f"--warmup={args.warmup} must be >= 0 and --concurrency={args.concurrency} >= 1")
+    input_len = LengthRange.parse(args.input_len, "--input-len")
+    output_len = LengthRange.parse(args.output_len, "--output-len")
+    stream = token_stream(model_tokenizer(args.model, args.tokenizer), args.corpus, args.seed)
+    requests = make_requests(stream, args.warmup + args.num_prompts, input_len, output_len, args.seed)
+    return stream, requests[:args.warmup], requests[args.warmup:], arrival_offsets(args.num_prompts,
+                                                                                   args.request_rate, args.seed)
 
 
-async def run_load(url: str, model: str, concurrency: int, duration: float, max_tokens: int,
-                   prompts: list[str]) -> dict:
-    """Hold ``concurrency`` streams for ``duration`` seconds (worker w sends prompts w, w + concurrency, ...)."""
+def _steps(url: str, since: int):
+    """fetch_steps, or (None, reason) when the server cannot give them."""
     import httpx
 
-    if not prompts:
-        raise ValueError("run_load needs at least one prompt")
-    stats = {"requests": 0, "tokens": 0, "errors": [], "ttft": [], "tpot": [], "e2e": []}
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
-        t0 = time.monotonic()
-        deadline = t0 + duration
-        await asyncio.gather(*(_worker(client, model, prompts, w, concurrency, deadline, max_tokens, stats)
-                               for w in range(concurrency)))
-        wall = time.monotonic() - t0
-    return {"wall_s": wall, "requests": stats["requests"], "errors": len(stats["errors"]),
-            "error_samples": stats["errors"][:5], "output_tokens": stats["tokens"],
-            "output_tokens_per_s": stats["tokens"] / wall, "requests_per_s": stats["requests"] / wall,
-            **{f"ttft_p{q}_s": _pct(stats["ttft"], q) for q in (50, 90, 99)},
-            **{f"tpot_p{q}_s": _pct(stats["tpot"], q) for q in (50, 90, 99)},
-            **{f"e2e_p{q}_s": _pct(stats["e2e"], q) for q in (50, 99)}}
+    from engram.bench.serve_counters import fetch_steps
+
+    try:
+        got = fetch_steps(url, since)
+    except (httpx.HTTPError, RuntimeError, ValueError) as e:
+        return None, f"GET /engram/steps failed: {type(e).__name__}: {e}"
+    return (got, None) if got is not None else (None, "the server has no GET /engram/steps")
+
+
+def model_config(model: str):
+    """The ModelConfig of a preset or a checkpoint directory's config.json; None for a model the bench cannot see."""
+    from engram.model.model_config import ModelConfig
+    from engram.model.presets import MODEL_PRESETS, preset_config
+
+    if model in MODEL_PRESETS:
+        return preset_config(model)
+    path = Path(model) / "config.json"
+    return ModelConfig.from_hf_dict(json.loads(path.read_text()), name=Path(model).name) if path.is_file() else None
+
+
+def roofline_result(args: argparse.Namespace, records, load: dict) -> dict:
+    """Ceilings and the GEMM curve measured now on ``--device``, the window's serving roofline and the ideal
+    schedule's; {"skipped": reason} when there is nothing to measure against."""
+    import torch
+
+    from engram.bench.roofline import measure_ceilings
+    from engram.bench.serving_roofline import ideal_schedule, m_grid, measure_gemm_curve, serving_roofline
+    from engram.model.loader import resolve_dtype
+
+    cfg = model_config(args.model)
+    if cfg is None:
+        return {"skipped": f"no model config for {args.model!r} (a preset or a checkpoint directory)"}
+    if not records:
+        return {"skipped": "no step records for the window"}
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = resolve_dtype(args.dtype, device)
+    concurrency = args.concurrency or max(r.num_seqs for r in records)
+    ceilings = measure_ceilings(device, dtype)
+    ms = m_grid(max(max(r.num_tokens for r in records), args.max_num_batched_tokens, concurrency))
+    head_ms = m_grid(max(max(r.sampled for r in records), concurrency))
+    curve = measure_gemm_curve(cfg, ms, head_ms, device, dtype)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    done = [r for r in load["records"] if r.error is None]
+    out = serving_roofline(cfg, records, curve, ceilings, itemsize, args.tier, load["wall_s"], load["tpot_p50_s"])
+    out["ideal"] = ideal_schedule(cfg, [r.prompt_len for r in done], [r.completion_tokens or r.output_len
+                                                                      for r in done],
+                                  args.max_num_batched_tokens, concurrency, curve, ceilings, itemsize, args.tier)
+    out["roofline_output_tokens_per_s"] = load["output_tokens"] / out["roofline_s"] if out["roofline_s"] else None
+    out.update(ceilings=ceilings.to_dict(), gemm_curve=curve.to_dict(), dtype=str(dtype).removeprefix("torch."))
+    return out
+
+
+def run_bench(args: argparse.Namespace, url: str, warmup, measured, offsets) -> dict:
+    """Warm-up, then the measured window with the engine's step records around it; the window's result (with its
+    request ``records`` and step records ``steps``)."""
+    from engram.bench.serve_client import drive, summarize
+    from engram.bench.serve_counters import window_counters
+
+    if warmup:
+        warm, _ = asyncio.run(drive(url, args.model, warmup, [0.0] * len(warmup), args.concurrency))
+        failed = [r.error for r in warm if r.error]
+        if failed:
+            print(f"warm-up: {len(failed)} of {len(warm)} requests failed, e.g. {failed[0]}", file=sys.stderr)
+    before, reason = _steps(url, -1)
+    since = before[0][-1].step_id if before and before[0] else -1
+    records, wall = asyncio.run(drive(url, args.model, measured, offsets, args.concurrency))
+    result = summarize(records, wall)
+    after, reason = _steps(url, since) if before else (None, reason)
+    result["records"] = records
+    result["steps"] = after[0] if after else []
+    result["counters"] = window_counters(after[0], before[1], after[1], wall) if after else {"skipped": reason}
+    return result
 
 
 def run(args: argparse.Namespace) -> int:
-    import shlex
     import tempfile
 
     from engram.bench.corpus import CorpusError
-    from engram.bench.report import format_table, write_result
+    from engram.bench.report import args_config, format_table, write_result
     from engram.server.launcher import ServerProcess
 
     try:
-        prompts, corpus_sha256 = corpus_prompts(args.corpus, args.seed)
-    except CorpusError as e:
+        stream, warmup, measured, offsets = _workload(args)
+    except (CorpusError, ValueError) as e:
         raise SystemExit(f"engram bench serve: {e}") from None
-    server = None
-    url = args.url
+    server, url = None, args.url
     if url is None:
         log = Path(tempfile.mkdtemp(prefix="engram-bench-")) / "server.log"
-        server = ServerProcess([args.model, "--max-num-seqs", str(args.concurrency), *shlex.split(args.serve_args)],
-                               None, log)
-        print(f"starting engram serve {args.model} (log: {log}) ...", flush=True)
-        url = server.wait_ready().url
+        server = ServerProcess(server_args(args), None, log)
+        print(f"starting engram serve {' '.join(server_args(args))} (log: {log}) ...", file=sys.stderr, flush=True)
+        try:
+            url = server.wait_ready().url
+        except BaseException:
+            server.stop()
+            raise
     try:
-        result = asyncio.run(run_load(url, args.model, args.concurrency, args.duration, args.max_tokens, prompts))
+        print(f"{len(measured)} measured requests after {len(warmup)} warm-up, input {args.input_len}, output "
+              f"{args.output_len} tokens, concurrency {args.concurrency or 'unlimited'}, request rate "
+              f"{args.request_rate}/s", file=sys.stderr, flush=True)
+        load = run_bench(args, url, warmup, measured, offsets)
     finally:
         if server is not None:
-            server.stop()
-    config = {"url": args.url, "model": args.model, "serve_args": args.serve_args, "concurrency": args.concurrency,
-              "duration_s": args.duration, "max_tokens": args.max_tokens, "seed": args.seed,
-              "corpus": args.corpus, "corpus_sha256": corpus_sha256}  # corpus None: the committed default
-    path = write_result("serve-load", config, result, out=args.out)
-    print(json.dumps(result, indent=2))
-    print(format_table([{k: v for k, v in result.items() if k != "error_samples"}]))
+            server.stop()  # before the ceilings are measured: the device is the bench's alone
+    steps = load.pop("steps")
+    roof = {"skipped": "--no-roofline"} if args.no_roofline else (
+        roofline_result(args, steps, load) if "skipped" not in load["counters"]
+        else {"skipped": load["counters"]["skipped"]})
+    load.pop("records")
+    result = {**load, "roofline": roof}
+    config = args_config(args)
+    config.update(request_rate=str(args.request_rate) if math.isinf(args.request_rate) else args.request_rate,
+                  corpus_sha256=stream.corpus_sha256, tokenizer=stream.tokenizer,
+                  server_args=server_args(args) if args.url is None else None)
+    path = write_result("serve", config, result, out=args.out)
+    print(json.dumps({k: v for k, v in result.items() if k not in ("counters", "roofline")}, indent=2))
+    print(format_tables(result, format_table))
     print(f"result: {path}")
     return 0 if result["errors"] == 0 else 1
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def format_tables(result: dict, format_table) -> str:
+    """The load's latencies, the window's steps by kind, and the roofline's summary, as text tables."""
+    lat = [{"metric": m, **{f"{s} ms": _ms(result[f"{m}_{s}_s"]) for s in ("mean", "p50", "p90", "p99")}}
+           for m in ("ttft", "tpot", "itl", "e2e")]
+    parts = [format_table([{"requests": result["requests"], "errors": result["errors"], "wall s": result["wall_s"],
+                            "output tok/s": result["output_tokens_per_s"], "input tokens": result["input_tokens"],
+                            "output tokens": result["output_tokens"]}]), format_table(lat)]
+    c, roof = result["counters"], result["roofline"]
+    if "skipped" not in c:
+        by = roof.get("by_kind", {})
+        parts.append(format_table([{"kind": k, "steps": c["steps_by_kind"][k], "eager": c["eager_steps_by_kind"][k],
+                                    "tokens": c["tokens_by_kind"][k],
+                                    "gpu s": (c["gpu_busy_s_by_kind"] or {}).get(k),
+                                    "roofline s": by.get(k, {}).get("roofline_s"),
+                                    "bound": " ".join(f"{b}:{n}" for b, n in by.get(k, {}).get("bound", {}).items())}
+                                   for k in c["steps_by_kind"]]))
+        parts.append(f"routes {c['steps_by_route']}, graph replays {c.get('graph_replays_delta')}, mixed "
+                     f"{c.get('mixed_graph_replays_delta')}, lookup exposed {c.get('lookup_exposed_s_delta')} s, "
+                     f"GPU idle {c['gpu_idle_s']} s ({c['gpu_idle_share']} of wall)")
+    if "skipped" in roof:
+        parts.append(f"roofline: skipped ({roof['skipped']})")
+    else:
+        ideal = roof["ideal"]
+        parts.append(format_table([{"roofline s": roof["roofline_s"], "wall s": roof["wall_s"],
+                                    "ratio": roof["ratio"], "roofline tok/s": roof["roofline_output_tokens_per_s"],
+                                    "ideal s": ideal["roofline_s"], "ideal tok/s": ideal["output_tokens_per_s"],
+                                    "step roofline ms": _ms(roof["mean_decode_step_roofline_s"]),
+                                    "TPOT p50 ms": _ms(roof["tpot_p50_s"]),
+                                    "TPOT/step": roof["tpot_p50_over_mean_step"]}]))
+    return "\n\n".join(parts)

@@ -1,0 +1,56 @@
+"""The engine's counters over a measured window, from the server's ``GET /engram/steps`` (engine/step_trace.py):
+``fetch_steps`` reads the step records after a step id and the engine's stats snapshot (None from a server without the
+endpoint), ``window_counters`` sums the window's records and the stats' counters' growth."""
+from __future__ import annotations
+
+from collections import Counter
+
+from engram.engine.step_trace import StepRecord, StepTrace
+
+KINDS = ("decode", "mixed", "prefill")
+STAT_COUNTERS = ("graph_replays", "mixed_graph_replays", "lookup_exposed_s", "preemptions", "steps")
+
+
+def fetch_steps(url: str, since: int = -1, timeout: float = 120.0) -> tuple[list[StepRecord], dict] | None:
+    """(records after step ``since``, stats) from ``url``; None when the server has no ``/engram/steps`` (404/405).
+    Other failures raise, naming the URL."""
+    import httpx
+
+    r = httpx.get(url.rstrip("/") + "/engram/steps", params={"since": since}, timeout=timeout)
+    if r.status_code in (404, 405):
+        return None
+    if r.status_code != 200:
+        raise RuntimeError(f"GET {url}/engram/steps?since={since}: HTTP {r.status_code}: {r.text[:200]}")
+    body = r.json()
+    return StepTrace.from_json(body), body.get("stats", {})
+
+
+def window_counters(records: list[StepRecord], before: dict, after: dict, wall: float) -> dict:
+    """Steps by route and kind, eager steps, the device's busy and idle seconds (None on the CPU) and idle's share of
+    ``wall``, and the growth of the stats counters between the ``before`` and ``after`` snapshots (``steps_delta``: steps
+launched, which exceeds the records when a step failed or the trace dropped old records; ``lookup_exposed_s_delta``
+is over all kinds: the engine does not split it). The window's first
+    step's ``idle_s`` is left out: it spans the pause between the warm-up and the window."""
+    by_kind = {k: [r for r in records if r.kind == k] for k in KINDS}
+    timed = records[0].gpu_s is not None if records else False
+    idle = [r.idle_s for r in records[1:] if r.idle_s is not None]
+    out = {"steps": len(records), "steps_by_route": dict(Counter(r.route for r in records)),
+           "steps_by_kind": {k: len(v) for k, v in by_kind.items()},
+           "eager_steps": sum(1 for r in records if r.route == "eager"),
+           "eager_steps_by_kind": {k: sum(1 for r in v if r.route == "eager") for k, v in by_kind.items()},
+           "tokens_by_kind": {k: sum(r.num_tokens for r in v) for k, v in by_kind.items()},
+           "gpu_busy_s": sum(r.gpu_s for r in records) if timed else None,
+           "gpu_busy_s_by_kind": {k: sum(r.gpu_s for r in v) for k, v in by_kind.items()} if timed else None,
+           "gpu_idle_s": sum(idle) if timed else None,
+           "gpu_idle_share": sum(idle) / wall if timed and wall > 0 else None,
+           "host_gap_p50_s": _pct(idle, 50) if timed else None, "host_gap_p99_s": _pct(idle, 99) if timed else None}
+    for key in STAT_COUNTERS:
+        if key in after and key in before:
+            out[f"{key}_delta"] = after[key] - before[key]
+    return out
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    import numpy as np
+
+    return float(np.percentile(values, q)) if values else None
