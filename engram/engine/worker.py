@@ -26,9 +26,12 @@ from engram.engine.runners.graphs import GraphRunner
 from engram.engine.runners.mixed_inputs import MixedInputs
 from engram.engine.runners.pieces import DecodePieces
 from engram.engine.runners.piecewise import PiecewiseRunner
+from engram.engine.runners.sequence_cache import SequenceCacheRunner
 from engram.engine.sampler import SampledTokens, Sampler
 from engram.engine.step import SampleSpec, StepDescription, StepResult, TokenLogprobs
 from engram.hashing import NgramHasher
+from engram.model.deepseek_v4 import cache as v4_cache
+from engram.model.deepseek_v4.config import ARCHITECTURES as SEQUENCE_CACHE_ARCHITECTURES
 from engram.model.kv_cache import KVCache
 from engram.model.layers import paged_attention as pa
 from engram.model.layers.fused import FAST_DTYPES
@@ -59,7 +62,9 @@ class Worker:
         self.config, self.device, self.dtype = config, torch.device(device), dtype  # progress None: bars on a tty
         self.model_config, self.ecfg = loaded.model_config, loaded.engram_config
         self.model = loaded.model
-        if self.device.type == "cuda" and dtype in FAST_DTYPES:
+        # DeepSeek-V4 keeps per-sequence caches (runners/sequence_cache.py): no paged KV, no graphs, no profiling
+        self.sequence_caches = self.model_config.architecture in SEQUENCE_CACHE_ARCHITECTURES
+        if self.device.type == "cuda" and dtype in FAST_DTYPES and not self.sequence_caches:
             self.model.pack_projections()  # q/k/v and gate/up as one GEMM each (the CPU keeps the plain path)
         self.tables = loaded.open_tables()  # opened here, on this worker's device
         if any(getattr(t, "reads_from_disk", False) for t in self.tables.values()):
@@ -75,9 +80,11 @@ class Worker:
         self.pending = PendingTokens(NgramHasher.from_tokenizer(self.ecfg, ctok) if self.ecfg else None,
                                      ctok.map if self.ecfg else None, self.ecfg.dead_token_ids if self.ecfg else (),
                                      self.device)
-        bytes_per_block = KVCache.for_model(self.model_config, 1, config.block_size, dtype, "meta").bytes_per_block()
+        bytes_per_block = (v4_cache.bytes_per_token(self.model_config, dtype) * config.block_size if self.sequence_caches
+                           else KVCache.for_model(self.model_config, 1, config.block_size, dtype, "meta").bytes_per_block())
         staging = staging_bytes(self.ecfg, config.max_num_batched_tokens, dtype) if self.ecfg else 0
-        use_graphs = not config.enforce_eager and _graphs_supported(dtype, self.ecfg, self.device)
+        use_graphs = (not config.enforce_eager and not self.sequence_caches
+                      and _graphs_supported(dtype, self.ecfg, self.device))
         peak = profile_peak_bytes(self, bytes_per_block) if self._profiles_memory() else None
         if wrap_lookup is not None:  # after the warm-up, which no statistic or wrapper sees (memory.py)
             self.lookup = wrap_lookup(self.lookup)
@@ -87,9 +94,13 @@ class Worker:
                                               if use_graphs else 0)
         # One more block than the scheduler hands out (``memory.num_blocks``): the padding of a graph's bucket
         # writes there.
-        self.kv = KVCache.for_model(self.model_config, self.memory.num_blocks + 1, config.block_size, dtype,
-                                    self.device)
-        self.eager = EagerRunner(self.model, self.kv, self.lookup, self.device, dtype, self.ecfg)
+        if self.sequence_caches:
+            self.kv = None
+            self.eager = SequenceCacheRunner(self.model, self.lookup, self.device, dtype, self.ecfg)
+        else:
+            self.kv = KVCache.for_model(self.model_config, self.memory.num_blocks + 1, config.block_size, dtype,
+                                        self.device)
+            self.eager = EagerRunner(self.model, self.kv, self.lookup, self.device, dtype, self.ecfg)
         graphs = self._graph_runners(max_model_len, progress) if use_graphs else []
         self.runners: list[StepRunner] = [*graphs, self.eager]
         self._last_ready: torch.cuda.Event | None = None  # the last launched step's ``sampled.ready``
@@ -99,7 +110,8 @@ class Worker:
 
     def _profiles_memory(self) -> bool:
         c = self.config
-        return self.device.type == "cuda" and c.num_kv_blocks is None and c.kv_cache_memory is None
+        return (self.device.type == "cuda" and c.num_kv_blocks is None and c.kv_cache_memory is None
+                and not self.sequence_caches)
 
     def _graph_runners(self, max_model_len: int, progress: bool | None) -> list[StepRunner]:
         """Decided once. Every table gathers on the device: one graph a decode bucket, and one a mixed-step token

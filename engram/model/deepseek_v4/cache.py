@@ -24,3 +24,13 @@ class SequenceCache:
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.layers)
+
+
+def bytes_per_token(cfg, dtype: torch.dtype) -> int:
+    """An upper bound of the bytes a sequence's cache grows by per token (what a KV budget counts): a window key per
+    layer until the window is full, plus each compressed layer's entries (and index keys) of 1 / ratio tokens."""
+    per = 0.0
+    for layer in range(cfg.num_layers):
+        r = cfg.ratio(layer)
+        per += cfg.head_dim + (cfg.head_dim / r if r else 0) + (cfg.index_head_dim / r if r == cfg.csa_ratio else 0)
+    return max(1, int(per * torch.empty((), dtype=dtype).element_size() + 0.5))
