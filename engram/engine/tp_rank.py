@@ -30,7 +30,7 @@ from engram.parallel.wkv_column import shard_wkv_columns
 
 GLOO_TIMEOUT_S = 60.0  # a collective whose peer is gone gives up (the executor has usually stopped it first)
 SAMPLED_HISTORY = 256  # steps of sampled ids each rank keeps for the "sampled" message
-# set in every rank before NCCL starts: NVLink multicast (NVLS) stays off on the lent machines (their KINDS.md)
+# set in every rank before NCCL starts: NVLink multicast (NVLS) stays off, as the GPU machines used here require
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
