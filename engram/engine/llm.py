@@ -14,6 +14,7 @@ from engram.engine.engine import LLMEngine
 from engram.engine.multiproc import MultiprocExecutor, free_port
 from engram.engine.tp_rank import make_rank_spec
 from engram.engine.torchrun import TorchrunExecutor, torchrun_rank
+from engram.model.deepseek_v4.config import ARCHITECTURES as SEQUENCE_CACHE_ARCHITECTURES
 from engram.model.options import RuntimeOptions
 from engram.engine.outputs import RequestOutput
 from engram.engine.sampling_params import SamplingParams
@@ -37,6 +38,9 @@ class LLM:
         self.loaded = load_model(model, tier=self.tier, dtype=self.dtype, device=self.device if n == 1 else "cpu",
                                  engram_config=self.options, cache_dir=cache_dir)
         executor = None
+        if n > 1 and self.loaded.model_config.architecture in SEQUENCE_CACHE_ARCHITECTURES:
+            raise NotImplementedError(f"tensor_parallel_size={n}: {self.loaded.model_config.architecture} runs on "
+                                      "one device (engram/parallel has no layout for its MoE and compressed attention)")
         if engine_config.tensor_parallel_size > 1:
             executor = _tensor_parallel(model, self, engine_config, cache_dir)
         self.engine = LLMEngine(self.loaded, engine_config, self.device, self.dtype, executor=executor)

@@ -76,12 +76,17 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return DTYPES[dtype]
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> EngramDecoder:
-    """A model built on ``device`` (float32, cast to ``dtype``) with placeholder values until weights are loaded."""
+def build_model(cfg: ModelConfig | V4Config, dtype: torch.dtype,
+                device: torch.device) -> EngramDecoder | DeepseekV4Model:
+    """A model built on ``device`` (float32, cast to ``dtype``) with placeholder values until weights are loaded; a
+    DeepSeek-V4 model keeps its float32 pieces float32."""
     with torch.device(device):
-        model = EngramDecoder(cfg)
+        model = DeepseekV4Model(cfg) if isinstance(cfg, V4Config) else EngramDecoder(cfg)
     model = model.to(dtype)
-    model.tie_weights()
+    if isinstance(model, DeepseekV4Model):
+        model.keep_fp32()
+    else:
+        model.tie_weights()
     return model.eval().requires_grad_(False)
 
 
@@ -217,17 +222,8 @@ def _load_weights(model: EngramDecoder, files: list[Path]) -> None:
         raise ValueError(f"checkpoint is missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
 
-def build_v4_model(cfg: V4Config, dtype: torch.dtype, device: torch.device) -> DeepseekV4Model:
-    """A DeepSeek-V4 model on ``device`` in ``dtype`` (its float32 pieces kept float32), placeholder values."""
-    with torch.device(device):
-        model = DeepseekV4Model(cfg)
-    model = model.to(dtype)
-    model.keep_fp32()
-    return model.eval().requires_grad_(False)
-
-
 def _load_v4(cfg: V4Config, files: list[Path], dtype, device) -> DeepseekV4Model:
-    model = build_v4_model(cfg, dtype, device)
+    model = build_model(cfg, dtype, device)
     engram = load_v4_weights(model, files, ENGRAM_TABLE_KEYS)
     for lid, layer in model.engram_layers.items():
         load_engram_weights(layer, engram[lid], prefix=f"model.layers.{lid}.engram.")

@@ -6,12 +6,24 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from engram.config import EngramConfig, hf_text_config
 from engram.model.sharing_fields import field_error, source_layer_ids, v41_attention_field
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+def check_layers_and_token_ids(cfg: Any, bad: Callable[[str, str], ValueError]) -> None:
+    """Checks every decoder config shares: Engram layers inside ``num_layers``, special token ids inside the vocab;
+    ``bad(field, why)`` makes the error."""
+    e = cfg.engram
+    if e is not None and e.layer_ids[-1] >= cfg.num_layers:
+        raise bad("engram", f"engram.layer_ids={e.layer_ids} reach past num_layers={cfg.num_layers}")
+    for f in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = getattr(cfg, f)
+        if v is not None and not 0 <= v < cfg.vocab_size:
+            raise bad(f, f"must be in [0, vocab_size={cfg.vocab_size})")
 
 
 @dataclass(frozen=True)
@@ -76,12 +88,7 @@ class ModelConfig:
                 raise bad("engram", f"engram.hidden_size={e.hidden_size} != hidden_size={self.hidden_size}")
             if e.hc_mult != self.hc_mult:
                 raise bad("engram", f"engram.hc_mult={e.hc_mult} != hc_mult={self.hc_mult}")
-            if e.layer_ids[-1] >= self.num_layers:
-                raise bad("engram", f"engram.layer_ids={e.layer_ids} reach past num_layers={self.num_layers}")
-        for f in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            v = getattr(self, f)
-            if v is not None and not 0 <= v < self.vocab_size:
-                raise bad(f, f"must be in [0, vocab_size={self.vocab_size})")
+        check_layers_and_token_ids(self, bad)
 
     # ----------------------------------------------------------------- derived
     def kv_source(self, layer_id: int) -> int:

@@ -94,3 +94,9 @@ def test_bf16_keeps_transformers_float32_pieces(pair, tmp_path):
     out = llm_out.generate("hello", engram.SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
                            use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_tensor_parallel_is_refused(pair, tmp_path):
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size=2: deepseek_v4 runs on one device"):
+        engram.LLM(model=str(pair.path), dtype="float64", device="cpu", cache_dir=str(tmp_path / "c"),
+                   tensor_parallel_size=2)

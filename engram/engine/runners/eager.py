@@ -52,11 +52,7 @@ class EagerRunner(StepRunner):
         dev = self.device
         cu_seqlens = to_device(step.cu_seqlens, dev)  # [S+1], shared by attention and the conv states
         conv = self._gather_conv_state(step, cu_seqlens)
-        token_ids = to_device(step.token_ids, dev)
-        dead_mask = None if step.dead_mask is None else to_device(step.dead_mask, dev)
-        if patch is not None:
-            token_ids = patch.patched(token_ids, patch.token_ids)
-            dead_mask = dead_mask if patch.dead is None else patch.patched(dead_mask, patch.dead)
+        token_ids, dead_mask = self.tokens(step, patch)
         inputs = StepInputs(
             token_ids=token_ids,
             positions=to_device(step.positions, dev),
@@ -77,6 +73,15 @@ class EagerRunner(StepRunner):
         if conv is not None:
             self._scatter_conv_state(step, conv)
         return logits
+
+    def tokens(self, step: StepDescription, patch: PendingPatch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's token ids [T] and DEAD mask [T] (or None) on the device, tokens in flight patched in."""
+        token_ids = to_device(step.token_ids, self.device)
+        dead_mask = None if step.dead_mask is None else to_device(step.dead_mask, self.device)
+        if patch is not None:
+            token_ids = patch.patched(token_ids, patch.token_ids)
+            dead_mask = dead_mask if patch.dead is None else patch.patched(dead_mask, patch.dead)
+        return token_ids, dead_mask
 
     def _score_prompt(self, step: StepDescription, hidden: torch.Tensor):
         """hidden [P, H] -> (target logprobs [P], top-k logprobs and ids [P, k]), PROMPT_SCORE_ROWS rows at a time."""

@@ -43,11 +43,7 @@ class SequenceCacheRunner(EagerRunner):
                 raise RuntimeError(f"sequence {sid}: step {step.step_id} continues it at position {start} but its "
                                    f"cache holds {held}")
             caches.append(cache)
-        token_ids = to_device(step.token_ids, dev)
-        dead_mask = None if step.dead_mask is None else to_device(step.dead_mask, dev)
-        if patch is not None:
-            token_ids = patch.patched(token_ids, patch.token_ids)
-            dead_mask = dead_mask if patch.dead is None else patch.patched(dead_mask, patch.dead)
+        token_ids, dead_mask = self.tokens(step, patch)
         inputs = StepInputs(
             token_ids=token_ids, positions=to_device(step.positions, dev), cu_seqlens=to_device(step.cu_seqlens, dev),
             context_lens=to_device(step.context_lens, dev), block_tables=to_device(step.block_tables, dev),

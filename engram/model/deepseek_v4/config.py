@@ -12,6 +12,7 @@ from typing import Any
 
 from engram.config import EngramConfig, hf_text_config
 from engram.model.deepseek_v4.rope import RopeSpec
+from engram.model.model_config import check_layers_and_token_ids
 from engram.model.sharing_fields import field_error
 
 ARCHITECTURES = ("deepseek_v4", "deepseek_v41")
@@ -104,12 +105,7 @@ class V4Config:
                 raise bad("engram", f"DeepSeek-V4 carries v41 Engram on its hc_mult={self.hc_mult} streams of "
                                     f"hidden_size={self.hidden_size}; got variant {e.variant!r}, hc_mult "
                                     f"{e.hc_mult}, hidden_size {e.hidden_size}")
-            if e.layer_ids[-1] >= self.num_layers:
-                raise bad("engram", f"engram.layer_ids={e.layer_ids} reach past num_layers={self.num_layers}")
-        for f in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            v = getattr(self, f)
-            if v is not None and not 0 <= v < self.vocab_size:
-                raise bad(f, f"must be in [0, vocab_size={self.vocab_size})")
+        check_layers_and_token_ids(self, bad)
 
     # ----------------------------------------------------------------- derived
     def ratio(self, layer_id: int) -> int:
