@@ -20,6 +20,7 @@ from engram.engine.multiproc import MultiprocExecutor, RankSpec, free_port
 from engram.model.loader import load_model
 from engram.model.presets import preset_config
 from engram.parallel import engram_tp
+from tests.tp_compare import worst_logprob_gap
 
 PROMPTS = ["hello world", "the cat sat on the mat", [5, 17, 17, 300, 2]]
 ENGINE = dict(dtype="float64", device="cpu", num_kv_blocks=48, max_model_len=256, max_num_seqs=4)
@@ -27,17 +28,6 @@ ENGINE = dict(dtype="float64", device="cpu", num_kv_blocks=48, max_model_len=256
 
 def _params(max_tokens: int = 6, temperature: float = 0.0) -> engram.SamplingParams:
     return engram.SamplingParams(temperature=temperature, max_tokens=max_tokens, logprobs=3, ignore_eos=True)
-
-
-def _compare(want, got) -> float:
-    """Greedy tokens and top-3 ids equal; -> the largest relative logprob difference."""
-    worst = 0.0
-    for w, g in zip(want, got, strict=True):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
-            assert [t for t, _ in lg.top] == [t for t, _ in lw.top]
-            worst = max([worst] + [abs(a - b) / abs(a) for (_, a), (_, b) in zip(lw.top, lg.top)])
-    return worst
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +122,7 @@ def test_tp_with_sharded_tables_matches_tp1(tp1, world, tier, wkv):
         tables = llm.engine.executor.table_bytes
     finally:
         llm.engine.executor.close()
-    assert _compare(tp1.generate(PROMPTS, _params(), use_tqdm=False), got) <= 1e-9
+    assert worst_logprob_gap(tp1.generate(PROMPTS, _params(), use_tqdm=False), got) <= 1e-9
     full_wkv = engram.parallel.tp.parameter_bytes(tp1.loaded.model)["wkv"]
     for b in ranks:  # column-parallel: each rank holds 1/N of every wkv; replicated: all of it
         assert b["wkv"] * (world if wkv == "column" else 1) == full_wkv, (b, full_wkv)
@@ -186,7 +176,7 @@ def test_one_rank_with_delayed_lookups_gives_the_same_tokens(tp1, tier):
     finally:
         executor.close()
     want = tp1.generate(PROMPTS, _params(), use_tqdm=False)
-    assert _compare(want, [done[f"r{i}"] for i in range(len(PROMPTS))]) <= 1e-9
+    assert worst_logprob_gap(want, [done[f"r{i}"] for i in range(len(PROMPTS))]) <= 1e-9
 
 
 def test_bad_wkv_layouts_are_refused():
