@@ -260,6 +260,9 @@ def save_model(directory: str | os.PathLike, loaded: LoadedModel, dtype: torch.d
     ``embed.scale``, tokenizer files); tables built in memory have no files and are refused."""
     from safetensors.torch import save_file
 
+    if isinstance(loaded.model_config, V4Config):
+        raise NotImplementedError(f"{loaded.name}: save_model writes Llama / Qwen checkpoints; a deepseek_v4 "
+                                  "checkpoint is written by transformers' save_pretrained")
     if loaded.memory_table_seed is not None:
         raise ValueError(f"{loaded.name}: its tables were built in memory (engram_config.tables_in_memory) and "
                          "have no files to save; load it without tables_in_memory to save it")
