@@ -235,12 +235,13 @@ def _load_checkpoint(path: Path, tier, dtype, device, opts, cache_dir, progress)
     if not raw:
         raise ValueError(f"{path}: config.json not found or empty")
     tok_cfg = _read_json(path / "tokenizer_config.json")
+    v4 = hf_text_config(raw).get("model_type") in V4_ARCHITECTURES  # the one dispatch on model_type
+    cfg = (V4Config if v4 else ModelConfig).from_hf_dict(raw, name=path.name)  # config errors before file errors
+    cfg = cfg.replace(chat_template=tok_cfg.get("chat_template"))
     files = _safetensors_files(path)
-    if hf_text_config(raw).get("model_type") in V4_ARCHITECTURES:  # the one dispatch on model_type
-        cfg = V4Config.from_hf_dict(raw, name=path.name).replace(chat_template=tok_cfg.get("chat_template"))
+    if v4:
         model = _load_v4(cfg, files, dtype, device)
     else:
-        cfg = ModelConfig.from_hf_dict(raw, name=path.name).replace(chat_template=tok_cfg.get("chat_template"))
         model = build_model(cfg, dtype, device)
         _load_weights(model, files)
     tok, ctok = _tokenizers(path / "tokenizer.json")
