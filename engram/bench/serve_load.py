@@ -15,6 +15,7 @@ from pathlib import Path
 
 from engram.bench.serve_workload import DEFAULT_CORPUS, DEFAULT_LENGTHS  # noqa: F401  (DEFAULT_CORPUS: others cite it)
 
+START_TIMEOUT_S = 900.0  # a large preset builds its tables and captures its graphs before /health answers
 HELP = ("serving benchmark: N streamed requests of natural prompts at a concurrency or request rate; throughput, "
         "TTFT/TPOT/ITL percentiles, engine counters and the serving roofline")
 
@@ -40,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tier", choices=("gpu", "host", "disk"), default="gpu")
     g.add_argument("--dtype", default=None, help="compute dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     g.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads of the started server and of the bench's own measurements")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="tokens per step, at most (also the ideal schedule's prefill step)")
     g.add_argument("--serve-args", default="", help="further arguments for the started `engram serve`")
@@ -54,9 +57,9 @@ def server_args(args: argparse.Namespace) -> list[str]:
     out = [args.model, "--tier", args.tier, "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.concurrency:
         out += ["--max-num-seqs", str(args.concurrency)]
-    for flag, value in (("--dtype", args.dtype), ("--device", args.device)):
+    for flag, value in (("--dtype", args.dtype), ("--device", args.device), ("--threads", args.threads)):
         if value is not None:
-            out += [flag, value]
+            out += [flag, str(value)]
     return out + shlex.split(args.serve_args)
 
 
@@ -64,8 +67,9 @@ def _workload(args: argparse.Namespace):
     from engram.bench.corpus import LengthRange
     from engram.bench.serve_workload import arrival_offsets, make_requests, model_tokenizer, token_stream
 
-    if args.warmup < 0 or (args.concurrency is not None and args.concurrency < 1):
-        raise ValueError(f"--warmup={args.warmup} must be >= 0 and --concurrency={args.concurrency} >= 1")
+    if args.warmup < 0 or (args.concurrency is not None and args.concurrency < 1) or (args.threads or 1) < 1:
+        raise ValueError(f"--warmup={args.warmup} must be >= 0, --concurrency={args.concurrency} and "
+                         f"--threads={args.threads} >= 1")
     input_len = LengthRange.parse(args.input_len, "--input-len")
     output_len = LengthRange.parse(args.output_len, "--output-len")
     stream = token_stream(model_tokenizer(args.model, args.tokenizer), args.corpus, args.seed)
@@ -88,14 +92,19 @@ def _steps(url: str, since: int):
 
 
 def model_config(model: str):
-    """The ModelConfig of a preset or a checkpoint directory's config.json; None for a model the bench cannot see."""
+    """(ModelConfig, None) of a preset or a checkpoint directory's config.json, else (None, why not)."""
     from engram.model.model_config import ModelConfig
     from engram.model.presets import MODEL_PRESETS, preset_config
 
     if model in MODEL_PRESETS:
-        return preset_config(model)
+        return preset_config(model), None
     path = Path(model) / "config.json"
-    return ModelConfig.from_hf_dict(json.loads(path.read_text()), name=Path(model).name) if path.is_file() else None
+    if not path.is_file():
+        return None, f"no model config for {model!r} (a preset or a checkpoint directory)"
+    try:
+        return ModelConfig.from_hf_dict(json.loads(path.read_text()), name=Path(model).name), None
+    except (ValueError, KeyError, TypeError) as e:  # an architecture the roofline's counts do not cover
+        return None, f"{path}: {type(e).__name__}: {e}"
 
 
 def roofline_result(args: argparse.Namespace, records, load: dict) -> dict:
@@ -107,13 +116,15 @@ def roofline_result(args: argparse.Namespace, records, load: dict) -> dict:
     from engram.bench.serving_roofline import ideal_schedule, m_grid, measure_gemm_curve, serving_roofline
     from engram.model.loader import resolve_dtype
 
-    cfg = model_config(args.model)
+    cfg, reason = model_config(args.model)
     if cfg is None:
-        return {"skipped": f"no model config for {args.model!r} (a preset or a checkpoint directory)"}
+        return {"skipped": reason}
     if not records:
         return {"skipped": "no step records for the window"}
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(args.dtype, device)
+    if args.threads is not None:  # the server's thread count: more threads than cores time their contention
+        torch.set_num_threads(args.threads)
     concurrency = args.concurrency or max(r.num_seqs for r in records)
     ceilings = measure_ceilings(device, dtype)
     ms = m_grid(max(max(r.num_tokens for r in records), args.max_num_batched_tokens, concurrency))
@@ -122,9 +133,10 @@ def roofline_result(args: argparse.Namespace, records, load: dict) -> dict:
     itemsize = torch.empty(0, dtype=dtype).element_size()
     done = [r for r in load["records"] if r.error is None]
     out = serving_roofline(cfg, records, curve, ceilings, itemsize, args.tier, load["wall_s"], load["tpot_p50_s"])
-    out["ideal"] = ideal_schedule(cfg, [r.prompt_len for r in done], [r.completion_tokens or r.output_len
-                                                                      for r in done],
-                                  args.max_num_batched_tokens, concurrency, curve, ceilings, itemsize, args.tier)
+    prompt_lens = [r.prompt_len for r in done]
+    output_lens = [r.completion_tokens or r.output_len for r in done]
+    out["ideal"] = ideal_schedule(cfg, prompt_lens, output_lens, args.max_num_batched_tokens, concurrency, curve,
+                                  ceilings, itemsize, args.tier)
     out["roofline_output_tokens_per_s"] = load["output_tokens"] / out["roofline_s"] if out["roofline_s"] else None
     out.update(ceilings=ceilings.to_dict(), gemm_curve=curve.to_dict(), dtype=str(dtype).removeprefix("torch."))
     return out
@@ -169,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
         server = ServerProcess(server_args(args), None, log)
         print(f"starting engram serve {' '.join(server_args(args))} (log: {log}) ...", file=sys.stderr, flush=True)
         try:
-            url = server.wait_ready().url
+            url = server.wait_ready(START_TIMEOUT_S).url
         except BaseException:
             server.stop()
             raise
