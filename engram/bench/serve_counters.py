@@ -32,15 +32,15 @@ launched, which exceeds the records when a step failed or the trace dropped old 
 is over all kinds: the engine does not split it). The window's first
     step's ``idle_s`` is left out: it spans the pause between the warm-up and the window."""
     by_kind = {k: [r for r in records if r.kind == k] for k in KINDS}
-    timed = records[0].gpu_s is not None if records else False
+    timed = any(r.gpu_s is not None for r in records)  # CUDA; a step without a device clock adds nothing
     idle = [r.idle_s for r in records[1:] if r.idle_s is not None]
     out = {"steps": len(records), "steps_by_route": dict(Counter(r.route for r in records)),
            "steps_by_kind": {k: len(v) for k, v in by_kind.items()},
            "eager_steps": sum(1 for r in records if r.route == "eager"),
            "eager_steps_by_kind": {k: sum(1 for r in v if r.route == "eager") for k, v in by_kind.items()},
            "tokens_by_kind": {k: sum(r.num_tokens for r in v) for k, v in by_kind.items()},
-           "gpu_busy_s": sum(r.gpu_s for r in records) if timed else None,
-           "gpu_busy_s_by_kind": {k: sum(r.gpu_s for r in v) for k, v in by_kind.items()} if timed else None,
+           "gpu_busy_s": _busy(records) if timed else None,
+           "gpu_busy_s_by_kind": {k: _busy(v) for k, v in by_kind.items()} if timed else None,
            "gpu_idle_s": sum(idle) if timed else None,
            "gpu_idle_share": sum(idle) / wall if timed and wall > 0 else None,
            "host_gap_p50_s": _pct(idle, 50) if timed else None, "host_gap_p99_s": _pct(idle, 99) if timed else None}
@@ -48,6 +48,10 @@ is over all kinds: the engine does not split it). The window's first
         if key in after and key in before:
             out[f"{key}_delta"] = after[key] - before[key]
     return out
+
+
+def _busy(records: list[StepRecord]) -> float:
+    return sum(r.gpu_s for r in records if r.gpu_s is not None)
 
 
 def _pct(values: list[float], q: float) -> float | None:

@@ -197,10 +197,9 @@ def serving_roofline(cfg: ModelConfig, records: list[StepRecord], curve: GemmCur
     by_kind = {}
     for kind in ("decode", "mixed", "prefill"):
         pairs = [(r, b) for r, b in zip(records, bounds) if r.kind == kind]
-        timed = bool(pairs) and pairs[0][0].gpu_s is not None
+        gpu_s = [r.gpu_s for r, _ in pairs if r.gpu_s is not None]  # CUDA only
         by_kind[kind] = {"steps": len(pairs), "tokens": sum(r.num_tokens for r, _ in pairs),
-                         "roofline_s": sum(b.roofline_s for _, b in pairs),
-                         "gpu_s": sum(r.gpu_s for r, _ in pairs) if timed else None,
+                         "roofline_s": sum(b.roofline_s for _, b in pairs), "gpu_s": sum(gpu_s) if gpu_s else None,
                          "bound": dict(Counter(b.bound for _, b in pairs))}
     mean = total / len(records) if records else None
     mean_decode = float(np.mean(decode_bearing)) if decode_bearing else None

@@ -66,6 +66,11 @@ def test_window_sums_by_kind():
     # TPOT is set against the steps that carry decodes (the mixed and the decode step)
     assert out["mean_decode_step_roofline_s"] == pytest.approx((bounds[1].roofline_s + bounds[2].roofline_s) / 2)
     assert out["tpot_p50_over_mean_step"] == pytest.approx(0.01 / out["mean_decode_step_roofline_s"])
+    timed = [StepRecord.from_shape(i, "graph", [1, 1], [9, 4], 2, gpu_s=0.002 * i, idle_s=0.0) for i in (1, 2)]
+    cuda = serving_roofline(HAND, timed, CURVE, SLOW_MEMORY, 2, "gpu", wall=1.0, tpot_p50=None)
+    assert cuda["by_kind"]["decode"]["gpu_s"] == pytest.approx(0.006) and cuda["gpu_busy_s"] == pytest.approx(0.006)
+    assert cuda["roofline_over_gpu_busy"] == pytest.approx(cuda["roofline_s"] / 0.006)
+    assert cuda["tpot_p50_over_mean_step"] is None
 
 
 def test_ideal_schedule_by_hand():
