@@ -26,7 +26,7 @@ def fetch_steps(url: str, since: int = -1, timeout: float = 120.0) -> tuple[list
 
 
 def window_counters(records: list[StepRecord], before: dict, after: dict, wall: float) -> dict:
-    """Steps by route and kind, eager steps, the device's busy and idle seconds (None on the CPU) and idle's share of
+    """Steps by route and kind, eager steps (and the fewest tokens an eager step of each kind had), the device's busy and idle seconds (None on the CPU) and idle's share of
     ``wall``, and the growth of the stats counters between the ``before`` and ``after`` snapshots (``steps_delta``: steps
 launched, which exceeds the records when a step failed or the trace dropped old records; ``lookup_exposed_s_delta``
 is over all kinds: the engine does not split it). The window's first
@@ -38,6 +38,9 @@ is over all kinds: the engine does not split it). The window's first
            "steps_by_kind": {k: len(v) for k, v in by_kind.items()},
            "eager_steps": sum(1 for r in records if r.route == "eager"),
            "eager_steps_by_kind": {k: sum(1 for r in v if r.route == "eager") for k, v in by_kind.items()},
+           # above the largest graph bucket eager is by design; an eager step at or below it fell back
+           "eager_min_tokens_by_kind": {k: min((r.num_tokens for r in v if r.route == "eager"), default=None)
+                                        for k, v in by_kind.items()},
            "tokens_by_kind": {k: sum(r.num_tokens for r in v) for k, v in by_kind.items()},
            "gpu_busy_s": _busy(records) if timed else None,
            "gpu_busy_s_by_kind": {k: _busy(v) for k, v in by_kind.items()} if timed else None,

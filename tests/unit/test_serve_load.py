@@ -121,6 +121,7 @@ def test_window_counters_sum_the_records():
     assert c["steps_by_kind"] == {"decode": 1, "mixed": 1, "prefill": 1} and c["eager_steps"] == 1
     assert c["steps_by_route"] == {"eager": 1, "mixed-graph": 1, "graph": 1}
     assert c["tokens_by_kind"] == {"decode": 3, "mixed": 20, "prefill": 40}
+    assert c["eager_min_tokens_by_kind"] == {"decode": None, "mixed": None, "prefill": 40}
     assert c["gpu_busy_s"] == pytest.approx(0.016) and c["gpu_idle_s"] == pytest.approx(0.004)
     assert c["gpu_idle_share"] == pytest.approx(0.04)
     assert (c["graph_replays_delta"], c["mixed_graph_replays_delta"], c["steps_delta"]) == (1, 1, 3)
