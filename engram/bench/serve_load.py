@@ -230,9 +230,13 @@ def format_tables(result: dict, format_table) -> str:
                                     "roofline s": by.get(k, {}).get("roofline_s"),
                                     "bound": " ".join(f"{b}:{n}" for b, n in by.get(k, {}).get("bound", {}).items())}
                                    for k in c["steps_by_kind"]]))
+        idle = "no device clock" if c["gpu_idle_s"] is None else f"{c['gpu_idle_s']:.3f} s, " \
+            f"{c['gpu_idle_share']:.1%} of wall" + ("" if c["host_gap_p50_s"] is None else
+                                                    f", gap p50 {_ms(c['host_gap_p50_s']):.3f} ms, "
+                                                    f"p99 {_ms(c['host_gap_p99_s']):.3f} ms")
         parts.append(f"routes {c['steps_by_route']}, graph replays {c.get('graph_replays_delta')}, mixed "
-                     f"{c.get('mixed_graph_replays_delta')}, lookup exposed {c.get('lookup_exposed_s_delta')} s, "
-                     f"GPU idle {c['gpu_idle_s']} s ({c['gpu_idle_share']} of wall)")
+                     f"{c.get('mixed_graph_replays_delta')}, lookup exposed {c.get('lookup_exposed_s_delta')} s; "
+                     f"GPU idle between steps: {idle}")
     if "skipped" in roof:
         parts.append(f"roofline: skipped ({roof['skipped']})")
     else:

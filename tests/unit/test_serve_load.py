@@ -126,5 +126,11 @@ def test_window_counters_sum_the_records():
     assert c["gpu_idle_share"] == pytest.approx(0.04)
     assert (c["graph_replays_delta"], c["mixed_graph_replays_delta"], c["steps_delta"]) == (1, 1, 3)
     assert c["lookup_exposed_s_delta"] == pytest.approx(0.25)
+    from engram.bench.report import format_table
+    from engram.bench.serve_load import format_tables
+
+    result = {**summarize([], 0.1), "counters": c, "roofline": {"skipped": "--no-roofline"}}
+    text = format_tables(result, format_table)
+    assert "GPU idle between steps: 0.004 s, 4.0% of wall, gap p50 2.000 ms" in text and "skipped (--no-roofline)" in text
     cpu = window_counters([StepRecord(1, "eager", 3, 3, 3, 3, 9, 9, None, None)], {}, {}, wall=1.0)
     assert cpu["gpu_busy_s"] is None and cpu["gpu_idle_share"] is None and "steps_delta" not in cpu
