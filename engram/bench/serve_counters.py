@@ -26,7 +26,11 @@ def fetch_steps(url: str, since: int = -1, timeout: float = 120.0) -> tuple[list
 
 
 def window_counters(records: list[StepRecord], before: dict, after: dict, wall: float) -> dict:
-    """Steps by route and kind, eager steps (and the fewest tokens an eager step of each kind had), the device's busy and idle seconds (None on the CPU) and idle's share of
+    """Steps by route and kind, eager steps (and the fewest tokens an eager step of each kind had), the device's busy
+    and idle seconds (None on the CPU) and idle's share of ``wall``, and the growth of the stats counters between the
+    ``before`` and ``after`` snapshots (``steps_delta``: steps launched, which exceeds the records when a step failed
+    or the trace dropped old records; ``lookup_exposed_s_delta`` is over all kinds: the engine does not split it).
+    The window's first step's ``idle_s`` is left out: it spans the pause between the warm-up and the window."""Steps by route and kind, eager steps (and the fewest tokens an eager step of each kind had), the device's busy and idle seconds (None on the CPU) and idle's share of
     ``wall``, and the growth of the stats counters between the ``before`` and ``after`` snapshots (``steps_delta``: steps
 launched, which exceeds the records when a step failed or the trace dropped old records; ``lookup_exposed_s_delta``
 is over all kinds: the engine does not split it). The window's first
