@@ -30,11 +30,7 @@ def window_counters(records: list[StepRecord], before: dict, after: dict, wall: 
     and idle seconds (None on the CPU) and idle's share of ``wall``, and the growth of the stats counters between the
     ``before`` and ``after`` snapshots (``steps_delta``: steps launched, which exceeds the records when a step failed
     or the trace dropped old records; ``lookup_exposed_s_delta`` is over all kinds: the engine does not split it).
-    The window's first step's ``idle_s`` is left out: it spans the pause between the warm-up and the window."""Steps by route and kind, eager steps (and the fewest tokens an eager step of each kind had), the device's busy and idle seconds (None on the CPU) and idle's share of
-    ``wall``, and the growth of the stats counters between the ``before`` and ``after`` snapshots (``steps_delta``: steps
-launched, which exceeds the records when a step failed or the trace dropped old records; ``lookup_exposed_s_delta``
-is over all kinds: the engine does not split it). The window's first
-    step's ``idle_s`` is left out: it spans the pause between the warm-up and the window."""
+    The window's first step's ``idle_s`` is left out: it spans the pause between the warm-up and the window."""
     by_kind = {k: [r for r in records if r.kind == k] for k in KINDS}
     timed = any(r.gpu_s is not None for r in records)  # CUDA; a step without a device clock adds nothing
     idle = [r.idle_s for r in records[1:] if r.idle_s is not None]
