@@ -1,7 +1,8 @@
 """ShortConv of the paper variant and its explicit per-sequence decode state. ``ShortConv`` maps v' [T, hc_mult, H]
 (packed sequences) to SiLU(conv(RMSNorm(v'))): a per-branch RMSNorm, then a depthwise causal Conv1d over hc_mult*H
 channels (``kernel_size``, dilation ``max_ngram_size``, no bias). A ``ShortConvState`` holds each sequence's last L =
-(kernel-1)*dilation post-norm inputs, so whole, chunked and token-by-token runs give the same numbers."""
+(kernel-1)*dilation post-norm inputs, so whole, chunked and token-by-token runs give the same numbers; ``tap_rows`` asks
+a call for some tokens' inputs besides (the prefix cache stores those of each block's last tokens)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ class ShortConvState:
 
     conv: torch.Tensor  # [S, L, hc_mult*H] post-norm conv inputs, L = (kernel-1)*dilation
     cu_seqlens: torch.Tensor | None = None  # [S+1] int64 token offsets of the packed call; None: S == 1
+    tap_rows: torch.Tensor | None = None  # [R] int64 packed token rows whose conv inputs the call also hands out
+    tapped: torch.Tensor | None = None  # [R, hc_mult*H] set by ``ShortConv.forward``: those rows' conv inputs
 
     def __post_init__(self) -> None:
         if self.conv.dim() != 3:
@@ -176,4 +179,6 @@ class ShortConv(nn.Module):
         y, new_history = causal_conv_packed(normed, history, cu, self.conv.weight[:, 0, :], self.dilation)
         if state is not None:
             state.conv.copy_(new_history)
+            if state.tap_rows is not None:  # the inputs a prefix cache keeps with each KV block (engine side)
+                state.tapped = normed.index_select(0, state.tap_rows)
         return F.silu(y).view(num_tokens, self.hc_mult, self.hidden_size)

@@ -22,6 +22,9 @@ class EngineConfig:
     # describe step N+1 while the device runs step N (None: on for CUDA where the tables allow it; True on
     # the CPU runs the same bookkeeping without any overlap, for tests)
     async_scheduling: bool | None = None
+    # reuse the KV blocks (and Engram state) of cached prompt prefixes (vLLM's name; block_manager.py); models whose
+    # caches are not paged per token (DeepSeek-V4's sliding-window and compressed caches) turn it off with a log line
+    enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1  # Worker processes, one tensor-parallel rank each (gloo on the CPU, NCCL on GPUs; docs/parallel.md)
 
     def __post_init__(self) -> None:
@@ -41,6 +44,8 @@ class EngineConfig:
             raise bad("num_kv_blocks", "must be >= 1 (or None to size from kv_cache_memory)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise bad("gpu_memory_utilization", "must be in (0, 1]")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise bad("enable_prefix_caching", "must be true or false")
         if self.async_scheduling not in (None, True, False):
             raise bad("async_scheduling", "must be true, false or null (auto)")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -5,6 +5,7 @@ owns the scheduler, the sequences, lookup planning (row ids hashed on the CPU), 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from typing import Any
 
@@ -16,6 +17,7 @@ from engram.engine.detokenizer import IncrementalDetokenizer, detokenize_step
 from engram.engine.executor import Executor, UniProcExecutor
 from engram.engine.outputs import CompletionOutput, RequestOutput
 from engram.engine.planner import LookupPlanner
+from engram.engine.prefix_cache import content_key
 from engram.engine.sampling_params import SamplingParams
 from engram.engine.scheduler import Scheduler
 from engram.engine.sequence import Sequence
@@ -24,6 +26,9 @@ from engram.engine.step_trace import StepRecord
 from engram.engine.stepping import Launched, StepError, StepPipeline
 from engram.engine.worker import Worker
 from engram.hashing import NgramHasher
+from engram.model.deepseek_v4.config import ARCHITECTURES as SEQUENCE_CACHE_ARCHITECTURES
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["LLMEngine", "StepError"]  # StepError lives with the step pipeline; callers import it from here
 
@@ -43,7 +48,8 @@ class LLMEngine:
         self.hasher = NgramHasher.from_tokenizer(ecfg, self.ctok) if ecfg else None
         self._dead_ids = ecfg.dead_token_ids if ecfg else ()
         self.executor = executor or UniProcExecutor(Worker(loaded, config, self.max_model_len, device, dtype))
-        self.scheduler = Scheduler(config, BlockManager(self.executor.num_kv_blocks, config.block_size))
+        self.scheduler = Scheduler(config, BlockManager(self.executor.num_kv_blocks, config.block_size,
+                                                        _prefix_cache_root(loaded, config)))
         self.planner = LookupPlanner(self.hasher)
         self._seqs: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()
@@ -117,7 +123,13 @@ class LLMEngine:
                 "preemptions": self.num_preemptions, "steps": self.num_steps, "tables": worker["tables"],
                 "kv_bytes": worker["kv_bytes"], "graph_replays": worker["graph_replays"],
                 "mixed_graph_replays": worker.get("mixed_graph_replays", 0),
-                "lookup_exposed_s": worker.get("lookup_exposed_s", 0.0), **self.pipeline.trace.totals()}
+                "lookup_exposed_s": worker.get("lookup_exposed_s", 0.0),
+                "prefix_cache": blocks.stats.snapshot(blocks.num_cached_blocks), **self.pipeline.trace.totals()}
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (benchmarks start cold with it; vLLM's name) -> how many were dropped. Blocks
+        running sequences hold stay theirs; nothing computed before the reset is found again."""
+        return self.scheduler.blocks.reset()
 
     def step_trace(self, since: int = -1) -> list[StepRecord]:
         """The records of the collected steps after step id ``since`` that are still kept (step_trace.py)."""
@@ -196,3 +208,16 @@ class LLMEngine:
         return RequestOutput(request_id=seq.request_id, prompt=seq.prompt,
                              prompt_token_ids=seq.prompt_token_ids, outputs=[completion],
                              finished=done, metrics=seq.metrics, prompt_logprobs=seq.prompt_logprobs)
+
+
+def _prefix_cache_root(loaded, config: EngineConfig) -> bytes | None:
+    """The content key prefix-cache chains start from, or None when prefix caching is off or the model cannot take
+    it: a per-sequence cache with sliding-window and compressed entries (DeepSeek-V4) is not a list of token blocks."""
+    if not config.enable_prefix_caching:
+        return None
+    arch = getattr(loaded.model_config, "architecture", None)
+    if arch in SEQUENCE_CACHE_ARCHITECTURES:
+        _log.info("prefix caching is off: %s keeps sliding-window and compressed caches per sequence, not paged "
+                  "token blocks a prefix could share", arch)
+        return None
+    return content_key(loaded)

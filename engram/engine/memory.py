@@ -19,7 +19,7 @@ from engram.model.kv_cache import KVCache
 @dataclass(frozen=True)
 class MemoryPlan:
     num_blocks: int  # KV blocks to allocate
-    bytes_per_block: int  # K and V of block_size tokens over every KV-source layer
+    bytes_per_block: int  # K and V of block_size tokens over every KV-source layer (+ the conv inputs kept with it)
     staging_bytes: int  # Engram rows of one full step (all layers)
     cache_bytes: int  # hot-row caches of the tables
     budget_bytes: int | None  # the configured budget (None: profiled on CUDA, max_num_seqs sequences on CPU)

@@ -107,6 +107,8 @@ def describe(step_id: int, batch: ScheduledBatch, packed: PackedBatch, plan: Loo
         samples=[SampleSpec.from_params(seq.params, seq.num_output_tokens + seq.num_pending, eos_token_id)
                  for seq in (batch.seqs[i] for i in packed.sample_rows)],
         finished_seq_ids=finished_seq_ids,
+        cached_starts=[i for i, (seq, s0) in enumerate(zip(batch.seqs, batch.start_positions))
+                       if s0 > 0 and s0 == seq.num_cached_tokens],
         prompt_logprobs=[spec for s, (seq, s0, n) in enumerate(zip(batch.seqs, batch.start_positions,
                                                                    batch.num_new_tokens))
                          if (spec := prompt_logprobs_spec(s, seq, s0, n)) is not None],

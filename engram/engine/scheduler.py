@@ -1,7 +1,8 @@
 """Continuous batching: which sequences run this step and how many of their tokens. A step spends at most
 ``max_num_batched_tokens`` over at most ``max_num_seqs`` sequences: running sequences first, oldest first, then waiting
-ones in arrival order, prompts chunked to the budget left. When KV blocks run out the newest running sequence is
-preempted by recompute and nothing is admitted that step; lookup timing never matters."""
+ones in arrival order, each starting after its longest cached block prefix (block_manager.py), prompts chunked to the
+budget left. When KV blocks run out the newest running sequence is preempted by recompute and nothing is admitted that
+step; lookup timing never matters."""
 from __future__ import annotations
 
 from collections import deque
@@ -77,18 +78,23 @@ class Scheduler:
                 i += 1
         while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self.blocks.can_allocate(seq, n):
+            hits = self.blocks.lookup(seq)  # its longest cached block prefix (prefix caching)
+            n = min(seq.num_uncomputed_tokens - len(hits) * self.blocks.block_size, budget)
+            if not self.blocks.can_admit(seq, hits, n):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            self._take(batch, seq, n)
+            self.blocks.admit(seq, hits, n)
+            self._append(batch, seq, n)
             budget -= n
         return batch
 
     def _take(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         self.blocks.allocate(seq, n)
+        self._append(batch, seq, n)
+
+    def _append(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
         batch.start_positions.append(seq.num_computed_tokens)

@@ -1,7 +1,8 @@
 """Sequence: one request's tokens, its KV blocks, its Engram state and its progress through the engine. ``token_ids``:
 prompt + generated tokens the engine has read; ``num_pending`` more were sampled by steps in flight (at most two, on the
 device only) and the scheduler counts them. ``num_computed_tokens`` have K/V in the cache (or will, once launched steps
-run). Preemption by recompute drops the blocks; everything is rebuilt from the tokens when the sequence runs again."""
+run). Preemption by recompute drops the blocks; everything is rebuilt from the tokens when the sequence runs again,
+after whatever prefix of them the prefix cache still holds."""
 from __future__ import annotations
 
 import enum
@@ -35,6 +36,9 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []  # KV block ids, in token order
+        self.block_keys: list[bytes] = []  # prefix-cache key of each full block of known tokens (prefix_cache.py)
+        self.num_cached_tokens = 0  # tokens taken from the prefix cache at admission (a multiple of block_size)
+        self.num_committed_blocks = 0  # leading blocks block_manager.commit has registered (or found registered)
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -88,6 +92,8 @@ class Sequence:
         """Preempted: K/V and Engram state are dropped and rebuilt from ``token_ids`` when rescheduled."""
         self.num_computed_tokens = 0
         self.block_table = []
+        self.num_cached_tokens = 0
+        self.num_committed_blocks = 0  # the keys stay: they are functions of the tokens
         self.status = SequenceStatus.WAITING
         self.metrics.num_preemptions += 1
 

@@ -77,6 +77,9 @@ class StepDescription:
     samples: list[SampleSpec]  # [N] one per sampling sequence, same order
     finished_seq_ids: list[int] = field(default_factory=list)  # sequences gone since the last step: free state
     prompt_logprobs: list[PromptLogprobsSpec] = field(default_factory=list)  # prefill chunks to score
+    # [C] indices into the S sequences that start fresh at a prefix-cache hit (start_positions > 0, a block
+    # boundary): the Worker rebuilds their per-sequence state from the cached blocks instead of keeping it
+    cached_starts: list[int] = field(default_factory=list)
     # Async scheduling: tokens the previous step sampled, not read by the engine yet (packing.py). Their rows
     # of token_ids / engram_row_ids / dead_mask hold placeholders the Worker replaces on the device.
     pending_rows: list[int] = field(default_factory=list)  # [P] packed rows whose token is still on the device

@@ -235,10 +235,18 @@ class StepPipeline:
         except Exception:
             self._rollback(launched)
             raise
+        self._commit_blocks(launched)
         self.trace.append(StepRecord.from_shape(launched.step_id, result.route, launched.batch.num_new_tokens,
                                                 launched.context_lens, len(launched.sampled), result.gpu_s,
                                                 result.idle_s))
         return self._postprocess(launched, result)
+
+    def _commit_blocks(self, launched: "Launched") -> None:
+        """Offer the prefix cache the full blocks this collected step computed, before its finished sequences give
+        their blocks back; sequences aborted or preempted since its launch hold no blocks of it any more."""
+        for seq, epoch, end in zip(launched.batch.seqs, launched.epochs, launched.context_lens):
+            if not seq.is_finished and seq.metrics.num_preemptions == epoch:
+                self.scheduler.blocks.commit(seq, end)
 
     def _rollback(self, launched: "Launched") -> None:
         """Undo what ``_launch`` advanced (a step that failed, or was dropped, computed nothing)."""

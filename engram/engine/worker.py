@@ -19,6 +19,7 @@ from engram.engine.lookup import LookupExecutor, staging_bytes
 from engram.engine.lookup_stream import LookupStream
 from engram.engine.memory import MemoryPlan, plan_memory, profile_peak_bytes
 from engram.engine.pending import PendingTokens
+from engram.engine.runners import conv_blocks
 from engram.engine.runners.base import StepRunner
 from engram.engine.runners.decode_inputs import DecodeInputs, graph_reserve_bytes
 from engram.engine.runners.eager import EagerRunner
@@ -82,6 +83,11 @@ class Worker:
                                      self.device)
         bytes_per_block = (v4_cache.bytes_per_token(self.model_config, dtype) * config.block_size if self.sequence_caches
                            else KVCache.for_model(self.model_config, 1, config.block_size, dtype, "meta").bytes_per_block())
+        # the paper variant keeps its conv inputs with each block for prefix-cache hits (runners/conv_blocks.py)
+        keeps_conv = (config.enable_prefix_caching and not self.sequence_caches and self.ecfg is not None
+                      and self.ecfg.variant == "paper")
+        if keeps_conv:
+            bytes_per_block += conv_blocks.bytes_per_block(self.ecfg, config.block_size, dtype)
         staging = staging_bytes(self.ecfg, config.max_num_batched_tokens, dtype) if self.ecfg else 0
         use_graphs = (not config.enforce_eager and not self.sequence_caches
                       and _graphs_supported(dtype, self.ecfg, self.device))
@@ -100,7 +106,9 @@ class Worker:
         else:
             self.kv = KVCache.for_model(self.model_config, self.memory.num_blocks + 1, config.block_size, dtype,
                                         self.device)
-            self.eager = EagerRunner(self.model, self.kv, self.lookup, self.device, dtype, self.ecfg)
+            conv = (conv_blocks.ConvBlockStore(self.ecfg, self.memory.num_blocks + 1, config.block_size, dtype,
+                                               self.device) if keeps_conv else None)
+            self.eager = EagerRunner(self.model, self.kv, self.lookup, self.device, dtype, self.ecfg, conv)
         graphs = self._graph_runners(max_model_len, progress) if use_graphs else []
         self.runners: list[StepRunner] = [*graphs, self.eager]
         self._last_ready: torch.cuda.Event | None = None  # the last launched step's ``sampled.ready``

@@ -1,7 +1,8 @@
 """The eager step runner: any step, its lookups staged by the lookup executor, then one forward of the model. ``run``
 uploads the step's CPU tensors (pinned, non-blocking), builds the attention layout from the host numbers (no read-back),
 serves the staged rows through ``engram_rows`` (checking the step) and returns logits [N, vocab]. The paper variant's
-conv state is kept here by sequence id: position 0 starts from zeros; ``free`` drops finished sequences' state."""
+conv state is kept here by sequence id: position 0 starts from zeros, a prefix-cache hit from the conv inputs kept with
+its blocks (``conv_blocks``); ``free`` drops finished sequences' state."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +10,7 @@ import torch
 from engram.config import EngramConfig
 from engram.engine.lookup import LookupExecutor, StagedRows
 from engram.engine.pending import PendingPatch
+from engram.engine.runners.conv_blocks import ConvBlockStore
 from engram.engine.runners.base import Forward, StepRunner
 from engram.engine.step import StepDescription
 from engram.model.inputs import StepInputs
@@ -24,8 +26,9 @@ class EagerRunner(StepRunner):
     name = "eager"
 
     def __init__(self, model, kv_cache, lookup: LookupExecutor, device: torch.device, dtype: torch.dtype,
-                 ecfg: EngramConfig | None):
+                 ecfg: EngramConfig | None, conv_blocks: ConvBlockStore | None = None):
         self.model = model
+        self.conv_blocks = conv_blocks  # paper variant with prefix caching: conv inputs kept with each KV block
         self.lookup = lookup
         self.kv = kv_cache
         self.device = torch.device(device)
@@ -52,6 +55,7 @@ class EagerRunner(StepRunner):
         dev = self.device
         cu_seqlens = to_device(step.cu_seqlens, dev)  # [S+1], shared by attention and the conv states
         conv = self._gather_conv_state(step, cu_seqlens)
+        tails = self._tap_block_tails(step, conv)  # [R] pool rows of the conv inputs kept with the blocks
         token_ids, dead_mask = self.tokens(step, patch)
         inputs = StepInputs(
             token_ids=token_ids,
@@ -72,6 +76,9 @@ class EagerRunner(StepRunner):
         logits = self.model.compute_logits(hidden[:n])  # [N, vocab] float32
         if conv is not None:
             self._scatter_conv_state(step, conv)
+            if tails is not None:
+                for lid, state in conv.items():
+                    self.conv_blocks.write(lid, state.tapped, tails)
         return logits
 
     def tokens(self, step: StepDescription, patch: PendingPatch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -106,8 +113,24 @@ class EagerRunner(StepRunner):
         if not self._conv_layers:
             return None
         fresh = {lid: ShortConvState.zeros(1, self.ecfg, self.dtype, self.device) for lid in self._conv_layers}
-        states = [fresh if start == 0 else self._conv[sid] for sid, start in zip(step.seq_ids, step.start_positions)]
+        if step.cached_starts and self.conv_blocks is None:
+            raise RuntimeError(f"step {step.step_id}: sequences start at prefix-cache hits but this Worker keeps no "
+                               "conv inputs with its blocks (prefix caching off here)")
+        cached = set(step.cached_starts)
+        states = [fresh if start == 0 else
+                  self.conv_blocks.history(step.block_tables[i], start) if i in cached else self._conv[sid]
+                  for i, (sid, start) in enumerate(zip(step.seq_ids, step.start_positions))]
         return {lid: ShortConvState.stack([s[lid] for s in states], cu_seqlens) for lid in self._conv_layers}
+
+    def _tap_block_tails(self, step: StepDescription, conv: dict[int, ShortConvState] | None) -> torch.Tensor | None:
+        """With ``conv_blocks``: ask each layer's call for the conv inputs of the step's tokens in the last rows of
+        their blocks -> those rows' places in the pool [R] (None: nothing to keep)."""
+        if conv is None or self.conv_blocks is None:
+            return None
+        rows, dest = self.conv_blocks.tail(step.slot_mapping)
+        for state in conv.values():
+            state.tap_rows = rows
+        return dest
 
     def _scatter_conv_state(self, step: StepDescription, conv: dict[int, ShortConvState]) -> None:
         per_layer = {lid: state.split() for lid, state in conv.items()}
