@@ -3,7 +3,8 @@ completions (prompts of exactly the drawn ``--input-len`` tokens of natural pros
 ignore_eos) against ``engram serve`` started on a free port (or ``--url``), at most ``--concurrency`` in flight, sent
 at ``--request-rate`` (Poisson; inf: all at once), after ``--warmup`` requests that are not measured. Reports output
 tok/s, TTFT / TPOT / ITL / e2e percentiles, errors, the engine's counters for the window (``GET /engram/steps``) and
-the serving roofline of the window's steps (serving_roofline.py), as JSON (``--out``) and tables."""
+the serving roofline of the window's steps (serving_roofline.py), as JSON (``--out``) and tables. ``--shared-prefix-len``
+puts one system prompt before every prompt and reports the prefix cache's hits (shared_prefix.py)."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +14,7 @@ import math
 import sys
 from pathlib import Path
 
+from engram.bench import shared_prefix
 from engram.bench.serve_workload import DEFAULT_CORPUS, DEFAULT_LENGTHS  # noqa: F401  (DEFAULT_CORPUS: others cite it)
 
 START_TIMEOUT_S = 900.0  # a large preset builds its tables and captures its graphs before /health answers
@@ -35,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", default=DEFAULT_LENGTHS, metavar="LO:HI", help="prompt tokens, uniform integers")
     p.add_argument("--output-len", default=DEFAULT_LENGTHS, metavar="LO:HI", help="output tokens, uniform integers")
     p.add_argument("--seed", type=int, default=0, help="draws the lengths, the corpus order and the arrivals")
+    shared_prefix.add_arguments(p)
     p.add_argument("--corpus", default=None, metavar="FILE",
                    help="request corpus whose prose the prompts are cut from (default: bench/corpus/natural-v1.jsonl)")
     g = p.add_argument_group("the server (passed to the one started; say what --url runs, for the roofline)")
@@ -74,6 +77,7 @@ def _workload(args: argparse.Namespace):
     output_len = LengthRange.parse(args.output_len, "--output-len")
     stream = token_stream(model_tokenizer(args.model, args.tokenizer), args.corpus, args.seed)
     requests = make_requests(stream, args.warmup + args.num_prompts, input_len, output_len, args.seed)
+    requests = shared_prefix.with_shared_prefix(stream, requests, args.shared_prefix_len)
     return stream, requests[:args.warmup], requests[args.warmup:], arrival_offsets(args.num_prompts,
                                                                                    args.request_rate, args.seed)
 
@@ -161,6 +165,8 @@ def run_bench(args: argparse.Namespace, url: str, warmup, measured, offsets) -> 
     result["records"] = records
     result["steps"] = after[0] if after else []
     result["counters"] = window_counters(after[0], before[1], after[1], wall) if after else {"skipped": reason}
+    result["prefix_cache"] = (shared_prefix.prefix_cache_window(before[1], after[1]) if after
+                              else {"skipped": reason})
     return result
 
 

@@ -38,6 +38,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_num_seqs: int = 64) -> 
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch step N+1 before reading step N (default: on for CUDA; with the disk tier or a "
                         "hot-row cache a launch waits for the tokens in flight)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks and Engram state of cached prompt prefixes (default: on)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="Worker processes, one tensor-parallel rank each (gloo on the CPU, one GPU a rank "
                         "over NCCL; docs/parallel.md)")
@@ -67,7 +69,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                 gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-                async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size)
+                async_scheduling=args.async_scheduling, enable_prefix_caching=args.enable_prefix_caching,
+                tensor_parallel_size=args.tensor_parallel_size)
 
 
 _ENGINE_OPTIONS = {"engine.max_num_seqs=": "--max-num-seqs=", "engine.max_num_batched_tokens=":

@@ -189,6 +189,13 @@ def build_app(build_llm: Callable[[], Any], model_name: str, tier: str, max_num_
     async def metrics_route():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """Forget every cached prefix block (vLLM's route; benchmarks start cold with it)."""
+        if not engine.ready.is_set():
+            return error_response({"status": "loading", "detail": engine.load_error}, 503)
+        return {"reset": True, "dropped_blocks": await engine.reset_prefix_cache()}
+
     @app.get("/engram/steps")
     async def steps(since: int = -1):
         """The engine's step records after step id ``since`` (engine/step_trace.py) and its counters: what

@@ -125,6 +125,16 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget the engine's cached prefix blocks, on the engine thread between steps -> how many it dropped."""
+        if not self.ready.is_set():
+            raise EngineNotReady(self.fatal_error or self.load_error or "the model is still loading")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._inbox.put(("reset_prefix_cache", lambda n: loop.call_soon_threadsafe(done.set_result, n)))
+        self._wake.set()
+        return await done
+
     # ----------------------------------------------------------------- engine thread
     def _deliver(self, request_id: str, item: Any) -> None:
         stream = self._streams.get(request_id)
@@ -142,7 +152,7 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_put_all, items)
 
     def _drain_inbox(self) -> bool:
-        """Hand queued adds and aborts to the engine; True if there were any."""
+        """Hand queued adds, aborts and prefix-cache resets to the engine; True if there were any."""
         seen = False
         while True:
             try:
@@ -153,6 +163,9 @@ class AsyncEngine:
             if msg[0] == "add":
                 for rid, prompt, params in msg[1]:
                     self._add(rid, prompt, params)
+            elif msg[0] == "reset_prefix_cache":
+                msg[1](self.engine.reset_prefix_cache())
+                self._report([])  # the gauges show the empty cache at once
             else:
                 self.engine.abort_request(msg[1])
 

@@ -63,9 +63,31 @@ class _SnapshotCollector:
         yield CounterMetricFamily("engram_lookup_exposed_seconds",
                                   "Seconds Engram layers of eager steps waited for their lookups (lookup_overlap)",
                                   value=snap.get("lookup_exposed_s", 0.0))
+        yield from _prefix_cache_families(snap.get("prefix_cache"))
         for key in TABLE_COUNTERS:
             fam = CounterMetricFamily(f"engram_table_{key}", f"Engram table {key} (cumulative)",
                                       labels=["layer", "tier"])
             for lid, stats in snap["tables"].items():
                 fam.add_metric([str(lid), self.m.tier], float(stats.get(key, 0)))
             yield fam
+
+
+PREFIX_CACHE_COUNTERS = {"queries": "Admissions that looked for a cached prefix",
+                         "queried_blocks": "Full prompt blocks admissions could have reused",
+                         "hit_blocks": "Blocks reused from the prefix cache",
+                         "queried_tokens": "Tokens admissions had to compute without the cache",
+                         "hit_tokens": "Tokens reused from the prefix cache instead of computed",
+                         "resets": "Prefix-cache resets (POST /reset_prefix_cache)"}
+
+
+def _prefix_cache_families(stats: dict | None):
+    """``engram_prefix_cache_*`` from the snapshot's ``prefix_cache`` entry (nothing before the first step)."""
+    if stats is None:
+        return
+    for key, doc in PREFIX_CACHE_COUNTERS.items():
+        yield CounterMetricFamily(f"engram_prefix_cache_{key}", doc, value=stats[key])
+    yield GaugeMetricFamily("engram_prefix_cache_cached_blocks", "KV blocks registered in the prefix cache",
+                            value=stats["cached_blocks"])
+    for unit in ("block", "token"):
+        yield GaugeMetricFamily(f"engram_prefix_cache_{unit}_hit_rate", f"Share of queried {unit}s found cached",
+                                value=stats[f"{unit}_hit_rate"])
