@@ -1,7 +1,7 @@
 """Running an engine's requests to completion in tests: ``drain(engine)`` steps until nothing is unfinished
 and returns each request's (token ids, [(logprob, top-k)] per token). ``engine_wrapping_lookup`` builds an
 engine whose Worker wraps its lookup executor (the Worker's ``wrap_lookup`` hook: one that records or fails
-steps)."""
+steps). ``preset_variant`` builds a preset's float64 CPU decoder with its Engram config changed."""
 from __future__ import annotations
 
 from typing import Callable
@@ -31,3 +31,25 @@ def engine_wrapping_lookup(loaded, config, wrap_lookup: Callable, device=None, d
     max_model_len = config.max_model_len or loaded.model_config.max_position_embeddings  # as LLMEngine's
     worker = Worker(loaded, config, max_model_len, device, dtype, wrap_lookup=wrap_lookup)
     return LLMEngine(loaded, config, device, dtype, executor=UniProcExecutor(worker))
+
+
+def preset_variant(preset: str, name: str, **engram_changes):
+    """A preset's decoder (float64, CPU, random weights of seed 0, its preset tables) with its Engram config changed,
+    e.g. the paper variant or DEAD ids, as a LoadedModel called ``name``."""
+    from tokenizers import Tokenizer
+
+    from engram.model.loader import LoadedModel, build_model
+    from engram.model.presets import TOKENIZER_FILE, init_random_weights, preset_config
+    from engram.model.tables import ensure_preset_tables, open_tables
+    from engram.tokenizer import CompressedTokenizer
+
+    cpu = torch.device("cpu")
+    base = preset_config(preset)
+    ecfg = base.engram.replace(**engram_changes)
+    cfg = base.replace(engram=ecfg)
+    model = build_model(cfg, torch.float64, cpu)
+    init_random_weights(model, 0)
+    tables = open_tables(ensure_preset_tables(ecfg, 0, progress=False), ecfg, "gpu", cpu)
+    return LoadedModel(model, cfg, ecfg, Tokenizer.from_file(str(TOKENIZER_FILE)),
+                       CompressedTokenizer.from_file(TOKENIZER_FILE), tables, cfg.eos_token_id, None, name,
+                       dtype=torch.float64, device=cpu)

@@ -11,7 +11,6 @@ import dataclasses
 
 import pytest
 import torch
-from tokenizers import Tokenizer
 
 from engram.engine.config import EngineConfig
 from engram.engine.engine import LLMEngine
@@ -19,10 +18,8 @@ from engram.engine.lookup import LookupExecutor, StagedRows
 from engram.engine.step import StepDescription
 from engram.engine.sampling_params import SamplingParams
 from engram.model.loader import LoadedModel, build_model, load_model
-from engram.model.presets import TOKENIZER_FILE, init_random_weights, preset_config
-from engram.model.tables import ensure_preset_tables, open_tables
+from engram.model.presets import init_random_weights
 from engram.store.options import StoreOptions
-from engram.tokenizer import CompressedTokenizer
 
 CPU = torch.device("cpu")
 F64 = torch.float64
@@ -36,15 +33,9 @@ def tiny() -> LoadedModel:
 
 def tiny_variant(**engram_changes) -> LoadedModel:
     """The tiny decoder (float64, CPU) with its Engram config changed, e.g. the paper variant or DEAD ids."""
-    base = preset_config("tiny")
-    ecfg = base.engram.replace(**engram_changes)
-    cfg = base.replace(engram=ecfg)
-    model = build_model(cfg, F64, CPU)
-    init_random_weights(model, 0)
-    tables = open_tables(ensure_preset_tables(ecfg, 0, progress=False), ecfg, "gpu", CPU)
-    return LoadedModel(model, cfg, ecfg, Tokenizer.from_file(str(TOKENIZER_FILE)),
-                       CompressedTokenizer.from_file(TOKENIZER_FILE), tables, cfg.eos_token_id, None, "tiny-variant",
-                       dtype=F64, device=CPU)
+    from tests.engine_runs import preset_variant
+
+    return preset_variant("tiny", "tiny-variant", **engram_changes)
 
 
 @pytest.fixture(scope="module")

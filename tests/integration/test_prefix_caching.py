@@ -10,18 +10,13 @@ import dataclasses
 
 import pytest
 import torch
-from tokenizers import Tokenizer
-
 from engram.engine.config import EngineConfig
 from engram.engine.engine import LLMEngine
 from engram.engine.runners.conv_blocks import ConvBlockStore
 from engram.engine.sampling_params import SamplingParams
 from engram.engine.sequence import Sequence
-from engram.model.loader import LoadedModel, build_model, load_model
-from engram.model.presets import TOKENIZER_FILE, init_random_weights, preset_config
-from engram.model.tables import ensure_preset_tables, open_tables
-from engram.tokenizer import CompressedTokenizer
-from tests.engine_runs import drain
+from engram.model.loader import LoadedModel, load_model
+from tests.engine_runs import drain, preset_variant
 
 CPU, F64 = torch.device("cpu"), torch.float64
 TOL = 1e-9
@@ -31,15 +26,7 @@ DEAD = 777
 
 def build(preset: str, **engram_changes) -> LoadedModel:
     """A preset's decoder (float64, CPU, random weights of seed 0) with its Engram config changed."""
-    base = preset_config(preset)
-    ecfg = base.engram.replace(**engram_changes)
-    cfg = base.replace(engram=ecfg)
-    model = build_model(cfg, F64, CPU)
-    init_random_weights(model, 0)
-    tables = open_tables(ensure_preset_tables(ecfg, 0, progress=False), ecfg, "gpu", CPU)
-    return LoadedModel(model, cfg, ecfg, Tokenizer.from_file(str(TOKENIZER_FILE)),
-                       CompressedTokenizer.from_file(TOKENIZER_FILE), tables, cfg.eos_token_id, None,
-                       f"{preset}-{engram_changes}", dtype=F64, device=CPU)
+    return preset_variant(preset, f"{preset}-{engram_changes}", **engram_changes)
 
 
 @pytest.fixture(scope="module")

@@ -138,3 +138,16 @@ def test_conv_pool_history_is_the_inputs_of_the_nine_positions_before_the_start(
         assert state[:, 0].tolist() == want
     with pytest.raises(RuntimeError, match="block boundary"):
         store.history(torch.from_numpy(table), block_size + 1)
+
+
+def test_deepseek_v4_refuses_prefix_caching_with_a_log_line(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from engram.engine.engine import _prefix_cache_root
+
+    v4 = SimpleNamespace(model_config=SimpleNamespace(architecture="deepseek_v4"))
+    with caplog.at_level(logging.INFO, logger="engram.engine.engine"):
+        assert _prefix_cache_root(v4, EngineConfig()) is None
+    assert "prefix caching is off" in caplog.text and "deepseek_v4" in caplog.text
+    assert _prefix_cache_root(v4, EngineConfig(enable_prefix_caching=False)) is None
