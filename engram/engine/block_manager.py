@@ -74,8 +74,9 @@ class BlockManager:
     # ----------------------------------------------------------------- prefix caching
     def lookup(self, seq: Sequence) -> list[int]:
         """The registered blocks of ``seq``'s longest cached block prefix (no side effects). At least the last token
-        is left to compute (its logits are needed), and only tokens the engine has read are keyed."""
-        if not self.enabled:
+        is left to compute (its logits are needed), and only tokens the engine has read are keyed. A request asking for
+        prompt logprobs computes its whole prompt (cached rows would never be scored), as in vLLM."""
+        if not self.enabled or seq.params.prompt_logprobs is not None:
             return []
         keys = extend_keys(seq.block_keys, seq.token_ids, self.block_size, self.root)
         limit = min(len(keys), (seq.num_scheduled_tokens - 1) // self.block_size)

@@ -210,3 +210,21 @@ def test_dropping_the_conv_state_at_a_cached_start_is_caught(tiny_paper, monkeyp
     got, _ = generate(tiny_paper, reqs, max_num_seqs=4)
     with pytest.raises(AssertionError):
         assert worst_gap(ref, got) <= TOL
+
+
+def test_prompt_logprobs_requests_compute_their_whole_prompt(tiny):
+    reqs = shared_prompts(32)[:2]
+    scored = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    outs = []
+    for enabled in (False, True):
+        engine = LLMEngine(tiny, EngineConfig(enable_prefix_caching=enabled), CPU, F64)
+        got = []
+        for i, r in enumerate(reqs):
+            engine.add_request(f"r{i}", r, scored)
+            while engine.has_unfinished():
+                got += [o.prompt_logprobs for o in engine.step() if o.finished]
+        outs.append(got)
+        assert engine.stats()["prefix_cache"]["hit_blocks"] == 0
+    for a, b, r in zip(*outs, reqs):
+        assert len(a) == len(b) == len(r) and a[0] is None
+        assert all(abs(x.logprob - y.logprob) <= TOL for x, y in zip(a[1:], b[1:]))
