@@ -24,6 +24,7 @@ from engram.store.build import RowChunks, build_table
 from engram.store.load import load_table
 from engram.store.options import StoreOptions
 from engram.store.placement import place_table
+from engram.store.shared_preflight import check_shared
 from engram.store.upgrade import add_checksums
 from engram.tokenizer import cache_root as tokenizer_cache_root
 from engram.store import open_table
@@ -107,6 +108,8 @@ def open_random_tables(cfg: EngramConfig, seed: int, tier: str = "gpu", device=N
                        progress: bool = True) -> dict[int, Any]:
     """Every Engram layer's ``open_random_table``; ``options`` as for ``open_tables``."""
     opts = options if isinstance(options, StoreOptions) else StoreOptions.from_dict(options)
+    if opts.shared_memory:  # every layer's shared copy must fit before the first is built
+        check_shared([random_manifest(cfg, lid, seed) for lid in cfg.layer_ids], tier, opts)
     return {lid: open_random_table(cfg, lid, seed, tier, device, opts, progress) for lid in cfg.layer_ids}
 
 
@@ -134,6 +137,8 @@ def open_tables(dirs: dict[int, Path], cfg: EngramConfig, tier: str = "gpu", dev
                 options: StoreOptions | Mapping[str, Any] | None = None) -> dict[int, Any]:
     """Open each layer's table on ``tier`` with the same ``options`` (validated first), fingerprint checked."""
     opts = options if isinstance(options, StoreOptions) else StoreOptions.from_dict(options)
+    if opts.shared_memory:  # every layer's shared copy must fit before the first is loaded
+        check_shared([read_manifest(d) for d in dirs.values()], tier, opts)
     return {lid: open_table(d, tier=tier, device=device, expect=cfg.fingerprint(lid), options=opts)
             for lid, d in dirs.items()}
 

@@ -11,8 +11,9 @@ import numpy as np
 import torch
 
 from engram.store.format import TableManifest
-from engram.store.load import (DEVICE_WINDOW, LAYOUTS, LOAD_THREADS, _bar, _check_threads, _host_buffer,
-                               _through_windows, packed_row_bytes)
+from engram.store.load import (DEVICE_WINDOW, LAYOUTS, LOAD_THREADS, HostTarget, _bar, _check_threads,
+                               _host_buffer, _through_windows, is_host_target, packed_row_bytes)
+from engram.store.shared_host import made_with
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class RowChunks:
     make: Callable[[int], "tuple[torch.Tensor, torch.Tensor | None]"]
 
 
-def build_table(m: TableManifest, chunks: RowChunks, target: str | torch.device = "ram", layout: str = "split",
+def build_table(m: TableManifest, chunks: RowChunks, target: HostTarget | torch.device = "ram", layout: str = "split",
                 progress: bool = False, threads: int = LOAD_THREADS) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``load_table(m, target, layout=layout)``'s result with the bytes made by ``chunks`` (no file read or written;
     padding zero, as in the files): host targets filled in one pass then pinned once, a device through two pinned
@@ -35,7 +36,7 @@ def build_table(m: TableManifest, chunks: RowChunks, target: str | torch.device 
     if chunks.rows < 1:
         raise ValueError(f"chunks.rows={chunks.rows} must be >= 1")
     packed = layout == "packed" and m.scale_cols > 0
-    if packed and target not in ("ram", "pinned"):
+    if packed and not is_host_target(target):
         raise ValueError(f"target={target!r}: the packed layout is built in host memory ('ram' or 'pinned')")
     bar = _bar(progress, m.rows * (m.value_bytes + m.scale_cols), f"build {m.path.name}", tty_only=True)
     try:
@@ -43,7 +44,7 @@ def build_table(m: TableManifest, chunks: RowChunks, target: str | torch.device 
             def fill(views: tuple, r0: int, r1: int) -> None:
                 _fill_rows(pool, chunks, m, views, r0, r1, bar)
 
-            if target in ("ram", "pinned"):
+            if is_host_target(target):
                 return _build_host(m, target, packed, fill)
             return _build_device(m, torch.device(target), chunks.rows, fill)
     finally:
@@ -85,7 +86,7 @@ def _fill_rows(pool: ThreadPoolExecutor, chunks: RowChunks, m: TableManifest, vi
         fut.result()
 
 
-def _build_host(m: TableManifest, target: str, packed: bool, fill: Callable[[tuple, int, int], None]):
+def _build_host(m: TableManifest, target: HostTarget, packed: bool, fill: Callable[[tuple, int, int], None]):
     """``build_table`` into host memory: (values, scales) in the packed or split layout."""
     rows, vb, sc = m.rows, m.value_bytes, m.scale_cols
     if packed:
@@ -95,7 +96,7 @@ def _build_host(m: TableManifest, target: str, packed: bool, fill: Callable[[tup
             p = dst.view(rows, stride)
             fill((p[:, :vb], p[:, vb:vb + sc], p[:, vb + sc:]), 0, rows)
 
-        buf = _host_buffer(rows * stride, target, fill_packed_rows).view(rows, stride)  # [rows, S]
+        buf = _host_buffer(rows * stride, target, fill_packed_rows, "packed").view(rows, stride)  # [rows, S]
         return buf[:, :vb], buf[:, vb:vb + sc]
     stride = m.row_stride
     scales: list[torch.Tensor] = []
@@ -107,9 +108,11 @@ def _build_host(m: TableManifest, target: str, packed: bool, fill: Callable[[tup
             return
         # the scales are a second buffer, filled (and pinned) inside the values' fill: one pass over the chunks
         scales.append(_host_buffer(rows * sc, target, lambda s: fill((v[:, :vb], s.view(rows, sc), v[:, vb:]),
-                                                                     0, rows)))
+                                                                     0, rows), "scales"))
 
-    values = _host_buffer(rows * stride, target, fill_split).view(rows, stride)
+    values = _host_buffer(rows * stride, target, fill_split, "values").view(rows, stride)
+    if sc and not scales:  # a shared values segment that existed: its scales were made inside its fill, before it
+        scales.append(_host_buffer(rows * sc, target, made_with(target, "scales", "values"), "scales"))
     return values, (scales[0].view(rows, sc) if sc else None)
 
 

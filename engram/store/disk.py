@@ -1,4 +1,5 @@
-"""Disk tier: value rows stay in ``values.bin`` and are read on demand; scales and page CRCs stay in RAM.
+"""Disk tier: value rows stay in ``values.bin`` and are read on demand; scales and page CRCs stay in RAM (with
+``shared_memory``, the node's one copy: store/shared_host.py).
 
 A lookup dedupes its ids, reads the distinct 4 KiB pages (``PageReader``), checks each against its CRC32C (a
 corrupt page raises CorruptPageError naming file and offset and never reaches the cache) and decodes through
@@ -30,6 +31,7 @@ from engram.store.disk_slabs import SlabReader, check_fits, uva_decodes
 from engram.store.page_slabs import PageSlab, SlabPool
 from engram.store.reader import PAGE, PageReader, aligned_pages
 from engram.store.scrub import Scrubber
+from engram.store.shared_host import shared_target
 from engram.store.kernels import uva
 
 
@@ -48,11 +50,13 @@ class DiskTable(TableBackend):
         self.page = manifest.page_size
         if self.page % PAGE:
             raise ValueError(f"{manifest.path}: page_size={self.page} is not a multiple of the reader's {PAGE}")
-        self.pages = PageChecker(manifest, self.options.advanced.verify)  # page CRCs, resident (refuses format 1)
+        # resident copies in RAM, or (shared_memory) the node's one copy that every process opening the table maps
+        resident = shared_target(manifest, self.options.advanced.shm_dir) if self.options.shared_memory else "ram"
+        verify = self.options.advanced.verify
+        self.pages = PageChecker(manifest, verify, resident)  # page CRCs, resident (refuses format 1)
         self.reader = PageReader(manifest.values_path, io=self.options.io, queue_depth=self.options.queue_depth)
         # uint8 [rows, scale_cols] resident (CRC-checked while read, like the gpu/host tiers' loads), or None
-        verify = self.options.advanced.verify
-        self.scales = (load_file(manifest, "scales", "ram", verify).view(self.rows, self.scale_cols)
+        self.scales = (load_file(manifest, "scales", resident, verify).view(self.rows, self.scale_cols)
                        if "scales" in manifest.files else None)
         self._scales_np = self.scales.numpy() if self.scales is not None else None
         # one-read lookups (_gather_direct): pinned on CUDA, where the decode kernel reads them over UVA

@@ -1,5 +1,5 @@
 """The ``host`` tier: the table in pinned host memory when CUDA exists (plain RAM otherwise), rows returned on
-``device``.
+``device``; with ``shared_memory`` the node's one copy (store/shared_host.py), mapped and registered here.
 
 Uncached, a lookup is one kernel call along the table's ``HostRoute`` (engram.store.host_route: a UVA route with CUDA,
 never waiting for the GPU; the torch reference without). With a ``cache`` only the misses cross PCIe, through
@@ -18,6 +18,7 @@ from engram.store.gpu import default_device
 from engram.store.host_route import HostRoute
 from engram.store.kernels.staged import row_sources
 from engram.store.options import StoreOptions
+from engram.store.shared_host import shared_target
 
 STAGING_MIN_ROWS = 1024  # the smallest staging buffer, in rows; it grows to the next power of two on demand
 
@@ -85,7 +86,9 @@ class HostTable(ResidentTable):
         super().__init__(manifest, default_device(device), cache, options)
         layout = self.options.advanced.host_layout
         self.layout = layout if self.scale_cols else "split"  # one buffer either way without scales
-        self.values, self.scales = self._storage("pinned", layout, progress, build)
+        # one copy per node (shared_memory): a segment of the node's tmpfs that every process opening the table maps
+        target = shared_target(manifest, self.options.advanced.shm_dir) if self.options.shared_memory else "pinned"
+        self.values, self.scales = self._storage(target, layout, progress, build)
         # values uint8 [rows, >= value_bytes], scales uint8 [rows, scale_cols] | None, both in host memory
         adv = self.options.advanced
         self.route = HostRoute.decide(self.values, self.device, adv.route_bands, adv.uva_max_programs,

@@ -19,6 +19,7 @@ from engram.store.crc32c import crc32c_pages
 from engram.store.format import TableFormatError, TableManifest, check_file_size, checksum_error
 from engram.store.page_crc import CorruptPageError, page_error
 from engram.store.pinning import pinned_empty_filled
+from engram.store.shared_host import SharedTarget, shared_buffer
 
 LOAD_THREADS = 8
 LAYOUTS = ("split", "packed")
@@ -170,8 +171,19 @@ def _fill(fills: list[_FileFill], verify: bool, threads: int, bar) -> None:
             os.close(fd)
 
 
-def _host_buffer(nbytes: int, target: str, fill: Callable[[torch.Tensor], None]) -> torch.Tensor:
-    """uint8 [nbytes] in RAM or pinned memory, written by ``fill`` before it is pinned."""
+HostTarget = "str | SharedTarget"  # "ram", "pinned", or one copy per node (shared_host.py)
+
+
+def is_host_target(target) -> bool:
+    """Whether ``target`` is host memory: "ram", "pinned" or a SharedTarget."""
+    return isinstance(target, SharedTarget) or target in ("ram", "pinned")
+
+
+def _host_buffer(nbytes: int, target: HostTarget, fill: Callable[[torch.Tensor], None], part: str) -> torch.Tensor:
+    """uint8 [nbytes] in RAM, pinned memory or (a SharedTarget) segment ``part`` of the node's shared copy, written by
+    ``fill`` before it is pinned (a shared segment that exists already is mapped, and ``fill`` is not called)."""
+    if isinstance(target, SharedTarget):
+        return shared_buffer(target, part, nbytes, fill)
     if target == "pinned":
         return pinned_empty_filled(nbytes, fill)
     out = torch.empty(nbytes, dtype=torch.uint8)
@@ -184,7 +196,7 @@ def _check_threads(threads: int) -> None:
         raise ValueError(f"threads={threads} must be >= 1")
 
 
-def load_file(m: TableManifest, kind: str, target: str | torch.device = "ram", verify: bool = True,
+def load_file(m: TableManifest, kind: str, target: HostTarget | torch.device = "ram", verify: bool = True,
               progress: bool = False, threads: int = LOAD_THREADS) -> torch.Tensor:
     """Data file ``kind`` ("values" | "scales") as uint8 [file bytes] on ``target`` (host: ``threads`` workers)."""
     _check_threads(threads)
@@ -193,9 +205,9 @@ def load_file(m: TableManifest, kind: str, target: str | torch.device = "ram", v
     check_file_size(path, entry.bytes)
     bar = _bar(progress, entry.bytes, f"load {m.path.name}/{entry.name}")
     try:
-        if target in ("ram", "pinned"):
+        if is_host_target(target):
             return _host_buffer(entry.bytes, target,
-                                lambda dst: _fill([_FileFill(m, kind, flat=dst)], verify, threads, bar))
+                                lambda dst: _fill([_FileFill(m, kind, flat=dst)], verify, threads, bar), kind)
         return _load_to_device(m, kind, torch.device(target), verify, bar, threads)
     finally:
         if bar is not None:
@@ -267,7 +279,7 @@ def fill_packed(m: TableManifest, dst: torch.Tensor, verify: bool = True, thread
            _FileFill(m, "scales", rows_dst=packed[:, vb:vb + sc], fstride=sc)], verify, threads, bar)
 
 
-def load_packed(m: TableManifest, target: str = "pinned", verify: bool = True, progress: bool = False,
+def load_packed(m: TableManifest, target: HostTarget = "pinned", verify: bool = True, progress: bool = False,
                 threads: int = LOAD_THREADS) -> torch.Tensor:
     """An MXFP8 table as one host buffer uint8 [rows, S], S = ``packed_row_bytes`` (272 for V4.1)::
 
@@ -275,23 +287,23 @@ def load_packed(m: TableManifest, target: str = "pinned", verify: bool = True, p
                0                          value_bytes               +scale_cols  S
 
     A row's values and scales then usually share one page, which is what a UVA gather pays for. Pinned when ``target``
-    is "pinned" and CUDA exists, RAM otherwise."""
+    is "pinned" and CUDA exists, the node's shared copy for a SharedTarget, RAM otherwise."""
     if not m.scale_cols:
         raise ValueError(f"layout='packed' needs an mxfp8 table with scales; {m.path} is {m.row_dtype}")
-    if target not in ("ram", "pinned"):
+    if not is_host_target(target):
         raise ValueError(f"target={target!r}: the packed layout is built in host memory ('ram' or 'pinned')")
     _check_threads(threads)
     stride = packed_row_bytes(m.value_bytes, m.scale_cols)
     bar = _bar(progress, sum(m.files[k].bytes for k in ("values", "scales")), f"load {m.path.name} (packed)")
     try:
         return _host_buffer(m.rows * stride, target,
-                            lambda dst: fill_packed(m, dst, verify, threads, bar)).view(m.rows, stride)
+                            lambda dst: fill_packed(m, dst, verify, threads, bar), "packed").view(m.rows, stride)
     finally:
         if bar is not None:
             bar.close()
 
 
-def load_table(m: TableManifest, target: str | torch.device = "ram", verify: bool = True,
+def load_table(m: TableManifest, target: HostTarget | torch.device = "ram", verify: bool = True,
                progress: bool = False, layout: str = "split",
                threads: int = LOAD_THREADS) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(values uint8 [rows, >= value_bytes], scales | None) on ``target``: "split", one buffer per file; "packed" (MXFP8

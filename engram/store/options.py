@@ -45,6 +45,7 @@ class AdvancedOptions:
     check_memory: bool = True  # memory preflight before loading
     check_device_ids: bool = False  # range-check ids that arrive on the device (a host sync per lookup)
     count_unique: bool = False  # count distinct ids on the resident tiers (a device sort per lookup)
+    shm_dir: str = "/dev/shm"  # shared_memory: the tmpfs directory of the node's one copy (store/shared_host.py)
 
     KEYS: ClassVar[tuple[str, ...]]
 
@@ -55,6 +56,9 @@ class AdvancedOptions:
                          ("sorted_min_rows", self.staged_min_rows), ("staged_chunk_rows", 1),
                          ("uva_max_programs", 0), ("uva_tiles_per_program", 1), ("load_threads", 1)):
             _in_range(self, name, lo, where=".advanced")
+        if not self.shm_dir.startswith("/"):
+            raise ValueError(f"{PREFIX}.advanced.shm_dir={self.shm_dir!r}: must be an absolute path (a tmpfs "
+                             "directory such as /dev/shm)")
 
     @property
     def route_bands(self) -> RouteBands:
@@ -71,6 +75,9 @@ class StoreOptions:
     cache_policy: str = "lru"  # "lru" / "lfu" (LFU with aging resists scans of cold rows)
     io: str = "direct"  # disk tier: "direct" (O_DIRECT, bypasses the page cache) / "buffered" (page cache)
     queue_depth: int = 64  # disk tier: preads in flight per batched read
+    # one copy per node: the host tier's rows (the disk tier's resident scales and page CRCs) in a shm_dir segment
+    # that the first process creates and every process opening the same table maps (data-parallel replicas: on)
+    shared_memory: bool = False
     advanced: AdvancedOptions = field(default_factory=AdvancedOptions)  # tuning knobs (docs/store.md)
 
     KEYS: ClassVar[tuple[str, ...]]

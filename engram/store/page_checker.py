@@ -1,24 +1,24 @@
 """``PageChecker``: a table's page CRCs held in RAM (the disk tier) and the check of the pages a read returned
-(the sidecar's format: page_crc.py)."""
+(the sidecar's format: page_crc.py); ``target``: "ram", or the node's shared copy (shared_host.py)."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
 from engram.store.format import TableManifest
-from engram.store.load import load_file
+from engram.store.load import HostTarget, load_file
 from engram.store.page_crc import bad_pages, missing_page_crcs_error, page_error
 
 
 class PageChecker:
     """The page CRCs of one table (uint32 [pages], resident) and the check of the pages a read returned."""
 
-    def __init__(self, m: TableManifest, verify: bool = True) -> None:
+    def __init__(self, m: TableManifest, verify: bool = True, target: HostTarget = "ram") -> None:
         if not m.has_page_crcs:
             raise missing_page_crcs_error(m)
         self.path = m.values_path
         self.page_size = m.page_size
-        raw = load_file(m, "page_crc", "ram", verify)  # uint8 [pages * 4], its chunk CRC32s checked
+        raw = load_file(m, "page_crc", target, verify)  # uint8 [pages * 4], its chunk CRC32s checked
         self.crcs = raw.numpy().view("<u4").astype(np.uint32, copy=False)  # [pages]
 
     @property

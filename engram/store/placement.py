@@ -21,6 +21,7 @@ from engram.store.format import check_fingerprint, read_manifest
 from engram.store.gpu import default_device
 from engram.store.options import StoreOptions
 from engram.store.preflight import preflight
+from engram.store.shared_preflight import check_shared
 from engram.store.disk import DiskTable
 from engram.store.gpu import GpuTable
 from engram.store.host import HostTable
@@ -67,9 +68,11 @@ def place_table(m, tier: Tier, device, opts: StoreOptions, progress: bool = True
         raise ValueError(f"engram_config.cache_rows={cache_rows}: the gpu tier holds the whole table and takes no "
                          "cache; caches go in front of tier='host' or 'disk'")
     dev = default_device(device)
+    mapped = check_shared([m], tier, opts) if opts.shared_memory else 0  # room for the node's copy, else an error
     if opts.advanced.check_memory:
         adv = opts.advanced
-        preflight(m, tier.value, dev, cache_rows, host_layout=adv.host_layout, chunk_pages=adv.chunk_pages)
+        preflight(m, tier.value, dev, cache_rows, host_layout=adv.host_layout, chunk_pages=adv.chunk_pages,
+                  mapped_bytes=mapped)
     cache = (RowCache(min(cache_rows, m.rows), m.value_bytes, m.scale_cols, policy=opts.cache_policy,
                       ways=opts.advanced.cache_ways, device=dev) if cache_rows else None)
     if tier is Tier.GPU:

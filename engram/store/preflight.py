@@ -11,6 +11,7 @@ import torch
 from engram.store.cache import RowCache
 from engram.store.format import TableManifest
 from engram.store.load import packed_row_bytes
+from engram.store.sizes import fmt_bytes
 
 GiB = 1 << 30
 HEADROOM_FRACTION = 0.10  # of RAM left for the process itself, the page cache and the OS
@@ -19,13 +20,6 @@ DEVICE_HEADROOM_FRACTION = 0.05  # of free device memory left for activations, a
 
 class MemoryPreflightError(MemoryError):
     """A table would not fit where it was asked to go; the message says the sizes and what would fit."""
-
-
-def fmt_bytes(n: int) -> str:
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
 
 
 @dataclass
@@ -168,10 +162,15 @@ def _shortfalls(need: MemoryNeed, budget: MemoryBudget) -> list[str]:
 
 
 def preflight(m: TableManifest, tier: str, device: torch.device, cache_rows: int = 0,
-              budget: MemoryBudget | None = None, host_layout: str = "packed", chunk_pages: int = 2048) -> MemoryNeed:
-    """Raise MemoryPreflightError when ``m`` does not fit on ``tier``; return the need when it does."""
+              budget: MemoryBudget | None = None, host_layout: str = "packed", chunk_pages: int = 2048,
+              mapped_bytes: int = 0) -> MemoryNeed:
+    """Raise MemoryPreflightError when ``m`` does not fit on ``tier``; return the need when it does. ``mapped_bytes``:
+    host bytes mapped from the node's shared copy that another process made (shared_preflight.py), not counted."""
     budget = budget if budget is not None else machine_budget(device)
     need = memory_need(m, tier, device, cache_rows, host_layout, chunk_pages)
+    if mapped_bytes:
+        pinned = min(need.pinned, mapped_bytes)
+        need.pinned, need.ram = need.pinned - pinned, max(0, need.ram - (mapped_bytes - pinned))
     short = _shortfalls(need, budget)
     if not short:
         return need

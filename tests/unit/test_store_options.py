@@ -49,7 +49,8 @@ def test_a_tuning_knob_at_the_top_level_is_refused_with_where_it_goes():
         StoreOptions.from_dict({"load_threads": 4})
     with pytest.raises(ValueError, match=r"engram_config.advanced has unknown key\(s\) \['io'\]"):
         StoreOptions.from_dict({"advanced": {"io": "buffered"}})
-    assert StoreOptions.KEYS == ("cache_rows", "cache_bytes", "cache_policy", "io", "queue_depth", "advanced")
+    assert StoreOptions.KEYS == ("cache_rows", "cache_bytes", "cache_policy", "io", "queue_depth", "shared_memory",
+                                 "advanced")
 
 
 def test_unknown_keys_are_listed_with_the_known_ones():
