@@ -18,6 +18,7 @@ from engram.engine.executor import Executor, UniProcExecutor
 from engram.engine.outputs import CompletionOutput, RequestOutput
 from engram.engine.planner import LookupPlanner
 from engram.engine.prefix_cache import content_key
+from engram.engine.request_check import check_request
 from engram.engine.sampling_params import SamplingParams
 from engram.engine.scheduler import Scheduler
 from engram.engine.sequence import Sequence
@@ -74,21 +75,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already running")
-        params = params or SamplingParams()
-        if params.n != 1:
-            raise ValueError(f"request {request_id!r}: SamplingParams.n={params.n}: the engine runs one sequence per "
-                             f"request; LLM.generate and the server fan n > 1 out into n requests")
-        text, ids = (prompt, self.tokenizer.encode(prompt).ids) if isinstance(prompt, str) else (None, list(prompt))
-        if not ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        vocab = self.tokenizer.get_vocab_size()
-        for name, toks in (("token id", ids), ("forced_token_ids", params.forced_token_ids or [])):
-            bad = [t for t in toks if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"request {request_id!r}: {name} {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens leaves no room to generate "
-                             f"under max_model_len={self.max_model_len}")
+        text, ids, params = check_request(request_id, prompt, params, self.tokenizer, self.max_model_len)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_list, params.skip_special_tokens,
                                        params.include_stop_str_in_output)
         seq = Sequence(next(self._seq_ids), request_id, text, ids, self._compress(ids), params, detok,

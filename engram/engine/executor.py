@@ -16,6 +16,16 @@ class ExecutorFailed(RuntimeError):
     request in flight and stop, not retry (the server exits non-zero)."""
 
 
+def executor_failed(error: BaseException | None) -> bool:
+    """Whether ``error`` is, or was raised from, an ExecutorFailed."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, ExecutorFailed):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
 class Executor:
     """The engine's view of its Workers."""
 

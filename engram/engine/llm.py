@@ -10,6 +10,7 @@ from typing import Any, Iterable
 import torch
 
 from engram.engine.config import EngineConfig
+from engram.engine.data_parallel import data_parallel_engine
 from engram.engine.engine import LLMEngine
 from engram.engine.multiproc import MultiprocExecutor, free_port
 from engram.engine.tp_rank import make_rank_spec
@@ -34,6 +35,13 @@ class LLM:
                              f"{torch.cuda.device_count()}")
         self.options = RuntimeOptions.from_dict(engram_config)  # bad keys fail before loading
         self.tier = self.options.tier(tier)
+        if engine_config.data_parallel_size > 1:  # replicas in processes of their own; this one routes
+            self.loaded = load_model(model, tier=self.tier, dtype=self.dtype, device="cpu", engram_config=self.options,
+                                     cache_dir=cache_dir)
+            self.engine = data_parallel_engine(str(model), self.tier, dtype, engram_config, self.device, cache_dir,
+                                               engine_config, self.loaded.tokenizer)
+            self._request_ids = itertools.count()
+            return
         # with ranks, this process needs the config and tokenizers only: its copy of the weights stays in RAM
         self.loaded = load_model(model, tier=self.tier, dtype=self.dtype, device=self.device if n == 1 else "cpu",
                                  engram_config=self.options, cache_dir=cache_dir)

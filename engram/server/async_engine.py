@@ -17,7 +17,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from engram.engine.executor import ExecutorFailed
+from engram.engine.executor import executor_failed
 
 log = logging.getLogger("engram.server")
 
@@ -221,7 +221,7 @@ class AsyncEngine:
     def _fail_step(self, error: Exception) -> None:
         """Fail ``error.request_ids`` (every request when it does not say) and deliver ``error.outputs``, the
         requests that advanced anyway; the engine goes on, unless its executor failed (``_stop_engine``)."""
-        if _executor_failed(error):
+        if executor_failed(error):
             self._stop_engine(error)
             return
         ids = list(getattr(error, "request_ids", None) or list(self._streams))
@@ -244,16 +244,6 @@ class AsyncEngine:
             self._deliver(rid, RequestFailed(f"request failed in the engine: {error}"))
         if self._on_fatal is not None:
             self._on_fatal(self.fatal_error)
-
-
-def _executor_failed(error: BaseException | None) -> bool:
-    """Whether ``error`` is, or was raised from, an ExecutorFailed."""
-    seen = 0
-    while error is not None and seen < 8:
-        if isinstance(error, ExecutorFailed):
-            return True
-        error, seen = error.__cause__ or error.__context__, seen + 1
-    return False
 
 
 def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:

@@ -10,15 +10,16 @@ A segment is named by the table's content (``table_key``: geometry, fingerprint,
     header: magic "ENGRAMSH" | version u32 | header bytes u32 | data bytes u64 | key | part | creator pid u64 |
             created (ns) u64 | CRC32 of all the preceding header bytes u32
 
-Creation runs under an exclusive ``flock`` on ``<name>.lock``: leftover ``<name>.tmp-*`` files (a creator that was
+Creation runs under an exclusive ``flock`` on the directory's ``engram-shared.lock``: leftover ``<name>.tmp-*`` files (a creator that was
 killed) are removed, a new one is allocated to its full size (no space is a clear error, never a SIGBUS while
 filling), mapped shared, filled by the loader (which CRC-checks what it reads), its header written last, then renamed
 to ``<name>``: the final name only ever holds a whole segment, and a mapper checks the header (magic, version, CRC,
 key, part, size) before it uses one. Every mapper holds a shared ``flock`` on the segment while mapped; the last one to
-let go (an exclusive lock then succeeds) unlinks it. The ``.lock`` files stay (empty; deleting a lock file others
-may hold open would let two creators in at once)."""
+let go (an exclusive lock then succeeds) unlinks it. The lock file stays (empty; deleting a lock file others may
+hold open would let two creators in at once)."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -33,7 +34,7 @@ import weakref
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -48,7 +49,9 @@ HEADER_BYTES = 4096  # one page: the data starts page-aligned, as cudaHostRegist
 _HEAD = struct.Struct("<8sIIQ32s16sQQ")  # magic, version, header bytes, data bytes, key, part, creator pid, created ns
 _CRC = struct.Struct("<I")
 PARTS = ("packed", "values", "scales", "page_crc")
+LOCK_NAME = "engram-shared.lock"  # one per directory: creating, attaching and unlinking segments hold it
 _REGISTER_FLAGS = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped: every context, kernel-addressable
+_HELD = threading.local()  # the creation locks this thread holds, by directory (_creation_lock)
 _STATS_LOCK = threading.Lock()
 _STATS = {"created": 0, "mapped": 0, "created_bytes": 0, "mapped_bytes": 0}
 
@@ -131,9 +134,7 @@ def shared_buffer(target: SharedTarget, part: str, nbytes: int, fill: Callable[[
         return dst
     path = segment_path(target, part)
     _statvfs(target.directory)  # a missing directory is named before any file is tried
-    lock = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one creator per segment; mappers wait for it
+    with _creation_lock(path.parent):  # one creator at a time; mappers wait for it
         fd, creator = _open_whole(path, target, part, nbytes)
         created = fd is None
         if created:
@@ -143,8 +144,6 @@ def shared_buffer(target: SharedTarget, part: str, nbytes: int, fill: Callable[[
         # outlive _release (a view still exported at exit), which must not keep the lock.
         held = os.open(path, os.O_RDONLY)
         fcntl.flock(held, fcntl.LOCK_SH)
-    finally:
-        os.close(lock)  # drops the creation lock
     mapped = _map(fd, held, path, nbytes)
     how = "created" if created else f"mapped (created by pid {creator})"
     _log.info("%s %s: %s %s, %s in pid %d", target.label, part, how, path, fmt_bytes(nbytes), os.getpid())
@@ -161,6 +160,31 @@ def made_with(target: SharedTarget, part: str, beside: str) -> Callable[[torch.T
         raise SharedMemoryError(f"{segment_path(target, beside)} exists without {segment_path(target, part)}, which "
                                 "is made with it; remove it (no process may map it) and start again")
     return fill
+
+
+@contextlib.contextmanager
+def _creation_lock(directory: Path) -> Iterator[None]:
+    """The directory's exclusive creation lock (flock on LOCK_NAME, made on first use and never removed); re-entrant
+    in a thread, as a split table's fill makes its scales segment inside its values segment's."""
+    held = _HELD.__dict__.setdefault("depth", {})
+    key = str(directory)
+    if held.get(key):
+        held[key] += 1
+        try:
+            yield
+        finally:
+            held[key] -= 1
+        return
+    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        held[key] = 1
+        try:
+            yield
+        finally:
+            held[key] = 0
+    finally:
+        os.close(fd)  # drops the lock
 
 
 def _header(target: SharedTarget, part: str, nbytes: int) -> bytes:
@@ -296,12 +320,9 @@ def _release(ptr: int | None, region: mmap.mmap, held: int, path: Path, nbytes: 
     except BufferError:  # a view still exported (at exit): the map goes with the process
         pass
     os.close(held)
-    try:
-        lock = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError:  # the directory is gone: nothing to unlink
+    if not path.parent.is_dir():  # the directory is gone: nothing to unlink
         return
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # no mapper attaches meanwhile
+    with _creation_lock(path.parent):  # no mapper attaches meanwhile
         try:
             seg = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -314,5 +335,3 @@ def _release(ptr: int | None, region: mmap.mmap, held: int, path: Path, nbytes: 
             os.close(seg)
         path.unlink(missing_ok=True)
         _log.info("%s: unlinked (no process maps it)", path)
-    finally:
-        os.close(lock)

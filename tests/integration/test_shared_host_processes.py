@@ -139,7 +139,7 @@ def test_two_processes_grow_the_node_by_one_table_not_two(table, shm):
     # each process grows by a few MB besides the table (thread pools, buffers), shared or not
     assert 0.9 * size < shared < 1.25 * size, (shared, size)
     assert private > 1.9 * size, (private, size)
-    assert 0.9 * size < private - shared < 1.1 * size, (private - shared, size)  # sharing saves one whole copy
+    assert 0.9 * size < private - shared < 1.2 * size, (private - shared, size)  # sharing saves one whole copy
     assert not [p for p in shm.iterdir() if not p.name.endswith(".lock")]  # the last one out unlinked it
 
 
