@@ -5,16 +5,16 @@ checked first: a bad one exits with status 2 before the port opens. Then the por
 an address that is not this machine's, exits with status 3) and the model loads on the engine thread while
 the port is open, so /health answers 503 until it is ready. If it fails to load (an unknown model, a device
 that is not there, a --max-model-len the model cannot take, ...) the server prints the reason and exits
-with status 1, so a supervisor sees the failure and can restart it; a tensor-parallel rank that dies once serving
-fails the requests in flight and the server exits with status 4. SIGTERM (or Ctrl-C) stops accepting
-connections, answers requests still sending their body with 503, lets in-flight generations finish for up
-to --timeout-graceful-shutdown seconds (then cancels them), and exits by that signal. Slow clients are cut
+with status 1, so a supervisor sees the failure and can restart it; a tensor-parallel rank or a data-parallel
+replica that dies once serving fails the requests in flight and the server exits with status 4. SIGTERM (or Ctrl-C)
+stops accepting connections, answers requests still sending their body with 503, lets in-flight generations finish
+for up to --timeout-graceful-shutdown seconds (then cancels them), and exits by that signal. Slow clients are cut
 off: a request's line and headers must arrive within --timeout-request-headers seconds, its body within
 --timeout-request-body seconds (else 408 and the connection closes), and an idle connection is closed after
 --timeout-keep-alive seconds.
 
 exit status: 0 stopped, 1 the model failed to load, 2 a bad option value, 3 the port could not be bound, 4 the
-engine failed for good (a tensor-parallel rank died);
+engine failed for good (a tensor-parallel rank or a data-parallel replica died);
 after SIGTERM / SIGINT the process ends by that signal (143 / 130 in a shell).
 """
 from __future__ import annotations

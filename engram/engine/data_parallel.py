@@ -16,15 +16,15 @@ import collections
 import dataclasses
 import itertools
 import logging
-import os
 import time
 import weakref
 from multiprocessing import connection
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
 
+from engram import envs
 from engram.engine.config import EngineConfig
 from engram.engine.dp_replica import ReplicaInfo, ReplicaSpec, replica_main
 from engram.engine.dp_stats import merge_stats
@@ -60,7 +60,7 @@ def plan_replicas(config: EngineConfig, device: torch.device, gpus: int | None =
         return [Placement(None, util, False) for _ in range(m)]
     gpus = torch.cuda.device_count() if gpus is None else gpus
     if gpus >= m * tp:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        visible = envs.values_of(["CUDA_VISIBLE_DEVICES"])["CUDA_VISIBLE_DEVICES"]
         ids = visible.split(",") if visible else [str(i) for i in range(gpus)]
         return [Placement(",".join(ids[i * tp:(i + 1) * tp]), util, False) for i in range(m)]
     if tp == 1:  # replica i may fill (i + 1) / M of util: the ones before it hold their i / M already
@@ -70,10 +70,11 @@ def plan_replicas(config: EngineConfig, device: torch.device, gpus: int | None =
 
 
 def data_parallel_engine(model: str, tier: str, dtype, engram_config: dict | None, device: torch.device,
-                         cache_dir: str | None, config: EngineConfig, tokenizer) -> "DataParallelEngine":
-    """The replicas ``LLM(data_parallel_size=M, ...)`` asks for: each an LLM of the same arguments with
-    data_parallel_size 1, its Placement, its share of this process's CPU threads, and the tables' shared copy on unless
-    ``engram_config`` turns ``shared_memory`` off."""
+                         cache_dir: str | None, config: EngineConfig, tokenizer,
+                         build: Callable[[ReplicaSpec], Any]) -> "DataParallelEngine":
+    """The replicas ``LLM(data_parallel_size=M, ...)`` asks for: each ``build(spec)`` (an LLM of the same arguments
+    with data_parallel_size 1), its Placement, its share of this process's CPU threads, and the tables' shared copy on
+    unless ``engram_config`` turns ``shared_memory`` off."""
     places = plan_replicas(config, device)
     options = dict(engram_config or {})
     options.setdefault("shared_memory", True)
@@ -82,8 +83,9 @@ def data_parallel_engine(model: str, tier: str, dtype, engram_config: dict | Non
     for i, place in enumerate(places):
         engine = dataclasses.replace(config, data_parallel_size=1, gpu_memory_utilization=place.gpu_memory_utilization)
         on = "cuda" if place.visible_devices is not None else str(device)
-        specs.append(ReplicaSpec(i, model, tier, dtype, options, on, cache_dir, _fields(engine), threads,
-                                 place.visible_devices))
+        specs.append(ReplicaSpec(i, model, tier, dtype, options, on, cache_dir, _fields(engine), build, threads=threads,
+                                 log_level=logging.getLogger().getEffectiveLevel(),
+                                 visible_devices=place.visible_devices))
     return DataParallelEngine(specs, places, tokenizer)
 
 

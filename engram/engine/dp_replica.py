@@ -1,6 +1,6 @@
-"""One data-parallel replica: a spawned process that builds a whole ``engram.LLM`` (its own Workers, TP ranks
-included, KV cache and scheduler; its tables mapped from the node's shared copy) and runs its step loop on the
-requests the router (engine/data_parallel.py) sends, free-running: it never waits for another replica.
+"""One data-parallel replica: a spawned process that builds a whole ``engram.LLM`` (``ReplicaSpec.build``: its own
+Workers, TP ranks included, KV cache and scheduler; its tables mapped from the node's shared copy) and runs its step
+loop on the requests the router (engine/data_parallel.py) sends, free-running: it never waits for another replica.
 
 Messages over the replica's pipe. In: ("add", [(request_id, prompt, SamplingParams)]), ("abort", [request_id]),
 ("reset_prefix_cache", None), ("stop", None). Out: ("ready", ReplicaInfo) once built, or ("error", traceback) and
@@ -11,16 +11,19 @@ of this replica's; the rest ran); ("reset", dropped blocks);
 from __future__ import annotations
 
 import gc
+import logging
 import os
+import signal
 import sys
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from engram.engine.executor import executor_failed
+from engram.store.shared_host import shared_stats
 
 EXIT_BUILD_FAILED, EXIT_EXECUTOR_FAILED = 1, 4
 
@@ -37,7 +40,10 @@ class ReplicaSpec:
     device: str | None  # as LLM(device=...)
     cache_dir: str | None
     engine_options: dict  # EngineConfig fields of this replica (data_parallel_size 1; its share of the GPU)
+    # spec -> an object with .engine (engram.LLM of the spec's fields; a module-level function: it is pickled by name)
+    build: Callable[["ReplicaSpec"], Any] | None = None
     threads: int | None = None  # torch CPU threads (None: torch's default)
+    log_level: int = logging.WARNING  # the router's effective level: the replica's records go to its stderr
     visible_devices: str | None = None  # CUDA_VISIBLE_DEVICES of the replica (None: inherited)
 
 
@@ -54,16 +60,19 @@ class ReplicaInfo:
 
 def replica_main(spec: ReplicaSpec, conn: Connection) -> None:
     """The replica process: build, report, serve until ("stop", None) or the pipe closes."""
-    if spec.visible_devices is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = spec.visible_devices  # before this process touches CUDA
     try:
-        from engram.engine.llm import LLM
-        from engram.store.shared_host import shared_stats
-
+        # The router stops replicas ("stop", then a kill); Ctrl-C in a terminal reaches every process of the group,
+        # and SIGTERM may come before the router's "stop" at its exit: both end the loop the orderly way, so the
+        # shared tables are released (the last process out unlinks them).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+        if spec.visible_devices is not None:
+            os.environ.update(CUDA_VISIBLE_DEVICES=spec.visible_devices)  # before this process touches CUDA
+        logging.basicConfig(level=spec.log_level,
+                            format=f"%(asctime)s %(levelname)s replica {spec.index} %(name)s: %(message)s")
         if spec.threads is not None:
             torch.set_num_threads(spec.threads)
-        llm = LLM(spec.model, tier=spec.tier, dtype=spec.dtype, engram_config=spec.engram_config,
-                  device=spec.device, cache_dir=spec.cache_dir, **spec.engine_options)
+        llm = spec.build(spec)
         engine = llm.engine
         conn.send(("ready", ReplicaInfo(spec.index, os.getpid(), engine.max_model_len,
                                         engine.executor.num_kv_blocks, shared_stats())))
@@ -78,6 +87,10 @@ def replica_main(spec: ReplicaSpec, conn: Connection) -> None:
     del llm, engine
     gc.collect()  # the tables go now: the last replica to release a shared copy unlinks it
     sys.exit(code)
+
+
+def _exit_on_signal(signum: int, _frame) -> None:
+    sys.exit(128 + signum)
 
 
 def _send(conn: Connection, msg: tuple) -> bool:

@@ -36,10 +36,13 @@ class LLM:
         self.options = RuntimeOptions.from_dict(engram_config)  # bad keys fail before loading
         self.tier = self.options.tier(tier)
         if engine_config.data_parallel_size > 1:  # replicas in processes of their own; this one routes
+            if torchrun_rank() is not None:
+                raise ValueError(f"data_parallel_size={engine_config.data_parallel_size}: the replicas are spawned on "
+                                 "this node; run it without torchrun")
             self.loaded = load_model(model, tier=self.tier, dtype=self.dtype, device="cpu", engram_config=self.options,
                                      cache_dir=cache_dir)
             self.engine = data_parallel_engine(str(model), self.tier, dtype, engram_config, self.device, cache_dir,
-                                               engine_config, self.loaded.tokenizer)
+                                               engine_config, self.loaded.tokenizer, replica_llm)
             self._request_ids = itertools.count()
             return
         # with ranks, this process needs the config and tokenizers only: its copy of the weights stays in RAM
@@ -92,6 +95,12 @@ class LLM:
                 self.engine.abort_request(child)
             raise
         return [_merge(rid, [done[c] for c in children[rid]]) for rid in ids]
+
+
+def replica_llm(spec) -> "LLM":
+    """A data-parallel replica's LLM (engine/dp_replica.py ReplicaSpec: the caller's arguments, data parallel 1)."""
+    return LLM(spec.model, tier=spec.tier, dtype=spec.dtype, engram_config=spec.engram_config, device=spec.device,
+               cache_dir=spec.cache_dir, **spec.engine_options)
 
 
 def _tensor_parallel(model: str, llm: "LLM", config: EngineConfig, cache_dir: str | None):

@@ -1,5 +1,6 @@
 """A real `engram serve` subprocess on 127.0.0.1 and a free port, for tests and load benches:
-``wait_ready()`` returns once /health answers 200, ``stop()`` sends SIGTERM and waits.
+``wait_ready()`` returns once /health answers 200, ``stop()`` sends SIGTERM and waits. Logs at warning level unless
+``args`` name a --log-level.
 """
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ class ServerProcess:
             env["ENGRAM_CACHE_DIR"] = str(cache_dir)
         self.log_path = log_path
         self._log = open(log_path, "w")
+        quiet = [] if "--log-level" in args else ["--log-level", "warning"]
         self.proc = subprocess.Popen([sys.executable, "-m", "engram.cli", "serve", *args, "--port", str(self.port),
-                                      "--log-level", "warning"], env=env, stdout=self._log, stderr=subprocess.STDOUT)
+                                      *quiet], env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 180.0) -> "ServerProcess":
         deadline = time.monotonic() + timeout

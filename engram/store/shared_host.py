@@ -10,13 +10,15 @@ A segment is named by the table's content (``table_key``: geometry, fingerprint,
     header: magic "ENGRAMSH" | version u32 | header bytes u32 | data bytes u64 | key | part | creator pid u64 |
             created (ns) u64 | CRC32 of all the preceding header bytes u32
 
-Creation runs under an exclusive ``flock`` on the directory's ``engram-shared.lock``: leftover ``<name>.tmp-*`` files (a creator that was
-killed) are removed, a new one is allocated to its full size (no space is a clear error, never a SIGBUS while
-filling), mapped shared, filled by the loader (which CRC-checks what it reads), its header written last, then renamed
-to ``<name>``: the final name only ever holds a whole segment, and a mapper checks the header (magic, version, CRC,
-key, part, size) before it uses one. Every mapper holds a shared ``flock`` on the segment while mapped; the last one to
-let go (an exclusive lock then succeeds) unlinks it. The lock file stays (empty; deleting a lock file others may
-hold open would let two creators in at once)."""
+Creation runs under an exclusive ``flock`` on the directory's ``engram-shared.lock``: leftover ``<name>.tmp-*``
+files (a creator that was killed) are removed, a new one is allocated to its full size (no space is a clear error,
+never a SIGBUS while filling), mapped shared, filled by the loader (which CRC-checks what it reads), its header
+written last, then renamed to ``<name>``: the final name only ever holds a whole segment, and a mapper checks the
+header (magic, version, CRC, key, part, size) before it uses one. Every mapper holds a shared ``flock`` on the
+segment while mapped; the last one to let go (an exclusive lock then succeeds) unlinks it. The lock file stays
+(empty; deleting a lock file others may hold open would let two creators in at once). A process killed while it maps
+a segment drops its lock with it; if it was the last, the segment stays until the next process to open the table
+maps it (and, in time, unlinks it)."""
 from __future__ import annotations
 
 import contextlib
