@@ -12,6 +12,7 @@ on CUDA, TP GPUs each when the node has M x TP, else (TP 1) all on one GPU, star
 cumulative shares of ``gpu_memory_utilization`` so each profiles its KV cache into its own 1/M."""
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import itertools
@@ -100,11 +101,14 @@ class DataParallelEngine:
         self._failure: str | None = None
         self.procs, self._conns, self.infos = [], [], []
         self._finalizer = weakref.finalize(self, _stop, self.procs, self._conns)
+        atexit.register(self._finalizer)  # registered after multiprocessing's exit hook, so it runs before it
         for spec, place in zip(specs, placements):
             if place.after_previous:
                 self._wait_ready(len(self.procs) - 1)
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=replica_main, args=(spec, child), daemon=True, name=f"engram-dp{spec.index}")
+            # not a daemon: a replica starts its own TP ranks (daemons may have no children); the atexit hook stops
+            # the replicas before multiprocessing's own joins them
+            proc = ctx.Process(target=replica_main, args=(spec, child), daemon=False, name=f"engram-dp{spec.index}")
             proc.start()
             child.close()
             self.procs.append(proc)

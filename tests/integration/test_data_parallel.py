@@ -137,3 +137,15 @@ def test_placement_of_replicas(monkeypatch):
         [(None, 0.4, False), (None, 0.8, True)]  # one GPU: in turn, each into its own half
     with pytest.raises(ValueError, match=r"data_parallel_size=2 x tensor_parallel_size=2 needs 4 GPUs.*has 2"):
         plan_replicas(EngineConfig(data_parallel_size=2, tensor_parallel_size=2), cuda, gpus=2)
+
+
+def test_two_replicas_of_two_tensor_parallel_ranks_share_each_ranks_shard(shm):
+    params = engram.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    one = [o.outputs[0].token_ids for o in _llm(shm).generate(PROMPTS[:4], params, use_tqdm=False)]
+    llm = _llm(shm, data_parallel_size=2, tensor_parallel_size=2)
+    try:
+        layers = len(llm.loaded.engram_config.layer_ids)
+        assert len(_segments(shm)) == 2 * layers  # rank r's column shard of each layer, once for both replicas
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params, use_tqdm=False)] == one
+    finally:
+        llm.engine.close()
