@@ -64,3 +64,14 @@ def backend():
     old = kernels.get_backend()
     yield kernels.set_backend
     kernels.set_backend(old)
+
+
+@pytest.fixture
+def shm_dir(tmp_path):
+    """A private directory in /dev/shm (tmpfs, where the node's shared tables live in production), removed after."""
+    d = Path("/dev/shm") / f"engram-test-{os.getpid()}-{tmp_path.name}"
+    d.mkdir()
+    yield d
+    for p in d.iterdir():
+        p.unlink()
+    d.rmdir()

@@ -182,7 +182,7 @@ def is_host_target(target) -> bool:
 def _host_buffer(nbytes: int, target: HostTarget, fill: Callable[[torch.Tensor], None], part: str) -> torch.Tensor:
     """uint8 [nbytes] in RAM, pinned memory or (a SharedTarget) segment ``part`` of the node's shared copy, written by
     ``fill`` before it is pinned (a shared segment that exists already is mapped, and ``fill`` is not called)."""
-    if isinstance(target, SharedTarget):
+    if isinstance(target, SharedTarget) and nbytes:  # nothing to share in an empty file: RAM below
         return shared_buffer(target, part, nbytes, fill)
     if target == "pinned":
         return pinned_empty_filled(nbytes, fill)

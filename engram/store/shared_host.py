@@ -128,12 +128,8 @@ def _statvfs(directory: str) -> os.statvfs_result:
 def shared_buffer(target: SharedTarget, part: str, nbytes: int, fill: Callable[[torch.Tensor], None]) -> torch.Tensor:
     """uint8 [nbytes] backed by segment ``part`` of ``target``: mapped when a whole one exists, else created (``fill``
     writes the bytes; a raising ``fill`` leaves no segment). Registered with CUDA when CUDA is available."""
-    if nbytes < 0:
-        raise ValueError(f"nbytes={nbytes} must be >= 0")
-    if nbytes == 0:
-        dst = torch.empty(0, dtype=torch.uint8)
-        fill(dst)
-        return dst
+    if nbytes < 1:
+        raise ValueError(f"nbytes={nbytes} must be >= 1 (an empty buffer has nothing to share)")
     path = segment_path(target, part)
     _statvfs(target.directory)  # a missing directory is named before any file is tried
     with _creation_lock(path.parent):  # one creator at a time; mappers wait for it

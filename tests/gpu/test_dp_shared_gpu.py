@@ -18,24 +18,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 PROMPTS = ["hello world", "the tables are", "a b c d e f", "memory is cheap"]
 
 
-@pytest.fixture
-def shm(tmp_path):
-    d = Path("/dev/shm") / f"engram-test-{os.getpid()}-{tmp_path.name}"
-    d.mkdir()
-    yield d
-    for p in d.iterdir():
-        p.unlink()
-    d.rmdir()
-
-
-def _segment_memory(pid: int, shm: Path) -> tuple[int, int]:
-    """(Pss, Rss) in bytes of the mappings of files in ``shm`` in process ``pid`` (/proc/<pid>/smaps)."""
+def _segment_memory(pid: int, shm_dir: Path) -> tuple[int, int]:
+    """(Pss, Rss) in bytes of the mappings of files in ``shm_dir`` in process ``pid`` (/proc/<pid>/smaps)."""
     pss = rss = 0
     inside = False
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         head = line.split()
         if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):  # a mapping's first line
-            inside = len(head) >= 6 and head[5].startswith(str(shm))
+            inside = len(head) >= 6 and head[5].startswith(str(shm_dir))
         elif inside and head[0] in ("Pss:", "Rss:"):
             if head[0] == "Pss:":
                 pss += int(head[1]) * 1024
@@ -44,8 +34,8 @@ def _segment_memory(pid: int, shm: Path) -> tuple[int, int]:
     return pss, rss
 
 
-def test_two_replicas_on_one_gpu_share_one_registered_copy_and_split_the_kv(shm):
-    config = {"table_rows": 2_000_000, "advanced": {"shm_dir": str(shm)}}
+def test_two_replicas_on_one_gpu_share_one_registered_copy_and_split_the_kv(shm_dir):
+    config = {"table_rows": 2_000_000, "advanced": {"shm_dir": str(shm_dir)}}
     params = engram.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     one = engram.LLM("4b-like", tier="host", dtype="float32", engram_config=config)
     alone = [one.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
@@ -61,8 +51,8 @@ def test_two_replicas_on_one_gpu_share_one_registered_copy_and_split_the_kv(shm)
         for k in range(0, len(PROMPTS), 2):  # one request alone in each replica
             outs = llm.generate(PROMPTS[k:k + 2], params, use_tqdm=False)
             assert [o.outputs[0].token_ids for o in outs] == alone[k:k + 2]
-        copy = sum(p.stat().st_size for p in shm.iterdir() if not p.name.endswith(".lock"))
-        mem = [_segment_memory(pid, shm) for pid in eng.pids]
+        copy = sum(p.stat().st_size for p in shm_dir.iterdir() if not p.name.endswith(".lock"))
+        mem = [_segment_memory(pid, shm_dir) for pid in eng.pids]
         print(f"one copy {copy / 2**30:.2f} GiB; replicas' Pss {[m[0] / 2**30 for m in mem]} GiB, "
               f"Rss {[m[1] / 2**30 for m in mem]} GiB")
         assert sum(m[0] for m in mem) <= 1.1 * copy

@@ -24,35 +24,25 @@ PROMPTS = ["hello world", "the tables are", "a b c d e f", "memory is cheap", "o
            "ids hashed into rows", "gate it"]
 
 
-@pytest.fixture
-def shm(tmp_path):
-    d = Path("/dev/shm") / f"engram-test-{os.getpid()}-{tmp_path.name}"
-    d.mkdir()
-    yield d
-    for p in d.iterdir():
-        p.unlink()
-    d.rmdir()
-
-
-def _llm(shm: Path, **kw):
+def _llm(shm_dir: Path, **kw):
     return engram.LLM("tiny", device="cpu", dtype="float64", tier="host",
-                      engram_config={"advanced": {"shm_dir": str(shm)}}, **kw)
+                      engram_config={"advanced": {"shm_dir": str(shm_dir)}}, **kw)
 
 
-def _segments(shm: Path) -> list[str]:
-    return sorted(p.name for p in shm.iterdir() if not p.name.endswith(".lock"))
+def _segments(shm_dir: Path) -> list[str]:
+    return sorted(p.name for p in shm_dir.iterdir() if not p.name.endswith(".lock"))
 
 
-def test_two_replicas_give_one_engines_greedy_tokens_from_one_shared_copy(shm):
+def test_two_replicas_give_one_engines_greedy_tokens_from_one_shared_copy(shm_dir):
     params = engram.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    one = [o.outputs[0].token_ids for o in _llm(shm).generate(PROMPTS, params, use_tqdm=False)]
-    assert _segments(shm) == []  # one engine keeps private tables
-    llm = _llm(shm, data_parallel_size=2)
+    one = [o.outputs[0].token_ids for o in _llm(shm_dir).generate(PROMPTS, params, use_tqdm=False)]
+    assert _segments(shm_dir) == []  # one engine keeps private tables
+    llm = _llm(shm_dir, data_parallel_size=2)
     try:
         infos = llm.engine.infos
         layers = len(llm.loaded.engram_config.layer_ids)
         assert sorted((i.shared["created"], i.shared["mapped"]) for i in infos) == [(0, layers), (layers, 0)]
-        assert len(_segments(shm)) == layers  # one packed segment a layer, for both replicas
+        assert len(_segments(shm_dir)) == layers  # one packed segment a layer, for both replicas
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == one
         assert [o.prompt for o in outs] == PROMPTS
@@ -67,13 +57,13 @@ def test_two_replicas_give_one_engines_greedy_tokens_from_one_shared_copy(shm):
     finally:
         llm.engine.close()
     deadline = time.monotonic() + 30
-    while _segments(shm) and time.monotonic() < deadline:  # the last replica out unlinks them
+    while _segments(shm_dir) and time.monotonic() < deadline:  # the last replica out unlinks them
         time.sleep(0.1)
-    assert _segments(shm) == []
+    assert _segments(shm_dir) == []
 
 
-def test_least_loaded_routing_and_requests_refused_before_any_replica(shm):
-    llm = _llm(shm, data_parallel_size=2, max_model_len=64)
+def test_least_loaded_routing_and_requests_refused_before_any_replica(shm_dir):
+    llm = _llm(shm_dir, data_parallel_size=2, max_model_len=64)
     try:
         eng = llm.engine
         p = engram.SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -95,8 +85,8 @@ def test_least_loaded_routing_and_requests_refused_before_any_replica(shm):
         llm.engine.close()
 
 
-def test_a_killed_replica_is_reported_and_the_others_stopped(shm):
-    llm = _llm(shm, data_parallel_size=2)
+def test_a_killed_replica_is_reported_and_the_others_stopped(shm_dir):
+    llm = _llm(shm_dir, data_parallel_size=2)
     pids = llm.engine.pids
     params = engram.SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
     caught: list[BaseException] = []
@@ -139,13 +129,13 @@ def test_placement_of_replicas(monkeypatch):
         plan_replicas(EngineConfig(data_parallel_size=2, tensor_parallel_size=2), cuda, gpus=2)
 
 
-def test_two_replicas_of_two_tensor_parallel_ranks_share_each_ranks_shard(shm):
+def test_two_replicas_of_two_tensor_parallel_ranks_share_each_ranks_shard(shm_dir):
     params = engram.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    one = [o.outputs[0].token_ids for o in _llm(shm).generate(PROMPTS[:4], params, use_tqdm=False)]
-    llm = _llm(shm, data_parallel_size=2, tensor_parallel_size=2)
+    one = [o.outputs[0].token_ids for o in _llm(shm_dir).generate(PROMPTS[:4], params, use_tqdm=False)]
+    llm = _llm(shm_dir, data_parallel_size=2, tensor_parallel_size=2)
     try:
         layers = len(llm.loaded.engram_config.layer_ids)
-        assert len(_segments(shm)) == 2 * layers  # rank r's column shard of each layer, once for both replicas
+        assert len(_segments(shm_dir)) == 2 * layers  # rank r's column shard of each layer, once for both replicas
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params, use_tqdm=False)] == one
     finally:
         llm.engine.close()

@@ -29,7 +29,7 @@ CHILD = r"""
 import sys, torch
 torch.set_num_threads(1)
 from engram.store import open_table
-table, shm, shared = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+table, shm_dir, shared = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 
 def digest(t):
     rows = t.values.shape[0]
@@ -43,7 +43,7 @@ del warm
 print("imported", flush=True)
 for line in sys.stdin:
     if line.strip() == "open":
-        t = open_table(table, tier="host", shared_memory=shared, shm_dir=shm, load_threads=1)
+        t = open_table(table, tier="host", shared_memory=shared, shm_dir=shm_dir, load_threads=1)
         print("opened", digest(t), flush=True)
     elif line.strip() == "exit":
         break
@@ -66,19 +66,9 @@ def table(tmp_path_factory):
     return path
 
 
-@pytest.fixture
-def shm(tmp_path):
-    d = Path("/dev/shm") / f"engram-test-{os.getpid()}-{tmp_path.name}"
-    d.mkdir()
-    yield d
-    for p in d.iterdir():
-        p.unlink()
-    d.rmdir()
-
-
 class Child:
-    def __init__(self, table: Path, shm: Path, shared: bool):
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, str(table), str(shm), "1" if shared else "0"],
+    def __init__(self, table: Path, shm_dir: Path, shared: bool):
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, str(table), str(shm_dir), "1" if shared else "0"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.expect("imported")
 
@@ -113,9 +103,9 @@ class Child:
                 self.proc.wait()
 
 
-def _growth(table: Path, shm: Path, shared: bool) -> tuple[int, list[int]]:
+def _growth(table: Path, shm_dir: Path, shared: bool) -> tuple[int, list[int]]:
     """(the two processes' PSS growth together, their digests) from before either opened to after both did."""
-    children = [Child(table, shm, shared) for _ in range(2)]
+    children = [Child(table, shm_dir, shared) for _ in range(2)]
     try:
         before = sum(c.pss() for c in children)
         digests = []
@@ -128,29 +118,29 @@ def _growth(table: Path, shm: Path, shared: bool) -> tuple[int, list[int]]:
             c.close()
 
 
-def test_two_processes_grow_the_node_by_one_table_not_two(table, shm):
+def test_two_processes_grow_the_node_by_one_table_not_two(table, shm_dir):
     size = ROWS * PACKED
     expected = _digest(open_table(table, tier="host"))
-    shared, digests = _growth(table, shm, shared=True)
+    shared, digests = _growth(table, shm_dir, shared=True)
     assert digests == [expected, expected]
-    private, digests = _growth(table, shm, shared=False)
+    private, digests = _growth(table, shm_dir, shared=False)
     assert digests == [expected, expected]
     print(f"PSS growth of two processes: shared {shared / size:.3f} tables, private {private / size:.3f} tables")
     # each process grows by a few MB besides the table (thread pools, buffers), shared or not
     assert 0.9 * size < shared < 1.25 * size, (shared, size)
     assert private > 1.9 * size, (private, size)
     assert 0.9 * size < private - shared < 1.2 * size, (private - shared, size)  # sharing saves one whole copy
-    assert not [p for p in shm.iterdir() if not p.name.endswith(".lock")]  # the last one out unlinked it
+    assert not [p for p in shm_dir.iterdir() if not p.name.endswith(".lock")]  # the last one out unlinked it
 
 
-def test_a_creator_killed_mid_creation_leaves_nothing_mapped_and_the_waiter_rebuilds(table, shm):
-    final = segment_path(shared_target(read_manifest(table), str(shm)), "packed")
-    waiter = Child(table, shm, shared=True)
-    creator = Child(table, shm, shared=True)
+def test_a_creator_killed_mid_creation_leaves_nothing_mapped_and_the_waiter_rebuilds(table, shm_dir):
+    final = segment_path(shared_target(read_manifest(table), str(shm_dir)), "packed")
+    waiter = Child(table, shm_dir, shared=True)
+    creator = Child(table, shm_dir, shared=True)
     try:
         creator.send("open")
         deadline = time.monotonic() + 60
-        while not list(shm.glob(final.name + ".tmp-*")):
+        while not list(shm_dir.glob(final.name + ".tmp-*")):
             assert time.monotonic() < deadline and creator.proc.poll() is None, "the creator made no temporary file"
             time.sleep(0.0005)
         waiter.send("open")  # it waits for the creation lock the creator holds
@@ -159,7 +149,7 @@ def test_a_creator_killed_mid_creation_leaves_nothing_mapped_and_the_waiter_rebu
         creator.proc.wait(30)
         got = int(waiter.expect("opened")[0])
         assert got == _digest(open_table(table, tier="host"))
-        assert final.exists() and not list(shm.glob(final.name + ".tmp-*"))  # rebuilt, the leftover removed
+        assert final.exists() and not list(shm_dir.glob(final.name + ".tmp-*"))  # rebuilt, the leftover removed
     finally:
         creator.close()
         waiter.close()

@@ -23,24 +23,6 @@ from engram.store.shared_preflight import check_shared, shared_parts
 ROWS = 3000
 
 
-@pytest.fixture
-def shm(tmp_path):
-    """A private directory in /dev/shm (tmpfs, as in production), removed afterwards."""
-    d = tmp_path_in_shm(tmp_path.name)
-    yield d
-    for p in d.iterdir():
-        p.unlink()
-    d.rmdir()
-
-
-def tmp_path_in_shm(name: str):
-    from pathlib import Path
-
-    d = Path("/dev/shm") / f"engram-test-{os.getpid()}-{name}"
-    d.mkdir()
-    return d
-
-
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
     g = torch.Generator().manual_seed(3)
@@ -59,49 +41,49 @@ def _same(a, b, ids) -> bool:
 
 
 @pytest.mark.parametrize("layout", ["packed", "split"])
-def test_two_opens_create_once_map_once_and_the_last_close_unlinks(table, shm, layout):
+def test_two_opens_create_once_map_once_and_the_last_close_unlinks(table, shm_dir, layout):
     before = shared_host.shared_stats()
-    opts = dict(shared_memory=True, shm_dir=str(shm), host_layout=layout)
+    opts = dict(shared_memory=True, shm_dir=str(shm_dir), host_layout=layout)
     a, b = open_table(table, tier="host", **opts), open_table(table, tier="host", **opts)
     private = open_table(table, tier="host", host_layout=layout)
     after = shared_host.shared_stats()
     assert (after["created"] - before["created"], after["mapped"] - before["mapped"]) == (1, 1) if layout == "packed" \
         else (2, 2)
-    assert _segments(shm) == (["packed"] if layout == "packed" else ["scales", "values"])
+    assert _segments(shm_dir) == (["packed"] if layout == "packed" else ["scales", "values"])
     ids = torch.randint(0, ROWS, (500,), generator=torch.Generator().manual_seed(0))
     assert _same(a, private, ids) and _same(b, private, ids)
     assert a.values.data_ptr() != b.values.data_ptr()  # two mappings of one file
     a.close()
     del a
     gc.collect()
-    assert _segments(shm)  # b still maps it
+    assert _segments(shm_dir)  # b still maps it
     b.close()
     del b
     gc.collect()
-    assert _segments(shm) == []
+    assert _segments(shm_dir) == []
 
 
-def test_disk_tier_shares_its_scales_and_page_checksums(table, shm):
-    d = open_table(table, tier="disk", shared_memory=True, shm_dir=str(shm), io="buffered")
-    assert _segments(shm) == ["page_crc", "scales"]
+def test_disk_tier_shares_its_scales_and_page_checksums(table, shm_dir):
+    d = open_table(table, tier="disk", shared_memory=True, shm_dir=str(shm_dir), io="buffered")
+    assert _segments(shm_dir) == ["page_crc", "scales"]
     ids = torch.randint(0, ROWS, (300,), generator=torch.Generator().manual_seed(1))
     assert _same(d, open_table(table, tier="host"), ids)
     m = read_manifest(table)
     assert dict(shared_parts(m, "disk")) == {"scales": m.files["scales"].bytes, "page_crc": m.files["page_crc"].bytes}
 
 
-def test_tables_built_in_memory_are_shared_and_equal_the_private_build(shm):
+def test_tables_built_in_memory_are_shared_and_equal_the_private_build(shm_dir):
     cfg = EngramConfig.preset("tiny")
-    opts = StoreOptions(shared_memory=True).replace(shm_dir=str(shm))
+    opts = StoreOptions(shared_memory=True).replace(shm_dir=str(shm_dir))
     shared = open_random_tables(cfg, seed=5, tier="host", options=opts, progress=False)
     again = open_random_tables(cfg, seed=5, tier="host", options=opts, progress=False)
     private = open_random_tables(cfg, seed=5, tier="host", progress=False)
-    assert len(_segments(shm)) == len(cfg.layer_ids)  # one packed segment per layer, mapped by both
+    assert len(_segments(shm_dir)) == len(cfg.layer_ids)  # one packed segment per layer, mapped by both
     for lid in cfg.layer_ids:
         ids = torch.arange(cfg.table_rows(lid))
         assert _same(shared[lid], private[lid], ids) and _same(again[lid], private[lid], ids)
     other_seed = open_random_table(cfg, cfg.layer_ids[0], seed=6, tier="host", options=opts, progress=False)
-    assert len(_segments(shm)) == len(cfg.layer_ids) + 1  # another seed is another table
+    assert len(_segments(shm_dir)) == len(cfg.layer_ids) + 1  # another seed is another table
     assert not _same(other_seed, private[cfg.layer_ids[0]], torch.arange(64))
 
 
@@ -120,9 +102,9 @@ def _write_segment_header(path, **change) -> None:
 
 
 @pytest.mark.parametrize("defect", ["crc", "nbytes", "key"])
-def test_a_bad_segment_in_use_is_refused_and_one_nobody_maps_is_rebuilt(table, shm, defect):
-    opts = dict(shared_memory=True, shm_dir=str(shm))
-    target = shared_target(read_manifest(table), str(shm))
+def test_a_bad_segment_in_use_is_refused_and_one_nobody_maps_is_rebuilt(table, shm_dir, defect):
+    opts = dict(shared_memory=True, shm_dir=str(shm_dir))
+    target = shared_target(read_manifest(table), str(shm_dir))
     path = segment_path(target, "packed")
     first = open_table(table, tier="host", **opts)
     whole = path.read_bytes()
@@ -143,21 +125,21 @@ def test_a_bad_segment_in_use_is_refused_and_one_nobody_maps_is_rebuilt(table, s
                                      size)[0] is None
 
 
-def test_a_creators_leftover_temporary_file_is_removed(table, shm):
-    path = segment_path(shared_target(read_manifest(table), str(shm)), "packed")
+def test_a_creators_leftover_temporary_file_is_removed(table, shm_dir):
+    path = segment_path(shared_target(read_manifest(table), str(shm_dir)), "packed")
     stale = path.with_name(path.name + ".tmp-999999")
     stale.write_bytes(b"half a table")
-    t = open_table(table, tier="host", shared_memory=True, shm_dir=str(shm))
+    t = open_table(table, tier="host", shared_memory=True, shm_dir=str(shm_dir))
     assert not stale.exists() and path.exists()
     assert _same(t, open_table(table, tier="host"), torch.arange(ROWS))
 
 
-def test_no_room_in_the_directory_is_a_clear_error_before_anything_is_filled(shm):
-    m = shared_host_manifest(rows=1 << 36)  # 17 TiB of packed rows: more than any /dev/shm here
-    opts = StoreOptions(shared_memory=True).replace(shm_dir=str(shm))
+def test_no_room_in_the_directory_is_a_clear_error_before_anything_is_filled(shm_dir):
+    m = shared_host_manifest(rows=1 << 36)  # 17 TiB of packed rows: more than any /dev/shm_dir here
+    opts = StoreOptions(shared_memory=True).replace(shm_dir=str(shm_dir))
     with pytest.raises(SharedMemoryError, match=r"free of .* need .* more; enlarge it .*shared_memory off"):
         check_shared([m], "host", opts)
-    assert list(shm.iterdir()) == []
+    assert list(shm_dir.iterdir()) == []
     with pytest.raises(SharedMemoryError, match="shm_dir='/no/such/dir'"):
         check_shared([m], "host", opts.replace(shm_dir="/no/such/dir"))
 
@@ -173,5 +155,5 @@ def shared_host_manifest(rows: int):
 
 
 def test_shm_dir_must_be_absolute():
-    with pytest.raises(ValueError, match=r"engram_config.advanced.shm_dir='shm': must be an absolute path"):
-        StoreOptions.from_dict({"shared_memory": True, "advanced": {"shm_dir": "shm"}})
+    with pytest.raises(ValueError, match=r"engram_config.advanced.shm_dir='shm_dir': must be an absolute path"):
+        StoreOptions.from_dict({"shared_memory": True, "advanced": {"shm_dir": "shm_dir"}})

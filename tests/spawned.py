@@ -1,0 +1,67 @@
+"""Helpers of the tests that kill a server's spawned processes (TP ranks, DP replicas): find them, stream a completion
+while they die, and tell that one is gone."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+
+def spawned_children(pid: int) -> list[int]:
+    """The processes ``pid`` spawned with multiprocessing's spawn (the resource tracker is not one), ascending."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(p) for p in (task / "children").read_text().split()]
+    return sorted(p for p in children if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes())
+
+
+def stream_completion(url: str, body: dict, events: list[str], started: threading.Event) -> None:
+    """POST a streaming completion, appending each SSE data payload to ``events`` (and ``closed: ...`` if the server
+    drops the connection as it exits); ``started`` is set at the first event or at the end."""
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    started.set()
+    except httpx.HTTPError as e:
+        events.append(f"closed: {e!r}")
+    finally:
+        started.set()
+
+
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (or is a zombie nobody reaped yet)."""
+    stat = Path(f"/proc/{pid}/stat")
+    return not stat.exists() or stat.read_text().split()[2] == "Z"
+
+
+def kill_a_child_mid_stream(server, prompts: list[str], children: int = 2) -> tuple[int, str, list[str], list[int]]:
+    """Stream one long greedy completion per prompt from ``server`` (a ServerProcess, ready), SIGKILL the last of its
+    ``children`` spawned processes once the first event arrived, and wait for the server to exit (within 60 s, else
+    the test fails) -> (its exit status, its log, every stream's events, the children's pids). The server is stopped
+    whatever happens."""
+    events: list[str] = []
+    started = threading.Event()
+    body = {"model": "tiny", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+    threads = [threading.Thread(target=stream_completion, args=(server.url, {**body, "prompt": p}, events, started))
+               for p in prompts]
+    for t in threads:
+        t.start()
+    try:
+        assert started.wait(120), server.log()
+        pids = spawned_children(server.proc.pid)
+        assert len(pids) == children, pids
+        os.kill(pids[-1], signal.SIGKILL)
+        killed = time.monotonic()
+        code = server.proc.wait(60)
+        assert time.monotonic() - killed < 60
+        for t in threads:
+            t.join(60)
+        return code, server.log(), events, pids
+    finally:
+        server.stop()
