@@ -161,7 +161,7 @@ class DataParallelEngine:
             i, msg = self._arrived.popleft()
             if msg[0] == "step":
                 outputs.extend(msg[1])
-            else:  # "failed": (ids | None, message, outputs)
+            elif msg[0] == "failed":  # (ids | None, message, outputs)
                 ids = msg[1] if msg[1] is not None else [r for r, o in self._owner.items() if o == i]
                 if msg[1] is None:
                     self._send(i, ("abort", ids))
@@ -199,6 +199,20 @@ class DataParallelEngine:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
+    @property
+    def loads(self) -> list[int]:
+        """Unfinished requests per replica (what routing compares)."""
+        return list(self._load)
+
+    def replica_of(self, request_id: str) -> int | None:
+        """The replica an unfinished request runs on."""
+        return self._owner.get(request_id)
+
+    @property
+    def replica_stats(self) -> list[dict | None]:
+        """Each replica's latest engine.stats() (None before its first step)."""
+        return list(self._stats)
+
     # ----------------------------------------------------------------- the replicas' messages
     def _retire(self, request_id: str) -> None:
         i = self._owner.pop(request_id, None)
@@ -229,14 +243,12 @@ class DataParallelEngine:
             for rec in msg[3]:
                 self.trace.append(dataclasses.replace(rec, step_id=next(self._step_ids)))
             self._arrived.append((i, msg))
-        elif kind == "failed":
-            self._arrived.append((i, msg))
         elif kind == "fatal":
             self._fail(i, f"its executor failed: {msg[1]}")
         elif kind == "error":
             _log.error("data-parallel replica %d raised:\n%s", i, msg[1])
             self._fail(i, f"it raised {msg[1].strip().splitlines()[-1] if msg[1].strip() else '(no traceback)'}")
-        else:
+        else:  # "step", "failed" (for step()) and replies (for _reply)
             self._arrived.append((i, msg))
 
     def _reply(self, i: int, kind: str) -> tuple:

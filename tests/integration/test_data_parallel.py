@@ -48,7 +48,7 @@ def test_two_replicas_give_one_engines_greedy_tokens_from_one_shared_copy(shm_di
         assert [o.prompt for o in outs] == PROMPTS
         stats = llm.engine.stats()
         assert [r["pid"] for r in stats["replicas"]] == llm.engine.pids
-        per_replica = [s["steps"] for s in llm.engine._stats]
+        per_replica = [s["steps"] for s in llm.engine.replica_stats]
         assert min(per_replica) > 0 and sum(per_replica) == stats["steps"]  # requests went to both
         for table in stats["tables"].values():  # the replicas' table counters add up (one lookup a step here)
             assert table["lookups"] == stats["steps"]
@@ -69,18 +69,18 @@ def test_least_loaded_routing_and_requests_refused_before_any_replica(shm_dir):
         p = engram.SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
         for k in range(5):
             eng.add_request(f"r{k}", PROMPTS[k], p)
-        assert eng._load == [3, 2]  # ties to the lowest index: 0, 1, 0, 1, 0
+        assert eng.loads == [3, 2]  # ties to the lowest index: 0, 1, 0, 1, 0
         with pytest.raises(ValueError, match=r"request 'long': prompt of \d+ tokens leaves no room.*max_model_len=64"):
             eng.add_request("long", list(range(1, 65)), p)
         with pytest.raises(ValueError, match="already running"):
             eng.add_request("r0", "again", p)
         assert eng.abort_request("r1") and not eng.abort_request("r1")
-        assert eng._load == [3, 1]
+        assert eng.loads == [3, 1]
         eng.add_request("r5", "next", p)
-        assert eng._owner["r5"] == 1
+        assert eng.replica_of("r5") == 1
         while eng.has_unfinished():
             eng.step()
-        assert eng._load == [0, 0]
+        assert eng.loads == [0, 0]
     finally:
         llm.engine.close()
 
@@ -100,7 +100,7 @@ def test_a_killed_replica_is_reported_and_the_others_stopped(shm_dir):
     t = threading.Thread(target=run)
     t.start()
     deadline = time.monotonic() + 60
-    while not all(s and s["running"] for s in llm.engine._stats) and time.monotonic() < deadline:
+    while not all(s and s["running"] for s in llm.engine.replica_stats) and time.monotonic() < deadline:
         time.sleep(0.05)  # both replicas are generating
     os.kill(pids[1], signal.SIGKILL)
     killed = time.monotonic()
@@ -137,5 +137,34 @@ def test_two_replicas_of_two_tensor_parallel_ranks_share_each_ranks_shard(shm_di
         layers = len(llm.loaded.engram_config.layer_ids)
         assert len(_segments(shm_dir)) == 2 * layers  # rank r's column shard of each layer, once for both replicas
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params, use_tqdm=False)] == one
+    finally:
+        llm.engine.close()
+
+
+def test_a_step_a_replica_fails_fails_its_requests_only_and_serving_goes_on(tmp_path, shm_dir):
+    """The disk tier (its resident scales and page checksums shared): every page of the first Engram layer's file goes
+    bad, so the replica that runs the next request fails that step; the router raises StepError naming just that
+    request; once the file is good again both replicas serve the tokens of a clean run."""
+    from engram.engine.stepping import StepError
+    from engram.store import read_manifest
+
+    llm = engram.LLM("tiny", device="cpu", dtype="float64", tier="disk", cache_dir=str(tmp_path),
+                     engram_config={"io": "buffered", "advanced": {"shm_dir": str(shm_dir)}}, data_parallel_size=2)
+    try:
+        assert sorted(p.rsplit("-", 1)[1] for p in _segments(shm_dir)) == ["page_crc"] * 2 + ["scales"] * 2
+        params = engram.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)]
+        values = read_manifest(llm.loaded.table_dirs[min(llm.loaded.table_dirs)]).values_path
+        good = values.read_bytes()
+        values.write_bytes(b"\0" * len(good))  # every page now fails its checksum
+        eng = llm.engine
+        eng.add_request("bad", PROMPTS[2], params)
+        with pytest.raises(StepError) as err:
+            while eng.has_unfinished():
+                eng.step()
+        assert err.value.request_ids == ["bad"] and "replica 0" in str(err.value)
+        assert not eng.has_unfinished() and eng.loads == [0, 0]
+        values.write_bytes(good)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)] == want
     finally:
         llm.engine.close()
