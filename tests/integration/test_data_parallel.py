@@ -168,3 +168,11 @@ def test_a_step_a_replica_fails_fails_its_requests_only_and_serving_goes_on(tmp_
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)] == want
     finally:
         llm.engine.close()
+
+
+def test_a_replica_that_cannot_start_fails_the_start_naming_why():
+    with pytest.raises(ReplicaFailed, match=r"replica \d \(pid \d+, exit code 1\) failed: it raised "
+                                            r"engram.store.shared_host.SharedMemoryError: "
+                                            r"engram_config.advanced.shm_dir='/no/such/dir'"):
+        engram.LLM("tiny", device="cpu", tier="host", engram_config={"advanced": {"shm_dir": "/no/such/dir"}},
+                   data_parallel_size=2)

@@ -157,3 +157,15 @@ def shared_host_manifest(rows: int):
 def test_shm_dir_must_be_absolute():
     with pytest.raises(ValueError, match=r"engram_config.advanced.shm_dir='shm_dir': must be an absolute path"):
         StoreOptions.from_dict({"shared_memory": True, "advanced": {"shm_dir": "shm_dir"}})
+
+
+def test_the_memory_preflight_does_not_count_a_copy_another_process_made(table):
+    from engram.store.preflight import MemoryBudget, MemoryPreflightError, preflight
+
+    m = read_manifest(table)
+    size = ROWS * 272
+    budget = MemoryBudget(ram=size, device=None)  # less than the table once the headroom is kept
+    with pytest.raises(MemoryPreflightError):
+        preflight(m, "host", torch.device("cpu"), budget=budget)
+    need = preflight(m, "host", torch.device("cpu"), budget=budget, mapped_bytes=size)
+    assert need.host_total == 0
