@@ -71,6 +71,14 @@ class BlockManager:
                 self._free[block] = None
         seq.block_table = []
 
+    def group_tables(self, seqs: list[Sequence]) -> dict:
+        """The step's cache-group tables (engine/cache_groups.py): none, a paged KV's table is ``block_tables``."""
+        return {}
+
+    def group_stats(self) -> dict:
+        """Pages per cache group (engine/cache_groups.py): none here."""
+        return {}
+
     # ----------------------------------------------------------------- prefix caching
     def lookup(self, seq: Sequence) -> list[int]:
         """The registered blocks of ``seq``'s longest cached block prefix (no side effects). At least the last token

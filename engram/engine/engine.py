@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from engram.engine.block_manager import BlockManager
+from engram.engine.cache_groups import GroupBlockManager
 from engram.engine.config import EngineConfig
 from engram.engine.detokenizer import IncrementalDetokenizer, detokenize_step
 from engram.engine.executor import Executor, UniProcExecutor
@@ -27,6 +28,7 @@ from engram.engine.step_trace import StepRecord
 from engram.engine.stepping import Launched, StepError, StepPipeline
 from engram.engine.worker import Worker
 from engram.hashing import NgramHasher
+from engram.model.deepseek_v4.cache_layout import cache_layout
 from engram.model.deepseek_v4.config import ARCHITECTURES as SEQUENCE_CACHE_ARCHITECTURES
 
 _log = logging.getLogger(__name__)
@@ -49,8 +51,7 @@ class LLMEngine:
         self.hasher = NgramHasher.from_tokenizer(ecfg, self.ctok) if ecfg else None
         self._dead_ids = ecfg.dead_token_ids if ecfg else ()
         self.executor = executor or UniProcExecutor(Worker(loaded, config, self.max_model_len, device, dtype))
-        self.scheduler = Scheduler(config, BlockManager(self.executor.num_kv_blocks, config.block_size,
-                                                        _prefix_cache_root(loaded, config)))
+        self.scheduler = Scheduler(config, _block_manager(loaded, config, dtype, self.executor.num_kv_blocks))
         self.planner = LookupPlanner(self.hasher)
         self._seqs: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()
@@ -111,7 +112,8 @@ class LLMEngine:
                 "kv_bytes": worker["kv_bytes"], "graph_replays": worker["graph_replays"],
                 "mixed_graph_replays": worker.get("mixed_graph_replays", 0),
                 "lookup_exposed_s": worker.get("lookup_exposed_s", 0.0),
-                "prefix_cache": blocks.stats.snapshot(blocks.num_cached_blocks), **self.pipeline.trace.totals()}
+                "prefix_cache": blocks.stats.snapshot(blocks.num_cached_blocks),
+                "cache_groups": blocks.group_stats(), **self.pipeline.trace.totals()}
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (benchmarks start cold with it; vLLM's name) -> how many were dropped. Blocks
@@ -197,6 +199,14 @@ class LLMEngine:
                              finished=done, metrics=seq.metrics, prompt_logprobs=seq.prompt_logprobs)
 
 
+def _block_manager(loaded, config: EngineConfig, dtype: torch.dtype, num_blocks: int):
+    """DeepSeek-V4: its cache groups' pages (engine/cache_groups.py, the Worker's layout); else paged KV blocks."""
+    root = _prefix_cache_root(loaded, config)
+    if getattr(loaded.model_config, "architecture", None) in SEQUENCE_CACHE_ARCHITECTURES:
+        return GroupBlockManager(num_blocks, cache_layout(loaded.model_config, dtype, config.block_size))
+    return BlockManager(num_blocks, config.block_size, root)
+
+
 def _prefix_cache_root(loaded, config: EngineConfig) -> bytes | None:
     """The content key prefix-cache chains start from, or None when prefix caching is off or the model cannot take
     it: a per-sequence cache with sliding-window and compressed entries (DeepSeek-V4) is not a list of token blocks."""
@@ -204,7 +214,7 @@ def _prefix_cache_root(loaded, config: EngineConfig) -> bytes | None:
         return None
     arch = getattr(loaded.model_config, "architecture", None)
     if arch in SEQUENCE_CACHE_ARCHITECTURES:
-        _log.info("prefix caching is off: %s keeps sliding-window and compressed caches per sequence, not paged "
-                  "token blocks a prefix could share", arch)
+        _log.info("prefix caching is off: %s keeps sliding-window, compressed and compressor-state cache groups, "
+                  "not token blocks a prefix could share", arch)
         return None
     return content_key(loaded)

@@ -32,9 +32,10 @@ class MemoryPlan:
 
 def plan_memory(cfg: EngineConfig, max_model_len: int, bytes_per_block: int, staging_bytes: int,
                 cache_bytes: int, device: torch.device, step_peak_bytes: int | None = None,
-                graph_bytes: int = 0) -> MemoryPlan:
-    """``step_peak_bytes``: the profiled warm-up step's peak (CUDA, no budget); ``graph_bytes``: the graphs' pool."""
-    per_seq = -(-max_model_len // cfg.block_size)  # blocks one full-length sequence needs
+                graph_bytes: int = 0, blocks_per_sequence: int | None = None) -> MemoryPlan:
+    """``step_peak_bytes``: the profiled warm-up step's peak (CUDA, no budget); ``graph_bytes``: the graphs' pool;
+    ``blocks_per_sequence``: the most blocks one full-length sequence holds (cache groups), else its paged KV's."""
+    per_seq = blocks_per_sequence or -(-max_model_len // cfg.block_size)  # blocks one full-length sequence needs
     if cfg.num_kv_blocks is not None:
         num_blocks = cfg.num_kv_blocks
         what = f"engine.num_kv_blocks={num_blocks}"

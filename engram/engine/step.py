@@ -80,6 +80,9 @@ class StepDescription:
     # [C] indices into the S sequences that start fresh at a prefix-cache hit (start_positions > 0, a block
     # boundary): the Worker rebuilds their per-sequence state from the cached blocks instead of keeping it
     cached_starts: list[int] = field(default_factory=list)
+    # Models with cache groups (DeepSeek-V4, engine/cache_groups.py): group name -> [S, width] int64 page of each
+    # logical block of each sequence (-1: none held); empty for the paged-KV models (``block_tables`` is theirs)
+    group_tables: dict[str, torch.Tensor] = field(default_factory=dict)
     # Async scheduling: tokens the previous step sampled, not read by the engine yet (packing.py). Their rows
     # of token_ids / engram_row_ids / dead_mask hold placeholders the Worker replaces on the device.
     pending_rows: list[int] = field(default_factory=list)  # [P] packed rows whose token is still on the device

@@ -211,6 +211,7 @@ class StepPipeline:
                                  [before for _, _, before in packed.pending])  # row ids per layer
         step = describe(next(self._step_ids), batch, packed, plan, self.config.block_size, self.eos_token_id,
                         self.has_dead_tokens, self._finished_seq_ids)
+        step.group_tables = self.scheduler.blocks.group_tables(batch.seqs)  # cache groups (DeepSeek-V4), else {}
         if packed.pending:
             step.pending_rows = [row for row, _, _ in packed.pending]
             step.pending_sources, step.pending_step_id = sources, prev.step_id

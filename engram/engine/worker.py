@@ -23,6 +23,7 @@ from engram.engine.runners import conv_blocks
 from engram.engine.runners.base import StepRunner
 from engram.engine.runners.decode_inputs import DecodeInputs, graph_reserve_bytes
 from engram.engine.runners.eager import EagerRunner
+from engram.engine.runners.group_pool import GroupPool
 from engram.engine.runners.graphs import GraphRunner
 from engram.engine.runners.mixed_inputs import MixedInputs
 from engram.engine.runners.pieces import DecodePieces
@@ -31,7 +32,7 @@ from engram.engine.runners.sequence_cache import SequenceCacheRunner
 from engram.engine.sampler import SampledTokens, Sampler
 from engram.engine.step import SampleSpec, StepDescription, StepResult, TokenLogprobs
 from engram.hashing import NgramHasher
-from engram.model.deepseek_v4 import cache as v4_cache
+from engram.model.deepseek_v4.cache_layout import cache_layout
 from engram.model.deepseek_v4.config import ARCHITECTURES as SEQUENCE_CACHE_ARCHITECTURES
 from engram.model.kv_cache import KVCache
 from engram.model.layers import paged_attention as pa
@@ -81,7 +82,9 @@ class Worker:
         self.pending = PendingTokens(NgramHasher.from_tokenizer(self.ecfg, ctok) if self.ecfg else None,
                                      ctok.map if self.ecfg else None, self.ecfg.dead_token_ids if self.ecfg else (),
                                      self.device)
-        bytes_per_block = (v4_cache.bytes_per_token(self.model_config, dtype) * config.block_size if self.sequence_caches
+        # DeepSeek-V4: one pool of equal pages shared by its cache groups (model/deepseek_v4/cache_layout.py)
+        self.cache_layout = cache_layout(self.model_config, dtype, config.block_size) if self.sequence_caches else None
+        bytes_per_block = (self.cache_layout.page_bytes if self.sequence_caches
                            else KVCache.for_model(self.model_config, 1, config.block_size, dtype, "meta").bytes_per_block())
         # the paper variant keeps its conv inputs with each block for prefix-cache hits (runners/conv_blocks.py)
         keeps_conv = (config.enable_prefix_caching and not self.sequence_caches and self.ecfg is not None
@@ -97,12 +100,16 @@ class Worker:
         self.memory: MemoryPlan = plan_memory(config, max_model_len, bytes_per_block, staging,
                                               _hot_cache_bytes(self.tables), self.device, peak,
                                               graph_reserve_bytes(config, peak, self._gathers_on_device())
-                                              if use_graphs else 0)
+                                              if use_graphs else 0,
+                                              self.cache_layout.max_blocks_per_sequence(max_model_len)
+                                              if self.sequence_caches else None)
         # One more block than the scheduler hands out (``memory.num_blocks``): the padding of a graph's bucket
         # writes there.
         if self.sequence_caches:
             self.kv = None
-            self.eager = SequenceCacheRunner(self.model, self.lookup, self.device, dtype, self.ecfg)
+            self.group_pool = GroupPool(self.model_config, self.cache_layout, self.memory.num_blocks, dtype,
+                                        self.device)
+            self.eager = SequenceCacheRunner(self.model, self.group_pool, self.lookup, self.device, dtype, self.ecfg)
         else:
             self.kv = KVCache.for_model(self.model_config, self.memory.num_blocks + 1, config.block_size, dtype,
                                         self.device)

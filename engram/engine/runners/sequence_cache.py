@@ -1,8 +1,8 @@
-"""The step runner of models that keep per-sequence caches instead of a paged KV cache (DeepSeek-V4): the eager path
-(uploads, staged Engram rows, tokens in flight, prompt logprobs as ``EagerRunner``), with one ``SequenceCache`` per
-running sequence kept here by sequence id. A sequence at start position 0 gets a fresh cache (new, or recomputed after a
-preemption); a cache is replaced only after the step's forward succeeded, so a failed step commits nothing; ``free``
-drops finished sequences' caches."""
+"""The step runner of models whose caches are cache groups instead of one paged KV cache (DeepSeek-V4): the eager path
+(uploads, staged Engram rows, tokens in flight, prompt logprobs as ``EagerRunner``). Each step builds every packed
+sequence's ``SequenceCache`` from the Worker's pool of group pages (``GroupPool.gather``, by the step's
+``group_tables``; position 0 starts fresh, new or recomputed after a preemption), runs the model on them, and stores
+what the step added (``GroupPool.write``) only after the forward succeeded, so a failed step commits nothing."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +10,7 @@ import torch
 from engram.engine.lookup import StagedRows
 from engram.engine.pending import PendingPatch
 from engram.engine.runners.eager import EagerRunner
+from engram.engine.runners.group_pool import GroupPool
 from engram.engine.step import StepDescription
 from engram.model.inputs import StepInputs
 from engram.transfer import to_device
@@ -20,29 +21,14 @@ class SequenceCacheRunner(EagerRunner):
 
     name = "eager"
 
-    def __init__(self, model, lookup, device: torch.device, dtype: torch.dtype, ecfg):
+    def __init__(self, model, pool: GroupPool, lookup, device: torch.device, dtype: torch.dtype, ecfg):
         super().__init__(model, None, lookup, device, dtype, ecfg)
-        self.caches: dict = {}  # seq id -> the model's SequenceCache after its last step
-
-    def free(self, seq_ids: list[int]) -> None:
-        for sid in seq_ids:
-            self.caches.pop(sid, None)
-
-    def cache_bytes(self) -> int:
-        """Bytes the running sequences' caches hold."""
-        return sum(c.nbytes() for c in self.caches.values())
+        self.pool = pool
 
     @torch.inference_mode()
     def run(self, step: StepDescription, staged: StagedRows, patch: PendingPatch | None = None) -> torch.Tensor:
         dev = self.device
-        caches = []
-        for sid, start in zip(step.seq_ids, step.start_positions):
-            cache = self.model.empty_cache(self.dtype, dev) if start == 0 else self.caches.get(sid)
-            if cache is None or cache.position != start:
-                held = "none" if cache is None else f"{cache.position} tokens"
-                raise RuntimeError(f"sequence {sid}: step {step.step_id} continues it at position {start} but its "
-                                   f"cache holds {held}")
-            caches.append(cache)
+        caches = self.pool.gather(step, lambda: self.model.empty_cache(self.dtype, dev))
         token_ids, dead_mask = self.tokens(step, patch)
         inputs = StepInputs(
             token_ids=token_ids, positions=to_device(step.positions, dev), cu_seqlens=to_device(step.cu_seqlens, dev),
@@ -54,5 +40,5 @@ class SequenceCacheRunner(EagerRunner):
         n = len(step.sample_rows)
         self.prompt_scores = self._score_prompt(step, hidden[n:]) if step.prompt_logprobs else None
         logits = self.model.compute_logits(hidden[:n])  # [N, vocab] float32
-        self.caches.update(zip(step.seq_ids, new))  # commit: the forward succeeded
+        self.pool.write(step, new)  # commit: the forward succeeded
         return logits
