@@ -24,23 +24,10 @@ def pair(tmp_path_factory):
     return Pair(tmp_path_factory.mktemp("v4"), ENGRAM)
 
 
-def _reference_greedy(pair, ids: list[int], n: int) -> list[int]:
-    """transformers' greedy continuation (float64 twin + Engram oracle), decoding with its own cache."""
-    from transformers import DynamicCache
-
-    cache, seq, out = DynamicCache(config=pair.ref.config), [], []
-    new = list(ids)
-    for _ in range(n):
-        tok = int(pair.ref_logits(new, seq, cache)[-1].argmax())
-        seq, new = seq + new, [tok]
-        out.append(tok)
-    return out
-
-
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_llm_generates_transformers_greedy_tokens(pair, tmp_path, async_scheduling):
     prompts = [prompt(310, seed=11), prompt(45, seed=12), prompt(131, seed=13)]
-    want = [_reference_greedy(pair, p, 6) for p in prompts]
+    want = [pair.greedy(p, 6) for p in prompts]
     llm = engram.LLM(model=str(pair.path), dtype="float64", device="cpu", cache_dir=str(tmp_path / "cache"),
                      max_num_batched_tokens=96, max_num_seqs=3, async_scheduling=async_scheduling)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -61,7 +48,7 @@ def test_cli_generate(pair, tmp_path, capsys):
     assert rc == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     ids = pair.ours.tokenizer.encode("def add(a, b):").ids
-    assert lines[0]["token_ids"] == _reference_greedy(pair, ids, 4)
+    assert lines[0]["token_ids"] == pair.greedy(ids, 4)
 
 
 def test_serve_completions(pair, tmp_path):
@@ -75,7 +62,7 @@ def test_serve_completions(pair, tmp_path):
         r = httpx.post(s.url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         ids = pair.ours.tokenizer.encode("Engram tables are").ids
-        want = pair.ours.tokenizer.decode(_reference_greedy(pair, ids, 5), skip_special_tokens=False)
+        want = pair.ours.tokenizer.decode(pair.greedy(ids, 5), skip_special_tokens=False)
         assert r.json()["choices"][0]["text"] == want.rstrip("\ufffd")  # a partial UTF-8 tail is held back
     finally:
         s.stop()

@@ -98,6 +98,23 @@ class Pair:
         pos = torch.arange(len(past), len(past) + len(new)).unsqueeze(0)
         return self.ref(torch.tensor([new]), position_ids=pos, cache=cache, use_cache=cache is not None).logits[0]
 
+    def greedy(self, ids: list[int], n: int) -> list[int]:
+        """The reference's greedy continuation of ``ids`` (``n`` tokens), decoding with its own cache."""
+        return self.greedy_logprobs(ids, n)[0]
+
+    def greedy_logprobs(self, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+        """``greedy`` and each chosen token's float64 logprob."""
+        from transformers import DynamicCache
+
+        cache, seq, out, lps, new = DynamicCache(config=self.ref.config), [], [], [], list(ids)
+        for _ in range(n):
+            logp = self.ref_logits(new, seq, cache)[-1].log_softmax(-1)
+            tok = int(logp.argmax())
+            seq, new = seq + new, [tok]
+            out.append(tok)
+            lps.append(float(logp[tok]))
+        return out, lps
+
     @torch.no_grad()
     def our_logits(self, chunks: list[list[int]], pasts: list[list[int]], caches: list, all_rows: bool = True):
         """Our logits of one packed step (every row, or each sequence's last) and the new caches."""
