@@ -41,6 +41,13 @@ def _ranges(xs: list[int]) -> str:
     return ", ".join(out)
 
 
+def _groups_dict(layout: Any) -> dict[str, Any]:
+    """A DeepSeek-V4 stage's cache groups (pages of ``page_bytes`` at block_size 16, bf16)."""
+    return {"page_bytes": layout.page_bytes,
+            "groups": {g.name: {"layers": list(g.layers), "rows_per_page": g.rows_per_page,
+                                "pages_per_sequence": g.pages_per_sequence} for g in layout.groups}}
+
+
 def _plan_dict(plan: Any, allocations: list[Any]) -> dict[str, Any]:
     g = plan.graph
     return {
@@ -57,7 +64,8 @@ def _plan_dict(plan: Any, allocations: list[Any]) -> dict[str, Any]:
              "window_cache_layers": list(a.window_cache_layers), "kv_cache_layers": list(a.kv_cache_layers),
              "index_cache_layers": list(a.index_cache_layers),
              "candidate_buffer_layers": list(a.candidate_buffer_layers),
-             "engram_layers": list(a.engram_layers), "needs_token_ids": a.needs_token_ids}
+             "engram_layers": list(a.engram_layers), "needs_token_ids": a.needs_token_ids,
+             **({} if a.cache_layout is None else {"cache_groups": _groups_dict(a.cache_layout)})}
             for s, a in zip(plan.stages, allocations)
         ],
     }
@@ -86,6 +94,9 @@ def _print_plan(plan: Any, allocations: list[Any]) -> None:
             parts.append(f"candidate buffer {a.candidate_buffer_layers[0]}")
         if a.engram_layers:
             parts.append(f"engram {_ranges(list(a.engram_layers))} (needs token ids)")
+        if a.cache_layout is not None:
+            groups = ", ".join(f"{g.name} {_ranges(list(g.layers))}" for g in a.cache_layout.groups)
+            parts.append(f"cache groups {groups} (pages of {a.cache_layout.page_bytes:,} B)")
         print(f"  stage {s.index}: layers {s.start}-{s.end - 1} (cost {s.cost:g}); " + "; ".join(parts))
 
 

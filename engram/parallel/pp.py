@@ -11,7 +11,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import zip_longest
 
+import torch
+
 from engram import envs
+from engram.config import hf_text_config
+from engram.model.deepseek_v4.cache_layout import CacheLayout, cache_layout
+from engram.model.deepseek_v4.config import ARCHITECTURES as V4_ARCHITECTURES, V4Config
 from engram.parallel.pp_graph import SharingEdge, SharingGraph, sharing_graph
 
 PARTITION_ENV = "ENGRAM_PP_LAYER_PARTITION"
@@ -43,6 +48,7 @@ class PipelinePlan:
     stages: tuple[Stage, ...]  # one per stage, in order
     legal_cut_points: tuple[int, ...]  # positions p (cut before layer p) crossed by no edge
     origin: str  # where the partition came from: "planner", "partition" (the argument) or PARTITION_ENV
+    v4: V4Config | None = None  # a DeepSeek-V4 config the runtime serves: its stages allocate cache groups
 
     @property
     def max_stage_cost(self) -> float:
@@ -68,6 +74,9 @@ class StageAllocation:
     candidate_buffer_layers: tuple[int, ...]  # the candidate source, when local and candidates are shared
     engram_layers: tuple[int, ...]  # local Engram layers: one row staging buffer each
     needs_token_ids: bool  # the stage needs the step's token ids and lookbacks (it holds an Engram layer)
+    # DeepSeek-V4: the cache groups of exactly the local layers (model/deepseek_v4/cache_layout.py, what the
+    # engine's block manager and the Worker's pool use), pages of cache_layout.page_bytes; None for other models
+    cache_layout: CacheLayout | None = None
 
 
 # ------------------------------------------------------------------------------------------ costs
@@ -234,12 +243,30 @@ def plan_pipeline(config: str | os.PathLike | dict | SharingGraph, pp: int,
     else:
         check_partition(graph, pp, partition, origin, per_layer)
     return PipelinePlan(graph=graph, pp=pp, partition=tuple(partition),
-                        stages=_stages(partition, _prefix(per_layer)), legal_cut_points=legal, origin=origin)
+                        stages=_stages(partition, _prefix(per_layer)), legal_cut_points=legal, origin=origin,
+                        v4=None if isinstance(config, SharingGraph) else served_v4(config))
+
+
+def served_v4(config: str | os.PathLike | dict) -> V4Config | None:
+    """The config as a DeepSeek-V4 model the runtime serves, or None: another model type, or deepseek_v41 with V4.1's
+    own attention (which V4Config refuses, so no stage of it allocates cache groups here). A bad deepseek_v4 config
+    raises its ValueError."""
+    hf = hf_text_config(config)
+    if hf.get("model_type") not in V4_ARCHITECTURES:
+        return None
+    try:
+        return V4Config.from_hf_dict(hf)
+    except ValueError:
+        if hf["model_type"] == "deepseek_v4":
+            raise
+        return None
 
 
 # ------------------------------------------------------------------------------------- allocation
-def local_allocation(plan: PipelinePlan, stage: int) -> StageAllocation:
-    """Caches and buffers stage ``stage`` allocates: its own layers' only (a valid plan keeps sources by consumers)."""
+def local_allocation(plan: PipelinePlan, stage: int, block_size: int = 16,
+                     cache_dtype: torch.dtype = torch.bfloat16) -> StageAllocation:
+    """Caches and buffers stage ``stage`` allocates: its own layers' only (a valid plan keeps sources by consumers).
+    ``block_size`` / ``cache_dtype``: the engine's, for a DeepSeek-V4 stage's cache-group pages."""
     if not 0 <= stage < plan.pp:
         raise ValueError(f"stage={stage}: out of range [0, {plan.pp}) for pp={plan.pp}")
     g = plan.graph
@@ -262,4 +289,5 @@ def local_allocation(plan: PipelinePlan, stage: int) -> StageAllocation:
         candidate_buffer_layers=(g.candidate_source,) if cand_shared and g.candidate_source in layers else (),
         engram_layers=tuple(x for x in g.engram_layers if x in layers),
         needs_token_ids=any(x in layers for x in g.engram_layers),
+        cache_layout=None if plan.v4 is None else cache_layout(plan.v4, cache_dtype, block_size, layers),
     )

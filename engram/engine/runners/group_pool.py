@@ -2,8 +2,8 @@
 typed view per field of ``CacheLayout`` (cache_layout.py), and the two moves of a step. ``gather`` builds each packed
 sequence's ``SequenceCache`` at its start position from the step's group tables (window keys, entries and index keys,
 compressor buffers and overlaps); ``write`` stores what the step added (the window keys it keeps, new entries, the new
-buffers and the position they hold). A read checks the position the state pages hold, so a page of another sequence,
-or a state a failed step did not commit, raises instead of being read.
+buffers). The pool remembers on the host the position each run of state pages holds (no device read) and a read checks
+it, so a page of another sequence, or a state a failed step did not commit, raises instead of being read.
 
     pool [num_blocks, page_bytes] uint8 ──view──► sliding keys[l] [num_blocks, block_size, d]  (token p of a sequence:
                                                    page table[p // block_size], row p % block_size)
@@ -17,8 +17,8 @@ import torch
 from engram.engine.step import StepDescription
 from engram.model.deepseek_v4.attention import LayerState
 from engram.model.deepseek_v4.cache import SequenceCache
-from engram.model.deepseek_v4.cache_layout import (CSA_GROUP, HCA_GROUP, HEADER, SLIDING_GROUP, STATE_GROUP,
-                                                     CacheGroup, CacheLayout, Field)
+from engram.model.deepseek_v4.cache_layout import (CSA_GROUP, HCA_GROUP, SLIDING_GROUP, STATE_GROUP, CacheGroup,
+                                                     CacheLayout, Field)
 from engram.model.deepseek_v4.compressor import CompressorState
 from engram.model.deepseek_v4.config import CSA, SLIDING, V4Config
 from engram.model.deepseek_v4.mhc import work_dtype
@@ -31,6 +31,7 @@ class GroupPool:
         self.pages = torch.zeros(num_blocks, layout.page_bytes, dtype=torch.uint8, device=self.device)
         self.views = {(g.name, f.layer, f.part): self._view(f) for g in layout.groups for f in g.fields}
         self._entry_group = {x: g for g in layout.groups if g.name in (CSA_GROUP, HCA_GROUP) for x in g.layers}
+        self._held: dict[int, int] = {}  # first state page -> the position its run of state pages holds
 
     def _view(self, f: Field) -> torch.Tensor:
         """[num_blocks, *f.shape] of f.dtype over the pool's bytes (writes through)."""
@@ -60,7 +61,7 @@ class GroupPool:
                     g = self._entry_group[layer]
                     rows = self._rows(tables[g.name][i], 0, self.layout.rows_for(g, start), g.rows_per_page,
                                       f"step {step.step_id} sequence {step.seq_ids[i]} layer {layer}")
-                    state = tables[STATE_GROUP][i]
+                    state = tables[STATE_GROUP][i] if STATE_GROUP in tables else None
                     comp = self._compressor(g, layer, "compressor", "entries", rows, state, start)
                     if self.cfg.layer_types[layer] == CSA:
                         index = self._compressor(g, layer, "indexer", "index", rows, state, start)
@@ -79,8 +80,7 @@ class GroupPool:
     def _check_position(self, tables: dict, i: int, start: int, step: StepDescription) -> None:
         if STATE_GROUP not in tables:
             return
-        page = int(tables[STATE_GROUP][i, 0])
-        held = int(self.views[(STATE_GROUP, *HEADER)][page, 0])
+        held = self._held.get(int(tables[STATE_GROUP][i, 0]))
         if held != start:
             raise RuntimeError(f"sequence {step.seq_ids[i]}: step {step.step_id} continues it at position {start} but "
                                f"its state pages hold position {held}")
@@ -124,12 +124,12 @@ class GroupPool:
                 g = self._entry_group[layer]
                 e0, e1 = self.layout.rows_for(g, start), self.layout.rows_for(g, end)
                 rows = self._rows(tables[g.name][i], e0, e1, g.rows_per_page, f"{who} layer {layer}")
-                state = tables[STATE_GROUP][i]
+                state = tables[STATE_GROUP][i] if STATE_GROUP in tables else None
                 self._write_compressor(g, layer, "compressor", "entries", rows, e0, e1, st.compressor, state)
                 if st.indexer is not None:
                     self._write_compressor(g, layer, "indexer", "index", rows, e0, e1, st.indexer, state)
             if STATE_GROUP in tables:
-                self.views[(STATE_GROUP, *HEADER)][int(tables[STATE_GROUP][i, 0]), 0] = end
+                self._held[int(tables[STATE_GROUP][i, 0])] = end
 
     def _write_compressor(self, g: CacheGroup, layer: int, comp: str, part: str, rows, e0: int, e1: int,
                           cs: CompressorState, state_table: torch.Tensor) -> None:

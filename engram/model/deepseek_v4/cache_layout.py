@@ -10,9 +10,8 @@ Groups (a group is a set of layers sharing one block table; a page is ``page_byt
 * ``csa``: compressed sparse layers' entries and index keys (one entry per ``csa_ratio`` tokens), as many entries a page
   as fit; kept while the sequence runs (a top-k may pick any entry).
 * ``hca``: heavily compressed layers' entries (one per ``hca_ratio`` tokens), as many as fit; kept while it runs.
-* ``state``: a fixed run of pages per sequence: the position it holds (8 bytes, checked on every read), each
-  compressor's unclosed kv / gate buffer (ratio - 1 rows) and, with overlap, the last closed window's first halves
-  (ratio rows). A field never straddles two pages."""
+* ``state``: a fixed run of pages per sequence: each compressor's unclosed kv / gate buffer (ratio - 1 rows) and,
+  with overlap, the last closed window's first halves (ratio rows). A field never straddles two pages."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,15 +23,14 @@ from engram.model.deepseek_v4.config import CSA, HCA, V4Config
 from engram.model.deepseek_v4.mhc import work_dtype
 
 SLIDING_GROUP, CSA_GROUP, HCA_GROUP, STATE_GROUP = "sliding", "csa", "hca", "state"
-ALIGN = 8  # field offsets are multiples of the widest element (int64 header, float64 work dtype)
-HEADER = (-1, "position")  # the state group's first field: the position the state holds, int64
+ALIGN = 8  # field offsets are multiples of the widest element (float64)
 
 
 @dataclass(frozen=True)
 class Field:
     """One tensor of a page (row groups: ``shape[0]`` rows a page) or of a sequence's state pages."""
 
-    layer: int  # decoder layer (-1: the state header)
+    layer: int  # decoder layer
     part: str  # "keys" | "entries" | "index" | "<comp>.buffer_kv" | ... (comp: "compressor" or "indexer")
     page: int  # which of the sequence's state pages holds it (row groups: 0, every page has every field)
     offset: int  # byte offset inside the page, a multiple of ALIGN
@@ -135,7 +133,7 @@ def _row_group(name: str, layers: list[int], parts: list[tuple[str, int]], dtype
 def _state_group(cfg: V4Config, layers: list[int], dtype: torch.dtype, page_bytes: int) -> CacheGroup:
     """First-fit of every compressor's buffers into pages (a field never straddles two)."""
     wd = work_dtype(dtype)
-    wanted = [(HEADER[0], HEADER[1], (1,), torch.int64)]
+    wanted = []
     for layer in layers:
         r = cfg.ratio(layer)
         comps = [("compressor", cfg.head_dim, cfg.layer_types[layer] == CSA)]
@@ -148,7 +146,7 @@ def _state_group(cfg: V4Config, layers: list[int], dtype: torch.dtype, page_byte
                            (layer, f"{comp}.buffer_gate", (r - 1, width), wd)]
             if overlap:
                 wanted += [(layer, f"{comp}.overlap_kv", (r, d), dtype), (layer, f"{comp}.overlap_gate", (r, d), wd)]
-    fields, used = [], [0]  # bytes used of each state page
+    fields, used = [], []  # bytes used of each state page
     for layer, part, shape, dt in wanted:
         f = Field(layer, part, 0, 0, shape, dt)
         if f.nbytes > page_bytes:
@@ -185,6 +183,7 @@ def cache_layout(cfg: V4Config, dtype: torch.dtype, block_size: int,
     if hca:
         groups.append(_row_group(HCA_GROUP, hca, [("entries", d)], dtype, cfg.hca_ratio, page_bytes,
                                  "heavily compressed entries"))
-    if csa or hca:
-        groups.append(_state_group(cfg, sorted(csa + hca), dtype, page_bytes))
+    state = _state_group(cfg, sorted(csa + hca), dtype, page_bytes)
+    if state.fields:  # none without compressed layers (or with ratio-1, non-overlapping ones only)
+        groups.append(state)
     return CacheLayout(page_bytes, block_size, cfg.sliding_window, tuple(groups))
