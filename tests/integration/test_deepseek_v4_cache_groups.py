@@ -89,6 +89,8 @@ def test_preemption_by_a_tiny_pool_recomputes_the_same_tokens(pair, prompts_and_
     prompts, reference = prompts_and_reference
     probe = _llm(pair, tmp_path)
     least = probe.engine.scheduler.blocks.layout.max_blocks_per_sequence(probe.engine.max_model_len)
+    with pytest.raises(ValueError, match=f"KV memory too small: engine.num_kv_blocks={least - 1}.* needs {least}"):
+        _llm(pair, tmp_path, num_kv_blocks=least - 1)
     llm = _llm(pair, tmp_path, num_kv_blocks=least, max_num_batched_tokens=64, max_num_seqs=3)
     _matches_reference(llm, prompts, reference)
     assert llm.engine.num_preemptions > 0
@@ -119,7 +121,7 @@ def test_pages_in_use_equal_the_running_sequences_needs_after_every_step(pair, t
     llm = _llm(pair, tmp_path, max_num_batched_tokens=40, max_num_seqs=4, num_kv_blocks=pages)
     engine = llm.engine
     bm = engine.scheduler.blocks
-    assert engine.stats()["kv_bytes"] == pages * bm.layout.page_bytes  # the pool is the KV budget
+    assert engine.stats()["kv_bytes"] == pages * bm.layout.page_bytes == engine.executor.worker.group_pool.nbytes
     lens = [150, 70, 233, 9, 101]
     for i, n in enumerate(lens):
         engine.add_request(f"r{i}", prompt(n, seed=200 + i), _greedy(12))
