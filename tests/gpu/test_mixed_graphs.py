@@ -13,6 +13,7 @@ from engram.engine.engine import LLMEngine
 from engram.engine.runners.graphs import GraphRunner
 from engram.engine.sampling_params import SamplingParams
 from engram.model.loader import load_model
+from tests.engine_runs import drain
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CUDA = torch.device("cuda")
@@ -28,12 +29,7 @@ def _run(engine):
     for i, n in enumerate(LENGTHS):
         engine.add_request(f"r{i}", [(7 * i + j) % 500 + 3 for j in range(n)],
                            SamplingParams(temperature=0.0, max_tokens=10 + 3 * i, logprobs=3, ignore_eos=True))
-    out = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            c = o.outputs[0]
-            out[o.request_id] = (c.token_ids, [(lp.logprob, lp.top) for lp in c.logprobs])
-    return out
+    return drain(engine)
 
 
 @pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
