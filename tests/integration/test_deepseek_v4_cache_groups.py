@@ -3,7 +3,8 @@ with Engram): chunk sizes 1, 7, 97 and a whole prompt (chunk boundaries anywhere
 transformers' greedy tokens; so do preemptions forced by a pool of the fewest pages one sequence needs, and 16
 concurrent mixed-length requests (synchronous and async scheduling) equal each run alone. After every step each group's
 pages in use equal what the running sequences' positions need (counted here from the layout, not from the manager);
-aborted, preempted and finished sequences give back every page of every group."""
+aborted, preempted and finished sequences give back every page of every group; a failing request fails alone (its step
+run again in halves) and the others commit the tokens of a run without it."""
 from __future__ import annotations
 
 import pytest
@@ -165,3 +166,42 @@ def test_abort_with_async_scheduling_gives_every_page_back(pair, tmp_path):
     while engine.has_unfinished():
         engine.step()
     _all_back(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_failing_request_fails_alone_and_commits_nothing(pair, tmp_path, monkeypatch, async_scheduling):
+    """A step failing (a planted lookup error whenever r1 decodes) is run again in halves: the others' steps commit
+    their pages and give the tokens of a run without r1; r1 fails alone, and every page comes back."""
+    from engram.engine.engine import StepError
+    from engram.engine.lookup import LookupExecutor
+
+    reqs = [prompt(n, seed=400 + i) for i, n in enumerate((90, 140, 61))]
+    llm = _llm(pair, tmp_path, max_num_batched_tokens=64, max_num_seqs=3, async_scheduling=async_scheduling)
+    engine = llm.engine
+    for i, p in enumerate(reqs):
+        engine.add_request(f"r{i}", p, _greedy(6))
+    bad, real = engine._seqs["r1"].seq_id, LookupExecutor.submit
+
+    def submit(self, step, patch=None, project=True):
+        s = step.seq_ids.index(bad) if bad in step.seq_ids else -1
+        if s >= 0 and step.start_positions[s] >= len(reqs[1]):
+            raise OSError("planted read error")
+        return real(self, step, patch, project)
+
+    monkeypatch.setattr(LookupExecutor, "submit", submit)
+    out, failed = {}, []
+    while engine.has_unfinished():
+        try:
+            outs = engine.step()
+        except StepError as e:
+            failed += e.request_ids
+            outs = e.outputs
+            for rid in e.request_ids:
+                engine.abort_request(rid)
+        out.update({o.request_id: o.outputs[0].token_ids for o in outs if o.finished})
+    monkeypatch.undo()
+    assert failed == ["r1"] and set(out) == {"r0", "r2"}
+    _all_back(llm)
+    clean = _llm(pair, tmp_path, max_num_batched_tokens=64, max_num_seqs=3)
+    want = clean.generate([{"prompt_token_ids": reqs[i]} for i in (0, 2)], _greedy(6), use_tqdm=False)
+    assert [out["r0"], out["r2"]] == [w.outputs[0].token_ids for w in want]
