@@ -36,7 +36,7 @@ def test_layout_pages_and_fields():
     assert state.field(1, "compressor.buffer_gate").dtype == torch.float64  # the work dtype of float64
     assert cache_layout(CFG, torch.bfloat16, 16).group("state").field(1, "compressor.buffer_gate").dtype == \
         torch.float32
-    with pytest.raises(ValueError, match="engine.block_size is too small .* layer 1's compressor.buffer_kv takes 1536 bytes"):
+    with pytest.raises(ValueError, match="block_size is too small .* layer 1's compressor.buffer_kv takes 1536 bytes"):
         cache_layout(CFG, torch.float64, 1)
 
 

@@ -5,11 +5,12 @@ compressor buffers and overlaps); ``write`` stores what the step added (the wind
 buffers). The pool remembers on the host the position each run of state pages holds (no device read) and a read checks
 it, so a page of another sequence, or a state a failed step did not commit, raises instead of being read.
 
-    pool [num_blocks, page_bytes] uint8 ──view──► sliding keys[l] [num_blocks, block_size, d]  (token p of a sequence:
-                                                   page table[p // block_size], row p % block_size)
+    pool [num_blocks, page_bytes] uint8 ──view──► sliding keys[l] [num_blocks, block_size, d]
                                                   csa entries[l] [num_blocks, R, d], index[l] [num_blocks, R, di]
-                                                  hca entries[l] [num_blocks, R', d]   (entry e: page e // R, row e % R)
-                                                  state fields  [num_blocks, *shape]   (the sequence's k-th state page)"""
+                                                  hca entries[l] [num_blocks, R', d]
+                                                  state fields  [num_blocks, *shape]
+    token p of a sequence: page table[p // block_size], row p % block_size; entry e: page e // R, row e % R;
+    a state field: the sequence's k-th state page"""
 from __future__ import annotations
 
 import torch
@@ -69,7 +70,8 @@ class GroupPool:
             out.append(SequenceCache(start, tuple(layers)))
         return out
 
-    def _rows(self, table: torch.Tensor, lo: int, hi: int, per_page: int, who: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rows(self, table: torch.Tensor, lo: int, hi: int, per_page: int,
+              who: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(pages, rows) of logical rows [lo, hi) through one sequence's table; a missing page raises."""
         idx = torch.arange(lo, hi)
         logical = idx // per_page
