@@ -26,6 +26,8 @@ class EngineConfig:
     # caches are not paged per token (DeepSeek-V4's sliding-window and compressed caches) turn it off with a log line
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1  # Worker processes, one tensor-parallel rank each (gloo on the CPU, NCCL on GPUs; docs/parallel.md)
+    # pipeline stages, each tensor_parallel_size ranks wide (P x T Worker processes), and P microbatches in flight
+    pipeline_parallel_size: int = 1
     # engine replicas (processes, each TP ranks wide) behind one router, sharing one copy of the host tables per node
     data_parallel_size: int = 1
 
@@ -34,7 +36,7 @@ class EngineConfig:
             return ValueError(f"engine.{name}={getattr(self, name)!r}: {why}")
 
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_graph_batch",
-                     "tensor_parallel_size", "data_parallel_size"):
+                     "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise bad(name, "must be an int >= 1")

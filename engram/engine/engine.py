@@ -16,6 +16,7 @@ from engram.engine.cache_groups import GroupBlockManager
 from engram.engine.config import EngineConfig
 from engram.engine.detokenizer import IncrementalDetokenizer, detokenize_step
 from engram.engine.executor import Executor, UniProcExecutor
+from engram.engine.microbatches import MicrobatchPipeline
 from engram.engine.outputs import CompletionOutput, RequestOutput
 from engram.engine.planner import LookupPlanner
 from engram.engine.prefix_cache import content_key
@@ -56,9 +57,11 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()
         self.device = torch.device(device)
-        self.pipeline = StepPipeline(config, self.device, self.scheduler, self.executor, self.planner,
-                                     self.hasher.pad_id if self.hasher else 0, self.eos_token_id,
-                                     bool(self._dead_ids), self.max_model_len, self._postprocess)
+        args = (config, self.device, self.scheduler, self.executor, self.planner, self.hasher.pad_id if self.hasher
+                else 0, self.eos_token_id, bool(self._dead_ids), self.max_model_len, self._postprocess)
+        # pipeline stages: one microbatch in flight per stage (engine/microbatches.py)
+        self.pipeline = (MicrobatchPipeline(*args, depth=config.pipeline_parallel_size)
+                         if config.pipeline_parallel_size > 1 else StepPipeline(*args))
 
     def step(self) -> list[RequestOutput]:
         """Run one step -> the outputs of the step that completed (with async scheduling, the one launched before)."""

@@ -21,6 +21,7 @@ from engram.engine.outputs import RequestOutput
 from engram.engine.sampling_params import SamplingParams
 from engram.model.loader import load_model, resolve_dtype
 from engram.parallel import tp
+from engram.parallel.pp import PipelinePlan, local_allocation, model_plan
 
 class LLM:
     def __init__(self, model: str = "tiny", tier: str = "gpu", dtype: str | torch.dtype | None = None,
@@ -29,10 +30,11 @@ class LLM:
         engine_config = EngineConfig.from_options(engine_options)  # bad options fail before loading
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
-        n = engine_config.tensor_parallel_size
+        pp = engine_config.pipeline_parallel_size
+        n = engine_config.tensor_parallel_size * pp
         if n > 1 and self.device.type == "cuda" and torch_ranks_missing(n):  # before anything loads
-            raise ValueError(f"tensor_parallel_size={n} on CUDA needs {n} GPUs (one a rank); this node has "
-                             f"{torch.cuda.device_count()}")
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size={n} on CUDA needs {n} GPUs (one a "
+                             f"rank); this node has {torch.cuda.device_count()}")
         self.options = RuntimeOptions.from_dict(engram_config)  # bad keys fail before loading
         self.tier = self.options.tier(tier)
         if engine_config.data_parallel_size > 1:  # replicas in processes of their own; this one routes
@@ -45,15 +47,23 @@ class LLM:
                                                engine_config, self.loaded.tokenizer, replica_llm)
             self._request_ids = itertools.count()
             return
+        plan = None
+        if pp > 1 and engine_config.data_parallel_size == 1:  # the planner's verdict, before any weight or table loads
+            if torchrun_rank() is not None:
+                raise NotImplementedError(f"pipeline_parallel_size={pp} under torchrun: pipeline stages run as "
+                                          "spawned processes on one node; run it without torchrun")
+            plan = model_plan(str(model), pp, table_rows=self.options.table_rows)
         # with ranks, this process needs the config and tokenizers only: its copy of the weights stays in RAM
         self.loaded = load_model(model, tier=self.tier, dtype=self.dtype, device=self.device if n == 1 else "cpu",
                                  engram_config=self.options, cache_dir=cache_dir)
         executor = None
         if n > 1 and self.loaded.model_config.architecture in SEQUENCE_CACHE_ARCHITECTURES:
-            raise NotImplementedError(f"tensor_parallel_size={n}: {self.loaded.model_config.architecture} runs on "
-                                      "one device (engram/parallel has no layout for its MoE and compressed attention)")
-        if engine_config.tensor_parallel_size > 1:
-            executor = _tensor_parallel(model, self, engine_config, cache_dir)
+            sizes = f"tensor_parallel_size={engine_config.tensor_parallel_size}" + (
+                f", pipeline_parallel_size={pp}" if pp > 1 else "")
+            raise NotImplementedError(f"{sizes}: {self.loaded.model_config.architecture} runs on one device "
+                                      "(engram/parallel has no layout for its MoE and compressed attention)")
+        if n > 1:
+            executor = _parallel(model, self, engine_config, cache_dir, plan)
         self.engine = LLMEngine(self.loaded, engine_config, self.device, self.dtype, executor=executor)
         self._request_ids = itertools.count()
 
@@ -103,14 +113,18 @@ def replica_llm(spec) -> "LLM":
                cache_dir=spec.cache_dir, **spec.engine_options)
 
 
-def _tensor_parallel(model: str, llm: "LLM", config: EngineConfig, cache_dir: str | None):
-    """N Worker processes: spawned on this node (engine/multiproc.py), or torchrun's (engine/torchrun.py: this
-    process is rank 0, the others run ``serve_rank``); gloo on the CPU, NCCL (one GPU a rank) on CUDA."""
+def _parallel(model: str, llm: "LLM", config: EngineConfig, cache_dir: str | None, plan: PipelinePlan | None):
+    """P x T Worker processes: spawned on this node (engine/multiproc.py; ``plan``: the pipeline's stages), or, for
+    tensor parallelism alone, torchrun's (engine/torchrun.py: this process is rank 0, the others run ``serve_rank``);
+    gloo on the CPU, NCCL (one GPU a rank) on CUDA."""
     tp.check_tp(llm.loaded.model_config, config.tensor_parallel_size)
     rank = torchrun_rank()
     if rank is None:
-        return MultiprocExecutor(make_rank_spec(model, llm.tier, llm.dtype, llm.options, cache_dir, config,
-                                                f"tcp://127.0.0.1:{free_port()}", device=llm.device.type))
+        stage_layers = None if plan is None else [local_allocation(plan, s).engram_layers for s in range(plan.pp)]
+        spec = make_rank_spec(model, llm.tier, llm.dtype, llm.options, cache_dir, config,
+                              f"tcp://127.0.0.1:{free_port()}", device=llm.device.type,
+                              partition=None if plan is None else plan.partition)
+        return MultiprocExecutor(spec, stage_layers)
     if rank != 0:
         raise ValueError(f"LLM(...) on torchrun rank {rank}: only rank 0 runs the engine; the other ranks run "
                          "engram.engine.torchrun.serve_rank (engram generate / serve do it)")

@@ -153,8 +153,10 @@ class LookupExecutor:
     """Submits every layer's lookup of a step, then waits for all of them, before the model runs."""
 
     def __init__(self, tables: dict, cfg: EngramConfig | None, dtype: torch.dtype, device: torch.device,
-                 stream: LookupStream | None = None, projectors: dict | None = None):
-        missing = [lid for lid in (cfg.layer_ids if cfg else ()) if lid not in tables]
+                 stream: LookupStream | None = None, projectors: dict | None = None, layer_ids=None):
+        # layer_ids: the Engram layers this executor serves (a pipeline stage's own; None: every layer of cfg)
+        wanted = (cfg.layer_ids if cfg else ()) if layer_ids is None else layer_ids
+        missing = [lid for lid in wanted if lid not in tables]
         if missing:
             raise ValueError(f"no table for Engram layer(s) {missing} (tables cover {sorted(tables)})")
         self.tables = tables
@@ -319,7 +321,8 @@ def _read_only(nothing: None) -> None:
     return nothing
 
 
-def staging_bytes(cfg: EngramConfig, max_tokens: int, dtype: torch.dtype) -> int:
-    """Peak bytes of a step's staged rows: per layer the [T * n_cols, D] gather and its reshape into the model dtype."""
+def staging_bytes(cfg: EngramConfig, max_tokens: int, dtype: torch.dtype, layers=None) -> int:
+    """Peak bytes of a step's staged rows: per layer (of ``layers``; None: every Engram layer) the [T * n_cols, D]
+    gather and its reshape into the model dtype."""
     per_layer = 2 * max_tokens * cfg.n_cols * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
-    return per_layer * len(cfg.layer_ids)
+    return per_layer * len(cfg.layer_ids if layers is None else layers)

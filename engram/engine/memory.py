@@ -63,9 +63,10 @@ def plan_memory(cfg: EngineConfig, max_model_len: int, bytes_per_block: int, sta
                       cache_bytes=cache_bytes, budget_bytes=cfg.kv_cache_memory, step_peak_bytes=step_peak_bytes)
 
 
-def warmup_step(cfg: EngineConfig, ecfg, block_size: int) -> StepDescription:
+def warmup_step(cfg: EngineConfig, ecfg, block_size: int, layers=None) -> StepDescription:
     """The largest step: ``max_num_batched_tokens`` prompt tokens over ``max_num_seqs`` fresh sequences, all sampling
-    greedily, Engram row 0 for every lookup."""
+    greedily, Engram row 0 for every lookup (of ``layers``: a pipeline stage's; None: every Engram layer)."""
+    layers = (ecfg.layer_ids if ecfg else ()) if layers is None else layers
     t = cfg.max_num_batched_tokens
     s = min(cfg.max_num_seqs, t)
     lens = [t // s + (1 if i < t % s else 0) for i in range(s)]
@@ -82,21 +83,23 @@ def warmup_step(cfg: EngineConfig, ecfg, block_size: int) -> StepDescription:
         step_id=-1, seq_ids=list(range(-s, 0)), start_positions=[0] * s, num_new_tokens=lens,
         token_ids=torch.zeros(t, dtype=torch.long), positions=positions, cu_seqlens=cu,
         context_lens=torch.tensor(lens), block_tables=tables, slot_mapping=slots, dead_mask=None,
-        engram_row_ids={lid: torch.zeros(t, ecfg.n_cols, dtype=torch.long) for lid in ecfg.layer_ids} if ecfg else {},
+        engram_row_ids={lid: torch.zeros(t, ecfg.n_cols, dtype=torch.long) for lid in layers} if ecfg else {},
         sample_rows=list(range(s)), samples=[greedy] * s)
 
 
 def profile_peak_bytes(worker, bytes_per_block: int) -> int:
     """``warmup_step``'s peak CUDA bytes beyond what existed (scratch KV cache); table counters are reset after."""
-    step = warmup_step(worker.config, worker.ecfg, worker.config.block_size)
+    step = warmup_step(worker.config, worker.ecfg, worker.config.block_size, tuple(worker.tables))
     blocks = int(step.block_tables.max()) + 1
-    kv = KVCache.for_model(worker.model_config, blocks, worker.config.block_size, worker.dtype, worker.device)
+    kv = KVCache.for_model(worker.model_config, blocks, worker.config.block_size, worker.dtype, worker.device,
+                           worker.kv_layers)
     runner = EagerRunner(worker.model, kv, worker.lookup, worker.device, worker.dtype, worker.ecfg)
     torch.cuda.synchronize(worker.device)
     torch.cuda.reset_peak_memory_stats(worker.device)
     base = torch.cuda.memory_allocated(worker.device)
     logits = runner.launch(step, None).logits
-    worker.sampler(logits, step.samples)
+    if logits is not None:  # None: a pipeline stage before the last samples nothing
+        worker.sampler(logits, step.samples)
     torch.cuda.synchronize(worker.device)
     peak = torch.cuda.max_memory_allocated(worker.device) - base
     del kv, runner, logits

@@ -1,14 +1,18 @@
-"""MultiprocExecutor: N Worker processes on one node, one tensor-parallel rank each (torch.multiprocessing spawn, a
-gloo process group on 127.0.0.1); each rank builds its sharded Worker (engine/tp_rank.py). The engine's step
-description goes once, pickled, to rank 0, which broadcasts it on the gloo group (``broadcast_object_list``); every rank
-runs the step, only rank 0 sends its StepResult back. The executor waits on rank 0's pipe and on every rank's process
-sentinel together, so a rank that dies makes ``launch``, ``collect`` or ``stats`` raise ``RankFailed`` (an
-``ExecutorFailed``) at once (the other ranks are then stopped), never hang, also when the ranks run on GPUs (NCCL:
-the sentinels are watched, not collective timeouts). Steps run synchronously on the ranks (``takes_pending_tokens``
-is False: no async-scheduling patches)."""
+"""MultiprocExecutor: the Worker processes of one node, a grid of ``pipeline_parallel_size`` stages x
+``tensor_parallel_size`` ranks (engine/rank_groups.py; torch.multiprocessing spawn, gloo on 127.0.0.1); each rank builds
+its Worker (engine/tp_rank.py). The one launcher of tensor and pipeline parallelism: a step description goes, pickled,
+to every stage's leader, with only that stage's Engram row ids (``stage_step``: each stage starts its lookups when it
+takes the step), and the leader broadcasts it to its stage; every rank runs the step on its layers and shard, the last
+stage's leader sends the StepResult back. Steps are launched without waiting for the ones before (up to the engine's
+microbatches are in flight: stages work on different microbatches at once) and collected in launch order. The
+executor waits on the answering pipe and on every rank's process sentinel together, so a rank that dies makes
+``launch``, ``collect`` or ``stats`` raise ``RankFailed`` (an ``ExecutorFailed``) at once (the other ranks are then
+stopped), never hang, also when the ranks run on GPUs (NCCL: the sentinels are watched, not collective timeouts). The
+Workers take no steps whose tokens are still on a device (``takes_pending_tokens`` is False)."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import socket
 import weakref
@@ -18,10 +22,11 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from engram.engine.executor import Executor, ExecutorFailed
+from engram.engine.rank_groups import RankPlace
 from engram.engine.step import StepDescription, StepResult
 from engram.engine.tp_rank import RankSpec, rank_main
 
-__all__ = ["MultiprocExecutor", "RankFailed", "RankSpec", "free_port"]
+__all__ = ["MultiprocExecutor", "RankFailed", "RankSpec", "free_port", "stage_step"]
 
 _log = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0  # a rank that is not ready by then fails the start
@@ -33,36 +38,45 @@ class RankFailed(ExecutorFailed):
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, spec: RankSpec):
-        world = spec.config.tensor_parallel_size
+    """``stage_layers`` (pipeline stages): the Engram layers of each stage, whose row ids its step carries."""
+
+    def __init__(self, spec: RankSpec, stage_layers: list[tuple[int, ...]] | None = None):
+        tp, pp = spec.config.tensor_parallel_size, spec.config.pipeline_parallel_size
+        world = tp * pp
         ctx = mp.get_context("spawn")
-        self.world, self._failure = world, None
+        self.world, self.tp, self.pp, self._failure = world, tp, pp, None
+        self.stage_layers = stage_layers
         self._handles: collections.deque[int] = collections.deque()
+        self._early: dict[int, StepResult] = {}  # results that came while another answer was awaited
         pipes = [ctx.Pipe() for _ in range(world)]
-        self.procs = [ctx.Process(target=rank_main, args=(r, spec, pipes[r][1]), daemon=True, name=f"engram-tp{r}")
+        self.procs = [ctx.Process(target=rank_main, args=(r, spec, pipes[r][1]), daemon=True, name=_name(r, tp, pp))
                       for r in range(world)]
         for p in self.procs:
             p.start()
         for _, child in pipes:
             child.close()
         self._conns = [parent for parent, _ in pipes]
-        self._conn = self._conns[0]
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self._conn)
+        self._leaders = [self._conns[s * tp] for s in range(pp)]  # each stage's first rank takes the messages
+        self._conn = self._leaders[-1]  # the last stage's leader answers steps
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self._leaders)
         ready = [self._receive(conn, "start", START_TIMEOUT_S) for conn in self._conns]
-        blocks = {msg[1] for msg in ready}
-        if len(blocks) != 1:
-            self._fail(f"ranks sized different KV caches {[m[1] for m in ready]}")
-        self.num_kv_blocks = blocks.pop()
+        for s in range(pp):  # a stage's ranks share every block of the scheduler's pool
+            stage_blocks = {msg[1] for msg in ready[s * tp:(s + 1) * tp]}
+            if len(stage_blocks) != 1:
+                self._fail(f"the ranks of stage {s} sized different KV caches {[m[1] for m in ready]}")
+        self.num_kv_blocks = min(msg[1] for msg in ready)  # stages of fewer layers may fit more: the pool is the least
         self.rank_bytes: list[dict[str, int]] = [msg[2] for msg in ready]  # each rank's tp.parameter_bytes
         self.table_bytes: list[dict[int, int]] = [msg[3] for msg in ready]  # each rank's table bytes by layer
         self.rank_env: list[dict[str, str | None]] = [msg[4] for msg in ready]  # each rank's tp_rank.NCCL_ENV keys
+        self.holdings: list[dict] = [msg[5] for msg in ready]  # what each rank allocated (tp_rank.holdings)
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
     def launch(self, step: StepDescription) -> int:
-        self._send(("step", step))
+        for s in range(self.pp):
+            self._send(s, ("step", step if self.stage_layers is None else stage_step(step, self.stage_layers[s])))
         self._handles.append(step.step_id)
         return step.step_id
 
@@ -70,29 +84,50 @@ class MultiprocExecutor(Executor):
         if not self._handles or self._handles[0] != handle:
             raise ValueError(f"collect({handle}): steps are collected in launch order {list(self._handles)}")
         self._handles.popleft()
-        return self._receive(self._conn, f"step {handle}")[1]
+        if handle in self._early:
+            return self._early.pop(handle)
+        return self._await(self._conn, "result", f"step {handle}")[1]
 
     def stats(self) -> dict[str, Any]:
-        self._send(("stats", None))
-        return self._receive(self._conn, "stats")[1]
+        """The Workers' counters: the first stage's, with every stage's tables and the KV bytes of all stages added."""
+        for s in range(self.pp):
+            self._send(s, ("stats", None))
+        stages = [self._await(conn, "stats", "stats")[1] for conn in self._leaders]
+        out = dict(stages[0])
+        out["tables"] = {lid: c for st in stages for lid, c in st["tables"].items()}
+        out["kv_bytes"] = sum(st["kv_bytes"] for st in stages)
+        if self.pp > 1:
+            out["stages"] = stages
+        return out
 
     def sampled(self) -> list[list[list[int]]]:
-        """Every rank's sampled ids of its recent steps (RankZeroSampler.history), rank by rank."""
-        self._send(("sampled", None))
-        return self._receive(self._conn, "sampled")[1]
+        """The last stage's ranks' sampled ids of their recent steps (RankZeroSampler.history), rank by rank."""
+        for s in range(self.pp):
+            self._send(s, ("sampled", None))
+        return [self._await(conn, "sampled", "sampled")[1] for conn in self._leaders][-1]
 
     def close(self) -> None:
         """Stop every rank (a stop message, then a kill after STOP_TIMEOUT_S)."""
         self._finalizer()
 
     # ----------------------------------------------------------------- watching the ranks
-    def _send(self, msg: tuple) -> None:
+    def _send(self, stage: int, msg: tuple) -> None:
         if self._failure is not None:
             raise RankFailed(self._failure)
         try:
-            self._conn.send(msg)
+            self._leaders[stage].send(msg)
         except (BrokenPipeError, ConnectionResetError, EOFError):
-            self._fail(f"{msg[0]}: rank 0's pipe closed; " + self._exits())
+            self._fail(f"{msg[0]}: stage {stage}'s pipe closed; " + self._exits())
+
+    def _await(self, conn, kind: str, what: str) -> tuple:
+        """The next answer of ``kind`` on ``conn``; step results that arrive first are kept for ``collect``."""
+        while True:
+            msg = self._receive(conn, what)
+            if msg[0] == kind:
+                return msg
+            if msg[0] != "result":
+                self._fail(f"{what}: expected a {kind!r} answer, got {msg[0]!r}")
+            self._early[msg[1].step_id] = msg[1]
 
     def _receive(self, conn, what: str, timeout: float | None = None) -> tuple:
         """The next message on ``conn``, or RankFailed as soon as any rank's process has exited."""
@@ -130,7 +165,7 @@ class MultiprocExecutor(Executor):
         return "; ".join(notes) or "no rank answered in time"
 
     def _fail(self, why: str) -> None:
-        self._failure = f"tensor-parallel executor stopped: {why}"
+        self._failure = f"multi-process executor stopped: {why}"
         _log.error(self._failure)
         self._finalizer()
         raise RankFailed(self._failure)
@@ -140,20 +175,32 @@ def _last_line(tb: str) -> str:
     return tb.strip().splitlines()[-1] if tb.strip() else "(no traceback)"
 
 
-def _stop(procs: list, conn) -> None:
-    """Ask the ranks to stop; kill those still alive after STOP_TIMEOUT_S."""
-    try:
-        if all(p.is_alive() for p in procs):
-            conn.send(("stop", None))
-    except (BrokenPipeError, ConnectionResetError, OSError):  # rank 0 is gone already: the kills below remain
-        pass
+def _stop(procs: list, leaders: list) -> None:
+    """Ask every stage to stop; kill the ranks still alive after STOP_TIMEOUT_S."""
+    for conn in leaders:
+        try:
+            if all(p.is_alive() for p in procs):
+                conn.send(("stop", None))
+        except (BrokenPipeError, ConnectionResetError, OSError):  # a leader is gone already: the kills below remain
+            pass
     for p in procs:
         p.join(STOP_TIMEOUT_S if all(q.is_alive() for q in procs) else 0.5)
     for p in procs:
         if p.is_alive():
             p.kill()
             p.join(STOP_TIMEOUT_S)
-    conn.close()
+    for conn in leaders:
+        conn.close()
+
+
+def _name(rank: int, tp: int, pp: int) -> str:
+    place = RankPlace.of(rank, tp, pp)
+    return f"engram-tp{rank}" if pp == 1 else f"engram-pp{place.stage}-tp{place.tp_rank}"
+
+
+def stage_step(step: StepDescription, layers: tuple[int, ...]) -> StepDescription:
+    """``step`` as a pipeline stage gets it: the row ids of its own Engram ``layers`` only."""
+    return dataclasses.replace(step, engram_row_ids={l: ids for l, ids in step.engram_row_ids.items() if l in layers})
 
 
 def free_port() -> int:

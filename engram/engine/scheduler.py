@@ -55,12 +55,14 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def schedule(self, hold: Callable[[Sequence], bool] | None = None) -> ScheduledBatch:
-        """The next step; running sequences ``hold`` is true for sit it out (a token in flight certainly their last)."""
+    def schedule(self, hold: Callable[[Sequence], bool] | None = None, max_seqs: int | None = None) -> ScheduledBatch:
+        """The next step; running sequences ``hold`` is true for sit it out (a token in flight certainly their last).
+        ``max_seqs``: at most this many sequences in the step (a microbatch's share; None: max_num_seqs)."""
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        cap = self.config.max_num_seqs if max_seqs is None else max_seqs
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(batch.seqs) < cap:
             seq = self.running[i]
             if hold is not None and hold(seq):
                 i += 1
@@ -76,7 +78,8 @@ class Scheduler:
                 self._take(batch, seq, n)
                 budget -= n
                 i += 1
-        while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.config.max_num_seqs
+               and len(batch.seqs) < cap):
             seq = self.waiting[0]
             hits = self.blocks.lookup(seq)  # its longest cached block prefix (prefix caching)
             n = min(seq.num_uncomputed_tokens - len(hits) * self.blocks.block_size, budget)

@@ -32,8 +32,12 @@ def torchrun_rank(environ: Mapping[str, str] | None = None) -> int | None:
 
 
 def check_world(spec: RankSpec, environ: Mapping[str, str] | None = None) -> None:
-    """ValueError unless torchrun's WORLD_SIZE equals the tensor-parallel size."""
+    """ValueError unless torchrun's WORLD_SIZE equals the tensor-parallel size; NotImplementedError for pipeline
+    stages (their ranks are spawned on one node: engine/multiproc.py)."""
     env = envs.torchrun_environment() if environ is None else environ
+    if spec.config.pipeline_parallel_size > 1:
+        raise NotImplementedError(f"--pipeline-parallel-size={spec.config.pipeline_parallel_size} under torchrun: "
+                                  "pipeline stages run as spawned processes on one node; run it without torchrun")
     if int(env["WORLD_SIZE"]) != spec.config.tensor_parallel_size:
         raise ValueError(f"--tensor-parallel-size={spec.config.tensor_parallel_size} under torchrun with "
                          f"WORLD_SIZE={env['WORLD_SIZE']}: start one process per rank (--nnodes x --nproc-per-node)")

@@ -1,18 +1,21 @@
-"""One tensor-parallel rank: ``build_rank_worker`` loads the model, shards it around the single-device model
-(parallel/tp.py; ``wkv_tp: "column"``: parallel/wkv_column.py), opens the rank's column shard of every Engram table
-(parallel/engram_tp.py) and builds its Worker, whose sampler is a ``RankZeroSampler``; ``serve_steps`` then runs
-what rank 0 broadcasts until "stop". ``rank_main`` is a spawned rank's process (engine/multiproc.py); under torchrun
-the ranks other than 0 run ``serve_steps`` too (engine/torchrun.py). Messages, broadcast from rank 0 on the group:
-("step", StepDescription), ("stats", None), ("sampled", None) -> every rank's recent sampled ids, ("stop", None)."""
+"""One Worker process of the grid of pipeline stages x tensor-parallel ranks (engine/rank_groups.py):
+``build_rank_worker`` loads the model (a pipeline stage: only its layers, parallel/pp.py's plan, ``local_allocation``),
+shards it around the single-device model (parallel/tp.py; ``wkv_tp: "column"``: parallel/wkv_column.py), opens the
+rank's column shard of its Engram layers' tables (parallel/engram_tp.py), wraps a stage's model (parallel/pp_stage.py)
+and builds its Worker; the last stage's sampler is a ``RankZeroSampler``. ``serve_steps`` then runs what the stage's
+leader receives until "stop". ``rank_main`` is a spawned rank's process (engine/multiproc.py); under torchrun the ranks
+other than 0 run ``serve_steps`` too (engine/torchrun.py). Messages, from the engine to every stage leader, broadcast
+to its stage: ("step", StepDescription: only the stage's Engram row ids) -> the last stage's StepResult, ("stats",
+None), ("sampled", None) -> the stage's ranks' recent sampled ids, ("stop", None)."""
 from __future__ import annotations
 
 import collections
 import dataclasses
 import functools
-import os
+import queue
+import threading
 import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -20,18 +23,22 @@ import torch.distributed as dist
 
 from engram import envs
 from engram.engine.config import EngineConfig
+from engram.engine.lookup import LookupExecutor
+from engram.engine.rank_groups import GLOO_TIMEOUT_S, NCCL_ENV, RankGroups, RankPlace, init_group as join_groups
 from engram.engine.sampler import SampledTokens, Sampler
 from engram.engine.step import SampleSpec
 from engram.engine.worker import Worker
 from engram.model.loader import load_model
 from engram.model.options import RuntimeOptions
 from engram.parallel import engram_tp, tp
+from engram.parallel.pp import local_allocation, model_plan
+from engram.parallel.pp_stage import StageLink, StageModel
 from engram.parallel.wkv_column import shard_wkv_columns
 
-GLOO_TIMEOUT_S = 60.0  # a collective whose peer is gone gives up (the executor has usually stopped it first)
+__all__ = ["NCCL_ENV", "RankGroups", "RankSpec", "build_rank_worker", "init_group", "make_rank_spec", "rank_main",
+           "run_message", "serve_steps"]
+
 SAMPLED_HISTORY = 256  # steps of sampled ids each rank keeps for the "sampled" message
-# set in every rank before NCCL starts: NVLink multicast (NVLS) stays off, as the GPU machines used here require
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 @dataclass(frozen=True)
@@ -43,7 +50,7 @@ class RankSpec:
     dtype: torch.dtype  # parameter and step dtype
     options: RuntimeOptions  # the --engram-config options (wkv_tp among them)
     cache_dir: str | None  # table cache directory (None: the default)
-    config: EngineConfig  # the engine's config (tensor_parallel_size = the world size)
+    config: EngineConfig  # the engine's config (tensor_parallel_size x pipeline_parallel_size = the world size)
     max_model_len: int | None  # None: the model's max_position_embeddings
     init_method: str  # rendezvous: tcp://127.0.0.1:PORT (spawned ranks), env:// (torchrun)
     threads: int  # torch CPU threads per rank
@@ -51,34 +58,34 @@ class RankSpec:
     # called as before_lookup(rank, layer_id) before each local table read (tests delay one rank with it);
     # picklable: a module-level function or an instance of a module-level class
     before_lookup: Callable[[int, int], None] | None = None
+    # layers per pipeline stage, as the engine's plan chose them (every rank plans with it); None with one stage
+    partition: tuple[int, ...] | None = None
+    # called as wrap_lookup(rank, lookup_executor) -> the executor the rank's runners submit through (tests delay or
+    # watch one microbatch's lookups with it); picklable like before_lookup
+    wrap_lookup: Callable[[int, LookupExecutor], LookupExecutor] | None = None
+
+    @property
+    def world(self) -> int:
+        return self.config.tensor_parallel_size * self.config.pipeline_parallel_size
 
 
 def make_rank_spec(model: str, tier: str, dtype: torch.dtype, options: RuntimeOptions, cache_dir: str | None,
                    config: EngineConfig, init_method: str, threads: int | None = None,
-                   device: str = "cpu") -> RankSpec:
+                   device: str = "cpu", partition: tuple[int, ...] | None = None) -> RankSpec:
     """The RankSpec of a command line or LLM(...) call: CPU threads split over the node's ranks unless given."""
     if threads is None:
-        threads = max(1, torch.get_num_threads() // config.tensor_parallel_size)
+        threads = max(1, torch.get_num_threads() // (config.tensor_parallel_size * config.pipeline_parallel_size))
     return RankSpec(str(model), tier, dtype, options, cache_dir, config, config.max_model_len, init_method, threads,
-                    device=device)
-
-
-@dataclass(frozen=True)
-class RankGroups:
-    """A rank's process groups: ``control`` (gloo) carries the pickled messages, ``device`` the model's, the
-    tables' and the sampler's collectives (gloo on the CPU; NCCL on CUDA, on the main stream only)."""
-
-    control: object
-    device: object
-    torch_device: torch.device  # this rank's device
+                    device=device, partition=partition)
 
 
 class RankZeroSampler:
-    """Rank 0 samples; the other ranks take its ids from a broadcast on the group inside the step, so every rank
-    remembers (and, with async scheduling, patches in) the same tokens. Keeps the last SAMPLED_HISTORY steps' ids."""
+    """The stage's first rank samples; the other ranks of the (last) stage take its ids from a broadcast on the group
+    inside the step, so every rank remembers (and, with async scheduling, patches in) the same tokens. Keeps the last
+    SAMPLED_HISTORY steps' ids. ``src``: the sampling rank's global rank."""
 
-    def __init__(self, sampler: Sampler, rank: int, group):
-        self.sampler, self.rank, self.group = sampler, rank, group
+    def __init__(self, sampler: Sampler, rank: int, group, src: int = 0):
+        self.sampler, self.rank, self.group, self.src = sampler, rank, group, src
         self.history: collections.deque[list[int]] = collections.deque(maxlen=SAMPLED_HISTORY)
 
     def __call__(self, logits: torch.Tensor, specs: list[SampleSpec]) -> SampledTokens:
@@ -87,68 +94,117 @@ class RankZeroSampler:
         else:  # filled by the broadcast; only rank 0's logprobs are ever returned
             sampled = SampledTokens(torch.empty(len(specs), dtype=torch.long, device=logits.device), None, None, None)
         if specs:  # the same on every rank: the step is
-            dist.broadcast(sampled.token_ids, src=0, group=self.group)  # [N] int64
+            dist.broadcast(sampled.token_ids, src=self.src, group=self.group)  # [N] int64
         self.history.append(sampled.token_ids.tolist())
         return sampled
 
 
+def place_of(spec: RankSpec, rank: int) -> RankPlace:
+    return RankPlace.of(rank, spec.config.tensor_parallel_size, spec.config.pipeline_parallel_size)
+
+
 def init_group(spec: RankSpec, rank: int, timeout_s: float = GLOO_TIMEOUT_S, local_rank: int | None = None
                ) -> RankGroups:
-    """Join the group of ``spec.config.tensor_parallel_size`` ranks (collectives give up after ``timeout_s``); on
-    CUDA rank ``rank`` takes cuda:``local_rank`` (default: ``rank``) and NCCL, with NCCL_ENV set first."""
-    world, timeout = spec.config.tensor_parallel_size, timedelta(seconds=timeout_s)
-    if spec.device == "cpu":
-        dist.init_process_group("gloo", init_method=spec.init_method, rank=rank, world_size=world, timeout=timeout)
-        return RankGroups(dist.group.WORLD, dist.group.WORLD, torch.device("cpu"))
-    os.environ.update(NCCL_ENV)
-    dev = torch.device("cuda", rank if local_rank is None else local_rank)
-    torch.cuda.set_device(dev)
-    dist.init_process_group("nccl", init_method=spec.init_method, rank=rank, world_size=world, timeout=timeout,
-                            device_id=dev)
-    return RankGroups(dist.new_group(backend="gloo", timeout=timeout), dist.group.WORLD, dev)
+    """Join the grid's groups as global rank ``rank`` (engine/rank_groups.py)."""
+    return join_groups(spec.device, spec.init_method, place_of(spec, rank), timeout_s, local_rank)
 
 
 def build_rank_worker(rank: int, spec: RankSpec, groups: RankGroups) -> Worker:
-    """Rank ``rank``'s Worker: the sharded model, its column shards of the tables, the rank-0 sampler. On CUDA every
-    collective stays on the main stream (no lookup stream) and steps run eager (no CUDA graphs yet)."""
-    world, dev, group = spec.config.tensor_parallel_size, groups.torch_device, groups.device
+    """Rank ``rank``'s Worker: its stage's layers of the model, sharded over the stage's ranks, its column shards of
+    the stage's tables, the rank-0 sampler on the last stage. A stage's plan is checked (the planner's message) before
+    anything loads. On CUDA every collective stays on the main stream (no lookup stream) and steps run eager (no CUDA
+    graphs yet)."""
+    place, dev, group = groups.place, groups.torch_device, groups.device
+    world = place.tp
     torch.set_num_threads(spec.threads)
+    stage = alloc = None
+    if place.pp > 1:
+        plan = model_plan(spec.model, place.pp, spec.partition, spec.options.table_rows)
+        stage = plan.stages[place.stage]
+        alloc = local_allocation(plan, place.stage, spec.config.block_size, spec.dtype)
     loaded = load_model(spec.model, tier=spec.tier, dtype=spec.dtype, device=dev, engram_config=spec.options,
-                        cache_dir=spec.cache_dir, progress=False)
+                        cache_dir=spec.cache_dir, progress=False, layers=None if stage is None else stage.layers)
     before = functools.partial(spec.before_lookup, rank) if spec.before_lookup is not None else None
     with torch.inference_mode():
-        tp.apply_tensor_parallel(loaded.model, rank, world, group)
+        tp.apply_tensor_parallel(loaded.model, place.tp_rank, world, group)
         if spec.options.wkv_tp == "column" and world > 1:
-            shard_wkv_columns(loaded.model, rank, world, group)
+            shard_wkv_columns(loaded.model, place.tp_rank, world, group)
         if world > 1:
-            loaded.tables = engram_tp.open_column_shards(loaded, rank, world, group, before)
+            loaded.tables = engram_tp.open_column_shards(loaded, place.tp_rank, world, group, before)
     max_model_len = spec.max_model_len or loaded.model_config.max_position_embeddings
     loaded.model_config = tp.local_model_config(loaded.model_config, world)
+    if stage is not None:  # linked after the Worker's memory profile, which must send nothing
+        loaded.model = StageModel(loaded.model, stage, place.pp)
     config = spec.config
     if dev.type == "cuda":
         loaded.lookup_overlap = False  # a lookup ends in an all-gather: never on a side stream
         config = dataclasses.replace(config, enforce_eager=True)
-    worker = Worker(loaded, config, max_model_len, dev, spec.dtype, progress=False)
-    worker.sampler = RankZeroSampler(worker.sampler, rank, group)
+    wrap = functools.partial(spec.wrap_lookup, rank) if spec.wrap_lookup is not None else None
+    worker = Worker(loaded, config, max_model_len, dev, spec.dtype, progress=False, wrap_lookup=wrap,
+                    kv_layers=None if alloc is None else alloc.kv_cache_layers)
+    if stage is not None:
+        loaded.model.link = StageLink(place.prev_rank, place.next_rank, dev, groups.pipe)
+    if place.is_last_stage:
+        worker.sampler = RankZeroSampler(worker.sampler, place.tp_rank, group, src=place.leader)
     return worker
 
 
 def rank_report(worker: Worker) -> tuple:
     """What a rank reports once built: ("ready", KV blocks, parameter bytes, table bytes by layer, its NCCL_ENV
-    variables as it sees them)."""
+    variables as it sees them, ``holdings``)."""
     return ("ready", worker.memory.num_blocks, tp.parameter_bytes(worker.model),
             {lid: t.table.rows * t.table.row_bytes if isinstance(t, engram_tp.ColumnShard) else t.rows * t.row_bytes
-             for lid, t in worker.tables.items()}, envs.values_of(NCCL_ENV))
+             for lid, t in worker.tables.items()}, envs.values_of(NCCL_ENV), holdings(worker))
+
+
+def holdings(worker: Worker) -> dict:
+    """What the rank allocated, by layer: "layers" whose weights it holds, "kv_layers" with a KV cache and "kv_bytes"
+    of it, "engram_layers" with a table, "staging_bytes", and "modules": which of the embedding, final norm and LM
+    head it holds."""
+    decoder = getattr(worker.model, "decoder", worker.model)
+    body = decoder.model
+    return {"layers": list(decoder.held_layers), "kv_layers": sorted(worker.kv.k) if worker.kv is not None else [],
+            "kv_bytes": worker.memory.kv_bytes, "engram_layers": sorted(worker.tables),
+            "staging_bytes": worker.memory.staging_bytes,
+            "modules": [name for name, m in (("embed_tokens", body.embed_tokens), ("norm", body.norm),
+                                              ("lm_head", decoder.lm_head)) if m is not None]}
+
+
+class PipeReader:
+    """A stage leader's messages from the engine, read off its pipe by a thread as they come: the engine never waits
+    for a busy stage to take a message (nor a stage for the engine: the pipe's buffer never fills both ways)."""
+
+    def __init__(self, conn):
+        self._queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, args=(conn,), daemon=True, name="engram-pipe-reader").start()
+
+    def _read(self, conn) -> None:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError) as e:  # the engine's end went away: the main loop raises it
+                self._queue.put(("gone", e))
+                return
+            self._queue.put(msg)
+            if msg[0] == "stop":
+                return
+
+    def get(self) -> tuple:
+        msg = self._queue.get()
+        if msg[0] == "gone":
+            raise EOFError(f"the engine's pipe closed ({msg[1]!r})")
+        return msg
 
 
 def rank_main(rank: int, spec: RankSpec, conn) -> None:
-    """A spawned rank's process: build the sharded Worker, report, then run what rank 0 broadcasts until "stop"."""
+    """A spawned rank's process: build its Worker, report, then run what its stage leader receives until "stop"."""
     try:
         groups = init_group(spec, rank)
         worker = build_rank_worker(rank, spec, groups)
         conn.send(rank_report(worker))
+        leader = groups.place.is_leader
         with torch.inference_mode():
-            serve_steps(rank, worker, groups, conn.recv if rank == 0 else None, conn.send if rank == 0 else None)
+            serve_steps(rank, worker, groups, PipeReader(conn).get if leader else None, conn.send if leader else None)
     except BaseException:
         try:
             conn.send(("error", rank, traceback.format_exc()))
@@ -161,21 +217,23 @@ def rank_main(rank: int, spec: RankSpec, conn) -> None:
 
 def serve_steps(rank: int, worker: Worker, groups: RankGroups, receive: Callable[[], tuple] | None,
                 reply: Callable[[tuple], None] | None) -> None:
-    """Run broadcast messages until "stop": rank 0 takes each from ``receive`` and hands its answer to ``reply``."""
+    """Run the stage's messages until "stop": its leader takes each from ``receive`` and hands its answer to ``reply``
+    (a step's result: the last stage's only)."""
+    place = groups.place
     while True:
-        kind, payload = run_message(rank, worker, groups, receive() if rank == 0 else None)
+        kind, payload = run_message(rank, worker, groups, receive() if place.is_leader else None)
         if kind == "stop":
             return
-        if rank == 0:
+        if place.is_leader and (kind != "result" or place.is_last_stage):
             reply((kind, payload))
 
 
 def run_message(rank: int, worker: Worker, groups: RankGroups, msg: tuple | None) -> tuple:
-    """Broadcast rank 0's ``msg`` (the one pickled copy, on the control group), run it on every rank -> (kind,
-    rank 0's answer)."""
+    """Broadcast the stage leader's ``msg`` (the one pickled copy, on the stage's control group), run it on every rank
+    of the stage -> (kind, the leader's answer)."""
     group = groups.control
     box = [msg]
-    dist.broadcast_object_list(box, src=0, group=group)
+    dist.broadcast_object_list(box, src=groups.place.leader, group=group)
     kind, payload = box[0]
     if kind == "stop":
         return kind, None
@@ -183,6 +241,6 @@ def run_message(rank: int, worker: Worker, groups: RankGroups, msg: tuple | None
         return "result", worker.execute(payload)
     if kind == "sampled":
         everyone: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, list(worker.sampler.history), group=group)
+        dist.all_gather_object(everyone, list(getattr(worker.sampler, "history", ())), group=group)
         return kind, everyone
     return "stats", worker.stats()

@@ -56,11 +56,15 @@ class LaunchedStep:
 
 
 class Worker:
-    """``wrap_lookup`` (tests): wraps the lookup executor the runners submit through (not the memory warm-up's)."""
+    """``wrap_lookup`` (tests): wraps the lookup executor the runners submit through (not the memory warm-up's).
+    ``kv_layers``: the layers whose KV cache this Worker allocates (a pipeline stage's own, parallel/pp.py
+    ``local_allocation``; None: every KV-source layer). A pipeline stage's model (parallel/pp_stage.py) holds some
+    layers and opens only their tables; a stage before the last returns no logits and samples nothing."""
 
     def __init__(self, loaded, config: EngineConfig, max_model_len: int, device: torch.device, dtype: torch.dtype,
                  progress: bool | None = None,
-                 wrap_lookup: Callable[[LookupExecutor], LookupExecutor] | None = None):
+                 wrap_lookup: Callable[[LookupExecutor], LookupExecutor] | None = None,
+                 kv_layers: tuple[int, ...] | None = None):
         self.config, self.device, self.dtype = config, torch.device(device), dtype  # progress None: bars on a tty
         self.model_config, self.ecfg = loaded.model_config, loaded.engram_config
         self.model = loaded.model
@@ -68,15 +72,17 @@ class Worker:
         self.sequence_caches = self.model_config.architecture in SEQUENCE_CACHE_ARCHITECTURES
         if self.device.type == "cuda" and dtype in FAST_DTYPES and not self.sequence_caches:
             self.model.pack_projections()  # q/k/v and gate/up as one GEMM each (the CPU keeps the plain path)
-        self.tables = loaded.open_tables()  # opened here, on this worker's device
+        self.tables = loaded.open_tables()  # opened here, on this worker's device (a stage: its own layers')
+        engram_ids = tuple(self.tables)  # the Engram layers this Worker serves
         if any(getattr(t, "reads_from_disk", False) for t in self.tables.values()):
             step_lookups.shorten_switch_interval()  # their threads get the GIL back quickly (step_lookups.py)
         # lookup_overlap (CUDA): gathers on their own stream, an event per Engram layer (engine/lookup_stream.py)
-        self.lookup_stream = (LookupStream(self.device, self.ecfg.layer_ids)
+        self.lookup_stream = (LookupStream(self.device, engram_ids)
                               if getattr(loaded, "lookup_overlap", False) and self.ecfg and self.device.type == "cuda"
                               else None)
         self.lookup = LookupExecutor(self.tables, self.ecfg, dtype, self.device, stream=self.lookup_stream,
-                                     projectors=_projectors(self.model, self.ecfg, dtype))
+                                     projectors=_projectors(self.model, engram_ids, dtype),
+                                     layer_ids=engram_ids if loaded.layers is not None else None)
         self.sampler = Sampler(seed=config.seed)
         ctok = loaded.compressed_tokenizer
         self.pending = PendingTokens(NgramHasher.from_tokenizer(self.ecfg, ctok) if self.ecfg else None,
@@ -84,14 +90,16 @@ class Worker:
                                      self.device)
         # DeepSeek-V4: one pool of equal pages shared by its cache groups (model/deepseek_v4/cache_layout.py)
         self.cache_layout = cache_layout(self.model_config, dtype, config.block_size) if self.sequence_caches else None
+        self.kv_layers = kv_layers
         bytes_per_block = (self.cache_layout.page_bytes if self.sequence_caches
-                           else KVCache.for_model(self.model_config, 1, config.block_size, dtype, "meta").bytes_per_block())
+                           else KVCache.for_model(self.model_config, 1, config.block_size, dtype, "meta",
+                                                  kv_layers).bytes_per_block())
         # the paper variant keeps its conv inputs with each block for prefix-cache hits (runners/conv_blocks.py)
         keeps_conv = (config.enable_prefix_caching and not self.sequence_caches and self.ecfg is not None
                       and self.ecfg.variant == "paper")
         if keeps_conv:
-            bytes_per_block += conv_blocks.bytes_per_block(self.ecfg, config.block_size, dtype)
-        staging = staging_bytes(self.ecfg, config.max_num_batched_tokens, dtype) if self.ecfg else 0
+            bytes_per_block += conv_blocks.bytes_per_block(self.ecfg, config.block_size, dtype, engram_ids)
+        staging = staging_bytes(self.ecfg, config.max_num_batched_tokens, dtype, engram_ids) if self.ecfg else 0
         use_graphs = (not config.enforce_eager and not self.sequence_caches
                       and _graphs_supported(dtype, self.ecfg, self.device))
         peak = profile_peak_bytes(self, bytes_per_block) if self._profiles_memory() else None
@@ -112,9 +120,9 @@ class Worker:
             self.eager = SequenceCacheRunner(self.model, self.group_pool, self.lookup, self.device, dtype, self.ecfg)
         else:
             self.kv = KVCache.for_model(self.model_config, self.memory.num_blocks + 1, config.block_size, dtype,
-                                        self.device)
+                                        self.device, kv_layers)
             conv = (conv_blocks.ConvBlockStore(self.ecfg, self.memory.num_blocks + 1, config.block_size, dtype,
-                                               self.device) if keeps_conv else None)
+                                               self.device, engram_ids) if keeps_conv else None)
             self.eager = EagerRunner(self.model, self.kv, self.lookup, self.device, dtype, self.ecfg, conv)
         graphs = self._graph_runners(max_model_len, progress) if use_graphs else []
         self.runners: list[StepRunner] = [*graphs, self.eager]
@@ -164,7 +172,10 @@ class Worker:
             if other is not runner:
                 other.settle()  # its background lookups, before this step's
         forward = runner.launch(step, patch)
-        sampled = self.sampler(forward.logits, step.samples)
+        if forward.logits is None:  # a pipeline stage before the last: its streams went on, nothing to sample
+            sampled = SampledTokens(torch.empty(0, dtype=torch.long, device=self.device), None, None, None)
+        else:
+            sampled = self.sampler(forward.logits, step.samples)
         self.pending.remember(step.step_id, sampled.token_ids)
         scores = list(forward.prompt_scores or ())
         flags = [forward.flags] if forward.flags is not None else []
@@ -197,7 +208,7 @@ class Worker:
             result.gpu_s = launched.started.elapsed_time(launched.sampled.ready) / 1e3
             if launched.before is not None:
                 result.idle_s = max(0.0, launched.before.elapsed_time(launched.started) / 1e3)
-        if step.prompt_logprobs:
+        if step.prompt_logprobs and launched.prompt_scores is not None:  # None: a stage before the last
             result.prompt_logprobs = _prompt_logprobs(launched.prompt_scores, step)
         return result
 
@@ -235,12 +246,10 @@ def _graphs_supported(step_dtype: torch.dtype, ecfg, device: torch.device) -> bo
     return ecfg is None or ecfg.variant != "paper"
 
 
-def _projectors(model, ecfg, dtype: torch.dtype) -> dict:
+def _projectors(model, layer_ids, dtype: torch.dtype) -> dict:
     """Engram layer id -> its rows' projection (``Engram.project`` in the model's dtype): the WKV run-ahead."""
-    if ecfg is None:
-        return {}
     layers = model.model.layers
-    return {lid: functools.partial(layers[lid].engram.project, dtype=dtype) for lid in ecfg.layer_ids}
+    return {lid: functools.partial(layers[lid].engram.project, dtype=dtype) for lid in layer_ids}
 
 
 def _hot_cache_bytes(tables: dict) -> int:

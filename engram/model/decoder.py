@@ -1,7 +1,9 @@
 """EngramDecoder: a plain, single-device Llama/Qwen-style decoder with Engram before chosen layers' attention.
 ``forward(step, kv) -> hidden [len(logits_indices), H]`` runs one engine step of packed tokens;
 ``compute_logits(hidden) -> [N, vocab_size]`` float32. Parameter names are HF's plus ``model.layers.L.engram.*`` and
-``model.layers.L.{attn,mlp}_hc.*``. The model never reads a table: each Engram layer asks ``step.engram_rows(L)``."""
+``model.layers.L.{attn,mlp}_hc.*``. The model never reads a table: each Engram layer asks ``step.engram_rows(L)``.
+``keep_layers(model, layers)`` keeps a contiguous range of layers (a pipeline stage's, applied by parallel/pp_stage.py):
+the others become parameterless ``LayerGap``s, so layer indices and parameter names stay those of the whole model."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,6 +22,19 @@ from engram.model.layers.norm import RMSNorm
 from engram.model.layers.rope import RotaryEmbedding
 from engram.model.model_config import ModelConfig
 from engram.module import Engram
+
+
+class LayerGap(nn.Module):
+    """A layer this model does not hold (another pipeline stage runs it): no parameters, never run."""
+
+    engram = None
+
+    def __init__(self, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"layer {self.layer_id} is not held by this model (another pipeline stage runs it)")
 
 
 class DecoderLayer(nn.Module):
@@ -106,12 +121,18 @@ class EngramDecoder(nn.Module):
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config says so (call again after ``to_empty``)."""
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    @property
+    def held_layers(self) -> range:
+        """The layers this model holds: all, or the range ``keep_layers`` kept."""
+        held = [layer.layer_id for layer in self.model.layers if not isinstance(layer, LayerGap)]
+        return range(held[0], held[-1] + 1)
+
     def pack_projections(self) -> None:
-        """q/k/v and gate/up of every layer as one GEMM each (parameters become views; names unchanged)."""
-        for layer in self.model.layers:
+        """q/k/v and gate/up of every held layer as one GEMM each (parameters become views; names unchanged)."""
+        for layer in self.model.layers[self.held_layers.start:self.held_layers.stop]:
             layer.self_attn.pack()
             layer.mlp.pack()
 
@@ -127,14 +148,17 @@ class EngramDecoder(nn.Module):
 
     # The same forward in pieces (``forward`` is begin + every layer + end, so the ops and their results are
     # the same): piecewise CUDA graphs capture a range of layers each (engine/runners/pieces.py).
-    def forward_begin(self, step: StepInputs, kv: KVCache) -> "ForwardState":
-        """The embedding, RoPE tables and attention metadata of a step: the state before layer 0."""
+    def forward_begin(self, step: StepInputs, kv: KVCache, h: torch.Tensor | None = None,
+                      delta: torch.Tensor | Partials | None = None) -> "ForwardState":
+        """The embedding, RoPE tables and attention metadata of a step: the state before layer 0. ``h`` [T, hc, H]
+        and ``delta``: the streams a previous pipeline stage handed on (then no embedding: the state before its cut)."""
         meta = step.attention or AttentionMetadata.from_step(step.cu_seqlens, step.context_lens, step.block_tables,
                                                              step.slot_mapping, step.host_layout)
-        x = self.model.embed_tokens(step.token_ids)  # [T, H]
-        cos, sin = self.rotary.cos_sin(step.positions, x.dtype)  # [T, 1, hd]
-        h = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()  # [T, hc, H]: every stream starts at x
-        return ForwardState(step, kv, meta, cos, sin, h)
+        if h is None:
+            x = self.model.embed_tokens(step.token_ids)  # [T, H]
+            h = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()  # [T, hc, H]: every stream is x
+        cos, sin = self.rotary.cos_sin(step.positions, h.dtype)  # [T, 1, hd]
+        return ForwardState(step, kv, meta, cos, sin, h, delta)
 
     def forward_layers(self, state: "ForwardState", lo: int, hi: int) -> "ForwardState":
         """Run layers [lo, hi) on ``state`` (its ``h`` and ``delta`` are replaced by theirs)."""
@@ -151,3 +175,21 @@ class EngramDecoder(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, vocab_size] (padded vocab rows dropped)."""
         return self.lm_head(hidden)[:, : self.config.vocab_size].float()
+
+
+def keep_layers(model: EngramDecoder, layers: range) -> EngramDecoder:
+    """Keep decoder layers ``layers`` (contiguous) of ``model`` in place: every other layer becomes a ``LayerGap``;
+    the embedding stays with layer 0 (and with the last layer when the LM head is tied to it), the final norm and LM
+    head with the last layer. Call it on a model built on the meta device, before its weights are made."""
+    n = len(model.model.layers)
+    if not (isinstance(layers, range) and layers.step == 1 and 0 <= layers.start < layers.stop <= n):
+        raise ValueError(f"layers={layers!r}: must be a contiguous range inside [0, {n})")
+    for i in range(n):
+        if i not in layers:
+            model.model.layers[i] = LayerGap(i)
+    first, last = layers.start == 0, layers.stop == n
+    if not first and not (last and model.config.tie_word_embeddings):
+        model.model.embed_tokens = None
+    if not last:
+        model.model.norm, model.lm_head = None, None
+    return model

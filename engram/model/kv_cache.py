@@ -23,9 +23,10 @@ class KVCache:
 
     @classmethod
     def for_model(cls, cfg, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
-                  device: torch.device | str = "cpu") -> "KVCache":
-        """A cache for every KV-source layer of a ModelConfig."""
-        return cls(num_blocks, block_size, cfg.kv_layers, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+                  device: torch.device | str = "cpu", layers=None) -> "KVCache":
+        """A cache for every KV-source layer of a ModelConfig, or for ``layers`` only (a pipeline stage's)."""
+        return cls(num_blocks, block_size, cfg.kv_layers if layers is None else layers, cfg.num_kv_heads,
+                   cfg.head_dim, dtype, device)
 
     def bytes_per_block(self) -> int:
         """Bytes one block takes across all cache-owning layers (K and V)."""

@@ -12,12 +12,13 @@ from typing import Any
 import torch
 
 from engram.config import EngramConfig, hf_text_config, parse_json_object
-from engram.model.decoder import EngramDecoder
+from engram.model.decoder import EngramDecoder, LayerGap, keep_layers
 from engram.model.deepseek_v4.checkpoint import load_v4_weights
 from engram.model.deepseek_v4.config import ARCHITECTURES as V4_ARCHITECTURES, V4Config
 from engram.model.deepseek_v4.decoder import DeepseekV4Model
 from engram.model.model_config import ModelConfig
-from engram.model.presets import MODEL_PRESETS, TOKENIZER_FILE, init_random_weights, preset_config
+from engram.model.presets import (HOST_INIT_MAX_PARAMS, MODEL_PRESETS, TOKENIZER_FILE, init_random_weights,
+                                  preset_config)
 from engram.model.tables import (checkpoint_table_dirs, convert_checkpoint_tables, ensure_preset_tables,
                                  open_random_tables, open_tables)
 from engram.weights import V41_TABLE_KEYS
@@ -50,6 +51,14 @@ class LoadedModel:
     store_options: Any = None  # engram.store.StoreOptions for open_tables() (None: the defaults)
     memory_table_seed: int | None = None  # tables_in_memory: the preset seed open_tables() builds them from
     lookup_overlap: bool = True  # the Worker gathers Engram rows on a lookup stream (CUDA; engine/lookup_stream.py)
+    layers: range | None = None  # the decoder layers built (a pipeline stage's); None: all
+
+    @property
+    def table_layer_ids(self) -> tuple[int, ...]:
+        """The Engram layers whose tables this model opens: those of the layers it holds."""
+        if self.engram_config is None:
+            return ()
+        return tuple(l for l in self.engram_config.layer_ids if self.layers is None or l in self.layers)
 
     def open_tables(self) -> dict[int, Any]:
         """The tables, opened on ``tier`` and ``device`` at the first call (from ``table_dirs``, or built in memory with
@@ -59,9 +68,10 @@ class LoadedModel:
         options = self.store_options.to_dict() if self.store_options is not None else None
         if self.memory_table_seed is not None:
             self.tables = open_random_tables(self.engram_config, self.memory_table_seed, self.tier, self.device,
-                                             options)
+                                             options, layers=self.table_layer_ids)
         elif self.table_dirs:
-            self.tables = open_tables(self.table_dirs, self.engram_config, self.tier, self.device, options)
+            self.tables = open_tables({l: self.table_dirs[l] for l in self.table_layer_ids}, self.engram_config,
+                                      self.tier, self.device, options)
         return self.tables
 
 
@@ -76,12 +86,20 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return DTYPES[dtype]
 
 
-def build_model(cfg: ModelConfig | V4Config, dtype: torch.dtype,
-                device: torch.device) -> EngramDecoder | DeepseekV4Model:
+def build_model(cfg: ModelConfig | V4Config, dtype: torch.dtype, device: torch.device,
+                layers: range | None = None) -> EngramDecoder | DeepseekV4Model:
     """A model built on ``device`` (float32, cast to ``dtype``) with placeholder values until weights are loaded; a
-    DeepSeek-V4 model keeps its float32 pieces float32."""
-    with torch.device(device):
-        model = DeepseekV4Model(cfg) if isinstance(cfg, V4Config) else EngramDecoder(cfg)
+    DeepSeek-V4 model keeps its float32 pieces float32. ``layers``: build only these decoder layers
+    (``decoder.keep_layers``: made on the meta device, then only the kept modules on ``device``)."""
+    if layers is not None and isinstance(cfg, V4Config):
+        raise NotImplementedError(f"layers={layers}: a deepseek_v4 model is built whole (no pipeline stages)")
+    if layers is None:
+        with torch.device(device):
+            model = DeepseekV4Model(cfg) if isinstance(cfg, V4Config) else EngramDecoder(cfg)
+    else:
+        with torch.device("meta"):
+            model = keep_layers(EngramDecoder(cfg), layers)
+        model = model.to_empty(device=device)
     model = model.to(dtype)
     if isinstance(model, DeepseekV4Model):
         model.keep_fp32()
@@ -92,16 +110,18 @@ def build_model(cfg: ModelConfig | V4Config, dtype: torch.dtype,
 
 def load_model(model: str | os.PathLike = "tiny", tier: str = "gpu", dtype: str | torch.dtype | None = None,
                device: str | torch.device | None = None, engram_config=None,
-               cache_dir: str | os.PathLike | None = None, progress: bool = True) -> LoadedModel:
+               cache_dir: str | os.PathLike | None = None, progress: bool = True,
+               layers: range | None = None) -> LoadedModel:
     """Load a preset ("tiny" | "small" | "4b-like" | "8b-like") or a checkpoint directory; ``engram_config``: a dict or
-    RuntimeOptions (model/options.py)."""
+    RuntimeOptions (model/options.py). ``layers``: only these decoder layers' weights are built and loaded, and only
+    their Engram layers' tables opened (a pipeline stage's; None: all)."""
     opts = engram_config if isinstance(engram_config, RuntimeOptions) else RuntimeOptions.from_dict(engram_config)
     tier = opts.tier(tier)
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dt = resolve_dtype(dtype, dev)
     name = os.fspath(model)
     if name in MODEL_PRESETS:
-        return _load_preset(name, tier, dt, dev, opts, cache_dir, progress)
+        return _load_preset(name, tier, dt, dev, opts, cache_dir, progress, layers)
     path = Path(name)
     if path.is_file() and path.suffix in PICKLE_SUFFIXES:
         raise ValueError(f"{path}: pickled checkpoints are not loaded (unpickling runs code); convert it to "
@@ -112,7 +132,7 @@ def load_model(model: str | os.PathLike = "tiny", tier: str = "gpu", dtype: str 
         raise ValueError(f"engram_config.tables_in_memory=true builds a preset's random tables {MODEL_PRESETS}; "
                          f"{path} is a checkpoint directory, whose tables are converted from its safetensors "
                          "into table files")
-    return _load_checkpoint(path, tier, dt, dev, opts, cache_dir, progress)
+    return _load_checkpoint(path, tier, dt, dev, opts, cache_dir, progress, layers)
 
 
 def _tokenizers(path: Path):
@@ -124,22 +144,23 @@ def _tokenizers(path: Path):
     return Tokenizer.from_file(str(path)), CompressedTokenizer.from_file(path)
 
 
-def _load_preset(name, tier, dtype, device, opts, cache_dir, progress) -> LoadedModel:
+def _load_preset(name, tier, dtype, device, opts, cache_dir, progress, layers=None) -> LoadedModel:
     seed = opts.seed
     cfg = preset_config(name, table_rows=opts.table_rows, seed=seed)
-    return random_model(cfg, tier, dtype, device, seed, cache_dir, opts, progress)
+    return random_model(cfg, tier, dtype, device, seed, cache_dir, opts, progress, layers)
 
 
 def random_model(cfg: ModelConfig, tier: str = "gpu", dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", seed: int = 0, cache_dir=None, opts=None,
-                 progress: bool = True) -> LoadedModel:
-    """Any ModelConfig with deterministic random weights and tables, built-in tokenizer (``opts``: RuntimeOptions)."""
+                 progress: bool = True, layers: range | None = None) -> LoadedModel:
+    """Any ModelConfig with deterministic random weights and tables, built-in tokenizer (``opts``: RuntimeOptions);
+    ``layers``: only these decoder layers (their weights are the whole model's, drawn where the whole model's are)."""
     in_memory = opts is not None and opts.tables_in_memory
     if in_memory:
         opts.tier(tier)  # tier "disk" is refused before anything is built
     device = torch.device(device)
-    model = build_model(cfg, dtype, device)
-    init_random_weights(model, seed)
+    model = build_model(cfg, dtype, device, layers)
+    init_random_weights(model, seed, on_device=None if layers is None else draws_on_device(cfg))
     tok, ctok = _tokenizers(TOKENIZER_FILE)
     dirs = {}
     if cfg.engram is not None and not in_memory:
@@ -147,7 +168,7 @@ def random_model(cfg: ModelConfig, tier: str = "gpu", dtype: torch.dtype = torch
     return LoadedModel(model, cfg, cfg.engram, tok, ctok, {}, cfg.eos_token_id, cfg.chat_template, cfg.name,
                        dirs, dtype, device, tier, opts.store if opts is not None else None,
                        memory_table_seed=seed if in_memory and cfg.engram is not None else None,
-                       lookup_overlap=opts.lookup_overlap if opts is not None else True)
+                       lookup_overlap=opts.lookup_overlap if opts is not None else True, layers=layers)
 
 
 # ----------------------------------------------------------------- checkpoints
@@ -175,9 +196,28 @@ def _read_json(path: Path) -> dict:
     return parse_json_object(text, str(path))
 
 
+def draws_on_device(cfg: ModelConfig) -> bool:
+    """Whether the whole model's random weights are drawn on the device (``init_random_weights``' default), counted
+    on the meta device: a model of some of its layers draws its weights where the whole model does."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in EngramDecoder(cfg).parameters()) > HOST_INIT_MAX_PARAMS
+
+
+def _held(model: EngramDecoder, name: str) -> bool:
+    """Whether ``model`` holds the parameter called ``name`` (False: a layer or head another stage holds)."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit():
+        i = int(parts[2])  # a layer past the config's is unexpected: reported as such by the caller
+        return i >= len(model.model.layers) or not isinstance(model.model.layers[i], LayerGap)
+    module = {"model.embed_tokens": model.model.embed_tokens, "model.norm": model.model.norm,
+              "lm_head": model.lm_head}.get(name.rpartition(".")[0], model)
+    return module is not None
+
+
 @torch.no_grad()
 def _load_weights(model: EngramDecoder, files: list[Path]) -> None:
-    """Copy every decoder/Engram tensor into ``model`` (not the tables); ValueError naming a bad or missing tensor."""
+    """Copy every decoder/Engram tensor ``model`` holds into it (not the tables); ValueError naming a bad or missing
+    tensor. Tensors of layers another pipeline stage holds are skipped."""
     from safetensors import safe_open
 
 
@@ -191,6 +231,8 @@ def _load_weights(model: EngramDecoder, files: list[Path]) -> None:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 name = _canonical(key)
+                if not _held(model, name):
+                    continue
                 parts = name.split(".")
                 if len(parts) > 4 and parts[3] == "engram" and parts[2].isdigit():
                     lid = int(parts[2])
@@ -230,7 +272,7 @@ def _load_v4(cfg: V4Config, files: list[Path], dtype, device) -> DeepseekV4Model
     return model
 
 
-def _load_checkpoint(path: Path, tier, dtype, device, opts, cache_dir, progress) -> LoadedModel:
+def _load_checkpoint(path: Path, tier, dtype, device, opts, cache_dir, progress, layers=None) -> LoadedModel:
     raw = _read_json(path / "config.json")
     if not raw:
         raise ValueError(f"{path}: config.json not found or empty")
@@ -242,7 +284,7 @@ def _load_checkpoint(path: Path, tier, dtype, device, opts, cache_dir, progress)
     if v4:
         model = _load_v4(cfg, files, dtype, device)
     else:
-        model = build_model(cfg, dtype, device)
+        model = build_model(cfg, dtype, device, layers)
         _load_weights(model, files)
     tok, ctok = _tokenizers(path / "tokenizer.json")
     dirs = {}
@@ -252,7 +294,7 @@ def _load_checkpoint(path: Path, tier, dtype, device, opts, cache_dir, progress)
         convert_checkpoint_tables(path, dirs, cfg.engram, progress=progress)
     return LoadedModel(model, cfg, cfg.engram, tok, ctok, {}, cfg.eos_token_id, cfg.chat_template, cfg.name,
                        dirs, dtype, device, tier, opts.store if opts is not None else None,
-                       lookup_overlap=opts.lookup_overlap if opts is not None else True)
+                       lookup_overlap=opts.lookup_overlap if opts is not None else True, layers=layers)
 
 
 # ----------------------------------------------------------------- save

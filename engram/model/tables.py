@@ -105,12 +105,13 @@ def open_random_table(cfg: EngramConfig, layer_id: int, seed: int, tier: str = "
 
 def open_random_tables(cfg: EngramConfig, seed: int, tier: str = "gpu", device=None,
                        options: StoreOptions | Mapping[str, Any] | None = None,
-                       progress: bool = True) -> dict[int, Any]:
-    """Every Engram layer's ``open_random_table``; ``options`` as for ``open_tables``."""
+                       progress: bool = True, layers=None) -> dict[int, Any]:
+    """Every Engram layer's ``open_random_table`` (``layers``: only these); ``options`` as for ``open_tables``."""
     opts = options if isinstance(options, StoreOptions) else StoreOptions.from_dict(options)
+    ids = cfg.layer_ids if layers is None else tuple(layers)
     if opts.shared_memory:  # every layer's shared copy must fit before the first is built
-        check_shared([random_manifest(cfg, lid, seed) for lid in cfg.layer_ids], tier, opts)
-    return {lid: open_random_table(cfg, lid, seed, tier, device, opts, progress) for lid in cfg.layer_ids}
+        check_shared([random_manifest(cfg, lid, seed) for lid in ids], tier, opts)
+    return {lid: open_random_table(cfg, lid, seed, tier, device, opts, progress) for lid in ids}
 
 
 def ensure_preset_tables(cfg: EngramConfig, seed: int, cache_dir=None, progress: bool = True) -> dict[int, Path]:

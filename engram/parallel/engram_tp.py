@@ -61,7 +61,7 @@ def open_column_shards(loaded, rank: int, world: int, group, before_read: Callab
     cols = splits[rank]
     opts = loaded.store_options if loaded.store_options is not None else StoreOptions()
     out = {}
-    for lid in cfg.layer_ids:
+    for lid in loaded.table_layer_ids:  # a pipeline stage's own layers only
         lo, hi = column_rows(cfg, lid, cols)
         fp = shard_fingerprint(cfg, lid, cols)
         if loaded.memory_table_seed is not None:

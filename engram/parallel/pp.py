@@ -291,3 +291,14 @@ def local_allocation(plan: PipelinePlan, stage: int, block_size: int = 16,
         needs_token_ids=any(x in layers for x in g.engram_layers),
         cache_layout=None if plan.v4 is None else cache_layout(plan.v4, cache_dtype, block_size, layers),
     )
+
+
+def model_plan(model: str, pp: int, partition: Sequence[int] | str | None = None,
+               table_rows: int | None = None, env: Mapping[str, str] | None = None) -> PipelinePlan:
+    """The plan of a model the runtime loads, from its config alone (nothing is built or read but config.json): a
+    preset name (``engram.model.presets``) or a checkpoint directory; ``partition`` / ``env`` as for
+    ``plan_pipeline``. What every rank of a pipeline computes before it loads its layers."""
+    from engram.model.presets import MODEL_PRESETS, preset_config
+
+    config = preset_config(model, table_rows=table_rows).to_hf_dict() if model in MODEL_PRESETS else model
+    return plan_pipeline(config, pp, partition=partition, env=env)

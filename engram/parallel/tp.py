@@ -75,15 +75,19 @@ def apply_tensor_parallel(model: EngramDecoder, rank: int, world: int, group=Non
     check_tp(cfg, world)
     if world == 1:
         return model
-    for layer in model.model.layers:
+    held = model.held_layers  # a pipeline stage's layers (decoder.keep_layers), else all
+    for layer in model.model.layers[held.start:held.stop]:
         if layer.self_attn.qkv is not None or layer.mlp.gate_up is not None:
             raise ValueError(f"layer {layer.layer_id}: projections are packed; shard before pack_projections()")
         _shard_attention(layer.self_attn, cfg, rank, world, group)
         _shard_mlp(layer.mlp, rank, world, group)
-    embed = VocabParallelEmbedding(model.model.embed_tokens.weight, rank, world, group)
-    model.model.embed_tokens = embed
-    head_weight = embed.weight if cfg.tie_word_embeddings else _vocab_rows(model.lm_head.weight, rank, world)
-    model.lm_head = VocabParallelLMHead(head_weight, cfg.padded_vocab_size, world, group)
+    embed = None
+    if model.model.embed_tokens is not None:  # the first stage's (and a tied LM head's)
+        embed = VocabParallelEmbedding(model.model.embed_tokens.weight, rank, world, group)
+        model.model.embed_tokens = embed
+    if model.lm_head is not None:  # the last stage's
+        head_weight = embed.weight if cfg.tie_word_embeddings else _vocab_rows(model.lm_head.weight, rank, world)
+        model.lm_head = VocabParallelLMHead(head_weight, cfg.padded_vocab_size, world, group)
     return model
 
 

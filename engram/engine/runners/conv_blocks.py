@@ -19,23 +19,23 @@ from engram.short_conv import ShortConvState, history_len
 from engram.transfer import to_device
 
 
-def bytes_per_block(ecfg: EngramConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Conv-pool bytes one KV block adds (every Engram layer's K rows of hc_mult*H values)."""
+def bytes_per_block(ecfg: EngramConfig, block_size: int, dtype: torch.dtype, layers=None) -> int:
+    """Conv-pool bytes one KV block adds (every Engram layer's, or ``layers``', K rows of hc_mult*H values)."""
     k = min(history_len(ecfg), block_size)
-    return len(ecfg.layer_ids) * k * ecfg.hc_mult * ecfg.hidden_size * torch.finfo(dtype).bits // 8
+    return len(ecfg.layer_ids if layers is None else layers) * k * ecfg.hc_mult * ecfg.hidden_size * torch.finfo(dtype).bits // 8
 
 
 class ConvBlockStore:
     """Per Engram layer a pool [num_blocks * K, hc_mult*H] of conv inputs, K = min(L, block_size) rows a block."""
 
     def __init__(self, ecfg: EngramConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, layers=None):
         self.ecfg, self.block_size, self.device = ecfg, block_size, torch.device(device)
         self.history_len = history_len(ecfg)
         self.rows_per_block = min(self.history_len, block_size)
         channels = ecfg.hc_mult * ecfg.hidden_size
         self.pool = {lid: torch.zeros(num_blocks * self.rows_per_block, channels, dtype=dtype, device=self.device)
-                     for lid in ecfg.layer_ids}  # [num_blocks * K, C]
+                     for lid in (ecfg.layer_ids if layers is None else layers)}  # [num_blocks * K, C]
 
     def tail(self, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """slot_mapping [T] (CPU) -> (packed rows of the step's tokens in the last K slots of their block [R], their

@@ -34,7 +34,7 @@ class EagerRunner(StepRunner):
         self.device = torch.device(device)
         self.dtype = dtype
         self.ecfg = ecfg
-        self._conv_layers = list(ecfg.layer_ids) if ecfg and ecfg.variant == "paper" else []
+        self._conv_layers = list(lookup.tables) if ecfg and ecfg.variant == "paper" else []  # this Worker's layers
         self._conv: dict[int, dict[int, ShortConvState]] = {}  # seq id -> Engram layer -> its conv state
 
     def covers(self, step: StepDescription) -> bool:
@@ -49,9 +49,10 @@ class EagerRunner(StepRunner):
         return Forward(logits, prompt_scores=self.prompt_scores if step.prompt_logprobs else None)
 
     @torch.inference_mode()
-    def run(self, step: StepDescription, staged: StagedRows, patch: PendingPatch | None = None) -> torch.Tensor:
+    def run(self, step: StepDescription, staged: StagedRows, patch: PendingPatch | None = None) -> torch.Tensor | None:
         """One forward -> float32 logits [len(step.sample_rows), vocab], prompt-logprob rows scored on the way
-        (``prompt_scores``). ``patch``: the pending tokens' device values."""
+        (``prompt_scores``); None from a pipeline stage before the last (parallel/pp_stage.py: its streams went on to
+        the next stage). ``patch``: the pending tokens' device values."""
         dev = self.device
         cu_seqlens = to_device(step.cu_seqlens, dev)  # [S+1], shared by attention and the conv states
         conv = self._gather_conv_state(step, cu_seqlens)
@@ -70,16 +71,19 @@ class EagerRunner(StepRunner):
             logits_indices=to_device(step.logits_indices + step.prompt_rows, dev),
             host_layout=HostLayout(step.cu_seqlens.tolist(), step.context_lens.tolist()),
         )
-        hidden = self.model.forward(inputs, self.kv)  # [N + P, H]
-        n = len(step.sample_rows)
-        self.prompt_scores = self._score_prompt(step, hidden[n:]) if step.prompt_logprobs else None
-        logits = self.model.compute_logits(hidden[:n])  # [N, vocab] float32
+        hidden = self.model.forward(inputs, self.kv)  # [N + P, H], or None (a stage before the last)
         if conv is not None:
             self._scatter_conv_state(step, conv)
             if tails is not None:
                 for lid, state in conv.items():
                     self.conv_blocks.write(lid, state.tapped, tails)
-        return logits
+        self.prompt_scores = None
+        if hidden is None:
+            return None
+        n = len(step.sample_rows)
+        if step.prompt_logprobs:
+            self.prompt_scores = self._score_prompt(step, hidden[n:])
+        return self.model.compute_logits(hidden[:n])  # [N, vocab] float32
 
     def tokens(self, step: StepDescription, patch: PendingPatch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's token ids [T] and DEAD mask [T] (or None) on the device, tokens in flight patched in."""
