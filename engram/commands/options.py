@@ -43,6 +43,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_num_seqs: int = 64) -> 
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="Worker processes, one tensor-parallel rank each (gloo on the CPU, one GPU a rank "
                         "over NCCL; docs/parallel.md)")
+    g.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="pipeline stages, each --tensor-parallel-size ranks (P x T Worker processes); the planner "
+                        "picks the cut unless ENGRAM_PP_LAYER_PARTITION gives one (docs/parallel.md)")
     g.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas (processes, each --tensor-parallel-size ranks) behind one router, requests "
                         "to the least-loaded; one copy of the host tables per node in /dev/shm (docs/parallel.md)")
@@ -73,7 +76,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                 gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                 async_scheduling=args.async_scheduling, enable_prefix_caching=args.enable_prefix_caching,
-                tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
+                tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+                data_parallel_size=args.data_parallel_size)
 
 
 _ENGINE_OPTIONS = {"engine.max_num_seqs=": "--max-num-seqs=", "engine.max_num_batched_tokens=":
@@ -81,6 +85,7 @@ _ENGINE_OPTIONS = {"engine.max_num_seqs=": "--max-num-seqs=", "engine.max_num_ba
                    "engine.block_size=": "--block-size=", "engine.kv_cache_memory=": "--kv-cache-memory=",
                    "engine.gpu_memory_utilization=": "--gpu-memory-utilization=",
                    "engine.tensor_parallel_size=": "--tensor-parallel-size=",
+                   "engine.pipeline_parallel_size=": "--pipeline-parallel-size=",
                    "engine.data_parallel_size=": "--data-parallel-size="}
 
 

@@ -56,7 +56,9 @@ class Placement:
 
 def plan_replicas(config: EngineConfig, device: torch.device, gpus: int | None = None) -> list[Placement]:
     """Each replica's Placement; ValueError naming the sizes when the node's GPUs cannot hold them."""
-    m, tp, util = config.data_parallel_size, config.tensor_parallel_size, config.gpu_memory_utilization
+    # a replica's GPUs: one per rank of its grid (pipeline stages x tensor-parallel ranks)
+    m, tp, util = (config.data_parallel_size, config.tensor_parallel_size * config.pipeline_parallel_size,
+                   config.gpu_memory_utilization)
     if device.type != "cuda":
         return [Placement(None, util, False) for _ in range(m)]
     gpus = torch.cuda.device_count() if gpus is None else gpus
@@ -66,8 +68,10 @@ def plan_replicas(config: EngineConfig, device: torch.device, gpus: int | None =
         return [Placement(",".join(ids[i * tp:(i + 1) * tp]), util, False) for i in range(m)]
     if tp == 1:  # replica i may fill (i + 1) / M of util: the ones before it hold their i / M already
         return [Placement(None, util * (i + 1) / m, i > 0) for i in range(m)]
-    raise ValueError(f"engine.data_parallel_size={m} x tensor_parallel_size={tp} needs {m * tp} GPUs (or TP 1 to "
-                     f"share one); this node has {gpus}")
+    raise ValueError(f"engine.data_parallel_size={m} x tensor_parallel_size={config.tensor_parallel_size}"
+                     + (f" x pipeline_parallel_size={config.pipeline_parallel_size}"
+                        if config.pipeline_parallel_size > 1 else "")
+                     + f" needs {m * tp} GPUs (or TP 1 to share one); this node has {gpus}")
 
 
 def data_parallel_engine(model: str, tier: str, dtype, engram_config: dict | None, device: torch.device,

@@ -17,6 +17,7 @@ from engram import envs
 from engram.config import hf_text_config
 from engram.model.deepseek_v4.cache_layout import CacheLayout, cache_layout
 from engram.model.deepseek_v4.config import ARCHITECTURES as V4_ARCHITECTURES, V4Config
+from engram.model.presets import MODEL_PRESETS, preset_config
 from engram.parallel.pp_graph import SharingEdge, SharingGraph, sharing_graph
 
 PARTITION_ENV = "ENGRAM_PP_LAYER_PARTITION"
@@ -298,7 +299,5 @@ def model_plan(model: str, pp: int, partition: Sequence[int] | str | None = None
     """The plan of a model the runtime loads, from its config alone (nothing is built or read but config.json): a
     preset name (``engram.model.presets``) or a checkpoint directory; ``partition`` / ``env`` as for
     ``plan_pipeline``. What every rank of a pipeline computes before it loads its layers."""
-    from engram.model.presets import MODEL_PRESETS, preset_config
-
     config = preset_config(model, table_rows=table_rows).to_hf_dict() if model in MODEL_PRESETS else model
     return plan_pipeline(config, pp, partition=partition, env=env)
