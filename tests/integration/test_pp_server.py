@@ -1,0 +1,24 @@
+"""A real ``engram serve --pipeline-parallel-size 2 --device cpu`` whose last stage is killed mid-request: the request in
+flight fails, the server logs which rank died and exits with status 4 within 60 s (never hangs), no stage left."""
+from __future__ import annotations
+
+import pytest
+
+from engram.commands.serve import EXIT_ENGINE_FAILED
+from engram.server.launcher import ServerProcess
+from tests.spawned import gone, kill_a_child_mid_stream
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_a_killed_stage_fails_requests_in_flight_and_the_server_exits(tmp_path_factory, tmp_path):
+    cache_dir = tmp_path_factory.getbasetemp() / "engram-cache"
+    s = ServerProcess(["tiny", "--threads", "1", "--device", "cpu", "--pipeline-parallel-size", "2"], cache_dir,
+                      tmp_path / "log").wait_ready()
+    code, log, events, ranks = kill_a_child_mid_stream(s, ["a stage goes", "and the other microbatch"])
+    assert code == EXIT_ENGINE_FAILED, log
+    errors = [e for e in events if e.startswith('{"error"')]  # every stream ends with an error event, not a length
+    assert len(errors) == 2 and all("exited with code -9" in e and '"code": 500' in e for e in errors), events[-3:]
+    assert not any('"finish_reason": "length"' in e for e in events)
+    assert "rank 1 (pid" in log and "exited with code -9" in log and "the engine stopped" in log, log[-2000:]
+    assert all(gone(pid) for pid in ranks)  # no stage outlives the server
