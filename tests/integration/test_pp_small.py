@@ -1,6 +1,6 @@
 """Pipeline parallelism of the ``small`` preset (12 layers, Engram at layers 1 and 6: the planner's cut 6 | 6 puts one
-on each stage) against PP1 in float64, real spawned processes over gloo: PP2 and PP2 x TP2 (about 25 s here: a
-100 M-parameter model in float64 a stage, few tokens)."""
+on each stage) against PP1 in float64, real spawned processes over gloo: PP2 and PP2 x TP2 (a
+100 M-parameter model in float64 a stage: few prompts, few tokens)."""
 from __future__ import annotations
 
 import pytest
