@@ -17,8 +17,9 @@ def test_a_killed_stage_fails_requests_in_flight_and_the_server_exits(tmp_path_f
                       tmp_path / "log").wait_ready()
     code, log, events, ranks = kill_a_child_mid_stream(s, ["a stage goes", "and the other microbatch"])
     assert code == EXIT_ENGINE_FAILED, log
-    errors = [e for e in events if e.startswith('{"error"')]  # every stream ends with an error event, not a length
-    assert len(errors) == 2 and all("exited with code -9" in e and '"code": 500' in e for e in errors), events[-3:]
+    # the streams that had begun end with an error event, never a length (one still connecting may only be closed)
+    errors = [e for e in events if e.startswith('{"error"')]
+    assert errors and all("exited with code -9" in e and '"code": 500' in e for e in errors), events[-3:]
     assert not any('"finish_reason": "length"' in e for e in events)
     assert "rank 1 (pid" in log and "exited with code -9" in log and "the engine stopped" in log, log[-2000:]
     assert all(gone(pid) for pid in ranks)  # no stage outlives the server
