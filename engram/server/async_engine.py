@@ -94,6 +94,7 @@ class AsyncEngine(EngineBridge):
             self._load_failed(str(e))
             return
         self._clock = LoopClock(self.mode)
+        self._report_stats()  # the snapshot (and this loop's thread id) before any step
         self.ready.set()
         while not self._stop.is_set():
             if self._drain_inbox() and not self.engine.has_unfinished():

@@ -100,6 +100,7 @@ class EngineCoreLoop:
 
     def run(self) -> int:
         """-> the process's exit code: 0 after "stop" or a closed inbox, EXIT_ENGINE_FAILED."""
+        _send(self.outbox, ("step", [], self._stats(), []))  # the snapshot (and this loop's pid) before any step
         while True:
             try:
                 ready = self.inbox.poll(0 if self.engine.has_unfinished() else None)
