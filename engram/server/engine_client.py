@@ -135,7 +135,8 @@ class EngineProcess(EngineBridge):
                     self._accepted(rid)
                 else:
                     self._processor.drop(rid)
-                    self._accepted(rid, ValueError(refusal[1]) if refusal[0] == "invalid" else RequestFailed(refusal[1]))
+                    error = ValueError if refusal[0] == "invalid" else RequestFailed
+                    self._accepted(rid, error(refusal[1]))
         elif kind == "failed":
             ids, error = msg[1], msg[2]
             failed = self._fail(ids, error)

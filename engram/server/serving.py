@@ -1,5 +1,5 @@
-"""OpenAI completions and chat completions on the engine bridge (bridge.py): request -> checks -> token ids -> SamplingParams
--> engine -> JSON body or an SSE stream ending ``data: [DONE]``.
+"""OpenAI completions and chat completions on the engine bridge (bridge.py): request -> checks -> token ids ->
+SamplingParams -> engine -> JSON body or an SSE stream ending ``data: [DONE]``.
 
 Each choice (prompt ``p``, sequence ``j``) is engine request ``{id}-{p * n + j}``, seeded ``seed + j``; a
 response's choices run as one group. Every refusal happens here, before the engine sees the request, as an
