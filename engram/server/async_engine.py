@@ -9,7 +9,7 @@ import queue
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any
 
 from engram.server.bridge import EngineBridge, ModelInfo, RequestFailed
 from engram.server.engine_loop import LoopClock
@@ -20,12 +20,8 @@ log = logging.getLogger("engram.server")
 class AsyncEngine(EngineBridge):
     mode = "thread"
 
-    def __init__(self, build: Callable[[], Any], max_num_seqs: int, max_waiting: int = 256,
-                 on_stats: Callable[[dict], None] | None = None,
-                 on_load_error: Callable[[str], None] | None = None,
-                 on_fatal: Callable[[str], None] | None = None):
-        super().__init__(max_num_seqs, max_waiting, on_stats, on_load_error, on_fatal)
-        self._build = build
+    def __init__(self, *args: Any, **kwargs: Any):  # EngineBridge's
+        super().__init__(*args, **kwargs)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()

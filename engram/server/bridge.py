@@ -71,10 +71,12 @@ class EngineBridge:
 
     mode = ""  # one of ENGINE_LOOPS
 
-    def __init__(self, max_num_seqs: int, max_waiting: int = 256,
+    def __init__(self, build: Callable[[], Any], max_num_seqs: int, max_waiting: int = 256,
                  on_stats: Callable[[dict], None] | None = None,
                  on_load_error: Callable[[str], None] | None = None,
                  on_fatal: Callable[[str], None] | None = None):
+        """``build()`` returns the ``engram.LLM``, called where the loop runs (picklable for "process")."""
+        self._build = build
         self.capacity = max_num_seqs + max_waiting
         self._on_stats, self._on_load_error, self._on_fatal = on_stats, on_load_error, on_fatal
         self._streams: dict[str, _Stream] = {}

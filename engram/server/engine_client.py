@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 from multiprocessing import connection
-from typing import Any, Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -31,13 +31,8 @@ log = logging.getLogger("engram.server")
 class EngineProcess(EngineBridge):
     mode = "process"
 
-    def __init__(self, build: Callable[[], Any], max_num_seqs: int, max_waiting: int = 256,
-                 on_stats: Callable[[dict], None] | None = None,
-                 on_load_error: Callable[[str], None] | None = None,
-                 on_fatal: Callable[[str], None] | None = None):
-        """``build``: a picklable callable (it crosses the spawn) returning an ``engram.LLM``."""
-        super().__init__(max_num_seqs, max_waiting, on_stats, on_load_error, on_fatal)
-        self._build = build
+    def __init__(self, *args: Any, **kwargs: Any):  # EngineBridge's; ``build`` crosses the spawn (picklable)
+        super().__init__(*args, **kwargs)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # messages for the writer thread (None: stop)
         self._processor: OutputProcessor | None = None
         self.trace = StepTrace()

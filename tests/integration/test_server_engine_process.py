@@ -2,15 +2,11 @@
 matching stop strings and framing SSE. test_server.py's behaviour tests run again here against it (imported: the same
 assertions with this module's server), then what only this loop has: stop strings found in the API process give what
 the engine gives matching them itself (float64, concurrent, against LLM.generate), the loop's host times and the engine
-process's pid in ``GET /engram/steps``, a full server answers 503, and a killed engine process fails the stream in
-flight, after which the server exits with status 4 in bounded time."""
+process's pid in ``GET /engram/steps``, and a killed engine process fails the stream in flight, after which the server
+exits with status 4 in bounded time (503 when full: test_server_lifecycle.py runs in both loops)."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import threading
-import time
 
 import httpx
 import pytest
@@ -22,7 +18,7 @@ from tests.integration.test_server import (  # noqa: F401  (collected here, agai
     test_chat_plain_and_streaming_with_openai_client, test_client_disconnect_cancels_and_frees_the_sequence,
     test_completion_body_and_usage, test_health_and_models, test_invalid_json_bad_chat_and_unknown_route,
     test_metrics_are_engram_prefixed, test_streaming_chunks_concatenate_to_non_streaming_text)
-from tests.spawned import gone, stream_completion
+from tests.spawned import gone, kill_mid_stream
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -87,44 +83,16 @@ def test_steps_report_the_engine_process_and_its_loop_times(server):
     assert body["stats"]["steps"] >= 3 and open(f"/proc/{loop['pid']}/cmdline", "rb").read().find(b"spawn") >= 0
 
 
-def test_a_full_server_answers_503_with_retry_after(cache_dir, tmp_path):
-    s = ServerProcess(["tiny", "--threads", "1", "--max-num-seqs", "1", "--max-waiting", "0", *PROCESS], cache_dir,
-                      tmp_path / "log").wait_ready()
-
-    async def burst():
-        body = {"model": "tiny", "prompt": "Streams that outlive", "max_tokens": 600, "ignore_eos": True}
-        async with httpx.AsyncClient(base_url=s.url, timeout=120) as client:
-            return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(6)))
-
-    try:
-        responses = asyncio.run(burst())  # capacity is one request: the burst overflows it
-        ok = [r for r in responses if r.status_code == 200]
-        full = [r for r in responses if r.status_code == 503]
-        assert len(ok) + len(full) == 6 and ok and full
-        assert all(int(r.headers["Retry-After"]) >= 1 and r.json()["error"]["code"] == 503 for r in full)
-        assert all(r.json()["usage"]["completion_tokens"] == 600 for r in ok)
-    finally:
-        s.stop()
-
-
 def test_a_killed_engine_process_fails_the_stream_and_the_server_exits_4(cache_dir, tmp_path):
     s = ServerProcess(["tiny", "--threads", "1", *PROCESS], cache_dir, tmp_path / "log").wait_ready()
-    try:
+    pid = None
+
+    def engine_pid() -> int:
+        nonlocal pid
         pid = httpx.get(s.url + "/engram/steps", timeout=60).json()["stats"]["engine_loop"]["pid"]
-        events: list[str] = []
-        started = threading.Event()
-        body = {"model": "tiny", "prompt": "A stream in flight", "max_tokens": 1500, "ignore_eos": True}
-        t = threading.Thread(target=stream_completion, args=(s.url, body, events, started))
-        t.start()
-        assert started.wait(120), s.log()
-        os.kill(pid, signal.SIGKILL)
-        killed = time.monotonic()
-        code = s.proc.wait(60)
-        assert time.monotonic() - killed < 60
-        t.join(60)
-        log = s.log()
-    finally:
-        s.stop()
+        return pid
+
+    code, log, events = kill_mid_stream(s, ["A stream in flight"], engine_pid)
     assert code == EXIT_ENGINE_FAILED, log
     errors = [e for e in events if e.startswith('{"error"')]
     assert len(errors) == 1 and f"pid {pid}, exit code -9" in errors[0] and '"code": 500' in errors[0], events[-3:]

@@ -3,9 +3,6 @@ children. A greedy float64 completion equals LLM.generate at TP 1; a rank killed
 and the server exits with status 4 within 60 s, and neither the ranks nor the engine process outlive it."""
 from __future__ import annotations
 
-import os
-import signal
-import threading
 import time
 
 import httpx
@@ -13,7 +10,7 @@ import pytest
 
 from engram.commands.serve import EXIT_ENGINE_FAILED
 from engram.server.launcher import ServerProcess
-from tests.spawned import gone, spawned_children, stream_completion
+from tests.spawned import gone, kill_mid_stream, spawned_children
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -24,7 +21,9 @@ def test_tp_ranks_under_the_engine_process_serve_and_a_killed_rank_stops_the_ser
     cache_dir = tmp_path_factory.getbasetemp() / "engram-cache"
     s = ServerProcess(["tiny", "--threads", "1", "--device", "cpu", "--dtype", "float64", "--tensor-parallel-size", "2",
                        "--engine-loop", "process"], cache_dir, tmp_path / "log").wait_ready()
-    try:
+    pids: list[int] = []
+
+    def a_rank() -> int:
         body = {"model": "tiny", "prompt": "Ranks of the table", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
         served = httpx.post(s.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
         ref = engram.LLM(model="tiny", dtype="float64", cache_dir=str(cache_dir)).generate(
@@ -33,26 +32,16 @@ def test_tp_ranks_under_the_engine_process_serve_and_a_killed_rank_stops_the_ser
         assert served == ref[0].outputs[0].text
         engine = httpx.get(s.url + "/engram/steps", timeout=60).json()["stats"]["engine_loop"]["pid"]
         assert spawned_children(s.proc.pid) == [engine]
-        ranks = spawned_children(engine)
-        assert len(ranks) == 2, ranks
-        events: list[str] = []
-        started = threading.Event()
-        t = threading.Thread(target=stream_completion, args=(s.url, {**body, "max_tokens": 1500}, events, started))
-        t.start()
-        assert started.wait(120), s.log()
-        os.kill(ranks[-1], signal.SIGKILL)
-        killed = time.monotonic()
-        code = s.proc.wait(60)
-        assert time.monotonic() - killed < 60
-        t.join(60)
-        log = s.log()
-    finally:
-        s.stop()
+        pids.extend([engine, *spawned_children(engine)])
+        assert len(pids) == 3, pids
+        return pids[-1]
+
+    code, log, events = kill_mid_stream(s, ["A stream over two ranks"], a_rank)
     assert code == EXIT_ENGINE_FAILED, log
     errors = [e for e in events if e.startswith('{"error"')]
     assert len(errors) == 1 and "exited with code -9" in errors[0] and '"code": 500' in errors[0], events[-3:]
     assert "the engine stopped" in log, log[-2000:]
     deadline = time.monotonic() + 30
-    while not all(gone(p) for p in [engine, *ranks]) and time.monotonic() < deadline:
+    while not all(gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert all(gone(p) for p in [engine, *ranks])
+    assert all(gone(p) for p in pids)  # neither the engine process nor a rank outlives the server
