@@ -7,6 +7,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -41,10 +42,22 @@ def gone(pid: int) -> bool:
 
 
 def kill_a_child_mid_stream(server, prompts: list[str], children: int = 2) -> tuple[int, str, list[str], list[int]]:
-    """Stream one long greedy completion per prompt from ``server`` (a ServerProcess, ready), SIGKILL the last of its
-    ``children`` spawned processes once the first event arrived, and wait for the server to exit (within 60 s, else
-    the test fails) -> (its exit status, its log, every stream's events, the children's pids). The server is stopped
-    whatever happens."""
+    """``kill_mid_stream`` of the last of ``server``'s ``children`` spawned processes -> (its exit status, its log,
+    every stream's events, the children's pids)."""
+    pids: list[int] = []
+
+    def last_child() -> int:
+        pids.extend(spawned_children(server.proc.pid))
+        assert len(pids) == children, pids
+        return pids[-1]
+
+    return (*kill_mid_stream(server, prompts, last_child), pids)
+
+
+def kill_mid_stream(server, prompts: list[str], victim: Callable[[], int]) -> tuple[int, str, list[str]]:
+    """Stream one long greedy completion per prompt from ``server`` (a ServerProcess, ready), SIGKILL the process
+    ``victim()`` names once the first event arrived, and wait for the server to exit (within 60 s, else the test
+    fails) -> (its exit status, its log, every stream's events). The server is stopped whatever happens."""
     events: list[str] = []
     started = threading.Event()
     body = {"model": "tiny", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
@@ -54,14 +67,12 @@ def kill_a_child_mid_stream(server, prompts: list[str], children: int = 2) -> tu
         t.start()
     try:
         assert started.wait(120), server.log()
-        pids = spawned_children(server.proc.pid)
-        assert len(pids) == children, pids
-        os.kill(pids[-1], signal.SIGKILL)
+        os.kill(victim(), signal.SIGKILL)
         killed = time.monotonic()
         code = server.proc.wait(60)
         assert time.monotonic() - killed < 60
         for t in threads:
             t.join(60)
-        return code, server.log(), events, pids
+        return code, server.log(), events
     finally:
         server.stop()

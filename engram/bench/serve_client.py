@@ -15,6 +15,10 @@ from engram.bench.serve_workload import ServeRequest
 
 PERCENTILES = (50, 90, 99)
 MAX_ERROR_SAMPLES = 5
+# An idle pooled connection is dropped by the client after this, before `engram serve --timeout-keep-alive` (5 s by
+# default) closes it: with equal expiries (httpx's default is 5 s too) a request sent on a connection the server is
+# closing meets a reset (httpx.ReadError) without the server ever seeing it.
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 @dataclass
@@ -55,7 +59,7 @@ async def send_one(client, model: str, req: ServeRequest) -> RequestRecord:
                 if event.get("choices") and event["choices"][0].get("text"):
                     rec.chunk_times.append(time.monotonic())
     except Exception as e:  # a failed request is counted, the load goes on
-        rec.error = f"{type(e).__name__}: {e}"
+        rec.error = describe_error(e, len(rec.chunk_times))
         return rec
     rec.end = time.monotonic()
     if not rec.chunk_times:
@@ -73,7 +77,7 @@ async def drive(url: str, model: str, requests: list[ServeRequest], offsets: np.
         raise ValueError(f"{len(offsets)} arrival offsets for {len(requests)} requests")
     slots = asyncio.Semaphore(concurrency) if concurrency else None
     width = concurrency or len(requests)
-    limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)
+    limits = httpx.Limits(max_connections=width, max_keepalive_connections=width, keepalive_expiry=KEEPALIVE_EXPIRY_S)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(3600.0), limits=limits) as client:
         t0 = time.monotonic()
 
@@ -87,6 +91,17 @@ async def drive(url: str, model: str, requests: list[ServeRequest], offsets: np.
         records = await asyncio.gather(*(one(r, float(at)) for r, at in zip(requests, offsets)))
         wall = time.monotonic() - t0
     return list(records), wall
+
+
+def describe_error(e: BaseException, chunks: int) -> str:
+    """A transport failure with its causes (httpx's ReadError often has no message of its own: the OS error under
+    it says reset or closed) and where in the stream it struck, so that a load's errors can be told apart."""
+    causes, seen = [], e
+    while seen is not None and len(causes) < 4:
+        causes.append(f"{type(seen).__name__}: {seen}" if str(seen) else type(seen).__name__)
+        seen = seen.__cause__ or seen.__context__
+    where = "before the first chunk" if chunks == 0 else f"after {chunks} chunks"
+    return f"{' <- '.join(causes)} ({where})"
 
 
 def _pcts(values: list[float], name: str) -> dict[str, float | None]:

@@ -20,6 +20,7 @@ after SIGTERM / SIGINT the process ends by that signal (143 / 130 in a shell).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from engram.commands.options import (add_engine_arguments, add_model_arguments, build_llm, check_options,
@@ -49,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
                    help="larger request bodies get 413 before they are parsed (default: %(default)s)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--engine-loop", choices=("thread", "process"), default="thread",
+                   help="where the engine's step loop runs: a thread of the server's process (default), or an engine "
+                        "process of its own, so that HTTP, SSE and detokenizing never hold its GIL (docs/server.md)")
     t = p.add_argument_group("timeouts (seconds)")
     t.add_argument("--timeout-graceful-shutdown", type=float, default=60.0, metavar="S",
                    help="after SIGTERM, in-flight requests may run this long before they are cancelled "
@@ -92,21 +96,14 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server: DrainingServer | None = None
 
-    def load_failed(reason: str) -> None:  # engine thread: stop serving; run() below then exits 1 (or 4)
+    def load_failed(reason: str) -> None:  # the engine loop's thread: stop serving; run() below then exits 1 (or 4)
         print(f"engram serve: error: {reason}", file=sys.stderr, flush=True)
         if server is not None:
             server.should_exit = True
 
-    def load():  # engine thread; this process is the engine's: full collections skip the start-up heap
-        from engram.engine.heap import freeze_startup_heap
-
-        llm = build_llm(args)
-        freeze_startup_heap()
-        return llm
-
-    app = build_app(load, name, args.tier, args.max_num_seqs, args.max_waiting,
+    app = build_app(functools.partial(load_engine, args), name, args.tier, args.max_num_seqs, args.max_waiting,
                     args.max_request_bytes, on_load_error=load_failed, body_timeout=limits.request_body,
-                    on_fatal=load_failed)
+                    on_fatal=load_failed, engine_loop=args.engine_loop)
     server = DrainingServer(server_config(app, args.host, args.port, args.log_level, limits),
                             on_shutdown=app.state.stopping.set)
     print(f"engram: serving {name!r} on http://{args.host}:{args.port} (GET /health turns 200 when loaded)\n"
@@ -122,6 +119,16 @@ def run(args: argparse.Namespace) -> int:
     if app.state.engine.fatal_error is not None:
         return EXIT_ENGINE_FAILED
     return 0
+
+
+def load_engine(args: argparse.Namespace):
+    """The engine's LLM, built where its loop runs (the engine thread, or the engine process: a module-level function,
+    so it crosses the spawn); that process is the engine's: full collections skip the start-up heap."""
+    from engram.engine.heap import freeze_startup_heap
+
+    llm = build_llm(args)
+    freeze_startup_heap()
+    return llm
 
 
 def _cannot_listen(args: argparse.Namespace, why: object) -> int:

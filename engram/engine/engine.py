@@ -156,7 +156,8 @@ class LLMEngine:
             return []
         toks = [tok for _, tok, _ in live]
         compressed = self._compress(toks)
-        detokenize_step(self.tokenizer, [seq.detokenizer for seq, _, _ in live], toks)
+        texts = [(seq.detokenizer, tok) for seq, tok, _ in live if seq.params.detokenize]  # the others' caller's
+        detokenize_step(self.tokenizer, [d for d, _ in texts], [t for _, t in texts])
         outputs = []
         for (seq, tok, lp), ctok in zip(live, compressed):
             seq.append_token(tok, ctok)

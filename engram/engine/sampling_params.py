@@ -2,7 +2,9 @@
 ``__post_init__``. ``temperature == 0`` is greedy; ``seed`` gives the request its own random stream. ``n > 1`` is fanned
 out by ``LLM.generate`` and the server into n requests (``for_choice``). ``logprobs``/``prompt_logprobs=k``: each
 token's logprob and the step's top-k. ``forced_token_ids``: decode samples as usual, then emits that continuation's next
-token (free past its end). ``stop`` strings are cut from the text."""
+token (free past its end). ``stop`` strings are cut from the text. ``detokenize=False`` (vLLM's field): the engine
+leaves the text to its caller (outputs carry token ids, text ""), which then matches stop strings itself (the
+server's API process does: server/output_processor.py), so ``stop`` must be empty."""
 from __future__ import annotations
 
 import dataclasses
@@ -33,6 +35,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # per prompt token (from the second): its logprob and the top-k
     forced_token_ids: list[int] | None = None  # emitted instead of the sampled tokens, one per step
     output_kind: str = "cumulative"  # what each step's RequestOutput holds: OUTPUT_KINDS (vLLM's RequestOutputKind)
+    detokenize: bool = True  # False: no text in the outputs (the caller detokenizes); needs no stop strings
     stop_list: list[str] = field(init=False, repr=False)  # ``stop`` normalised to a list
 
     def __post_init__(self) -> None:
@@ -64,6 +67,11 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stops):
             raise bad("stop", "stop strings must be non-empty str")
         self.stop_list = stops
+        if not isinstance(self.detokenize, bool):
+            raise bad("detokenize", "must be true or false")
+        if stops and not self.detokenize:
+            raise bad("stop", "stop strings are matched on the text: they need detokenize=True (a caller that "
+                              "detokenizes itself matches them itself)")
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "token ids must be >= 0")

@@ -34,11 +34,10 @@ class ServerMetrics:
         self._snapshot: dict[str, Any] = {"running": 0, "waiting": 0, "kv_usage": 0.0, "preemptions": 0, "tables": {}}
         r.register(_SnapshotCollector(self))
 
-    def update_from_engine(self, engine: Any, outputs: list) -> None:
-        """Engine-thread hook after each step: keep ``engine.stats()``."""
-        snap = engine.stats()
+    def update(self, snapshot: dict[str, Any]) -> None:
+        """After each step (from the engine loop's thread): keep the engine's ``stats()`` snapshot."""
         with self._lock:
-            self._snapshot = snap
+            self._snapshot = snapshot
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

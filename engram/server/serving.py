@@ -1,5 +1,5 @@
-"""OpenAI completions and chat completions on AsyncEngine: request -> checks -> token ids -> SamplingParams
--> engine -> JSON body or an SSE stream ending ``data: [DONE]``.
+"""OpenAI completions and chat completions on the engine bridge (bridge.py): request -> checks -> token ids ->
+SamplingParams -> engine -> JSON body or an SSE stream ending ``data: [DONE]``.
 
 Each choice (prompt ``p``, sequence ``j``) is engine request ``{id}-{p * n + j}``, seeded ``seed + j``; a
 response's choices run as one group. Every refusal happens here, before the engine sees the request, as an
@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from engram.server.async_engine import AsyncEngine, EngineNotReady, EngineOverloaded, RequestFailed
+from engram.server.bridge import EngineBridge, EngineNotReady, EngineOverloaded, RequestFailed
 from engram.server.chat import render_chat
 from engram.server.logprobs import LegacyLogprobs, TokenStrings
 from engram.server.metrics import ServerMetrics
@@ -45,7 +45,7 @@ class ApiError(Exception):
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics):
+    def __init__(self, engine: EngineBridge, model_name: str, metrics: ServerMetrics):
         self.engine, self.model_name, self.metrics = engine, model_name, metrics
         self._pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="engram-tokenize")
         self._bound: int | None = None  # chars_per_token_bound of the loaded tokenizer
@@ -83,7 +83,7 @@ class OpenAIServing:
                      **{k: getattr(m, k) for k in ("name", "tool_call_id") if getattr(m, k) is not None}}
                     for m in req.messages]
         render = lambda: render_chat(messages, loaded.chat_template, req.add_generation_prompt,  # noqa: E731
-                                     _token_text(loaded.tokenizer, loaded.model_config.bos_token_id),
+                                     _token_text(loaded.tokenizer, loaded.bos_token_id),
                                      _token_text(loaded.tokenizer, loaded.eos_token_id))
         try:
             prompt = await asyncio.get_running_loop().run_in_executor(self._pool, render)
@@ -127,18 +127,18 @@ class OpenAIServing:
                            param="n" if n > 1 else "prompt")
 
     def _loaded(self):
-        """The LoadedModel, or a 503 while it loads."""
+        """The loaded model's ModelInfo, or a 503 while it loads."""
         if not self.engine.ready.is_set():
             raise ApiError(503, self.engine.load_error or "the model is still loading", "ServiceUnavailableError",
                            headers={"Retry-After": "5"})
-        loaded = self.engine.llm.loaded
+        loaded = self.engine.model_info
         if not self._bound_known:
             self._bound, self._bound_known = chars_per_token_bound(loaded.tokenizer), True
         return loaded
 
     def _token_strings(self) -> TokenStrings:
         if self._strings is None:
-            self._strings = TokenStrings(self.engine.llm.loaded.tokenizer)
+            self._strings = TokenStrings(self.engine.model_info.tokenizer)
         return self._strings
 
     def _check_chars(self, num_chars: int, label: str) -> None:
@@ -159,7 +159,7 @@ class OpenAIServing:
 
     def _params(self, req: CompletionRequest | ChatCompletionRequest, shape: Shape):
         """The SamplingParams every choice starts from (``SamplingParams.for_choice`` gives choice j its seed)."""
-        vocab = self.engine.llm.loaded.tokenizer.get_vocab_size()
+        vocab = self.engine.model_info.tokenizer.get_vocab_size()
         for i, t in enumerate(req.stop_token_ids or []):
             if t >= vocab:
                 raise ApiError(400, f"stop_token_ids[{i}]={t} is outside the vocabulary [0, {vocab})",
@@ -223,7 +223,7 @@ class OpenAIServing:
 
     async def _echo_texts(self, prompts: list[PromptSpec]) -> None:
         """Set each prompt's echo: its text, or its token ids decoded (special tokens kept) in a worker thread."""
-        tokenizer = self.engine.llm.loaded.tokenizer
+        tokenizer = self.engine.model_info.tokenizer
         for p in prompts:
             p.echo = p.text if p.text is not None else await asyncio.get_running_loop().run_in_executor(
                 self._pool, lambda ids=p.ids: tokenizer.decode(ids, skip_special_tokens=False))

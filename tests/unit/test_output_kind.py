@@ -57,3 +57,17 @@ def test_an_unknown_output_kind_is_refused():
     with pytest.raises(ValueError, match="SamplingParams.output_kind='streaming'"):
         SamplingParams(output_kind="streaming")
     assert dataclasses.replace(SamplingParams(stop="x"), output_kind="delta").stop_list == ["x"]
+
+
+def test_detokenize_false_gives_the_same_tokens_without_text_and_refuses_stop_strings(tiny):
+    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
+    outs = {}
+    for detokenize in (True, False):
+        engine = LLMEngine(tiny, config, "cpu", torch.float32)
+        engine.add_request("r", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                           output_kind="delta", detokenize=detokenize))
+        outs[detokenize] = [o.outputs[0] for _ in range(20) if engine.has_unfinished() for o in engine.step()]
+    assert [o.delta_token_ids for o in outs[False]] == [o.delta_token_ids for o in outs[True]]
+    assert "".join(o.delta_text for o in outs[True]) and not any(o.delta_text or o.text for o in outs[False])
+    with pytest.raises(ValueError, match="SamplingParams.stop.*detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)

@@ -111,6 +111,38 @@ def test_every_request_to_a_closed_port_is_an_error():
         asyncio.run(drive(f"http://127.0.0.1:{port}", "tiny", reqs, np.zeros(2), concurrency=None))
 
 
+def test_a_connection_reset_mid_stream_names_its_cause_and_where():
+    """A real socket that answers one SSE chunk and then resets (SO_LINGER 0): the error says ReadError, the OS
+    error under it, and that it struck after the first chunk."""
+    import struct
+    import threading
+    import time
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+
+    def answer_then_reset():
+        conn, _ = srv.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        event = b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+        conn.sendall(b"%x\r\n%s\r\n" % (len(event), event))
+        time.sleep(1.0)  # the client has read the chunk (a reset discards what it has not read yet)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()  # a reset, not an orderly close
+
+    t = threading.Thread(target=answer_then_reset)
+    t.start()
+    records, _ = asyncio.run(drive(f"http://127.0.0.1:{srv.getsockname()[1]}", "tiny", [ServeRequest([5], 4)],
+                                   np.zeros(1), concurrency=1))
+    t.join(10)
+    srv.close()
+    error = records[0].error
+    assert error.startswith("ReadError") and "after 1 chunks" in error, error
+    assert "Connection reset" in error or "ECONNRESET" in error or "104" in error, error
+
+
 def test_window_counters_sum_the_records():
     recs = [StepRecord(3, "eager", 40, 2, 0, 2, 40, 500, 0.010, 0.5),  # its idle spans the pause before the window
             StepRecord(4, "mixed-graph", 20, 3, 2, 3, 60, 300, 0.004, 0.001),

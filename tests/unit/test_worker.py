@@ -91,7 +91,7 @@ def test_metrics_read_the_stats_snapshot_with_a_wrapped_lookup_executor(tiny):
     engine.add_request("a", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     metrics = ServerMetrics("tiny", "gpu")
     engine.step()
-    metrics.update_from_engine(engine, [])
+    metrics.update(engine.stats())
     text = metrics.render().decode()
     assert worker.lookup.calls == 1
     assert f'engram_table_lookups_total{{layer="1",tier="gpu"}} {float(engine.stats()["tables"][1]["lookups"])}' in text
