@@ -1,0 +1,90 @@
+"""Speculative decoding's config (engine/spec/config.py) and the n-gram proposer (engine/spec/ngram.py): vLLM's keys,
+errors naming the key, the decode reservation per proposer and its refusal at start, async scheduling refused."""
+from __future__ import annotations
+
+import pytest
+
+from engram.engine.config import EngineConfig
+from engram.engine.spec.config import SpeculativeConfig, decode_reservation, logit_rows
+from engram.engine.spec.ngram import NgramProposer
+
+
+def test_vllm_keys_and_defaults():
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (3, 3)  # one given: both
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)  # vLLM's default window
+    d = SpeculativeConfig.from_dict({"model": "tiny", "num_speculative_tokens": 2})
+    assert d.method == "draft_model" and d.uses_draft_model  # a model without a method: a draft model
+    assert EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}).speculative_config.method \
+        == "ngram"
+
+
+@pytest.mark.parametrize("options, needle", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method='eagle'"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens=0"),
+    ({"method": "ngram"}, "needs num_speculative_tokens"),
+    ({"num_speculative_tokens": 2}, 'needs "method"'),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "speculative_config.prompt_lookup_min=4"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "tiny"}, "speculative_config.model='tiny'"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model=None"),
+    ({"method": "draft_model", "model": "tiny", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+     "draft_tensor_parallel_size=2"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "speculative_tokens": 3}, "unknown speculative_config key"),
+])
+def test_bad_options_name_the_key(options, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace("[", r"\[")):
+        SpeculativeConfig.from_dict(options)
+
+
+def test_the_reservation_per_proposer():
+    # a draft model: (K + 1) verify rows + K rows of its own; n-gram: K + 1
+    draft = {"method": "draft_model", "model": "tiny"}
+    cfg = EngineConfig(max_num_seqs=32, max_num_batched_tokens=512,
+                       speculative_config={**draft, "num_speculative_tokens": 5})
+    assert decode_reservation(cfg) == 32 * 11 == 352 and logit_rows(cfg) == 32 * 6
+    cfg = EngineConfig(max_num_seqs=32, max_num_batched_tokens=512,
+                       speculative_config={**draft, "num_speculative_tokens": 7})
+    assert decode_reservation(cfg) == 480
+    cfg = EngineConfig(max_num_seqs=32, max_num_batched_tokens=512,
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 5})
+    assert decode_reservation(cfg) == 192 and logit_rows(cfg) == 192
+    assert decode_reservation(EngineConfig(max_num_seqs=32)) == 32 == logit_rows(EngineConfig(max_num_seqs=32))
+
+
+def test_an_undersized_step_budget_is_refused_naming_the_options():
+    with pytest.raises(ValueError) as e:
+        EngineConfig(max_num_seqs=32, max_num_batched_tokens=256,
+                     speculative_config={"method": "draft_model", "model": "tiny", "num_speculative_tokens": 5})
+    text = str(e.value)
+    for needle in ("max_num_seqs=32", "(1 + 2K) = 352", "engine.max_num_batched_tokens=256", "num_speculative_tokens"):
+        assert needle in text, text
+    EngineConfig(max_num_seqs=32, max_num_batched_tokens=352,  # exactly the reservation fits
+                 speculative_config={"method": "draft_model", "model": "tiny", "num_speculative_tokens": 5})
+    with pytest.raises(ValueError, match=r"\(K \+ 1\) = 192"):
+        EngineConfig(max_num_seqs=32, max_num_batched_tokens=191,
+                     speculative_config={"method": "ngram", "num_speculative_tokens": 5})
+
+
+def test_async_scheduling_is_refused_with_speculation():
+    with pytest.raises(ValueError, match="engine.async_scheduling=True: speculative decoding runs with synchronous"):
+        EngineConfig(async_scheduling=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    EngineConfig(async_scheduling=None, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_ngram_proposer_copies_what_followed_the_longest_suffix():
+    p = NgramProposer(1, 3)
+    toks = [7, 1, 2, 3, 9, 9, 1, 2, 3]
+    start, stop = p.propose(toks, 2)  # suffix [1, 2, 3] occurred at 1..3, followed by 9, 9
+    assert toks[start:stop] == [9, 9]
+    assert p.propose([1, 2, 3, 4], 3) == (0, 0)  # nothing recurs
+    toks = [5, 6, 1, 5, 6, 2, 5, 6]
+    start, stop = p.propose(toks, 1)  # [5, 6] twice before: the latest with a token after it
+    assert toks[start:stop] == [2]
+    start, stop = p.propose(toks, 3)  # the latest followed by 3 tokens
+    assert toks[start:stop] == [2, 5, 6]
+    start, stop = p.propose(toks, 4)  # only the earliest is followed by 4
+    assert toks[start:stop] == [1, 5, 6, 2]
+    start, stop = NgramProposer(2, 2).propose([4, 8, 4, 9, 4], 2)  # n = 1 is below the minimum
+    assert (start, stop) == (0, 0)
