@@ -111,6 +111,7 @@ class EagerRunner(StepRunner):
                 top_i.append(i)
         return torch.cat(own), torch.cat(top_v) if k else None, torch.cat(top_i) if k else None
 
+    @torch.inference_mode()
     def keep(self, step: StepDescription, dropped: torch.Tensor) -> None:
         """Speculative step (paper variant): each sequence's conv state becomes the window ending at its last accepted
         token — ``dropped`` [S] rejected drafts before its last row — and is kept under its id."""
