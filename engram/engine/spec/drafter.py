@@ -15,14 +15,13 @@ from engram.engine.step import StepDescription
 from engram.hashing import DEAD, NgramHasher
 from engram.model.deepseek_v4.config import ARCHITECTURES as SEQUENCE_CACHE_ARCHITECTURES
 from engram.model.kv_cache import KVCache
+from engram.model.loader import load_model
 from engram.transfer import to_device
 
 
 def load_draft(spec, dtype: torch.dtype, device: torch.device):
     """The draft model of ``spec`` (a SpeculativeConfig with method "draft_model"): a preset or checkpoint, in the
     target's dtype on its device, its tables in memory there (tier gpu: a draft's tables are small)."""
-    from engram.model.loader import load_model
-
     return load_model(spec.model, tier="gpu", dtype=dtype, device=device, progress=False)
 
 
