@@ -88,3 +88,37 @@ def test_ngram_proposer_copies_what_followed_the_longest_suffix():
     assert toks[start:stop] == [1, 5, 6, 2]
     start, stop = NgramProposer(2, 2).propose([4, 8, 4, 9, 4], 2)  # n = 1 is below the minimum
     assert (start, stop) == (0, 0)
+
+
+def _verify_step(num_seqs: int, k: int):
+    """A verify step: every sequence decodes its token and k drafts, all rows with logits."""
+    import torch
+
+    from engram.engine.step import SampleSpec, StepDescription
+
+    t = num_seqs * (k + 1)
+    cu = torch.arange(0, t + 1, k + 1)
+    greedy = SampleSpec(0.0, 1.0, 0, None, 0, (), -1, -1)
+    return StepDescription(0, list(range(num_seqs)), [10] * num_seqs, [k + 1] * num_seqs, torch.zeros(t, dtype=torch.long),
+                           torch.zeros(t, dtype=torch.long), cu, torch.full((num_seqs,), 10 + k + 1),
+                           torch.zeros(num_seqs, 1, dtype=torch.long), torch.zeros(t, dtype=torch.long), None, {},
+                           list(range(num_seqs)), [greedy] * t, num_drafts=[k] * num_seqs)
+
+
+def test_per_step_buffers_hold_the_reservation():
+    import torch
+
+    from engram.config import EngramConfig
+    from engram.engine.memory import warmup_step
+    from engram.engine.runners.mixed_inputs import MixedInputs
+
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                       speculative_config={"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3})
+    step = _verify_step(8, 3)  # 8 x (K + 1) = 32 rows of logits
+    assert step.logits_indices == list(range(32)) and step.draft_rows == [r for r in range(32) if r % 4]
+    reserved = MixedInputs(64, 8, 256, 16, 3, 0, [], torch.device("cpu"), max_logits=logit_rows(cfg))
+    assert reserved.fits(step) and reserved.inputs(32, None).logits_indices.numel() == 32
+    plain = MixedInputs(64, 8, 256, 16, 3, 0, [], torch.device("cpu"))  # LM-head rows for one token a sequence
+    assert not plain.fits(step)
+    warm = warmup_step(cfg, EngramConfig.preset("tiny"), 16)  # the profiled step scores every verify row too
+    assert len(warm.samples) == len(warm.logits_indices) == 8 * 4
