@@ -63,6 +63,9 @@ class EngineConfig:
             if self.async_scheduling:
                 raise bad("async_scheduling", "speculative decoding runs with synchronous scheduling (a step's "
                           "inputs depend on how many drafts the step before accepted); leave it null (auto) or false")
+            if self.speculative_config.uses_draft_model and self.tensor_parallel_size > 1:
+                raise bad("tensor_parallel_size", "speculative_config method 'draft_model' runs the draft on one "
+                          "in-process Worker; with tensor-parallel ranks use the n-gram proposer")
             check_reservation(self)
 
     @classmethod

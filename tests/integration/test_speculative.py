@@ -181,3 +181,22 @@ def test_deepseek_v4_refuses_speculation(tmp_path):
     pair = Pair(tmp_path, ENGRAM)
     with pytest.raises(ValueError, match="deepseek_v4 models cannot speculate here: their compressor state"):
         engine(pair.ours, {"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_ngram_speculation_across_tensor_parallel_ranks(prose):
+    import engram
+
+    spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1}
+    params = [forced(p[20:40]) for p, _ in prose] + [GREEDY]
+    prompts = [p for p, _ in prose] + [prose[0][0][:40]]
+    one = engram.LLM("tiny", dtype="float64", device="cpu").generate(prompts, params, use_tqdm=False)
+    llm = engram.LLM("tiny", dtype="float64", device="cpu", tensor_parallel_size=2, speculative_config=spec)
+    two = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(one, two):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert abs(x.logprob - y.logprob) <= 1e-9
+    assert llm.engine.stats()["speculative"]["accepted_tokens"] >= 20
+    with pytest.raises(ValueError, match="engine.tensor_parallel_size=2: speculative_config method 'draft_model'"):
+        EngineConfig(tensor_parallel_size=2, speculative_config={"method": "draft_model", "model": "tiny",
+                                                                 "num_speculative_tokens": 2})
