@@ -122,3 +122,21 @@ def test_per_step_buffers_hold_the_reservation():
     assert not plain.fits(step)
     warm = warmup_step(cfg, EngramConfig.preset("tiny"), 16)  # the profiled step scores every verify row too
     assert len(warm.samples) == len(warm.logits_indices) == 8 * 4
+
+
+def test_speculative_counters_merge_over_data_parallel_replicas():
+    from types import SimpleNamespace
+
+    from engram.engine.dp_stats import merge_stats
+
+    def snap(steps, drafts, accepted, at):
+        return {"running": 1, "waiting": 0, "kv_blocks_total": 10, "kv_blocks_free": 5, "tables": {},
+                "speculative": {"method": "ngram", "num_speculative_tokens": 2, "spec_steps": steps,
+                                "draft_tokens": drafts, "accepted_tokens": accepted, "plain_decode_steps": 0,
+                                "acceptance_rate": accepted / drafts, "mean_acceptance_length": 1 + accepted / steps,
+                                "accepted_at": at}}
+
+    infos = [SimpleNamespace(index=i, pid=i, num_kv_blocks=10) for i in range(2)]
+    spec = merge_stats([snap(4, 8, 6, [4, 2]), snap(6, 12, 3, [3, 0])], infos)["speculative"]
+    assert spec["num_speculative_tokens"] == 2 and spec["accepted_at"] == [7, 2]
+    assert spec["acceptance_rate"] == 9 / 20 and spec["mean_acceptance_length"] == 1 + 9 / 10
