@@ -200,3 +200,50 @@ def test_ngram_speculation_across_tensor_parallel_ranks(prose):
     with pytest.raises(ValueError, match="engine.tensor_parallel_size=2: speculative_config method 'draft_model'"):
         EngineConfig(tensor_parallel_size=2, speculative_config={"method": "draft_model", "model": "tiny",
                                                                  "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_tables_read_on_the_host_take_the_verify_rows(models, prose, method):
+    # the disk tier reads host ids: n-gram drafts are planned there, a draft model's are copied there from the device
+    disk = load_model("tiny", tier="disk", dtype=F64, device=CPU, progress=False)
+    for regime in ("accepted", "rejected"):
+        reqs = requests(models, prose, "v41", method, regime)
+        assert_same(run(engine(disk, spec_config(models, method, regime)), reqs), run(engine(models["v41"]), reqs))
+
+
+def test_the_plan_covers_every_verify_position(models, prose):
+    from engram.engine.lookup import LookupExecutor
+    from engram.hashing import NgramHasher
+    from tests.engine_runs import engine_wrapping_lookup
+
+    class Recording(LookupExecutor):
+        def __init__(self, base):
+            super().__init__(base.tables, base.cfg, base.dtype, base.device)
+            self.steps = []
+
+        def submit(self, step, *args, **kwargs):
+            self.steps.append(step)
+            return super().submit(step, *args, **kwargs)
+
+    loaded = models["v41"]
+    recorder = []
+    eng = engine_wrapping_lookup(loaded, EngineConfig(max_num_seqs=8, max_num_batched_tokens=96,
+                                                      speculative_config=spec_config(models, "ngram", "accepted")),
+                                 lambda base: recorder.append(Recording(base)) or recorder[0])
+    reqs = requests(models, prose, "v41", "ngram", "accepted")
+    got = run(eng, reqs)
+    final = [list(prompt) + got[rid][0] for rid, (prompt, _) in reqs.items()]  # seq ids follow arrival order
+    hasher = NgramHasher.from_tokenizer(loaded.engram_config, loaded.compressed_tokenizer)
+    checked = 0
+    for step in recorder[0].steps:
+        cu = step.cu_seqlens.tolist()
+        for s, k in zip(step.sample_rows, step.num_drafts):
+            if not k:
+                continue
+            start, (a, b) = step.start_positions[s], (cu[s], cu[s + 1])
+            full = final[step.seq_ids[s]][:start] + step.token_ids[a:b].tolist()  # read tokens, then the drafts
+            ids = torch.tensor([loaded.compressed_tokenizer.compress(full)])
+            for lid, rows in step.engram_row_ids.items():
+                assert torch.equal(rows[a:b], hasher.hash(ids, lid)[0, start:]), (step.step_id, s, lid)
+            checked += k
+    assert checked >= 20
