@@ -194,7 +194,7 @@ class Worker:
         scores = list(forward.prompt_scores or ())
         flags = [forward.flags] if forward.flags is not None else []
         host = to_host([sampled.token_ids, sampled.logprobs, sampled.top_logprobs, sampled.top_token_ids,
-                        getattr(sampled, "accepted", None)] + scores + flags, self.device)
+                        sampled.accepted] + scores + flags, self.device)
         ready = torch.cuda.Event(enable_timing=True) if started is not None else None
         if ready is not None:
             ready.record()
