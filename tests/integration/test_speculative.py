@@ -247,3 +247,19 @@ def test_the_plan_covers_every_verify_position(models, prose):
                 assert torch.equal(rows[a:b], hasher.hash(ids, lid)[0, start:]), (step.step_id, s, lid)
             checked += k
     assert checked >= 20
+
+
+def test_a_stop_inside_the_accepted_drafts_ends_the_request_there(models, prose):
+    eos = models["v41"].eos_token_id
+    prompt = prose[0][0][:30] + [eos] + prose[0][0][30:60]
+    quote = prompt[22:40]  # crosses the EOS: the n-gram drafts after it are accepted too, then dropped
+    reqs = {"e": (prompt, SamplingParams(temperature=0.0, max_tokens=len(quote), forced_token_ids=quote,
+                                         logprobs=1)),
+            "s": (prompt, SamplingParams(temperature=0.0, max_tokens=len(quote), forced_token_ids=quote,
+                                         ignore_eos=True, stop_token_ids=[quote[12]], logprobs=1))}
+    want = run(engine(models["v41"]), reqs)
+    eng = engine(models["v41"], spec_config(models, "ngram", "accepted"))
+    got = run(eng, reqs)
+    assert_same(got, want)
+    assert got["e"][0] == quote[:quote.index(eos) + 1] and got["s"][0] == quote[:quote.index(quote[12]) + 1]
+    assert eng.stats()["speculative"]["accepted_tokens"] >= 6
