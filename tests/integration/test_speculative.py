@@ -263,3 +263,13 @@ def test_a_stop_inside_the_accepted_drafts_ends_the_request_there(models, prose)
     assert_same(got, want)
     assert got["e"][0] == quote[:quote.index(eos) + 1] and got["s"][0] == quote[:quote.index(quote[12]) + 1]
     assert eng.stats()["speculative"]["accepted_tokens"] >= 6
+
+
+def test_drafts_stop_at_max_model_len(models, prose):
+    prompt = prose[1][0]
+    reqs = {"m": (prompt, forced(prompt[20:40]))}  # 72 + 20 tokens, but max_model_len is 80
+    want = run(engine(models["v41"], max_model_len=80), reqs)
+    eng = engine(models["v41"], spec_config(models, "ngram", "accepted"), max_model_len=80)
+    got = run(eng, reqs)
+    assert_same(got, want)
+    assert len(got["m"][0]) == 8 and eng.stats()["speculative"]["accepted_tokens"] >= 4
