@@ -273,3 +273,14 @@ def test_drafts_stop_at_max_model_len(models, prose):
     got = run(eng, reqs)
     assert_same(got, want)
     assert len(got["m"][0]) == 8 and eng.stats()["speculative"]["accepted_tokens"] >= 4
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_preemption_under_speculation(models, prose, method):
+    reqs = requests(models, prose, "v41", method, "accepted")
+    small = dict(max_model_len=128, num_kv_blocks=9)  # two sequences of 6 blocks in 9: preemptions
+    want = run(engine(models["v41"], **small), reqs)
+    eng = engine(models["v41"], spec_config(models, method, "accepted"), **small)
+    got = run(eng, reqs)
+    assert_same(got, want)
+    assert eng.stats()["preemptions"] >= 1 and eng.stats()["speculative"]["accepted_tokens"] >= 10
