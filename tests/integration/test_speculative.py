@@ -247,6 +247,9 @@ def test_the_plan_covers_every_verify_position(models, prose):
                 assert torch.equal(rows[a:b], hasher.hash(ids, lid)[0, start:]), (step.step_id, s, lid)
             checked += k
     assert checked >= 20
+    # verify rows shared steps with sequences that did not speculate (a prefill chunk, a decode without a match)
+    assert any(step.num_drafts and (0 in step.num_drafts or len(step.sample_rows) < step.num_seqs)
+               for step in recorder[0].steps)
 
 
 def test_a_stop_inside_the_accepted_drafts_ends_the_request_there(models, prose):
