@@ -36,7 +36,8 @@ def forced_continuations(prompts: list[list[int]], natural: list[list[int]], wor
 
 
 def _generate(engine, prompts, forced) -> tuple[float, int, list[list[int]]]:
-    """Run the batch to the end -> (decode seconds after every sequence's first token, tokens emitted then, ids)."""
+    """Run the batch to the end -> (seconds after the step in which every sequence had its first token, tokens emitted
+    in them, each sequence's ids)."""
     from engram.engine.sampling_params import SamplingParams
 
     ids = [f"spec-{i}" for i in range(len(prompts))]
@@ -44,18 +45,18 @@ def _generate(engine, prompts, forced) -> tuple[float, int, list[list[int]]]:
         engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=len(f), forced_token_ids=list(f),
                                                   ignore_eos=True, output_kind="delta"))
     done: dict[str, list[int]] = {rid: [] for rid in ids}
-    started = None
+    started, before = None, 0
     try:
         while engine.has_unfinished():
             for out in engine.step():
                 done[out.request_id].extend(out.outputs[0].token_ids)
             if started is None and all(done.values()):
-                started = time.perf_counter()
+                started, before = time.perf_counter(), sum(map(len, done.values()))  # tokens of untimed steps
     finally:
         for rid in ids:
             engine.abort_request(rid)
     took = time.perf_counter() - (started or time.perf_counter())
-    return took, sum(len(f) - 1 for f in forced), [done[r] for r in ids]
+    return took, sum(map(len, done.values())) - before, [done[r] for r in ids]
 
 
 def run_spec(args, cfg, opts, device, dtype) -> int:
