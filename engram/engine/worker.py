@@ -188,8 +188,8 @@ class Worker:
                 other.settle()  # its background lookups, before this step's
         forward = runner.launch(step, patch)
         sampled = self.sample(step, forward.logits, drafts)
-        if step.num_drafts:  # the conv state keeps the window ending at each sequence's last accepted token
-            runner.keep(step, _dropped(step, sampled.accepted))
+        if step.num_drafts:  # per-sequence state (the paper's conv state) ends at each one's last accepted token
+            runner.keep(step, sampled.accepted)
         self.pending.remember(step.step_id, sampled.token_ids)
         scores = list(forward.prompt_scores or ())
         flags = [forward.flags] if forward.flags is not None else []
@@ -261,15 +261,6 @@ def read_tokens(sampled: SampledTokens) -> tuple[list[int], tuple | None]:
     if sampled.logprobs is None:
         return tokens, None
     return tokens, (sampled.logprobs.tolist(), sampled.top_logprobs.tolist(), sampled.top_token_ids.tolist())
-
-
-def _dropped(step: StepDescription, accepted: torch.Tensor) -> torch.Tensor:
-    """[S] int64 on the device: each sequence's rejected drafts (0 for sequences without drafts)."""
-    seqs = to_device([step.sample_rows[i] for i, k in enumerate(step.num_drafts) if k], accepted.device)
-    spec = to_device([i for i, k in enumerate(step.num_drafts) if k], accepted.device)
-    k = to_device([k for k in step.num_drafts if k], accepted.device)
-    dropped = torch.zeros(step.num_seqs, dtype=torch.long, device=accepted.device)
-    return dropped.index_copy(0, seqs, k - accepted.index_select(0, spec))
 
 
 def _graphs_supported(step_dtype: torch.dtype, ecfg, device: torch.device) -> bool:

@@ -12,6 +12,7 @@ from engram.engine.lookup import LookupExecutor, StagedRows
 from engram.engine.pending import PendingPatch
 from engram.engine.runners.conv_blocks import ConvBlockStore
 from engram.engine.runners.base import Forward, StepRunner
+from engram.engine.spec.verify import rejected_per_sequence
 from engram.engine.step import StepDescription
 from engram.model.inputs import StepInputs
 from engram.model.layers.attention import HostLayout
@@ -112,15 +113,16 @@ class EagerRunner(StepRunner):
         return torch.cat(own), torch.cat(top_v) if k else None, torch.cat(top_i) if k else None
 
     @torch.inference_mode()
-    def keep(self, step: StepDescription, dropped: torch.Tensor) -> None:
+    def keep(self, step: StepDescription, accepted: torch.Tensor) -> None:
         """Speculative step (paper variant): each sequence's conv state becomes the window ending at its last accepted
-        token — ``dropped`` [S] rejected drafts before its last row — and is kept under its id."""
+        token — its rejected drafts before its last row dropped — and is kept under its id."""
         if self._unkept is None:
             return
         step_id, conv = self._unkept
         self._unkept = None
         if step_id != step.step_id:
             raise RuntimeError(f"step {step.step_id}: the conv state waiting to be kept is step {step_id}'s")
+        dropped = rejected_per_sequence(step, accepted)  # [S]
         for state in conv.values():
             state.rewind(dropped)
         self._scatter_conv_state(step, conv)

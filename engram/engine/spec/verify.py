@@ -142,3 +142,13 @@ def flatten(accepted: list[int], num_drafts: list[int], per_row: list) -> tuple[
         counts.append(a + 1)
         at += k + 1
     return out, counts
+
+
+def rejected_per_sequence(step, accepted: torch.Tensor) -> torch.Tensor:
+    """[S] int64 on the device: each of the step's sequences' rejected drafts (0 without drafts), from the
+    verifier's ``accepted`` [N]."""
+    dev = accepted.device
+    spec = [i for i, k in enumerate(step.num_drafts) if k]
+    seqs, at, k = to_device([[step.sample_rows[i] for i in spec], spec, [step.num_drafts[i] for i in spec]], dev)
+    dropped = torch.zeros(step.num_seqs, dtype=torch.long, device=dev)
+    return dropped.index_copy(0, seqs, k - accepted.index_select(0, at))
