@@ -12,10 +12,9 @@ import torch
 
 from engram.engine.config import EngineConfig
 from engram.engine.engine import LLMEngine
-from engram.engine.runners.graphs import GraphRunner
 from engram.engine.sampling_params import SamplingParams
 from engram.model.loader import load_model
-from tests.engine_runs import drain
+from tests.engine_runs import drain, mixed_graphs_eager
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CUDA = torch.device("cuda")
@@ -55,12 +54,7 @@ def test_verify_steps_replay_mixed_graphs_bitwise(loaded, tier, method):
     stats = replayed.stats()
     assert stats["speculative"]["spec_steps"] >= 8 and stats["speculative"]["acceptance_rate"] > 0.5, stats
     assert stats["mixed_graph_replays"] >= 8 and stats["steps_by_route"].get("eager", 0) == 0, stats["steps_by_route"]
-    eager = _engine(model, SPECS[method])
-    w = eager.executor.worker
-    mixed = next(r for r in w.runners if r.name == "mixed-graph")
-    w.runners[w.runners.index(mixed)] = GraphRunner(w.model, w.kv, w.ecfg, w.tables, mixed.io, w.device,
-                                                    name="mixed-graph", capture=False)
-    assert _run(eager) == want  # tokens and logprobs, bitwise
+    assert _run(mixed_graphs_eager(_engine(model, SPECS[method]))) == want  # tokens and logprobs, bitwise
 
 
 def test_forced_outputs_and_logprobs_match_a_run_without_speculation(loaded):
