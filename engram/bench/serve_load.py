@@ -244,6 +244,11 @@ def format_tables(result: dict, format_table) -> str:
         parts.append(f"routes {c['steps_by_route']}, graph replays {c.get('graph_replays_delta')}, mixed "
                      f"{c.get('mixed_graph_replays_delta')}, lookup exposed {c.get('lookup_exposed_s_delta')} s; "
                      f"GPU idle between steps: {idle}")
+    spec = result.get("speculative")
+    if spec:
+        parts.append(f"speculative decoding ({spec['method']}, K={spec['num_speculative_tokens']}): acceptance length "
+                     f"{spec['acceptance_length']:.2f}, {spec['accepted_tokens']} of {spec['draft_tokens']} drafts "
+                     f"accepted ({spec['acceptance_rate']:.1%})")
     if "skipped" in roof:
         parts.append(f"roofline: skipped ({roof['skipped']})")
     else:

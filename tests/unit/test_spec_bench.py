@@ -44,3 +44,10 @@ def test_speculative_window():
     assert (w["spec_steps"], w["draft_tokens"], w["accepted_tokens"]) == (10, 40, 20)
     assert w["acceptance_rate"] == 0.5 and w["acceptance_length"] == 3.0
     assert speculative_window({}, {}) is None
+    from engram.bench.report import format_table
+    from engram.bench.serve_client import summarize
+    from engram.bench.serve_load import format_tables
+
+    text = format_tables({**summarize([], 0.1), "counters": {"skipped": "x"}, "roofline": {"skipped": "x"},
+                          "speculative": w}, format_table)
+    assert "speculative decoding (ngram, K=4): acceptance length 3.00, 20 of 40 drafts accepted (50.0%)" in text
