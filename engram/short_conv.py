@@ -30,6 +30,10 @@ class ShortConvState:
     cu_seqlens: torch.Tensor | None = None  # [S+1] int64 token offsets of the packed call; None: S == 1
     tap_rows: torch.Tensor | None = None  # [R] int64 packed token rows whose conv inputs the call also hands out
     tapped: torch.Tensor | None = None  # [R, hc_mult*H] set by ``ShortConv.forward``: those rows' conv inputs
+    # speculative decoding: the call also keeps ``extra`` more rows before each window (``window``, [S, L + extra,
+    # C]), so ``rewind`` can end a sequence's state up to ``extra`` tokens before its last one, without recompute
+    extra: int = 0
+    window: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.conv.dim() != 3:
@@ -95,6 +99,19 @@ class ShortConvState:
         self.conv.index_fill_(0, idx, 0)
         return self
 
+    def rewind(self, dropped: torch.Tensor) -> "ShortConvState":
+        """Set each sequence's state to the window ending ``dropped[s]`` tokens before its last new one (its rejected
+        drafts), from the ``window`` the last call kept: dropped [S] int64 on the state's device, each in [0, extra]
+        and below the sequence's new tokens. No recompute, no host synchronisation; returns self."""
+        if self.window is None:
+            raise RuntimeError("ShortConvState.rewind: the last call kept no window (set extra before it)")
+        hist = self.conv.shape[1]
+        start = self.extra - dropped.to(self.conv.device)  # [S] first window row of the kept state
+        rows = start.unsqueeze(1) + torch.arange(hist, device=self.conv.device)  # [S, L]
+        index = rows.unsqueeze(2).expand(-1, -1, self.conv.shape[2])  # [S, L, C]
+        self.conv.copy_(self.window.gather(1, index))
+        return self
+
     def clone(self) -> "ShortConvState":
         return ShortConvState(self.conv.clone(), None if self.cu_seqlens is None else self.cu_seqlens.clone())
 
@@ -110,9 +127,10 @@ def _check_cu_seqlens(cu: torch.Tensor, num_seqs: int, num_tokens: int) -> None:
 
 
 def causal_conv_packed(x: torch.Tensor, history: torch.Tensor, cu_seqlens: torch.Tensor, weight: torch.Tensor,
-                       dilation: int) -> tuple[torch.Tensor, torch.Tensor]:
+                       dilation: int, keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv over packed sequences that continue from ``history``: x [T, C], history [S, L, C],
-    cu_seqlens [S+1], weight [C, k] (tap k-1 is the current token) -> (y [T, C], new history).
+    cu_seqlens [S+1], weight [C, k] (tap k-1 is the current token) -> (y [T, C], new history [S, L + keep, C]: the
+    inputs ending at each sequence's last token; ``keep`` rows more than the state needs, for a rewind).
     y[t] = sum_j weight[:, j] * in[t - (k-1-j)*dilation], taps summed in order, so packing never changes it.
     Sequence s sits at cu[s] + s*L of ``ext = [hist_0 | tok_0 | hist_1 | tok_1 | ...]``."""
     num_tokens, channels = x.shape
@@ -135,8 +153,11 @@ def causal_conv_packed(x: torch.Tensor, history: torch.Tensor, cu_seqlens: torch
     y = w[:, 0] * ext[tok_pos - (k - 1) * dilation]  # [T, C]
     for j in range(1, k):
         y = y + w[:, j] * ext[tok_pos - (k - 1 - j) * dilation]
-    new_pos = (cu[1:] + seq_ids * hist).unsqueeze(1) + steps  # [S, L]: last L rows of each sequence
-    new_history = ext[new_pos.reshape(-1)].reshape(num_seqs, hist, channels)
+    # [S, L + keep]: the last L + keep rows of each sequence; rows before its own are clamped, and a rewind never
+    # reaches them (it keeps at least one new token of each sequence)
+    new_pos = ((cu[1:] + seq_ids * hist - keep).unsqueeze(1)
+               + torch.arange(hist + keep, device=dev)).clamp(min=0)
+    new_history = ext[new_pos.reshape(-1)].reshape(num_seqs, hist + keep, channels)
     return y, new_history
 
 
@@ -176,9 +197,12 @@ class ShortConv(nn.Module):
                 if state.num_seqs != 1:
                     raise ValueError(f"ShortConvState holds {state.num_seqs} sequences but has no cu_seqlens")
                 cu = torch.tensor([0, num_tokens], dtype=torch.int64, device=x.device)
-        y, new_history = causal_conv_packed(normed, history, cu, self.conv.weight[:, 0, :], self.dilation)
+        extra = state.extra if state is not None else 0
+        y, new_history = causal_conv_packed(normed, history, cu, self.conv.weight[:, 0, :], self.dilation, extra)
         if state is not None:
-            state.conv.copy_(new_history)
+            state.conv.copy_(new_history[:, extra:])
+            if extra:
+                state.window = new_history
             if state.tap_rows is not None:  # the inputs a prefix cache keeps with each KV block (engine side)
                 state.tapped = normed.index_select(0, state.tap_rows)
         return F.silu(y).view(num_tokens, self.hc_mult, self.hidden_size)

@@ -1,7 +1,8 @@
 """Running an engine's requests to completion in tests: ``drain(engine)`` steps until nothing is unfinished
 and returns each request's (token ids, [(logprob, top-k)] per token). ``engine_wrapping_lookup`` builds an
 engine whose Worker wraps its lookup executor (the Worker's ``wrap_lookup`` hook: one that records or fails
-steps). ``preset_variant`` builds a preset's float64 CPU decoder with its Engram config changed."""
+steps). ``preset_variant`` builds a preset's float64 CPU decoder with its Engram config changed. ``mixed_graphs_eager``
+makes an engine's Worker run its mixed-step graphs' callables eagerly on the same static inputs (``capture=False``)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -53,3 +54,15 @@ def preset_variant(preset: str, name: str, **engram_changes):
     return LoadedModel(model, cfg, ecfg, Tokenizer.from_file(str(TOKENIZER_FILE)),
                        CompressedTokenizer.from_file(TOKENIZER_FILE), tables, cfg.eos_token_id, None, name,
                        dtype=torch.float64, device=cpu)
+
+
+def mixed_graphs_eager(engine):
+    """Replace ``engine``'s captured mixed-step GraphRunner by one that runs the same callables on the same static
+    inputs eagerly; returns the engine."""
+    from engram.engine.runners.graphs import GraphRunner
+
+    w = engine.executor.worker
+    mixed = next(r for r in w.runners if r.name == "mixed-graph")
+    w.runners[w.runners.index(mixed)] = GraphRunner(w.model, w.kv, w.ecfg, w.tables, mixed.io, w.device,
+                                                    name="mixed-graph", capture=False)
+    return engine

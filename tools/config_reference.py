@@ -1,4 +1,5 @@
-"""Generate the option tables of docs/config.md (EngineConfig, RuntimeOptions, StoreOptions, engram/envs.py)
+"""Generate the option tables of docs/config.md (EngineConfig, SpeculativeConfig, RuntimeOptions, StoreOptions,
+engram/envs.py)
 and docs/store.md (AdvancedOptions, the tuning knobs) from the code, so the reference cannot drift from it.
 
 ``python tools/config_reference.py`` rewrites the generated part of each file (between the markers);
@@ -48,11 +49,14 @@ def _default(f: dataclasses.Field) -> str:
 def generate() -> str:
     from engram import envs
     from engram.engine.config import EngineConfig
+    from engram.engine.spec.config import SpeculativeConfig
     from engram.model.options import RuntimeOptions
     from engram.store.options import StoreOptions
 
     lines = ["### Engine options (`engram.LLM(**options)`, `--max-num-seqs` etc. on the command line)", "",
              *_table(EngineConfig, ""), "",
+             "### Speculative decoding (`--speculative-config JSON`, `LLM(speculative_config=...)`; vLLM's keys)", "",
+             *_table(SpeculativeConfig, ""), "",
              "### Runtime options (`--engram-config JSON`, `LLM(engram_config=...)`)", "",
              *_table(RuntimeOptions, "", skip=("store",)), "",
              "### Table options (the same JSON object; every opened table)", "",

@@ -50,6 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default=None,
                    help="compute dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="instead of the step points: decode tok/s with and without speculative decoding (vLLM's "
+                        "keys) on forced natural windows, interleaved, with the acceptance length (bench/spec_ab.py)")
+    p.add_argument("--spec-workload", default="summary", help="forced continuations: natural, quote or summary")
+    p.add_argument("--spec-repeats", type=int, default=6, help="recorded ABBA rounds per point (even)")
     p.add_argument("--out", default=None, help="result JSON (default: a fresh file in a temporary directory)")
     p.add_argument("--plot", default=None, metavar="FILE", help="PNG: decode ms/step vs batch size, rooflines")
 
@@ -279,6 +284,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--tiers: {args.tiers!r} must list tiers among {TIERS}")
     opts = runtime_options(parse_engram_config(args.engram_config), "--engram-config")
     configs = {name: preset_config(name, table_rows=opts.table_rows, seed=opts.seed) for name in models}
+    if args.speculative_config is not None:
+        from engram.bench.spec_ab import run_spec
+
+        return run_spec(args, configs[models[0]], opts, device, dtype)
     if args.prefill_shapes is None:  # the defaults fit every model; shapes asked for are refused if they do not
         args.prefill_shapes = default_prefill_shapes(min(c.max_position_embeddings for c in configs.values()))
     s = settings_from(args, opts.seed)

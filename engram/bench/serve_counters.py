@@ -1,6 +1,7 @@
 """The engine's counters over a measured window, from the server's ``GET /engram/steps`` (engine/step_trace.py):
 ``fetch_steps`` reads the step records after a step id and the engine's stats snapshot (None from a server without the
-endpoint), ``window_counters`` sums the window's records and the stats' counters' growth."""
+endpoint), ``window_counters`` sums the window's records and the stats' counters' growth, ``speculative_window`` the
+acceptance of speculative decoding over it."""
 from __future__ import annotations
 
 from collections import Counter
@@ -51,6 +52,20 @@ def window_counters(records: list[StepRecord], before: dict, after: dict, wall: 
         if key in after and key in before:
             out[f"{key}_delta"] = after[key] - before[key]
     return out
+
+
+def speculative_window(before: dict, after: dict) -> dict | None:
+    """Speculative decoding over the window (the stats' ``speculative`` growth): verifying sequence-steps, drafts,
+    accepted drafts, the acceptance rate and length (1 + accepted per verifying step); None when the server does not
+    speculate."""
+    a, b = after.get("speculative"), before.get("speculative")
+    if a is None or b is None:
+        return None
+    steps, drafts, accepted = (a[k] - b[k] for k in ("spec_steps", "draft_tokens", "accepted_tokens"))
+    return {"method": a["method"], "num_speculative_tokens": a["num_speculative_tokens"], "spec_steps": steps,
+            "draft_tokens": drafts, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafts if drafts else 0.0,
+            "acceptance_length": 1.0 + accepted / steps if steps else 0.0}
 
 
 def _busy(records: list[StepRecord]) -> float:

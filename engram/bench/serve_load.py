@@ -150,7 +150,7 @@ def run_bench(args: argparse.Namespace, url: str, warmup, measured, offsets) -> 
     """Warm-up, then the measured window with the engine's step records around it; the window's result (with its
     request ``records`` and step records ``steps``)."""
     from engram.bench.serve_client import drive, summarize
-    from engram.bench.serve_counters import window_counters
+    from engram.bench.serve_counters import speculative_window, window_counters
 
     if warmup:
         warm, _ = asyncio.run(drive(url, args.model, warmup, [0.0] * len(warmup), args.concurrency))
@@ -167,6 +167,7 @@ def run_bench(args: argparse.Namespace, url: str, warmup, measured, offsets) -> 
     result["counters"] = window_counters(after[0], before[1], after[1], wall) if after else {"skipped": reason}
     result["prefix_cache"] = (shared_prefix.prefix_cache_window(before[1], after[1]) if after
                               else {"skipped": reason})
+    result["speculative"] = speculative_window(before[1], after[1]) if after else None  # acceptance length
     return result
 
 
@@ -243,6 +244,11 @@ def format_tables(result: dict, format_table) -> str:
         parts.append(f"routes {c['steps_by_route']}, graph replays {c.get('graph_replays_delta')}, mixed "
                      f"{c.get('mixed_graph_replays_delta')}, lookup exposed {c.get('lookup_exposed_s_delta')} s; "
                      f"GPU idle between steps: {idle}")
+    spec = result.get("speculative")
+    if spec:
+        parts.append(f"speculative decoding ({spec['method']}, K={spec['num_speculative_tokens']}): acceptance length "
+                     f"{spec['acceptance_length']:.2f}, {spec['accepted_tokens']} of {spec['draft_tokens']} drafts "
+                     f"accepted ({spec['acceptance_rate']:.1%})")
     if "skipped" in roof:
         parts.append(f"roofline: skipped ({roof['skipped']})")
     else:

@@ -89,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
                "output_tokens_per_s": round(gen_toks / gen_s, 2) if gen_s > 0 else None,
                "total_tokens_per_s": round((prompt_toks + gen_toks) / gen_s, 2) if gen_s > 0 else None,
                "kv_blocks": stats["kv_blocks_total"], "preemptions": stats["preemptions"]}
+    if "speculative" in stats:
+        summary["speculative"] = stats["speculative"]
     if args.json:
         print(json.dumps({"summary": summary}))
     else:
@@ -96,4 +98,9 @@ def run(args: argparse.Namespace) -> int:
               f"{summary['output_tokens_per_s']} generated tok/s, {summary['total_tokens_per_s']} total tok/s "
               f"({summary['device']}, {summary['dtype']}, tier {summary['tier']}; load {load_s:.2f} s, "
               f"{summary['preemptions']} preemptions)")
+        if "speculative" in summary:
+            spec = summary["speculative"]
+            print(f"speculative decoding ({spec['method']}, K={spec['num_speculative_tokens']}): acceptance length "
+                  f"{spec['mean_acceptance_length']:.2f}, {spec['accepted_tokens']} of {spec['draft_tokens']} drafts "
+                  "accepted")
     return 0

@@ -46,9 +46,23 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_num_seqs: int = 64) -> 
     g.add_argument("--pipeline-parallel-size", type=int, default=1,
                    help="pipeline stages, each --tensor-parallel-size ranks (P x T Worker processes); the planner "
                         "picks the cut unless ENGRAM_PP_LAYER_PARTITION gives one (docs/parallel.md)")
+    g.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 3}\' or \'{"method": "draft_model", "model": "tiny", '
+                        '"num_speculative_tokens": 4}\' (docs/engine.md)')
     g.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas (processes, each --tensor-parallel-size ranks) behind one router, requests "
                         "to the least-loaded; one copy of the host tables per node in /dev/shm (docs/parallel.md)")
+
+
+def speculative_config(text: str) -> dict[str, Any]:
+    """An argparse ``type``: the --speculative-config JSON object (SystemExit naming the option otherwise)."""
+    from engram.config import parse_json_object
+
+    try:
+        return parse_json_object(text, "--speculative-config")
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def byte_count(option: str):
@@ -77,7 +91,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                 async_scheduling=args.async_scheduling, enable_prefix_caching=args.enable_prefix_caching,
                 tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-                data_parallel_size=args.data_parallel_size)
+                data_parallel_size=args.data_parallel_size, speculative_config=args.speculative_config)
 
 
 _ENGINE_OPTIONS = {"engine.max_num_seqs=": "--max-num-seqs=", "engine.max_num_batched_tokens=":
@@ -86,7 +100,8 @@ _ENGINE_OPTIONS = {"engine.max_num_seqs=": "--max-num-seqs=", "engine.max_num_ba
                    "engine.gpu_memory_utilization=": "--gpu-memory-utilization=",
                    "engine.tensor_parallel_size=": "--tensor-parallel-size=",
                    "engine.pipeline_parallel_size=": "--pipeline-parallel-size=",
-                   "engine.data_parallel_size=": "--data-parallel-size="}
+                   "engine.data_parallel_size=": "--data-parallel-size=", "engine.async_scheduling=True":
+                   "--async-scheduling", "speculative_config.": "--speculative-config "}
 
 
 def check_options(args: argparse.Namespace) -> None:

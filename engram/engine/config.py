@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from engram.engine.spec.config import SpeculativeConfig, check_reservation
+
 
 @dataclass
 class EngineConfig:
@@ -30,6 +32,9 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     # engine replicas (processes, each TP ranks wide) behind one router, sharing one copy of the host tables per node
     data_parallel_size: int = 1
+    # speculative decoding (vLLM's keys; engine/spec/config.py): a dict is turned into a SpeculativeConfig. It runs
+    # with synchronous scheduling and reserves max_num_seqs x (K + 1), or x (2K + 1) with a draft model, decode rows
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -55,6 +60,18 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise bad("max_num_batched_tokens",
                       f"must be >= max_num_seqs={self.max_num_seqs} so every running sequence can decode")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+            if self.async_scheduling:
+                raise bad("async_scheduling", "speculative decoding runs with synchronous scheduling (a step's "
+                          "inputs depend on how many drafts the step before accepted); leave it null (auto) or false")
+            if self.speculative_config.uses_draft_model and self.tensor_parallel_size > 1:
+                raise bad("tensor_parallel_size", "speculative_config method 'draft_model' runs the draft on one "
+                          "in-process Worker; with tensor-parallel ranks use the n-gram proposer")
+            if self.pipeline_parallel_size > 1:
+                raise bad("pipeline_parallel_size", "speculative decoding is not built for pipeline stages (the "
+                          "accepted counts would have to reach every stage's conv state); use pipeline_parallel_size=1")
+            check_reservation(self)
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "EngineConfig":

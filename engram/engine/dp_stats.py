@@ -1,6 +1,6 @@
 """``merge_stats``: one ``engine.stats()`` snapshot of M data-parallel replicas, as metrics read one engine's. Counts
 and seconds add up (queues, KV blocks, preemptions, steps, every table's counters by layer, prefix-cache counts);
-ratios are recomputed from the sums (KV usage, prefix-cache hit rates); ``replicas`` lists each one's pid, queues
+ratios are recomputed from the sums (KV usage, prefix-cache hit rates, speculative acceptance); ``replicas`` lists each one's pid, queues
 and KV usage. A replica that has not stepped yet counts its KV blocks from its ready report."""
 from __future__ import annotations
 
@@ -36,6 +36,14 @@ def merge_stats(snapshots: list[dict | None], infos: list) -> dict[str, Any]:
         prefix["block_hit_rate"] = prefix["hit_blocks"] / prefix["queried_blocks"] if prefix.get("queried_blocks") \
             else 0.0
         prefix["token_hit_rate"] = prefix["hit_tokens"] / prefix["queried_tokens"] if prefix.get("queried_tokens") \
+            else 0.0
+    spec = merged.get("speculative")
+    if isinstance(spec, dict):  # speculative decoding: the same config on every replica, counts added
+        firsts = [snap["speculative"] for snap in snapshots if snap is not None and "speculative" in snap]
+        spec["num_speculative_tokens"] = firsts[0]["num_speculative_tokens"]
+        spec["accepted_at"] = [sum(col) for col in zip(*(f["accepted_at"] for f in firsts))]
+        spec["acceptance_rate"] = spec["accepted_tokens"] / spec["draft_tokens"] if spec["draft_tokens"] else 0.0
+        spec["mean_acceptance_length"] = 1.0 + spec["accepted_tokens"] / spec["spec_steps"] if spec["spec_steps"] \
             else 0.0
     merged["replicas"] = [{"index": info.index, "pid": info.pid,
                            **({k: snap.get(k) for k in ("running", "waiting", "kv_usage")} if snap else

@@ -24,6 +24,7 @@ from engram.engine.request_check import check_request
 from engram.engine.sampling_params import SamplingParams
 from engram.engine.scheduler import Scheduler
 from engram.engine.sequence import Sequence
+from engram.engine.spec.speculator import Speculator
 from engram.engine.step import StepResult
 from engram.engine.step_trace import StepRecord
 from engram.engine.stepping import Launched, StepError, StepPipeline
@@ -51,14 +52,20 @@ class LLMEngine:
         # A model without Engram layers (a plain checkpoint) runs with empty plans.
         self.hasher = NgramHasher.from_tokenizer(ecfg, self.ctok) if ecfg else None
         self._dead_ids = ecfg.dead_token_ids if ecfg else ()
-        self.executor = executor or UniProcExecutor(Worker(loaded, config, self.max_model_len, device, dtype))
-        self.scheduler = Scheduler(config, _block_manager(loaded, config, dtype, self.executor.num_kv_blocks))
+        spec = config.speculative_config
+        self.speculator = (Speculator.for_engine(spec, self.max_model_len, loaded, executor, dtype, device,
+                                                  config.block_size)
+                           if spec is not None else None)
+        self.executor = executor or UniProcExecutor(Worker(loaded, config, self.max_model_len, device, dtype,
+                                                           draft=self.speculator.draft if self.speculator else None))
+        self.scheduler = Scheduler(config, _block_manager(loaded, config, dtype, self.executor.num_kv_blocks),
+                                   self.speculator)
         self.planner = LookupPlanner(self.hasher)
         self._seqs: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()
         self.device = torch.device(device)
         args = (config, self.device, self.scheduler, self.executor, self.planner, self.hasher.pad_id if self.hasher
-                else 0, self.eos_token_id, bool(self._dead_ids), self.max_model_len, self._postprocess)
+                else 0, self.eos_token_id, bool(self._dead_ids), self.max_model_len, self._postprocess, self.speculator)
         # pipeline stages: one microbatch in flight per stage (engine/microbatches.py)
         self.pipeline = (MicrobatchPipeline(*args, depth=config.pipeline_parallel_size)
                          if config.pipeline_parallel_size > 1 else StepPipeline(*args))
@@ -104,7 +111,8 @@ class LLMEngine:
         return self.scheduler.num_unfinished()
 
     def stats(self) -> dict[str, Any]:
-        """One snapshot for metrics: queues, KV usage, preemptions, steps, and ``tables`` (layer id -> counters)."""
+        """One snapshot for metrics: queues, KV usage, preemptions, steps, ``tables`` (layer id -> counters), and with
+        speculative decoding ``speculative`` (drafts, accepted, acceptance length: engine/spec/speculator.py)."""
         blocks = self.scheduler.blocks
         total = self.executor.num_kv_blocks
         worker = self.executor.stats()
@@ -116,7 +124,8 @@ class LLMEngine:
                 "mixed_graph_replays": worker.get("mixed_graph_replays", 0),
                 "lookup_exposed_s": worker.get("lookup_exposed_s", 0.0),
                 "prefix_cache": blocks.stats.snapshot(blocks.num_cached_blocks),
-                "cache_groups": blocks.group_stats(), **self.pipeline.trace.totals()}
+                "cache_groups": blocks.group_stats(), **self.pipeline.trace.totals(),
+                **({"speculative": self.speculator.stats()} if self.speculator is not None else {})}
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (benchmarks start cold with it; vLLM's name) -> how many were dropped. Blocks
@@ -146,27 +155,33 @@ class LLMEngine:
         for i, scored in result.prompt_logprobs.items():
             if not batch.seqs[i].is_finished:
                 batch.seqs[i].prompt_logprobs.extend(scored)
-        live = []
-        for i, tok, lp in zip(launched.sampled, result.token_ids, result.logprobs or [None] * len(launched.sampled)):
+        counts = result.num_emitted or [1] * len(launched.sampled)  # speculation: accepted drafts + 1 each
+        logprobs = result.logprobs or [None] * len(result.token_ids)
+        live, at = [], 0
+        for i, n in zip(launched.sampled, counts):
             seq = batch.seqs[i]
             seq.num_pending -= 1
             if not seq.is_finished:
-                live.append((seq, tok, lp))
-        if not live:
-            return []
-        toks = [tok for _, tok, _ in live]
-        compressed = self._compress(toks)
-        texts = [(seq.detokenizer, tok) for seq, tok, _ in live if seq.params.detokenize]  # the others' caller's
-        detokenize_step(self.tokenizer, [d for d, _ in texts], [t for _, t in texts])
+                live.append((seq, result.token_ids[at:at + n], logprobs[at:at + n]))
+            at += n
         outputs = []
-        for (seq, tok, lp), ctok in zip(live, compressed):
-            seq.append_token(tok, ctok)
-            if lp is not None:
-                seq.logprobs.append(lp)
-            seq.metrics.first_token_time = seq.metrics.first_token_time or now
-            self._check_stop(seq, tok)
+        emitted: dict[int, list[int]] = {}
+        for r in range(max((len(toks) for _, toks, _ in live), default=0)):
+            # round r: every sequence's r-th token of this step, unless a token before it stopped the sequence
+            now_live = [(seq, toks[r], lps[r]) for seq, toks, lps in live if r < len(toks) and not seq.is_finished]
+            toks = [tok for _, tok, _ in now_live]
+            texts = [(seq.detokenizer, tok) for seq, tok, _ in now_live if seq.params.detokenize]  # others: caller's
+            detokenize_step(self.tokenizer, [d for d, _ in texts], [t for _, t in texts])
+            for (seq, tok, lp), ctok in zip(now_live, self._compress(toks)):
+                seq.append_token(tok, ctok)
+                if lp is not None:
+                    seq.logprobs.append(lp)
+                seq.metrics.first_token_time = seq.metrics.first_token_time or now
+                self._check_stop(seq, tok)
+                emitted.setdefault(seq.seq_id, []).append(tok)
+        for seq, _, _ in live:
             if seq.is_finished or seq.params.output_kind != "final_only":
-                outputs.append(self._output(seq, [tok]))
+                outputs.append(self._output(seq, emitted[seq.seq_id]))
             if seq.is_finished:
                 del self._seqs[seq.request_id]
                 self._retire(seq)

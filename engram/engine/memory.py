@@ -65,7 +65,8 @@ def plan_memory(cfg: EngineConfig, max_model_len: int, bytes_per_block: int, sta
 
 def warmup_step(cfg: EngineConfig, ecfg, block_size: int, layers=None) -> StepDescription:
     """The largest step: ``max_num_batched_tokens`` prompt tokens over ``max_num_seqs`` fresh sequences, all sampling
-    greedily, Engram row 0 for every lookup (of ``layers``: a pipeline stage's; None: every Engram layer)."""
+    greedily (with speculative decoding at their last K + 1 rows, as verify steps do), Engram row 0 for every
+    lookup (of ``layers``: a pipeline stage's; None: every Engram layer)."""
     layers = (ecfg.layer_ids if ecfg else ()) if layers is None else layers
     t = cfg.max_num_batched_tokens
     s = min(cfg.max_num_seqs, t)
@@ -79,12 +80,15 @@ def warmup_step(cfg: EngineConfig, ecfg, block_size: int, layers=None) -> StepDe
     tables = torch.tensor([[f + j if j < n else -1 for j in range(width)] for f, n in zip(first, per_seq)])
     slots = slot_mapping(cu, positions, tables, block_size)
     greedy = SampleSpec(0.0, 1.0, 0, None, 0, (), -1, -1)
+    # with speculative decoding every sequence's last K + 1 rows get logits (the sampler's reservation)
+    k = cfg.speculative_config.num_speculative_tokens if cfg.speculative_config is not None else 0
+    drafts = [min(k, n - 1) for n in lens] if k else []
     return StepDescription(
         step_id=-1, seq_ids=list(range(-s, 0)), start_positions=[0] * s, num_new_tokens=lens,
         token_ids=torch.zeros(t, dtype=torch.long), positions=positions, cu_seqlens=cu,
         context_lens=torch.tensor(lens), block_tables=tables, slot_mapping=slots, dead_mask=None,
         engram_row_ids={lid: torch.zeros(t, ecfg.n_cols, dtype=torch.long) for lid in layers} if ecfg else {},
-        sample_rows=list(range(s)), samples=[greedy] * s)
+        sample_rows=list(range(s)), samples=[greedy] * (s + sum(drafts)), num_drafts=drafts if any(drafts) else [])
 
 
 def profile_peak_bytes(worker, bytes_per_block: int) -> int:
@@ -99,7 +103,7 @@ def profile_peak_bytes(worker, bytes_per_block: int) -> int:
     base = torch.cuda.memory_allocated(worker.device)
     logits = runner.launch(step, None).logits
     if logits is not None:  # None: a pipeline stage before the last samples nothing
-        worker.sampler(logits, step.samples)
+        worker.sample(step, logits, torch.zeros(sum(step.num_drafts), dtype=torch.long, device=worker.device))
     torch.cuda.synchronize(worker.device)
     peak = torch.cuda.max_memory_allocated(worker.device) - base
     del kv, runner, logits

@@ -29,26 +29,35 @@ class PackedBatch:
     pending: list[tuple[int, Sequence, list[int]]]  # (packed row, sequence, W ids before it) per pending token
 
 
-def pack(batch: ScheduledBatch, pad_id: int = 0) -> PackedBatch:
-    """``pad_id``: the compressed placeholder of pending tokens (the hasher's pad id)."""
+def pack(batch: ScheduledBatch, pad_id: int = 0, lookback_pad: list[int] | None = None) -> PackedBatch:
+    """``pad_id``: the compressed placeholder of pending tokens and of drafts a draft model fills in (the hasher's pad
+    id); ``lookback_pad``: another hasher's lookback before position 0 (``Sequence.lookback_before``)."""
     seqs = batch.seqs
     toks, comp, pos, pending = [], [], [], []
-    for seq, s0, n in zip(seqs, batch.start_positions, batch.num_new_tokens):
-        known = seq.token_ids[s0:s0 + n]
+    spans = batch.draft_spans or [None] * len(seqs)
+    for seq, s0, n, k, span in zip(seqs, batch.start_positions, batch.num_new_tokens, batch.drafts_of(), spans):
+        m = n - k  # the sequence's own tokens; k drafts follow them
+        known = seq.token_ids[s0:s0 + m]
         toks.extend(known)
-        comp.extend(seq.compressed_ids[s0:s0 + n])
-        if len(known) < n:  # the chunk ends in a token still on the device
-            if len(known) != n - 1:
-                raise RuntimeError(f"sequence {seq.request_id!r}: chunk [{s0}, {s0 + n}) holds "
-                                   f"{n - len(known)} unread tokens; at most its last one may be")
-            pending.append((len(toks), seq, seq.lookback_before(s0 + n - 1)))
+        comp.extend(seq.compressed_ids[s0:s0 + m])
+        if len(known) < m:  # the chunk ends in a token still on the device
+            if len(known) != m - 1:
+                raise RuntimeError(f"sequence {seq.request_id!r}: chunk [{s0}, {s0 + m}) holds "
+                                   f"{m - len(known)} unread tokens; at most its last one may be")
+            pending.append((len(toks), seq, seq.lookback_before(s0 + m - 1)))
             toks.append(0)
             comp.append(pad_id)
+        if span is not None:  # n-gram drafts: a copy of the sequence's own tokens, compressed ids included
+            toks.extend(seq.token_ids[span[0]:span[1]])
+            comp.extend(seq.compressed_ids[span[0]:span[1]])
+        elif k:  # a draft model's: placeholders the Worker patches on the device
+            toks.extend([0] * k)
+            comp.extend([pad_id] * k)
         pos.extend(range(s0, s0 + n))
     lens = _ints(batch.num_new_tokens)
     cu = torch.zeros(len(seqs) + 1, dtype=torch.long)
     torch.cumsum(lens, 0, out=cu[1:])
-    lookbacks = [s.lookback_before(s0) for s, s0 in zip(seqs, batch.start_positions)]
+    lookbacks = [s.lookback_before(s0, lookback_pad) for s, s0 in zip(seqs, batch.start_positions)]
     return PackedBatch(
         token_ids=_ints(toks),
         compressed_ids=_ints(comp),
@@ -89,6 +98,7 @@ def slot_mapping(cu_seqlens: torch.Tensor, positions: torch.Tensor, block_tables
 
 def describe(step_id: int, batch: ScheduledBatch, packed: PackedBatch, plan: LookupPlan, block_size: int,
              eos_token_id: int | None, has_dead_tokens: bool, finished_seq_ids: list[int]) -> StepDescription:
+    drafts = [batch.drafts_of()[i] for i in packed.sample_rows]  # [N]
     return StepDescription(
         step_id=step_id,
         seq_ids=[s.seq_id for s in batch.seqs],
@@ -103,9 +113,11 @@ def describe(step_id: int, batch: ScheduledBatch, packed: PackedBatch, plan: Loo
         dead_mask=(packed.compressed_ids < 0) if has_dead_tokens else None,
         engram_row_ids=plan.row_ids,
         sample_rows=packed.sample_rows,
-        # the token sampled now is output number num_output_tokens + num_pending (tokens in flight come first)
-        samples=[SampleSpec.from_params(seq.params, seq.num_output_tokens + seq.num_pending, eos_token_id)
-                 for seq in (batch.seqs[i] for i in packed.sample_rows)],
+        # the token sampled now is output number num_output_tokens + num_pending (tokens in flight come first); a
+        # sequence with k drafts samples outputs j .. j + k at its last k + 1 rows
+        samples=[SampleSpec.from_params(seq.params, seq.num_output_tokens + seq.num_pending + j, eos_token_id)
+                 for seq, k in zip((batch.seqs[i] for i in packed.sample_rows), drafts) for j in range(k + 1)],
+        num_drafts=drafts if any(drafts) else [],
         finished_seq_ids=finished_seq_ids,
         cached_starts=[i for i, (seq, s0) in enumerate(zip(batch.seqs, batch.start_positions))
                        if s0 > 0 and s0 == seq.num_cached_tokens],

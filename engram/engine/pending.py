@@ -46,6 +46,11 @@ class PendingTokens:
         self._tokens: torch.Tensor | None = None
 
     @property
+    def device_map(self) -> torch.Tensor | None:
+        """[vocab] int64 on the device: raw id -> compressed id, DEAD ids -1 (None without Engram)."""
+        return self._map
+
+    @property
     def last_step_id(self) -> int:
         """The last step launched on this Worker (-1 before the first)."""
         return self._step_id

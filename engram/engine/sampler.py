@@ -20,6 +20,7 @@ class SampledTokens:
     top_logprobs: torch.Tensor | None  # [N, k] float32 top-k logprobs, most likely first, if asked
     top_token_ids: torch.Tensor | None  # [N, k] int64 their token ids
     ready: torch.cuda.Event | None = None  # set on host copies still in flight: recorded after their copy
+    accepted: torch.Tensor | None = None  # [N] int64 accepted drafts of each sequence (speculative decoding only)
 
 
 class Sampler:
@@ -40,7 +41,7 @@ class Sampler:
         if not specs:
             return SampledTokens(torch.empty(0, dtype=torch.long, device=dev), None, None, None)
         raw = logits.float()
-        masked = self._ban(raw, specs)
+        masked = self.ban(raw, specs)
         out = masked.argmax(dim=-1)  # [N]; greedy rows are done
         rows = [i for i, s in enumerate(specs) if not s.greedy]
         if rows:
@@ -56,7 +57,7 @@ class Sampler:
         return SampledTokens(out, logp.gather(1, out.unsqueeze(1)).squeeze(1), top_v, top_i)
 
     @staticmethod
-    def _ban(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+    def ban(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
         pairs = [(i, t) for i, s in enumerate(specs) for t in s.banned_token_ids]
         if not pairs:
             return logits
@@ -68,7 +69,7 @@ class Sampler:
         idx = to_device(rows, dev)  # [R]
         temp = to_device([s.temperature for s in specs], dev, torch.float32)  # [R]
         scaled = logits.index_select(0, idx) / temp.unsqueeze(1)  # [R, V]
-        probs = self._top_k_top_p(scaled, specs).softmax(dim=-1)  # [R, V]
+        probs = self.top_k_top_p(scaled, specs).softmax(dim=-1)  # [R, V]
         noise = torch.empty_like(probs)  # [R, V] Exp(1) draws
         seeded = [j for j, s in enumerate(specs) if s.seed is not None]
         shared = [j for j, s in enumerate(specs) if s.seed is None]
@@ -82,7 +83,7 @@ class Sampler:
         return out.index_copy(0, idx, (probs / noise).argmax(dim=-1))
 
     @staticmethod
-    def _top_k_top_p(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+    def top_k_top_p(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
         """Set logits outside each row's top-k / top-p set to -inf: [R, V] -> [R, V]."""
         vocab = logits.shape[1]
         ks = [s.top_k if 0 < s.top_k < vocab else vocab for s in specs]

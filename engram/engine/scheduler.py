@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from engram.engine.block_manager import BlockManager
 from engram.engine.config import EngineConfig
 from engram.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from engram.engine.spec.speculator import Speculator
 
 
 @dataclass
@@ -19,6 +22,10 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)  # sequences computed this step, in packing order
     num_new_tokens: list[int] = field(default_factory=list)  # tokens of each computed this step (>= 1)
     start_positions: list[int] = field(default_factory=list)  # each sequence's num_computed_tokens before the step
+    # speculative decoding: drafts after each sequence's known tokens (counted in num_new_tokens), and the span of
+    # the sequence's own tokens they copy (n-gram), or None (a draft model's come from the Worker)
+    num_drafts: list[int] = field(default_factory=list)
+    draft_spans: list[tuple[int, int] | None] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)  # sequences that lost their blocks this step
 
     @property
@@ -31,8 +38,12 @@ class ScheduledBatch:
 
     def samples(self) -> list[bool]:
         """Whether each sequence reaches its last token this step (so a new token is sampled for it)."""
-        return [s0 + n == seq.num_scheduled_tokens
-                for seq, s0, n in zip(self.seqs, self.start_positions, self.num_new_tokens)]
+        return [s0 + n - k == seq.num_scheduled_tokens
+                for seq, s0, n, k in zip(self.seqs, self.start_positions, self.num_new_tokens, self.drafts_of())]
+
+    def drafts_of(self) -> list[int]:
+        """[S] drafts of each sequence (zeros without speculation)."""
+        return self.num_drafts or [0] * len(self.seqs)
 
     def sample_indices(self) -> list[int]:
         """Indices (into ``seqs``) of the sequences that sample a token this step."""
@@ -40,9 +51,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, speculator: "Speculator | None" = None):
         self.config = config
         self.blocks = block_manager
+        self.speculator = speculator  # speculative decoding: drafts for decoding sequences (engine/spec/)
         self.waiting: deque[Sequence] = deque()  # arrival order; preempted sequences go back to the front
         self.running: list[Sequence] = []  # admission order (oldest first)
 
@@ -68,15 +80,18 @@ class Scheduler:
                 i += 1
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
-            while not self.blocks.can_allocate(seq, n):
+            drafts = self._drafts(seq, n, budget)
+            if drafts[0] and not self.blocks.can_allocate(seq, n + drafts[0]):
+                drafts = (0, None)  # no block for the drafts: decode without them rather than preempt anyone
+            while not self.blocks.can_allocate(seq, n + drafts[0]):
                 victim = self.running.pop()  # newest first; never one already scheduled (those sit before i)
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                self._take(batch, seq, n)
-                budget -= n
+                self._take(batch, seq, n, drafts)
+                budget -= n + (self.speculator.cost(seq, drafts[0]) if drafts[0] else 0)
                 i += 1
         while (self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.config.max_num_seqs
                and len(batch.seqs) < cap):
@@ -89,18 +104,31 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self.blocks.admit(seq, hits, n)
+            seq.num_draft_computed = seq.num_computed_tokens  # a draft model's K/V of cached blocks was kept too
             self._append(batch, seq, n)
             budget -= n
+        if self.speculator is None:
+            batch.num_drafts, batch.draft_spans = [], []
         return batch
 
-    def _take(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
-        self.blocks.allocate(seq, n)
-        self._append(batch, seq, n)
+    def _drafts(self, seq: Sequence, n: int, budget: int) -> tuple[int, tuple[int, int] | None]:
+        """(drafts, span) for ``seq`` when it decodes (its one new token samples): the n-gram proposer's span of the
+        sequence's tokens, or a draft model's count (span None: the Worker fills them in)."""
+        if self.speculator is None or n != 1 or seq.num_uncomputed_tokens != 1:
+            return 0, None
+        got = self.speculator.drafts(seq, budget - 1, len(self.running))
+        return (got[1] - got[0], got) if isinstance(got, tuple) else (got, None)
 
-    def _append(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+    def _take(self, batch: ScheduledBatch, seq: Sequence, n: int, drafts=(0, None)) -> None:
+        self.blocks.allocate(seq, n + drafts[0])
+        self._append(batch, seq, n, drafts)
+
+    def _append(self, batch: ScheduledBatch, seq: Sequence, n: int, drafts=(0, None)) -> None:
         batch.seqs.append(seq)
-        batch.num_new_tokens.append(n)
+        batch.num_new_tokens.append(n + drafts[0])
         batch.start_positions.append(seq.num_computed_tokens)
+        batch.num_drafts.append(drafts[0])
+        batch.draft_spans.append(drafts[1])
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq)

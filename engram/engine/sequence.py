@@ -48,6 +48,9 @@ class Sequence:
         self.prompt_logprobs: list[Any] | None = [None] if params.prompt_logprobs is not None else None
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.num_pending = 0  # tokens sampled by launched steps, not read yet (async scheduling)
+        # speculative decoding with a draft model: tokens whose K/V the draft model has (num_computed_tokens or one
+        # fewer: after a step accepting every draft, the last draft is fed to it next step; engine/spec/)
+        self.num_draft_computed = 0
         self._pad = [int(x) for x in initial_lookback.tolist()]  # [W] the lookback before position 0 (pad ids)
 
     # ----------------------------------------------------------------- views
@@ -72,12 +75,14 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return self.num_scheduled_tokens - self.num_computed_tokens
 
-    def lookback_before(self, position: int) -> list[int]:
-        """The W compressed ids before ``position``, oldest first, pad-filled, DEAD kept; they must have been read."""
-        w = len(self._pad)
+    def lookback_before(self, position: int, pad: list[int] | None = None) -> list[int]:
+        """The W compressed ids before ``position``, oldest first, pad-filled, DEAD kept; they must have been read.
+        ``pad``: another hasher's lookback before position 0 (a draft model's W and pad id), else this engine's."""
+        pad = self._pad if pad is None else pad
+        w = len(pad)
         if position >= w:
             return self.compressed_ids[position - w:position]
-        return self._pad[position:] + self.compressed_ids[:position]
+        return pad[position:] + self.compressed_ids[:position]
 
     @property
     def is_finished(self) -> bool:
@@ -94,6 +99,7 @@ class Sequence:
         self.block_table = []
         self.num_cached_tokens = 0
         self.num_committed_blocks = 0  # the keys stay: they are functions of the tokens
+        self.num_draft_computed = 0
         self.status = SequenceStatus.WAITING
         self.metrics.num_preemptions += 1
 

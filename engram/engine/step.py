@@ -8,10 +8,14 @@ batch layout. With async scheduling N+1's decode tokens travel as ``pending_*`` 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engram.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engram.engine.spec.draft_plan import DraftPlan
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,11 @@ class StepDescription:
     pending_sources: list[int] = field(default_factory=list)  # [P] its index among step pending_step_id's tokens
     pending_step_id: int = -1  # the step that sampled them (the one launched just before this one)
     pending_partials: torch.Tensor | None = None  # [L, P, n_cols] int64 host half of their Engram row ids
+    # Speculative decoding (engine/spec/): [N] drafts of each sampling sequence, the last ``num_drafts[i]`` of its
+    # packed tokens (empty: none). Such a sequence gets logits and a SampleSpec at each of its last k + 1 rows, so
+    # ``samples`` has one spec per logits row (``logits_indices``), and the Worker verifies the drafts
+    num_drafts: list[int] = field(default_factory=list)
+    draft: "DraftPlan | None" = None  # a draft model's passes (engine/spec/draft_plan.py); None: drafts are in the ids
 
     @property
     def num_tokens(self) -> int:
@@ -100,9 +109,18 @@ class StepDescription:
 
     @property
     def logits_indices(self) -> list[int]:
-        """[N] packed token row of each sampling sequence's last new token."""
+        """[R] packed token rows that get logits: each sampling sequence's last new token, or with k drafts its last
+        k + 1 (R = N + sum of ``num_drafts``; one SampleSpec each, in this order)."""
         cu = self.cu_seqlens.tolist()  # one conversion, not a tensor index per sequence
-        return [cu[s + 1] - 1 for s in self.sample_rows]
+        if not self.num_drafts:
+            return [cu[s + 1] - 1 for s in self.sample_rows]
+        return [r for s, k in zip(self.sample_rows, self.num_drafts) for r in range(cu[s + 1] - 1 - k, cu[s + 1])]
+
+    @property
+    def draft_rows(self) -> list[int]:
+        """[D] packed token rows of the drafts, sequence after sequence (empty without speculation)."""
+        cu = self.cu_seqlens.tolist()
+        return [r for s, k in zip(self.sample_rows, self.num_drafts) for r in range(cu[s + 1] - k, cu[s + 1])]
 
     @property
     def prompt_rows(self) -> list[int]:
@@ -122,11 +140,13 @@ class TokenLogprobs:
 
 @dataclass
 class StepResult:
-    """What comes back: one token per sampling sequence, in ``sample_rows`` order."""
+    """What comes back: the emitted tokens of each sampling sequence, in ``sample_rows`` order: one each, or with
+    speculation ``num_emitted[i]`` (its accepted drafts, then the token sampled after them)."""
 
     step_id: int  # the StepDescription's id
-    token_ids: list[int]  # [N] emitted tokens (sampled, or forced where a SampleSpec says so)
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # [N] where SampleSpec.logprobs >= 0
+    token_ids: list[int]  # [sum num_emitted] emitted tokens (sampled, or forced where a SampleSpec says so)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # [same] where SampleSpec.logprobs >= 0
+    num_emitted: list[int] = field(default_factory=list)  # [N] tokens each sequence emitted (empty: one each)
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)  # seq index -> its targets'
     route: str = ""  # the step runner that ran it (step_trace.py)
     gpu_s: float | None = None  # its device work (CUDA events), None on the CPU

@@ -24,6 +24,7 @@ from engram.engine.packing import describe, pack
 from engram.engine.planner import LookupPlanner
 from engram.engine.scheduler import ScheduledBatch, Scheduler
 from engram.engine.sequence import Sequence
+from engram.engine.spec.speculator import Speculator
 from engram.engine.step import StepResult
 from engram.engine.step_trace import StepRecord, StepTrace
 
@@ -46,7 +47,8 @@ class StepPipeline:
 
     def __init__(self, config: EngineConfig, device: torch.device, scheduler: Scheduler, executor: Executor,
                  planner: LookupPlanner, pad_id: int, eos_token_id: int | None, has_dead_tokens: bool,
-                 max_model_len: int, postprocess: Callable[["Launched", StepResult], list[RequestOutput]]):
+                 max_model_len: int, postprocess: Callable[["Launched", StepResult], list[RequestOutput]],
+                 speculator: Speculator | None = None):
         self.config, self.device, self.scheduler, self.executor, self.planner = (config, torch.device(device),
                                                                                  scheduler, executor, planner)
         self.pad_id, self.eos_token_id, self.has_dead_tokens = pad_id, eos_token_id, has_dead_tokens
@@ -57,6 +59,7 @@ class StepPipeline:
         self.num_steps = 0
         self.trace = StepTrace()  # the collected steps (step_trace.py)
         self._inflight: Launched | None = None  # async scheduling: the launched step not read yet
+        self.speculator = speculator  # speculative decoding (engine/spec/): drafts were scheduled, accepts commit here
 
     def retire(self, seq_id: int) -> None:
         """A sequence finished or was aborted: the Workers drop its state with the next step."""
@@ -92,6 +95,8 @@ class StepPipeline:
     def async_scheduling(self) -> bool:
         """Async scheduling: asked for, or (auto) on CUDA wherever the Workers take steps with tokens on the device."""
         c = self.config.async_scheduling
+        if self.speculator is not None:  # a step's inputs depend on the accepted count of the one before
+            return False
         if c is not None:
             return c
         return self.device.type == "cuda" and self.executor.takes_pending_tokens()
@@ -212,6 +217,8 @@ class StepPipeline:
         step = describe(next(self._step_ids), batch, packed, plan, self.config.block_size, self.eos_token_id,
                         self.has_dead_tokens, self._finished_seq_ids)
         step.group_tables = self.scheduler.blocks.group_tables(batch.seqs)  # cache groups (DeepSeek-V4), else {}
+        if self.speculator is not None and self.speculator.draft_planner is not None:
+            step.draft = self.speculator.draft_planner.plan(batch, step)  # the draft model's passes
         if packed.pending:
             step.pending_rows = [row for row, _, _ in packed.pending]
             step.pending_sources, step.pending_step_id = sources, prev.step_id
@@ -236,11 +243,25 @@ class StepPipeline:
         except Exception:
             self._rollback(launched)
             raise
+        if self.speculator is not None:
+            self._commit_drafts(launched, result.num_emitted)
         self._commit_blocks(launched)
         self.trace.append(StepRecord.from_shape(launched.step_id, result.route, launched.batch.num_new_tokens,
                                                 launched.context_lens, len(launched.sampled), result.gpu_s,
                                                 result.idle_s))
         return self._postprocess(launched, result)
+
+    def _commit_drafts(self, launched: "Launched", num_emitted: list[int]) -> None:
+        """Speculative decoding: each sampling sequence kept its accepted drafts (``num_emitted - 1``; empty when none
+        drafted); the rejected ones' positions are given back (their KV slots are written again) before any block is
+        registered, and every sequence's draft-model progress advances."""
+        batch = launched.batch
+        accepted = dict(zip(launched.sampled, [n - 1 for n in num_emitted] or [0] * len(launched.sampled)))
+        for i, (seq, k) in enumerate(zip(batch.seqs, batch.drafts_of())):
+            a = accepted.get(i, 0)
+            launched.context_lens[i] -= k - a
+            if not seq.is_finished and seq.metrics.num_preemptions == launched.epochs[i]:
+                self.speculator.commit(seq, batch.start_positions[i], batch.num_new_tokens[i], k, a)
 
     def _commit_blocks(self, launched: "Launched") -> None:
         """Offer the prefix cache the full blocks this collected step computed, before its finished sequences give
@@ -287,4 +308,6 @@ def pick(batch: ScheduledBatch, indices) -> ScheduledBatch:
     """Some sequences of a scheduled batch as a batch of their own (their KV blocks are already allocated)."""
     idx = list(indices)
     return ScheduledBatch([batch.seqs[i] for i in idx], [batch.num_new_tokens[i] for i in idx],
-                          [batch.start_positions[i] for i in idx])
+                          [batch.start_positions[i] for i in idx],
+                          num_drafts=[batch.num_drafts[i] for i in idx] if batch.num_drafts else [],
+                          draft_spans=[batch.draft_spans[i] for i in idx] if batch.draft_spans else [])

@@ -30,6 +30,9 @@ from engram.engine.runners.pieces import DecodePieces
 from engram.engine.runners.piecewise import PiecewiseRunner
 from engram.engine.runners.sequence_cache import SequenceCacheRunner
 from engram.engine.sampler import SampledTokens, Sampler
+from engram.engine.spec.config import logit_rows
+from engram.engine.spec.drafter import Drafter, load_draft
+from engram.engine.spec.verify import Verifier, flatten
 from engram.engine.step import SampleSpec, StepDescription, StepResult, TokenLogprobs
 from engram.hashing import NgramHasher
 from engram.model.deepseek_v4.cache_layout import cache_layout
@@ -37,7 +40,7 @@ from engram.model.deepseek_v4.config import ARCHITECTURES as SEQUENCE_CACHE_ARCH
 from engram.model.kv_cache import KVCache
 from engram.model.layers import paged_attention as pa
 from engram.model.layers.fused import FAST_DTYPES
-from engram.transfer import to_host
+from engram.transfer import to_device, to_host
 
 _log = logging.getLogger(__name__)
 
@@ -64,7 +67,9 @@ class Worker:
     def __init__(self, loaded, config: EngineConfig, max_model_len: int, device: torch.device, dtype: torch.dtype,
                  progress: bool | None = None,
                  wrap_lookup: Callable[[LookupExecutor], LookupExecutor] | None = None,
-                 kv_layers: tuple[int, ...] | None = None):
+                 kv_layers: tuple[int, ...] | None = None, draft=None):
+        """``kv_layers``: a pipeline stage's KV layers (None: every layer); ``draft``: the draft model's LoadedModel
+        (speculative_config method "draft_model"; loaded here when None)."""
         self.config, self.device, self.dtype = config, torch.device(device), dtype  # progress None: bars on a tty
         self.model_config, self.ecfg = loaded.model_config, loaded.engram_config
         self.model = loaded.model
@@ -84,6 +89,7 @@ class Worker:
                                      projectors=_projectors(self.model, engram_ids, dtype),
                                      layer_ids=engram_ids if loaded.layers is not None else None)
         self.sampler = Sampler(seed=config.seed)
+        self.verifier = Verifier(self.sampler)  # speculative decoding: drafts accepted or not, on the device
         ctok = loaded.compressed_tokenizer
         self.pending = PendingTokens(NgramHasher.from_tokenizer(self.ecfg, ctok) if self.ecfg else None,
                                      ctok.map if self.ecfg else None, self.ecfg.dead_token_ids if self.ecfg else (),
@@ -99,6 +105,15 @@ class Worker:
                       and self.ecfg.variant == "paper")
         if keeps_conv:
             bytes_per_block += conv_blocks.bytes_per_block(self.ecfg, config.block_size, dtype, engram_ids)
+        spec = config.speculative_config
+        if spec is not None and spec.uses_draft_model:  # its KV blocks sit beside the target's, same ids
+            self.draft = draft if draft is not None else load_draft(spec, dtype, self.device)
+            bytes_per_block += KVCache.for_model(self.draft.model_config, 1, config.block_size, dtype,
+                                                 "meta").bytes_per_block()
+        else:
+            self.draft = None
+        # max_num_batched_tokens holds the decode reservation (engine/spec/config.py), so one full step's staging
+        # covers every verify row
         staging = staging_bytes(self.ecfg, config.max_num_batched_tokens, dtype, engram_ids) if self.ecfg else 0
         use_graphs = (not config.enforce_eager and not self.sequence_caches
                       and _graphs_supported(dtype, self.ecfg, self.device))
@@ -124,6 +139,8 @@ class Worker:
             conv = (conv_blocks.ConvBlockStore(self.ecfg, self.memory.num_blocks + 1, config.block_size, dtype,
                                                self.device, engram_ids) if keeps_conv else None)
             self.eager = EagerRunner(self.model, self.kv, self.lookup, self.device, dtype, self.ecfg, conv)
+        self.drafter = (Drafter(self.draft, self.memory.num_blocks + 1, config.block_size, dtype, self.device,
+                                self.pending) if self.draft is not None else None)
         graphs = self._graph_runners(max_model_len, progress) if use_graphs else []
         self.runners: list[StepRunner] = [*graphs, self.eager]
         self._last_ready: torch.cuda.Event | None = None  # the last launched step's ``sampled.ready``
@@ -150,7 +167,7 @@ class Worker:
         common = dict(model=self.model, kv=self.kv, ecfg=self.ecfg, tables=self.tables, device=self.device,
                       progress=progress, lookup_stream=self.lookup_stream, pool=torch.cuda.graph_pool_handle())
         mixed = MixedInputs(c.max_num_batched_tokens, c.max_num_seqs, n_cols=n_cols, row_layers=layers,
-                            device=self.device, **shape)
+                            device=self.device, max_logits=logit_rows(c), **shape)
         decode = DecodeInputs(batch, n_cols=n_cols, row_layers=layers, pad_row_id=0, device=self.device, **shape)
         return [GraphRunner(io=decode, name="graph", **common), GraphRunner(io=mixed, name="mixed-graph", **common)]
 
@@ -167,6 +184,12 @@ class Worker:
             started.record()
         self.eager.free(step.finished_seq_ids)
         patch = self.pending.patch(step)
+        drafts = None
+        if step.draft is not None:  # the draft model runs first; its drafts reach the step as a patch
+            drafts, draft_patch = self.drafter.propose(step)
+            patch = draft_patch if step.num_drafts else patch
+        elif step.num_drafts:  # n-gram drafts are ordinary ids of the step
+            drafts = to_device(step.token_ids[step.draft_rows], self.device)
         runner = next(r for r in self.runners if r.covers(step))
         for other in self.runners:
             if other is not runner:
@@ -175,19 +198,27 @@ class Worker:
         if forward.logits is None:  # a pipeline stage before the last: its streams went on, nothing to sample
             sampled = SampledTokens(torch.empty(0, dtype=torch.long, device=self.device), None, None, None)
         else:
-            sampled = self.sampler(forward.logits, step.samples)
+            sampled = self.sample(step, forward.logits, drafts)
+            if step.num_drafts:  # per-sequence state (the paper's conv state) ends at each one's last accepted token
+                runner.keep(step, sampled.accepted)
         self.pending.remember(step.step_id, sampled.token_ids)
         scores = list(forward.prompt_scores or ())
         flags = [forward.flags] if forward.flags is not None else []
-        host = to_host([sampled.token_ids, sampled.logprobs, sampled.top_logprobs, sampled.top_token_ids]
-                       + scores + flags, self.device)
+        host = to_host([sampled.token_ids, sampled.logprobs, sampled.top_logprobs, sampled.top_token_ids,
+                        sampled.accepted] + scores + flags, self.device)
         ready = torch.cuda.Event(enable_timing=True) if started is not None else None
         if ready is not None:
             ready.record()
         before, self._last_ready = self._last_ready, ready
-        n = 4 + len(scores)
-        return LaunchedStep(step, runner, SampledTokens(*host[:4], ready=ready), tuple(host[4:n]) if scores else None,
-                            host[n] if flags else None, started, before)
+        n = 5 + len(scores)
+        return LaunchedStep(step, runner, SampledTokens(*host[:4], ready=ready, accepted=host[4]),
+                            tuple(host[5:n]) if scores else None, host[n] if flags else None, started, before)
+
+    def sample(self, step: StepDescription, logits: torch.Tensor, drafts: torch.Tensor | None) -> SampledTokens:
+        """The step's tokens from its logits rows: the sampler's, or with drafts the verifier's (a token per row)."""
+        if step.num_drafts:
+            return self.verifier(logits, step.samples, step.num_drafts, drafts)
+        return self.sampler(logits, step.samples)
 
     def collect(self, launched: LaunchedStep) -> StepResult:
         """Wait for a launched step's tokens (the step's one host synchronisation) -> its StepResult."""
@@ -202,8 +233,12 @@ class Worker:
                 and not self.lookup_stream.idle()):
             raise RuntimeError(f"step {step.step_id}: the lookup stream still runs after the step's tokens were read "
                                "(a gather no layer waited for)")
-        result = StepResult(step.step_id, tokens, _logprobs(logprobs, step.samples, tokens),
-                            route=launched.runner.name)
+        per_row = _logprobs(logprobs, step.samples, tokens)
+        result = StepResult(step.step_id, tokens, per_row, route=launched.runner.name)
+        if step.num_drafts:  # each sequence's rows up to its first rejection
+            accepted = launched.sampled.accepted.tolist()
+            result.token_ids, result.num_emitted = flatten(accepted, step.num_drafts, tokens)
+            result.logprobs, _ = flatten(accepted, step.num_drafts, per_row)
         if launched.started is not None:  # every event involved has completed: ``ready`` was waited for
             result.gpu_s = launched.started.elapsed_time(launched.sampled.ready) / 1e3
             if launched.before is not None:

@@ -63,6 +63,7 @@ class _SnapshotCollector:
                                   "Seconds Engram layers of eager steps waited for their lookups (lookup_overlap)",
                                   value=snap.get("lookup_exposed_s", 0.0))
         yield from _prefix_cache_families(snap.get("prefix_cache"))
+        yield from _speculative_families(snap.get("speculative"))
         for key in TABLE_COUNTERS:
             fam = CounterMetricFamily(f"engram_table_{key}", f"Engram table {key} (cumulative)",
                                       labels=["layer", "tier"])
@@ -90,3 +91,18 @@ def _prefix_cache_families(stats: dict | None):
     for unit in ("block", "token"):
         yield GaugeMetricFamily(f"engram_prefix_cache_{unit}_hit_rate", f"Share of queried {unit}s found cached",
                                 value=stats[f"{unit}_hit_rate"])
+
+
+SPECULATIVE_COUNTERS = {"spec_steps": ("num_drafts", "Sequence-steps that verified drafts"),
+                        "draft_tokens": ("num_draft_tokens", "Draft tokens verified"),
+                        "accepted_tokens": ("num_accepted_tokens", "Draft tokens accepted")}
+
+
+def _speculative_families(stats: dict | None):
+    """``engram_spec_decode_*`` (vLLM's names) from the snapshot's ``speculative`` entry (none without speculation)."""
+    if stats is None:
+        return
+    for key, (name, doc) in SPECULATIVE_COUNTERS.items():
+        yield CounterMetricFamily(f"engram_spec_decode_{name}", doc, value=stats[key])
+    yield GaugeMetricFamily("engram_spec_decode_mean_acceptance_length", "1 + accepted drafts per verifying step",
+                            value=stats["mean_acceptance_length"])

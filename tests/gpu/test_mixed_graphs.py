@@ -10,10 +10,9 @@ import torch
 
 from engram.engine.config import EngineConfig
 from engram.engine.engine import LLMEngine
-from engram.engine.runners.graphs import GraphRunner
 from engram.engine.sampling_params import SamplingParams
 from engram.model.loader import load_model
-from tests.engine_runs import drain
+from tests.engine_runs import drain, mixed_graphs_eager
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CUDA = torch.device("cuda")
@@ -44,12 +43,7 @@ def test_mixed_steps_replay_and_equal_the_same_runner_run_eagerly_bitwise(loaded
     routes = (stats["steps_by_route"], stats["steps_by_kind"])
     assert stats["mixed_graph_replays"] >= 4 and stats["steps_by_route"].get("mixed-graph", 0) >= 4, routes
     assert stats["steps_by_route"].get("eager", 0) == 0, routes  # every mixed step fitted a bucket
-    eager = _engine(loaded)
-    w = eager.executor.worker
-    mixed = next(r for r in w.runners if r.name == "mixed-graph")
-    w.runners[w.runners.index(mixed)] = GraphRunner(w.model, w.kv, w.ecfg, w.tables, mixed.io, w.device,
-                                                    name="mixed-graph", capture=False)
-    assert _run(eager) == want  # tokens and logprobs, bitwise
+    assert _run(mixed_graphs_eager(_engine(loaded))) == want  # tokens and logprobs, bitwise
 
 
 def test_greedy_tokens_equal_enforce_eager(loaded):

@@ -184,10 +184,10 @@ def test_padding_the_lookback_at_a_cached_start_is_caught(tiny, monkeypatch):
     ref, _ = generate(tiny, reqs, enable_prefix_caching=False, max_num_seqs=4)
     real = Sequence.lookback_before
 
-    def padded(self, position):
+    def padded(self, position, pad=None):
         if 0 < position == self.num_cached_tokens:
             return list(self._pad)
-        return real(self, position)
+        return real(self, position, pad)
 
     monkeypatch.setattr(Sequence, "lookback_before", padded)
     got, _ = generate(tiny, reqs, max_num_seqs=4)

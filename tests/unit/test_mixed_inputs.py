@@ -14,6 +14,7 @@ import engram
 from engram.engine.runners.graphs import GraphRunner
 from engram.engine.runners.mixed_inputs import MixedInputs, token_buckets
 from engram.engine.sampling_params import SamplingParams
+from engram.engine.spec.config import logit_rows
 from engram.engine.step import StepDescription
 from tests.engine_runs import drain
 
@@ -26,14 +27,14 @@ def test_token_buckets_grow_by_half_then_a_third_and_end_at_the_maximum():
     assert token_buckets(16) == [16]
 
 
-def _engine(async_scheduling: bool | None, mixed: bool):
+def _engine(async_scheduling: bool | None, mixed: bool, speculative_config: dict | None = None):
     llm = engram.LLM("tiny", device="cpu", dtype="float64", max_num_batched_tokens=48, max_num_seqs=8,
-                     async_scheduling=async_scheduling)
+                     async_scheduling=async_scheduling, speculative_config=speculative_config)
     if mixed:
         w = llm.engine.executor.worker
         c = llm.engine.config
         io = MixedInputs(c.max_num_batched_tokens, c.max_num_seqs, llm.engine.max_model_len, c.block_size,
-                         w.memory.num_blocks, w.ecfg.n_cols, list(w.tables), w.device)
+                         w.memory.num_blocks, w.ecfg.n_cols, list(w.tables), w.device, max_logits=logit_rows(c))
         w.runners.insert(0, GraphRunner(w.model, w.kv, w.ecfg, w.tables, io, w.device, name="mixed-graph",
                                         capture=False))
     return llm
@@ -61,6 +62,23 @@ def test_mixed_steps_on_the_static_inputs_give_the_eager_engines_outputs(async_s
             assert abs(lp - lp2) <= 1e-9 and [t for t, _ in top] == [t for t, _ in top2]
 
 
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1},
+                                  {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 2}])
+def test_verify_steps_run_on_the_mixed_step_static_inputs(spec):
+    # a verify sequence is a prefill entry of K + 1 rows, all with logits: the reserved LM-head slots take them
+    want = _run(_engine(None, mixed=False))
+    llm = _engine(None, mixed=True, speculative_config=spec)
+    got = _run(llm)
+    stats = llm.engine.stats()
+    assert stats["speculative"]["spec_steps"] >= 5, stats["speculative"]
+    assert set(stats["steps_by_route"]) == {"mixed-graph"}, stats["steps_by_route"]  # verify steps too
+    assert set(got) == set(want)
+    for rid, (tokens, logprobs) in want.items():
+        assert got[rid][0] == tokens, rid
+        for (lp, top), (lp2, top2) in zip(logprobs, got[rid][1]):
+            assert abs(lp - lp2) <= 1e-9 and [t for t, _ in top] == [t for t, _ in top2]
+
+
 def _step(chunks: list[int], dead: bool = False) -> StepDescription:
     """A step of fresh prompt chunks of these lengths (only what ``fits`` reads is meaningful)."""
     t = sum(chunks)
@@ -73,8 +91,8 @@ def _step(chunks: list[int], dead: bool = False) -> StepDescription:
 
 def test_fits_keeps_a_prefill_slot_free_and_refuses_what_runs_eager():
     io = MixedInputs(32, 8, 256, 16, 3, 0, [], torch.device("cpu"))
-    assert io.fits(_step([2] * 7)) and io.bucket(14) == 16  # 16 tokens: 8 prefill slots, 7 chunks
-    assert not io.fits(_step([2] * 8))  # 8 chunks in 16 tokens: no slot left for the padding tiles
+    assert io.fits(_step([2] * 7)) and io.bucket(14) == 16  # 16 tokens: 9 prefill slots, 7 chunks
+    assert io.fits(_step([2] * 8))  # 8 chunks of 2 (a verify step at K = 1) in 16 tokens: a slot left for the pads
     assert io.fits(_step([30, 1, 1])) and not io.fits(_step([31, 1, 1]))  # tokens above the largest bucket
     assert not io.fits(_step([1] * 9))  # sequences above max_num_seqs
     assert not io.fits(_step([4, 1], dead=True))  # DEAD tokens run eager

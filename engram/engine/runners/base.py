@@ -35,6 +35,11 @@ class StepRunner(abc.ABC):
     def launch(self, step: StepDescription, patch: PendingPatch | None) -> Forward:
         """Enqueue the step's lookups and forward; ``patch``: its tokens still on the device (async scheduling)."""
 
+    def keep(self, step: StepDescription, accepted: torch.Tensor) -> None:
+        """After a speculative step's verification (``accepted`` [N] drafts of each sampling sequence, on the device):
+        per-sequence state ends at each sequence's last accepted token. Runners that keep none (KV is positional: the
+        next step overwrites the rejected slots) do nothing."""
+
     def settle(self, upto: int | None = None) -> None:
         """Finish this runner's background lookups of steps up to ``upto`` (a failure is kept for ``check``)."""
 

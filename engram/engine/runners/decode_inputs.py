@@ -80,7 +80,7 @@ class DecodeInputs:
         """Whether a graph runs ``step``: one sampled token a sequence, no DEAD tokens, no prompt logprobs, a bucket."""
         if step.dead_mask is not None or step.prompt_logprobs or any(n != 1 for n in step.num_new_tokens):
             return False
-        if len(step.sample_rows) != step.num_seqs:  # a one-token prompt chunk that does not sample yet
+        if len(step.sample_rows) != step.num_seqs or step.num_drafts:  # a one-token prompt chunk that does not sample yet
             return False
         if step.num_seqs > self.buckets[-1]:
             if not self._warned_too_large:

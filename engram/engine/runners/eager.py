@@ -12,6 +12,7 @@ from engram.engine.lookup import LookupExecutor, StagedRows
 from engram.engine.pending import PendingPatch
 from engram.engine.runners.conv_blocks import ConvBlockStore
 from engram.engine.runners.base import Forward, StepRunner
+from engram.engine.spec.verify import rejected_per_sequence
 from engram.engine.step import StepDescription
 from engram.model.inputs import StepInputs
 from engram.model.layers.attention import HostLayout
@@ -36,6 +37,7 @@ class EagerRunner(StepRunner):
         self.ecfg = ecfg
         self._conv_layers = list(lookup.tables) if ecfg and ecfg.variant == "paper" else []  # this Worker's layers
         self._conv: dict[int, dict[int, ShortConvState]] = {}  # seq id -> Engram layer -> its conv state
+        self._unkept: tuple[int, dict[int, ShortConvState]] | None = None  # a speculative step's, until ``keep``
 
     def covers(self, step: StepDescription) -> bool:
         return True
@@ -50,12 +52,15 @@ class EagerRunner(StepRunner):
 
     @torch.inference_mode()
     def run(self, step: StepDescription, staged: StagedRows, patch: PendingPatch | None = None) -> torch.Tensor | None:
-        """One forward -> float32 logits [len(step.sample_rows), vocab], prompt-logprob rows scored on the way
-        (``prompt_scores``); None from a pipeline stage before the last (parallel/pp_stage.py: its streams went on to
-        the next stage). ``patch``: the pending tokens' device values."""
+        """One forward -> float32 logits [len(step.samples), vocab] (a row per sampling sequence, or per verify row),
+        prompt-logprob rows scored on the way (``prompt_scores``); None from a pipeline stage before the last
+        (parallel/pp_stage.py: its streams went on to the next stage). ``patch``: the pending tokens' device values."""
         dev = self.device
         cu_seqlens = to_device(step.cu_seqlens, dev)  # [S+1], shared by attention and the conv states
         conv = self._gather_conv_state(step, cu_seqlens)
+        if conv is not None and step.num_drafts:  # keep room to rewind past rejected drafts (``keep``)
+            for state in conv.values():
+                state.extra = max(step.num_drafts)
         tails = self._tap_block_tails(step, conv)  # [R] pool rows of the conv inputs kept with the blocks
         token_ids, dead_mask = self.tokens(step, patch)
         inputs = StepInputs(
@@ -73,14 +78,17 @@ class EagerRunner(StepRunner):
         )
         hidden = self.model.forward(inputs, self.kv)  # [N + P, H], or None (a stage before the last)
         if conv is not None:
-            self._scatter_conv_state(step, conv)
+            if step.num_drafts:
+                self._unkept = (step.step_id, conv)  # kept per sequence once the verifier has counted (``keep``)
+            else:
+                self._scatter_conv_state(step, conv)
             if tails is not None:
                 for lid, state in conv.items():
                     self.conv_blocks.write(lid, state.tapped, tails)
         self.prompt_scores = None
         if hidden is None:
             return None
-        n = len(step.sample_rows)
+        n = len(step.samples)  # a row per sampling sequence, or per verify row
         if step.prompt_logprobs:
             self.prompt_scores = self._score_prompt(step, hidden[n:])
         return self.model.compute_logits(hidden[:n])  # [N, vocab] float32
@@ -107,6 +115,21 @@ class EagerRunner(StepRunner):
                 top_v.append(v)
                 top_i.append(i)
         return torch.cat(own), torch.cat(top_v) if k else None, torch.cat(top_i) if k else None
+
+    @torch.inference_mode()
+    def keep(self, step: StepDescription, accepted: torch.Tensor) -> None:
+        """Speculative step (paper variant): each sequence's conv state becomes the window ending at its last accepted
+        token — its rejected drafts before its last row dropped — and is kept under its id."""
+        if self._unkept is None:
+            return
+        step_id, conv = self._unkept
+        self._unkept = None
+        if step_id != step.step_id:
+            raise RuntimeError(f"step {step.step_id}: the conv state waiting to be kept is step {step_id}'s")
+        dropped = rejected_per_sequence(step, accepted)  # [S]
+        for state in conv.values():
+            state.rewind(dropped)
+        self._scatter_conv_state(step, conv)
 
     def free(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:

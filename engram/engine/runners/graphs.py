@@ -118,7 +118,7 @@ class GraphRunner(StepRunner):
         self.replays += 1
         for table in self.tables.values():
             table.record_lookups(1, step.num_tokens * self.n_cols)
-        return Forward(self.logits[size][:len(step.sample_rows)], self.stale)
+        return Forward(self.logits[size][:len(step.samples)], self.stale)  # a row per spec (verify rows too)
 
     def check(self, step_id: int, flags: torch.Tensor | None) -> None:
         if flags is None or not bool(flags.any()):

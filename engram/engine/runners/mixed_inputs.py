@@ -3,9 +3,11 @@ than the decode graphs hold), bucketed by token count (``token_buckets``). A buc
 attention with grids sized for the bucket, and the tile-to-sequence mapping as device inputs:
 
 * decode entries (sequences with one new token): D = min(S, T) slots of (block-table row, token row, KV length);
-* prefill entries: P = max(1, T // 2) slots (one kept free) of (block-table row, first token row, new tokens, KV length), and
+* prefill entries: P = T // 2 + 1 slots (one kept free) of (block-table row, first token row, new tokens, KV length), and
   T // 64 + P query tiles of (entry, first query), enough for any chunks of T tokens in fewer than P sequences;
-* the LM-head rows: min(S, T) slots.
+* the LM-head rows: min(L, T) slots, L = ``max_logits`` (``max_num_seqs``, or with speculative decoding
+  ``max_num_seqs`` x (K + 1): every verify row gets logits; engine/spec/config.py). A verify sequence (its last token
+  and K drafts) is a prefill entry of K + 1 tokens, so P keeps a slot free even when every entry is one.
 
 Padding is inert: unused decode slots have KV length 0 (the kernels write nothing for them), unused tiles point at a
 prefill slot of 0 tokens, padding tokens write their K/V into a block no sequence owns (``null_block``) and gather
@@ -41,9 +43,10 @@ class MixedInputs:
     The same interface as DecodeInputs (``buckets``, ``fits``, ``fill``, ``inputs``, ``row_ids``, ``plan_id``)."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_model_len: int, block_size: int, null_block: int,
-                 n_cols: int, row_layers: list[int], device: torch.device):
+                 n_cols: int, row_layers: list[int], device: torch.device, max_logits: int | None = None):
         self.buckets = token_buckets(max_tokens)
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
+        self.max_logits = min(max_logits or max_seqs, max_tokens)  # LM-head rows (the sampler's reservation)
         self.max_rows, self.unit = max_tokens, "tokens"
         self.max_model_len, self.block_size, self.null_block = max_model_len, block_size, null_block
         self.width = -(-max_model_len // block_size)
@@ -55,7 +58,7 @@ class MixedInputs:
         #  (entry, m0) | LM-head rows | row ids per layer | plan id | block tables], the block tables last so a step
         #  copies only the rows it uses
         sizes = [("token_ids", t), ("positions", t), ("slot_mapping", t), ("decode", 3 * s),
-                 ("prefill", 4 * self.max_prefill), ("tiles", 2 * self.max_tiles), ("logits", s),
+                 ("prefill", 4 * self.max_prefill), ("tiles", 2 * self.max_tiles), ("logits", self.max_logits),
                  ("row_ids", len(self.row_layers) * t * n_cols), ("plan_id", 1), ("block_tables", (s + 1) * self.width)]
         self._at, at = {}, 0
         for name, n in sizes:
@@ -72,7 +75,7 @@ class MixedInputs:
 
     @staticmethod
     def prefill_slots(tokens: int) -> int:
-        return max(1, tokens // 2)
+        return tokens // 2 + 1
 
     @staticmethod
     def tile_slots(tokens: int) -> int:
@@ -107,7 +110,7 @@ class MixedInputs:
         if step.dead_mask is not None or step.prompt_logprobs:
             return False
         t = step.num_tokens
-        if t > self.max_tokens or step.num_seqs > self.max_seqs or len(step.sample_rows) > step.num_seqs:
+        if t > self.max_tokens or step.num_seqs > self.max_seqs or len(step.samples) > self.max_logits:
             return False
         size = self.bucket(t)
         chunks = [n for n in step.num_new_tokens if n > 1]
@@ -121,6 +124,7 @@ class MixedInputs:
     def inputs(self, size: int, engram_rows) -> StepInputs:
         """The model's inputs of bucket ``size``; ``engram_rows(layer_id)`` serves each Engram layer's rows."""
         d, p, nt = min(self.max_seqs, size), self.prefill_slots(size), self.tile_slots(size)
+        rows = min(self.max_logits, size)
         meta = AttentionMetadata(starts=[], q_lens=[], context_lens=[], block_tables=self.block_tables,
                                  slot_mapping=self.slot_mapping[:size], write_keep=None,
                                  decode_seqs=self.decode[0, :d], decode_tokens=self.decode[1, :d],
@@ -130,7 +134,7 @@ class MixedInputs:
         return StepInputs(token_ids=self.token_ids[:size], positions=self.positions[:size],
                           cu_seqlens=self.arange[:s + 1], context_lens=self.zeros[:s], block_tables=self.block_tables,
                           slot_mapping=self.slot_mapping[:size], engram_rows=engram_rows,
-                          logits_indices=self.logits_rows[:d], attention=meta)
+                          logits_indices=self.logits_rows[:rows], attention=meta)
 
     def fill(self, step: StepDescription, patch: PendingPatch | None) -> int:
         """Write the step into its bucket's static inputs (padded, pending tokens patched on device) -> bucket size."""
