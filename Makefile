@@ -42,9 +42,9 @@ device-test:
 	@if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/engram-site .whl/*.whl; fi
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
 	@# both sets run even when the first fails; the target fails if either did
-	PYTHONPATH=/tmp/engram-site python3 -m pytest -o addopts="" -p no:cacheprovider -m "not slow" -q \
+	PYTHONPATH=/tmp/engram-site python3 -m pytest -o addopts="" -p no:cacheprovider -m "not slow" -q -rf --tb=line \
 		tests/gpu tests/parity $(PYTEST_ARGS); first=$$?; \
-	PYTHONPATH=/tmp/engram-site python3 -m pytest -o addopts="" -p no:cacheprovider -m "gpu and not slow" -q \
+	PYTHONPATH=/tmp/engram-site python3 -m pytest -o addopts="" -p no:cacheprovider -m "gpu and not slow" -q -rf --tb=line \
 		$(shell grep -l "mark.gpu" tests/unit/*.py tests/integration/*.py) $(PYTEST_ARGS); second=$$?; \
 	test $$first -eq 0 && test $$second -eq 0
 

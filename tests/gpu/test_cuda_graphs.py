@@ -15,6 +15,7 @@ from engram.engine.runners.decode_inputs import graph_buckets
 from engram.engine.runners.graphs import GraphRunner
 from engram.engine.sampling_params import SamplingParams
 from engram.model.loader import load_model
+from engram.module import Projected
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CUDA = torch.device("cuda")
@@ -58,8 +59,11 @@ def test_decode_steps_replay_and_a_replay_equals_eager_at_the_bucket_size(tiny):
         engine.step()
     assert engine.stats()["graph_replays"] == first + 4  # a silent eager fallback would leave this at first
     replayed = graphs.logits[4].clone()  # 3 sequences -> bucket 4; buffers still hold the last step
+    def rows(layer_id: int):  # the static rows the replay read (its lookup-stream wait exists only in the graph)
+        return Projected(4, (graphs.projected[layer_id][:4],)) if graphs.projected else graphs.rows[layer_id][:4]
+
     with torch.inference_mode():  # the graph's inputs, its gathered rows (the consuming layers' reads) included
-        inputs = graphs.io.inputs(4, lambda layer_id: graphs._consume(layer_id, 4))
+        inputs = graphs.io.inputs(4, rows)
         eager = tiny.model.compute_logits(tiny.model.forward(inputs, worker.kv))
     assert torch.equal(replayed.view(torch.uint8), eager.view(torch.uint8))
 

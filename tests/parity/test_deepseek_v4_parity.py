@@ -12,7 +12,8 @@ import torch
 
 from tests.parity.deepseek_v4_fixtures import ENGRAM, Pair, prompt, rel_err
 
-transformers = pytest.importorskip("transformers")
+# the reference is the pinned transformers (pyproject.toml): with 5.17 the chunked-prefill comparison disagrees
+transformers = pytest.importorskip("transformers", minversion="5.24")
 if not hasattr(transformers, "DeepseekV4ForCausalLM"):
     pytest.skip(f"transformers {transformers.__version__} has no DeepseekV4ForCausalLM", allow_module_level=True)
 
