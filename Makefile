@@ -41,12 +41,14 @@ test: install-test
 device-test:
 	@if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/engram-site .whl/*.whl; fi
 	python3 -m pip install -q --no-deps --no-build-isolation -e .
-	@# both sets run even when the first fails; the target fails if either did
-	PYTHONPATH=/tmp/engram-site python3 -m pytest -o addopts="" -p no:cacheprovider -m "not slow" -q -rf --tb=line \
-		tests/gpu tests/parity $(PYTEST_ARGS); first=$$?; \
+	@# every set runs even when one before it fails; the target fails if any did
+	PYTHONPATH=/tmp/engram-site python3 -m pytest -o addopts="" -p no:cacheprovider -m "whole_gpu and not slow" -q \
+		-rf --tb=line tests/gpu $(PYTEST_ARGS); whole=$$?; test $$whole -eq 5 && whole=0; \
+	PYTHONPATH=/tmp/engram-site python3 -m pytest -o addopts="" -p no:cacheprovider -m "not slow and not whole_gpu" -q \
+		-rf --tb=line tests/gpu tests/parity $(PYTEST_ARGS); first=$$?; \
 	PYTHONPATH=/tmp/engram-site python3 -m pytest -o addopts="" -p no:cacheprovider -m "gpu and not slow" -q -rf --tb=line \
 		$(shell grep -l "mark.gpu" tests/unit/*.py tests/integration/*.py) $(PYTEST_ARGS); second=$$?; \
-	test $$first -eq 0 && test $$second -eq 0
+	test $$whole -eq 0 && test $$first -eq 0 && test $$second -eq 0
 
 clean:
 	rm -rf $(VENV) build *.egg-info engram/store/_pread_pool*.so

@@ -50,9 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
                    help="larger request bodies get 413 before they are parsed (default: %(default)s)")
     p.add_argument("--log-level", default="info")
-    p.add_argument("--engine-loop", choices=("thread", "process"), default="thread",
-                   help="where the engine's step loop runs: a thread of the server's process (default), or an engine "
-                        "process of its own, so that HTTP, SSE and detokenizing never hold its GIL (docs/server.md)")
+    p.add_argument("--engine-loop", choices=("thread", "process"), default="process",
+                   help="where the engine's step loop runs: an engine process of its own (default), so that HTTP, SSE "
+                        "and detokenizing never hold its GIL, or a thread of the server's process (docs/server.md)")
     t = p.add_argument_group("timeouts (seconds)")
     t.add_argument("--timeout-graceful-shutdown", type=float, default=60.0, metavar="S",
                    help="after SIGTERM, in-flight requests may run this long before they are cancelled "

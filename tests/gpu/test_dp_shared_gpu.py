@@ -13,7 +13,8 @@ import torch
 
 import engram
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.whole_gpu, pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 PROMPTS = ["hello world", "the tables are", "a b c d e f", "memory is cheap"]
 

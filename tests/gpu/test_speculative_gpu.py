@@ -52,7 +52,10 @@ def test_verify_steps_replay_mixed_graphs_bitwise(loaded, tier, method):
     replayed = _engine(model, SPECS[method])
     want = _run(replayed)
     stats = replayed.stats()
-    assert stats["speculative"]["spec_steps"] >= 8 and stats["speculative"]["acceptance_rate"] > 0.5, stats
+    # the forced continuation quotes the prompt: n-gram drafts find it, the random-weight draft model does not
+    # (its greedy tokens are not the quote), so only the n-gram run must be mostly accepted
+    assert stats["speculative"]["spec_steps"] >= 8, stats
+    assert method != "ngram" or stats["speculative"]["acceptance_rate"] > 0.5, stats
     assert stats["mixed_graph_replays"] >= 8 and stats["steps_by_route"].get("eager", 0) == 0, stats["steps_by_route"]
     assert _run(mixed_graphs_eager(_engine(model, SPECS[method]))) == want  # tokens and logprobs, bitwise
 

@@ -24,7 +24,8 @@ def _serve(tmp_path_factory, tmp_path, shm: Path) -> ServerProcess:
     cache_dir = tmp_path_factory.getbasetemp() / "engram-cache"
     config = '{"advanced": {"shm_dir": "%s"}}' % shm
     return ServerProcess(["tiny", "--threads", "1", "--device", "cpu", "--dtype", "float64", "--tier", "host",
-                          "--data-parallel-size", "2", "--engram-config", config, "--log-level", "info"],
+                          "--data-parallel-size", "2", "--engram-config", config, "--log-level", "info",
+                          "--engine-loop", "thread"],
                          cache_dir, tmp_path / "log")
 
 
