@@ -96,9 +96,9 @@ def install(clock: GraphClock, setattr=setattr) -> None:
         clock.stamp(f"lookup_done_{layer_id}")
         orig["done"](self, layer_id)
 
-    def wait(self, layer_id, *tensors):
+    def wait(self, layer_id, *tensors, tag=None):
         clock.stamp(f"wait_begin_{layer_id}")
-        orig["wait"](self, layer_id, *tensors)
+        orig["wait"](self, layer_id, *tensors, tag=tag)
         clock.stamp(f"wait_end_{layer_id}")
 
     def join(self):

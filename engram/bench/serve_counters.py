@@ -30,7 +30,7 @@ def window_counters(records: list[StepRecord], before: dict, after: dict, wall: 
     """Steps by route and kind, eager steps (and the fewest tokens an eager step of each kind had), the device's busy
     and idle seconds (None on the CPU) and idle's share of ``wall``, and the growth of the stats counters between the
     ``before`` and ``after`` snapshots (``steps_delta``: steps launched, which exceeds the records when a step failed
-    or the trace dropped old records; ``lookup_exposed_s_delta`` is over all kinds: the engine does not split it).
+    or the trace dropped old records), and the steps' lookup counters, per kind and in all (``lookup_counters``).
     The window's first step's ``idle_s`` is left out: it spans the pause between the warm-up and the window."""
     by_kind = {k: [r for r in records if r.kind == k] for k in KINDS}
     timed = any(r.gpu_s is not None for r in records)  # CUDA; a step without a device clock adds nothing
@@ -47,7 +47,8 @@ def window_counters(records: list[StepRecord], before: dict, after: dict, wall: 
            "gpu_busy_s_by_kind": {k: _busy(v) for k, v in by_kind.items()} if timed else None,
            "gpu_idle_s": sum(idle) if timed else None,
            "gpu_idle_share": sum(idle) / wall if timed and wall > 0 else None,
-           "host_gap_p50_s": _pct(idle, 50) if timed else None, "host_gap_p99_s": _pct(idle, 99) if timed else None}
+           "host_gap_p50_s": _pct(idle, 50) if timed else None, "host_gap_p99_s": _pct(idle, 99) if timed else None,
+           **lookup_counters(records, by_kind)}
     for key in STAT_COUNTERS:
         if key in after and key in before:
             out[f"{key}_delta"] = after[key] - before[key]
@@ -76,3 +77,23 @@ def _pct(values: list[float], q: float) -> float | None:
     import numpy as np
 
     return float(np.percentile(values, q)) if values else None
+
+
+def lookup_counters(records: list[StepRecord], by_kind: dict[str, list[StepRecord]]) -> dict:
+    """Per step kind and in all: the steps' waits for their rows (``lookup_exposed_s``; replayed graphs measure none,
+    counted in ``lookup_unmeasured_steps``), the engine's host gaps, their tables' time by tier, and the Engram ids
+    planned and distinct per layer with their ratio (ids / distinct: what deduplication saves)."""
+    def part(recs: list[StepRecord]) -> dict:
+        gather: Counter[str] = Counter()
+        for r in recs:
+            gather.update(r.gather_s)
+        ids = [sum(col) for col in zip(*(r.ids for r in recs if r.ids))]
+        unique = [sum(col) for col in zip(*(r.unique_ids for r in recs if r.unique_ids))]
+        return {"lookup_exposed_s": sum(r.lookup_exposed_s or 0.0 for r in recs),
+                "lookup_unmeasured_steps": sum(1 for r in recs if r.lookup_exposed_s is None),
+                "host_gap_s": sum(r.host_gap_s for r in recs), "gather_s": dict(gather),
+                "ids": ids, "unique_ids": unique, "dedup_ratio": [i / u if u else None for i, u in zip(ids, unique)]}
+
+    total = part(records)
+    kinds = {k: part(v) for k, v in by_kind.items()}
+    return {"lookups": total, "lookups_by_kind": kinds}

@@ -217,6 +217,16 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result["errors"] == 0 else 1
 
 
+def lookup_columns(part: dict | None) -> dict:
+    """A step kind's lookup counters as table columns: waits, host gaps, table time by tier, ids / distinct."""
+    if part is None:
+        return {}
+    ratio = " ".join("-" if r is None else f"{r:.2f}" for r in part["dedup_ratio"])
+    return {"exposed s": part["lookup_exposed_s"], "host gap s": part["host_gap_s"],
+            "gather s": " ".join(f"{t}:{v:.3f}" for t, v in sorted(part["gather_s"].items())),
+            "ids/unique": ratio}
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 
@@ -231,9 +241,11 @@ def format_tables(result: dict, format_table) -> str:
     c, roof = result["counters"], result["roofline"]
     if "skipped" not in c:
         by = roof.get("by_kind", {})
+        look = c.get("lookups_by_kind", {})
         parts.append(format_table([{"kind": k, "steps": c["steps_by_kind"][k], "eager": c["eager_steps_by_kind"][k],
                                     "tokens": c["tokens_by_kind"][k],
                                     "gpu s": (c["gpu_busy_s_by_kind"] or {}).get(k),
+                                    **lookup_columns(look.get(k)),
                                     "roofline s": by.get(k, {}).get("roofline_s"),
                                     "bound": " ".join(f"{b}:{n}" for b, n in by.get(k, {}).get("bound", {}).items())}
                                    for k in c["steps_by_kind"]]))

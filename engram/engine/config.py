@@ -35,6 +35,8 @@ class EngineConfig:
     # speculative decoding (vLLM's keys; engine/spec/config.py): a dict is turned into a SpeculativeConfig. It runs
     # with synchronous scheduling and reserves max_num_seqs x (K + 1), or x (2K + 1) with a draft model, decode rows
     speculative_config: SpeculativeConfig | None = None
+    # deduplicate each step's Engram row ids on the host (engine/row_dedup.py): tables gather each distinct row once
+    dedup_rows: bool = True
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -53,8 +55,9 @@ class EngineConfig:
             raise bad("num_kv_blocks", "must be >= 1 (or None to size from kv_cache_memory)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise bad("gpu_memory_utilization", "must be in (0, 1]")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise bad("enable_prefix_caching", "must be true or false")
+        for name in ("enable_prefix_caching", "dedup_rows"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be true or false")
         if self.async_scheduling not in (None, True, False):
             raise bad("async_scheduling", "must be true, false or null (auto)")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -60,7 +60,7 @@ class LLMEngine:
                                                            draft=self.speculator.draft if self.speculator else None))
         self.scheduler = Scheduler(config, _block_manager(loaded, config, dtype, self.executor.num_kv_blocks),
                                    self.speculator)
-        self.planner = LookupPlanner(self.hasher)
+        self.planner = LookupPlanner(self.hasher, dedup=config.dedup_rows)
         self._seqs: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()
         self.device = torch.device(device)
@@ -111,7 +111,8 @@ class LLMEngine:
         return self.scheduler.num_unfinished()
 
     def stats(self) -> dict[str, Any]:
-        """One snapshot for metrics: queues, KV usage, preemptions, steps, ``tables`` (layer id -> counters), and with
+        """One snapshot for metrics: queues, KV usage, preemptions, steps, ``tables`` (layer id -> counters), the step
+        trace's totals (``lookup_exposed_s``: the collected steps' waits for their rows, step_trace.py), and with
         speculative decoding ``speculative`` (drafts, accepted, acceptance length: engine/spec/speculator.py)."""
         blocks = self.scheduler.blocks
         total = self.executor.num_kv_blocks
@@ -122,7 +123,6 @@ class LLMEngine:
                 "preemptions": self.num_preemptions, "steps": self.num_steps, "tables": worker["tables"],
                 "kv_bytes": worker["kv_bytes"], "graph_replays": worker["graph_replays"],
                 "mixed_graph_replays": worker.get("mixed_graph_replays", 0),
-                "lookup_exposed_s": worker.get("lookup_exposed_s", 0.0),
                 "prefix_cache": blocks.stats.snapshot(blocks.num_cached_blocks),
                 "cache_groups": blocks.group_stats(), **self.pipeline.trace.totals(),
                 **({"speculative": self.speculator.stats()} if self.speculator is not None else {})}

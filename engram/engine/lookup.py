@@ -6,14 +6,18 @@ the model reaches its layer (``ChainedLookups``) and a later one still reading i
 equal to staging everything first)."""
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import functools
+import time
 
 import torch
 
 from engram.config import EngramConfig
 from engram.engine.lookup_stream import LookupStream
+from engram.engine.lookup_timing import LookupTiming, tier_name
 from engram.engine.pending import PendingPatch
+from engram.engine.row_dedup import host_table_ids
 from engram.engine.step import StepDescription
 from engram.module import Projected
 from engram.store import reader
@@ -37,18 +41,23 @@ class StagedRows:
     wait). ``deferred``: {layer: (handle, finish)} of reads still running at staging; the first ``rows`` of such
     a layer waits and finishes it. ``release()`` cancels deferred reads nobody asked for (a failed step)."""
 
-    def __init__(self, step_id: int, rows: dict[int, torch.Tensor], ready=None, deferred: dict | None = None):
+    def __init__(self, step_id: int, rows: dict[int, torch.Tensor], ready=None, deferred: dict | None = None,
+                 timing: LookupTiming | None = None):
         self.step_id = step_id
         self._rows = rows
         self._ready = ready
         self._deferred = dict(deferred or {})
+        self.timing = timing  # the step's lookup timing: a deferred layer's wait is time the step stood still
 
     def rows(self, layer_id: int, step_id: int) -> torch.Tensor:
         if step_id != self.step_id:
             raise RuntimeError(f"stale Engram rows: staged for step {self.step_id}, consumed by step {step_id}")
         if layer_id in self._deferred:
             handle, finish = self._deferred.pop(layer_id)
+            t0 = time.monotonic()
             self._rows[layer_id] = finish(handle.wait())  # on the current stream: its consumer needs it now
+            if self.timing is not None:
+                self.timing.add_exposed(time.monotonic() - t0)
             return self._rows[layer_id]
         if layer_id not in self._rows:
             raise KeyError(f"no staged rows for Engram layer {layer_id} (step {self.step_id} has {sorted(self._rows)})")
@@ -169,6 +178,11 @@ class LookupExecutor:
         self.stream = stream  # lookup_overlap: gathers on their own stream, an event per layer
         # WKV run-ahead (with a stream): layer id -> Engram.project of its rows, run on the lookup stream too
         self.projectors = projectors if stream is not None else None
+        self.tiers = {lid: tier_name(t) for lid, t in tables.items()}  # what each layer's time counts under
+        # tables that take any ids (not a TP column shard, which reads its columns of [T * n_cols])
+        self.dedupes = {lid: not getattr(t, "column_layout", False) for lid, t in tables.items()}
+        # step id -> its LookupTiming, until the Worker takes it at collect (bounded: failed steps are never taken)
+        self._timings: collections.OrderedDict[int, LookupTiming] = collections.OrderedDict()
 
     def submit(self, step: StepDescription, patch: PendingPatch | None = None, project: bool = True,
                slabs: dict | None = None, host_ids: HostIds | None = None) -> StagedRows:
@@ -179,9 +193,12 @@ class LookupExecutor:
         read into the slab and not decoded (engine/runners/pieces.py); their ``rows`` is None once the pages are in.
         ``host_ids``: an earlier ``start_host_ids(step, patch)`` (else called here)."""
         deferred: dict = {}
+        timing = self._new_timing(step.step_id)
         if self.stream is None:
-            return StagedRows(step.step_id, self._stage(step, patch, lambda lid, rows: None, deferred, slabs,
-                                                        host_ids), deferred=deferred)
+            t0 = time.monotonic()  # without a stream the step waits for all of its staging
+            rows = self._stage(step, patch, lambda lid, rows: None, deferred, slabs, host_ids, timing)
+            timing.add_exposed(time.monotonic() - t0)
+            return StagedRows(step.step_id, rows, deferred=deferred, timing=timing)
 
         def done(layer_id: int, rows: dict) -> None:
             if project and self.projectors:  # the layer gets its rows' projection (Engram.project), made ahead
@@ -189,18 +206,38 @@ class LookupExecutor:
             self.stream.done(layer_id)
 
         with self.stream.issue(*([patch.rows, *patch.row_ids.values()] if patch is not None else [])):
-            rows = self._stage(step, patch, done, deferred, slabs, host_ids)
-        return StagedRows(step.step_id, rows, ready=self._wait, deferred=deferred)
+            rows = self._stage(step, patch, done, deferred, slabs, host_ids, timing)
+        return StagedRows(step.step_id, rows, ready=functools.partial(self._wait, step.step_id), deferred=deferred,
+                          timing=timing)
 
-    def _wait(self, layer_id: int, staged) -> None:
-        self.stream.wait(layer_id, *(staged.tensors if isinstance(staged, Projected) else (staged,)))
+    def _wait(self, step_id: int, layer_id: int, staged) -> None:
+        self.stream.wait(layer_id, *(staged.tensors if isinstance(staged, Projected) else (staged,)), tag=step_id)
+
+    def _new_timing(self, step_id: int) -> LookupTiming:
+        timing = self._timings[step_id] = LookupTiming(step_id)
+        while len(self._timings) > 64:
+            self._timings.popitem(last=False)
+        return timing
+
+    def take_timing(self, step_id: int) -> LookupTiming | None:
+        """The timing of step ``step_id``'s lookups (once), with the lookup stream's measured waits folded in; None
+        when this executor staged nothing for it (a CUDA-graph replay gathers inside the graph)."""
+        timing = self._timings.pop(step_id, None)
+        if timing is not None and self.stream is not None:
+            timing.add_exposed(self.stream.pop_exposed(step_id))
+        return timing
 
     def _stage(self, step: StepDescription, patch: PendingPatch | None, done, deferred: dict,
-               slabs: dict | None = None, early: HostIds | None = None) -> dict[int, torch.Tensor]:
+               slabs: dict | None = None, early: HostIds | None = None,
+               timing: LookupTiming | None = None) -> dict[int, torch.Tensor]:
         """Every layer's rows [T, n_cols, D] on the current stream, ``done(layer, rows)`` after each; a later layer
         whose reads still run goes to ``deferred`` as (handle, finish), and so do ``slabs`` layers (rows None)."""
         handles: dict = {}
         slabs = slabs or {}
+
+        def dedup_of(lid: int):  # the layer's deduplicated ids, where its table takes them (not slabs, not shards)
+            return step.engram_dedup.get(lid) if self.dedupes[lid] and lid not in slabs else None
+
         try:
             if patch is None or not self.takes_device_ids():
                 # host ids: the first layer's lookup runs on this thread (no hand-off and back); the later layers'
@@ -208,24 +245,34 @@ class LookupExecutor:
                 host_ids = (step.engram_row_ids if patch is None else early.wait() if early is not None else
                             self._host_ids(step, patch))
                 layers = list(host_ids)
-                alone = not layers or not reads_together(host_ids[layers[0]].numel(),
+                # [T * n_cols] each, CPU int64: the step's distinct ids where it was deduplicated (row_dedup.py)
+                flat = {lid: host_table_ids(step, dedup_of(lid), host_ids[lid]) for lid in layers}
+                alone = not layers or not reads_together(flat[layers[0]].numel(),
                                                          read_queue_depth(self.tables[layers[0]]))
                 # over the disk tier the first lookup waits until the model reaches its layer (see above)
                 lazy = bool(layers) and (bool(slabs) or alone and getattr(self.tables[layers[0]], "reads_from_disk",
                                                                           False))
 
                 def gather_first() -> torch.Tensor | None:
-                    first = layers[0]
+                    first, t0 = layers[0], time.monotonic()
                     if first in slabs:
-                        return self.tables[first].read_slab(host_ids[first].reshape(-1), slabs[first],
+                        rows = self.tables[first].read_slab(flat[first], slabs[first],
                                                             plan=step.step_id)
-                    return self.tables[first].gather(host_ids[first].reshape(-1), dtype=self.fetch_dtype)
+                    else:
+                        rows = self.tables[first].gather(flat[first], dtype=self.fetch_dtype)
+                    if timing is not None:
+                        timing.add_gather(self.tiers[first], time.monotonic() - t0)
+                    return rows
 
                 def submit_later() -> dict:
-                    return {lid: self.tables[lid].submit(host_ids[lid].reshape(-1), dtype=self.fetch_dtype,
+                    out = {}
+                    for lid in layers[1:]:
+                        t0 = time.monotonic()
+                        handle = self.tables[lid].submit(flat[lid], dtype=self.fetch_dtype,
                                                          **({"into": slabs[lid], "plan": step.step_id}
                                                             if lid in slabs else {}))
-                            for lid in layers[1:]}  # [T * n_cols] each, CPU int64
+                        out[lid] = timing.track(self.tiers[lid], handle, t0) if timing is not None else handle
+                    return out
 
                 if lazy:
                     chain = ChainedLookups(layers[0], gather_first, submit_later, later_first=not alone)
@@ -243,11 +290,19 @@ class LookupExecutor:
             else:
                 # device ids, patched where tokens are in flight
                 def fetch(lid: int, ids: torch.Tensor) -> torch.Tensor:
-                    dev_ids = patch.patched(to_device(ids, self.device), patch.row_ids[lid])  # [T, n_cols]
-                    return self.tables[lid].gather(dev_ids.reshape(-1), dtype=self.fetch_dtype)
+                    t0 = time.monotonic()
+                    dedup = dedup_of(lid)
+                    dev_ids = (dedup.patched_unique(patch.row_ids[lid]) if dedup is not None  # [U + P * n_cols]
+                               else patch.patched(to_device(ids, self.device), patch.row_ids[lid]).reshape(-1))
+                    rows = self.tables[lid].gather(dev_ids, dtype=self.fetch_dtype)
+                    if timing is not None:  # the host's part: the gather itself runs on the device
+                        timing.add_gather(self.tiers[lid], time.monotonic() - t0)
+                    return rows
             rows = {}
             for i, (lid, ids) in enumerate(step.engram_row_ids.items()):
-                finish = _read_only if lid in slabs else functools.partial(self._finish, shape=ids.shape)
+                dedup = dedup_of(lid)
+                finish = _read_only if lid in slabs else functools.partial(
+                    self._finish, shape=ids.shape, inverse=dedup.inverse if dedup is not None else None)
                 if lid in handles and not handles[lid].done() and (i > 0 or isinstance(handles[lid], Chained)):
                     deferred[lid] = (handles[lid], finish)
                     continue
@@ -289,9 +344,13 @@ class LookupExecutor:
         arrived.record()
         return HostIds(layers, host, arrived)
 
-    def _finish(self, flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        """A layer's fetched rows [T * n_cols, head_dim] -> [T, n_cols, D] on the device in the model's dtype."""
-        return flat.to(self.device, self.dtype).reshape(shape[0], shape[1], -1)
+    def _finish(self, flat: torch.Tensor, shape: torch.Size, inverse: torch.Tensor | None = None) -> torch.Tensor:
+        """A layer's fetched rows [T * n_cols, head_dim] (or, deduplicated, [U, head_dim] expanded through
+        ``inverse`` [T * n_cols]) -> [T, n_cols, D] on the device in the model's dtype."""
+        rows = flat.to(self.device, self.dtype)
+        if inverse is not None:
+            rows = rows.index_select(0, to_device(inverse, self.device))  # [T * n_cols, D]
+        return rows.reshape(shape[0], shape[1], -1)
 
     def takes_device_ids(self) -> bool:
         """Whether ``submit`` serves a patch without a host synchronisation: every table gathers device ids as device

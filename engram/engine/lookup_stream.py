@@ -23,8 +23,10 @@ class LookupStream:
         self._fork = torch.cuda.Event()
         self._ready = {lid: torch.cuda.Event() for lid in layer_ids}
         self._timed: dict[int, torch.cuda.Event] = {}  # eager steps: layer -> timing event where its work ended
-        self._pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (consumer waits, lookup done)
+        # (consumer waits, lookup done, step tag)
+        self._pairs: list[tuple[torch.cuda.Event, torch.cuda.Event, int | None]] = []
         self._exposed_ms = 0.0
+        self._exposed_by_tag: dict[int, float] = {}  # step tag -> ms, until ``pop_exposed`` takes it
 
     @contextlib.contextmanager
     def issue(self, *inputs: torch.Tensor):
@@ -47,14 +49,15 @@ class LookupStream:
             self._timed[layer_id] = torch.cuda.Event(enable_timing=True)
             self._timed[layer_id].record(self.stream)
 
-    def wait(self, layer_id: int, *tensors: torch.Tensor) -> None:
-        """Make the current stream wait for ``layer_id``'s rows; ``tensors`` (eager allocations) are marked used."""
+    def wait(self, layer_id: int, *tensors: torch.Tensor, tag: int | None = None) -> None:
+        """Make the current stream wait for ``layer_id``'s rows; ``tensors`` (eager allocations) are marked used;
+        ``tag`` (a step id) files the measured wait under that step for ``pop_exposed``."""
         main = torch.cuda.current_stream(self.device)
         done = self._timed.pop(layer_id, None)
         if done is not None and not torch.cuda.is_current_stream_capturing():
             consumer = torch.cuda.Event(enable_timing=True)
             consumer.record(main)
-            self._pairs.append((consumer, done))
+            self._pairs.append((consumer, done, tag))
             if len(self._pairs) > 256:  # fold in the pairs that have run, so the list stays short unread
                 self.exposed_seconds()
         if not DROP_WAIT:
@@ -72,13 +75,25 @@ class LookupStream:
     def exposed_seconds(self) -> float:
         """Seconds eager consumers waited for their lookups, over event pairs that both ran (the rest count later)."""
         pending = []
-        for consumer, done in self._pairs:
+        for consumer, done, tag in self._pairs:
             if consumer.query() and done.query():
-                self._exposed_ms += max(0.0, consumer.elapsed_time(done))
+                ms = max(0.0, consumer.elapsed_time(done))
+                self._exposed_ms += ms
+                if tag is not None:
+                    self._exposed_by_tag[tag] = self._exposed_by_tag.get(tag, 0.0) + ms
             else:
-                pending.append((consumer, done))
+                pending.append((consumer, done, tag))
         self._pairs = pending
         return self._exposed_ms / 1e3
+
+    def pop_exposed(self, tag: int) -> float:
+        """Seconds the consumers of step ``tag`` waited (its events have run once its tokens were read); older
+        tags never taken (failed steps) are dropped."""
+        self.exposed_seconds()
+        ms = self._exposed_by_tag.pop(tag, 0.0)
+        for old in [t for t in self._exposed_by_tag if t < tag]:
+            del self._exposed_by_tag[old]
+        return ms / 1e3
 
     def idle(self) -> bool:
         """Whether everything queued on the lookup stream has run."""

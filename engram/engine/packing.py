@@ -112,6 +112,7 @@ def describe(step_id: int, batch: ScheduledBatch, packed: PackedBatch, plan: Loo
         slot_mapping=slot_mapping(packed.cu_seqlens, packed.positions, packed.block_tables, block_size),
         dead_mask=(packed.compressed_ids < 0) if has_dead_tokens else None,
         engram_row_ids=plan.row_ids,
+        engram_dedup=plan.dedup,
         sample_rows=packed.sample_rows,
         # the token sampled now is output number num_output_tokens + num_pending (tokens in flight come first); a
         # sequence with k drafts samples outputs j .. j + k at its last k + 1 rows

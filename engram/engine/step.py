@@ -98,6 +98,9 @@ class StepDescription:
     # ``samples`` has one spec per logits row (``logits_indices``), and the Worker verifies the drafts
     num_drafts: list[int] = field(default_factory=list)
     draft: "DraftPlan | None" = None  # a draft model's passes (engine/spec/draft_plan.py); None: drafts are in the ids
+    # Engram layer id -> its ids deduplicated on the host (row_dedup.DedupRows: distinct ids + inverse index); the
+    # Worker's eager lookups gather the distinct rows and expand them; empty when dedup is off
+    engram_dedup: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -151,3 +154,5 @@ class StepResult:
     route: str = ""  # the step runner that ran it (step_trace.py)
     gpu_s: float | None = None  # its device work (CUDA events), None on the CPU
     idle_s: float | None = None  # the device's idle time since the step before it, None on the CPU or the first
+    lookup_exposed_s: float | None = None  # time the step waited for its Engram rows (lookup_timing.py); None: a replay
+    gather_s: dict[str, float] = field(default_factory=dict)  # tier -> seconds its tables took to produce the rows

@@ -60,6 +60,7 @@ class StepPipeline:
         self.trace = StepTrace()  # the collected steps (step_trace.py)
         self._inflight: Launched | None = None  # async scheduling: the launched step not read yet
         self.speculator = speculator  # speculative decoding (engine/spec/): drafts were scheduled, accepts commit here
+        self._read_at: float | None = None  # monotonic time the last step's tokens were read (the host gap's start)
 
     def retire(self, seq_id: int) -> None:
         """A sequence finished or was aborted: the Workers drop its state with the next step."""
@@ -213,7 +214,8 @@ class StepPipeline:
                 raise RuntimeError(f"sequence {seq.request_id!r} has a token in flight that is not the last step's")
             sources.append(prev.sample_index[seq.seq_id])
         plan = self.planner.plan(packed.compressed_ids, packed.cu_seqlens, packed.lookback,
-                                 [before for _, _, before in packed.pending])  # row ids per layer
+                                 [before for _, _, before in packed.pending],
+                                 [row for row, _, _ in packed.pending])  # row ids per layer (+ distinct ids)
         step = describe(next(self._step_ids), batch, packed, plan, self.config.block_size, self.eos_token_id,
                         self.has_dead_tokens, self._finished_seq_ids)
         step.group_tables = self.scheduler.blocks.group_tables(batch.seqs)  # cache groups (DeepSeek-V4), else {}
@@ -223,6 +225,7 @@ class StepPipeline:
             step.pending_rows = [row for row, _, _ in packed.pending]
             step.pending_sources, step.pending_step_id = sources, prev.step_id
             step.pending_partials = plan.pending_partials
+        launched_at = time.monotonic()
         handle = self.executor.launch(step)
         self._finished_seq_ids = []
         self.num_steps += 1
@@ -233,9 +236,12 @@ class StepPipeline:
         sampled = packed.sample_rows  # the sequences that sample, as packing found them
         for i in sampled:
             batch.seqs[i].num_pending += 1
+        ids, unique = plan.dedup_counts()
+        # the host gap: since the last step was read, unless this one was launched while another was in flight
+        gap = 0.0 if prev is not None or self._read_at is None else max(0.0, launched_at - self._read_at)
         return Launched(batch, handle, step.step_id, {batch.seqs[i].seq_id: j for j, i in enumerate(sampled)},
                          [seq.metrics.num_preemptions for seq in batch.seqs], sampled,
-                         step.context_lens.tolist())
+                         step.context_lens.tolist(), dict(host_gap_s=gap, ids=ids, unique_ids=unique))
 
     def _collect(self, launched: "Launched") -> list[RequestOutput]:
         try:
@@ -245,10 +251,12 @@ class StepPipeline:
             raise
         if self.speculator is not None:
             self._commit_drafts(launched, result.num_emitted)
+        self._read_at = time.monotonic()
         self._commit_blocks(launched)
         self.trace.append(StepRecord.from_shape(launched.step_id, result.route, launched.batch.num_new_tokens,
                                                 launched.context_lens, len(launched.sampled), result.gpu_s,
-                                                result.idle_s))
+                                                result.idle_s, lookup_exposed_s=result.lookup_exposed_s,
+                                                gather_s=result.gather_s, **launched.lookups))
         return self._postprocess(launched, result)
 
     def _commit_drafts(self, launched: "Launched", num_emitted: list[int]) -> None:
@@ -302,6 +310,7 @@ class Launched:
     epochs: list[int]  # each sequence's preemption count at launch (a later preemption voids its advance)
     sampled: list[int]  # indices into batch.seqs of the sequences that sample, in token order
     context_lens: list[int]  # each sequence's KV length after the step (its shape, for the step trace)
+    lookups: dict  # for its StepRecord: host_gap_s, and the Engram ids planned / distinct per layer
 
 
 def pick(batch: ScheduledBatch, indices) -> ScheduledBatch:

@@ -88,6 +88,7 @@ class Worker:
         self.lookup = LookupExecutor(self.tables, self.ecfg, dtype, self.device, stream=self.lookup_stream,
                                      projectors=_projectors(self.model, engram_ids, dtype),
                                      layer_ids=engram_ids if loaded.layers is not None else None)
+        self._timed_lookup = self.lookup  # keeps each step's lookup timing, whatever wraps it later
         self.sampler = Sampler(seed=config.seed)
         self.verifier = Verifier(self.sampler)  # speculative decoding: drafts accepted or not, on the device
         ctok = loaded.compressed_tokenizer
@@ -243,6 +244,9 @@ class Worker:
             result.gpu_s = launched.started.elapsed_time(launched.sampled.ready) / 1e3
             if launched.before is not None:
                 result.idle_s = max(0.0, launched.before.elapsed_time(launched.started) / 1e3)
+        timing = self._timed_lookup.take_timing(step.step_id)
+        if timing is not None:  # None: a graph replay, whose gathers no host clock sees
+            result.lookup_exposed_s, result.gather_s = timing.exposed_s, dict(timing.gather_s)
         if step.prompt_logprobs and launched.prompt_scores is not None:  # None: a stage before the last
             result.prompt_logprobs = _prompt_logprobs(launched.prompt_scores, step)
         return result

@@ -84,6 +84,7 @@ class ColumnShard:
     ``before_read(layer_id)``: called before each local read (tests delay one rank's lookups with it)."""
 
     gathers_on_device = False  # a lookup ends in a collective: no CUDA graph captures it
+    column_layout = True  # takes ids as [T * n_cols] (it reads its columns of them): never deduplicated ones
 
     def __init__(self, table, layer_id: int, n_cols: int, splits: list[range], rank: int, row_lo: int, group,
                  before_read: Callable[[int], None] | None = None):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -56,6 +57,7 @@ class CompletedLookup(LookupHandle):
 
     def __init__(self, rows: torch.Tensor | None = None, error: BaseException | None = None) -> None:
         self._rows, self._error = rows, error
+        self.finished_at = time.monotonic()  # when the rows existed (engine/lookup_timing.py)
 
     def wait(self) -> torch.Tensor:
         if self._error is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +31,7 @@ class DiskLookup(LookupHandle):
         self._lock = threading.Lock()
         self._released = False
         self._cancelled = False
+        self.finished_at: float | None = None  # monotonic time the lookup ended (engine/lookup_timing.py)
         future.add_done_callback(self._on_done)
 
     def _release(self) -> None:
@@ -40,6 +42,7 @@ class DiskLookup(LookupHandle):
         self._table._release_slot(self._nbytes)
 
     def _on_done(self, fut: cf.Future) -> None:
+        self.finished_at = time.monotonic()
         if self._cancelled:  # nobody will consume these rows: drop them (the future is their only owner)
             self._future = None
             self._release()

@@ -36,9 +36,12 @@ class RecordingStream:
         assert self.issuing, "done() outside issue()"
         self.calls.append(("done", layer_id))
 
-    def wait(self, layer_id, *tensors):
+    def wait(self, layer_id, *tensors, tag=None):
         assert not self.issuing
         self.calls.append(("wait", layer_id, tuple(t.dim() for t in tensors)))
+
+    def pop_exposed(self, tag):
+        return 0.0
 
 
 def generate(loaded, stream=None):
