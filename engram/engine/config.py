@@ -1,5 +1,5 @@
 """EngineConfig: the scheduler's limits and the KV memory budget, validated at construction (ValueError naming
-the field). ``kv_cache_memory`` covers KV blocks, Engram staging and hot-row caches (memory.py);
+the field). ``kv_cache_memory`` covers KV blocks, Engram staging, prompt prefetch staging and hot-row caches (memory.py);
 ``max_model_len=None`` is resolved against the model at start."""
 from __future__ import annotations
 
@@ -37,6 +37,11 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     # deduplicate each step's Engram row ids on the host (engine/row_dedup.py): tables gather each distinct row once
     dedup_rows: bool = True
+    # stage prompts' Engram rows ahead of their prefill chunks (engine/prefetch_plan.py, prefetch_stage.py); an
+    # experiment until the H200 A/B decides, so off by default
+    prompt_prefetch: bool = False
+    # bytes of staged prompt rows per Worker (raw rows + index), part of the KV memory budget (memory.py)
+    prefetch_staging_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -55,9 +60,11 @@ class EngineConfig:
             raise bad("num_kv_blocks", "must be >= 1 (or None to size from kv_cache_memory)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise bad("gpu_memory_utilization", "must be in (0, 1]")
-        for name in ("enable_prefix_caching", "dedup_rows"):
+        for name in ("enable_prefix_caching", "dedup_rows", "prompt_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be true or false")
+        if not isinstance(self.prefetch_staging_bytes, int) or self.prefetch_staging_bytes < 0:
+            raise bad("prefetch_staging_bytes", "must be a byte count >= 0")
         if self.async_scheduling not in (None, True, False):
             raise bad("async_scheduling", "must be true, false or null (auto)")
         if self.max_num_batched_tokens < self.max_num_seqs:

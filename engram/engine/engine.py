@@ -19,6 +19,7 @@ from engram.engine.executor import Executor, UniProcExecutor
 from engram.engine.microbatches import MicrobatchPipeline
 from engram.engine.outputs import CompletionOutput, RequestOutput
 from engram.engine.planner import LookupPlanner
+from engram.engine.prefetch_plan import PromptPrefetcher
 from engram.engine.prefix_cache import content_key
 from engram.engine.request_check import check_request
 from engram.engine.sampling_params import SamplingParams
@@ -52,6 +53,11 @@ class LLMEngine:
         # A model without Engram layers (a plain checkpoint) runs with empty plans.
         self.hasher = NgramHasher.from_tokenizer(ecfg, self.ctok) if ecfg else None
         self._dead_ids = ecfg.dead_token_ids if ecfg else ()
+        # prompt rows staged ahead of their prefill (engine/prefetch_plan.py), when asked for and there are tables;
+        # a budget too small for one range fails here, before the Workers start
+        self.prefetcher = (PromptPrefetcher(self.hasher, ecfg.n_cols, len(ecfg.layer_ids), ecfg.row_bytes,
+                                            config.prefetch_staging_bytes)
+                           if config.prompt_prefetch and self.hasher is not None else None)
         spec = config.speculative_config
         self.speculator = (Speculator.for_engine(spec, self.max_model_len, loaded, executor, dtype, device,
                                                   config.block_size)
@@ -67,8 +73,9 @@ class LLMEngine:
         args = (config, self.device, self.scheduler, self.executor, self.planner, self.hasher.pad_id if self.hasher
                 else 0, self.eos_token_id, bool(self._dead_ids), self.max_model_len, self._postprocess, self.speculator)
         # pipeline stages: one microbatch in flight per stage (engine/microbatches.py)
-        self.pipeline = (MicrobatchPipeline(*args, depth=config.pipeline_parallel_size)
-                         if config.pipeline_parallel_size > 1 else StepPipeline(*args))
+        self.pipeline = (MicrobatchPipeline(*args, depth=config.pipeline_parallel_size,
+                                            prefetcher=self.prefetcher)
+                         if config.pipeline_parallel_size > 1 else StepPipeline(*args, prefetcher=self.prefetcher))
 
     def step(self) -> list[RequestOutput]:
         """Run one step -> the outputs of the step that completed (with async scheduling, the one launched before)."""
@@ -92,6 +99,8 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), request_id, text, ids, self._compress(ids), params, detok,
                        self._initial_lookback())
         self._seqs[request_id] = seq
+        if self.prefetcher is not None:
+            self.prefetcher.admit(seq)
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> bool:
@@ -124,7 +133,8 @@ class LLMEngine:
                 "kv_bytes": worker["kv_bytes"], "graph_replays": worker["graph_replays"],
                 "mixed_graph_replays": worker.get("mixed_graph_replays", 0),
                 "prefix_cache": blocks.stats.snapshot(blocks.num_cached_blocks),
-                "cache_groups": blocks.group_stats(), **self.pipeline.trace.totals(),
+                "cache_groups": blocks.group_stats(), "prefetch": worker.get("prefetch", {}),
+                **self.pipeline.trace.totals(),
                 **({"speculative": self.speculator.stats()} if self.speculator is not None else {})}
 
     def reset_prefix_cache(self) -> int:
@@ -144,6 +154,8 @@ class LLMEngine:
         return self.hasher.initial_lookback(1)[0] if self.hasher else torch.empty(0, dtype=torch.long)  # [W]
 
     def _retire(self, seq: Sequence) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.forget(seq.seq_id)
         self.scheduler.finish(seq)
         self.pipeline.retire(seq.seq_id)
 

@@ -17,6 +17,7 @@ from engram.config import EngramConfig
 from engram.engine.lookup_stream import LookupStream
 from engram.engine.lookup_timing import LookupTiming, tier_name
 from engram.engine.pending import PendingPatch
+from engram.engine.prefetch_stage import PrefetchStaging
 from engram.engine.row_dedup import host_table_ids
 from engram.engine.step import StepDescription
 from engram.module import Projected
@@ -178,6 +179,9 @@ class LookupExecutor:
         self.stream = stream  # lookup_overlap: gathers on their own stream, an event per layer
         # WKV run-ahead (with a stream): layer id -> Engram.project of its rows, run on the lookup stream too
         self.projectors = projectors if stream is not None else None
+        # prompt ranges staged ahead (prefetch_stage.py; the Worker's): steps' StagedUses read them, and without it
+        # (inactive) those rows are gathered directly
+        self.staging = PrefetchStaging(tables, 0, self.device, active=False)
         self.tiers = {lid: tier_name(t) for lid, t in tables.items()}  # what each layer's time counts under
         # tables that take any ids (not a TP column shard, which reads its columns of [T * n_cols])
         self.dedupes = {lid: not getattr(t, "column_layout", False) for lid, t in tables.items()}
@@ -302,7 +306,8 @@ class LookupExecutor:
             for i, (lid, ids) in enumerate(step.engram_row_ids.items()):
                 dedup = dedup_of(lid)
                 finish = _read_only if lid in slabs else functools.partial(
-                    self._finish, shape=ids.shape, inverse=dedup.inverse if dedup is not None else None)
+                    self._finish, shape=ids.shape, inverse=dedup.inverse if dedup is not None else None,
+                    staged=(step, lid, timing) if dedup is not None and step.staged_uses else None)
                 if lid in handles and not handles[lid].done() and (i > 0 or isinstance(handles[lid], Chained)):
                     deferred[lid] = (handles[lid], finish)
                     continue
@@ -344,12 +349,19 @@ class LookupExecutor:
         arrived.record()
         return HostIds(layers, host, arrived)
 
-    def _finish(self, flat: torch.Tensor, shape: torch.Size, inverse: torch.Tensor | None = None) -> torch.Tensor:
+    def _finish(self, flat: torch.Tensor, shape: torch.Size, inverse: torch.Tensor | None = None,
+                staged: tuple | None = None) -> torch.Tensor:
         """A layer's fetched rows [T * n_cols, head_dim] (or, deduplicated, [U, head_dim] expanded through
-        ``inverse`` [T * n_cols]) -> [T, n_cols, D] on the device in the model's dtype."""
+        ``inverse`` [T * n_cols]) -> [T, n_cols, D] on the device in the model's dtype; ``staged`` (step, layer,
+        timing): the step's token rows staged ahead are written in from the staging area."""
         rows = flat.to(self.device, self.dtype)
         if inverse is not None:
             rows = rows.index_select(0, to_device(inverse, self.device))  # [T * n_cols, D]
+        if staged is not None:
+            step, lid, timing = staged
+            waited = self.staging.overlay(step, lid, rows, self.tables[lid], self.fetch_dtype, shape[1])
+            if timing is not None:
+                timing.add_exposed(waited)
         return rows.reshape(shape[0], shape[1], -1)
 
     def takes_device_ids(self) -> bool:

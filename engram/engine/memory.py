@@ -1,6 +1,6 @@
 """KV memory planning: how many paged KV blocks a Worker allocates, decided once at start. First that applies:
-``num_kv_blocks`` (exact); ``kv_cache_memory`` (a byte budget that pays first for a full step's Engram staging and the
-hot-row caches); on CUDA, ``gpu_memory_utilization`` of the device minus what is in use after loading minus the peak of
+``num_kv_blocks`` (exact); ``kv_cache_memory`` (a byte budget that pays first for a full step's Engram staging, the
+prompt prefetch staging and the hot-row caches); on CUDA, ``gpu_memory_utilization`` of the device minus what is in use after loading minus the peak of
 a profiled warm-up step (``profile_peak_bytes``); on the CPU, room for ``max_num_seqs`` full sequences. Too little for
 one ``max_model_len`` sequence is a ValueError at start that prints every term."""
 from __future__ import annotations
@@ -32,26 +32,30 @@ class MemoryPlan:
 
 def plan_memory(cfg: EngineConfig, max_model_len: int, bytes_per_block: int, staging_bytes: int,
                 cache_bytes: int, device: torch.device, step_peak_bytes: int | None = None,
-                graph_bytes: int = 0, blocks_per_sequence: int | None = None) -> MemoryPlan:
+                graph_bytes: int = 0, blocks_per_sequence: int | None = None, prefetch_bytes: int = 0) -> MemoryPlan:
     """``step_peak_bytes``: the profiled warm-up step's peak (CUDA, no budget); ``graph_bytes``: the graphs' pool;
-    ``blocks_per_sequence``: the most blocks one full-length sequence holds (cache groups), else its paged KV's."""
+    ``blocks_per_sequence``: the most blocks one full-length sequence holds (cache groups), else its paged KV's;
+    ``prefetch_bytes``: the prompt prefetch staging area (engine.prefetch_staging_bytes), filled after the start."""
     per_seq = blocks_per_sequence or -(-max_model_len // cfg.block_size)  # blocks one full-length sequence needs
     if cfg.num_kv_blocks is not None:
         num_blocks = cfg.num_kv_blocks
         what = f"engine.num_kv_blocks={num_blocks}"
     elif cfg.kv_cache_memory is not None:
-        left = cfg.kv_cache_memory - staging_bytes - cache_bytes
+        left = cfg.kv_cache_memory - staging_bytes - prefetch_bytes - cache_bytes
         num_blocks = max(0, left // bytes_per_block)
-        what = (f"engine.kv_cache_memory={cfg.kv_cache_memory} bytes minus Engram staging {staging_bytes} and "
-                f"hot-row cache {cache_bytes} leaves {max(left, 0)} bytes = {num_blocks} KV blocks of "
+        prefetch = f", prompt prefetch staging {prefetch_bytes} (engine.prefetch_staging_bytes)" if prefetch_bytes \
+            else ""
+        what = (f"engine.kv_cache_memory={cfg.kv_cache_memory} bytes minus Engram staging {staging_bytes}{prefetch} "
+                f"and hot-row cache {cache_bytes} leaves {max(left, 0)} bytes = {num_blocks} KV blocks of "
                 f"{bytes_per_block} bytes")
     elif step_peak_bytes is not None:
         free, total = torch.cuda.mem_get_info(device)
-        left = int(total * cfg.gpu_memory_utilization) - (total - free) - step_peak_bytes - graph_bytes
+        left = (int(total * cfg.gpu_memory_utilization) - (total - free) - step_peak_bytes - graph_bytes
+                - prefetch_bytes)
         num_blocks = min(cfg.max_num_seqs * per_seq, max(0, left // bytes_per_block))
         what = (f"engine.gpu_memory_utilization={cfg.gpu_memory_utilization} of {total} bytes minus {total - free} "
-                f"in use after loading minus a step's profiled peak of {step_peak_bytes} and {graph_bytes} for "
-                f"CUDA graphs leaves {max(left, 0)} bytes")
+                f"in use after loading minus a step's profiled peak of {step_peak_bytes}, {graph_bytes} for "
+                f"CUDA graphs and {prefetch_bytes} of prompt prefetch staging leaves {max(left, 0)} bytes")
     else:
         num_blocks = cfg.max_num_seqs * per_seq
         what = f"room for max_num_seqs={cfg.max_num_seqs} sequences is {num_blocks} KV blocks"

@@ -38,15 +38,18 @@ class LookupPlanner:
         self.dedup = dedup
 
     def plan(self, compressed_ids: torch.Tensor, cu_seqlens: torch.Tensor, lookback: torch.Tensor,
-             pending_before: list[list[int]] = (), pending_rows: list[int] = ()) -> LookupPlan:
+             pending_before: list[list[int]] = (), pending_rows: list[int] = (),
+             staged_rows: list[int] = ()) -> LookupPlan:
         """compressed_ids [T] (DEAD = -1), cu_seqlens [S+1], lookback [S, max_ngram-1] and each pending token's
         max_ngram-1 ids before it (at packed rows ``pending_rows``) -> LookupPlan (pending rows' ids are
-        placeholders)."""
+        placeholders); ``staged_rows``: rows whose Engram rows are staged (prefetch_plan.py), left out of what the
+        tables are asked for."""
         if self.hasher is None:
             return LookupPlan({})
         rows, _ = self.hasher.hash_step(compressed_ids, cu_seqlens, lookback)  # {layer: [T, n_cols]}
         partials = None
         if pending_before:
             partials = torch.from_numpy(self.hasher.pending_partials(np.asarray(pending_before, dtype=np.int64)))
-        dedup = {lid: dedupe(r, list(pending_rows)) for lid, r in rows.items()} if self.dedup else {}
+        dedup = ({lid: dedupe(r, list(pending_rows), list(staged_rows), self.dedup) for lid, r in rows.items()}
+                 if self.dedup or staged_rows else {})
         return LookupPlan(rows, partials, dedup)

@@ -44,19 +44,30 @@ class DedupRows:
         return torch.cat([head, pending_ids.reshape(-1)])
 
 
-def dedupe(row_ids: torch.Tensor, pending_rows: list[int] = ()) -> DedupRows:
+def dedupe(row_ids: torch.Tensor, pending_rows: list[int] = (), skip_rows: list[int] = (),
+           distinct: bool = True) -> DedupRows:
     """``row_ids`` [T, n_cols] int64 CPU; ``pending_rows``: packed rows whose ids are placeholders (async
-    scheduling), each given slots of its own after the known ids, in ``pending_rows`` order."""
+    scheduling), each given slots of its own after the known ids, in ``pending_rows`` order; ``skip_rows``: rows the
+    tables are not asked for (staged ahead: engine/prefetch_plan.py), whose inverse entries point at slot 0 (at least
+    one id is kept so the expansion has a row to read; the caller overwrites them); ``distinct`` False keeps every
+    other id (the lookups then skip only ``skip_rows``)."""
     t, n_cols = row_ids.shape
     flat = row_ids.numpy().reshape(-1)
-    if not pending_rows:
+    if not pending_rows and not skip_rows and distinct:
         uniq, inverse = np.unique(flat, return_inverse=True)
         return DedupRows(torch.from_numpy(uniq), torch.from_numpy(inverse.reshape(-1).astype(np.int64)), len(uniq))
-    pending = np.zeros(t, dtype=bool)
-    pending[list(pending_rows)] = True
-    known = np.repeat(~pending, n_cols)  # [T * n_cols]
-    uniq, inv = np.unique(flat[known], return_inverse=True)
-    inverse = np.empty(t * n_cols, dtype=np.int64)
+    asked = np.ones(t, dtype=bool)
+    asked[list(pending_rows)] = False
+    asked[list(skip_rows)] = False
+    known = np.repeat(asked, n_cols)  # [T * n_cols]
+    if distinct:
+        uniq, inv = np.unique(flat[known], return_inverse=True)
+    else:
+        uniq = flat[known]
+        inv = np.arange(len(uniq), dtype=np.int64)
+    if len(uniq) == 0 and not pending_rows:
+        uniq = flat[:1]  # a real id: every position is overwritten, but the expansion reads one row
+    inverse = np.zeros(t * n_cols, dtype=np.int64)
     inverse[known] = inv.reshape(-1)
     # pending row k (in pending_rows order), column c -> slot U + k * n_cols + c
     slots = len(uniq) + np.arange(len(pending_rows) * n_cols, dtype=np.int64).reshape(len(pending_rows), n_cols)

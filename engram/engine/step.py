@@ -101,6 +101,11 @@ class StepDescription:
     # Engram layer id -> its ids deduplicated on the host (row_dedup.DedupRows: distinct ids + inverse index); the
     # Worker's eager lookups gather the distinct rows and expand them; empty when dedup is off
     engram_dedup: dict = field(default_factory=dict)
+    # Prompt rows ahead of their prefill (engine/prefetch_plan.py): ranges to stage now (PrefetchRange, FCFS order),
+    # sequences whose staged ranges go (preempted), and this step's token rows read from staged ranges (StagedUse)
+    prefetch: list = field(default_factory=list)
+    prefetch_drop: list[int] = field(default_factory=list)
+    staged_uses: list = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,7 @@ from engram.engine.executor import Executor
 from engram.engine.outputs import RequestOutput
 from engram.engine.packing import describe, pack
 from engram.engine.planner import LookupPlanner
+from engram.engine.prefetch_plan import PromptPrefetcher
 from engram.engine.scheduler import ScheduledBatch, Scheduler
 from engram.engine.sequence import Sequence
 from engram.engine.spec.speculator import Speculator
@@ -48,11 +49,12 @@ class StepPipeline:
     def __init__(self, config: EngineConfig, device: torch.device, scheduler: Scheduler, executor: Executor,
                  planner: LookupPlanner, pad_id: int, eos_token_id: int | None, has_dead_tokens: bool,
                  max_model_len: int, postprocess: Callable[["Launched", StepResult], list[RequestOutput]],
-                 speculator: Speculator | None = None):
+                 speculator: Speculator | None = None, prefetcher: PromptPrefetcher | None = None):
         self.config, self.device, self.scheduler, self.executor, self.planner = (config, torch.device(device),
                                                                                  scheduler, executor, planner)
         self.pad_id, self.eos_token_id, self.has_dead_tokens = pad_id, eos_token_id, has_dead_tokens
         self.max_model_len, self._postprocess = max_model_len, postprocess
+        self.prefetcher = prefetcher  # prompt rows staged ahead (prefetch_plan.py), or None
         self._step_ids = itertools.count()
         self._finished_seq_ids: list[int] = []  # retired since the last launch: told to the Workers with the next
         self.num_preemptions = 0  # sequences preempted by recompute since start
@@ -213,11 +215,15 @@ class StepPipeline:
             if prev is None or seq.seq_id not in prev.sample_index:
                 raise RuntimeError(f"sequence {seq.request_id!r} has a token in flight that is not the last step's")
             sources.append(prev.sample_index[seq.seq_id])
+        uses = self.prefetcher.uses(batch, packed.cu_seqlens) if self.prefetcher is not None else []
         plan = self.planner.plan(packed.compressed_ids, packed.cu_seqlens, packed.lookback,
-                                 [before for _, _, before in packed.pending],
-                                 [row for row, _, _ in packed.pending])  # row ids per layer (+ distinct ids)
+                                 [before for _, _, before in packed.pending], [row for row, _, _ in packed.pending],
+                                 [u.row + i for u in uses for i in range(u.count)])  # row ids per layer (+ distinct)
         step = describe(next(self._step_ids), batch, packed, plan, self.config.block_size, self.eos_token_id,
                         self.has_dead_tokens, self._finished_seq_ids)
+        if self.prefetcher is not None:  # the next prompt ranges, FCFS, while this step computes
+            order = self.prefetcher.advance(batch, self.scheduler.running + list(self.scheduler.waiting))
+            step.prefetch, step.prefetch_drop, step.staged_uses = order.ranges, order.drop, uses
         step.group_tables = self.scheduler.blocks.group_tables(batch.seqs)  # cache groups (DeepSeek-V4), else {}
         if self.speculator is not None and self.speculator.draft_planner is not None:
             step.draft = self.speculator.draft_planner.plan(batch, step)  # the draft model's passes

@@ -19,6 +19,7 @@ from engram.engine.lookup import LookupExecutor, staging_bytes
 from engram.engine.lookup_stream import LookupStream
 from engram.engine.memory import MemoryPlan, plan_memory, profile_peak_bytes
 from engram.engine.pending import PendingTokens
+from engram.engine.prefetch_stage import PrefetchStaging
 from engram.engine.runners import conv_blocks
 from engram.engine.runners.base import StepRunner
 from engram.engine.runners.decode_inputs import DecodeInputs, graph_reserve_bytes
@@ -121,12 +122,23 @@ class Worker:
         peak = profile_peak_bytes(self, bytes_per_block) if self._profiles_memory() else None
         if wrap_lookup is not None:  # after the warm-up, which no statistic or wrapper sees (memory.py)
             self.lookup = wrap_lookup(self.lookup)
+            self._timed_lookup = self.lookup if hasattr(self.lookup, "take_timing") else self._timed_lookup
+        # prompt rows staged ahead (prefetch_stage.py): only where prefill reads them (eager prefill; the mixed-step
+        # graphs gather inside the graph) and every table takes any ids (not TP column shards)
+        reads_staging = not (use_graphs and self._gathers_on_device()) and all(
+            not getattr(t, "column_layout", False) for t in self.tables.values())
+        self.prefetch = PrefetchStaging(self.tables, config.prefetch_staging_bytes if config.prompt_prefetch else 0,
+                                        self.device, active=reads_staging)
+        if hasattr(self.lookup, "staging"):
+            self.lookup.staging = self.prefetch
         self.memory: MemoryPlan = plan_memory(config, max_model_len, bytes_per_block, staging,
                                               _hot_cache_bytes(self.tables), self.device, peak,
                                               graph_reserve_bytes(config, peak, self._gathers_on_device())
                                               if use_graphs else 0,
                                               self.cache_layout.max_blocks_per_sequence(max_model_len)
-                                              if self.sequence_caches else None)
+                                              if self.sequence_caches else None,
+                                              config.prefetch_staging_bytes if config.prompt_prefetch and self.ecfg
+                                              else 0)
         # One more block than the scheduler hands out (``memory.num_blocks``): the padding of a graph's bucket
         # writes there.
         if self.sequence_caches:
@@ -195,7 +207,11 @@ class Worker:
         for other in self.runners:
             if other is not runner:
                 other.settle()  # its background lookups, before this step's
-        forward = runner.launch(step, patch)
+        self.prefetch.accept(step)  # the next prompt ranges start fetching beside this step
+        try:
+            forward = runner.launch(step, patch)
+        finally:
+            self.prefetch.release(step)  # the ranges this step reached are done with (also when it failed)
         if forward.logits is None:  # a pipeline stage before the last: its streams went on, nothing to sample
             sampled = SampledTokens(torch.empty(0, dtype=torch.long, device=self.device), None, None, None)
         else:
@@ -261,7 +277,7 @@ class Worker:
         out = {"tables": self.lookup.stats(), "kv_blocks": self.memory.num_blocks,
                "lookup_exposed_s": self.lookup_stream.exposed_seconds() if self.lookup_stream else 0.0,
                "kv_bytes": self.memory.kv_bytes, "graph_replays": 0, "graph_pool_bytes": 0,
-               "mixed_graph_replays": 0, "mixed_graph_pool_bytes": 0}
+               "mixed_graph_replays": 0, "mixed_graph_pool_bytes": 0, "prefetch": self.prefetch.stats()}
         for runner in self.runners:
             out.update(runner.stats())
         return out

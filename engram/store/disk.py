@@ -29,6 +29,7 @@ from engram.store.page_checker import PageChecker
 from engram.store.page_crc import CorruptPageError, page_error
 from engram.store.disk_slabs import SlabReader, check_fits, uva_decodes
 from engram.store.page_slabs import PageSlab, SlabPool
+from engram.store import reader
 from engram.store.reader import PAGE, PageReader, aligned_pages
 from engram.store.scrub import Scrubber
 from engram.store.shared_host import shared_target
@@ -237,10 +238,10 @@ class DiskTable(TableBackend):
         bufs = [aligned_pages(buf_pages) for _ in range(min(2, len(plan)))]
         crcs = [np.empty(buf_pages * PAGE // self.page, dtype=np.uint32) for _ in bufs]  # each page's CRC32C, read
         pending: dict[int, cf.Future] = {}
+        read = reader.with_priority(reader.current_priority(), self.reader.read)  # the caller's, on the I/O thread
 
         def start(k: int) -> None:  # chunk k reads into bufs[k % 2] on an I/O thread
-            pending[k] = self._io.submit(self.reader.read, plan[k][0], bufs[k % 2], size, crcs[k % 2],
-                                           self.page)
+            pending[k] = self._io.submit(read, plan[k][0], bufs[k % 2], size, crcs[k % 2], self.page)
 
         try:
             if len(plan) > 1:

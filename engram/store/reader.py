@@ -4,6 +4,7 @@ pool with identical bytes when the extension is missing. A failed, short or stal
 file and offset; only that call fails."""
 from __future__ import annotations
 
+import contextlib
 import errno as errno_mod
 import itertools
 import os
@@ -47,6 +48,35 @@ _pools_lock = threading.Lock()
 
 
 _read_start = threading.local()  # per thread: the hook ``on_read_start`` set
+
+DECODE, PROMPT = 0, 1  # read priorities: a step's own reads, then reads ahead of a prompt's prefill (prefetch)
+_priority = threading.local()  # per thread: the priority ``read_priority`` set (DECODE unless set)
+
+
+@contextlib.contextmanager
+def read_priority(level: int):
+    """``PageReader.read`` calls on this thread inside run at ``level`` (DECODE or PROMPT): the C pool serves every
+    queued DECODE read before a PROMPT one, and PROMPT reads claim no new page while a DECODE read is in flight."""
+    if level not in (DECODE, PROMPT):
+        raise ValueError(f"read priority {level!r}: must be reader.DECODE or reader.PROMPT")
+    before = current_priority()
+    _priority.level = level
+    try:
+        yield
+    finally:
+        _priority.level = before
+
+
+def current_priority() -> int:
+    return getattr(_priority, "level", DECODE)
+
+
+def with_priority(level: int, fn: Callable) -> Callable:
+    """``fn`` run under ``read_priority(level)`` (for reads handed to another thread)."""
+    def run(*args, **kwargs):
+        with read_priority(level):
+            return fn(*args, **kwargs)
+    return run
 
 
 def on_read_start(hook: Callable[[], None] | None) -> Callable[[], None] | None:
