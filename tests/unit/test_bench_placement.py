@@ -40,7 +40,7 @@ def test_measure_decode_emits_the_forced_ids_and_refuses_a_short_list():
     forced = engine_steps.prompt_ids(2, max_tokens, 4096, seed=99)
     t = engine_steps.measure_decode(engine, prompts, steps=3, warmup_tokens=2, forced=forced)
     # 20 prompt tokens prefill in one step: 2 warm-up tokens, then 3 timed ones, each of them forced
-    assert t.token_ids == [f[:5] for f in forced] and len(t.wall_s) == 3 and t.lookup_exposed_s == 0.0
+    assert t.token_ids == [f[:5] for f in forced] and len(t.wall_s) == 3 and t.lookup_exposed_s > 0.0  # CPU: staged, then waited for
     assert not engine.has_unfinished()
     free = engine_steps.measure_decode(engine, prompts, steps=3, warmup_tokens=2)
     assert free.token_ids != t.token_ids  # without forcing the random model emits its own tokens
@@ -177,7 +177,7 @@ def test_placement_bench_runs_both_tiers_interleaved_and_writes_every_field(tmp_
         assert len(c["samples"]) == 6 and [s["label"] for s in c["samples"]] == ["A", "A'", "B", "B", "A'", "A"]
         for s in c["samples"]:
             assert s["tok_s"] > 0 and s["steps"] == 4 and s["graph_replays"] == 0  # no CUDA graphs on the CPU
-            assert s["lookup_exposed_s"] == 0.0  # no lookup stream on the CPU
+            assert s["lookup_exposed_s"] > 0.0  # the CPU stages every step before its forward and waits
             assert s["tokens_checked"] >= c["batch"] * (2 + 4)  # every emitted id was its forced id
             assert s["tok_s"] == pytest.approx(c["batch"] * 4 / s["wall_s"])
             assert s["hit_rate"] is None  # no hot-row cache

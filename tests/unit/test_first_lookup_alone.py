@@ -189,8 +189,9 @@ def test_a_step_submits_with_the_first_only_when_its_ids_fill_the_read_queue(tmp
     first's runs; a smaller step keeps the first alone (decode steps of one sequence: 8 ids against a depth of
     16; of three: 24)."""
     log: list = []
+    # without host dedup every layer is asked for the step's T * n_cols ids, which the log below groups steps by
     llm = engram.LLM("tiny", tier="disk", dtype=torch.float32, cache_dir=str(tmp_path), max_num_seqs=4,
-                     engram_config={"queue_depth": 16})
+                     engram_config={"queue_depth": 16}, dedup_rows=False)
     worker = llm.engine.executor.worker
     assert {lookup.read_queue_depth(t) for t in worker.lookup.tables.values()} == {16}
     worker.lookup.tables = {lid: Counting(t, lid, log) for lid, t in worker.lookup.tables.items()}
