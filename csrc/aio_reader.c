@@ -2,11 +2,12 @@
  * io_getevents), for the disk tier's io="direct" reads.
  *
  * Aio(depth) owns one kernel AIO context of `depth` slots. Aio.read(fd, offsets, size, out, inject_index=-1,
- * inject_errno=0, inject_got=0, crc_out=None, crc_page=0) has Pool.read's contract (csrc/pread_pool.c):
+ * inject_errno=0, inject_got=0, crc_out=None, crc_page=0, priority=0) has Pool.read's contract (csrc/pread_pool.c):
  * block i of `size` bytes from offsets[i] into out[i*size:], up to `depth` reads in flight, the CRC32C of each
  * crc_page-byte page of a block into crc_out once that block is in, None when every block was read in full,
  * else (index, errno, got) of the lowest failing block; the same fault injection. The GIL is released while
- * the call submits and waits.
+ * the call submits and waits. A priority-0 call counts as a decode read in flight (read_call.h), which holds
+ * back the pools' priority-1 jobs; priority-1 reads go through the pool (reader.py), where they can wait.
  *
  * Why: the thread pool wakes one sleeping worker per block in flight. On the virtual machines we measured,
  * a worker that slept through a decode step (~4 ms) costs tens of microseconds to wake, so a batch-1 lookup's
@@ -213,7 +214,9 @@ static PyObject *Aio_read(Aio *self, PyObject *args, PyObject *kwds) {
     int ctx_err = 0;
     if (c.n > 0) {
         Py_BEGIN_ALLOW_THREADS
+        if (c.priority == 0) engram_decode_begin();
         ctx_err = run_batch(self, &b, c.inject_index, c.inject_errno, c.inject_got);
+        if (c.priority == 0) engram_decode_end();
         if (ctx_err) { /* reads may still be in flight into `out`: io_destroy waits for them; then a fresh
                           context, so this object keeps reading (or reports itself closed) */
             syscall(SYS_io_destroy, self->ctx);

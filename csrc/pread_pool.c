@@ -25,6 +25,13 @@
  * reads in flight until its tail. The calling thread claims blocks of its own job too, so its first read
  * starts at once (waking a sleeping worker costs tens of microseconds on a virtual machine) and a job of
  * n blocks wakes at most n - 1 workers. Not fork-safe: reader.py rebuilds the pool in a forked child.
+ *
+ * Priorities: two FIFOs, decode (priority 0: a step's own reads) before prompt (priority 1: reads ahead of
+ * a prefill). A worker takes the oldest decode job if there is one. A prompt job's blocks are claimed one at
+ * a time only while no decode job is queued here and no priority-0 read runs anywhere in the process
+ * (engram_decode_reads, which Aio.read counts too); otherwise its readers (workers and its caller) stop after
+ * the block in hand and the job waits in its queue, its caller sleeping until the workers finish it. So a
+ * decode read waits for at most the blocks already in flight, never for a prompt's queue.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -36,6 +43,7 @@
 #include "read_call.h"
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 typedef struct Job {
@@ -58,6 +66,8 @@ typedef struct Job {
     Py_ssize_t crc_page;  /* > 0: after reading block i, the worker writes the CRC32C of each crc_page-byte
                              page of it to crc_out[i * (size / crc_page) + k] */
     uint32_t *crc_out;
+    int64_t *order_out;   /* NULL, or where the claim ticket of each block goes */
+    int priority;         /* 0 decode, 1 prompt: which FIFO */
     struct Job *link;     /* FIFO of jobs with unclaimed blocks */
     pthread_cond_t cv_done;
 } Job;
@@ -69,9 +79,43 @@ typedef struct {
     int started;          /* threads actually created */
     pthread_mutex_t mu;
     pthread_cond_t cv_work;
-    Job *head, *tail;
+    Job *head[2], *tail[2]; /* FIFOs of jobs with unclaimed blocks: [0] decode, [1] prompt */
+    int decode_queued;    /* decode jobs in head[0] (atomic reads outside mu) */
+    int64_t tickets;      /* claims so far (atomic): each block's order_out entry */
     int stop;
 } Pool;
+
+int engram_decode_reads = 0;
+static pthread_mutex_t decode_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t decode_idle = PTHREAD_COND_INITIALIZER; /* broadcast when engram_decode_reads drops to 0 */
+
+void engram_decode_begin(void) { __atomic_add_fetch(&engram_decode_reads, 1, __ATOMIC_SEQ_CST); }
+
+void engram_decode_end(void) {
+    if (__atomic_sub_fetch(&engram_decode_reads, 1, __ATOMIC_SEQ_CST) == 0) {
+        pthread_mutex_lock(&decode_mu);
+        pthread_cond_broadcast(&decode_idle);
+        pthread_mutex_unlock(&decode_mu);
+    }
+}
+
+/* Whether a prompt job must hold its next claim: a decode job queued here, or a decode read in flight. */
+static int prompt_holds(Pool *p) {
+    return __atomic_load_n(&p->decode_queued, __ATOMIC_SEQ_CST) > 0 ||
+           __atomic_load_n(&engram_decode_reads, __ATOMIC_SEQ_CST) > 0;
+}
+
+/* Sleeps until no decode read runs (or 1 ms passed: a decode job queued here is not counted while it waits). */
+static void wait_decode_idle(void) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_nsec += 1000000;
+    if (until.tv_nsec >= 1000000000) { until.tv_sec++; until.tv_nsec -= 1000000000; }
+    pthread_mutex_lock(&decode_mu);
+    while (__atomic_load_n(&engram_decode_reads, __ATOMIC_SEQ_CST) > 0)
+        if (pthread_cond_timedwait(&decode_idle, &decode_mu, &until) != 0) break;
+    pthread_mutex_unlock(&decode_mu);
+}
 
 /* Reads block i of job j in full (or fails it as injected); returns 0 or fills *err / *got. */
 static int read_block(Job *j, Py_ssize_t i, int *err, Py_ssize_t *got) {
@@ -90,12 +134,17 @@ typedef struct {
     Py_ssize_t got;
 } Share;
 
-/* Claims blocks of j one at a time until none is left, reading (and checksumming) each: one thread's share. */
-static Share take_share(Job *j) {
+/* Claims blocks of j one at a time until none is left (a prompt job: or until it must hold), reading (and
+ * checksumming) each: one thread's share. A claim is a compare-and-swap so a held job keeps its next block. */
+static Share take_share(Pool *p, Job *j) {
     Share s = {0, -1, 0, 0};
     for (;;) {
-        Py_ssize_t i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (j->priority && prompt_holds(p)) break;
+        Py_ssize_t i = __atomic_load_n(&j->next, __ATOMIC_RELAXED);
         if (i >= j->n) break;
+        if (!__atomic_compare_exchange_n(&j->next, &i, i + 1, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) continue;
+        int64_t ticket = __atomic_fetch_add(&p->tickets, 1, __ATOMIC_RELAXED);
+        if (j->order_out != NULL) j->order_out[i] = ticket;
         s.finished++;
         if (__atomic_load_n(&j->failed, __ATOMIC_RELAXED)) continue;
         int err;
@@ -110,18 +159,20 @@ static Share take_share(Job *j) {
     return s;
 }
 
-/* Under p->mu, after a share: every block of j is claimed, so j leaves the queue (wherever it is: the
- * caller's own share may end while an older job is still at the head); the share is counted and the thread
- * detaches, waking the caller when j is complete. */
+/* Under p->mu, after a share: once every block of j is claimed, j leaves its queue (wherever it is: the
+ * caller's own share may end while an older job is still at the head; a held prompt job stays); the share
+ * is counted and the thread detaches, waking the caller when j is complete. */
 static void end_share(Pool *p, Job *j, Share s) {
-    Job **link = &p->head, *prev = NULL;
+    int q = j->priority;
+    Job **link = &p->head[q], *prev = NULL;
     while (*link != NULL && *link != j) {
         prev = *link;
         link = &(*link)->link;
     }
-    if (*link == j) {
+    if (*link == j && __atomic_load_n(&j->next, __ATOMIC_RELAXED) >= j->n) {
         *link = j->link;
-        if (p->tail == j) p->tail = prev;
+        if (p->tail[q] == j) p->tail[q] = prev;
+        if (q == 0) __atomic_sub_fetch(&p->decode_queued, 1, __ATOMIC_SEQ_CST);
     }
     if (s.fail >= 0 && (j->fail_index < 0 || s.fail < j->fail_index)) {
         j->fail_index = s.fail;
@@ -137,12 +188,18 @@ static void *worker(void *arg) {
     Pool *p = (Pool *)arg;
     pthread_mutex_lock(&p->mu);
     for (;;) {
-        while (!p->stop && p->head == NULL) pthread_cond_wait(&p->cv_work, &p->mu);
+        while (!p->stop && p->head[0] == NULL && p->head[1] == NULL) pthread_cond_wait(&p->cv_work, &p->mu);
         if (p->stop) break;
-        Job *j = p->head;
+        Job *j = p->head[0] != NULL ? p->head[0] : p->head[1];
+        if (j->priority && prompt_holds(p)) { /* only a held prompt job: wait for the decode reads to end */
+            pthread_mutex_unlock(&p->mu);
+            wait_decode_idle();
+            pthread_mutex_lock(&p->mu);
+            continue;
+        }
         j->attached++;
         pthread_mutex_unlock(&p->mu);
-        Share s = take_share(j);
+        Share s = take_share(p, j);
         pthread_mutex_lock(&p->mu);
         end_share(p, j, s);
     }
@@ -176,7 +233,9 @@ static int Pool_init(Pool *self, PyObject *args, PyObject *kwds) {
     }
     pthread_mutex_init(&self->mu, NULL);
     pthread_cond_init(&self->cv_work, NULL);
-    self->head = self->tail = NULL;
+    self->head[0] = self->head[1] = self->tail[0] = self->tail[1] = NULL;
+    self->decode_queued = 0;
+    self->tickets = 0;
     self->stop = 0;
     self->nthreads = nthreads;
     self->threads = PyMem_RawCalloc((size_t)nthreads, sizeof(pthread_t));
@@ -233,24 +292,30 @@ static PyObject *Pool_read(Pool *self, PyObject *args, PyObject *kwds) {
     j.inject_got = c.inject_got;
     j.crc_page = c.crc_page;
     j.crc_out = (uint32_t *)c.crc.buf;
+    j.order_out = (int64_t *)c.order.buf;
+    j.priority = c.priority;
     pthread_cond_init(&j.cv_done, NULL);
+    int q = c.priority;
 
     Py_BEGIN_ALLOW_THREADS
+    if (q == 0) engram_decode_begin();
     pthread_mutex_lock(&self->mu);
-    if (self->tail) self->tail->link = &j; else self->head = &j;
-    self->tail = &j;
+    if (self->tail[q]) self->tail[q]->link = &j; else self->head[q] = &j;
+    self->tail[q] = &j;
+    if (q == 0) __atomic_add_fetch(&self->decode_queued, 1, __ATOMIC_SEQ_CST);
     j.attached = 1; /* the calling thread reads a share too: its first read starts without a wake-up */
-    if (n - 1 >= self->nthreads) {
+    if (n - 1 >= self->nthreads || q == 0) { /* a decode job: also wake workers parked behind a held prompt job */
         pthread_cond_broadcast(&self->cv_work);
     } else { /* wake only as many workers as there are blocks besides the caller's first */
         for (Py_ssize_t k = 0; k < n - 1; k++) pthread_cond_signal(&self->cv_work);
     }
     pthread_mutex_unlock(&self->mu);
-    Share mine = take_share(&j);
+    Share mine = take_share(self, &j);
     pthread_mutex_lock(&self->mu);
     end_share(self, &j, mine);
     while (j.done < j.n || j.attached > 0) pthread_cond_wait(&j.cv_done, &self->mu);
     pthread_mutex_unlock(&self->mu);
+    if (q == 0) engram_decode_end();
     Py_END_ALLOW_THREADS
     pthread_cond_destroy(&j.cv_done);
     read_call_release(&c);
@@ -270,8 +335,8 @@ static PyObject *Pool_get_threads(Pool *self, void *Py_UNUSED(closure)) {
 
 static PyMethodDef Pool_methods[] = {
     {"read", (PyCFunction)(void (*)(void))Pool_read, METH_VARARGS | METH_KEYWORDS,
-     "read(fd, offsets, size, out, inject_index=-1, inject_errno=0, inject_got=0, crc_out=None, crc_page=0) "
-     "-> None | (index, errno, got)"},
+     "read(fd, offsets, size, out, inject_index=-1, inject_errno=0, inject_got=0, crc_out=None, crc_page=0, "
+     "priority=0, order_out=None) -> None | (index, errno, got)"},
     {"close", (PyCFunction)Pool_close, METH_NOARGS, "Stop and join the worker threads."},
     {NULL, NULL, 0, NULL},
 };

@@ -1,10 +1,15 @@
 /* What Pool.read (pread_pool.c) and Aio.read (aio_reader.c) share: their arguments and checks, their
  * result, reading one block in full with pread, and checksumming a block that landed.
  *
- * read(fd, offsets, size, out, inject_index=-1, inject_errno=0, inject_got=0, crc_out=None, crc_page=0):
+ * read(fd, offsets, size, out, inject_index=-1, inject_errno=0, inject_got=0, crc_out=None, crc_page=0,
+ *      priority=0, order_out=None):
  * block i of `size` bytes from file offset offsets[i] (int64) into out[i*size:]; with crc_out, the CRC32C of
  * each crc_page-byte page of block i into crc_out[i * (size / crc_page) + k]. Returns None, or
  * (index, errno, got) of the lowest failing block (errno 0: a short read of `got` bytes). Needs crc32c.h.
+ * priority: 0 (decode: a step's own reads) or 1 (prompt: reads ahead of a prefill); while any priority-0 read
+ * of the process is in flight (engram_decode_reads, counted by both readers) the pool claims no new block of a
+ * priority-1 job. order_out (int64, one per block; Pool only): the pool-wide sequence number at which each block
+ * was claimed, so tests can check the order reads were issued in.
  */
 #ifndef ENGRAM_READ_CALL_H
 #define ENGRAM_READ_CALL_H
@@ -15,25 +20,33 @@
 #include <unistd.h>
 
 typedef struct {
-    int fd, inject_errno;
+    int fd, inject_errno, priority;
     Py_ssize_t size, n, inject_index, inject_got, crc_page; /* crc_page 0: no checksums */
-    Py_buffer offs, out, crc;
+    Py_buffer offs, out, crc, order;
 } ReadCall;
+
+/* Priority-0 reads in flight in this process, over every Pool and Aio (defined in pread_pool.c); atomic. */
+extern int engram_decode_reads;
+/* Call around a priority-0 read (without the GIL): the count above, and waking pools whose priority-1 jobs wait. */
+void engram_decode_begin(void);
+void engram_decode_end(void);
 
 static void read_call_release(ReadCall *c) {
     PyBuffer_Release(&c->offs);
     PyBuffer_Release(&c->out);
     if (c->crc.obj != NULL) PyBuffer_Release(&c->crc);
+    if (c->order.obj != NULL) PyBuffer_Release(&c->order);
 }
 
 /* Parses and checks a call: 0 with the buffers held (read_call_release), or -1 with an exception set. */
 static int read_call_parse(PyObject *args, PyObject *kwds, ReadCall *c) {
     static char *kwlist[] = {"fd", "offsets", "size", "out", "inject_index", "inject_errno", "inject_got",
-                             "crc_out", "crc_page", NULL};
+                             "crc_out", "crc_page", "priority", "order_out", NULL};
     memset(c, 0, sizeof *c);
     c->inject_index = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iy*nw*|ninw*n", kwlist, &c->fd, &c->offs, &c->size, &c->out,
-                                     &c->inject_index, &c->inject_errno, &c->inject_got, &c->crc, &c->crc_page))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iy*nw*|ninw*niw*", kwlist, &c->fd, &c->offs, &c->size, &c->out,
+                                     &c->inject_index, &c->inject_errno, &c->inject_got, &c->crc, &c->crc_page,
+                                     &c->priority, &c->order))
         return -1;
     Py_ssize_t n = c->n = c->offs.len / (Py_ssize_t)sizeof(int64_t);
     if (c->size < 1) {
@@ -51,6 +64,11 @@ static int read_call_parse(PyObject *args, PyObject *kwds, ReadCall *c) {
                c->crc.len < n * (c->size / c->crc_page) * (Py_ssize_t)sizeof(uint32_t)) {
         PyErr_Format(PyExc_ValueError, "crc_out holds %zd bytes but %zd pages need %zd", c->crc.len,
                      n * (c->size / c->crc_page), n * (c->size / c->crc_page) * (Py_ssize_t)sizeof(uint32_t));
+    } else if (c->priority != 0 && c->priority != 1) {
+        PyErr_Format(PyExc_ValueError, "priority=%d: must be 0 (decode) or 1 (prompt)", c->priority);
+    } else if (c->order.buf != NULL && c->order.len < n * (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_Format(PyExc_ValueError, "order_out holds %zd bytes but %zd blocks need %zd", c->order.len, n,
+                     n * (Py_ssize_t)sizeof(int64_t));
     } else {
         if (c->crc.buf == NULL) c->crc_page = 0;
         return 0;

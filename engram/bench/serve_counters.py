@@ -48,7 +48,7 @@ def window_counters(records: list[StepRecord], before: dict, after: dict, wall: 
            "gpu_idle_s": sum(idle) if timed else None,
            "gpu_idle_share": sum(idle) / wall if timed and wall > 0 else None,
            "host_gap_p50_s": _pct(idle, 50) if timed else None, "host_gap_p99_s": _pct(idle, 99) if timed else None,
-           **lookup_counters(records, by_kind)}
+           **lookup_counters(records, by_kind), "hot_cache": cache_window(before, after)}
     for key in STAT_COUNTERS:
         if key in after and key in before:
             out[f"{key}_delta"] = after[key] - before[key]
@@ -97,3 +97,14 @@ def lookup_counters(records: list[StepRecord], by_kind: dict[str, list[StepRecor
     total = part(records)
     kinds = {k: part(v) for k, v in by_kind.items()}
     return {"lookups": total, "lookups_by_kind": kinds}
+
+
+def cache_window(before: dict, after: dict) -> dict:
+    """The hot-row caches' hits and misses in the window (the growth of the tables' counters), their hit rate (None
+    without a cache lookup) and the caches' bytes."""
+    def total(stats: dict, key: str) -> int:
+        return sum(t.get(key, 0) for t in stats.get("tables", {}).values())
+
+    hits, misses = (total(after, k) - total(before, k) for k in ("hits", "misses"))
+    return {"bytes": after.get("hot_cache", {}).get("bytes", 0), "hits": hits, "misses": misses,
+            "hit_rate": hits / (hits + misses) if hits + misses else None}

@@ -253,6 +253,10 @@ def format_tables(result: dict, format_table) -> str:
             f"{c['gpu_idle_share']:.1%} of wall" + ("" if c["host_gap_p50_s"] is None else
                                                     f", gap p50 {_ms(c['host_gap_p50_s']):.3f} ms, "
                                                     f"p99 {_ms(c['host_gap_p99_s']):.3f} ms")
+        cache = c.get("hot_cache") or {}
+        if cache.get("hit_rate") is not None:
+            parts.append(f"hot-row cache: {cache['bytes']} bytes, hit rate {cache['hit_rate']:.1%} "
+                         f"({cache['hits']} hits, {cache['misses']} misses)")
         parts.append(f"routes {c['steps_by_route']}, graph replays {c.get('graph_replays_delta')}, mixed "
                      f"{c.get('mixed_graph_replays_delta')}, lookup exposed {c.get('lookup_exposed_s_delta')} s; "
                      f"GPU idle between steps: {idle}")

@@ -1,6 +1,6 @@
 """EngineConfig: the scheduler's limits and the KV memory budget, validated at construction (ValueError naming
-the field). ``kv_cache_memory`` covers KV blocks, Engram staging, prompt prefetch staging and hot-row caches (memory.py);
-``max_model_len=None`` is resolved against the model at start."""
+the field). ``kv_cache_memory`` covers KV blocks, Engram staging, prompt prefetch staging and hot-row caches
+(memory.py); ``max_model_len=None`` is resolved against the model at start."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields

@@ -134,6 +134,7 @@ class LLMEngine:
                 "mixed_graph_replays": worker.get("mixed_graph_replays", 0),
                 "prefix_cache": blocks.stats.snapshot(blocks.num_cached_blocks),
                 "cache_groups": blocks.group_stats(), "prefetch": worker.get("prefetch", {}),
+                "hot_cache": hot_cache(worker["tables"], worker.get("hot_cache_bytes", 0)),
                 **self.pipeline.trace.totals(),
                 **({"speculative": self.speculator.stats()} if self.speculator is not None else {})}
 
@@ -228,6 +229,15 @@ class LLMEngine:
         return RequestOutput(request_id=seq.request_id, prompt=seq.prompt,
                              prompt_token_ids=seq.prompt_token_ids, outputs=[completion],
                              finished=done, metrics=seq.metrics, prompt_logprobs=seq.prompt_logprobs)
+
+
+def hot_cache(tables: dict, nbytes: int) -> dict:
+    """The hot-row caches over every table since start: their bytes, hits, misses and hit rate (None without
+    lookups through a cache)."""
+    hits = sum(t.get("hits", 0) for t in tables.values())
+    misses = sum(t.get("misses", 0) for t in tables.values())
+    return {"bytes": nbytes, "hits": hits, "misses": misses,
+            "hit_rate": hits / (hits + misses) if hits + misses else None}
 
 
 def _block_manager(loaded, config: EngineConfig, dtype: torch.dtype, num_blocks: int):

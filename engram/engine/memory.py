@@ -1,8 +1,9 @@
 """KV memory planning: how many paged KV blocks a Worker allocates, decided once at start. First that applies:
 ``num_kv_blocks`` (exact); ``kv_cache_memory`` (a byte budget that pays first for a full step's Engram staging, the
-prompt prefetch staging and the hot-row caches); on CUDA, ``gpu_memory_utilization`` of the device minus what is in use after loading minus the peak of
-a profiled warm-up step (``profile_peak_bytes``); on the CPU, room for ``max_num_seqs`` full sequences. Too little for
-one ``max_model_len`` sequence is a ValueError at start that prints every term."""
+prompt prefetch staging and the hot-row caches); on CUDA, ``gpu_memory_utilization`` of the device minus what is in
+use after loading minus the peak of a profiled warm-up step (``profile_peak_bytes``) and the prompt prefetch staging;
+on the CPU, room for ``max_num_seqs`` full sequences. Too little for one ``max_model_len`` sequence is a ValueError at
+start that prints every term."""
 from __future__ import annotations
 
 from dataclasses import dataclass

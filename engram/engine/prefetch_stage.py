@@ -6,7 +6,8 @@ Who does what, when:
 * ``accept(step)`` (``Worker.launch``, before the step runs): drops the ranges of finished and preempted sequences,
   then starts each new range's fetch on the staging thread: per Engram layer ``table.gather_raw`` of the range's
   distinct ids (raw rows, 264 B for MXFP8: values then scale bytes; the disk tier reads them at prompt priority,
-  behind decode reads). A range that does not fit ``capacity_bytes`` is not staged; it is counted (``skipped``).
+  behind decode reads), past the hot-row cache (whose lock a step's lookups need). A range that does not fit
+  ``capacity_bytes`` is not staged; it is counted (``skipped``).
   On CUDA the fetch runs on a stream of its own and records an event after it.
 * ``overlay(step, layer, rows, ...)`` (``LookupExecutor._finish``): for each ``StagedUse`` of the step, the token
   rows it names get the staged range's rows at its positions (waiting for the fetch if it still runs: that wait is
@@ -101,12 +102,16 @@ class PrefetchStaging:
     def _fetch(self, prange) -> tuple[dict[int, torch.Tensor], "torch.cuda.Event | None"]:
         with reader.read_priority(reader.PROMPT):
             if self._stream is None:
-                return {lid: self.tables[lid].gather_raw(d.unique) for lid, d in prange.dedup.items()}, None
+                return self._raw_rows(prange), None
             with torch.cuda.stream(self._stream):
-                rows = {lid: self.tables[lid].gather_raw(d.unique) for lid, d in prange.dedup.items()}
+                rows = self._raw_rows(prange)
                 ready = torch.cuda.Event()
                 ready.record(self._stream)
             return rows, ready
+
+    def _raw_rows(self, prange) -> dict[int, torch.Tensor]:
+        """{layer: raw rows uint8 [U, row_bytes]} of a range's distinct ids, past the hot-row cache."""
+        return {lid: self.tables[lid].gather_raw(d.unique, cached=False) for lid, d in prange.dedup.items()}
 
     # ----------------------------------------------------------------- the step's read
     def overlay(self, step: StepDescription, layer_id: int, rows: torch.Tensor, table, fetch_dtype: torch.dtype,
@@ -128,7 +133,8 @@ class PrefetchStaging:
                     if ready is not None:
                         torch.cuda.current_stream(self.device).wait_event(ready)
                         raw.record_stream(torch.cuda.current_stream(self.device))
-                    inverse = staged.range.dedup[layer_id].inverse[use.offset * n_cols:(use.offset + use.count) * n_cols]
+                    at = use.offset * n_cols  # the range's inverse entries of the used positions
+                    inverse = staged.range.dedup[layer_id].inverse[at:at + use.count * n_cols]
                     part = table.decode_raw(raw.index_select(0, to_device(inverse, raw.device)), fetch_dtype)
                     self.counts["rows_read"] += use.count
                 waited += time.monotonic() - t0

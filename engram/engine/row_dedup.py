@@ -22,7 +22,7 @@ import torch
 class DedupRows:
     """One Engram layer's deduplicated ids (CPU int64)."""
 
-    unique: torch.Tensor  # [U + P * n_cols] ascending distinct known ids, then the pending rows' slots (0 until patched)
+    unique: torch.Tensor  # [U + P * n_cols] ascending distinct known ids, then the pending rows' slots (0 unpatched)
     inverse: torch.Tensor  # [T * n_cols] index into ``unique`` of each planned id, row-major over [T, n_cols]
     num_known: int  # U: the distinct ids the host knows (the pending slots follow them)
 

@@ -277,7 +277,8 @@ class Worker:
         out = {"tables": self.lookup.stats(), "kv_blocks": self.memory.num_blocks,
                "lookup_exposed_s": self.lookup_stream.exposed_seconds() if self.lookup_stream else 0.0,
                "kv_bytes": self.memory.kv_bytes, "graph_replays": 0, "graph_pool_bytes": 0,
-               "mixed_graph_replays": 0, "mixed_graph_pool_bytes": 0, "prefetch": self.prefetch.stats()}
+               "mixed_graph_replays": 0, "mixed_graph_pool_bytes": 0, "prefetch": self.prefetch.stats(),
+               "hot_cache_bytes": self.memory.cache_bytes}
         for runner in self.runners:
             out.update(runner.stats())
         return out

@@ -124,13 +124,14 @@ class TableBackend:
         self._check_out(out, ids.numel(), dtype)
         return self._gather_deduped(ids, out, dtype)
 
-    def gather_raw(self, ids: torch.Tensor) -> torch.Tensor:
-        """Packed row bytes uint8 [N, row_bytes] on ``self.device``: values, then scale bytes (mxfp8)."""
+    def gather_raw(self, ids: torch.Tensor, cached: bool = True) -> torch.Tensor:
+        """Packed row bytes uint8 [N, row_bytes] on ``self.device``: values, then scale bytes (mxfp8). ``cached``
+        False reads past the hot-row cache (neither probed nor filled, its lock not taken: prompt prefetch)."""
         ids = self.check_ids(ids)
         if ids.numel() == 0:
             self._count(lookups=1)
             return torch.empty(0, self.row_bytes, dtype=torch.uint8, device=self.device)
-        vals, scales, inverse = self._unique_rows(ids)
+        vals, scales, inverse = self._unique_rows(ids, cached)
         raw = vals[:, : self.value_bytes].index_select(0, inverse)  # [N, value_bytes]
         if scales is None:
             return raw
@@ -219,11 +220,12 @@ class TableBackend:
         self._count(lookups=1, rows=ids.numel(), unique_rows=uniq.numel())
         return uniq, inverse
 
-    def _unique_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Each distinct row of ``ids`` [N] fetched once (through the cache) -> (values [U, >= value_bytes], scales,
-        inverse [N] into U) on ``self.device``."""
+    def _unique_rows(self, ids: torch.Tensor, cached: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Each distinct row of ``ids`` [N] fetched once (through the cache unless ``cached`` is False) -> (values
+        [U, >= value_bytes], scales, inverse [N] into U) on ``self.device``."""
         uniq, inverse = self._dedupe(ids)
-        if self.cache is None:
+        if self.cache is None or not cached:
             vals, scales = self._fetch(uniq.cpu() if self.host_backed else uniq)
         else:
             with self._cache_mutex:  # the cache's tag/stamp update is one critical section

@@ -243,8 +243,10 @@ class DiskTable(TableBackend):
         def start(k: int) -> None:  # chunk k reads into bufs[k % 2] on an I/O thread
             pending[k] = self._io.submit(read, plan[k][0], bufs[k % 2], size, crcs[k % 2], self.page)
 
+        # prompt-priority reads (prefetch) stay on the caller's thread: the I/O threads are the step reads'
+        pipelined = len(plan) > 1 and reader.current_priority() == reader.DECODE
         try:
-            if len(plan) > 1:
+            if pipelined:
                 start(0)
                 start(1)  # two jobs queued in the pread pool: its threads go from one to the next undrained
             for k, (offsets, r0, r1, slot) in enumerate(plan):
@@ -260,7 +262,7 @@ class DiskTable(TableBackend):
                     torch.index_select(src, 0, slot, out=vals[r0:r1])  # memcpy per row
                 else:
                     vals[r0:r1] = src[: r1 - r0]
-                if k + 2 < len(plan):
+                if pipelined and k + 2 < len(plan):
                     start(k + 2)  # buf is free again
                 if on_rows is not None:
                     on_rows(r0, r1, vals[r0:r1], scales[r0:r1] if scales is not None else None)

@@ -131,7 +131,8 @@ class _PythonPool:
         self._ex = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="engram-pread")
 
     def read(self, fd: int, offsets: np.ndarray, size: int, out, inject_index: int = -1,
-             inject_errno: int = 0, inject_got: int = 0):
+             inject_errno: int = 0, inject_got: int = 0, priority: int = DECODE):
+        """``priority`` is accepted and not acted on: this fallback serves its callers in one FIFO."""
         n = len(offsets)
         if n == 0:
             return None
@@ -193,11 +194,12 @@ def queue_per_thread(io: str) -> bool:
     return io == "direct" and not _aio_broken and SWITCH.active() == "c"
 
 
-def _pool(queue_depth: int, io: str = "buffered"):
-    """This thread's AIO context (C backend, io="direct"), else the process-wide pool (rebuilt after a fork)."""
+def _pool(queue_depth: int, io: str = "buffered", priority: int = DECODE):
+    """This thread's AIO context (C backend, io="direct", decode priority), else the process-wide pool (rebuilt after
+    a fork): prompt-priority reads always take the pool, whose queues let decode reads go first."""
     global _pools_pid
     kind = "c" if SWITCH.use_fast(stacklevel=2) else "python"  # the first fallback under "auto" warns
-    if queue_per_thread(io):
+    if queue_per_thread(io) and priority == DECODE:
         ctx = _aio(queue_depth)
         if ctx is not None:
             return ctx
@@ -312,9 +314,10 @@ class PageReader:
         with self._lock:  # a reopen swaps the fd; reads themselves run concurrently
             self._check_same_file(int(offsets[0]))
             fd = self._fd
-        pool = _pool(self.queue_depth, self._io)
+        priority = current_priority()
+        pool = _pool(self.queue_depth, self._io, priority)
         buf = out.numpy()
-        kw = {}
+        kw = {"priority": priority}
         if fault is not None:
             kw.update(inject_index=fault.index, inject_errno=fault.err, inject_got=fault.got)
         in_pool = crcs is not None and isinstance(pool, (_pread_pool.Pool, _pread_pool.Aio) if _pread_pool else ())

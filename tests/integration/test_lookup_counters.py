@@ -77,5 +77,14 @@ def test_counters_by_kind_add_up_and_measure_what_they_must(tiny, tier, options)
     assert all(r > 1.5 for r in kinds["prefill"]["dedup_ratio"])  # the phrase repeats 8 times
     # synchronous steps: each launch follows the read of the step before, after its outputs and scheduling
     assert all(r.host_gap_s > 0 for r in records[1:]) and records[0].host_gap_s == 0.0
+    # the hot-row cache's hit rate over the run, in the engine's stats and the bench's window
+    cache = c["hot_cache"]
+    if options.get("cache_rows"):
+        layers_stats = after["tables"].values()
+        assert cache["hits"] == sum(t["hits"] for t in layers_stats) > 0 and cache["misses"] > 0
+        assert cache["hit_rate"] == after["hot_cache"]["hit_rate"] == cache["hits"] / (cache["hits"] + cache["misses"])
+        assert cache["bytes"] == after["hot_cache"]["bytes"] > 0
+    else:
+        assert cache["hit_rate"] is None and cache["bytes"] == 0
     # what the server's GET /engram/steps carries: the records survive JSON
     assert StepTrace.from_json(json.loads(json.dumps(StepTrace.to_json(records)))) == records
