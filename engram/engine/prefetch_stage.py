@@ -111,7 +111,8 @@ class PrefetchStaging:
 
     def _raw_rows(self, prange) -> dict[int, torch.Tensor]:
         """{layer: raw rows uint8 [U, row_bytes]} of a range's distinct ids, past the hot-row cache."""
-        return {lid: self.tables[lid].gather_raw(d.unique, cached=False) for lid, d in prange.dedup.items()}
+        return {lid: self.tables[lid].gather_raw(d.unique, cached=False) for lid, d in prange.dedup.items()
+                if lid in self.tables}  # a pipeline stage holds its own layers' tables
 
     # ----------------------------------------------------------------- the step's read
     def overlay(self, step: StepDescription, layer_id: int, rows: torch.Tensor, table, fetch_dtype: torch.dtype,

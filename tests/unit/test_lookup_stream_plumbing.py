@@ -49,7 +49,7 @@ def generate(loaded, stream=None):
     lookup = engine.executor.worker.lookup
     if stream is not None:
         lookup.stream = stream
-        lookup.projectors = _projectors(loaded.model, loaded.engram_config, F64)
+        lookup.projectors = _projectors(loaded.model, loaded.engram_config.layer_ids, F64)
     g = torch.Generator().manual_seed(3)
     for i, n in enumerate((5, 40, 17, 2)):
         engine.add_request(f"r{i}", torch.randint(3, 4096, (n,), generator=g).tolist(),
@@ -79,7 +79,7 @@ def test_staged_projections_through_a_lookup_stream_equal_the_plain_path():
 
 def test_projectors_are_each_layers_engram_project():
     loaded = load_model("tiny", dtype=F64, device=CPU, progress=False)
-    proj = _projectors(loaded.model, loaded.engram_config, F64)
+    proj = _projectors(loaded.model, loaded.engram_config.layer_ids, F64)
     assert sorted(proj) == sorted(loaded.engram_config.layer_ids)
     ecfg = loaded.engram_config
     rows = torch.randn(3, ecfg.n_cols, ecfg.head_dim, dtype=F64)
