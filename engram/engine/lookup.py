@@ -240,7 +240,9 @@ class LookupExecutor:
         slabs = slabs or {}
 
         def dedup_of(lid: int):  # the layer's deduplicated ids, where its table takes them (not slabs, not shards)
-            return step.engram_dedup.get(lid) if self.dedupes[lid] and lid not in slabs else None
+            dd = step.engram_dedup.get(lid) if self.dedupes[lid] and lid not in slabs else None
+            # and only when its slots are the patch's rows (a draft model's patch covers rows the plan never saw)
+            return dd if dd is None or dd.patch_slots == (0 if patch is None else patch.rows.numel()) else None
 
         try:
             if patch is None or not self.takes_device_ids():

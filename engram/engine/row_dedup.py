@@ -25,10 +25,16 @@ class DedupRows:
     unique: torch.Tensor  # [U + P * n_cols] ascending distinct known ids, then the pending rows' slots (0 unpatched)
     inverse: torch.Tensor  # [T * n_cols] index into ``unique`` of each planned id, row-major over [T, n_cols]
     num_known: int  # U: the distinct ids the host knows (the pending slots follow them)
+    n_cols: int  # columns per token row
 
     @property
     def num_ids(self) -> int:
         return int(self.inverse.numel())
+
+    @property
+    def patch_slots(self) -> int:
+        """Pending rows given slots (the rows a ``PendingPatch`` must fill: its ``rows`` count)."""
+        return (self.unique.numel() - self.num_known) // self.n_cols
 
     @property
     def num_unique(self) -> int:
@@ -55,7 +61,8 @@ def dedupe(row_ids: torch.Tensor, pending_rows: list[int] = (), skip_rows: list[
     flat = row_ids.numpy().reshape(-1)
     if not pending_rows and not skip_rows and distinct:
         uniq, inverse = np.unique(flat, return_inverse=True)
-        return DedupRows(torch.from_numpy(uniq), torch.from_numpy(inverse.reshape(-1).astype(np.int64)), len(uniq))
+        return DedupRows(torch.from_numpy(uniq), torch.from_numpy(inverse.reshape(-1).astype(np.int64)), len(uniq),
+                         n_cols)
     asked = np.ones(t, dtype=bool)
     asked[list(pending_rows)] = False
     asked[list(skip_rows)] = False
@@ -73,7 +80,7 @@ def dedupe(row_ids: torch.Tensor, pending_rows: list[int] = (), skip_rows: list[
     slots = len(uniq) + np.arange(len(pending_rows) * n_cols, dtype=np.int64).reshape(len(pending_rows), n_cols)
     inverse.reshape(t, n_cols)[list(pending_rows)] = slots
     unique = np.concatenate([uniq, np.zeros(len(pending_rows) * n_cols, dtype=np.int64)])
-    return DedupRows(torch.from_numpy(unique), torch.from_numpy(inverse), len(uniq))
+    return DedupRows(torch.from_numpy(unique), torch.from_numpy(inverse), len(uniq), n_cols)
 
 
 def host_table_ids(step, dedup: DedupRows | None, host_ids: torch.Tensor) -> torch.Tensor:
