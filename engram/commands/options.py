@@ -46,6 +46,14 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_num_seqs: int = 64) -> 
     g.add_argument("--pipeline-parallel-size", type=int, default=1,
                    help="pipeline stages, each --tensor-parallel-size ranks (P x T Worker processes); the planner "
                         "picks the cut unless ENGRAM_PP_LAYER_PARTITION gives one (docs/parallel.md)")
+    g.add_argument("--dedup-rows", action=argparse.BooleanOptionalAction, default=True,
+                   help="deduplicate each step's Engram row ids on the host; tables gather each distinct row once "
+                        "(default: on)")
+    g.add_argument("--prompt-prefetch", action=argparse.BooleanOptionalAction, default=False,
+                   help="stage prompts' Engram rows ahead of their prefill chunks (default: off; an experiment, "
+                        "docs/engine.md)")
+    g.add_argument("--prefetch-staging-bytes", type=byte_count("--prefetch-staging-bytes"), default=64 << 20,
+                   help="bytes of staged prompt rows per Worker, taken from the KV budget (default: 64MiB)")
     g.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 3}\' or \'{"method": "draft_model", "model": "tiny", '
@@ -91,7 +99,9 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                 async_scheduling=args.async_scheduling, enable_prefix_caching=args.enable_prefix_caching,
                 tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-                data_parallel_size=args.data_parallel_size, speculative_config=args.speculative_config)
+                data_parallel_size=args.data_parallel_size, speculative_config=args.speculative_config,
+                dedup_rows=args.dedup_rows, prompt_prefetch=args.prompt_prefetch,
+                prefetch_staging_bytes=args.prefetch_staging_bytes)
 
 
 _ENGINE_OPTIONS = {"engine.max_num_seqs=": "--max-num-seqs=", "engine.max_num_batched_tokens=":
@@ -100,7 +110,8 @@ _ENGINE_OPTIONS = {"engine.max_num_seqs=": "--max-num-seqs=", "engine.max_num_ba
                    "engine.gpu_memory_utilization=": "--gpu-memory-utilization=",
                    "engine.tensor_parallel_size=": "--tensor-parallel-size=",
                    "engine.pipeline_parallel_size=": "--pipeline-parallel-size=",
-                   "engine.data_parallel_size=": "--data-parallel-size=", "engine.async_scheduling=True":
+                   "engine.data_parallel_size=": "--data-parallel-size=",
+                   "engine.prefetch_staging_bytes=": "--prefetch-staging-bytes=", "engine.async_scheduling=True":
                    "--async-scheduling", "speculative_config.": "--speculative-config "}
 
 
