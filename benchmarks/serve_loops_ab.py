@@ -1,7 +1,8 @@
 """Interleaved serving A/B of the server's engine loops, with an A/A control: each round runs ``engram bench serve``
 (its own fresh server, this tree) three times, arms in the order A, B, A' -- A and A' ``--engine-loop thread``, B
-``--engine-loop process`` (``--a`` / ``--b`` change them) -- and the summary sets B/A beside A'/A, so a difference
-is read against the spread of two identical arms:
+``--engine-loop process`` (``--a`` / ``--b`` change them; ``--a-serve-args`` / ``--b-serve-args`` add server options
+of one side, so the same A/B compares an engine setting, e.g. ``--b-serve-args=--prompt-prefetch``) -- and the summary
+sets B/A beside A'/A, so a difference is read against the spread of two identical arms:
 
     python -m benchmarks.serve_loops_ab --rounds 3 --dir DIR --out DIR/summary.json -- BENCH_SERVE_ARGS...
 
@@ -22,6 +23,7 @@ from pathlib import Path
 
 METRICS = ("output_tokens_per_s", "tpot_p50_s", "itl_p50_s", "ttft_p50_s", "errors")
 COUNTERS = ("gpu_idle_share", "host_gap_p50_s", "steps", "eager_steps")
+LOOKUPS = ("lookup_exposed_s", "host_gap_s")  # the window's lookup counters (bench/serve_counters.py)
 
 
 def run_arm(bench: list[str], serve_args: str, loop: str, out: Path) -> dict:
@@ -35,7 +37,10 @@ def run_arm(bench: list[str], serve_args: str, loop: str, out: Path) -> dict:
         raise RuntimeError(f"engram bench serve {shlex.join(args)} exited {code} without a result; see {log}")
     result = json.loads(out.read_text())["result"]
     counters = result.get("counters", {})
-    return {**{k: result.get(k) for k in METRICS}, **{k: counters.get(k) for k in COUNTERS}, "exit_status": code}
+    lookups = counters.get("lookups", {})
+    return {**{k: result.get(k) for k in METRICS}, **{k: counters.get(k) for k in COUNTERS},
+            **{k: lookups.get(k) for k in LOOKUPS}, "hit_rate": (counters.get("hot_cache") or {}).get("hit_rate"),
+            "exit_status": code}
 
 
 def _median(rows: list[dict], key: str) -> float | None:
@@ -45,7 +50,7 @@ def _median(rows: list[dict], key: str) -> float | None:
 
 def summarize(arms: dict[str, list[dict]]) -> dict:
     """Each arm's medians over rounds, and B/A and A'/A of each metric (None where a median is missing or zero)."""
-    med = {arm: {k: _median(rows, k) for k in (*METRICS, *COUNTERS)} for arm, rows in arms.items()}
+    med = {arm: {k: _median(rows, k) for k in (*METRICS, *COUNTERS, *LOOKUPS, "hit_rate")} for arm, rows in arms.items()}
 
     def ratio(x: str, y: str) -> dict:
         return {k: med[x][k] / med[y][k] if med[x][k] is not None and med[y][k] else None for k in METRICS[:4]}
@@ -60,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--a", default="thread", help="engine loop of arms A and A' (the control pair)")
     p.add_argument("--b", default="process", help="engine loop of arm B")
+    p.add_argument("--a-serve-args", default="", help="server options of arms A and A' only (e.g. an engine setting)")
+    p.add_argument("--b-serve-args", default="", help="server options of arm B only")
     p.add_argument("--dir", required=True, help="directory for each arm's bench JSON and log")
     p.add_argument("--out", required=True, help="the summary JSON")
     args = p.parse_args(argv[:split])
@@ -76,11 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     arms: dict[str, list[dict]] = {"A": [], "B": [], "A'": []}
     for r in range(args.rounds):
-        for arm, loop in (("A", args.a), ("B", args.b), ("A'", args.a)):
-            row = run_arm(bench, serve_args, loop, out_dir / f"{arm.replace(chr(39), '2')}-{loop}-{r}.json")
+        for arm, loop, own in (("A", args.a, args.a_serve_args), ("B", args.b, args.b_serve_args),
+                               ("A'", args.a, args.a_serve_args)):
+            row = run_arm(bench, f"{serve_args} {own}".strip(), loop,
+                          out_dir / f"{arm.replace(chr(39), '2')}-{loop}-{r}.json")
             print(json.dumps({"round": r, "arm": arm, "loop": loop, **row}), flush=True)
             arms[arm].append(row)
-    summary = {"a": args.a, "b": args.b, "bench_args": bench, "serve_args": serve_args, **summarize(arms)}
+    summary = {"a": args.a, "b": args.b, "a_serve_args": args.a_serve_args, "b_serve_args": args.b_serve_args,
+               "bench_args": bench, "serve_args": serve_args, **summarize(arms)}
     Path(args.out).write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: summary[k] for k in ("median", "B/A", "A'/A")}, indent=1))
     return 0 if all(r["exit_status"] == 0 for rows in arms.values() for r in rows) else 1

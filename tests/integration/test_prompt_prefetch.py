@@ -128,3 +128,15 @@ def test_staging_is_part_of_the_budget_with_errors_naming_the_option(tiny):
     per_block = plain.executor.worker.memory.bytes_per_block
     assert plain.executor.num_kv_blocks - staged.executor.num_kv_blocks == (8 << 20) // per_block
     assert ecfg.row_bytes == ecfg.head_dim + ecfg.head_dim // 32  # raw MXFP8 rows: values, then one scale per 32
+
+
+def test_the_command_line_sets_the_engine_options():
+    from engram.cli import build_parser
+    from engram.commands.options import engine_options
+
+    args = build_parser().parse_args(["serve", "tiny", "--prompt-prefetch", "--prefetch-staging-bytes", "8MiB",
+                                      "--no-dedup-rows"])
+    cfg = EngineConfig.from_options(engine_options(args))
+    assert cfg.prompt_prefetch and cfg.prefetch_staging_bytes == 8 << 20 and not cfg.dedup_rows
+    default = EngineConfig.from_options(engine_options(build_parser().parse_args(["serve", "tiny"])))
+    assert not default.prompt_prefetch and default.dedup_rows and default.prefetch_staging_bytes == 64 << 20
