@@ -9,7 +9,7 @@ setup(
     ext_modules=[
         Extension(
             "engram.store._pread_pool",
-            sources=["csrc/pread_pool.c", "csrc/slab_plan.c", "csrc/aio_reader.c"],
+            sources=["csrc/pread_pool.c", "csrc/slab_plan.c", "csrc/aio_reader.c", "csrc/decode_reads.c"],
             depends=["csrc/crc32c.h", "csrc/read_call.h"],
             extra_compile_args=["-O2", "-pthread"],
             extra_link_args=["-pthread"],

@@ -85,37 +85,12 @@ typedef struct {
     int stop;
 } Pool;
 
-int engram_decode_reads = 0;
-static pthread_mutex_t decode_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t decode_idle = PTHREAD_COND_INITIALIZER; /* broadcast when engram_decode_reads drops to 0 */
-
-void engram_decode_begin(void) { __atomic_add_fetch(&engram_decode_reads, 1, __ATOMIC_SEQ_CST); }
-
-void engram_decode_end(void) {
-    if (__atomic_sub_fetch(&engram_decode_reads, 1, __ATOMIC_SEQ_CST) == 0) {
-        pthread_mutex_lock(&decode_mu);
-        pthread_cond_broadcast(&decode_idle);
-        pthread_mutex_unlock(&decode_mu);
-    }
-}
-
 /* Whether a prompt job must hold its next claim: a decode job queued here, or a decode read in flight. */
 static int prompt_holds(Pool *p) {
     return __atomic_load_n(&p->decode_queued, __ATOMIC_SEQ_CST) > 0 ||
            __atomic_load_n(&engram_decode_reads, __ATOMIC_SEQ_CST) > 0;
 }
 
-/* Sleeps until no decode read runs (or 1 ms passed: a decode job queued here is not counted while it waits). */
-static void wait_decode_idle(void) {
-    struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
-    until.tv_nsec += 1000000;
-    if (until.tv_nsec >= 1000000000) { until.tv_sec++; until.tv_nsec -= 1000000000; }
-    pthread_mutex_lock(&decode_mu);
-    while (__atomic_load_n(&engram_decode_reads, __ATOMIC_SEQ_CST) > 0)
-        if (pthread_cond_timedwait(&decode_idle, &decode_mu, &until) != 0) break;
-    pthread_mutex_unlock(&decode_mu);
-}
 
 /* Reads block i of job j in full (or fails it as injected); returns 0 or fills *err / *got. */
 static int read_block(Job *j, Py_ssize_t i, int *err, Py_ssize_t *got) {
@@ -193,7 +168,7 @@ static void *worker(void *arg) {
         Job *j = p->head[0] != NULL ? p->head[0] : p->head[1];
         if (j->priority && prompt_holds(p)) { /* only a held prompt job: wait for the decode reads to end */
             pthread_mutex_unlock(&p->mu);
-            wait_decode_idle();
+            engram_wait_decode_idle();
             pthread_mutex_lock(&p->mu);
             continue;
         }

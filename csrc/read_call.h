@@ -30,6 +30,8 @@ extern int engram_decode_reads;
 /* Call around a priority-0 read (without the GIL): the count above, and waking pools whose priority-1 jobs wait. */
 void engram_decode_begin(void);
 void engram_decode_end(void);
+/* Sleeps until no priority-0 read runs (1 ms at most: callers re-check their own queues). */
+void engram_wait_decode_idle(void);
 
 static void read_call_release(ReadCall *c) {
     PyBuffer_Release(&c->offs);

@@ -6,7 +6,6 @@ the model reaches its layer (``ChainedLookups``) and a later one still reading i
 equal to staging everything first)."""
 from __future__ import annotations
 
-import collections
 import concurrent.futures as cf
 import functools
 import time
@@ -15,7 +14,7 @@ import torch
 
 from engram.config import EngramConfig
 from engram.engine.lookup_stream import LookupStream
-from engram.engine.lookup_timing import LookupTiming, tier_name
+from engram.engine.lookup_timing import LookupTiming, TimingBook, tier_name
 from engram.engine.pending import PendingPatch
 from engram.engine.prefetch_stage import PrefetchStaging
 from engram.engine.row_dedup import host_table_ids
@@ -185,8 +184,7 @@ class LookupExecutor:
         self.tiers = {lid: tier_name(t) for lid, t in tables.items()}  # what each layer's time counts under
         # tables that take any ids (not a TP column shard, which reads its columns of [T * n_cols])
         self.dedupes = {lid: not getattr(t, "column_layout", False) for lid, t in tables.items()}
-        # step id -> its LookupTiming, until the Worker takes it at collect (bounded: failed steps are never taken)
-        self._timings: collections.OrderedDict[int, LookupTiming] = collections.OrderedDict()
+        self._timings = TimingBook()  # each step's LookupTiming, until the Worker takes it at collect
 
     def submit(self, step: StepDescription, patch: PendingPatch | None = None, project: bool = True,
                slabs: dict | None = None, host_ids: HostIds | None = None) -> StagedRows:
@@ -197,7 +195,7 @@ class LookupExecutor:
         read into the slab and not decoded (engine/runners/pieces.py); their ``rows`` is None once the pages are in.
         ``host_ids``: an earlier ``start_host_ids(step, patch)`` (else called here)."""
         deferred: dict = {}
-        timing = self._new_timing(step.step_id)
+        timing = self._timings.new(step.step_id)
         if self.stream is None:
             t0 = time.monotonic()  # without a stream the step waits for all of its staging
             rows = self._stage(step, patch, lambda lid, rows: None, deferred, slabs, host_ids, timing)
@@ -217,16 +215,10 @@ class LookupExecutor:
     def _wait(self, step_id: int, layer_id: int, staged) -> None:
         self.stream.wait(layer_id, *(staged.tensors if isinstance(staged, Projected) else (staged,)), tag=step_id)
 
-    def _new_timing(self, step_id: int) -> LookupTiming:
-        timing = self._timings[step_id] = LookupTiming(step_id)
-        while len(self._timings) > 64:
-            self._timings.popitem(last=False)
-        return timing
-
     def take_timing(self, step_id: int) -> LookupTiming | None:
         """The timing of step ``step_id``'s lookups (once), with the lookup stream's measured waits folded in; None
         when this executor staged nothing for it (a CUDA-graph replay gathers inside the graph)."""
-        timing = self._timings.pop(step_id, None)
+        timing = self._timings.take(step_id)
         if timing is not None and self.stream is not None:
             timing.add_exposed(self.stream.pop_exposed(step_id))
         return timing

@@ -13,6 +13,7 @@ What is measured, on the host's monotonic clock:
   (``LookupStream.pop_exposed``), which a CUDA-graph replay cannot time (the step then reports None)."""
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
@@ -39,6 +40,23 @@ class LookupTiming:
     def track(self, tier: str, handle: LookupHandle, started: float) -> LookupHandle:
         """Count ``handle``'s lookup (started at ``started``) under ``tier`` once its rows exist -> the handle."""
         return TimedHandle(handle, lambda end: self.add_gather(tier, end - started))
+
+
+class TimingBook:
+    """The timings of staged steps by step id until taken; the oldest go past ``keep`` (failed steps: never taken)."""
+
+    def __init__(self, keep: int = 64):
+        self._timings: collections.OrderedDict[int, LookupTiming] = collections.OrderedDict()
+        self.keep = keep
+
+    def new(self, step_id: int) -> LookupTiming:
+        timing = self._timings[step_id] = LookupTiming(step_id)
+        while len(self._timings) > self.keep:
+            self._timings.popitem(last=False)
+        return timing
+
+    def take(self, step_id: int) -> LookupTiming | None:
+        return self._timings.pop(step_id, None)
 
 
 class TimedHandle(LookupHandle):
