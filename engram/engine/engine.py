@@ -66,7 +66,13 @@ class LLMEngine:
                                                            draft=self.speculator.draft if self.speculator else None))
         self.scheduler = Scheduler(config, _block_manager(loaded, config, dtype, self.executor.num_kv_blocks),
                                    self.speculator)
-        self.planner = LookupPlanner(self.hasher, dedup=config.dedup_rows)
+        # the Workers' capabilities, read once: whether their prefill reads deduplicated ids and staged prompt rows
+        worker = self.executor.stats()
+        self.planner = LookupPlanner(self.hasher, dedup=config.dedup_rows and worker.get("eager_prefill", True))
+        if self.prefetcher is not None and not worker.get("prefetch", {}).get("active", True):
+            _log.info("prompt prefetch is off: the Workers' prefill does not read staged rows (mixed-step CUDA graphs "
+                      "or tensor-parallel column shards)")
+            self.prefetcher = None
         self._seqs: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()
         self.device = torch.device(device)

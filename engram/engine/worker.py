@@ -123,12 +123,14 @@ class Worker:
         if wrap_lookup is not None:  # after the warm-up, which no statistic or wrapper sees (memory.py)
             self.lookup = wrap_lookup(self.lookup)
             self._timed_lookup = self.lookup if hasattr(self.lookup, "take_timing") else self._timed_lookup
-        # prompt rows staged ahead (prefetch_stage.py): only where prefill reads them (eager prefill; the mixed-step
-        # graphs gather inside the graph) and every table takes any ids (not TP column shards)
-        reads_staging = not (use_graphs and self._gathers_on_device()) and all(
-            not getattr(t, "column_layout", False) for t in self.tables.values())
+        # Decided once: whether prefill's lookups run through the lookup executor (eager prefill; the mixed-step graphs
+        # gather every planned id inside the graph), where host-deduplicated ids and staged prompt rows are read
+        self.eager_prefill = not (use_graphs and self._gathers_on_device())
+        # prompt rows staged ahead (prefetch_stage.py): there, and where every table takes any ids (not TP column
+        # shards)
         self.prefetch = PrefetchStaging(self.tables, config.prefetch_staging_bytes if config.prompt_prefetch else 0,
-                                        self.device, active=reads_staging)
+                                        self.device, active=self.eager_prefill and all(
+                                            not getattr(t, "column_layout", False) for t in self.tables.values()))
         if hasattr(self.lookup, "staging"):
             self.lookup.staging = self.prefetch
         self.memory: MemoryPlan = plan_memory(config, max_model_len, bytes_per_block, staging,
@@ -137,7 +139,7 @@ class Worker:
                                               if use_graphs else 0,
                                               self.cache_layout.max_blocks_per_sequence(max_model_len)
                                               if self.sequence_caches else None,
-                                              config.prefetch_staging_bytes if config.prompt_prefetch and self.ecfg
+                                              self.prefetch.capacity_bytes if self.prefetch.active and self.ecfg
                                               else 0)
         # One more block than the scheduler hands out (``memory.num_blocks``): the padding of a graph's bucket
         # writes there.
@@ -278,7 +280,7 @@ class Worker:
                "lookup_exposed_s": self.lookup_stream.exposed_seconds() if self.lookup_stream else 0.0,
                "kv_bytes": self.memory.kv_bytes, "graph_replays": 0, "graph_pool_bytes": 0,
                "mixed_graph_replays": 0, "mixed_graph_pool_bytes": 0, "prefetch": self.prefetch.stats(),
-               "hot_cache_bytes": self.memory.cache_bytes}
+               "hot_cache_bytes": self.memory.cache_bytes, "eager_prefill": self.eager_prefill}
         for runner in self.runners:
             out.update(runner.stats())
         return out
