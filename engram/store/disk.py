@@ -55,7 +55,8 @@ class DiskTable(TableBackend):
         resident = shared_target(manifest, self.options.advanced.shm_dir) if self.options.shared_memory else "ram"
         verify = self.options.advanced.verify
         self.pages = PageChecker(manifest, verify, resident)  # page CRCs, resident (refuses format 1)
-        self.reader = PageReader(manifest.values_path, io=self.options.io, queue_depth=self.options.queue_depth)
+        self.reader = PageReader(manifest.values_path, io=self.options.io, queue_depth=self.options.queue_depth,
+                                 prompt_queue_depth=self.options.advanced.prompt_queue_depth)
         # uint8 [rows, scale_cols] resident (CRC-checked while read, like the gpu/host tiers' loads), or None
         self.scales = (load_file(manifest, "scales", resident, verify).view(self.rows, self.scale_cols)
                        if "scales" in manifest.files else None)

@@ -30,6 +30,9 @@ class AdvancedOptions:
 
     cache_ways: int = 8  # ways per set of the set-associative hot-row cache
     max_inflight: int = 8  # disk tier: submitted lookups not yet waited or cancelled; one more raises
+    # disk tier: preads in flight of a prompt-priority read (the prompt prefetch), 0 = queue_depth; fewer leave the
+    # device's queue shorter for a decode read arriving behind them (benchmarks/decode_reads_under_load.py)
+    prompt_queue_depth: int = 0
     chunk_pages: int = 2048  # disk tier: pages per batched read, bounding a lookup's page buffers (2 x 8 MiB)
     background_verify: bool = False  # disk tier: after open, read values.bin once in the background checking pages
     host_layout: str = "packed"  # host tier: "packed" (values + scales per row in one buffer) / "split" (the files')
@@ -52,6 +55,7 @@ class AdvancedOptions:
     def __post_init__(self) -> None:
         _check_types(self, f"{PREFIX}.advanced")
         _one_of(self, "host_layout", LAYOUTS, ".advanced")
+        _in_range(self, "prompt_queue_depth", 0, MAX_QUEUE_DEPTH, where=".advanced")
         for name, lo in (("cache_ways", 1), ("max_inflight", 1), ("chunk_pages", 1), ("staged_min_rows", 1),
                          ("sorted_min_rows", self.staged_min_rows), ("staged_chunk_rows", 1),
                          ("uva_max_programs", 0), ("uva_tiles_per_program", 1), ("load_threads", 1)):

@@ -233,14 +233,17 @@ class PageReader:
     """Reads whole pages of one file through a shared queue_depth-wide pool; ``fault_hook(offsets)`` lets tests inject
     faults. A read after ``path`` was replaced raises, and the reader reopens the new file."""
 
-    def __init__(self, path: str | os.PathLike, io: str = "direct", queue_depth: int = 64):
+    def __init__(self, path: str | os.PathLike, io: str = "direct", queue_depth: int = 64,
+                 prompt_queue_depth: int = 0):
         if io not in IO_MODES:
             raise ValueError(f"io={io!r}: must be one of {IO_MODES}")
-        if not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
-            raise ValueError(f"queue_depth={queue_depth}: must be in [1, {MAX_QUEUE_DEPTH}]")
+        for name, depth, lo in (("queue_depth", queue_depth, 1), ("prompt_queue_depth", prompt_queue_depth, 0)):
+            if not lo <= depth <= MAX_QUEUE_DEPTH:
+                raise ValueError(f"{name}={depth}: must be in [{lo}, {MAX_QUEUE_DEPTH}]")
         self.path = os.fspath(path)
         self.io_requested = io
         self.queue_depth = queue_depth
+        self.prompt_queue_depth = prompt_queue_depth or queue_depth  # preads in flight of a PROMPT-priority read
         self.fault_hook: Callable[[np.ndarray], Fault | None] | None = None
         self._lock = threading.Lock()
         self._fd = -1
@@ -315,7 +318,7 @@ class PageReader:
             self._check_same_file(int(offsets[0]))
             fd = self._fd
         priority = current_priority()
-        pool = _pool(self.queue_depth, self._io, priority)
+        pool = _pool(self.queue_depth if priority == DECODE else self.prompt_queue_depth, self._io, priority)
         buf = out.numpy()
         kw = {"priority": priority}
         if fault is not None:

@@ -30,15 +30,15 @@ def data_file(tmp_path_factory):
 
 
 def tickets_of_a_decode_read_behind_prompt_reads(path, decode_priority: int):
-    """A prompt read of 60 000 random pages on one thread; once its first pages are claimed, a 256-page read at
-    ``decode_priority`` on another. -> (prompt tickets [60000], decode tickets [256], which call returned first)."""
+    """A prompt read of 60 000 random pages on one thread; once its first pages are claimed, a 4096-page read at
+    ``decode_priority`` on another. -> (prompt tickets [60000], decode tickets [4096], which call returned first)."""
     from engram.store import _pread_pool
 
     pool = _pread_pool.Pool(THREADS)
     fd = os.open(path, os.O_RDONLY)
     rng = np.random.default_rng(1)
     big = rng.integers(0, FILE_PAGES, 60_000).astype(np.int64) * PAGE
-    small = rng.integers(0, FILE_PAGES, 256).astype(np.int64) * PAGE
+    small = rng.integers(0, FILE_PAGES, 4096).astype(np.int64) * PAGE
     big_out, small_out = np.empty(len(big) * PAGE, np.uint8), np.empty(len(small) * PAGE, np.uint8)
     big_order, small_order = np.full(len(big), -1, np.int64), np.full(len(small), -1, np.int64)
     returned: list[str] = []
@@ -106,3 +106,21 @@ def test_prompt_priority_reads_through_page_reader_are_bitwise(data_file, io):
     with pytest.raises(ValueError, match="read priority 2"):
         with reader.read_priority(2):
             pass
+
+
+def test_prompt_queue_depth_is_checked_and_bounds_nothing_else(data_file):
+    from engram.store.options import StoreOptions
+
+    with pytest.raises(ValueError, match="prompt_queue_depth=2000: must be in"):
+        PageReader(data_file, io="buffered", prompt_queue_depth=2000)
+    with pytest.raises(ValueError, match=r"engram_config.advanced.prompt_queue_depth=-1"):
+        StoreOptions.from_dict({"advanced": {"prompt_queue_depth": -1}})
+    r = PageReader(data_file, io="buffered", queue_depth=8, prompt_queue_depth=2)
+    assert (r.queue_depth, r.prompt_queue_depth) == (8, 2)
+    assert PageReader(data_file, io="buffered", queue_depth=8).prompt_queue_depth == 8  # 0: the queue depth
+    offsets = np.arange(0, 64, dtype=np.int64)[::-1] * PAGE
+    want, got = aligned_pages(64), aligned_pages(64)
+    r.read(offsets, want)
+    with reader.read_priority(reader.PROMPT):
+        r.read(offsets, got)
+    assert torch.equal(got, want)
