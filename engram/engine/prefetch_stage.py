@@ -86,10 +86,6 @@ class PrefetchStaging:
                 staged.future.cancel()  # a fetch still running finishes, and its rows are dropped with it
                 self.used_bytes -= staged.range.nbytes
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-
     # ----------------------------------------------------------------- fetch (staging thread)
     def _thread(self) -> cf.ThreadPoolExecutor:
         if self._pool is None:
