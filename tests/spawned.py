@@ -41,6 +41,16 @@ def gone(pid: int) -> bool:
     return not stat.exists() or stat.read_text().split()[2] == "Z"
 
 
+def tiny_cpu_server(tmp_path_factory, tmp_path, *args: str):
+    """A ready ``engram serve tiny`` on the CPU (one thread) with the engine loop on a thread of the server, so the
+    ranks or stages ``args`` start are the server's own children (``kill_a_child_mid_stream`` counts them)."""
+    from engram.server.launcher import ServerProcess
+
+    cache_dir = tmp_path_factory.getbasetemp() / "engram-cache"
+    return ServerProcess(["tiny", "--threads", "1", "--device", "cpu", *args, "--engine-loop", "thread"], cache_dir,
+                         tmp_path / "log").wait_ready()
+
+
 def kill_a_child_mid_stream(server, prompts: list[str], children: int = 2) -> tuple[int, str, list[str], list[int]]:
     """``kill_mid_stream`` of the last of ``server``'s ``children`` spawned processes -> (its exit status, its log,
     every stream's events, the children's pids)."""

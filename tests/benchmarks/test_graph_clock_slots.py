@@ -36,7 +36,7 @@ def test_install_stamps_around_the_lookup_streams_methods_and_replaces_an_earlie
 
     monkeypatch.setattr(LookupStream, "issue", issue)
     for name in ("done", "wait", "join"):
-        monkeypatch.setattr(LookupStream, name, lambda self, *a, name=name: calls.append(name))
+        monkeypatch.setattr(LookupStream, name, lambda self, *a, name=name, **kw: calls.append(name))
     stale = GraphClock("cpu", slots=16)
     install(stale, monkeypatch.setattr)
     clock = GraphClock("cpu", slots=16)

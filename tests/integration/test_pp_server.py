@@ -5,17 +5,13 @@ from __future__ import annotations
 import pytest
 
 from engram.commands.serve import EXIT_ENGINE_FAILED
-from engram.server.launcher import ServerProcess
-from tests.spawned import gone, kill_a_child_mid_stream
+from tests.spawned import gone, kill_a_child_mid_stream, tiny_cpu_server
 
 pytestmark = pytest.mark.timeout(600)
 
 
 def test_a_killed_stage_fails_requests_in_flight_and_the_server_exits(tmp_path_factory, tmp_path):
-    cache_dir = tmp_path_factory.getbasetemp() / "engram-cache"
-    s = ServerProcess(["tiny", "--threads", "1", "--device", "cpu", "--pipeline-parallel-size", "2",
-                       "--engine-loop", "thread"],
-                      cache_dir, tmp_path / "log").wait_ready()
+    s = tiny_cpu_server(tmp_path_factory, tmp_path, "--pipeline-parallel-size", "2")
     code, log, events, ranks = kill_a_child_mid_stream(s, ["a stage goes", "and the other microbatch"])
     assert code == EXIT_ENGINE_FAILED, log
     # the streams that had begun end with an error event, never a length (one still connecting may only be closed)
