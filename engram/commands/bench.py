@@ -22,6 +22,7 @@ BENCHES = {
     "hit-rate": "engram.bench.hit_rate",
     "engine": "engram.bench.engine_bench",
     "placement": "engram.bench.placement_ab",
+    "paper": "engram.bench.paper",
 }
 
 
