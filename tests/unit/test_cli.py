@@ -28,7 +28,7 @@ def test_bench_offers_the_benches_users_run_and_imports_nothing_above_it(capsys)
     import engram.bench
     from engram.commands.bench import BENCHES
 
-    assert sorted(BENCHES) == ["ab", "corpus", "engine", "hit-rate", "lookup", "placement", "serve"]
+    assert sorted(BENCHES) == ["ab", "corpus", "engine", "hit-rate", "lookup", "paper", "placement", "serve"]
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     out = capsys.readouterr().out
