@@ -60,8 +60,10 @@ def test_a_killed_replica_fails_requests_in_flight_and_the_server_exits(tmp_path
     s = _serve(tmp_path_factory, tmp_path, shm_dir).wait_ready()
     code, log, events, replicas = kill_a_child_mid_stream(s, ["a replica goes", "the other one stays"])
     assert code == EXIT_ENGINE_FAILED, log
-    errors = [e for e in events if e.startswith('{"error"')]  # both streams end with an error event, not a length
-    assert len(errors) == 2 and all("replica 1" in e and "exit code -9" in e for e in errors), events[-4:]
+    # the streams that had begun end with an error event, never a length (one still connecting may only be closed)
+    errors = [e for e in events if e.startswith('{"error"')]
+    assert errors and all("replica 1" in e and "exit code -9" in e for e in errors), events[-4:]
+    assert not any('"finish_reason": "length"' in e for e in events)
     assert not any('"finish_reason": "length"' in e for e in events)
     assert "data-parallel replica 1" in log and "the engine stopped" in log, log[-2000:]
     assert all(gone(pid) for pid in replicas)  # no replica outlives the server
