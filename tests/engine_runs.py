@@ -66,3 +66,33 @@ def mixed_graphs_eager(engine):
     w.runners[w.runners.index(mixed)] = GraphRunner(w.model, w.kv, w.ecfg, w.tables, mixed.io, w.device,
                                                     name="mixed-graph", capture=False)
     return engine
+
+
+def run_with_failing_decodes(engine, monkeypatch, request_id: str, prompt_len: int) -> tuple[dict, list[str]]:
+    """Drain ``engine`` while the lookups of ``request_id`` raise OSError whenever it decodes (a step reaching past
+    its ``prompt_len`` prompt tokens); failed requests are aborted -> (finished request id -> token ids, the ids the
+    engine failed)."""
+    from engram.engine.lookup import LookupExecutor
+    from engram.engine.engine import StepError
+
+    bad, real = engine._seqs[request_id].seq_id, LookupExecutor.submit
+
+    def submit(self, step, patch=None, project=True):
+        s = step.seq_ids.index(bad) if bad in step.seq_ids else -1
+        if s >= 0 and step.start_positions[s] >= prompt_len:
+            raise OSError("planted read error")
+        return real(self, step, patch, project)
+
+    monkeypatch.setattr(LookupExecutor, "submit", submit)
+    out, failed = {}, []
+    while engine.has_unfinished():
+        try:
+            outs = engine.step()
+        except StepError as e:
+            failed += e.request_ids
+            outs = e.outputs
+            for rid in e.request_ids:
+                engine.abort_request(rid)
+        out.update({o.request_id: o.outputs[0].token_ids for o in outs if o.finished})
+    monkeypatch.undo()
+    return out, failed

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from engram.engine.config import EngineConfig
-from engram.engine.engine import LLMEngine, StepError
+from engram.engine.engine import LLMEngine
 from engram.engine.lookup import LookupExecutor
 from engram.engine.sampling_params import SamplingParams
 from engram.model.loader import LoadedModel, load_model
+from tests.engine_runs import run_with_failing_decodes
 from tests.integration.test_engine import tiny_variant
 
 CPU, F64 = torch.device("cpu"), torch.float64
@@ -186,27 +187,7 @@ def test_a_failing_request_fails_alone_under_async(tiny, monkeypatch):
     engine = LLMEngine(tiny, EngineConfig(async_scheduling=True, max_num_seqs=4), CPU, F64)
     for i, p in enumerate(reqs):
         engine.add_request(f"r{i}", p, params[i])
-    bad = engine._seqs["r2"].seq_id
-    real = LookupExecutor.submit
-
-    def submit(self, step, patch=None, project=True):
-        s = step.seq_ids.index(bad) if bad in step.seq_ids else -1
-        if s >= 0 and step.start_positions[s] >= len(reqs[2]):  # r2 fails whenever it decodes
-            raise OSError("planted read error")
-        return real(self, step, patch, project)
-
-    monkeypatch.setattr(LookupExecutor, "submit", submit)
-    out, failed = {}, []
-    while engine.has_unfinished():
-        try:
-            outs = engine.step()
-        except StepError as e:
-            failed += e.request_ids
-            outs = e.outputs
-            for rid in e.request_ids:
-                engine.abort_request(rid)
-        out.update({o.request_id: o.outputs[0].token_ids for o in outs if o.finished})
-    monkeypatch.undo()
+    out, failed = run_with_failing_decodes(engine, monkeypatch, "r2", len(reqs[2]))
     assert failed == ["r2"] and set(out) == {"r0", "r1", "r3"}
     sync = LLMEngine(tiny, EngineConfig(async_scheduling=False, max_num_seqs=4), CPU, F64)
     for i in (0, 1, 3):

@@ -172,34 +172,14 @@ def test_abort_with_async_scheduling_gives_every_page_back(pair, tmp_path):
 def test_a_failing_request_fails_alone_and_commits_nothing(pair, tmp_path, monkeypatch, async_scheduling):
     """A step failing (a planted lookup error whenever r1 decodes) is run again in halves: the others' steps commit
     their pages and give the tokens of a run without r1; r1 fails alone, and every page comes back."""
-    from engram.engine.engine import StepError
-    from engram.engine.lookup import LookupExecutor
+    from tests.engine_runs import run_with_failing_decodes
 
     reqs = [prompt(n, seed=400 + i) for i, n in enumerate((90, 140, 61))]
     llm = _llm(pair, tmp_path, max_num_batched_tokens=64, max_num_seqs=3, async_scheduling=async_scheduling)
     engine = llm.engine
     for i, p in enumerate(reqs):
         engine.add_request(f"r{i}", p, _greedy(6))
-    bad, real = engine._seqs["r1"].seq_id, LookupExecutor.submit
-
-    def submit(self, step, patch=None, project=True):
-        s = step.seq_ids.index(bad) if bad in step.seq_ids else -1
-        if s >= 0 and step.start_positions[s] >= len(reqs[1]):
-            raise OSError("planted read error")
-        return real(self, step, patch, project)
-
-    monkeypatch.setattr(LookupExecutor, "submit", submit)
-    out, failed = {}, []
-    while engine.has_unfinished():
-        try:
-            outs = engine.step()
-        except StepError as e:
-            failed += e.request_ids
-            outs = e.outputs
-            for rid in e.request_ids:
-                engine.abort_request(rid)
-        out.update({o.request_id: o.outputs[0].token_ids for o in outs if o.finished})
-    monkeypatch.undo()
+    out, failed = run_with_failing_decodes(engine, monkeypatch, "r1", len(reqs[1]))
     assert failed == ["r1"] and set(out) == {"r0", "r2"}
     _all_back(llm)
     clean = _llm(pair, tmp_path, max_num_batched_tokens=64, max_num_seqs=3)
