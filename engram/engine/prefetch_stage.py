@@ -90,9 +90,11 @@ class PrefetchStaging:
     def _thread(self) -> cf.ThreadPoolExecutor:
         if self._pool is None:
             cuda = self.device.type == "cuda"
+            # set_device needs an index; "cuda" alone means the device current where the engine runs
+            index = (self.device.index if self.device.index is not None else torch.cuda.current_device()) if cuda else None
             self._stream = torch.cuda.Stream(self.device) if cuda else None
             self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="engram-prefetch", initializer=(
-                (lambda: torch.cuda.set_device(self.device)) if cuda else None))
+                (lambda: torch.cuda.set_device(index)) if cuda else None))
         return self._pool
 
     def _fetch(self, prange) -> tuple[dict[int, torch.Tensor], "torch.cuda.Event | None"]:
