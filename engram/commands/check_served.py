@@ -70,7 +70,7 @@ def arithmetic(serve: argparse.Namespace) -> dict[str, Any]:
 
     device = torch.device(serve.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = {k: getattr(serve, k) for k in ARITHMETIC}
-    out.update(device=device.type if device.index is None else str(device),
+    out.update(device=f"cuda:{device.index or 0}" if device.type == "cuda" else device.type,
                dtype=str(resolve_dtype(serve.dtype, device)).removeprefix("torch."))
     return out
 
