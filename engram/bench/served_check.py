@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,7 +188,7 @@ def run_arm(arm: ServedArm, probes: Sequence[str], prompts: list[list[int]], max
     from engram.server.launcher import ServerProcess
 
     log = log_dir / f"arm-{arm.name}.log"
-    say(f"arm {arm.name}: engram serve {' '.join(arm.argv)} (log: {log})")
+    say(f"arm {arm.name}: engram serve {shlex.join(arm.argv)} (log: {log})")
     server = ServerProcess(arm.argv, None, log)
     try:
         try:
@@ -221,8 +222,7 @@ def _batches(sa: list[tuple], sb: list[tuple], a: str, b: str) -> str | None:
     if sa == sb:
         return None
     k = next((i for i, (x, y) in enumerate(zip(sa, sb)) if x != y), min(len(sa), len(sb)))
-    name = ("tokens", "seqs", "decodes", "sampled", "kv_read", "attended")
-    show = lambda s: "none" if k >= len(s) else " ".join(f"{n}={v}" for n, v in zip(name, s[k]))  # noqa: E731
+    show = lambda s: "no step" if k >= len(s) else f"{s[k][0]} tokens {s[k][1]} seqs"  # noqa: E731
     return f"differ at step {k} of {len(sa)}/{len(sb)} ({a}: {show(sa)}; {b}: {show(sb)})"
 
 
@@ -237,7 +237,7 @@ def compare_runs(first: ArmRun, other: ArmRun, prompts: list[list[int]], near_ti
         rb = other.probes[probe]
         differ = _batches(ra.shapes, rb.shapes, a, b)
         if probe != "burst":
-            why = "requests arrive apart: batches may differ"
+            why = "arrival order"
         else:
             why = "batches differ" if differ else ("arithmetic differs: " + ", ".join(arith) if arith else "same batches")
         rule = BITWISE if probe == "burst" and differ is None and not arith else NEAR_TIE_RULE

@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     if args.served:
         from engram.commands.check_served import run as run_served
 
-        return run_served(args, say)
+        return run_served(args, prompt_texts, say)
     try:
         a, b, names = validate(args)
         if args.threads is not None:

@@ -107,8 +107,10 @@ def probe_names(args: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def run(args: argparse.Namespace, say) -> int:
-    """The served check as the command line says; exit status as `engram check`'s (0 equal, 1 diverged, 2 error)."""
+def run(args: argparse.Namespace, prompt_texts, say) -> int:
+    """The served check as the command line says, on the prompts ``prompt_texts(args)`` gives (the offline check's);
+    exit status as `engram check`'s: 0 equal (or near-ties only), 1 diverged, 2 a bad option or a failed server."""
+    import shlex
     import sys
     import tempfile
     import time
@@ -117,7 +119,6 @@ def run(args: argparse.Namespace, say) -> int:
     from engram.bench import report
     from engram.bench.served_check import ServedCheckError, run_served_check
     from engram.bench.serve_workload import model_tokenizer
-    from engram.commands.check import prompt_texts
 
     try:
         arms = served_arms(args)
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace, say) -> int:
     first = result.first_difference()
     if first:
         print(f"\n{first}")
-    print(f"{doc['verdict']}: " + ", ".join(f"arm {a.name} (engram serve {' '.join(a.argv)})" for a in arms))
+    print(f"{doc['verdict']}: " + ", ".join(f"arm {a.name} (engram serve {shlex.join(a.argv)})" for a in arms))
     if args.json:
         print(f"wrote {report.write_result('check', report.args_config(args), doc, out=args.json)}")
     return result.exit_code
