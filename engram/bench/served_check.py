@@ -140,14 +140,24 @@ def _shapes(records) -> list[tuple[int, ...]]:
     return [(r.num_tokens, r.num_seqs, r.num_decode, r.sampled, r.kv_read, r.attended) for r in records]
 
 
-def _last_step(url: str) -> tuple[int, dict]:
+def _last_step(url: str) -> int:
     from engram.bench.serve_counters import fetch_steps
 
     got = fetch_steps(url, -1)
     if got is None:
         raise ServedCheckError(f"{url} has no GET /engram/steps: not an engram server")
-    records, stats = got
-    return (records[-1].step_id if records else -1), stats
+    return got[0][-1].step_id if got[0] else -1
+
+
+async def _send(url: str, probe: str, model: str, prompts: list[list[int]], max_tokens: int):
+    import httpx
+
+    from engram.bench.serve_client import KEEPALIVE_EXPIRY_S
+
+    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts),
+                          keepalive_expiry=KEEPALIVE_EXPIRY_S)
+    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+        return await RUNNERS[probe](client, model, prompts, max_tokens)
 
 
 def run_probes(url: str, probes: Sequence[str], prompts: list[list[int]], max_tokens: int) -> tuple[str, dict, dict]:
@@ -162,16 +172,12 @@ def run_probes(url: str, probes: Sequence[str], prompts: list[list[int]], max_to
         reset = httpx.post(url + "/reset_prefix_cache", timeout=60)
         if reset.status_code != 200:
             raise _http_error(reset, f"{probe}: POST /reset_prefix_cache")
-        since, _ = _last_step(url)
+        since = _last_step(url)
         t0 = time.perf_counter()
-
-        async def go():
-            limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
-            async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
-                return await RUNNERS[probe](client, model, prompts, max_tokens)
-
-        outputs = asyncio.run(go())
+        outputs = asyncio.run(_send(url, probe, model, prompts, max_tokens))
         seconds = time.perf_counter() - t0
+        if len(outputs) != len(prompts):
+            raise ServedCheckError(f"{probe}: {len(outputs)} choices served for {len(prompts)} prompts")
         for i, (ids, _) in enumerate(outputs):
             if len(ids) != max_tokens:
                 raise ServedCheckError(f"{probe} request {i}: {len(ids)} tokens served, {max_tokens} asked for with "
