@@ -5,6 +5,7 @@ at a first difference a top-1 minus top-2 gap below ``near_tie`` is a ``near-tie
 the Engram rows it read are compared bytewise across the arms (docs/design.md, determinism policy)."""
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -204,6 +205,8 @@ class Comparison:
     logit_gap_b: float | None = None  # arm b's logprob(token_b) - logprob(token_a), likewise
     top_a: list | None = None  # arm a's top-2 [(id, logprob), ...] at ``position``
     top_b: list | None = None
+    logprob_a: float | None = None  # arm a's logprob of token_a at ``position``
+    logprob_b: float | None = None
     rows: dict[str, Any] | None = None  # differing_rows(), for DIVERGED
 
     def to_dict(self) -> dict[str, Any]:
@@ -229,14 +232,52 @@ def compare(probe: str, request: int, prompt_tokens: int, a: tuple[list[int], li
     k = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
     c.position, c.status = k, DIVERGED
     c.token_a, c.token_b = (ta[k] if k < len(ta) else None), (tb[k] if k < len(tb) else None)
+    _logprobs_at(c, la, lb)
     if k < len(la) and k < len(lb):
-        c.top_a, c.top_b = [tuple(x) for x in la[k].top], [tuple(x) for x in lb[k].top]
         c.gap_a, c.gap_b = _gap(c.top_a), _gap(c.top_b)
         c.logit_gap_a, c.logit_gap_b = _logit_gap(c.top_a, c.token_a, c.token_b), _logit_gap(c.top_b, c.token_b,
                                                                                                c.token_a)
         gaps = [g for g in (c.gap_a, c.gap_b) if g is not None]
         if c.token_a is not None and c.token_b is not None and gaps and min(gaps) < near_tie:
             c.status = NEAR_TIE
+    return c
+
+
+def _logprobs_at(c: Comparison, la: list, lb: list) -> None:
+    """Both arms' own logprob and top-k at ``c.position``, where each arm has one."""
+    k = c.position
+    if k < len(la):
+        c.logprob_a, c.top_a = la[k].logprob, [tuple(x) for x in la[k].top]
+    if k < len(lb):
+        c.logprob_b, c.top_b = lb[k].logprob, [tuple(x) for x in lb[k].top]
+
+
+def _bits(x: float) -> bytes:
+    return struct.pack("<d", x)  # bitwise: -0.0 differs from 0.0, a NaN equals only its own bits
+
+
+def _same_token(x, y) -> bool:
+    """Two TokenLogprobs bitwise equal: the token, its logprob and the whole top-k (ids and logprobs, in order)."""
+    return (x.token_id == y.token_id and _bits(x.logprob) == _bits(y.logprob) and len(x.top) == len(y.top)
+            and all(i == j and _bits(p) == _bits(q) for (i, p), (j, q) in zip(x.top, y.top)))
+
+
+def compare_bitwise(probe: str, request: int, prompt_tokens: int, a: tuple[list[int], list],
+                    b: tuple[list[int], list]) -> Comparison:
+    """The same-batch rule: equal only when token ids, logprobs and top-k are bitwise equal at every position; else
+    DIVERGED at the first position where anything differs (both tokens and logprobs named), a length difference at
+    the end of the shorter."""
+    (ta, la), (tb, lb) = a, b
+    c = Comparison(probe, request, EQUAL, prompt_tokens)
+    k = next((i for i, (x, y) in enumerate(zip(la, lb)) if not _same_token(x, y)), None)
+    if k is None and ta == tb and len(la) == len(lb):
+        return c
+    if k is None:
+        k = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb), len(la), len(lb)))
+    c.position, c.status = k, DIVERGED
+    c.token_a, c.token_b = (ta[k] if k < len(ta) else None), (tb[k] if k < len(tb) else None)
+    _logprobs_at(c, la, lb)
+    c.gap_a, c.gap_b = _gap(c.top_a or []), _gap(c.top_b or [])
     return c
 
 

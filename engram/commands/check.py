@@ -9,6 +9,10 @@ SHA-256 checked), or of a corpus generated in memory from the standard library's
 ``--prompt-tokens`` under the built-in tokenizer); either way the text is encoded once with the model's
 tokenizer and both arms receive the same token ids.
 
+With ``--served`` each arm (``--a``, ``--b`` and an optional ``--c``) is a real `engram serve` instead, started one at
+a time and probed over HTTP (``burst``: bitwise when the arms' step traces match; ``concurrent``: near-tie rule;
+commands/check_served.py, bench/served_check.py); every arm is compared with arm a.
+
 Exit status: 0 when every request is equal or a near-tie (top-2 logprob gap below ``--near-tie`` in either
 arm at the first differing token), 1 on any real divergence (each listed with its probe, request,
 position, both tokens, both gaps and the Engram rows whose bytes differ between the arms' tables), 2 on a
@@ -26,6 +30,7 @@ CONTINUATION_TOKENS = "1:32"  # the generated corpus's continuations: unused, an
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from engram.bench.check import PROBES
+    from engram.bench.served_check import SERVED_PROBES
 
     p.add_argument("model", nargs="?", default="tiny",
                    help="preset (tiny, small, 4b-like, 8b-like) or checkpoint directory (default: tiny)")
@@ -33,7 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for name in ("a", "b"):
         arms.add_argument(f"--{name}", default="{}", metavar="JSON",
                           help=f'arm {name}: e.g. \'{{"tier": "disk", "engram_config": {{"cache_rows": 1000}}}}\' '
-                               f'(keys: tier, dtype, device, engram_config, table_dirs, EngineConfig fields)')
+                               f'(keys: tier, dtype, device, engram_config, table_dirs, EngineConfig fields; with '
+                               f'--served: model and `engram serve` options by name)')
+    arms.add_argument("--c", default=None, metavar="JSON", help="with --served: a third arm, compared with arm a")
+    arms.add_argument("--served", action="store_true",
+                      help="check the serving path: one real `engram serve` per arm, one at a time, probes "
+                           "burst (bitwise when the batches match) and concurrent (near-tie rule) over HTTP")
     arms.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     src = p.add_argument_group("prompts")
     src.add_argument("--corpus", default=None, metavar="FILE", help="corpus file (engram bench corpus)")
@@ -41,7 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--seed", type=int, default=0, help="seed of the in-memory corpus (without --corpus)")
     src.add_argument("--prompt-tokens", default="16:64", help="prompt lengths LO:HI of the in-memory corpus")
     probe = p.add_argument_group("probes")
-    probe.add_argument("--probes", default=",".join(PROBES), help=f"comma-separated subset of {','.join(PROBES)}")
+    probe.add_argument("--probes", default=None,
+                       help=f"comma-separated subset of {','.join(PROBES)} (default: all; with --served: "
+                            f"{','.join(SERVED_PROBES)})")
     probe.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per request")
     probe.add_argument("--prefix-tokens", type=int, default=256,
                        help="fixed-prefix: length of the shared prefix (the prompts concatenated, cut)")
@@ -69,7 +81,9 @@ def validate(args: argparse.Namespace):
         _positive(args, "threads")
     if not args.near_tie >= 0.0:
         raise ValueError(f"--near-tie={args.near_tie} must be >= 0")
-    names = [n.strip() for n in args.probes.split(",") if n.strip()]
+    if args.c is not None:
+        raise ValueError("--c: a third arm needs --served (the offline check compares two arms)")
+    names = [n.strip() for n in (args.probes or ",".join(PROBES)).split(",") if n.strip()]
     bad = [n for n in names if n not in PROBES]
     if bad or not names:
         raise ValueError(f"--probes={args.probes!r}: {bad or 'none given'}; choose from {list(PROBES)}")
@@ -124,6 +138,10 @@ def run(args: argparse.Namespace) -> int:
     def say(msg: str) -> None:
         print(f"engram check: {msg}", file=sys.stderr, flush=True)
 
+    if args.served:
+        from engram.commands.check_served import run as run_served
+
+        return run_served(args, prompt_texts, say)
     try:
         a, b, names = validate(args)
         if args.threads is not None:

@@ -88,6 +88,24 @@ class TokenStrings:
         return token_id in self._special
 
 
+class TokenIdStrings:
+    """``TokenStrings`` for ``return_tokens_as_token_ids`` (vLLM's request field): a token's string is
+    ``"token_id:N"``; its bytes (chat's ``bytes``, the legacy ``text_offset``) and special-ness stay the token's
+    own, so offsets still index the choice's text."""
+
+    def __init__(self, strings: TokenStrings):
+        self._strings = strings
+
+    def text(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+    def bytes(self, token_id: int) -> bytes:
+        return self._strings.bytes(token_id)
+
+    def special(self, token_id: int) -> bool:
+        return self._strings.special(token_id)
+
+
 def _floor(logprob: float) -> float:
     return max(logprob, LOGPROB_FLOOR)
 

@@ -56,6 +56,9 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's field: logprobs name each token "token_id:N" instead of its text (tokens whose text is ambiguous or
+    # not UTF-8 stay distinguishable; `engram check --served` reads token ids back this way)
+    return_tokens_as_token_ids: bool | None = None
     # OpenAI fields that do not change the output: accepted and not used.
     user: Text | None = None
     # OpenAI fields this server does not implement: any value but the no-op one is refused (unsupported_field).

@@ -19,7 +19,7 @@ from starlette.responses import StreamingResponse
 
 from engram.server.bridge import EngineBridge, EngineNotReady, EngineOverloaded, RequestFailed
 from engram.server.chat import render_chat
-from engram.server.logprobs import LegacyLogprobs, TokenStrings
+from engram.server.logprobs import LegacyLogprobs, TokenIdStrings, TokenStrings
 from engram.server.metrics import ServerMetrics
 from engram.server.prompt import chars_per_token_bound, encode, too_long
 from engram.server.protocol import (ChatCompletionRequest, CompletionRequest, error_body, new_id, now,
@@ -180,6 +180,8 @@ class OpenAIServing:
     async def _run(self, req, prompts: list[PromptSpec], shape: Shape, raw: Request, rid: str) -> Any:
         base = self._params(req, shape)
         strings = self._token_strings() if shape.logprobs is not None else None
+        if strings is not None and req.return_tokens_as_token_ids:
+            strings = TokenIdStrings(strings)
         legacy = shape.kind == "text_completion" and shape.logprobs is not None
         choices = [Choice(p * req.n + j, f"{rid}-{p * req.n + j}", prompt, base.for_choice(j),
                            LegacyLogprobs(strings, shape.logprobs) if legacy else None)
