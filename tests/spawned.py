@@ -1,5 +1,5 @@
-"""Helpers of the tests that kill a server's spawned processes (TP ranks, DP replicas): find them, stream a completion
-while they die, and tell that one is gone."""
+"""Helpers of the tests that kill a server's spawned processes (its engine process, and that one's TP ranks, PP stages
+or DP replicas: the server's grandchildren): find them, stream a completion while they die, and tell that one is gone."""
 from __future__ import annotations
 
 import os
@@ -18,6 +18,25 @@ def spawned_children(pid: int) -> list[int]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         children += [int(p) for p in (task / "children").read_text().split()]
     return sorted(p for p in children if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes())
+
+
+def engine_processes(server_pid: int) -> list[int]:
+    """The server's engine process (its one spawned child) first, then the processes that one spawned (TP ranks, PP
+    stages or DP replicas), ascending."""
+    engine = spawned_children(server_pid)
+    assert len(engine) == 1, f"server {server_pid} has spawned {engine}, not one engine process"
+    return [*engine, *spawned_children(engine[0])]
+
+
+def all_gone(pids: list[int], timeout: float = 30.0) -> bool:
+    """Whether every process of ``pids`` has exited within ``timeout`` seconds (an engine process reaps its children
+    as it ends, which may be just after its parent exited)."""
+    deadline = time.monotonic() + timeout
+    while not all(gone(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def stream_completion(url: str, body: dict, events: list[str], started: threading.Event) -> None:
@@ -42,23 +61,22 @@ def gone(pid: int) -> bool:
 
 
 def tiny_cpu_server(tmp_path_factory, tmp_path, *args: str):
-    """A ready ``engram serve tiny`` on the CPU (one thread) with the engine loop on a thread of the server, so the
-    ranks or stages ``args`` start are the server's own children (``kill_a_child_mid_stream`` counts them)."""
+    """A ready ``engram serve tiny`` on the CPU (one thread); the ranks or stages ``args`` start are children of its
+    engine process (``kill_a_child_mid_stream`` counts them)."""
     from engram.server.launcher import ServerProcess
 
     cache_dir = tmp_path_factory.getbasetemp() / "engram-cache"
-    return ServerProcess(["tiny", "--threads", "1", "--device", "cpu", *args, "--engine-loop", "thread"], cache_dir,
-                         tmp_path / "log").wait_ready()
+    return ServerProcess(["tiny", "--threads", "1", "--device", "cpu", *args], cache_dir, tmp_path / "log").wait_ready()
 
 
 def kill_a_child_mid_stream(server, prompts: list[str], children: int = 2) -> tuple[int, str, list[str], list[int]]:
-    """``kill_mid_stream`` of the last of ``server``'s ``children`` spawned processes -> (its exit status, its log,
-    every stream's events, the children's pids)."""
+    """``kill_mid_stream`` of the last of the ``children`` processes that ``server``'s engine process spawned -> (its
+    exit status, its log, every stream's events, the pids of the engine process and its children)."""
     pids: list[int] = []
 
     def last_child() -> int:
-        pids.extend(spawned_children(server.proc.pid))
-        assert len(pids) == children, pids
+        pids.extend(engine_processes(server.proc.pid))
+        assert len(pids) == 1 + children, pids
         return pids[-1]
 
     return (*kill_mid_stream(server, prompts, last_child), pids)

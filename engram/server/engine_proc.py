@@ -22,6 +22,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Callable, NamedTuple
 
+from engram.engine.executor import executor_failed
 from engram.server.bridge import ModelInfo
 from engram.server.engine_loop import LoopClock
 
@@ -99,7 +100,18 @@ class EngineCoreLoop:
         self._first: set[str] = set()  # requests whose first output has not gone out (prompt logprobs)
 
     def run(self) -> int:
-        """-> the process's exit code: 0 after "stop" or a closed inbox, EXIT_ENGINE_FAILED."""
+        """-> the process's exit code: 0 after "stop" or a closed inbox, EXIT_ENGINE_FAILED once the executor failed
+        for good, wherever that shows (a step, a stats read, an add or an abort that reached a dead rank or replica):
+        the API side then gets "fatal" with the executor's reason, never a bare exit."""
+        try:
+            return self._serve()
+        except Exception as e:
+            if not executor_failed(e):
+                raise
+            _send(self.outbox, ("fatal", f"{type(e).__name__}: {e}"))
+            return EXIT_ENGINE_FAILED
+
+    def _serve(self) -> int:
         _send(self.outbox, ("step", [], self._stats(), []))  # the snapshot (and this loop's pid) before any step
         while True:
             try:
@@ -123,7 +135,9 @@ class EngineCoreLoop:
                     replies.append((rid, None))
                 except ValueError as e:
                     replies.append((rid, ("invalid", str(e))))
-                except Exception as e:  # fails this request only, never the loop
+                except Exception as e:  # fails this request only, never the loop (a dead executor: run's)
+                    if executor_failed(e):
+                        raise
                     logging.getLogger("engram.server").exception("add_request failed for %s", rid)
                     self.engine.abort_request(rid)
                     replies.append((rid, ("failed", f"request failed in the engine: {e}")))
@@ -164,7 +178,15 @@ class EngineCoreLoop:
         self.clock.delivered(since)
         return sent or True
 
-    def _stats(self) -> dict:
-        stats = self.engine.stats()
+    def _stats(self) -> dict | None:
+        """``engine.stats()`` with the loop's host times; None (logged) when it fails other than by a dead executor:
+        metrics never stop the engine."""
+        try:
+            stats = self.engine.stats()
+        except Exception as e:
+            if executor_failed(e):
+                raise
+            logging.getLogger("engram.server").exception("engine.stats() failed")
+            return None
         stats["engine_loop"] = self.clock.snapshot()
         return stats

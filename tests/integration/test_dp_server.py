@@ -1,7 +1,8 @@
 """A real ``engram serve --data-parallel-size 2 --device cpu``: concurrent greedy completions (float64) equal one
 engine's, /metrics counts both replicas' steps, and the startup log says which replica created each shared table;
-a replica killed mid-stream fails the request in flight with an error event naming it, and the server exits with
-status 4 within 60 s with no replica left running (never hangs)."""
+the replicas are children of the server's engine process; a replica killed mid-stream fails the request in flight with
+an error event naming it, and the server exits with status 4 within 60 s with neither a replica nor the engine process
+left running (never hangs)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -13,7 +14,7 @@ import pytest
 import engram
 from engram.commands.serve import EXIT_ENGINE_FAILED
 from engram.server.launcher import ServerProcess, metric
-from tests.spawned import gone, kill_a_child_mid_stream, spawned_children
+from tests.spawned import all_gone, engine_processes, kill_a_child_mid_stream
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -24,8 +25,7 @@ def _serve(tmp_path_factory, tmp_path, shm: Path) -> ServerProcess:
     cache_dir = tmp_path_factory.getbasetemp() / "engram-cache"
     config = '{"advanced": {"shm_dir": "%s"}}' % shm
     return ServerProcess(["tiny", "--threads", "1", "--device", "cpu", "--dtype", "float64", "--tier", "host",
-                          "--data-parallel-size", "2", "--engram-config", config, "--log-level", "info",
-                          "--engine-loop", "thread"],
+                          "--data-parallel-size", "2", "--engram-config", config, "--log-level", "info"],
                          cache_dir, tmp_path / "log")
 
 
@@ -45,10 +45,12 @@ def test_two_replicas_serve_one_engines_completions(tmp_path_factory, tmp_path, 
         with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
             got = list(pool.map(complete, PROMPTS))
         assert got == want
-        assert len(spawned_children(s.proc.pid)) == 2
+        engine, *replicas = engine_processes(s.proc.pid)
+        assert len(replicas) == 2
         steps = httpx.get(s.url + "/engram/steps", timeout=30).json()
         assert sum(steps["stats"]["steps_by_kind"].values()) == len(steps["steps"]) > 0
-        assert [r["pid"] for r in steps["stats"]["replicas"]] == spawned_children(s.proc.pid)
+        assert steps["stats"]["engine_loop"]["pid"] == engine
+        assert [r["pid"] for r in steps["stats"]["replicas"]] == replicas
         assert metric(s.url, "engram_num_requests_running") == 0
         log = s.log()
     layers = len(one.loaded.engram_config.layer_ids)
@@ -64,6 +66,5 @@ def test_a_killed_replica_fails_requests_in_flight_and_the_server_exits(tmp_path
     errors = [e for e in events if e.startswith('{"error"')]
     assert errors and all("replica 1" in e and "exit code -9" in e for e in errors), events[-4:]
     assert not any('"finish_reason": "length"' in e for e in events)
-    assert not any('"finish_reason": "length"' in e for e in events)
     assert "data-parallel replica 1" in log and "the engine stopped" in log, log[-2000:]
-    assert all(gone(pid) for pid in replicas)  # no replica outlives the server
+    assert all_gone(replicas)  # neither a replica nor the engine process outlives the server

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engram.commands.serve import EXIT_ENGINE_FAILED
-from tests.spawned import gone, kill_a_child_mid_stream, tiny_cpu_server
+from tests.spawned import all_gone, kill_a_child_mid_stream, tiny_cpu_server
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -19,4 +19,4 @@ def test_a_killed_stage_fails_requests_in_flight_and_the_server_exits(tmp_path_f
     assert errors and all("exited with code -9" in e and '"code": 500' in e for e in errors), events[-3:]
     assert not any('"finish_reason": "length"' in e for e in events)
     assert "rank 1 (pid" in log and "exited with code -9" in log and "the engine stopped" in log, log[-2000:]
-    assert all(gone(pid) for pid in ranks)  # no stage outlives the server
+    assert all_gone(ranks)  # neither a stage nor the engine process outlives the server
