@@ -2,11 +2,12 @@
 
 MODEL is a preset name (default: the built-in ``tiny``) or a checkpoint directory. Every option value is
 checked first: a bad one exits with status 2 before the port opens. Then the port is tried (one in use, or
-an address that is not this machine's, exits with status 3) and the model loads on the engine thread while
+an address that is not this machine's, exits with status 3) and the model loads in the engine process while
 the port is open, so /health answers 503 until it is ready. If it fails to load (an unknown model, a device
 that is not there, a --max-model-len the model cannot take, ...) the server prints the reason and exits
-with status 1, so a supervisor sees the failure and can restart it; a tensor-parallel rank or a data-parallel
-replica that dies once serving fails the requests in flight and the server exits with status 4. SIGTERM (or Ctrl-C)
+with status 1, so a supervisor sees the failure and can restart it; an engine process, tensor-parallel rank,
+pipeline stage or data-parallel replica that dies once serving fails the requests in flight and the server exits with
+status 4. SIGTERM (or Ctrl-C)
 stops accepting connections, answers requests still sending their body with 503, lets in-flight generations finish
 for up to --timeout-graceful-shutdown seconds (then cancels them), and exits by that signal. Slow clients are cut
 off: a request's line and headers must arrive within --timeout-request-headers seconds, its body within
@@ -14,7 +15,8 @@ off: a request's line and headers must arrive within --timeout-request-headers s
 --timeout-keep-alive seconds.
 
 exit status: 0 stopped, 1 the model failed to load, 2 a bad option value, 3 the port could not be bound, 4 the
-engine failed for good (a tensor-parallel rank or a data-parallel replica died);
+engine failed for good (the engine process, a tensor-parallel rank, a pipeline stage or a data-parallel replica
+died);
 after SIGTERM / SIGINT the process ends by that signal (143 / 130 in a shell).
 """
 from __future__ import annotations
@@ -50,9 +52,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
                    help="larger request bodies get 413 before they are parsed (default: %(default)s)")
     p.add_argument("--log-level", default="info")
-    p.add_argument("--engine-loop", choices=("thread", "process"), default="process",
-                   help="where the engine's step loop runs: an engine process of its own (default), so that HTTP, SSE "
-                        "and detokenizing never hold its GIL, or a thread of the server's process (docs/server.md)")
     t = p.add_argument_group("timeouts (seconds)")
     t.add_argument("--timeout-graceful-shutdown", type=float, default=60.0, metavar="S",
                    help="after SIGTERM, in-flight requests may run this long before they are cancelled "
@@ -73,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from engram.server.http import DrainingServer, HttpLimits, check_port, server_config
 
     try:
-        check_options(args)  # fail now, not on the engine thread after the port opened
+        check_options(args)  # fail now, not in the engine process after the port opened
         if args.max_request_bytes < 1:
             raise ValueError(f"--max-request-bytes={args.max_request_bytes} must be >= 1")
         if args.max_waiting < 0:
@@ -96,14 +95,14 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server: DrainingServer | None = None
 
-    def load_failed(reason: str) -> None:  # the engine loop's thread: stop serving; run() below then exits 1 (or 4)
+    def load_failed(reason: str) -> None:  # the engine client's reader thread: stop serving; run() below then exits 1 (or 4)
         print(f"engram serve: error: {reason}", file=sys.stderr, flush=True)
         if server is not None:
             server.should_exit = True
 
     app = build_app(functools.partial(load_engine, args), name, args.tier, args.max_num_seqs, args.max_waiting,
                     args.max_request_bytes, on_load_error=load_failed, body_timeout=limits.request_body,
-                    on_fatal=load_failed, engine_loop=args.engine_loop)
+                    on_fatal=load_failed)
     server = DrainingServer(server_config(app, args.host, args.port, args.log_level, limits),
                             on_shutdown=app.state.stopping.set)
     print(f"engram: serving {name!r} on http://{args.host}:{args.port} (GET /health turns 200 when loaded)\n"
@@ -122,8 +121,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def load_engine(args: argparse.Namespace):
-    """The engine's LLM, built where its loop runs (the engine thread, or the engine process: a module-level function,
-    so it crosses the spawn); that process is the engine's: full collections skip the start-up heap."""
+    """The engine's LLM, built in the engine process (a module-level function, so it crosses the spawn); that process
+    is the engine's: full collections skip the start-up heap."""
     from engram.engine.heap import freeze_startup_heap
 
     llm = build_llm(args)

@@ -17,9 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engram.server import DEFAULT_MAX_REQUEST_BYTES
 from engram.engine.step_trace import StepTrace
-from engram.server.async_engine import AsyncEngine
-from engram.server.bridge import ENGINE_LOOPS
-from engram.server.engine_client import EngineProcess
+from engram.server.engine_client import EngineClient
 from engram.server.metrics import ServerMetrics
 from engram.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from engram.server.serving import REJECT_REASONS, ApiError, OpenAIServing
@@ -111,20 +109,16 @@ class BodyLimit:
 def build_app(build_llm: Callable[[], Any], model_name: str, tier: str, max_num_seqs: int,
               max_waiting: int = 256, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               on_load_error: Callable[[str], None] | None = None, body_timeout: float | None = None,
-              on_fatal: Callable[[str], None] | None = None, engine_loop: str = "thread") -> FastAPI:
-    """``build_llm`` returns an ``engram.LLM`` where the engine loop runs (/health is 503 meanwhile): ``engine_loop``
-    "thread", a thread of this process, or "process", an engine process of its own (then ``build_llm`` must be
-    picklable); if it raises, ``on_load_error(reason)`` is called, and ``on_fatal(reason)`` once the engine failed
-    for good. ``body_timeout``: seconds a body may take (None: no limit). Setting ``app.state.stopping`` refuses bodies
-    still arriving."""
+              on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+    """``build_llm`` (picklable) returns an ``engram.LLM``, built in the engine process that the app's startup spawns
+    (/health is 503 meanwhile); if it raises, ``on_load_error(reason)`` is called, and ``on_fatal(reason)`` once the
+    engine failed for good. ``body_timeout``: seconds a body may take (None: no limit). Setting
+    ``app.state.stopping`` refuses bodies still arriving."""
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes={max_request_bytes} must be >= 1")
-    if engine_loop not in ENGINE_LOOPS:
-        raise ValueError(f"engine_loop={engine_loop!r} must be one of {ENGINE_LOOPS}")
     metrics = ServerMetrics(model_name, tier)
-    bridge = AsyncEngine if engine_loop == "thread" else EngineProcess
-    engine = bridge(build_llm, max_num_seqs, max_waiting, on_stats=metrics.update, on_load_error=on_load_error,
-                    on_fatal=on_fatal)
+    engine = EngineClient(build_llm, max_num_seqs, max_waiting, on_stats=metrics.update, on_load_error=on_load_error,
+                          on_fatal=on_fatal)
     serving = OpenAIServing(engine, model_name, metrics)
 
     @asynccontextmanager

@@ -1,7 +1,6 @@
-"""One turn of the loop that drives an engine, shared by the server's two loops (a thread of the API process,
-async_engine.py, or a process of its own, engine_proc.py): ``step_once`` runs ``engine.step()`` and sorts what came
-out (outputs, requests failed, the executor gone), and ``LoopClock`` counts the host time the loop spends, so a load
-can tell the engine's share of a step from the server's (``GET /engram/steps`` reports it as ``engine_loop``).
+"""One turn of the engine process's step loop (engine_proc.py): ``step_once`` runs ``engine.step()`` and sorts what
+came out (outputs, requests failed, the executor gone), and ``LoopClock`` counts the host time the loop spends, so a
+load can tell the engine's share of a step from the server's (``GET /engram/steps`` reports it as ``engine_loop``).
 """
 from __future__ import annotations
 
@@ -47,21 +46,20 @@ class LoopStats:
     """Host time of the loop's thread since it started (seconds; CPU time is this thread's own, so on one torch
     thread ``step_s - step_cpu_s`` is the time a step waited for the GIL or the device)."""
 
-    mode: str  # "thread" (in the API process) or "process" (an engine process)
-    pid: int  # the process the loop runs in
+    pid: int  # the engine process
     tid: int  # its native thread id (/proc/PID/task/TID)
     steps: int = 0  # engine.step() calls
     step_s: float = 0.0  # wall time inside engine.step()
     step_cpu_s: float = 0.0  # this thread's CPU time inside engine.step()
-    deliver_s: float = 0.0  # wall time handing a step's outputs on (thread: to the event loop; process: the pipe)
+    deliver_s: float = 0.0  # wall time handing a step's outputs to the pipe
     loop_cpu_s: float = 0.0  # this thread's CPU time since the loop started (steps, messages, delivery)
 
 
 class LoopClock:
     """``LoopStats`` of the thread that created it: ``step()`` and ``deliver()`` bracket the two timed parts."""
 
-    def __init__(self, mode: str):
-        self.stats = LoopStats(mode, os.getpid(), threading.get_native_id())
+    def __init__(self) -> None:
+        self.stats = LoopStats(os.getpid(), threading.get_native_id())
         self._cpu0 = time.thread_time()
 
     def step(self, engine: Any) -> StepOutcome:

@@ -1,15 +1,17 @@
-"""The engine process of ``engram serve --engine-loop process`` (vLLM V1's EngineCore shape): a spawned process that
-builds the engine (``build()``: an ``engram.LLM``, with its TP ranks or DP replicas as its own children) and runs its
-step loop on the requests the API process (engine_client.py) sends. It never detokenizes: requests arrive with
+"""The engine process of ``engram serve`` (vLLM V1's EngineCore shape): a process the API process (engine_client.py)
+spawns; it builds the engine (``build()``: an ``engram.LLM``, with its TP ranks, PP stages or DP replicas as its own
+children) and runs its step loop on the requests the API process sends. It never detokenizes: requests arrive with
 ``detokenize=False`` and outputs leave as token ids, logprobs and finish reasons, one message a step for all of them.
 
 Messages, over two one-way pipes. In: ("add", [(request_id, prompt ids, SamplingParams)]), ("abort", [request_id]),
 ("reset_prefix_cache", None), ("stop", None). Out: ("ready", ModelInfo) once built, or ("load_error", reason) and
 exit code 1; ("added", [(request_id, None | (kind, message))]) for each "add" before any step that ran its requests
-(kind "invalid": a 400, "failed": a 500); ("step", [TokenDelta], stats, StepRecords) after a step that gave outputs;
-("failed", request_ids | None, message, [TokenDelta], stats, StepRecords) after a step that failed some (None: the
-error named none, the API side fails all of its own); ("reset", dropped blocks); ("fatal", message) and exit code 4
-when the executor failed for good. The loop ends at "stop" or when the inbox closes (the API process is gone).
+(kind "invalid": a 400, "failed": a 500); ("step", [TokenDelta], stats, StepRecords) after a step that gave outputs
+(stats None when ``engine.stats()`` failed: logged, never fatal); ("failed", request_ids | None, message,
+[TokenDelta], stats, StepRecords) after a step that failed some (None: the error named none, the API side fails all of
+its own); ("reset", dropped blocks); ("fatal", message) and exit code 4 once the executor failed for good (a TP rank,
+PP stage or DP replica died), wherever that surfaced. The loop ends at "stop" or when the inbox closes (the API
+process is gone).
 """
 from __future__ import annotations
 
@@ -19,14 +21,31 @@ import signal
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable, NamedTuple
 
 from engram.engine.executor import executor_failed
-from engram.server.bridge import ModelInfo
 from engram.server.engine_loop import LoopClock
 
 EXIT_LOAD_FAILED, EXIT_ENGINE_FAILED = 1, 4
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the API side needs of the loaded model (picklable: the engine process sends it once it is ready)."""
+
+    tokenizer: Any  # tokenizers.Tokenizer: prompts, echo, logprobs' token strings, and the text of every output
+    chat_template: str | None
+    bos_token_id: int | None
+    eos_token_id: int | None
+    max_model_len: int  # prompt + output tokens per sequence
+
+    @classmethod
+    def of(cls, llm: Any) -> "ModelInfo":
+        loaded = llm.loaded
+        return cls(loaded.tokenizer, loaded.chat_template, loaded.model_config.bos_token_id, loaded.eos_token_id,
+                   llm.engine.max_model_len)
 
 
 class TokenDelta(NamedTuple):
@@ -95,7 +114,7 @@ class EngineCoreLoop:
 
     def __init__(self, engine: Any, inbox: Connection, outbox: Connection):
         self.engine, self.inbox, self.outbox = engine, inbox, outbox
-        self.clock = LoopClock("process")
+        self.clock = LoopClock()
         self.last_step = -1  # the last step id whose record was sent
         self._first: set[str] = set()  # requests whose first output has not gone out (prompt logprobs)
 

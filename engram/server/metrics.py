@@ -35,7 +35,7 @@ class ServerMetrics:
         r.register(_SnapshotCollector(self))
 
     def update(self, snapshot: dict[str, Any]) -> None:
-        """After each step (from the engine loop's thread): keep the engine's ``stats()`` snapshot."""
+        """After each step (from the engine client's reader thread): keep the engine's ``stats()`` snapshot."""
         with self._lock:
             self._snapshot = snapshot
 

@@ -1,5 +1,5 @@
-"""OutputProcessor: the API process's half of the engine's output path (engine loop "process"): it turns an engine
-process's TokenDeltas into the RequestOutputs (``output_kind`` "delta") that the in-process engine would have made,
+"""OutputProcessor: the API process's half of the engine's output path: it turns the engine process's TokenDeltas
+into the RequestOutputs (``output_kind`` "delta") that an in-process engine (``engram.LLM``) would have made,
 detokenizing each request incrementally and matching its stop strings here (engine/detokenizer.py, the engine's own).
 
 The engine checks EOS, stop token ids, ``max_tokens`` and the context; a stop string is found here, so the engine runs

@@ -1,4 +1,4 @@
-"""Prompt preparation off the engine thread: a length bound checked before tokenizing (``too_long``), then
+"""Prompt preparation off the event loop: a length bound checked before tokenizing (``too_long``), then
 tokenization that releases the GIL (``encode``), so a long prompt stalls neither the engine nor the event loop.
 """
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""OpenAI completions and chat completions on the engine bridge (bridge.py): request -> checks -> token ids ->
+"""OpenAI completions and chat completions on the engine client (engine_client.py): request -> checks -> token ids ->
 SamplingParams -> engine -> JSON body or an SSE stream ending ``data: [DONE]``.
 
 Each choice (prompt ``p``, sequence ``j``) is engine request ``{id}-{p * n + j}``, seeded ``seed + j``; a
 response's choices run as one group. Every refusal happens here, before the engine sees the request, as an
-ApiError that app.py renders; the engine thread only receives token ids (templates and tokenization run in
+ApiError that app.py renders; the engine process only receives token ids (templates and tokenization run in
 worker threads). A client that disconnects cancels its requests; their tokens so far still count.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from engram.server.bridge import EngineBridge, EngineNotReady, EngineOverloaded, RequestFailed
+from engram.server.engine_client import EngineClient, EngineNotReady, EngineOverloaded, RequestFailed
 from engram.server.chat import render_chat
 from engram.server.logprobs import LegacyLogprobs, TokenIdStrings, TokenStrings
 from engram.server.metrics import ServerMetrics
@@ -45,7 +45,7 @@ class ApiError(Exception):
 
 
 class OpenAIServing:
-    def __init__(self, engine: EngineBridge, model_name: str, metrics: ServerMetrics):
+    def __init__(self, engine: EngineClient, model_name: str, metrics: ServerMetrics):
         self.engine, self.model_name, self.metrics = engine, model_name, metrics
         self._pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="engram-tokenize")
         self._bound: int | None = None  # chars_per_token_bound of the loaded tokenizer

@@ -1,9 +1,8 @@
-"""`engram serve --engine-loop process`: the engine in a spawned process of its own, the API process detokenizing,
-matching stop strings and framing SSE. test_server.py's behaviour tests run again here against it (imported: the same
-assertions with this module's server), then what only this loop has: stop strings found in the API process give what
-the engine gives matching them itself (float64, concurrent, against LLM.generate), the loop's host times and the engine
-process's pid in ``GET /engram/steps``, and a killed engine process fails the stream in flight, after which the server
-exits with status 4 in bounded time (503 when full: test_server_lifecycle.py runs in both loops)."""
+"""`engram serve` runs the engine in a spawned process of its own, the API process detokenizing, matching stop strings
+and framing SSE (the routes' behaviour: test_server.py): stop strings found in the API process give what the engine
+gives matching them itself (float64, concurrent, against LLM.generate), the loop's host times and the engine process's
+pid in ``GET /engram/steps``, and a killed engine process fails the stream in flight, after which the server exits
+with status 4 in bounded time."""
 from __future__ import annotations
 
 import asyncio
@@ -13,16 +12,9 @@ import pytest
 
 from engram.commands.serve import EXIT_ENGINE_FAILED
 from engram.server.launcher import ServerProcess
-from tests.integration.test_server import (  # noqa: F401  (collected here, against this module's server)
-    test_32_concurrent_requests_equal_llm_generate_float64, test_bad_completion_requests,
-    test_chat_plain_and_streaming_with_openai_client, test_client_disconnect_cancels_and_frees_the_sequence,
-    test_completion_body_and_usage, test_health_and_models, test_invalid_json_bad_chat_and_unknown_route,
-    test_metrics_are_engram_prefixed, test_streaming_chunks_concatenate_to_non_streaming_text)
 from tests.spawned import gone, kill_mid_stream
 
 pytestmark = pytest.mark.timeout(600)
-
-PROCESS = ["--engine-loop", "process"]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +24,7 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(cache_dir, tmp_path_factory):
-    with ServerProcess(["tiny", "--threads", "1", "--dtype", "float64", "--max-num-seqs", "32", *PROCESS], cache_dir,
+    with ServerProcess(["tiny", "--threads", "1", "--dtype", "float64", "--max-num-seqs", "32"], cache_dir,
                        tmp_path_factory.mktemp("srv") / "server.log") as s:
         yield s
 
@@ -78,13 +70,13 @@ def test_steps_report_the_engine_process_and_its_loop_times(server):
     assert r.status_code == 200
     body = httpx.get(server.url + "/engram/steps", timeout=60).json()
     loop = body["stats"]["engine_loop"]
-    assert loop["mode"] == "process" and loop["pid"] != server.proc.pid and loop["tid"] == loop["pid"]
+    assert loop["pid"] != server.proc.pid and loop["tid"] == loop["pid"]
     assert loop["steps"] >= len(body["steps"]) >= 3 and 0 < loop["step_cpu_s"] <= loop["loop_cpu_s"]
     assert body["stats"]["steps"] >= 3 and open(f"/proc/{loop['pid']}/cmdline", "rb").read().find(b"spawn") >= 0
 
 
 def test_a_killed_engine_process_fails_the_stream_and_the_server_exits_4(cache_dir, tmp_path):
-    s = ServerProcess(["tiny", "--threads", "1", *PROCESS], cache_dir, tmp_path / "log").wait_ready()
+    s = ServerProcess(["tiny", "--threads", "1"], cache_dir, tmp_path / "log").wait_ready()
     pid = None
 
     def engine_pid() -> int:

@@ -28,10 +28,9 @@ def _stream_body(max_tokens):
             "temperature": 0, "stream": True}
 
 
-@pytest.mark.parametrize("loop", ["thread", "process"])
-def test_full_queue_answers_503_with_retry_after(cache_dir, tmp_path, loop):
-    s = ServerProcess(["tiny", "--threads", "1", "--max-num-seqs", "1", "--max-waiting", "0", "--engine-loop", loop],
-                      cache_dir, tmp_path / "log").wait_ready()
+def test_full_queue_answers_503_with_retry_after(cache_dir, tmp_path):
+    s = ServerProcess(["tiny", "--threads", "1", "--max-num-seqs", "1", "--max-waiting", "0"], cache_dir,
+                      tmp_path / "log").wait_ready()
 
     async def burst():
         body = {"model": "tiny", "prompt": "Streams that outlive", "max_tokens": 1500, "ignore_eos": True}

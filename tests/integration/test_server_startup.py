@@ -33,9 +33,8 @@ def _serve(env, *args: str) -> subprocess.CompletedProcess:
     pytest.param(["tiny", "--device", "cuda"], ["model failed to load", "CUDA"],
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
 ])
-@pytest.mark.parametrize("loop", ["thread", "process"])
-def test_load_failure_exits_1_with_the_reason(env, args, needles, loop):
-    r = _serve(env, *args, "--engine-loop", loop)
+def test_load_failure_exits_1_with_the_reason(env, args, needles):
+    r = _serve(env, *args)
     assert r.returncode == 1, (r.returncode, r.stderr[-3000:])
     last = [line for line in r.stderr.splitlines() if line.startswith("engram serve: error:")]
     assert last, r.stderr[-3000:]

@@ -1,5 +1,6 @@
 """engram/envs.py is the one place the package reads its environment: at most six variables, each documented;
-the switches of decided experiments stay deleted; code comments carry no commit hashes or timings."""
+the switches of decided experiments (and the server's thread engine loop) stay deleted; code comments carry no commit
+hashes or timings."""
 from __future__ import annotations
 
 import io
@@ -22,6 +23,11 @@ DELETED = ("ENGRAM_FIRST_LOOKUP_ALONE", "ENGRAM_TOGETHER_WHEN_DEEP", "ENGRAM_LAT
            "FIRST_LOOKUP_ALONE", "TOGETHER_WHEN_DEEP", "LATER_AT_FIRST_READ", "DISK_DECODE_IN_GRAPH", "CACHE_PROBE",
            "EARLY_HOST_IDS", "L2_PREFETCH", "kernel_switches", "wkv_run_ahead", "env_flag",
            "config_from_env", "cuda_graphs", "graph_slabs", "CPU_TOO")
+# the server's in-process thread engine loop, deleted once the engine process won the H200 A/B (docs/log.md): its
+# module, classes, the loop switch and its flag, as they would be spelled in the package or a benchmark
+DELETED_LOOP = (r"\basync_engine\b", r"\bAsyncEngine\b", r"\bEngineBridge\b", r"\bENGINE_LOOPS\b",
+                r"\bengine_loop\s*=(?!=)", r"\bengine_loop\s*:\s*str\b", r"--engine-loop\b", r"\bargs\.engine_loop\b")
+SOURCES = PACKAGE + sorted((ROOT / "benchmarks").rglob("*.py")) + [ROOT / "benchmarks" / "suite.toml"]
 HASH = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
 TIMING = re.compile(r"\b\d+(?:\.\d+)? ?(?:ms|µs|us|ns)\b")
 
@@ -47,6 +53,12 @@ def test_every_engram_variable_named_in_the_package_is_registered():
 def test_deleted_switch_stays_deleted(name):
     hits = [str(p.relative_to(ROOT)) for p in PACKAGE if re.search(rf"\b{name}\b", _text(p))]
     assert not hits, f"{name} is back in {hits}"
+
+
+@pytest.mark.parametrize("pattern", DELETED_LOOP)
+def test_deleted_thread_engine_loop_stays_deleted(pattern):
+    hits = [f"{p.relative_to(ROOT)}: {m.group()}" for p in SOURCES for m in re.finditer(pattern, _text(p))]
+    assert not hits, f"the thread engine loop is back: {hits}"
 
 
 def test_kernel_choices_parse_and_bad_values_name_the_variable(monkeypatch):
