@@ -1,14 +1,12 @@
-"""Host time per engine step spent by the server's HTTP side against the engine's own, under a streamed load from the
-official ``openai`` client, for each engine loop (``engram serve --engine-loop thread|process``), arms interleaved
-round by round (thread, process, thread, ...), each arm a fresh server:
+"""Host time per engine step spent by the server's HTTP side (the API process) against the engine's own (the engine
+process), under a streamed load from the official ``openai`` client, one fresh server per round:
 
     python -m benchmarks.server_host_time [--model tiny] [--streams 256] [--requests 512] [--output-len 64]
-                                          [--loops thread,process] [--rounds 2] [--out FILE]
+                                          [--rounds 2] [--out FILE]
 
-Per arm: CPU seconds per step of the engine loop (thread: the engine thread's own CPU; process: the whole engine
-process) and of the API side (thread: the server process minus the engine thread; process: the API process), the
-wall and CPU time inside ``engine.step()`` (on one torch thread their difference is the step's wait for the GIL),
-output tok/s, TPOT p50, and the client's errors by exception (the cause's type: ``httpx.ReadError`` ...). Reads
+Per round: CPU milliseconds per step of the whole engine process and of the API process, the wall and CPU time inside
+``engine.step()`` (on one torch thread their difference is the step's wait for the GIL or the device), output tok/s,
+TPOT p50, and the client's errors by exception (the cause's type: ``httpx.ReadError`` ...). Reads
 ``GET /engram/steps``'s ``engine_loop`` and /proc; Linux only.
 """
 from __future__ import annotations
@@ -80,24 +78,22 @@ async def load(url: str, model: str, prompts: list[list[int]], output_len: int, 
             "output_tokens_per_s": tokens / wall, "tpot_p50_s": float(np.median(tpot)) if tpot else None}
 
 
-def arm(args: argparse.Namespace, loop: str, prompts: list[list[int]], log: Path) -> dict:
-    """One fresh server of engine loop ``loop``, warmed up, then the measured load and the host times around it."""
-    server_args = [args.model, "--threads", "1", "--engine-loop", loop, "--max-num-seqs", str(args.streams),
+def arm(args: argparse.Namespace, prompts: list[list[int]], log: Path) -> dict:
+    """One fresh server, warmed up, then the measured load and the host times around it."""
+    server_args = [args.model, "--threads", "1", "--max-num-seqs", str(args.streams),
                    "--max-num-batched-tokens", str(max(2048, args.streams)), *args.serve_args.split()]
     with ServerProcess(server_args, None, log) as s:
         asyncio.run(load(s.url, args.model, prompts[:8], 4, 8))  # warm-up (not measured)
         before = loop_stats(s.url)
         engine_pid = before["pid"]
-        api0, eng0 = cpu_s(s.proc.pid), cpu_s(engine_pid) if loop == "process" else before["loop_cpu_s"]
+        api0, eng0 = cpu_s(s.proc.pid), cpu_s(engine_pid)
         client = asyncio.run(load(s.url, args.model, prompts, args.output_len, args.streams))
         after = loop_stats(s.url)
-        api1, eng1 = cpu_s(s.proc.pid), cpu_s(engine_pid) if loop == "process" else after["loop_cpu_s"]
+        api1, eng1 = cpu_s(s.proc.pid), cpu_s(engine_pid)
     steps = after["steps"] - before["steps"]
     d = {k: after[k] - before[k] for k in ("step_s", "step_cpu_s", "deliver_s", "loop_cpu_s")}
-    engine = eng1 - eng0
-    api = (api1 - api0) - (engine if loop == "thread" else 0.0)  # the thread's CPU is inside the process's
     per = (lambda x: x / steps * 1e3) if steps else (lambda x: None)
-    return {"loop": loop, "steps": steps, "engine_cpu_ms_per_step": per(engine), "api_cpu_ms_per_step": per(api),
+    return {"steps": steps, "engine_cpu_ms_per_step": per(eng1 - eng0), "api_cpu_ms_per_step": per(api1 - api0),
             "step_wall_ms": per(d["step_s"]), "step_cpu_ms": per(d["step_cpu_s"]),
             "step_gil_or_device_wait_ms": per(d["step_s"] - d["step_cpu_s"]), "deliver_ms": per(d["deliver_s"]),
             "wall_ms_per_step": per(client["wall_s"]), **client}
@@ -110,9 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=512)
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens (natural prose from the corpus)")
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--loops", default="thread,process")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--serve-args", default="", help="further `engram serve` arguments for every arm")
+    p.add_argument("--serve-args", default="", help="further `engram serve` arguments for every round's server")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from engram.bench.corpus import LengthRange
@@ -125,11 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="engram-host-time-"))
     rows = []
     for r in range(args.rounds):
-        for loop in args.loops.split(","):
-            row = {"round": r, **arm(args, loop, prompts, logs / f"{loop}-{r}.log")}
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    cols = ("round", "loop", "steps", "engine_cpu_ms_per_step", "api_cpu_ms_per_step", "step_wall_ms", "step_cpu_ms",
+        row = {"round": r, **arm(args, prompts, logs / f"server-{r}.log")}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    cols = ("round", "steps", "engine_cpu_ms_per_step", "api_cpu_ms_per_step", "step_wall_ms", "step_cpu_ms",
             "step_gil_or_device_wait_ms", "wall_ms_per_step", "output_tokens_per_s", "tpot_p50_s", "errors")
     print(format_table([{c: row[c] for c in cols} for row in rows]))
     if args.out:
