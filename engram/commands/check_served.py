@@ -1,6 +1,6 @@
 """`engram check --served`: the check on the serving path (engram/bench/served_check.py). An arm is a JSON object of
 `engram serve` options by their names (``tier``, ``dtype``, ``device``, ``engram_config``, ``max_num_seqs``,
-``enforce_eager``, ``prompt_prefetch``, ``engine_loop``, ...; a true / false for a switch), plus ``model`` (this arm's
+``enforce_eager``, ``prompt_prefetch``, ``dedup_rows``, ...; a true / false for a switch), plus ``model`` (this arm's
 preset or checkpoint directory instead of MODEL: a re-converted or repaired checkpoint). Each arm becomes an
 `engram serve` command line that serve's own parser and option checks accept before any server starts.
 """
