@@ -2,7 +2,8 @@
 and returns each request's (token ids, [(logprob, top-k)] per token). ``engine_wrapping_lookup`` builds an
 engine whose Worker wraps its lookup executor (the Worker's ``wrap_lookup`` hook: one that records or fails
 steps). ``preset_variant`` builds a preset's float64 CPU decoder with its Engram config changed. ``mixed_graphs_eager``
-makes an engine's Worker run its mixed-step graphs' callables eagerly on the same static inputs (``capture=False``)."""
+makes an engine's Worker run its mixed-step graphs' callables eagerly on the same static inputs (``capture=False``),
+``verify_graphs_eager`` its verify graphs'."""
 from __future__ import annotations
 
 from typing import Callable
@@ -65,6 +66,19 @@ def mixed_graphs_eager(engine):
     mixed = next(r for r in w.runners if r.name == "mixed-graph")
     w.runners[w.runners.index(mixed)] = GraphRunner(w.model, w.kv, w.ecfg, w.tables, mixed.io, w.device,
                                                     name="mixed-graph", capture=False)
+    return engine
+
+
+def verify_graphs_eager(engine):
+    """Give ``engine``'s Worker the verify runner run eagerly on its static inputs (``capture=False``), first among
+    its runners, in place of a captured one (CUDA) or before the others (the CPU, which captures none); returns the
+    engine."""
+    from engram.engine.runners.verify_graphs import verify_runner
+
+    w = engine.executor.worker
+    runner = verify_runner(w.model, w.kv, w.ecfg, w.tables, w.config, engine.max_model_len, w.memory.num_blocks,
+                           w.device, w.dtype, w.eager.conv_states, capture=False)
+    w.runners = [runner] + [r for r in w.runners if r.name != "verify-graph"]
     return engine
 
 
