@@ -35,9 +35,9 @@ def engine_wrapping_lookup(loaded, config, wrap_lookup: Callable, device=None, d
     return LLMEngine(loaded, config, device, dtype, executor=UniProcExecutor(worker))
 
 
-def preset_variant(preset: str, name: str, **engram_changes):
-    """A preset's decoder (float64, CPU, random weights of seed 0, its preset tables) with its Engram config changed,
-    e.g. the paper variant or DEAD ids, as a LoadedModel called ``name``."""
+def preset_variant(preset: str, name: str, *, device=None, dtype=torch.float64, **engram_changes):
+    """A preset's decoder (float64 on the CPU unless given, random weights of seed 0, its preset tables) with its
+    Engram config changed, e.g. the paper variant or DEAD ids, as a LoadedModel called ``name``."""
     from tokenizers import Tokenizer
 
     from engram.model.loader import LoadedModel, build_model
@@ -45,16 +45,16 @@ def preset_variant(preset: str, name: str, **engram_changes):
     from engram.model.tables import ensure_preset_tables, open_tables
     from engram.tokenizer import CompressedTokenizer
 
-    cpu = torch.device("cpu")
+    dev = torch.device("cpu" if device is None else device)
     base = preset_config(preset)
     ecfg = base.engram.replace(**engram_changes)
     cfg = base.replace(engram=ecfg)
-    model = build_model(cfg, torch.float64, cpu)
+    model = build_model(cfg, dtype, dev)
     init_random_weights(model, 0)
-    tables = open_tables(ensure_preset_tables(ecfg, 0, progress=False), ecfg, "gpu", cpu)
+    dirs = ensure_preset_tables(ecfg, 0, progress=False)
     return LoadedModel(model, cfg, ecfg, Tokenizer.from_file(str(TOKENIZER_FILE)),
-                       CompressedTokenizer.from_file(TOKENIZER_FILE), tables, cfg.eos_token_id, None, name,
-                       dtype=torch.float64, device=cpu)
+                       CompressedTokenizer.from_file(TOKENIZER_FILE), open_tables(dirs, ecfg, "gpu", dev),
+                       cfg.eos_token_id, None, name, table_dirs=dict(dirs), dtype=dtype, device=dev)
 
 
 def mixed_graphs_eager(engine):
