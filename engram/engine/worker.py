@@ -1,9 +1,10 @@
 """Worker: everything on one device — model, KV cache, Engram tables, lookups, step runners, sampler. Driven only
 through ``execute(step) -> StepResult`` or its halves ``launch`` and ``collect`` (the step's one host synchronisation),
 reporting through ``stats()``; it never sees a Sequence or the scheduler. At start it opens its tables, sizes the KV
-cache (memory.py) and chooses its runners once (engine/runners/): unless ``enforce_eager``, two ``GraphRunner``s (decode
-steps, then mixed steps) when every table gathers on the device, else ``PiecewiseRunner`` (decode steps), then the
-eager runner for every other step."""
+cache (memory.py) and chooses its runners once (engine/runners/): unless ``enforce_eager``, with speculative decoding
+the verify graphs (``VerifyGraphRunner``, both Engram variants) when every table gathers on the device; two
+``GraphRunner``s (decode steps, then mixed steps) when every table gathers on the device, else ``PiecewiseRunner``
+(decode steps); then the eager runner for every other step."""
 from __future__ import annotations
 
 import functools
@@ -318,7 +319,8 @@ def read_tokens(sampled: SampledTokens) -> tuple[list[int], tuple | None]:
 
 
 def _graphs_supported(step_dtype: torch.dtype, ecfg, device: torch.device) -> bool:
-    """Whether decode steps can be graphs: CUDA, a Triton attention dtype, not the paper variant (Python conv state)."""
+    """Whether decode steps can be graphs: CUDA, a Triton attention dtype, not the paper variant (its decode and mixed
+    steps gather their conv states in Python; ``ecfg`` None asks for the verify graphs, which hold them static)."""
     if device.type != "cuda" or step_dtype not in pa.FAST_DTYPES or pa.SWITCH.value == "torch":
         return False
     return ecfg is None or ecfg.variant != "paper"
