@@ -82,6 +82,17 @@ def verify_graphs_eager(engine):
     return engine
 
 
+def assert_verified_in_buckets(engine) -> dict:
+    """Every verify step of ``engine`` ran through the verify runner (none eager) -> its ``verify_graph`` counters."""
+    stats = engine.stats()
+    s, vg = stats["speculative"], stats["verify_graph"]
+    assert vg["replays"] >= 3 and vg["rows"] >= s["draft_tokens"], vg
+    assert set(stats["steps_by_route"]) <= {"verify-graph", "eager"}, stats["steps_by_route"]
+    eager_verify = [r for r in engine.step_trace() if r.route == "eager" and r.sampled > r.num_seqs]
+    assert not eager_verify, eager_verify  # a step with more LM-head rows than sequences verified drafts
+    return vg
+
+
 def run_with_failing_decodes(engine, monkeypatch, request_id: str, prompt_len: int) -> tuple[dict, list[str]]:
     """Drain ``engine`` while the lookups of ``request_id`` raise OSError whenever it decodes (a step reaching past
     its ``prompt_len`` prompt tokens); failed requests are aborted -> (finished request id -> token ids, the ids the

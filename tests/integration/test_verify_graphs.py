@@ -2,14 +2,14 @@
 the real VerifyGraphRunner with ``capture=False`` runs what a verify graph holds — S_b x (K + 1) rows, each a decode
 query with its position's KV length, padding in the null block, the bucket's static conv states — eagerly, so an
 engine running its verify steps that way must give the outputs without speculation: greedy tokens exactly, every
-emitted token's logprob within 1e-9 and its top-2, in float64, tiny and small, both Engram variants, n-gram and
-draft-model proposers, drafts mostly accepted and mostly rejected, drafts of different lengths in one bucket. A
-crafted request rejects a draft, then accepts every draft of a later step. Mutations — the conv state not rewound,
-the rewind counting a sequence's own drafts instead of the bucket's K (its padding kept), the LM-head rows ignoring
-the padding — must break the equality. The graphs themselves: tests/gpu/test_speculative_gpu.py."""
+emitted token's logprob within 1e-9 and its top-2, in float64, tiny and small, both Engram variants, greedy drafts of
+every length 0..K in one bucket (both proposers, both regimes, both variants on tiny: test_speculative.py's
+``test_outputs_with_speculation_equal_those_without[...-verify-graph]``). A
+crafted request rejects a draft, then accepts every draft of a later step. Mutations — the rewind counting a
+sequence's own drafts instead of the bucket's K (its padding kept), the LM-head rows ignoring the padding; the conv
+state not rewound at all: tests/integration/test_speculative.py — must break the equality. The graphs themselves:
+tests/gpu/test_speculative_gpu.py."""
 from __future__ import annotations
-
-import json
 
 import numpy as np
 import pytest
@@ -19,52 +19,19 @@ from engram.engine.runners.verify_inputs import VerifyInputs
 from engram.engine.sampling_params import SamplingParams
 from engram.engine.step import SampleSpec, StepDescription
 from engram.model.loader import load_model
-from engram.short_conv import ShortConvState
-from tests.engine_runs import preset_variant, verify_graphs_eager
-from tests.integration.test_speculative import (CORPUS, CPU, F64, K, assert_same, engine, max_logprob_diff, requests,
-                                                run, spec_config)
+from tests.engine_runs import assert_verified_in_buckets, preset_variant, verify_graphs_eager
+from tests.integration.test_speculative import (CPU, F64, K, assert_same, engine, max_logprob_diff, prose,  # noqa: F401
+                                                requests, run, spec_config)
 
 
 @pytest.fixture(scope="module")
 def models():
     tiny = load_model("tiny", dtype=F64, device=CPU, progress=False)
-    return {"v41": tiny, "paper": preset_variant("tiny", "tiny-paper", variant="paper", row_dtype="fp32"),
-            "other_draft": "tiny"}  # the rejected regime's draft model: tiny (v41) proposing for the paper target
-
-
-@pytest.fixture(scope="module")
-def prose(models):
-    tok = models["v41"].tokenizer
-    lines = [json.loads(line) for line in CORPUS.read_text().splitlines()[1:3]]
-    ids = [tok.encode(r["prompt"] + r["continuation"]).ids for r in lines]
-    return [(x[:72], x[72:92]) for x in ids]
+    return {"v41": tiny, "paper": preset_variant("tiny", "tiny-paper", variant="paper", row_dtype="fp32")}
 
 
 def verify_engine(loaded, spec, **options):
     return verify_graphs_eager(engine(loaded, spec, **options))
-
-
-def assert_verified_in_buckets(eng):
-    """Every verify step ran through the verify runner, and some had padding (fewer drafts than K)."""
-    s, vg = eng.stats()["speculative"], eng.stats()["verify_graph"]
-    assert vg["replays"] >= 3 and vg["rows"] >= s["draft_tokens"], vg
-    assert set(eng.stats()["steps_by_route"]) <= {"verify-graph", "eager"}, eng.stats()["steps_by_route"]
-    eager_verify = [r for r in eng.step_trace() if r.route == "eager" and r.sampled > r.num_seqs]
-    assert not eager_verify, eager_verify  # a step with more LM-head rows than sequences verified drafts
-    return vg
-
-
-@pytest.mark.parametrize("regime", ["accepted", "rejected"])
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-@pytest.mark.parametrize("variant", ["v41", "paper"])
-def test_verify_graph_outputs_equal_those_without_speculation(models, prose, variant, method, regime):
-    reqs = requests(models, prose, variant, method, regime)
-    want = run(engine(models[variant]), reqs)
-    eng = verify_engine(models[variant], spec_config(models, method, regime))
-    assert_same(run(eng, reqs), want)
-    vg = assert_verified_in_buckets(eng)
-    if regime == "rejected":  # n-gram spans and random drafts of every length meet in a bucket
-        assert vg["short_seqs"] >= 2 and vg["padded_rows"] >= 4, vg
 
 
 def test_greedy_requests_with_drafts_of_every_length(models, prose):
@@ -110,19 +77,19 @@ def test_a_rejected_draft_then_a_full_accept(models, variant):
     assert_same({"c": (final.token_ids, [(lp.logprob, lp.top) for lp in final.logprobs])}, {"c": want})
 
 
-def test_skipping_the_conv_rewind_breaks_the_paper_variant(models, prose, monkeypatch):
-    reqs = requests(models, prose, "paper", "ngram", "rejected")
-    want = run(engine(models["paper"]), reqs)
-    monkeypatch.setattr(ShortConvState, "rewind", lambda self, dropped: self)  # the state ends at the last bucket row
-    got = run(verify_engine(models["paper"], spec_config(models, "ngram", "rejected")), reqs)
-    assert max_logprob_diff(got, want) > 1e-6
+def _breaks(models, prose, variant, monkeypatch, mutations: dict) -> None:
+    """With ``mutations`` ({VerifyInputs method name: replacement}) the verify runner's outputs differ from those
+    without speculation."""
+    reqs = requests(models, prose, variant, "ngram", "rejected")
+    want = run(engine(models[variant]), reqs)
+    for name, fn in mutations.items():
+        monkeypatch.setattr(VerifyInputs, name, fn)
+    got = run(verify_engine(models[variant], spec_config(models, "ngram", "rejected")), reqs)
+    assert max_logprob_diff(got, want) > 1e-6 or any(got[r][0] != want[r][0] for r in want)
 
 
 def test_keeping_the_padding_in_the_conv_state_breaks_the_paper_variant(models, prose, monkeypatch):
-    reqs = requests(models, prose, "paper", "ngram", "rejected")
-    want = run(engine(models["paper"]), reqs)
-    holder = {}
-    fill = VerifyInputs.fill
+    holder, fill = {}, VerifyInputs.fill
 
     def remember(self, step, patch):
         holder["drafts"] = list(step.num_drafts)
@@ -133,15 +100,10 @@ def test_keeping_the_padding_in_the_conv_state_breaks_the_paper_variant(models, 
         out[:accepted.numel()] = torch.tensor(holder["drafts"]) - accepted
         return out
 
-    monkeypatch.setattr(VerifyInputs, "fill", remember)
-    monkeypatch.setattr(VerifyInputs, "dropped", own_drafts)
-    got = run(verify_engine(models["paper"], spec_config(models, "ngram", "rejected")), reqs)
-    assert max_logprob_diff(got, want) > 1e-6
+    _breaks(models, prose, "paper", monkeypatch, {"fill": remember, "dropped": own_drafts})
 
 
 def test_lm_head_rows_ignoring_the_padding_break_the_outputs(models, prose, monkeypatch):
-    reqs = requests(models, prose, "v41", "ngram", "rejected")
-    want = run(engine(models["v41"]), reqs)
     fill = VerifyInputs.fill
 
     def every_row(self, step, patch):  # the bug: the bucket's rows in order, padding included
@@ -149,9 +111,7 @@ def test_lm_head_rows_ignoring_the_padding_break_the_outputs(models, prose, monk
         self.logits_rows[:size].copy_(self.arange[:size])
         return size
 
-    monkeypatch.setattr(VerifyInputs, "fill", every_row)
-    got = run(verify_engine(models["v41"], spec_config(models, "ngram", "rejected")), reqs)
-    assert got != want
+    _breaks(models, prose, "v41", monkeypatch, {"fill": every_row})
 
 
 def test_small_preset_both_variants(prose):

@@ -1,7 +1,8 @@
 """The eager step runner: any step, its lookups staged by the lookup executor, then one forward of the model. ``run``
 uploads the step's CPU tensors (pinned, non-blocking), builds the attention layout from the host numbers (no read-back),
 serves the staged rows through ``engram_rows`` (checking the step) and returns logits [N, vocab]. The paper variant's
-conv states live in ``conv_states`` (conv_states.py), which the verify graphs share; ``free`` drops finished sequences'."""
+conv states live in ``conv_states`` (conv_states.py), which the verify graphs share; ``free`` drops finished
+sequences'."""
 from __future__ import annotations
 
 import torch

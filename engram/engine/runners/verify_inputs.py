@@ -25,7 +25,8 @@ import torch
 from engram.config import EngramConfig
 from engram.engine.pending import PendingPatch
 from engram.engine.runners.decode_inputs import graph_buckets
-from engram.engine.runners.upload import PinnedUpload
+from engram.engine.runners.mixed_inputs import write_block_tables
+from engram.engine.runners.upload import PinnedUpload, lay_out
 from engram.engine.step import StepDescription
 from engram.model.inputs import StepInputs
 from engram.model.layers.attention import AttentionMetadata
@@ -57,16 +58,13 @@ class VerifyInputs:
         sizes = [("token_ids", n), ("positions", n), ("slot_mapping", n), ("lens", n), ("table_rows", n),
                  ("logits", n), ("bucket_rows", n), ("row_ids", len(self.row_layers) * n * n_cols), ("plan_id", 1),
                  ("block_tables", (self.max_seqs + 1) * self.width)]
-        self._at, at = {}, 0
-        for name, size in sizes:
-            self._at[name] = (at, at + size)
-            at += size
+        self._at, at = lay_out(sizes)
         self.upload = PinnedUpload(at, device)
         self._host = [self._views(buf) for buf in self.upload.views()]
         (self.token_ids, self.positions, self.slot_mapping, self.lens, self.table_rows, self.logits_rows,
          self.bucket_rows, self.row_ids, self.plan_id, self.block_tables) = self._views(self.upload.device_buffer)
-        for buf in [self.upload.device_buffer, *self.upload.views()]:  # an inert step until one is filled
-            self._pad(self._views(buf), 0)
+        for buf in [self.upload.device_buffer, *self.upload.views()]:  # every row inert until a step is filled
+            self._pad(self._views(buf), n)
         self.arange = torch.arange(n + 1, dtype=torch.long, device=device)
         self.zeros = torch.zeros(self.max_seqs + 1, dtype=torch.long, device=device)
         self.conv: dict[int, torch.Tensor] = {}  # Engram layer -> [max_seqs, L, C] conv states of the bucket
@@ -168,9 +166,7 @@ class VerifyInputs:
         bucket_rows[:t] = rows
         for lid, ids in row_ids.items():
             ids[rows] = step.engram_row_ids[lid].numpy()  # [T, n_cols]
-        bt = step.block_tables.numpy()  # [S, W'], -1 padded
-        tables[1:s + 1] = self.null_block
-        tables[1:s + 1, :bt.shape[1]] = np.where(bt >= 0, bt, self.null_block)
+        write_block_tables(tables, step.block_tables, self.null_block)
         plan_id[0] = step.step_id  # the plan id the lookup branch tags its rows with
         self.upload.upload(turn, self._at["block_tables"][0] + (s + 1) * self.width)
         if patch is not None:
