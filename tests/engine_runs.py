@@ -2,7 +2,8 @@
 and returns each request's (token ids, [(logprob, top-k)] per token). ``engine_wrapping_lookup`` builds an
 engine whose Worker wraps its lookup executor (the Worker's ``wrap_lookup`` hook: one that records or fails
 steps). ``preset_variant`` builds a preset's float64 CPU decoder with its Engram config changed. ``mixed_graphs_eager``
-makes an engine's Worker run its mixed-step graphs' callables eagerly on the same static inputs (``capture=False``)."""
+makes an engine's Worker run its mixed-step graphs' callables eagerly on the same static inputs (``capture=False``),
+``verify_graphs_eager`` its verify graphs'."""
 from __future__ import annotations
 
 from typing import Callable
@@ -34,9 +35,9 @@ def engine_wrapping_lookup(loaded, config, wrap_lookup: Callable, device=None, d
     return LLMEngine(loaded, config, device, dtype, executor=UniProcExecutor(worker))
 
 
-def preset_variant(preset: str, name: str, **engram_changes):
-    """A preset's decoder (float64, CPU, random weights of seed 0, its preset tables) with its Engram config changed,
-    e.g. the paper variant or DEAD ids, as a LoadedModel called ``name``."""
+def preset_variant(preset: str, name: str, *, device=None, dtype=torch.float64, **engram_changes):
+    """A preset's decoder (float64 on the CPU unless given, random weights of seed 0, its preset tables) with its
+    Engram config changed, e.g. the paper variant or DEAD ids, as a LoadedModel called ``name``."""
     from tokenizers import Tokenizer
 
     from engram.model.loader import LoadedModel, build_model
@@ -44,16 +45,16 @@ def preset_variant(preset: str, name: str, **engram_changes):
     from engram.model.tables import ensure_preset_tables, open_tables
     from engram.tokenizer import CompressedTokenizer
 
-    cpu = torch.device("cpu")
+    dev = torch.device("cpu" if device is None else device)
     base = preset_config(preset)
     ecfg = base.engram.replace(**engram_changes)
     cfg = base.replace(engram=ecfg)
-    model = build_model(cfg, torch.float64, cpu)
+    model = build_model(cfg, dtype, dev)
     init_random_weights(model, 0)
-    tables = open_tables(ensure_preset_tables(ecfg, 0, progress=False), ecfg, "gpu", cpu)
+    dirs = ensure_preset_tables(ecfg, 0, progress=False)
     return LoadedModel(model, cfg, ecfg, Tokenizer.from_file(str(TOKENIZER_FILE)),
-                       CompressedTokenizer.from_file(TOKENIZER_FILE), tables, cfg.eos_token_id, None, name,
-                       dtype=torch.float64, device=cpu)
+                       CompressedTokenizer.from_file(TOKENIZER_FILE), open_tables(dirs, ecfg, "gpu", dev),
+                       cfg.eos_token_id, None, name, table_dirs=dict(dirs), dtype=dtype, device=dev)
 
 
 def mixed_graphs_eager(engine):
@@ -66,6 +67,30 @@ def mixed_graphs_eager(engine):
     w.runners[w.runners.index(mixed)] = GraphRunner(w.model, w.kv, w.ecfg, w.tables, mixed.io, w.device,
                                                     name="mixed-graph", capture=False)
     return engine
+
+
+def verify_graphs_eager(engine):
+    """Give ``engine``'s Worker the verify runner run eagerly on its static inputs (``capture=False``), first among
+    its runners, in place of a captured one (CUDA) or before the others (the CPU, which captures none); returns the
+    engine."""
+    from engram.engine.runners.verify_graphs import verify_runner
+
+    w = engine.executor.worker
+    runner = verify_runner(w.model, w.kv, w.ecfg, w.tables, w.config, engine.max_model_len, w.memory.num_blocks,
+                           w.device, w.dtype, w.eager.conv_states, capture=False)
+    w.runners = [runner] + [r for r in w.runners if r.name != "verify-graph"]
+    return engine
+
+
+def assert_verified_in_buckets(engine) -> dict:
+    """Every verify step of ``engine`` ran through the verify runner (none eager) -> its ``verify_graph`` counters."""
+    stats = engine.stats()
+    s, vg = stats["speculative"], stats["verify_graph"]
+    assert vg["replays"] >= 3 and vg["rows"] >= s["draft_tokens"], vg
+    assert set(stats["steps_by_route"]) <= {"verify-graph", "eager"}, stats["steps_by_route"]
+    eager_verify = [r for r in engine.step_trace() if r.route == "eager" and r.sampled > r.num_seqs]
+    assert not eager_verify, eager_verify  # a step with more LM-head rows than sequences verified drafts
+    return vg
 
 
 def run_with_failing_decodes(engine, monkeypatch, request_id: str, prompt_len: int) -> tuple[dict, list[str]]:

@@ -103,6 +103,7 @@ def run_spec(args, cfg, opts, device, dtype) -> int:
             forced = forced_continuations(win.prompts, win.forced, args.spec_workload)
             samples: dict[str, list[float]] = {"off": [], "spec": []}
             before = engines["spec"].stats()["speculative"]
+            counted = {arm: _counters(e) for arm, e in engines.items()}
             for r in range(ab.warmup + ab.repeats):
                 order = ["off", "spec"] if r % 2 == 0 else ["spec", "off"]
                 for arm in order:
@@ -121,7 +122,9 @@ def run_spec(args, cfg, opts, device, dtype) -> int:
                            "tok_s_off": float(np.median(samples["off"])), "tok_s_spec": float(np.median(samples["spec"])),
                            "speedup": 1.0 + c.estimate, "ci_lo": 1.0 + c.ci_lo, "ci_hi": 1.0 + c.ci_hi,
                            "acceptance_length": 1.0 + accepted / steps if steps else 0.0,
-                           "acceptance_rate": accepted / drafts if drafts else 0.0, "samples": samples})
+                           "acceptance_rate": accepted / drafts if drafts else 0.0,
+                           "device": {arm: _delta(counted[arm], _counters(e)) for arm, e in engines.items()},
+                           "samples": samples})
             print(f"bench engine (speculative): {tier} batch {b}: x{points[-1]['speedup']:.3f}, acceptance length "
                   f"{points[-1]['acceptance_length']:.2f}", file=sys.stderr, flush=True)
         del engines, loaded
@@ -137,6 +140,23 @@ def run_spec(args, cfg, opts, device, dtype) -> int:
         print(format_table(ratios, ["batch", "tier", "speedup", "gpu_speedup", "ratio"]))
     print(f"result: {path}")
     return 0
+
+
+def _counters(engine) -> dict:
+    """What the device did so far: steps by route, busy / idle seconds, host gaps, the verify graphs' rows."""
+    st = engine.stats()
+    return {"steps": st["steps"], "steps_by_route": st["steps_by_route"], "gpu_busy_s": st["gpu_busy_s"],
+            "gpu_idle_s": st["gpu_idle_s"], "host_gap_s": st["host_gap_s"],
+            **{f"verify_graph_{k}": v for k, v in st["verify_graph"].items() if k != "pool_bytes"}}
+
+
+def _delta(before: dict, after: dict) -> dict:
+    """``after - before`` of ``_counters`` (routes key by key), with the device's busy time per step."""
+    out = {k: after[k] - before[k] for k in after if k != "steps_by_route"}
+    out["steps_by_route"] = {r: n - before["steps_by_route"].get(r, 0) for r, n in after["steps_by_route"].items()
+                             if n - before["steps_by_route"].get(r, 0)}
+    out["gpu_busy_s_per_step"] = out["gpu_busy_s"] / out["steps"] if out["steps"] else 0.0
+    return out
 
 
 def _tier_ratios(points: list[dict]) -> list[dict]:

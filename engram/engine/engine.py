@@ -128,7 +128,8 @@ class LLMEngine:
     def stats(self) -> dict[str, Any]:
         """One snapshot for metrics: queues, KV usage, preemptions, steps, ``tables`` (layer id -> counters), the step
         trace's totals (``lookup_exposed_s``: the collected steps' waits for their rows, step_trace.py), and with
-        speculative decoding ``speculative`` (drafts, accepted, acceptance length: engine/spec/speculator.py)."""
+        speculative decoding ``speculative`` (drafts, accepted, acceptance length: engine/spec/speculator.py);
+        ``verify_graph``: the verify graphs' replays, pool bytes, verify rows, padding rows and padded sequences."""
         blocks = self.scheduler.blocks
         total = self.executor.num_kv_blocks
         worker = self.executor.stats()
@@ -138,6 +139,8 @@ class LLMEngine:
                 "preemptions": self.num_preemptions, "steps": self.num_steps, "tables": worker["tables"],
                 "kv_bytes": worker["kv_bytes"], "graph_replays": worker["graph_replays"],
                 "mixed_graph_replays": worker.get("mixed_graph_replays", 0),
+                "verify_graph": {k.removeprefix("verify_graph_"): v for k, v in worker.items()
+                                 if k.startswith("verify_graph_")},
                 "prefix_cache": blocks.stats.snapshot(blocks.num_cached_blocks),
                 "cache_groups": blocks.group_stats(), "prefetch": worker.get("prefetch", {}),
                 "hot_cache": hot_cache(worker["tables"], worker.get("hot_cache_bytes", 0)),

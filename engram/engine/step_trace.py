@@ -17,7 +17,7 @@ class StepRecord:
     over its sequences (n new tokens, c KV entries after the step); ``kv_read`` is Σ c."""
 
     step_id: int
-    route: str  # the step runner that ran it: "graph", "mixed-graph", "piecewise", "eager"
+    route: str  # the step runner that ran it: "graph", "mixed-graph", "verify-graph", "piecewise", "eager"
     num_tokens: int
     num_seqs: int
     num_decode: int  # sequences computing exactly one token

@@ -1,9 +1,10 @@
 """Worker: everything on one device — model, KV cache, Engram tables, lookups, step runners, sampler. Driven only
 through ``execute(step) -> StepResult`` or its halves ``launch`` and ``collect`` (the step's one host synchronisation),
 reporting through ``stats()``; it never sees a Sequence or the scheduler. At start it opens its tables, sizes the KV
-cache (memory.py) and chooses its runners once (engine/runners/): unless ``enforce_eager``, two ``GraphRunner``s (decode
-steps, then mixed steps) when every table gathers on the device, else ``PiecewiseRunner`` (decode steps), then the
-eager runner for every other step."""
+cache (memory.py) and chooses its runners once (engine/runners/): unless ``enforce_eager``, with speculative decoding
+the verify graphs (``VerifyGraphRunner``, both Engram variants) when every table gathers on the device; two
+``GraphRunner``s (decode steps, then mixed steps) when every table gathers on the device, else ``PiecewiseRunner``
+(decode steps); then the eager runner for every other step."""
 from __future__ import annotations
 
 import functools
@@ -30,6 +31,7 @@ from engram.engine.runners.mixed_inputs import MixedInputs
 from engram.engine.runners.pieces import DecodePieces
 from engram.engine.runners.piecewise import PiecewiseRunner
 from engram.engine.runners.sequence_cache import SequenceCacheRunner
+from engram.engine.runners.verify_graphs import verify_runner
 from engram.engine.sampler import SampledTokens, Sampler
 from engram.engine.spec.config import logit_rows
 from engram.engine.spec.drafter import Drafter, load_draft
@@ -119,6 +121,10 @@ class Worker:
         staging = staging_bytes(self.ecfg, config.max_num_batched_tokens, dtype, engram_ids) if self.ecfg else 0
         use_graphs = (not config.enforce_eager and not self.sequence_caches
                       and _graphs_supported(dtype, self.ecfg, self.device))
+        # verify steps as decode-style graphs (runners/verify_graphs.py), both Engram variants, where every table
+        # gathers on the device (over host-read tables they run eager)
+        use_verify_graphs = (spec is not None and not config.enforce_eager and not self.sequence_caches
+                             and _graphs_supported(dtype, None, self.device) and self._gathers_on_device())
         peak = profile_peak_bytes(self, bytes_per_block) if self._profiles_memory() else None
         if wrap_lookup is not None:  # after the warm-up, which no statistic or wrapper sees (memory.py)
             self.lookup = wrap_lookup(self.lookup)
@@ -135,8 +141,8 @@ class Worker:
             self.lookup.staging = self.prefetch
         self.memory: MemoryPlan = plan_memory(config, max_model_len, bytes_per_block, staging,
                                               _hot_cache_bytes(self.tables), self.device, peak,
-                                              graph_reserve_bytes(config, peak, self._gathers_on_device())
-                                              if use_graphs else 0,
+                                              graph_reserve_bytes(config, peak,
+                                                                  self._graph_rows(use_graphs, use_verify_graphs)),
                                               self.cache_layout.max_blocks_per_sequence(max_model_len)
                                               if self.sequence_caches else None,
                                               self.prefetch.capacity_bytes if self.prefetch.active and self.ecfg
@@ -156,7 +162,12 @@ class Worker:
             self.eager = EagerRunner(self.model, self.kv, self.lookup, self.device, dtype, self.ecfg, conv)
         self.drafter = (Drafter(self.draft, self.memory.num_blocks + 1, config.block_size, dtype, self.device,
                                 self.pending) if self.draft is not None else None)
-        graphs = self._graph_runners(max_model_len, progress) if use_graphs else []
+        pool = torch.cuda.graph_pool_handle() if use_graphs or use_verify_graphs else None  # never two replays at once
+        graphs = self._graph_runners(max_model_len, progress, pool) if use_graphs else []
+        if use_verify_graphs:
+            graphs.insert(0, verify_runner(self.model, self.kv, self.ecfg, self.tables, config, max_model_len,
+                                           self.memory.num_blocks, self.device, dtype, self.eager.conv_states,
+                                           progress=progress, lookup_stream=self.lookup_stream, pool=pool))
         self.runners: list[StepRunner] = [*graphs, self.eager]
         self._last_ready: torch.cuda.Event | None = None  # the last launched step's ``sampled.ready``
 
@@ -168,7 +179,15 @@ class Worker:
         return (self.device.type == "cuda" and c.num_kv_blocks is None and c.kv_cache_memory is None
                 and not self.sequence_caches)
 
-    def _graph_runners(self, max_model_len: int, progress: bool | None) -> list[StepRunner]:
+    def _graph_rows(self, decode_graphs: bool, verify_graphs: bool) -> int:
+        """Token rows of the largest graph bucket this Worker captures (0: none), what the graphs' pool reserves: a
+        mixed-step graph's max_num_batched_tokens, else the largest decode bucket, or a verify bucket's (K + 1) x it."""
+        c = self.config
+        batch = min(c.max_num_seqs, c.max_graph_batch)
+        rows = (c.max_num_batched_tokens if self._gathers_on_device() else batch) if decode_graphs else 0
+        return max(rows, batch * c.speculative_config.verify_rows if verify_graphs else 0)
+
+    def _graph_runners(self, max_model_len: int, progress: bool | None, pool) -> list[StepRunner]:
         """Decided once. Every table gathers on the device: one graph a decode bucket, and one a mixed-step token
         bucket (sharing one memory pool); else decode pieces cut at Engram layers (mixed steps then run eager)."""
         c = self.config
@@ -180,7 +199,7 @@ class Worker:
                                     self.lookup, self.device)]
         n_cols, layers = (self.ecfg.n_cols, list(self.tables)) if self.ecfg else (0, [])
         common = dict(model=self.model, kv=self.kv, ecfg=self.ecfg, tables=self.tables, device=self.device,
-                      progress=progress, lookup_stream=self.lookup_stream, pool=torch.cuda.graph_pool_handle())
+                      progress=progress, lookup_stream=self.lookup_stream, pool=pool)
         mixed = MixedInputs(c.max_num_batched_tokens, c.max_num_seqs, n_cols=n_cols, row_layers=layers,
                             device=self.device, max_logits=logit_rows(c), **shape)
         decode = DecodeInputs(batch, n_cols=n_cols, row_layers=layers, pad_row_id=0, device=self.device, **shape)
@@ -279,7 +298,9 @@ class Worker:
         out = {"tables": self.lookup.stats(), "kv_blocks": self.memory.num_blocks,
                "lookup_exposed_s": self.lookup_stream.exposed_seconds() if self.lookup_stream else 0.0,
                "kv_bytes": self.memory.kv_bytes, "graph_replays": 0, "graph_pool_bytes": 0,
-               "mixed_graph_replays": 0, "mixed_graph_pool_bytes": 0, "prefetch": self.prefetch.stats(),
+               "mixed_graph_replays": 0, "mixed_graph_pool_bytes": 0, "verify_graph_replays": 0,
+               "verify_graph_pool_bytes": 0, "verify_graph_rows": 0, "verify_graph_padded_rows": 0,
+               "verify_graph_short_seqs": 0, "prefetch": self.prefetch.stats(),
                "hot_cache_bytes": self.memory.cache_bytes, "eager_prefill": self.eager_prefill}
         for runner in self.runners:
             out.update(runner.stats())
@@ -298,7 +319,8 @@ def read_tokens(sampled: SampledTokens) -> tuple[list[int], tuple | None]:
 
 
 def _graphs_supported(step_dtype: torch.dtype, ecfg, device: torch.device) -> bool:
-    """Whether decode steps can be graphs: CUDA, a Triton attention dtype, not the paper variant (Python conv state)."""
+    """Whether decode steps can be graphs: CUDA, a Triton attention dtype, not the paper variant (its decode and mixed
+    steps gather their conv states in Python; ``ecfg`` None asks for the verify graphs, which hold them static)."""
     if device.type != "cuda" or step_dtype not in pa.FAST_DTYPES or pa.SWITCH.value == "torch":
         return False
     return ecfg is None or ecfg.variant != "paper"

@@ -1,8 +1,10 @@
-"""Speculative decoding on CUDA (skipped without a GPU): verify steps replay the mixed-step graphs (counted by
-route), tiers gpu and host, n-gram and draft-model proposers, in bf16 and float32; a run with them is bitwise equal
-to the same runner run eagerly on the same static inputs (``capture=False``), and forced natural continuations come
-out as forced with their logprobs within float rounding of a run without speculation. The CPU checks:
-tests/integration/test_speculative.py, tests/unit/test_mixed_inputs.py."""
+"""Speculative decoding on CUDA (skipped without a GPU): verify steps replay the verify graphs (S_b x (K + 1) rows,
+decode-style, runners/verify_graphs.py; counted by route and in ``stats()["verify_graph"]``), tiers gpu and host,
+n-gram and draft-model proposers, both Engram variants, in bf16 and float32; a run with them is bitwise equal — tokens
+and logprobs — to the same runners run eagerly on the same static inputs (``capture=False``), and forced natural
+continuations come out as forced with their logprobs within float rounding of a run without speculation (the verify
+rows' attention is the decode kernel's, the non-speculative decode steps' too). The CPU checks:
+tests/integration/test_verify_graphs.py, tests/integration/test_speculative.py, tests/unit/test_mixed_inputs.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +16,7 @@ from engram.engine.config import EngineConfig
 from engram.engine.engine import LLMEngine
 from engram.engine.sampling_params import SamplingParams
 from engram.model.loader import load_model
-from tests.engine_runs import drain, mixed_graphs_eager
+from tests.engine_runs import drain, mixed_graphs_eager, preset_variant, verify_graphs_eager
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CUDA = torch.device("cuda")
@@ -45,19 +47,45 @@ def loaded(request):
     return load_model("tiny", dtype=request.param, device=CUDA, progress=False)
 
 
-@pytest.mark.parametrize("tier", ["gpu", "host"])
-@pytest.mark.parametrize("method", list(SPECS))
-def test_verify_steps_replay_mixed_graphs_bitwise(loaded, tier, method):
-    model = dataclasses.replace(loaded, tables={}, tier=tier)
-    replayed = _engine(model, SPECS[method])
-    want = _run(replayed)
-    stats = replayed.stats()
+@pytest.fixture(scope="module")
+def paper():
+    return preset_variant("tiny", "tiny-paper", device=CUDA, dtype=torch.bfloat16, variant="paper", row_dtype="fp32")
+
+
+def _eager_graphs(engine):
+    """The same engine with its verify and mixed-step runners run on their static inputs without capture."""
+    return verify_graphs_eager(mixed_graphs_eager(engine))
+
+
+def _check_replayed(engine, method):
+    stats = engine.stats()
     # the forced continuation quotes the prompt: n-gram drafts find it, the random-weight draft model does not
     # (its greedy tokens are not the quote), so only the n-gram run must be mostly accepted
     assert stats["speculative"]["spec_steps"] >= 8, stats
     assert method != "ngram" or stats["speculative"]["acceptance_rate"] > 0.5, stats
-    assert stats["mixed_graph_replays"] >= 8 and stats["steps_by_route"].get("eager", 0) == 0, stats["steps_by_route"]
-    assert _run(mixed_graphs_eager(_engine(model, SPECS[method]))) == want  # tokens and logprobs, bitwise
+    vg = stats["verify_graph"]
+    assert vg["replays"] >= 4 and vg["pool_bytes"] > 0 and vg["rows"] >= stats["speculative"]["draft_tokens"], vg
+    assert stats["steps_by_route"].get("eager", 0) == 0, stats["steps_by_route"]
+
+
+@pytest.mark.parametrize("tier", ["gpu", "host"])
+@pytest.mark.parametrize("method", list(SPECS))
+def test_verify_steps_replay_verify_graphs_bitwise(loaded, tier, method):
+    model = dataclasses.replace(loaded, tables={}, tier=tier)
+    replayed = _engine(model, SPECS[method])
+    want = _run(replayed)
+    _check_replayed(replayed, method)
+    assert _run(_eager_graphs(_engine(model, SPECS[method]))) == want  # tokens and logprobs, bitwise
+
+
+def test_paper_variant_verify_graphs_bitwise(paper):
+    # the paper variant's decode and mixed steps run eager; its verify steps replay graphs with the conv inside
+    replayed = _engine(paper, SPECS["ngram"])
+    want = _run(replayed)
+    stats = replayed.stats()
+    assert stats["verify_graph"]["replays"] >= 4 and stats["speculative"]["acceptance_rate"] > 0.5, stats
+    assert stats["mixed_graph_replays"] == 0 and stats["graph_replays"] == 0, stats
+    assert _run(verify_graphs_eager(_engine(paper, SPECS["ngram"]))) == want  # tokens and logprobs, bitwise
 
 
 def test_forced_outputs_and_logprobs_match_a_run_without_speculation(loaded):

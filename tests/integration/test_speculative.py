@@ -19,7 +19,7 @@ from engram.engine.engine import LLMEngine, StepError
 from engram.engine.sampling_params import SamplingParams
 from engram.model.loader import load_model, save_model
 from engram.short_conv import ShortConvState
-from tests.engine_runs import drain, preset_variant
+from tests.engine_runs import assert_verified_in_buckets, drain, preset_variant, verify_graphs_eager
 
 CPU, F64 = torch.device("cpu"), torch.float64
 CORPUS = Path(__file__).resolve().parents[2] / "bench" / "corpus" / "natural-v1.jsonl"
@@ -101,15 +101,20 @@ def spec_config(models, method, regime):
     return {"method": "draft_model", "model": model, "num_speculative_tokens": K}
 
 
+@pytest.mark.parametrize("runner", ["eager", "verify-graph"])
 @pytest.mark.parametrize("regime", ["accepted", "rejected"])
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 @pytest.mark.parametrize("variant", ["v41", "paper"])
-def test_outputs_with_speculation_equal_those_without(models, prose, variant, method, regime):
+def test_outputs_with_speculation_equal_those_without(models, prose, variant, method, regime, runner):
     reqs = requests(models, prose, variant, method, regime)
     want = run(engine(models[variant]), reqs)
     eng = engine(models[variant], spec_config(models, method, regime))
-    got = run(eng, reqs)
+    got = run(verify_graphs_eager(eng) if runner == "verify-graph" else eng, reqs)  # VerifyGraphRunner on the CPU
     assert_same(got, want)
+    if runner == "verify-graph":
+        vg = assert_verified_in_buckets(eng)
+        if regime == "rejected":  # n-gram spans and random drafts of every length meet in a bucket
+            assert vg["short_seqs"] >= 2 and vg["padded_rows"] >= 4, vg
     s = eng.stats()["speculative"]
     assert s["draft_tokens"] >= 12, s
     if regime == "accepted":
@@ -118,11 +123,13 @@ def test_outputs_with_speculation_equal_those_without(models, prose, variant, me
         assert s["acceptance_rate"] <= 0.4, s
 
 
-def test_skipping_the_conv_state_rewind_breaks_the_paper_variant(models, prose, monkeypatch):
+@pytest.mark.parametrize("runner", ["eager", "verify-graph"])
+def test_skipping_the_conv_state_rewind_breaks_the_paper_variant(models, prose, monkeypatch, runner):
     reqs = requests(models, prose, "paper", "ngram", "rejected")
     want = run(engine(models["paper"]), reqs)
     monkeypatch.setattr(ShortConvState, "rewind", lambda self, dropped: self)  # the state keeps rejected drafts
-    got = run(engine(models["paper"], spec_config(models, "ngram", "rejected")), reqs)
+    eng = engine(models["paper"], spec_config(models, "ngram", "rejected"))
+    got = run(verify_graphs_eager(eng) if runner == "verify-graph" else eng, reqs)  # the bucket's static states
     assert max_logprob_diff(got, want) > 1e-6
 
 

@@ -32,6 +32,9 @@ def test_bench_engine_speculative_run_on_the_cpu(tmp_path, capsys):
     assert point["batch"] == 2 and len(point["samples"]["off"]) == len(point["samples"]["spec"]) == 2
     assert point["acceptance_length"] > 2.0 and point["acceptance_rate"] > 0.7  # quoting: n-gram drafts accepted
     assert point["tok_s_spec"] > 0 and point["tok_s_off"] > 0
+    dev = point["device"]  # what each arm's steps did (the CPU: eager, no device clock, no verify graphs)
+    assert dev["spec"]["steps"] > 0 and dev["spec"]["steps"] < dev["off"]["steps"], dev
+    assert set(dev["spec"]["steps_by_route"]) == {"eager"} and dev["spec"]["verify_graph_replays"] == 0, dev
     assert "acceptance_length" in capsys.readouterr().out
 
 

@@ -28,14 +28,13 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
-def graph_reserve_bytes(config, step_peak_bytes: int | None, mixed: bool) -> int:
-    """The graphs' pool in the KV plan: the profiled step's peak with mixed-step graphs (their largest bucket is that
-    step), else B / max_num_batched_tokens of it (B: the largest decode bucket)."""
-    if step_peak_bytes is None:
+def graph_reserve_bytes(config, step_peak_bytes: int | None, rows: int) -> int:
+    """The graphs' pool in the KV plan: rows / max_num_batched_tokens of the profiled step's peak (``rows``: the token
+    rows of the largest bucket captured, max_num_batched_tokens with mixed-step graphs, whose largest bucket is that
+    step; 0: no graphs)."""
+    if step_peak_bytes is None or not rows:
         return 0
-    if mixed:
-        return step_peak_bytes
-    return step_peak_bytes * min(config.max_num_seqs, config.max_graph_batch) // config.max_num_batched_tokens
+    return step_peak_bytes * rows // config.max_num_batched_tokens
 
 
 class DecodeInputs:

@@ -1,8 +1,8 @@
 """The eager step runner: any step, its lookups staged by the lookup executor, then one forward of the model. ``run``
 uploads the step's CPU tensors (pinned, non-blocking), builds the attention layout from the host numbers (no read-back),
 serves the staged rows through ``engram_rows`` (checking the step) and returns logits [N, vocab]. The paper variant's
-conv state is kept here by sequence id: position 0 starts from zeros, a prefix-cache hit from the conv inputs kept with
-its blocks (``conv_blocks``); ``free`` drops finished sequences' state."""
+conv states live in ``conv_states`` (conv_states.py), which the verify graphs share; ``free`` drops finished
+sequences'."""
 from __future__ import annotations
 
 import torch
@@ -11,6 +11,7 @@ from engram.config import EngramConfig
 from engram.engine.lookup import LookupExecutor, StagedRows
 from engram.engine.pending import PendingPatch
 from engram.engine.runners.conv_blocks import ConvBlockStore
+from engram.engine.runners.conv_states import ConvStates
 from engram.engine.runners.base import Forward, StepRunner
 from engram.engine.spec.verify import rejected_per_sequence
 from engram.engine.step import StepDescription
@@ -35,8 +36,9 @@ class EagerRunner(StepRunner):
         self.device = torch.device(device)
         self.dtype = dtype
         self.ecfg = ecfg
-        self._conv_layers = list(lookup.tables) if ecfg and ecfg.variant == "paper" else []  # this Worker's layers
-        self._conv: dict[int, dict[int, ShortConvState]] = {}  # seq id -> Engram layer -> its conv state
+        conv_layers = list(lookup.tables) if ecfg and ecfg.variant == "paper" else []  # this Worker's layers
+        # the paper variant's per-sequence conv states (None without), shared with the verify graphs
+        self.conv_states = ConvStates(ecfg, conv_layers, dtype, self.device, conv_blocks) if conv_layers else None
         self._unkept: tuple[int, dict[int, ShortConvState]] | None = None  # a speculative step's, until ``keep``
 
     def covers(self, step: StepDescription) -> bool:
@@ -57,7 +59,7 @@ class EagerRunner(StepRunner):
         (parallel/pp_stage.py: its streams went on to the next stage). ``patch``: the pending tokens' device values."""
         dev = self.device
         cu_seqlens = to_device(step.cu_seqlens, dev)  # [S+1], shared by attention and the conv states
-        conv = self._gather_conv_state(step, cu_seqlens)
+        conv = self.conv_states.stacked(step, cu_seqlens) if self.conv_states is not None else None
         if conv is not None and step.num_drafts:  # keep room to rewind past rejected drafts (``keep``)
             for state in conv.values():
                 state.extra = max(step.num_drafts)
@@ -81,7 +83,7 @@ class EagerRunner(StepRunner):
             if step.num_drafts:
                 self._unkept = (step.step_id, conv)  # kept per sequence once the verifier has counted (``keep``)
             else:
-                self._scatter_conv_state(step, conv)
+                self.conv_states.keep(step, conv)
             if tails is not None:
                 for lid, state in conv.items():
                     self.conv_blocks.write(lid, state.tapped, tails)
@@ -129,25 +131,11 @@ class EagerRunner(StepRunner):
         dropped = rejected_per_sequence(step, accepted)  # [S]
         for state in conv.values():
             state.rewind(dropped)
-        self._scatter_conv_state(step, conv)
+        self.conv_states.keep(step, conv)
 
     def free(self, seq_ids: list[int]) -> None:
-        for sid in seq_ids:
-            self._conv.pop(sid, None)
-
-    def _gather_conv_state(self, step: StepDescription, cu_seqlens: torch.Tensor) -> dict[int, ShortConvState] | None:
-        """Paper variant: each Engram layer's per-sequence conv states stacked in packing order."""
-        if not self._conv_layers:
-            return None
-        fresh = {lid: ShortConvState.zeros(1, self.ecfg, self.dtype, self.device) for lid in self._conv_layers}
-        if step.cached_starts and self.conv_blocks is None:
-            raise RuntimeError(f"step {step.step_id}: sequences start at prefix-cache hits but this Worker keeps no "
-                               "conv inputs with its blocks (prefix caching off here)")
-        cached = set(step.cached_starts)
-        states = [fresh if start == 0 else
-                  self.conv_blocks.history(step.block_tables[i], start) if i in cached else self._conv[sid]
-                  for i, (sid, start) in enumerate(zip(step.seq_ids, step.start_positions))]
-        return {lid: ShortConvState.stack([s[lid] for s in states], cu_seqlens) for lid in self._conv_layers}
+        if self.conv_states is not None:
+            self.conv_states.free(seq_ids)
 
     def _tap_block_tails(self, step: StepDescription, conv: dict[int, ShortConvState] | None) -> torch.Tensor | None:
         """With ``conv_blocks``: ask each layer's call for the conv inputs of the step's tokens in the last rows of
@@ -159,7 +147,3 @@ class EagerRunner(StepRunner):
             state.tap_rows = rows
         return dest
 
-    def _scatter_conv_state(self, step: StepDescription, conv: dict[int, ShortConvState]) -> None:
-        per_layer = {lid: state.split() for lid, state in conv.items()}
-        for i, sid in enumerate(step.seq_ids):
-            self._conv[sid] = {lid: parts[i] for lid, parts in per_layer.items()}

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from engram.engine.pending import PendingPatch
-from engram.engine.runners.upload import PinnedUpload
+from engram.engine.runners.upload import PinnedUpload, lay_out
 from engram.engine.step import StepDescription
 from engram.model.inputs import StepInputs
 from engram.model.layers.attention import AttentionMetadata
@@ -36,6 +36,16 @@ def token_buckets(max_tokens: int) -> list[int]:
         sizes.append(t)
         t = t * 3 // 2 if (t & (t - 1)) == 0 else t * 4 // 3  # 64 -> 96 -> 128 -> 192 -> 256 ...
     return sizes + [max_tokens]
+
+
+def write_block_tables(tables: np.ndarray, block_tables: torch.Tensor, null_block: int) -> None:
+    """Sequence s's block table [S, W'] (-1 padded) into row s + 1 of the static ``tables`` [>= S + 1, W], the rest
+    of those rows and row 0 the null block."""
+    bt = block_tables.numpy()
+    s = bt.shape[0]
+    tables[0] = null_block
+    tables[1:s + 1] = null_block
+    tables[1:s + 1, :bt.shape[1]] = np.where(bt >= 0, bt, null_block)
 
 
 class MixedInputs:
@@ -60,10 +70,7 @@ class MixedInputs:
         sizes = [("token_ids", t), ("positions", t), ("slot_mapping", t), ("decode", 3 * s),
                  ("prefill", 4 * self.max_prefill), ("tiles", 2 * self.max_tiles), ("logits", self.max_logits),
                  ("row_ids", len(self.row_layers) * t * n_cols), ("plan_id", 1), ("block_tables", (s + 1) * self.width)]
-        self._at, at = {}, 0
-        for name, n in sizes:
-            self._at[name] = (at, at + n)
-            at += n
+        self._at, at = lay_out(sizes)
         self.upload = PinnedUpload(at, device)
         self._host = [self._views(buf) for buf in self.upload.views()]
         (self.token_ids, self.positions, self.slot_mapping, self.decode, self.prefill, self.tiles, self.logits_rows,
@@ -161,9 +168,7 @@ class MixedInputs:
         logits[:rows.size] = rows
         self._pad(self._host[turn], tokens=t, decodes=one.size, prefills=many.size, tiles=entry.size,
                   sampled=rows.size)
-        bt = step.block_tables.numpy()  # [S, W'], -1 padded
-        tables[1:s + 1] = self.null_block
-        tables[1:s + 1, :bt.shape[1]] = np.where(bt >= 0, bt, self.null_block)
+        write_block_tables(tables, step.block_tables, self.null_block)
         plan_id[0] = step.step_id  # the plan id the lookup branch tags its rows with
         self.upload.upload(turn, self._at["block_tables"][0] + (s + 1) * self.width)
         if patch is not None:

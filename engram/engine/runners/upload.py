@@ -7,6 +7,15 @@ import numpy as np
 import torch
 
 
+def lay_out(sizes: list[tuple[str, int]]) -> tuple[dict[str, tuple[int, int]], int]:
+    """Named parts of one buffer back to back, in order -> ({name: (start, end)}, total length)."""
+    ranges, at = {}, 0
+    for name, n in sizes:
+        ranges[name] = (at, at + n)
+        at += n
+    return ranges, at
+
+
 class PinnedUpload:
     """``begin()`` -> the numpy view of the pinned buffer to fill; ``upload(n)`` copies its first ``n`` elements (all by
     default) into ``device_buffer``, whose other elements keep their values."""
