@@ -23,9 +23,11 @@ import torch.distributed as dist
 
 from engram import envs
 from engram.engine.config import EngineConfig
+from engram.engine.early_lookups import EarlyLookups
 from engram.engine.lookup import LookupExecutor
 from engram.engine.rank_groups import GLOO_TIMEOUT_S, NCCL_ENV, RankGroups, RankPlace, init_group as join_groups
 from engram.engine.sampler import SampledTokens, Sampler
+from engram.engine.stage_inbox import StageInbox
 from engram.engine.step import SampleSpec
 from engram.engine.worker import Worker
 from engram.model.loader import load_model
@@ -140,6 +142,8 @@ def build_rank_worker(rank: int, spec: RankSpec, groups: RankGroups) -> Worker:
         loaded.lookup_overlap = False  # a lookup ends in an all-gather: never on a side stream
         config = dataclasses.replace(config, enforce_eager=True)
     wrap = functools.partial(spec.wrap_lookup, rank) if spec.wrap_lookup is not None else None
+    if stage is not None:  # a stage starts each step's lookups as it learns of the step (engine/early_lookups.py)
+        wrap = functools.partial(_early_lookups, wrap, place.pp)
     worker = Worker(loaded, config, max_model_len, dev, spec.dtype, progress=False, wrap_lookup=wrap,
                     kv_layers=None if alloc is None else alloc.kv_cache_layers)
     if stage is not None:
@@ -147,6 +151,12 @@ def build_rank_worker(rank: int, spec: RankSpec, groups: RankGroups) -> Worker:
     if place.is_last_stage:
         worker.sampler = RankZeroSampler(worker.sampler, place.tp_rank, group, src=place.leader)
     return worker
+
+
+def _early_lookups(wrap: Callable | None, limit: int, lookup: LookupExecutor) -> EarlyLookups:
+    """A stage's lookup executor: ``wrap``'s (tests) inside ``EarlyLookups`` (at most ``limit`` steps started ahead:
+    the engine's microbatches in flight)."""
+    return EarlyLookups(wrap(lookup) if wrap is not None else lookup, limit)
 
 
 def rank_report(worker: Worker) -> tuple:
@@ -190,10 +200,20 @@ class PipeReader:
                 return
 
     def get(self) -> tuple:
-        msg = self._queue.get()
-        if msg[0] == "gone":
-            raise EOFError(f"the engine's pipe closed ({msg[1]!r})")
-        return msg
+        return _arrived(self._queue.get())
+
+    def get_ready(self) -> tuple | None:
+        """The next message if one has arrived, else None (never waits)."""
+        try:
+            return _arrived(self._queue.get_nowait())
+        except queue.Empty:
+            return None
+
+
+def _arrived(msg: tuple) -> tuple:
+    if msg[0] == "gone":
+        raise EOFError(f"the engine's pipe closed ({msg[1]!r})")
+    return msg
 
 
 def rank_main(rank: int, spec: RankSpec, conn) -> None:
@@ -204,7 +224,11 @@ def rank_main(rank: int, spec: RankSpec, conn) -> None:
         conn.send(rank_report(worker))
         leader = groups.place.is_leader
         with torch.inference_mode():
-            serve_steps(rank, worker, groups, PipeReader(conn).get if leader else None, conn.send if leader else None)
+            reader = PipeReader(conn) if leader else None
+            if groups.place.pp > 1:
+                serve_stage(worker, groups, reader, conn.send if leader else None)
+            else:
+                serve_steps(rank, worker, groups, reader.get if leader else None, conn.send if leader else None)
     except BaseException:
         try:
             conn.send(("error", rank, traceback.format_exc()))
@@ -228,13 +252,35 @@ def serve_steps(rank: int, worker: Worker, groups: RankGroups, receive: Callable
             reply((kind, payload))
 
 
+def serve_stage(worker: Worker, groups: RankGroups, reader: PipeReader | None,
+                reply: Callable[[tuple], None] | None) -> None:
+    """A pipeline stage's loop until "stop" (``reader``, ``reply``: the leader's): messages in order through a
+    ``StageInbox``, each step's lookups started as soon as the stage learns of it (with a message, or before the
+    stage waits for the previous stage's streams)."""
+    place = groups.place
+    inbox = StageInbox(groups.control, place.leader, place.is_leader, worker.lookup.start,
+                       reader.get if reader else None, reader.get_ready if reader else None)
+    worker.model.intake = inbox.intake  # the stage's model: parallel/pp_stage.py StageModel
+    while True:
+        kind, payload = run_local(worker, groups, inbox.next())
+        if kind == "stop":
+            return
+        if place.is_leader and (kind != "result" or place.is_last_stage):
+            reply((kind, payload))
+
+
 def run_message(rank: int, worker: Worker, groups: RankGroups, msg: tuple | None) -> tuple:
     """Broadcast the stage leader's ``msg`` (the one pickled copy, on the stage's control group), run it on every rank
     of the stage -> (kind, the leader's answer)."""
-    group = groups.control
     box = [msg]
-    dist.broadcast_object_list(box, src=groups.place.leader, group=group)
-    kind, payload = box[0]
+    dist.broadcast_object_list(box, src=groups.place.leader, group=groups.control)
+    return run_local(worker, groups, box[0])
+
+
+def run_local(worker: Worker, groups: RankGroups, msg: tuple) -> tuple:
+    """Run ``msg``, which every rank of the stage holds, on this rank -> (kind, the answer)."""
+    group = groups.control
+    kind, payload = msg
     if kind == "stop":
         return kind, None
     if kind == "step":
@@ -243,4 +289,7 @@ def run_message(rank: int, worker: Worker, groups: RankGroups, msg: tuple | None
         everyone: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, list(getattr(worker.sampler, "history", ())), group=group)
         return kind, everyone
-    return "stats", worker.stats()
+    out = worker.stats()
+    if isinstance(worker.lookup, EarlyLookups):  # a pipeline stage: how many steps' lookups started early
+        out["early_lookups"] = dict(worker.lookup.counts)
+    return "stats", out

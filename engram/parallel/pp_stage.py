@@ -16,6 +16,8 @@ before, and each send's buffers are kept until it completed (waited for before t
 ranks arrive in the order sent, so microbatches meet each stage in launch order."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -75,14 +77,19 @@ class StageLink:
 class StageModel(torch.nn.Module):
     """The decoder as stage ``stage`` of ``num_stages`` runs it: ``forward(step, kv) -> hidden [N, H]`` on the last
     stage, None on the others (their streams went on through ``link``). ``link`` None (before the stage is linked,
-    e.g. during the Worker's memory profile): a stage after the first reads zero streams, and nothing is sent."""
+    e.g. during the Worker's memory profile): a stage after the first reads zero streams, and nothing is sent.
+    ``intake``: called before the stage waits for the previous stage's streams and again after its layers, on every
+    rank of the stage at the same points of the same step (the stage's inbox learns of the steps that arrived
+    meanwhile and starts their lookups: engine/stage_inbox.py); None: nothing is called."""
 
-    def __init__(self, decoder: EngramDecoder, stage: Stage, num_stages: int, link: StageLink | None = None):
+    def __init__(self, decoder: EngramDecoder, stage: Stage, num_stages: int, link: StageLink | None = None,
+                 intake: Callable[[], None] | None = None):
         super().__init__()
         if decoder.held_layers != stage.layers:
             raise ValueError(f"stage {stage.index} runs layers {stage.layers} but the model holds "
                              f"{decoder.held_layers}")
         self.decoder, self.stage, self.num_stages, self.link = decoder, stage, num_stages, link
+        self.intake = intake
         self.config = decoder.config
         self.model = decoder.model  # layers by global index (LayerGap where another stage holds one)
 
@@ -113,9 +120,13 @@ class StageModel(torch.nn.Module):
             if self.link is None:
                 h = torch.zeros(t, cfg.hc_mult, cfg.hidden_size, dtype=dtype, device=step.token_ids.device)
             else:
+                if self.intake is not None:
+                    self.intake()
                 h, delta = self.link.receive(t, cfg.hc_mult, cfg.hidden_size, dtype)
         state = self.decoder.forward_begin(step, kv, h, delta)
         self.decoder.forward_layers(state, self.stage.start, self.stage.end)
+        if self.intake is not None:
+            self.intake()
         if self.is_last:
             return self.decoder.forward_end(state)
         if self.link is not None:

@@ -1,0 +1,96 @@
+"""Pipeline stages start a step's Engram lookups as soon as they learn of the step (engine/stage_inbox.py,
+engine/early_lookups.py), while they still compute the microbatch before it: with two stages in real spawned
+processes over gloo, the last stage's rows are consumed slowly (0.2 s a layer), the lookups each rank submits and the
+rows each step consumes are recorded with their times (``RankSpec.wrap_lookup``), and
+
+* the last stage submits some step's lookups before the step before it (the other microbatch) finished its forward
+  there (the forward's end: the runner's ``release`` of that step's rows);
+* each stage's ``early_lookups`` counter says lookups started early were consumed by their own step;
+* every step consumed exactly its own rows (against the table), and the tokens equal PP1's in float64."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from engram.engine.config import EngineConfig
+from engram.engine.engine import LLMEngine
+from engram.engine.multiproc import MultiprocExecutor, RankSpec, free_port
+from engram.model.loader import load_model
+from engram.model.options import RuntimeOptions
+from tests.integration.test_pp_microbatches import ENGINE, CheckedRows, _assert_close, _pp1, _run
+
+SLOW_S = 0.2
+pytestmark = pytest.mark.timeout(120)  # a stage that hangs fails here, never hangs CI
+
+
+class TimedRows(CheckedRows):
+    """``CheckedRows`` (each layer's rows checked against the table, delayed, logged with begin and end) whose
+    ``release`` — the runner's, once the step's forward on this stage is over — is logged with its time."""
+
+    def release(self) -> None:
+        super().release()
+        with self.log.open("a") as f:
+            f.write(json.dumps({"rank": self.rank, "released": self.step.step_id, "at": time.monotonic()}) + "\n")
+
+
+class RecordedLookup:
+    """The rank's lookup executor: each ``submit`` logged with its time; its rows are ``TimedRows``, consumed SLOW_S
+    late on ``slow_rank``."""
+
+    def __init__(self, inner, rank: int, slow_rank: int, log: Path):
+        self.inner, self.rank, self.slow_rank, self.log = inner, rank, slow_rank, log
+
+    def submit(self, step, patch=None, **kwargs):
+        with self.log.open("a") as f:
+            f.write(json.dumps({"rank": self.rank, "submit": step.step_id, "at": time.monotonic()}) + "\n")
+        return TimedRows(self.inner.submit(step, patch, **kwargs), step, self.inner.tables, self.rank,
+                           SLOW_S if self.rank == self.slow_rank else 0.0, self.log)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@dataclass(frozen=True)
+class RecordLookups:
+    """``RankSpec.wrap_lookup`` (picklable): ``RecordedLookup`` on every rank."""
+
+    slow_rank: int
+    log: str
+
+    def __call__(self, rank: int, lookup):
+        return RecordedLookup(lookup, rank, self.slow_rank, Path(self.log))
+
+
+def test_a_stage_starts_the_next_microbatch_lookups_while_it_computes_the_one_before(tmp_path):
+    want = _pp1()
+    cfg = EngineConfig(**ENGINE, pipeline_parallel_size=2)
+    loaded = load_model("tiny", dtype=torch.float64, device="cpu", progress=False)
+    log = tmp_path / "lookups.jsonl"
+    spec = RankSpec("tiny", "gpu", torch.float64, RuntimeOptions(), None, cfg, 256, f"tcp://127.0.0.1:{free_port()}",
+                    1, partition=(2, 2), wrap_lookup=RecordLookups(1, str(log)))
+    executor = MultiprocExecutor(spec, [(1,), (3,)])
+    try:
+        engine = LLMEngine(loaded, cfg, torch.device("cpu"), torch.float64, executor=executor)
+        got = _run(engine)
+        stages = executor.stats()["stages"]
+    finally:
+        executor.close()
+    _assert_close(want, got)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    consumed = [r for r in records if "layer" in r]
+    assert consumed and all(r["own_rows"] for r in consumed), [r for r in consumed if not r["own_rows"]]
+    # on the last stage, some step's lookups were submitted before the step before it there finished its forward
+    submits = {r["submit"]: r["at"] for r in records if r.get("rank") == 1 and "submit" in r}
+    released = sorted((r["at"], r["released"]) for r in records if r.get("rank") == 1 and "released" in r)
+    assert len(released) == len(submits)
+    early = [(prev, step) for (end, prev), (_, step) in zip(released, released[1:]) if submits[step] < end]
+    assert early, (submits, released)
+    # and those lookups were the ones that step consumed: the counter of lookups started early and used
+    counts = [st["early_lookups"] for st in stages]
+    assert counts[1]["started_early"] >= len(early), counts
+    assert sum(c["started_early"] + c["submitted_at_launch"] for c in counts) == 2 * len(submits), counts
