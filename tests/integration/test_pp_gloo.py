@@ -28,12 +28,14 @@ def _params(max_tokens: int = 6) -> engram.SamplingParams:
 
 
 def _run(model: str, **options):
-    """(outputs of PROMPTS, the engine's most microbatches in flight, each rank's holdings) of one LLM."""
+    """(outputs of PROMPTS, the engine's most microbatches in flight, each rank's holdings, each stage's counts of
+    lookups started early: None without stages) of one LLM."""
     llm = engram.LLM(model, **ENGINE, **options)
     try:
         out = llm.generate(PROMPTS, _params(), use_tqdm=False)
         executor = llm.engine.executor
-        return out, getattr(llm.engine.pipeline, "max_in_flight", 1), getattr(executor, "holdings", None), llm
+        early = [st["early_lookups"] for st in executor.stats().get("stages", ())] or None
+        return out, getattr(llm.engine.pipeline, "max_in_flight", 1), getattr(executor, "holdings", None), early
     finally:
         if hasattr(llm.engine.executor, "close"):
             llm.engine.executor.close()
@@ -50,9 +52,10 @@ def want(pp1):
 
 
 def test_pp2_matches_pp1_with_engram_layers_on_both_stages(pp1, want):
-    got, in_flight, holdings, _ = _run("tiny", pipeline_parallel_size=2)
+    got, in_flight, holdings, early = _run("tiny", pipeline_parallel_size=2)
     assert worst_logprob_gap(want, got) <= 1e-9
     assert in_flight == 2, "the two stages never had a microbatch each"
+    assert early[1]["started_early"] >= 1, early  # lookups started before the step's turn on the last stage
     # the planner's cut of tiny (Engram layers 1 and 3 cost 1.5): 2 | 2, one Engram layer a stage
     assert [h["layers"] for h in holdings] == [[0, 1], [2, 3]]
     assert [h["engram_layers"] for h in holdings] == [[1], [3]]
@@ -78,9 +81,12 @@ def test_each_stage_holds_only_its_parameters(pp1):
 
 
 def test_pp2_x_tp2_matches_pp1(want):
-    got, in_flight, holdings, _ = _run("tiny", pipeline_parallel_size=2, tensor_parallel_size=2)
+    got, in_flight, holdings, early = _run("tiny", pipeline_parallel_size=2, tensor_parallel_size=2)
     assert worst_logprob_gap(want, got) <= 1e-9
     assert in_flight == 2
+    # the last stage learned of the second microbatch while it computed the first: both ranks started its lookups
+    # early (their column shards' row all-gathers matched), and the tokens are still PP1's
+    assert early[1]["started_early"] >= 1, early
     assert [h["layers"] for h in holdings] == [[0, 1], [0, 1], [2, 3], [2, 3]]  # stage-major: rank = 2 * stage + t
 
 

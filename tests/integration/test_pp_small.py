@@ -16,7 +16,8 @@ def _generate(**options):
     llm = engram.LLM("small", **ENGINE, **options)
     try:
         params = engram.SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True)
-        return llm.generate(PROMPTS, params, use_tqdm=False), getattr(llm.engine.executor, "holdings", None)
+        out = llm.generate(PROMPTS, params, use_tqdm=False)
+        return out, getattr(llm.engine.executor, "holdings", None), llm.engine.executor.stats().get("stages")
     finally:
         if hasattr(llm.engine.executor, "close"):
             llm.engine.executor.close()
@@ -29,8 +30,9 @@ def want():
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_small_pp2_matches_pp1(want, tp):
-    got, holdings = _generate(pipeline_parallel_size=2, tensor_parallel_size=tp)
+    got, holdings, stages = _generate(pipeline_parallel_size=2, tensor_parallel_size=tp)
     assert worst_logprob_gap(want, got) <= 1e-9
+    assert stages[1]["early_lookups"]["started_early"] >= 1, stages[1]["early_lookups"]  # lookups started early
     stages = [h for i, h in enumerate(holdings) if i % tp == 0]
     assert [h["layers"] for h in stages] == [list(range(6)), list(range(6, 12))]
     assert [h["engram_layers"] for h in stages] == [[1], [6]]
