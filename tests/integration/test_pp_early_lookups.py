@@ -11,18 +11,11 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
-from engram.engine.config import EngineConfig
-from engram.engine.engine import LLMEngine
-from engram.engine.multiproc import MultiprocExecutor, RankSpec, free_port
-from engram.model.loader import load_model
-from engram.model.options import RuntimeOptions
-from tests.integration.test_pp_microbatches import ENGINE, CheckedRows, _assert_close, _pp1, _run
+from tests.integration.test_pp_microbatches import CheckedRows, OnEveryRank, _assert_close, _pp1, run_pp2
 
 SLOW_S = 0.2
 pytestmark = pytest.mark.timeout(120)  # a stage that hangs fails here, never hangs CI
@@ -49,37 +42,16 @@ class RecordedLookup:
         with self.log.open("a") as f:
             f.write(json.dumps({"rank": self.rank, "submit": step.step_id, "at": time.monotonic()}) + "\n")
         return TimedRows(self.inner.submit(step, patch, **kwargs), step, self.inner.tables, self.rank,
-                           SLOW_S if self.rank == self.slow_rank else 0.0, self.log)
+                         SLOW_S if self.rank == self.slow_rank else 0.0, self.log)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
 
-@dataclass(frozen=True)
-class RecordLookups:
-    """``RankSpec.wrap_lookup`` (picklable): ``RecordedLookup`` on every rank."""
-
-    slow_rank: int
-    log: str
-
-    def __call__(self, rank: int, lookup):
-        return RecordedLookup(lookup, rank, self.slow_rank, Path(self.log))
-
-
 def test_a_stage_starts_the_next_microbatch_lookups_while_it_computes_the_one_before(tmp_path):
     want = _pp1()
-    cfg = EngineConfig(**ENGINE, pipeline_parallel_size=2)
-    loaded = load_model("tiny", dtype=torch.float64, device="cpu", progress=False)
     log = tmp_path / "lookups.jsonl"
-    spec = RankSpec("tiny", "gpu", torch.float64, RuntimeOptions(), None, cfg, 256, f"tcp://127.0.0.1:{free_port()}",
-                    1, partition=(2, 2), wrap_lookup=RecordLookups(1, str(log)))
-    executor = MultiprocExecutor(spec, [(1,), (3,)])
-    try:
-        engine = LLMEngine(loaded, cfg, torch.device("cpu"), torch.float64, executor=executor)
-        got = _run(engine)
-        stages = executor.stats()["stages"]
-    finally:
-        executor.close()
+    got, _, stages = run_pp2(OnEveryRank(RecordedLookup, 1, str(log)))
     _assert_close(want, got)
     records = [json.loads(line) for line in log.read_text().splitlines()]
     consumed = [r for r in records if "layer" in r]

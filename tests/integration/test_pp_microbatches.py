@@ -81,7 +81,7 @@ class CheckedRows:
 
 class WatchedLookup:
     """The rank's lookup executor, its steps' staged rows wrapped in ``CheckedRows``; on rank ``slow_rank`` every even
-    step's (one microbatch of two) are delayed by DELAY_S."""
+    step's (one microbatch of two) are delayed by DELAY_S. ``log``: where ``CheckedRows`` writes."""
 
     def __init__(self, inner, rank: int, slow_rank: int, log: Path):
         self.inner, self.rank, self.slow_rank, self.log = inner, rank, slow_rank, log
@@ -96,30 +96,39 @@ class WatchedLookup:
 
 
 @dataclass(frozen=True)
-class DelayEvenSteps:
-    """``RankSpec.wrap_lookup`` (picklable): ``WatchedLookup`` on every rank, rank ``slow_rank`` delayed."""
+class OnEveryRank:
+    """``RankSpec.wrap_lookup`` (picklable): ``wrapper(lookup, rank, slow_rank, log)`` on every rank (``wrapper``: a
+    module-level class such as ``WatchedLookup``)."""
 
+    wrapper: type
     slow_rank: int
     log: str
 
     def __call__(self, rank: int, lookup):
-        return WatchedLookup(lookup, rank, self.slow_rank, Path(self.log))
+        return self.wrapper(lookup, rank, self.slow_rank, Path(self.log))
 
 
-def test_a_delayed_microbatch_leaves_the_others_rows_untouched(tmp_path):
-    want = _pp1()
+def run_pp2(wrap_lookup) -> tuple[dict, int, list[dict]]:
+    """PROMPTS on tiny in float64 over two spawned stages (layers 0-1 | 2-3), each rank's lookups wrapped by
+    ``wrap_lookup`` -> (outputs as ``_run`` gives them, the most microbatches in flight, each stage's stats)."""
     cfg = EngineConfig(**ENGINE, pipeline_parallel_size=2)
     loaded = load_model("tiny", dtype=torch.float64, device="cpu", progress=False)
-    log = tmp_path / "rows.jsonl"
     spec = RankSpec("tiny", "gpu", torch.float64, RuntimeOptions(), None, cfg, 256, f"tcp://127.0.0.1:{free_port()}",
-                    1, partition=(2, 2), wrap_lookup=DelayEvenSteps(1, str(log)))
+                    1, partition=(2, 2), wrap_lookup=wrap_lookup)
     executor = MultiprocExecutor(spec, [(1,), (3,)])
     try:
         engine = LLMEngine(loaded, cfg, torch.device("cpu"), torch.float64, executor=executor)
         got = _run(engine)  # a stage that hangs fails the test by its timeout
-        assert engine.pipeline.max_in_flight == 2
+        return got, engine.pipeline.max_in_flight, executor.stats()["stages"]
     finally:
         executor.close()
+
+
+def test_a_delayed_microbatch_leaves_the_others_rows_untouched(tmp_path):
+    want = _pp1()
+    log = tmp_path / "rows.jsonl"
+    got, in_flight, _ = run_pp2(OnEveryRank(WatchedLookup, 1, str(log)))
+    assert in_flight == 2
     _assert_close(want, got)
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert {(r["rank"], r["layer"]) for r in records} == {(0, 1), (1, 3)}  # each stage reads its own layer only
