@@ -24,42 +24,45 @@ class EarlyLookups:
             raise ValueError(f"EarlyLookups limit={limit}: must be >= 1")
         self.__dict__["inner"] = inner  # set first: every other attribute is looked up on it
         self.limit = limit
-        self._started: dict[int, object] = {}  # step id -> StagedRows, or the exception its start raised
+        # step id -> (StagedRows, or the exception its start raised; whether started with a pending-token patch)
+        self._started: dict[int, tuple[object, bool]] = {}
         # steps started early and consumed by their launch / submitted at launch (not started before)
         self.counts = {"started_early": 0, "submitted_at_launch": 0}
 
     @staticmethod
-    def can_start(step: StepDescription) -> bool:
-        """Whether ``step``'s row ids are all in its description: no pending tokens (their ids exist on a device
-        only at launch) and no drafts (a draft model's patch is made at launch)."""
-        return not step.pending_rows and step.draft is None and not step.num_drafts
+    def can_start(step: StepDescription, patch=None) -> bool:
+        """Whether ``step``'s row ids are all known: in its description, or its tokens in flight are here as
+        ``patch`` (PendingTokens.patch); and no drafts (a draft model's patch is made at launch)."""
+        return (not step.pending_rows or patch is not None) and step.draft is None and not step.num_drafts
 
-    def start(self, step: StepDescription) -> None:
-        """Stage ``step``'s prompt ranges and submit its lookups now (once per step; a step that ``can_start`` says
-        no to is left to its launch)."""
-        if step.step_id in self._started or not self.can_start(step):
+    def start(self, step: StepDescription, patch=None) -> None:
+        """Stage ``step``'s prompt ranges and submit its lookups now, ``patch``: its tokens in flight (once per step;
+        a step that ``can_start`` says no to is left to its launch)."""
+        if step.step_id in self._started or not self.can_start(step, patch):
             return
         if len(self._started) >= self.limit:
             raise RuntimeError(f"step {step.step_id}: {len(self._started)} steps' lookups were started and not "
                                f"launched yet (steps {sorted(self._started)}, limit {self.limit})")
         try:
             self.inner.staging.accept(step)  # the prompt ranges first: the lookups' staged uses read them
-            self._started[step.step_id] = self.inner.submit(step)
+            self._started[step.step_id] = (self.inner.submit(step, patch), patch is not None)
         except Exception as e:  # the step's own launch raises it
-            self._started[step.step_id] = e
+            self._started[step.step_id] = (e, patch is not None)
 
     def submit(self, step: StepDescription, patch=None, **kwargs):
         """The rows ``start`` staged for ``step`` (handed out once), else the wrapped executor's ``submit``."""
-        staged = self._started.pop(step.step_id, None)
-        if staged is None:
+        started = self._started.pop(step.step_id, None)
+        if started is None:
             self.counts["submitted_at_launch"] += 1
             return self.inner.submit(step, patch, **kwargs)
+        staged, patched = started
         if isinstance(staged, Exception):
             raise staged
-        if patch is not None or kwargs:
+        if (patch is not None) != patched or kwargs:  # the same tokens in flight both times: the Worker's
             staged.release()
-            raise RuntimeError(f"step {step.step_id}: its lookups were started early, but its launch asks for "
-                               f"{'a pending-token patch' if patch is not None else sorted(kwargs)}")
+            raise RuntimeError(f"step {step.step_id}: its lookups were started early "
+                               f"{'with' if patched else 'without'} a pending-token patch, but its launch asks "
+                               f"{'for ' + str(sorted(kwargs)) if kwargs else 'otherwise'}")
         self.counts["started_early"] += 1
         return staged
 

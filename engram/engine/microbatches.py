@@ -12,6 +12,7 @@ loop does: the steps launched after it are read and dropped (nothing of them is 
 again, failures isolated (``StepError``)."""
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 
@@ -35,6 +36,9 @@ class MicrobatchPipeline(StepPipeline):
         self.share = -(-self.config.max_num_seqs // depth)
         self._flight: deque[Launched] = deque()  # launched, not collected; oldest first
         self.max_in_flight = 0  # the most steps that were in flight at once (stats, tests)
+        # Decided once: the stages relay sampled ids among themselves (parallel/pp_relay.py), so a sequence whose
+        # token is in flight in the oldest step may go on in the next one, before the engine reads that token
+        self.relay = bool(getattr(self.executor, "relays_sampled_ids", False))
 
     @property
     def in_flight(self) -> Launched | None:
@@ -56,18 +60,23 @@ class MicrobatchPipeline(StepPipeline):
     def step(self) -> list[RequestOutput]:
         """Launch the next microbatch; once ``depth`` are in flight (or nothing is left to launch), read the oldest ->
         its outputs."""
-        batch = self.scheduler.schedule(hold=_token_in_flight, max_seqs=self.share)
+        prev = None
+        batch = self.scheduler.schedule(hold=functools.partial(self._sits_out, None), max_seqs=self.share)
         self.num_preemptions += len(batch.preempted)
+        if batch.is_empty and self.relay and self._flight:  # no other microbatch to form: the oldest's sequences go
+            prev = self._flight[0]  # on with their tokens in flight (the stages relay them)
+            batch = self.scheduler.schedule(hold=functools.partial(self._sits_out, prev), max_seqs=self.share)
+            self.num_preemptions += len(batch.preempted)
         if not batch.is_empty:
             try:
-                self._flight.append(self._launch(batch, None))
+                self._flight.append(self._launch(batch, prev))
             except Exception as e:  # nothing of it was committed: read what is in flight, then run it alone
                 log.warning("launching microbatch step %d failed (%s: %s): reading the steps in flight, then "
                             "running it synchronously", self.num_steps, type(e).__name__, e)
                 outputs = self._drain()
                 return outputs + self._run_or_fold(_live(batch), outputs)
             self.max_in_flight = max(self.max_in_flight, len(self._flight))
-            if len(self._flight) < self.depth:
+            if len(self._flight) < self.depth + self.relay:  # relaying: the next microbatch goes in before a read
                 return []
         return self._collect_oldest() if self._flight else []
 
@@ -97,9 +106,13 @@ class MicrobatchPipeline(StepPipeline):
             return self._run_isolated(pick(launched.batch, live))
 
 
-def _token_in_flight(seq: Sequence) -> bool:
-    """A sequence sits out while a token it sampled is not read yet (its next step needs that token)."""
-    return seq.num_pending > 0
+    def _sits_out(self, prev: Launched | None, seq: Sequence) -> bool:
+        """A sequence sits out while a token it sampled is not read yet (its next step needs that token), unless the
+        token is ``prev``'s (the oldest step in flight, whose ids the stages relay) and not certainly its last."""
+        if not seq.num_pending:
+            return False
+        return (prev is None or seq.num_pending > 1 or seq.seq_id not in prev.sample_index
+                or self._last_token_in_flight(seq))
 
 
 def _live(batch: ScheduledBatch) -> ScheduledBatch:

@@ -74,9 +74,16 @@ class MultiprocExecutor(Executor):
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
+    @property
+    def relays_sampled_ids(self) -> bool:
+        """Whether a step may take tokens of the step in flight before it (pipeline stages: the last stage relays
+        each step's sampled ids to the stages that need them, parallel/pp_relay.py)."""
+        return self.pp > 1
+
     def launch(self, step: StepDescription) -> int:
         for s in range(self.pp):
-            self._send(s, ("step", step if self.stage_layers is None else stage_step(step, self.stage_layers[s])))
+            self._send(s, ("step", step if self.stage_layers is None else
+                           stage_step(step, self.stage_layers[s], s in (0, self.pp - 1))))
         self._handles.append(step.step_id)
         return step.step_id
 
@@ -198,9 +205,14 @@ def _name(rank: int, tp: int, pp: int) -> str:
     return f"engram-tp{rank}" if pp == 1 else f"engram-pp{place.stage}-tp{place.tp_rank}"
 
 
-def stage_step(step: StepDescription, layers: tuple[int, ...]) -> StepDescription:
-    """``step`` as a pipeline stage gets it: the row ids of its own Engram ``layers`` only."""
-    return dataclasses.replace(step, engram_row_ids={l: ids for l, ids in step.engram_row_ids.items() if l in layers})
+def stage_step(step: StepDescription, layers: tuple[int, ...], end: bool = False) -> StepDescription:
+    """``step`` as a pipeline stage gets it: the row ids of its own Engram ``layers`` only; a stage neither at an
+    ``end`` (first, last) nor with Engram layers reads no token ids, so it gets no tokens in flight to patch in."""
+    own = {l: ids for l, ids in step.engram_row_ids.items() if l in layers}
+    if end or layers or not step.pending_rows:
+        return dataclasses.replace(step, engram_row_ids=own)
+    return dataclasses.replace(step, engram_row_ids=own, pending_rows=[], pending_sources=[], pending_step_id=-1,
+                               pending_partials=None)
 
 
 def free_port() -> int:

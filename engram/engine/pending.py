@@ -29,6 +29,9 @@ class PendingPatch:
         return values.index_copy(0, self.rows, fill)
 
 
+KEPT_STEPS = 64  # relayed steps' ids kept at most (a pipeline needs the few of its microbatches in flight)
+
+
 class PendingTokens:
     """The last launched step's sampled ids on the device, and the patches that consume them."""
 
@@ -44,6 +47,8 @@ class PendingTokens:
             self._map = torch.from_numpy(mapping).to(self.device)
         self._step_id = -1
         self._tokens: torch.Tensor | None = None
+        # a pipeline stage: ids of earlier steps, sampled on the last stage and relayed here (``keep``), by step id
+        self._kept: dict[int, torch.Tensor] = {}
 
     @property
     def device_map(self) -> torch.Tensor | None:
@@ -59,15 +64,36 @@ class PendingTokens:
         """The tokens [N] a launched step sampled (on the device; read by the engine later, or never)."""
         self._step_id, self._tokens = step_id, token_ids
 
+    def keep(self, step_id: int, token_ids: torch.Tensor) -> None:
+        """The tokens [N] step ``step_id`` sampled elsewhere (a pipeline's last stage: parallel/pp_relay.py), for the
+        step that names it as its ``pending_step_id``; the oldest beyond KEPT_STEPS are forgotten."""
+        self._kept[step_id] = token_ids
+        while len(self._kept) > KEPT_STEPS:
+            del self._kept[next(iter(self._kept))]
+
+    def has(self, step_id: int) -> bool:
+        """Whether step ``step_id``'s tokens are here (kept, or the last launched step's)."""
+        return step_id in self._kept or self._own(step_id) is not None
+
+    def _own(self, step_id: int) -> torch.Tensor | None:
+        """The last launched step's tokens if it is ``step_id`` and sampled here (a stage before a pipeline's last
+        samples nothing: its steps' ids come relayed, through ``keep``)."""
+        own = self._tokens if step_id == self._step_id else None
+        return own if own is not None and own.numel() else None
+
     def patch(self, step: StepDescription) -> PendingPatch | None:
-        """The device patch of ``step``'s pending rows (None without); RuntimeError if they are not the last step's."""
+        """The device patch of ``step``'s pending rows (None without); RuntimeError if they are neither the last
+        step's nor a kept step's."""
         if not step.pending_rows:
             return None
-        if step.pending_step_id != self._step_id or self._tokens is None:
+        source = self._kept.get(step.pending_step_id)
+        if source is None:
+            source = self._own(step.pending_step_id)
+        if source is None:
             raise RuntimeError(f"step {step.step_id}: its pending tokens come from step {step.pending_step_id}, "
                                f"but the last step launched on this Worker is {self._step_id}")
         sources, rows = to_device([step.pending_sources, step.pending_rows], self.device)  # one upload, [2, P]
-        tokens = self._tokens[sources]  # [P]
+        tokens = source[sources]  # [P]
         row_ids, dead = {}, None
         if self.hasher is not None:
             compressed = self._map[tokens]  # [P], DEAD = -1

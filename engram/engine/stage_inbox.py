@@ -45,6 +45,11 @@ class StageInbox:
         self._learn(box[1])
         return msg
 
+    @property
+    def ahead(self) -> list:
+        """The step descriptions learned of early, not run yet, oldest first (the same on every rank)."""
+        return [msg[1] for msg in self._ahead]
+
     def intake(self) -> None:
         """Learn of the steps that arrived meanwhile and start their lookups (every rank of the stage calls it at the
         same point of the same step)."""

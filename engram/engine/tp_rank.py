@@ -34,6 +34,7 @@ from engram.model.loader import load_model
 from engram.model.options import RuntimeOptions
 from engram.parallel import engram_tp, tp
 from engram.parallel.pp import local_allocation, model_plan
+from engram.parallel.pp_relay import relay_for
 from engram.parallel.pp_stage import StageLink, StageModel
 from engram.parallel.wkv_column import shard_wkv_columns
 
@@ -148,6 +149,8 @@ def build_rank_worker(rank: int, spec: RankSpec, groups: RankGroups) -> Worker:
                     kv_layers=None if alloc is None else alloc.kv_cache_layers)
     if stage is not None:
         loaded.model.link = StageLink(place.prev_rank, place.next_rank, dev, groups.pipe)
+        needs_ids = [s == 0 or bool(local_allocation(plan, s).engram_layers) for s in range(place.pp)]
+        loaded.model.relay = relay_for(place.stage, place.pp, place.tp, place.tp_rank, needs_ids, dev, groups.pipe)
     if place.is_last_stage:
         worker.sampler = RankZeroSampler(worker.sampler, place.tp_rank, group, src=place.leader)
     return worker
@@ -258,13 +261,34 @@ def serve_stage(worker: Worker, groups: RankGroups, reader: PipeReader | None,
     ``StageInbox``, each step's lookups started as soon as the stage learns of it (with a message, or before the
     stage waits for the previous stage's streams)."""
     place = groups.place
-    inbox = StageInbox(groups.control, place.leader, place.is_leader, worker.lookup.start,
+    def start(step) -> None:  # at once, or (tokens in flight not here yet) once they are
+        if not step.pending_rows:
+            worker.lookup.start(step)
+        elif worker.pending.has(step.pending_step_id):
+            worker.lookup.start(step, worker.pending.patch(step))
+
+    inbox = StageInbox(groups.control, place.leader, place.is_leader, start,
                        reader.get if reader else None, reader.get_ready if reader else None)
     worker.model.intake = inbox.intake  # the stage's model: parallel/pp_stage.py StageModel
+    relay = worker.model.relay
     while True:
-        kind, payload = run_local(worker, groups, inbox.next())
+        msg = inbox.next()
+        if msg[0] == "step" and relay.receives and msg[1].pending_rows:  # its tokens in flight: wait for them here
+            for sid, ids in relay.receive_through(msg[1].pending_step_id).items():
+                worker.pending.keep(sid, ids)
+        kind, payload = run_local(worker, groups, msg)
         if kind == "stop":
+            relay.drain()
             return
+        if kind == "result":
+            relay.expect(payload.step_id, len(msg[1].samples))
+            if place.is_last_stage:  # its own ids too: the step after next in this microbatch names this one
+                worker.pending.keep(payload.step_id, torch.tensor(payload.token_ids, dtype=torch.long,
+                                                                  device=groups.torch_device))
+                relay.send(payload.token_ids)
+                for step in inbox.ahead:  # a step learned of early that waited for these tokens starts now
+                    if step.pending_step_id == payload.step_id:
+                        start(step)
         if place.is_leader and (kind != "result" or place.is_last_stage):
             reply((kind, payload))
 
@@ -292,4 +316,6 @@ def run_local(worker: Worker, groups: RankGroups, msg: tuple) -> tuple:
     out = worker.stats()
     if isinstance(worker.lookup, EarlyLookups):  # a pipeline stage: how many steps' lookups started early
         out["early_lookups"] = dict(worker.lookup.counts)
+        relay = worker.model.relay  # and how many sampled-id messages it relayed
+        out["relay"] = {"sent": relay.sent, "received": relay.received}
     return "stats", out

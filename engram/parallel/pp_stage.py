@@ -90,6 +90,7 @@ class StageModel(torch.nn.Module):
                              f"{decoder.held_layers}")
         self.decoder, self.stage, self.num_stages, self.link = decoder, stage, num_stages, link
         self.intake = intake
+        self.relay = None  # this rank's end of the sampled-id relay (parallel/pp_relay.py), set once linked
         self.config = decoder.config
         self.model = decoder.model  # layers by global index (LayerGap where another stage holds one)
 

@@ -1,6 +1,7 @@
 """``EarlyLookups`` (engine/early_lookups.py) over real tables: a step's lookups started early are the rows its launch
 gets (bitwise those of a plain submit), each started step keeps its own rows (consuming another step's raises), a
-failed start fails that step's own submit only, and the bound on steps started ahead holds with a message."""
+failed start fails that step's own submit only, and the bound on steps started ahead holds with a message. (Steps
+started with their tokens in flight patched in run in tests/integration/test_pp_microbatches.py, on real stages.)"""
 from __future__ import annotations
 
 import dataclasses
@@ -78,10 +79,11 @@ def test_steps_started_ahead_are_bounded_and_a_patched_launch_is_refused(lookups
     with pytest.raises(RuntimeError, match=r"step 9: 2 steps' lookups were started and not launched yet \(steps "
                                            r"\[7, 8\], limit 2\)"):
         early.start(c)
-    with pytest.raises(RuntimeError, match="step 7: its lookups were started early, but its launch asks for"):
+    with pytest.raises(RuntimeError, match="step 7: its lookups were started early without a pending-token patch, "
+                                           "but its launch asks otherwise"):
         early.submit(a, patch=object())
     pending = dataclasses.replace(c, pending_rows=[0])
-    assert not EarlyLookups.can_start(pending)
+    assert not EarlyLookups.can_start(pending)  # its tokens in flight are not here: no patch
     early.start(pending)  # left to its launch: nothing started
     assert early.pending == [8]
     with pytest.raises(ValueError, match="limit=0"):

@@ -42,7 +42,7 @@ class RecordedLookup:
         with self.log.open("a") as f:
             f.write(json.dumps({"rank": self.rank, "submit": step.step_id, "at": time.monotonic()}) + "\n")
         return TimedRows(self.inner.submit(step, patch, **kwargs), step, self.inner.tables, self.rank,
-                         SLOW_S if self.rank == self.slow_rank else 0.0, self.log)
+                         SLOW_S if self.rank == self.slow_rank else 0.0, self.log, patch)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

@@ -29,12 +29,13 @@ def _params(max_tokens: int = 6) -> engram.SamplingParams:
 
 def _run(model: str, **options):
     """(outputs of PROMPTS, the engine's most microbatches in flight, each rank's holdings, each stage's counts of
-    lookups started early: None without stages) of one LLM."""
+    lookups started early and of relayed sampled-id messages: None without stages) of one LLM."""
     llm = engram.LLM(model, **ENGINE, **options)
     try:
         out = llm.generate(PROMPTS, _params(), use_tqdm=False)
         executor = llm.engine.executor
-        early = [st["early_lookups"] for st in executor.stats().get("stages", ())] or None
+        stages = executor.stats().get("stages", ())
+        early = [{**st["early_lookups"], **st["relay"]} for st in stages] or None
         return out, getattr(llm.engine.pipeline, "max_in_flight", 1), getattr(executor, "holdings", None), early
     finally:
         if hasattr(llm.engine.executor, "close"):
@@ -54,8 +55,12 @@ def want(pp1):
 def test_pp2_matches_pp1_with_engram_layers_on_both_stages(pp1, want):
     got, in_flight, holdings, early = _run("tiny", pipeline_parallel_size=2)
     assert worst_logprob_gap(want, got) <= 1e-9
-    assert in_flight == 2, "the two stages never had a microbatch each"
+    # two microbatches, and a third launched before the oldest is read (the stages relay its tokens)
+    assert in_flight == 3, "the two stages never had a microbatch each"
     assert early[1]["started_early"] >= 1, early  # lookups started before the step's turn on the last stage
+    # the last stage relayed every sampling step's ids to the first (straight, not through the engine), and the first
+    # took each one (at a step whose tokens were in flight, or at stop)
+    assert early[1]["sent"] >= early[0]["received"] >= 1 and early[0]["sent"] == early[1]["received"] == 0, early
     # the planner's cut of tiny (Engram layers 1 and 3 cost 1.5): 2 | 2, one Engram layer a stage
     assert [h["layers"] for h in holdings] == [[0, 1], [2, 3]]
     assert [h["engram_layers"] for h in holdings] == [[1], [3]]
@@ -83,10 +88,11 @@ def test_each_stage_holds_only_its_parameters(pp1):
 def test_pp2_x_tp2_matches_pp1(want):
     got, in_flight, holdings, early = _run("tiny", pipeline_parallel_size=2, tensor_parallel_size=2)
     assert worst_logprob_gap(want, got) <= 1e-9
-    assert in_flight == 2
+    assert in_flight == 3
     # the last stage learned of the second microbatch while it computed the first: both ranks started its lookups
     # early (their column shards' row all-gathers matched), and the tokens are still PP1's
     assert early[1]["started_early"] >= 1, early
+    assert early[1]["sent"] >= early[0]["received"] >= 1, early  # rank t of the last stage to rank t of the first
     assert [h["layers"] for h in holdings] == [[0, 1], [0, 1], [2, 3], [2, 3]]  # stage-major: rank = 2 * stage + t
 
 
@@ -96,6 +102,18 @@ def test_partition_from_the_environment(monkeypatch, want):
     assert worst_logprob_gap(want, got) <= 1e-9
     assert [h["layers"] for h in holdings] == [[0], [1, 2, 3]]
     assert [h["engram_layers"] for h in holdings] == [[], [1, 3]]
+
+
+def test_pp4_relays_sampled_ids_to_the_first_and_the_engram_stages(monkeypatch, want):
+    """A stage a layer: the first (it embeds the tokens) and stage 1 (Engram layer 1) take the relayed ids; stage 2
+    (layer 2, no Engram) takes none and gets no tokens in flight; the last (Engram layer 3) sampled them."""
+    monkeypatch.setenv(PARTITION_ENV, "1,1,1,1")
+    got, in_flight, holdings, relay = _run("tiny", pipeline_parallel_size=4)
+    assert worst_logprob_gap(want, got) <= 1e-9
+    assert [h["engram_layers"] for h in holdings] == [[], [1], [], [3]]
+    assert in_flight == 4  # three microbatches of one sequence, and the oldest's next step
+    assert relay[0]["received"] >= 1 and relay[1]["received"] >= 1 and relay[2]["received"] == 0, relay
+    assert relay[3]["sent"] >= relay[0]["received"] + relay[1]["received"], relay
 
 
 # ----------------------------------------------------------------- a decoder whose layers share KV
