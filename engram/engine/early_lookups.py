@@ -1,9 +1,10 @@
 """A pipeline stage's lookups started as soon as the stage learns of a step (``EarlyLookups``), not when it takes it:
-``start(step)`` stages the step's prompt ranges (the Worker's ``PrefetchStaging.accept``) and submits its Engram
-lookups at once, while the stage may still compute an earlier microbatch; the runner's ``submit(step)`` of that step
-then gets exactly those ``StagedRows`` (tagged with the step id, handed out once), any other step is submitted as
-before. Each started step keeps its own rows, so a lookup started early for one microbatch never writes into
-another's. A failed start is raised by that step's own ``submit``, never by the step that was running when it began.
+``start(step, patch)`` stages the step's prompt ranges (the Worker's ``PrefetchStaging.accept``) and submits its Engram
+lookups at once (``patch``: its tokens in flight, once they are on this stage), while the stage may still compute an
+earlier microbatch; the runner's ``submit(step)`` of that step then gets exactly those ``StagedRows`` (tagged with the
+step id, handed out once), any other step is submitted as before. Each started step keeps its own rows, so a lookup
+started early for one microbatch never writes into another's. A failed start is raised by that step's own ``submit``,
+never by the step that was running when it began.
 
 It wraps the Worker's lookup executor (a ``Worker(wrap_lookup=...)``) and is otherwise transparent: every other
 attribute is the wrapped executor's, and ``staging`` is set through to it."""

@@ -6,6 +6,11 @@ token of an earlier step is not read yet sits out until it is, so no step waits 
 without a sampled token may follow each other in consecutive microbatches, as every stage runs microbatches in launch
 order (a chunk's KV is written on each stage before the next chunk reads it there). Steps are collected oldest first.
 
+Where the executor's stages relay sampled ids among themselves (``relays_sampled_ids``: parallel/pp_relay.py), a step
+that no other microbatch can fill takes the oldest step's sequences with their tokens in flight (those not certainly
+finished by them): it is launched before the oldest is read, and the stages patch the relayed tokens in as they
+arrive, so the microbatch goes on without a round trip through the engine (one more step is then in flight).
+
 Each microbatch is its own step on the Workers: its own description, its own staged Engram rows (tagged with its step
 id, passed through its decoder call, never shared), its own lookups. A step that fails is handled as the synchronous
 loop does: the steps launched after it are read and dropped (nothing of them is committed), and its sequences run

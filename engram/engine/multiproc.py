@@ -1,14 +1,16 @@
 """MultiprocExecutor: the Worker processes of one node, a grid of ``pipeline_parallel_size`` stages x
 ``tensor_parallel_size`` ranks (engine/rank_groups.py; torch.multiprocessing spawn, gloo on 127.0.0.1); each rank builds
 its Worker (engine/tp_rank.py). The one launcher of tensor and pipeline parallelism: a step description goes, pickled,
-to every stage's leader, with only that stage's Engram row ids (``stage_step``: each stage starts its lookups when it
-takes the step), and the leader broadcasts it to its stage; every rank runs the step on its layers and shard, the last
-stage's leader sends the StepResult back. Steps are launched without waiting for the ones before (up to the engine's
-microbatches are in flight: stages work on different microbatches at once) and collected in launch order. The
-executor waits on the answering pipe and on every rank's process sentinel together, so a rank that dies makes
-``launch``, ``collect`` or ``stats`` raise ``RankFailed`` (an ``ExecutorFailed``) at once (the other ranks are then
-stopped), never hang, also when the ranks run on GPUs (NCCL: the sentinels are watched, not collective timeouts). The
-Workers take no steps whose tokens are still on a device (``takes_pending_tokens`` is False)."""
+to every stage's leader, with only that stage's Engram row ids (``stage_step``: each stage starts its lookups as soon as
+it learns of the step, engine/stage_inbox.py), and the leader broadcasts it to its stage; every rank runs the step on
+its layers and shard, the last stage's leader sends the StepResult back. Steps are launched without waiting for the ones
+before (up to the engine's microbatches are in flight: stages work on different microbatches at once) and collected in
+launch order. The executor waits on the answering pipe and on every rank's process sentinel together, so a rank that
+dies makes ``launch``, ``collect`` or ``stats`` raise ``RankFailed`` (an ``ExecutorFailed``) at once (the other ranks
+are then stopped), never hang, also when the ranks run on GPUs (NCCL: the sentinels are watched, not collective
+timeouts). The Workers take no steps whose tokens are still on a device (``takes_pending_tokens`` is False), except from
+pipeline stages, whose last stage relays each step's sampled ids to the stages that read them (``relays_sampled_ids``; a
+stage that reads no token ids gets a step without tokens in flight)."""
 from __future__ import annotations
 
 import collections

@@ -1,11 +1,11 @@
 """A pipeline stage's messages from the engine, the same on every rank of the stage, with the steps behind the one it
 runs learned of early (``StageInbox``). The stage's leader takes each message from the engine's pipe; with every
-message, and whenever the stage is about to wait for the previous stage's streams (``intake``), it also takes the
-steps that have already arrived behind it. One broadcast on the stage's control group gives every rank both, in the
-same order on each, so every rank starts those steps' lookups (``start``: ``EarlyLookups.start``) at the same point
-of its message stream — the lookups' own collectives (a TP column shard's row all-gather) then match on every rank.
-Messages still run strictly in arrival order: the steps learned of early first, then a non-step message the leader
-found behind them, then the pipe."""
+message, and at the stage's ``intake`` points (before it waits for the previous stage's streams, after its layers:
+parallel/pp_stage.py), it also takes the steps that have already arrived behind it. One broadcast on the stage's control
+group gives every rank both, in the same order on each, so every rank starts those steps' lookups (``start``:
+``EarlyLookups.start``) at the same point of its message stream — the lookups' own collectives (a TP column shard's row
+all-gather) then match on every rank. Messages still run strictly in arrival order: the steps learned of early first,
+then a non-step message the leader found behind them, then the pipe."""
 from __future__ import annotations
 
 from collections import deque

@@ -3,7 +3,9 @@
 shards it around the single-device model (parallel/tp.py; ``wkv_tp: "column"``: parallel/wkv_column.py), opens the
 rank's column shard of its Engram layers' tables (parallel/engram_tp.py), wraps a stage's model (parallel/pp_stage.py)
 and builds its Worker; the last stage's sampler is a ``RankZeroSampler``. ``serve_steps`` then runs what the stage's
-leader receives until "stop". ``rank_main`` is a spawned rank's process (engine/multiproc.py); under torchrun the ranks
+leader receives until "stop"; a pipeline stage runs them through ``serve_stage`` (its steps' lookups started as soon as
+it learns of them, engine/stage_inbox.py; the last stage's sampled ids relayed to the stages that read them,
+parallel/pp_relay.py). ``rank_main`` is a spawned rank's process (engine/multiproc.py); under torchrun the ranks
 other than 0 run ``serve_steps`` too (engine/torchrun.py). Messages, from the engine to every stage leader, broadcast
 to its stage: ("step", StepDescription: only the stage's Engram row ids) -> the last stage's StepResult, ("stats",
 None), ("sampled", None) -> the stage's ranks' recent sampled ids, ("stop", None)."""
