@@ -146,7 +146,7 @@ def build_rank_worker(rank: int, spec: RankSpec, groups: RankGroups) -> Worker:
         config = dataclasses.replace(config, enforce_eager=True)
     wrap = functools.partial(spec.wrap_lookup, rank) if spec.wrap_lookup is not None else None
     if stage is not None:  # a stage starts each step's lookups as it learns of the step (engine/early_lookups.py)
-        wrap = functools.partial(_early_lookups, wrap, place.pp)
+        wrap = functools.partial(_early_lookups, wrap, place.pp + 1)
     worker = Worker(loaded, config, max_model_len, dev, spec.dtype, progress=False, wrap_lookup=wrap,
                     kv_layers=None if alloc is None else alloc.kv_cache_layers)
     if stage is not None:
@@ -160,7 +160,7 @@ def build_rank_worker(rank: int, spec: RankSpec, groups: RankGroups) -> Worker:
 
 def _early_lookups(wrap: Callable | None, limit: int, lookup: LookupExecutor) -> EarlyLookups:
     """A stage's lookup executor: ``wrap``'s (tests) inside ``EarlyLookups`` (at most ``limit`` steps started ahead:
-    the engine's microbatches in flight)."""
+    the engine's microbatches in flight, one more with relayed tokens)."""
     return EarlyLookups(wrap(lookup) if wrap is not None else lookup, limit)
 
 
