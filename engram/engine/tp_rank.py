@@ -68,6 +68,9 @@ class RankSpec:
     # called as wrap_lookup(rank, lookup_executor) -> the executor the rank's runners submit through (tests delay or
     # watch one microbatch's lookups with it); picklable like before_lookup
     wrap_lookup: Callable[[int, LookupExecutor], LookupExecutor] | None = None
+    # False: the rank's graph runners run their graphs' callables uncaptured on the same static inputs, on any device
+    # (Worker ``graph_capture``): how the CPU ranks take the graph path
+    graph_capture: bool = True
 
     @property
     def world(self) -> int:
@@ -141,14 +144,17 @@ def build_rank_worker(rank: int, spec: RankSpec, groups: RankGroups) -> Worker:
     if stage is not None:  # linked after the Worker's memory profile, which must send nothing
         loaded.model = StageModel(loaded.model, stage, place.pp)
     config = spec.config
-    if dev.type == "cuda":
-        loaded.lookup_overlap = False  # a lookup ends in an all-gather: never on a side stream
+    in_graph = all(getattr(t, "gathers_on_device", False) for t in loaded.tables.values()) if world > 1 else True
+    if dev.type == "cuda" and (place.pp > 1 or (spec.graph_capture and not in_graph)):
+        # pipeline stages, and host or disk shards (reads and an all-gather no graph holds): eager, every
+        # collective on the main stream (the Worker never puts a column shard's eager lookup on the lookup stream)
+        loaded.lookup_overlap = False
         config = dataclasses.replace(config, enforce_eager=True)
     wrap = functools.partial(spec.wrap_lookup, rank) if spec.wrap_lookup is not None else None
     if stage is not None:  # a stage starts each step's lookups as it learns of the step (engine/early_lookups.py)
         wrap = functools.partial(_early_lookups, wrap, place.pp + 1)
     worker = Worker(loaded, config, max_model_len, dev, spec.dtype, progress=False, wrap_lookup=wrap,
-                    kv_layers=None if alloc is None else alloc.kv_cache_layers)
+                    kv_layers=None if alloc is None else alloc.kv_cache_layers, graph_capture=spec.graph_capture)
     if stage is not None:
         loaded.model.link = StageLink(place.prev_rank, place.next_rank, dev, groups.pipe)
         needs_ids = [s == 0 or bool(local_allocation(plan, s).engram_layers) for s in range(place.pp)]

@@ -3,8 +3,9 @@ through ``execute(step) -> StepResult`` or its halves ``launch`` and ``collect``
 reporting through ``stats()``; it never sees a Sequence or the scheduler. At start it opens its tables, sizes the KV
 cache (memory.py) and chooses its runners once (engine/runners/): unless ``enforce_eager``, with speculative decoding
 the verify graphs (``VerifyGraphRunner``, both Engram variants) when every table gathers on the device; two
-``GraphRunner``s (decode steps, then mixed steps) when every table gathers on the device, else ``PiecewiseRunner``
-(decode steps); then the eager runner for every other step."""
+``GraphRunner``s (decode steps, then mixed steps) when every table gathers on the device (or, with ``graph_capture``
+False, uncaptured on any device), else ``PiecewiseRunner`` (decode steps); then the eager runner for every other
+step."""
 from __future__ import annotations
 
 import functools
@@ -70,9 +71,12 @@ class Worker:
     def __init__(self, loaded, config: EngineConfig, max_model_len: int, device: torch.device, dtype: torch.dtype,
                  progress: bool | None = None,
                  wrap_lookup: Callable[[LookupExecutor], LookupExecutor] | None = None,
-                 kv_layers: tuple[int, ...] | None = None, draft=None):
+                 kv_layers: tuple[int, ...] | None = None, draft=None, graph_capture: bool = True):
         """``kv_layers``: a pipeline stage's KV layers (None: every layer); ``draft``: the draft model's LoadedModel
-        (speculative_config method "draft_model"; loaded here when None)."""
+        (speculative_config method "draft_model"; loaded here when None). ``graph_capture`` False: the graph runners
+        are built on any device and run their graphs' callables uncaptured on the same static inputs
+        (``GraphRunner(capture=False)``: how the CPU takes the graph path, e.g. a tensor-parallel rank's)."""
+        self.graph_capture = graph_capture
         self.config, self.device, self.dtype = config, torch.device(device), dtype  # progress None: bars on a tty
         self.model_config, self.ecfg = loaded.model_config, loaded.engram_config
         self.model = loaded.model
@@ -88,7 +92,11 @@ class Worker:
         self.lookup_stream = (LookupStream(self.device, engram_ids)
                               if getattr(loaded, "lookup_overlap", False) and self.ecfg and self.device.type == "cuda"
                               else None)
-        self.lookup = LookupExecutor(self.tables, self.ecfg, dtype, self.device, stream=self.lookup_stream,
+        # a column shard's eager lookup ends in an all-gather, which stays on the main stream: only the graphs split
+        # it around the lookup stream (runners/column_gathers.py)
+        columns = any(getattr(t, "column_layout", False) for t in self.tables.values())
+        self.lookup = LookupExecutor(self.tables, self.ecfg, dtype, self.device,
+                                     stream=None if columns else self.lookup_stream,
                                      projectors=_projectors(self.model, engram_ids, dtype),
                                      layer_ids=engram_ids if loaded.layers is not None else None)
         self._timed_lookup = self.lookup  # keeps each step's lookup timing, whatever wraps it later
@@ -120,18 +128,20 @@ class Worker:
         # covers every verify row
         staging = staging_bytes(self.ecfg, config.max_num_batched_tokens, dtype, engram_ids) if self.ecfg else 0
         use_graphs = (not config.enforce_eager and not self.sequence_caches
-                      and _graphs_supported(dtype, self.ecfg, self.device))
+                      and (_graphs_supported(dtype, self.ecfg, self.device) or not graph_capture))
         # verify steps as decode-style graphs (runners/verify_graphs.py), both Engram variants, where every table
-        # gathers on the device (over host-read tables they run eager)
+        # gathers on the device (over host-read tables they run eager; over column shards too: their all-gather
+        # must not run on the lookup branch)
         use_verify_graphs = (spec is not None and not config.enforce_eager and not self.sequence_caches
-                             and _graphs_supported(dtype, None, self.device) and self._gathers_on_device())
+                             and _graphs_supported(dtype, None, self.device) and self._gathers_on_device()
+                             and not columns)
         peak = profile_peak_bytes(self, bytes_per_block) if self._profiles_memory() else None
         if wrap_lookup is not None:  # after the warm-up, which no statistic or wrapper sees (memory.py)
             self.lookup = wrap_lookup(self.lookup)
             self._timed_lookup = self.lookup if hasattr(self.lookup, "take_timing") else self._timed_lookup
         # Decided once: whether prefill's lookups run through the lookup executor (eager prefill; the mixed-step graphs
         # gather every planned id inside the graph), where host-deduplicated ids and staged prompt rows are read
-        self.eager_prefill = not (use_graphs and self._gathers_on_device())
+        self.eager_prefill = not (use_graphs and self._graph_gathers())
         # prompt rows staged ahead (prefetch_stage.py): there, and where every table takes any ids (not TP column
         # shards)
         self.prefetch = PrefetchStaging(self.tables, config.prefetch_staging_bytes if config.prompt_prefetch else 0,
@@ -162,7 +172,8 @@ class Worker:
             self.eager = EagerRunner(self.model, self.kv, self.lookup, self.device, dtype, self.ecfg, conv)
         self.drafter = (Drafter(self.draft, self.memory.num_blocks + 1, config.block_size, dtype, self.device,
                                 self.pending) if self.draft is not None else None)
-        pool = torch.cuda.graph_pool_handle() if use_graphs or use_verify_graphs else None  # never two replays at once
+        # never two replays at once; uncaptured runners need none
+        pool = torch.cuda.graph_pool_handle() if (use_graphs and graph_capture) or use_verify_graphs else None
         graphs = self._graph_runners(max_model_len, progress, pool) if use_graphs else []
         if use_verify_graphs:
             graphs.insert(0, verify_runner(self.model, self.kv, self.ecfg, self.tables, config, max_model_len,
@@ -174,6 +185,10 @@ class Worker:
     def _gathers_on_device(self) -> bool:
         return all(t.gathers_on_device for t in self.tables.values())
 
+    def _graph_gathers(self) -> bool:
+        """Whether the graph runners gather inside their callables (uncaptured ones run any table's gather)."""
+        return not self.graph_capture or self._gathers_on_device()
+
     def _profiles_memory(self) -> bool:
         c = self.config
         return (self.device.type == "cuda" and c.num_kv_blocks is None and c.kv_cache_memory is None
@@ -184,7 +199,7 @@ class Worker:
         mixed-step graph's max_num_batched_tokens, else the largest decode bucket, or a verify bucket's (K + 1) x it."""
         c = self.config
         batch = min(c.max_num_seqs, c.max_graph_batch)
-        rows = (c.max_num_batched_tokens if self._gathers_on_device() else batch) if decode_graphs else 0
+        rows = (c.max_num_batched_tokens if self._graph_gathers() else batch) if decode_graphs else 0
         return max(rows, batch * c.speculative_config.verify_rows if verify_graphs else 0)
 
     def _graph_runners(self, max_model_len: int, progress: bool | None, pool) -> list[StepRunner]:
@@ -193,13 +208,13 @@ class Worker:
         c = self.config
         shape = dict(max_model_len=max_model_len, block_size=c.block_size, null_block=self.memory.num_blocks)
         batch = min(c.max_num_seqs, c.max_graph_batch)
-        if not self._gathers_on_device():
+        if not self._graph_gathers():
             return [PiecewiseRunner(DecodePieces(self.model, self.kv, self.ecfg, self.tables, max_batch=batch,
                                                  device=self.device, progress=progress, **shape),
                                     self.lookup, self.device)]
         n_cols, layers = (self.ecfg.n_cols, list(self.tables)) if self.ecfg else (0, [])
         common = dict(model=self.model, kv=self.kv, ecfg=self.ecfg, tables=self.tables, device=self.device,
-                      progress=progress, lookup_stream=self.lookup_stream, pool=pool)
+                      progress=progress, lookup_stream=self.lookup_stream, pool=pool, capture=self.graph_capture)
         mixed = MixedInputs(c.max_num_batched_tokens, c.max_num_seqs, n_cols=n_cols, row_layers=layers,
                             device=self.device, max_logits=logit_rows(c), **shape)
         decode = DecodeInputs(batch, n_cols=n_cols, row_layers=layers, pad_row_id=0, device=self.device, **shape)

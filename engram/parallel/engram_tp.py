@@ -83,7 +83,6 @@ class ColumnShard:
     n_cols, D], bitwise a whole table's. ``table``: the rank's row shard (source row ``row_lo + i`` is its row i);
     ``before_read(layer_id)``: called before each local read (tests delay one rank's lookups with it)."""
 
-    gathers_on_device = False  # a lookup ends in a collective: no CUDA graph captures it
     column_layout = True  # takes ids as [T * n_cols] (it reads its columns of them): never deduplicated ones
 
     def __init__(self, table, layer_id: int, n_cols: int, splits: list[range], rank: int, row_lo: int, group,
@@ -92,6 +91,9 @@ class ColumnShard:
         self.cols, self.row_lo, self.group, self.before_read = splits[rank], row_lo, group, before_read
         self.pad_cols = max(len(s) for s in splits)  # ceil(n_cols / N): every rank's piece has this many
         self.row_bytes = table.row_bytes
+        # a device-resident shard: its read, the all-gather (a device collective) and the decode are device work
+        # alone, so a CUDA graph captures the whole gather (runners/column_gathers.py splits it around the collective)
+        self.gathers_on_device = bool(getattr(table, "gathers_on_device", False)) and hasattr(table, "gather_raw_direct")
         self.reads_from_disk = getattr(table, "reads_from_disk", False)
         self.cache = getattr(table, "cache", None)
         self._reads = cf.ThreadPoolExecutor(1, thread_name_prefix=f"engram-shard{layer_id}") \
@@ -99,34 +101,53 @@ class ColumnShard:
 
     def local(self, ids: torch.Tensor) -> torch.Tensor:
         """This rank's columns of ``ids`` [T * n_cols] read from its shard -> packed bytes uint8 [T, pad_cols,
-        row_bytes] (the pad columns zero). Rank-local: safe on any thread."""
+        row_bytes] (the pad columns zero). Rank-local: safe on any thread. Id 0 in this rank's columns (a graph's
+        padding row, runners/decode_inputs.py) reads the shard's first row: no real id of a column after the first
+        is 0, so no real id is changed. On-device ids stay on the device (no deduplication: capturable)."""
         if self.before_read is not None:
             self.before_read(self.layer_id)
-        mine = ids.reshape(-1, self.n_cols)[:, self.cols.start:self.cols.stop] - self.row_lo  # [T, k]
-        raw = self.table.gather_raw(mine.reshape(-1)).view(mine.shape[0], len(self.cols), self.row_bytes)
-        piece = raw.new_zeros(mine.shape[0], self.pad_cols, self.row_bytes)  # [T, pad_cols, row_bytes]
+        mine = ids.reshape(-1, self.n_cols)[:, self.cols.start:self.cols.stop]  # [T, k]
+        if self.row_lo:
+            mine = torch.where(mine == 0, self.row_lo, mine)
+        mine = (mine - self.row_lo).reshape(-1)
+        if mine.device.type == "cpu" or not self.gathers_on_device:
+            raw = self.table.gather_raw(mine)
+        else:
+            raw = self.table.gather_raw_direct(mine)
+        raw = raw.view(-1, len(self.cols), self.row_bytes)
+        piece = raw.new_zeros(raw.shape[0], self.pad_cols, self.row_bytes)  # [T, pad_cols, row_bytes]
         piece[:, :len(self.cols)] = raw
         return piece
 
-    def assemble(self, piece: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Every rank's ``local`` piece all-gathered on the group, decoded -> rows [T * n_cols, D] in ``dtype``."""
+    def all_gather(self, piece: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``local`` piece, all-gathered on the group -> packed bytes [T * n_cols, row_bytes] (the
+        collective: issued by every rank at the same point of the step)."""
         if piece.shape[0] == 0:  # the same on every rank: no collective
-            raw = piece.new_zeros(0, self.row_bytes)
-        else:
-            parts = [torch.empty_like(piece) for _ in self.splits]
-            dist.all_gather(parts, piece, group=self.group)  # [N] x [T, pad_cols, row_bytes]
-            raw = torch.cat([p[:, :len(s)] for p, s in zip(parts, self.splits)], dim=1)  # [T, n_cols, row_bytes]
-            raw = raw.reshape(-1, self.row_bytes)
-        rows = self.table.decode_raw(raw, dtype)  # [T * n_cols, D], bitwise a whole table's gather
+            return piece.new_zeros(0, self.row_bytes)
+        parts = [torch.empty_like(piece) for _ in self.splits]
+        dist.all_gather(parts, piece, group=self.group)  # [N] x [T, pad_cols, row_bytes]
+        raw = torch.cat([p[:, :len(s)] for p, s in zip(parts, self.splits)], dim=1)  # [T, n_cols, row_bytes]
+        return raw.reshape(-1, self.row_bytes)
+
+    def decode(self, raw: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``all_gather``'s bytes decoded -> rows [T * n_cols, D] in ``dtype``, bitwise a whole table's gather
+        (rank-local)."""
+        rows = self.table.decode_raw(raw, dtype)
         if out is None:
             return rows
         out.copy_(rows)
         return out
 
+    def assemble(self, piece: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every rank's ``local`` piece all-gathered on the group, decoded -> rows [T * n_cols, D] in ``dtype``."""
+        return self.decode(self.all_gather(piece), dtype, out)
+
     def gather(self, ids: torch.Tensor, out: torch.Tensor | None = None,
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """Rows of ``ids`` [T * n_cols] (every column), read here for this rank's columns and all-gathered."""
-        return self.assemble(self.local(torch.as_tensor(ids).cpu()), dtype, out)
+        """Rows of ``ids`` [T * n_cols] (every column), read here for this rank's columns and all-gathered; device
+        ids stay where they are when the shard gathers on the device (a CUDA graph captures it)."""
+        ids = torch.as_tensor(ids)
+        return self.assemble(self.local(ids if self.gathers_on_device else ids.cpu()), dtype, out)
 
     def submit(self, ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> "ShardLookup":
         """Start the local read (on this shard's thread when it reads from disk); ``wait`` all-gathers."""
@@ -144,6 +165,13 @@ class ColumnShard:
     def stats(self) -> dict[str, int]:
         """The shard's own counters (this rank's columns only)."""
         return self.table.stats()
+
+    def record_lookups(self, lookups: int, rows: int) -> None:
+        """Count a graph replay's gather of ``rows`` rows of every column: this rank read its columns' share."""
+        self.table.record_lookups(lookups, rows // self.n_cols * len(self.cols))
+
+    def reset_stats(self) -> None:
+        self.table.reset_stats()
 
     def close(self) -> None:
         if self._reads is not None:

@@ -42,6 +42,12 @@ class GpuTable(ResidentTable):
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return self._gather_resident(ids, out, dtype)
 
+    def gather_raw_direct(self, ids: torch.Tensor) -> torch.Tensor:
+        """``gather_raw``'s bytes [N, row_bytes] for in-range ``ids`` on ``self.device``, without deduplication or
+        counting: device work alone (a CUDA graph captures it; ``record_lookups`` counts replays)."""
+        vals = self.values[:, : self.value_bytes].index_select(0, ids)
+        return vals if self.scales is None else torch.cat([vals, self.scales.index_select(0, ids)], dim=1)
+
     def _kernel_gather(self, ids: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         return kernels.gather_rows(self.values, self.scales, to_device(ids, self.device), self.row_dtype, self.dim,
                                    out=out, dtype=dtype)

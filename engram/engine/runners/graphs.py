@@ -1,6 +1,7 @@
 """The graph runner: steps as one CUDA graph per bucket of its static inputs (decode steps by batch size, mixed steps
 by token count), with the gathers of tables that gather on the device
-(``gathers_on_device``) inside. With ``lookup_overlap`` the gathers and projections run on a branch joined at each
+(``gathers_on_device``) inside (tensor-parallel column shards: split around their all-gather, runners/column_gathers.py).
+With ``lookup_overlap`` the gathers and projections run on a branch joined at each
 Engram layer; each layer compares its rows' plan-id tag with the replayed step's into a ``stale`` flag, checked after
 the step (a mismatch fails it). ``replays`` counts replays for tests."""
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from engram.engine.lookup_stream import LookupStream
 from engram.engine.pending import PendingPatch
+from engram.engine.runners.column_gathers import gather_columns
 from engram.engine.runners.base import Forward, StepRunner
 from engram.engine.runners.decode_inputs import CAPTURE_ERROR_MODE, capture_progress, warm_up
 from engram.engine.step import StepDescription
@@ -34,6 +36,7 @@ class GraphRunner(StepRunner):
         self.lookup_stream = lookup_stream if tables else None  # in-graph gathers on a forked branch
         self.layer_ids = list(tables)
         self.n_cols = ecfg.n_cols if ecfg else 0
+        self.columns = any(getattr(t, "column_layout", False) for t in tables.values())  # tensor-parallel shards
         self.io = io
         b = self.io.max_rows
         checks = self.lookup_stream is not None
@@ -83,17 +86,24 @@ class GraphRunner(StepRunner):
     def _forward(self, size: int) -> torch.Tensor:
         """What a graph holds: the Engram gathers, the model, the logits [size, vocab] float32."""
         inputs = self.io.inputs(size, lambda layer_id: self._consume(layer_id, size))
-        branch = self.lookup_stream.issue() if self.lookup_stream is not None else contextlib.nullcontext()
-        with branch:
-            for i, (lid, table) in enumerate(self.tables.items()):
-                rows = self.rows[lid][:size]  # [size, n_cols, D]
-                table.gather(self.io.row_ids[lid][:size].reshape(-1), out=rows.view(-1, rows.shape[-1]),
-                             dtype=rows.dtype)
-                if self.projected:  # WKV run-ahead: the projection needs no hidden state
-                    self.engram[lid].project(rows, rows.dtype, out=self.projected[lid][:size])
-                if self.lookup_stream is not None:
-                    self.row_tags[i:i + 1].copy_(self.io.plan_id)  # these rows are the replayed step's
-                    self.lookup_stream.done(lid)
+        def finish(i: int, lid: int) -> None:  # on the lookup branch, after layer ``lid``'s rows are written
+            if self.projected:  # WKV run-ahead: the projection needs no hidden state
+                self.engram[lid].project(self.rows[lid][:size], self.rows[lid].dtype, out=self.projected[lid][:size])
+            if self.lookup_stream is not None:
+                self.row_tags[i:i + 1].copy_(self.io.plan_id)  # these rows are the replayed step's
+                self.lookup_stream.done(lid)
+
+        if self.columns:  # tensor-parallel column shards: their all-gathers at the step's fixed point
+            gather_columns(self.tables, {lid: self.io.row_ids[lid][:size] for lid in self.tables},
+                           {lid: self.rows[lid][:size] for lid in self.tables}, self.lookup_stream, finish)
+        else:
+            branch = self.lookup_stream.issue() if self.lookup_stream is not None else contextlib.nullcontext()
+            with branch:
+                for i, (lid, table) in enumerate(self.tables.items()):
+                    rows = self.rows[lid][:size]  # [size, n_cols, D]
+                    table.gather(self.io.row_ids[lid][:size].reshape(-1), out=rows.view(-1, rows.shape[-1]),
+                                 dtype=rows.dtype)
+                    finish(i, lid)
         logits = self.model.compute_logits(self.model.forward(inputs, self.kv))
         if self.lookup_stream is not None:
             self.lookup_stream.join()  # CUDA requires the branch joined; the consumers' waits already did
