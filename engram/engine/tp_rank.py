@@ -150,6 +150,8 @@ def build_rank_worker(rank: int, spec: RankSpec, groups: RankGroups) -> Worker:
         # collective on the main stream (the Worker never puts a column shard's eager lookup on the lookup stream)
         loaded.lookup_overlap = False
         config = dataclasses.replace(config, enforce_eager=True)
+    if world > 1:  # the communicator exists before the Worker captures graphs (or profiles memory)
+        tp.warm_up_collectives(group, dev)
     wrap = functools.partial(spec.wrap_lookup, rank) if spec.wrap_lookup is not None else None
     if stage is not None:  # a stage starts each step's lookups as it learns of the step (engine/early_lookups.py)
         wrap = functools.partial(_early_lookups, wrap, place.pp + 1)

@@ -38,6 +38,18 @@ def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return wide if wide.dtype == x.dtype else wide.to(x.dtype)
 
 
+def warm_up_collectives(group, device: torch.device) -> None:
+    """One collective of each kind the steps issue (all-reduce, all-gather, broadcast) on ``group``, on the current
+    stream, before any CUDA graph is captured: NCCL makes its communicator at a group's first collective, which no
+    capture may contain. Each size a graph holds then runs once eagerly in that graph's warm-up, just before its
+    capture (runners/decode_inputs.py ``warm_up``); every rank captures the same buckets in the same order (the
+    buckets come from the shared EngineConfig)."""
+    x = torch.ones(8, dtype=torch.float32, device=device)
+    dist.all_reduce(x, group=group)
+    dist.all_gather([torch.empty_like(x) for _ in range(dist.get_world_size(group))], x, group=group)
+    dist.broadcast(torch.zeros(8, dtype=torch.long, device=device), group=group, group_src=0)
+
+
 def kv_heads_of(num_heads: int, num_kv_heads: int, rank: int, world: int) -> range:
     """The KV heads rank ``rank`` holds: its 1/N share when num_kv_heads >= N, else the one its query heads read."""
     if num_kv_heads >= world:
