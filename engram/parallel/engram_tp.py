@@ -93,7 +93,8 @@ class ColumnShard:
         self.row_bytes = table.row_bytes
         # a device-resident shard: its read, the all-gather (a device collective) and the decode are device work
         # alone, so a CUDA graph captures the whole gather (runners/column_gathers.py splits it around the collective)
-        self.gathers_on_device = bool(getattr(table, "gathers_on_device", False)) and hasattr(table, "gather_raw_direct")
+        self.gathers_on_device = (bool(getattr(table, "gathers_on_device", False))
+                                  and hasattr(table, "gather_raw_direct"))
         self.reads_from_disk = getattr(table, "reads_from_disk", False)
         self.cache = getattr(table, "cache", None)
         self._reads = cf.ThreadPoolExecutor(1, thread_name_prefix=f"engram-shard{layer_id}") \

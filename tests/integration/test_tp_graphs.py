@@ -20,6 +20,7 @@ from engram.engine.config import EngineConfig
 from engram.engine.engine import LLMEngine
 from engram.engine.multiproc import MultiprocExecutor, RankSpec, free_port
 from engram.model.loader import load_model
+from tests.integration.test_tp_engram import SlowRank
 from tests.tp_compare import worst_logprob_gap
 
 PROMPTS = ["hello world", "the cat sat on the mat", [5, 17, 17, 300, 2]]
@@ -29,18 +30,6 @@ COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "broadcast_object_list",
 
 def _params(max_tokens: int = 6) -> engram.SamplingParams:
     return engram.SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=3, ignore_eos=True)
-
-
-@dataclass(frozen=True)
-class SlowRank:
-    """``RankSpec.before_lookup``: delay rank ``rank``'s every local table read by ``seconds``."""
-
-    rank: int
-    seconds: float
-
-    def __call__(self, rank: int, layer_id: int) -> None:
-        if rank == self.rank:
-            time.sleep(self.seconds)
 
 
 @dataclass(frozen=True)

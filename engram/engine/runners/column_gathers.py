@@ -3,8 +3,8 @@ around their one collective so that it runs where NCCL needs it: ``gather_column
 the rows' all-gathers. NCCL requires collectives on one communicator in the same order on every rank and none on
 another stream overlapping them, so::
 
-    lookup stream:  [ local reads, every layer ]              [ decode (+ WKV projection), layer by layer ] ...
-    main stream:                  join ─► [ all-gather L1 ][ all-gather L2 ] ─► fork ─► layer 0 ─► Engram L1 (waits)
+    lookup stream: [ local reads, every layer ]         [ decode (+ WKV projection), layer by layer ] ...
+    main stream:            join ─► [ all-gather L1 ][ all-gather L2 ] ─► fork ─► layer 0 ─► Engram L1 waits
 
 The lookup stream does only rank-local work (each layer's read of the rank's own columns, then the decode of every
 column and the projection); the all-gathers run on the main stream in layer order, after the fork and before the

@@ -1,9 +1,9 @@
 """The graph runner: steps as one CUDA graph per bucket of its static inputs (decode steps by batch size, mixed steps
-by token count), with the gathers of tables that gather on the device
-(``gathers_on_device``) inside (tensor-parallel column shards: split around their all-gather, runners/column_gathers.py).
-With ``lookup_overlap`` the gathers and projections run on a branch joined at each
-Engram layer; each layer compares its rows' plan-id tag with the replayed step's into a ``stale`` flag, checked after
-the step (a mismatch fails it). ``replays`` counts replays for tests."""
+by token count), with the gathers of tables that gather on the device (``gathers_on_device``) inside
+(tensor-parallel column shards: split around their all-gather, runners/column_gathers.py). With ``lookup_overlap``
+the gathers and projections run on a branch joined at each Engram layer; each layer compares its rows' plan-id tag
+with the replayed step's into a ``stale`` flag, checked after the step (a mismatch fails it). ``replays`` counts
+replays for tests."""
 from __future__ import annotations
 
 import contextlib
