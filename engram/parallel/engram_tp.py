@@ -11,7 +11,8 @@ carries every rank's bytes, padded to ceil(n_cols / N) columns, and each rank de
 Where the collective runs: on the thread that waits for the rows, never on a table's read thread, and at a point
 that does not depend on timing: the first layer's rows when the step's lookups are staged, every later layer's when
 the model asks for them (a ``ShardLookup`` never reports done before it was waited for, so every rank defers the same
-layers and issues its all-gathers in the same order)."""
+layers and issues its all-gathers in the same order). In a graph step (runners/column_gathers.py) every layer's
+all-gather runs before the forward, between ``local`` and ``decode``: a CUDA graph captures it on a gpu-tier shard."""
 from __future__ import annotations
 
 import concurrent.futures as cf
