@@ -33,24 +33,41 @@ def read_depth(tables: dict, together: bool) -> int:
 def _raw_calls(tables: dict, pages: int, seconds: float, seed: int, depth: int | None = None) -> tuple:
     """One unrecorded, then ``seconds`` of ``lookup.raw_cell`` calls of ``pages`` random pages of the first table's
     values.bin (its io mode, ``depth``) -> (layer, reader, cell, cell.result())."""
-    from engram.bench.lookup import raw_cell
-
     lid = min(tables)
     reader = tables[lid].reader
-    cell = raw_cell(Path(reader.path), {"io": reader.io, "queue_depth": depth or reader.queue_depth}, pages, seed,
-                    reader.io == "buffered")
+    cell = _file_calls(Path(reader.path), reader.io, depth or reader.queue_depth, pages, seconds, seed)
+    return lid, reader, cell, cell.result()
+
+
+def _file_calls(path: Path, io: str, depth: int, pages: int, seconds: float, seed: int):
+    """One unrecorded, then ``seconds`` of ``lookup.raw_cell`` calls of ``pages`` random pages of ``path`` (``io``,
+    ``depth``; buffered reads drop the file's cached pages before each call) -> the cell."""
+    from engram.bench.lookup import raw_cell
+
+    cell = raw_cell(path, {"io": io, "queue_depth": depth}, pages, seed, io == "buffered")
     cell.step()
     cell.run(seconds)
-    return lid, reader, cell, cell.result()
+    return cell
+
+
+def _rate_fields(cell, pages: int) -> dict:
+    r = cell.result()
+    return {"queue_depth": cell.key["queue_depth"], "pages_per_call": pages, "calls": r["batches"],
+            "seconds": sum(cell.times), "read_ops_per_s": r["read_ops_per_s"], "disk_MB_per_s": r["disk_MB_per_s"],
+            "us_per_call_p50": r["us_per_batch_p50"]}
 
 
 def measure_raw_reads(tables: dict, seconds: float, pages: int, seed: int, depth: int | None = None) -> dict:
     """The disk's random 4 KiB read rate now: ``_raw_calls`` for ``seconds`` at ``depth``."""
-    lid, reader, cell, r = _raw_calls(tables, pages, seconds, seed, depth)
-    return {"layer": lid, "io": reader.io, "io_requested": reader.io_requested, "queue_depth": cell.key["queue_depth"],
-            "cold": reader.io == "buffered", "pages_per_call": pages, "calls": r["batches"],
-            "seconds": sum(cell.times), "read_ops_per_s": r["read_ops_per_s"], "disk_MB_per_s": r["disk_MB_per_s"],
-            "us_per_call_p50": r["us_per_batch_p50"]}
+    lid, reader, cell, _ = _raw_calls(tables, pages, seconds, seed, depth)
+    return {"layer": lid, "io": reader.io, "io_requested": reader.io_requested, "cold": reader.io == "buffered",
+            **_rate_fields(cell, pages)}
+
+
+def measure_file_reads(path: str | Path, io: str, depth: int, seconds: float, pages: int, seed: int) -> dict:
+    """``measure_raw_reads`` of a table file by path (no table opened): ``io`` as the table read it."""
+    cell = _file_calls(Path(path), io, depth, pages, seconds, seed)
+    return {"values": str(path), "io": io, "cold": io == "buffered", **_rate_fields(cell, pages)}
 
 
 def sample_rate(tables: dict, seconds: float, pages: int, seed: int,

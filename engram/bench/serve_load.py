@@ -14,7 +14,7 @@ import math
 import sys
 from pathlib import Path
 
-from engram.bench import shared_prefix
+from engram.bench import serve_disk_bound, shared_prefix
 from engram.bench.serve_workload import DEFAULT_CORPUS, DEFAULT_LENGTHS  # noqa: F401  (DEFAULT_CORPUS: others cite it)
 
 START_TIMEOUT_S = 900.0  # a large preset builds its tables and captures its graphs before /health answers
@@ -49,15 +49,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="tokens per step, at most (also the ideal schedule's prefill step)")
     g.add_argument("--serve-args", default="", help="further arguments for the started `engram serve`")
+    serve_disk_bound.add_arguments(g)
     p.add_argument("--no-roofline", action="store_true", help="skip measuring the ceilings and the roofline")
     p.add_argument("--out", default=None, help="result JSON path (default: a fresh file in a temporary directory)")
 
 
-def server_args(args: argparse.Namespace) -> list[str]:
-    """The started server's command line: the model, the options the roofline relies on, then ``--serve-args``."""
+def server_args(args: argparse.Namespace, trace: Path | None = None) -> list[str]:
+    """The started server's command line: the model, the options the roofline relies on, the row trace it writes
+    (serve_disk_bound.py), then ``--serve-args``."""
     import shlex
 
     out = [args.model, "--tier", args.tier, "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if trace is not None:
+        out += ["--row-trace", str(trace)]
     if args.concurrency:
         out += ["--max-num-seqs", str(args.concurrency)]
     for flag, value in (("--dtype", args.dtype), ("--device", args.device), ("--threads", args.threads)):
@@ -168,6 +172,7 @@ def run_bench(args: argparse.Namespace, url: str, warmup, measured, offsets) -> 
     result["prefix_cache"] = (shared_prefix.prefix_cache_window(before[1], after[1]) if after
                               else {"skipped": reason})
     result["speculative"] = speculative_window(before[1], after[1]) if after else None  # acceptance length
+    result["stats_window"] = (before[1], after[1]) if after else None
     return result
 
 
@@ -183,10 +188,13 @@ def run(args: argparse.Namespace) -> int:
     except (CorpusError, ValueError) as e:
         raise SystemExit(f"engram bench serve: {e}") from None
     server, url = None, args.url
+    logdir = Path(tempfile.mkdtemp(prefix="engram-bench-")) if url is None else None
+    trace = serve_disk_bound.trace_file(args, logdir)
     if url is None:
-        log = Path(tempfile.mkdtemp(prefix="engram-bench-")) / "server.log"
-        server = ServerProcess(server_args(args), None, log)
-        print(f"starting engram serve {' '.join(server_args(args))} (log: {log}) ...", file=sys.stderr, flush=True)
+        log = logdir / "server.log"
+        server = ServerProcess(server_args(args, trace), None, log)
+        print(f"starting engram serve {' '.join(server_args(args, trace))} (log: {log}) ...", file=sys.stderr,
+              flush=True)
         try:
             url = server.wait_ready(START_TIMEOUT_S).url
         except BaseException:
@@ -201,6 +209,10 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.stop()  # before the ceilings are measured: the device is the bench's alone
     steps = load.pop("steps")
+    window = load.pop("stats_window")
+    if trace is not None:  # the server has closed its trace (or, with --url, still holds its last chunk)
+        load["disk_bound"] = (serve_disk_bound.disk_bound(trace, steps, load, *window, args.raw_read_seconds,
+                                                          args.seed) if window else {"skipped": "no engine counters"})
     roof = {"skipped": "--no-roofline"} if args.no_roofline else (
         roofline_result(args, steps, load) if "skipped" not in load["counters"]
         else {"skipped": load["counters"]["skipped"]})
@@ -209,9 +221,9 @@ def run(args: argparse.Namespace) -> int:
     config = args_config(args)
     config.update(request_rate=str(args.request_rate) if math.isinf(args.request_rate) else args.request_rate,
                   corpus_sha256=stream.corpus_sha256, tokenizer=stream.tokenizer,
-                  server_args=server_args(args) if args.url is None else None)
+                  server_args=server_args(args, trace) if args.url is None else None)
     path = write_result("serve", config, result, out=args.out)
-    print(json.dumps({k: v for k, v in result.items() if k not in ("counters", "roofline")}, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("counters", "roofline", "disk_bound")}, indent=2))
     print(format_tables(result, format_table))
     print(f"result: {path}")
     return 0 if result["errors"] == 0 else 1
@@ -265,6 +277,11 @@ def format_tables(result: dict, format_table) -> str:
         parts.append(f"speculative decoding ({spec['method']}, K={spec['num_speculative_tokens']}): acceptance length "
                      f"{spec['acceptance_length']:.2f}, {spec['accepted_tokens']} of {spec['draft_tokens']} drafts "
                      f"accepted ({spec['acceptance_rate']:.1%})")
+    bound = result.get("disk_bound")
+    if bound is not None:
+        parts.append(f"disk bound: skipped ({bound['skipped']})" if "skipped" in bound
+                     else "disk bound (replayed pages ÷ raw 4 KiB reads/s)\n"
+                     + format_table(serve_disk_bound.bound_rows(bound)))
     if "skipped" in roof:
         parts.append(f"roofline: skipped ({roof['skipped']})")
     else:

@@ -58,6 +58,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_num_seqs: int = 64) -> 
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 3}\' or \'{"method": "draft_model", "model": "tiny", '
                         '"num_speculative_tokens": 4}\' (docs/engine.md)')
+    g.add_argument("--row-trace", default=None, metavar="FILE",
+                   help="write every step's distinct Engram row ids per layer and its kind to FILE (a compact binary "
+                        "trace that `engram bench serve` replays for the disk tier's bound; docs/benchmarking.md)")
     g.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas (processes, each --tensor-parallel-size ranks) behind one router, requests "
                         "to the least-loaded; one copy of the host tables per node in /dev/shm (docs/parallel.md)")
@@ -101,7 +104,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
                 data_parallel_size=args.data_parallel_size, speculative_config=args.speculative_config,
                 dedup_rows=args.dedup_rows, prompt_prefetch=args.prompt_prefetch,
-                prefetch_staging_bytes=args.prefetch_staging_bytes)
+                prefetch_staging_bytes=args.prefetch_staging_bytes, row_trace=args.row_trace)
 
 
 _ENGINE_OPTIONS = {"engine.max_num_seqs=": "--max-num-seqs=", "engine.max_num_batched_tokens=":
@@ -111,7 +114,8 @@ _ENGINE_OPTIONS = {"engine.max_num_seqs=": "--max-num-seqs=", "engine.max_num_ba
                    "engine.tensor_parallel_size=": "--tensor-parallel-size=",
                    "engine.pipeline_parallel_size=": "--pipeline-parallel-size=",
                    "engine.data_parallel_size=": "--data-parallel-size=",
-                   "engine.prefetch_staging_bytes=": "--prefetch-staging-bytes=", "engine.async_scheduling=True":
+                   "engine.prefetch_staging_bytes=": "--prefetch-staging-bytes=", "engine.row_trace=": "--row-trace=",
+                   "engine.async_scheduling=True":
                    "--async-scheduling", "speculative_config.": "--speculative-config "}
 
 
@@ -125,6 +129,13 @@ def check_options(args: argparse.Namespace) -> None:
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads={args.threads} must be >= 1")
     RuntimeOptions.from_dict(parse_engram_config(args.engram_config))
+    if args.row_trace is not None:
+        from engram.engine.row_trace import check_trace_path
+
+        try:
+            check_trace_path(args.row_trace)
+        except ValueError as e:
+            raise ValueError(f"--row-trace={args.row_trace!r}: {e}") from None
     try:
         EngineConfig.from_options(engine_options(args))
     except ValueError as e:

@@ -3,6 +3,7 @@ the field). ``kv_cache_memory`` covers KV blocks, Engram staging, prompt prefetc
 (memory.py); ``max_model_len=None`` is resolved against the model at start."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -42,6 +43,9 @@ class EngineConfig:
     prompt_prefetch: bool = False
     # bytes of staged prompt rows per Worker (raw rows + index), part of the KV memory budget (memory.py)
     prefetch_staging_bytes: int = 64 << 20
+    # append every collected step's distinct Engram row ids per layer and its kind to this file (engine/row_trace.py;
+    # benchmarks replay it: bench/page_replay.py); None: no trace
+    row_trace: str | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -65,6 +69,14 @@ class EngineConfig:
                 raise bad(name, "must be true or false")
         if not isinstance(self.prefetch_staging_bytes, int) or self.prefetch_staging_bytes < 0:
             raise bad("prefetch_staging_bytes", "must be a byte count >= 0")
+        if self.row_trace is not None:
+            if isinstance(self.row_trace, os.PathLike):
+                self.row_trace = os.fspath(self.row_trace)
+            if not isinstance(self.row_trace, str) or not self.row_trace:
+                raise bad("row_trace", "must be a file path (or None for no trace)")
+            if self.data_parallel_size > 1:
+                raise bad("row_trace", f"one engine writes the trace; data_parallel_size={self.data_parallel_size} "
+                          "runs several (trace one replica with data_parallel_size=1)")
         if self.async_scheduling not in (None, True, False):
             raise bad("async_scheduling", "must be true, false or null (auto)")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -22,6 +22,7 @@ from engram.engine.planner import LookupPlanner
 from engram.engine.prefetch_plan import PromptPrefetcher
 from engram.engine.prefix_cache import content_key
 from engram.engine.request_check import check_request
+from engram.engine.row_trace import RowTraceWriter
 from engram.engine.sampling_params import SamplingParams
 from engram.engine.scheduler import Scheduler
 from engram.engine.sequence import Sequence
@@ -76,16 +77,28 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()
         self.device = torch.device(device)
+        # the collected steps' row ids (engine/row_trace.py), with the Workers' table files for its replay
+        self.row_trace = (RowTraceWriter(config.row_trace, self.hasher, self._compress,
+                                         {"table_files": {str(k): v for k, v in worker.get("table_files", {}).items()},
+                                          "engine": {"dedup_rows": self.planner.dedup,
+                                                     "max_num_batched_tokens": config.max_num_batched_tokens,
+                                                     "max_num_seqs": config.max_num_seqs}})
+                          if config.row_trace is not None else None)
         args = (config, self.device, self.scheduler, self.executor, self.planner, self.hasher.pad_id if self.hasher
                 else 0, self.eos_token_id, bool(self._dead_ids), self.max_model_len, self._postprocess, self.speculator)
         # pipeline stages: one microbatch in flight per stage (engine/microbatches.py)
-        self.pipeline = (MicrobatchPipeline(*args, depth=config.pipeline_parallel_size,
-                                            prefetcher=self.prefetcher)
-                         if config.pipeline_parallel_size > 1 else StepPipeline(*args, prefetcher=self.prefetcher))
+        pipes = dict(prefetcher=self.prefetcher, row_trace=self.row_trace)
+        self.pipeline = (MicrobatchPipeline(*args, depth=config.pipeline_parallel_size, **pipes)
+                         if config.pipeline_parallel_size > 1 else StepPipeline(*args, **pipes))
 
     def step(self) -> list[RequestOutput]:
         """Run one step -> the outputs of the step that completed (with async scheduling, the one launched before)."""
         return self.pipeline.step()
+
+    def close(self) -> None:
+        """Finish what outlives the steps: the row trace's file (also closed at interpreter exit)."""
+        if self.row_trace is not None:
+            self.row_trace.close()
 
     @property
     def num_steps(self) -> int:

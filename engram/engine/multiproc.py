@@ -104,6 +104,7 @@ class MultiprocExecutor(Executor):
         stages = [self._await(conn, "stats", "stats")[1] for conn in self._leaders]
         out = dict(stages[0])
         out["tables"] = {lid: c for st in stages for lid, c in st["tables"].items()}
+        out["table_files"] = {lid: f for st in stages for lid, f in st.get("table_files", {}).items()}
         out["kv_bytes"] = sum(st["kv_bytes"] for st in stages)
         if self.pp > 1:
             out["stages"] = stages

@@ -23,6 +23,7 @@ from engram.engine.outputs import RequestOutput
 from engram.engine.packing import describe, pack
 from engram.engine.planner import LookupPlanner
 from engram.engine.prefetch_plan import PromptPrefetcher
+from engram.engine.row_trace import RowTraceWriter, StepRows
 from engram.engine.scheduler import ScheduledBatch, Scheduler
 from engram.engine.sequence import Sequence
 from engram.engine.spec.speculator import Speculator
@@ -49,12 +50,14 @@ class StepPipeline:
     def __init__(self, config: EngineConfig, device: torch.device, scheduler: Scheduler, executor: Executor,
                  planner: LookupPlanner, pad_id: int, eos_token_id: int | None, has_dead_tokens: bool,
                  max_model_len: int, postprocess: Callable[["Launched", StepResult], list[RequestOutput]],
-                 speculator: Speculator | None = None, prefetcher: PromptPrefetcher | None = None):
+                 speculator: Speculator | None = None, prefetcher: PromptPrefetcher | None = None,
+                 row_trace: RowTraceWriter | None = None):
         self.config, self.device, self.scheduler, self.executor, self.planner = (config, torch.device(device),
                                                                                  scheduler, executor, planner)
         self.pad_id, self.eos_token_id, self.has_dead_tokens = pad_id, eos_token_id, has_dead_tokens
         self.max_model_len, self._postprocess = max_model_len, postprocess
         self.prefetcher = prefetcher  # prompt rows staged ahead (prefetch_plan.py), or None
+        self.row_trace = row_trace  # the collected steps' row ids go there (row_trace.py), or None
         self._step_ids = itertools.count()
         self._finished_seq_ids: list[int] = []  # retired since the last launch: told to the Workers with the next
         self.num_preemptions = 0  # sequences preempted by recompute since start
@@ -245,9 +248,11 @@ class StepPipeline:
         ids, unique = plan.dedup_counts()
         # the host gap: since the last step was read, unless this one was launched while another was in flight
         gap = 0.0 if prev is not None or self._read_at is None else max(0.0, launched_at - self._read_at)
+        rows = (StepRows(plan.row_ids, plan.pending_partials, step.pending_rows, step.pending_sources,
+                         step.pending_step_id) if self.row_trace is not None and plan.row_ids else None)
         return Launched(batch, handle, step.step_id, {batch.seqs[i].seq_id: j for j, i in enumerate(sampled)},
                          [seq.metrics.num_preemptions for seq in batch.seqs], sampled,
-                         step.context_lens.tolist(), dict(host_gap_s=gap, ids=ids, unique_ids=unique))
+                         step.context_lens.tolist(), dict(host_gap_s=gap, ids=ids, unique_ids=unique), rows)
 
     def _collect(self, launched: "Launched") -> list[RequestOutput]:
         try:
@@ -259,10 +264,13 @@ class StepPipeline:
             self._commit_drafts(launched, result.num_emitted)
         self._read_at = time.monotonic()
         self._commit_blocks(launched)
-        self.trace.append(StepRecord.from_shape(launched.step_id, result.route, launched.batch.num_new_tokens,
-                                                launched.context_lens, len(launched.sampled), result.gpu_s,
-                                                result.idle_s, lookup_exposed_s=result.lookup_exposed_s,
-                                                gather_s=result.gather_s, **launched.lookups))
+        record = StepRecord.from_shape(launched.step_id, result.route, launched.batch.num_new_tokens,
+                                       launched.context_lens, len(launched.sampled), result.gpu_s, result.idle_s,
+                                       lookup_exposed_s=result.lookup_exposed_s, gather_s=result.gather_s,
+                                       **launched.lookups)
+        self.trace.append(record)
+        if self.row_trace is not None:
+            self.row_trace.record(record.step_id, record.kind, record.num_tokens, launched.rows, result.token_ids)
         return self._postprocess(launched, result)
 
     def _commit_drafts(self, launched: "Launched", num_emitted: list[int]) -> None:
@@ -317,6 +325,7 @@ class Launched:
     sampled: list[int]  # indices into batch.seqs of the sequences that sample, in token order
     context_lens: list[int]  # each sequence's KV length after the step (its shape, for the step trace)
     lookups: dict  # for its StepRecord: host_gap_s, and the Engram ids planned / distinct per layer
+    rows: StepRows | None = None  # its plan's row ids for the row trace (None: no trace, or no Engram layers)
 
 
 def pick(batch: ScheduledBatch, indices) -> ScheduledBatch:

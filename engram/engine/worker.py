@@ -316,7 +316,8 @@ class Worker:
                "mixed_graph_replays": 0, "mixed_graph_pool_bytes": 0, "verify_graph_replays": 0,
                "verify_graph_pool_bytes": 0, "verify_graph_rows": 0, "verify_graph_padded_rows": 0,
                "verify_graph_short_seqs": 0, "prefetch": self.prefetch.stats(),
-               "hot_cache_bytes": self.memory.cache_bytes, "eager_prefill": self.eager_prefill}
+               "hot_cache_bytes": self.memory.cache_bytes, "eager_prefill": self.eager_prefill,
+               "table_files": _table_files(self.tables)}
         for runner in self.runners:
             out.update(runner.stats())
         return out
@@ -345,6 +346,13 @@ def _projectors(model, layer_ids, dtype: torch.dtype) -> dict:
     """Engram layer id -> its rows' projection (``Engram.project`` in the model's dtype): the WKV run-ahead."""
     layers = model.model.layers
     return {lid: functools.partial(layers[lid].engram.project, dtype=dtype) for lid in layer_ids}
+
+
+def _table_files(tables: dict) -> dict[int, dict]:
+    """The file layouts of the tables read from files (``TableBackend.file_layout``), by layer; a tensor-parallel
+    column shard (parallel/engram_tp.py) reports none: its rank reads a share of each step's columns."""
+    layouts = {lid: getattr(t, "file_layout", lambda: None)() for lid, t in tables.items()}
+    return {lid: f for lid, f in layouts.items() if f is not None}
 
 
 def _hot_cache_bytes(tables: dict) -> int:

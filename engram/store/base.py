@@ -153,6 +153,10 @@ class TableBackend:
         except Exception as e:  # surfaced by wait(), as an async tier would
             return CompletedLookup(error=e)
 
+    def file_layout(self) -> dict[str, Any] | None:
+        """Where a lookup's rows are read from when they are read from a file (the disk tier), else None."""
+        return None
+
     @property
     def gathers_on_device(self) -> bool:
         """Whether ``gather`` of GPU ids into a GPU ``out`` is device work alone, so a CUDA graph can capture it."""

@@ -322,6 +322,15 @@ class DiskTable(TableBackend):
             self._extra["inflight"] -= 1
             self._extra["inflight_bytes"] -= nbytes
 
+    def file_layout(self) -> dict[str, Any]:
+        """values.bin and how rows sit in it (row r at byte r * row_stride, read in page_size pages), the reader's io
+        and depth, and the hot-row cache's capacity in rows (0: none) and policy: what a replay of lookups needs."""
+        return {"values": str(self.manifest.values_path), "rows": self.rows, "row_stride": self.stride,
+                "page_size": self.page, "io": self.reader.io, "io_requested": self.reader.io_requested,
+                "queue_depth": self.reader.queue_depth, "queue_per_thread": reader.queue_per_thread(self.reader.io),
+                "cache_rows": self.cache.capacity if self.cache is not None else 0,
+                "cache_policy": self.options.cache_policy}
+
     # ----------------------------------------------------------------- stats and lifetime
     def stats(self) -> dict[str, Any]:
         """Base counters plus disk_rows, page_amplification, inflight, inflight_bytes, io, corrupt_pages and, with
