@@ -97,3 +97,37 @@ def test_a_missing_server_counts_every_request_as_an_error(tmp_path):
     assert rc == 1 and r["requests"] == 0 and r["errors"] == 3 and "ConnectError" in r["error_samples"][0]
     assert "ConnectError" in r["counters"]["skipped"] and "skipped" in r["roofline"]
     assert r["ttft_p50_s"] is None and np.isclose(r["output_tokens_per_s"], 0.0)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 300])
+def test_disk_tier_bound_replays_the_servers_row_trace(tmp_path, cache_rows):
+    from engram.bench.page_replay import trace_pages
+    from engram.engine.row_trace import read_row_trace
+
+    trace = tmp_path / "rows.trace"
+    config = json.dumps({"io": "buffered", "cache_rows": cache_rows})
+    rc, doc = _bench([*SMALL, "--tier", "disk", "--num-prompts", "5", "--warmup", "2", "--concurrency", "3",
+                      "--no-roofline", "--raw-read-seconds", "0.3", "--row-trace", str(trace),
+                      "--serve-args", f"--threads 1 --engram-config '{config}'"], tmp_path / "r.json")
+    r = doc["result"]
+    assert rc == 0 and r["errors"] == 0, r["error_samples"]
+    assert doc["config"]["server_args"][5:7] == ["--row-trace", str(trace)]
+    b = r["disk_bound"]
+    assert "skipped" not in b, b
+    assert b["window_steps"] == r["counters"]["steps"] and b["replay"]["steps"] == b["window_steps"]
+    records = read_row_trace(trace)
+    assert records.steps.shape[0] > b["window_steps"]  # the warm-up's steps are in the trace, before the window
+    window = records.step_ids[-b["window_steps"]:]
+    again = trace_pages(records, window)
+    assert again["pages"] == b["replay"]["pages"] > 0 and again["misses"] == b["replay"]["misses"]
+    assert b["bound_s"] == pytest.approx(b["replay"]["pages"] / b["read_ops_per_s"])
+    assert b["ratio"] == pytest.approx(b["bound_s"] / r["wall_s"]) and b["target_met"] == (b["ratio"] >= 0.9)
+    assert b["output_tokens_per_s_bound"] == pytest.approx(r["output_tokens"] / b["bound_s"])
+    assert 0 < b["ttft_bound_s"] and b["ttft_p50_s"] == r["ttft_p50_s"]
+    assert b["raw_reads"]["pages_per_call"] >= 1 and b["raw_reads"]["calls"] >= 1
+    layers = b["replay"]["layers"]
+    if cache_rows:  # the cache's capacity as opened (sets of 8 ways), and hits in the replay as in the run
+        assert all(0 < x["cache_rows"] <= cache_rows for x in layers) and b["replay"]["hit_rate"] > 0
+        assert b["measured"]["hits"] > 0
+    else:  # no cache: the disk tier read each distinct page of a step's lookup once, as the replay counts
+        assert b["replay"]["pages"] == b["measured"]["read_ops"] and b["replay"]["hit_rate"] == 0
