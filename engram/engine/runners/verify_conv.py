@@ -4,11 +4,13 @@ sequences' states (the Worker's ``ConvStates``) into the bucket's static ones be
 the conv inputs of the step's block-tail tokens to the blocks' store (prefix caching) as eager does; ``keep`` — once
 the verifier has counted — rewinds each state to its last accepted token (``VerifyInputs.dropped``) and hands copies
 back, so rejected drafts and padding leave nothing behind. Without conv states (v41, no Engram) all three do
-nothing."""
+nothing. ``ConvAroundSteps`` puts them around a runner's ``launch`` and ``keep``."""
 from __future__ import annotations
 
 import torch
 
+from engram.engine.pending import PendingPatch
+from engram.engine.runners.base import Forward
 from engram.engine.runners.conv_states import ConvStates
 from engram.engine.runners.verify_inputs import VerifyInputs
 from engram.engine.step import StepDescription
@@ -57,3 +59,21 @@ class VerifyConv:
             state.rewind(dropped)
             kept[lid] = ShortConvState(state.conv[:step.num_seqs].clone())  # the next replay rewrites the static one
         self.conv_states.keep(step, kept)
+
+
+class ConvAroundSteps:
+    """Mixin of the verify runners (before their step runner base): ``launch`` and ``keep`` of the base with the
+    runner's ``conv`` (a VerifyConv) around them."""
+
+    conv: VerifyConv
+
+    @torch.inference_mode()
+    def launch(self, step: StepDescription, patch: PendingPatch | None) -> Forward:
+        self.conv.load(step)
+        forward = super().launch(step, patch)
+        self.conv.launched(step)
+        return forward
+
+    @torch.inference_mode()
+    def keep(self, step: StepDescription, accepted: torch.Tensor) -> None:
+        self.conv.keep(step, accepted)

@@ -11,16 +11,13 @@ from __future__ import annotations
 import torch
 
 from engram.engine.lookup_stream import LookupStream
-from engram.engine.pending import PendingPatch
-from engram.engine.runners.base import Forward
 from engram.engine.runners.conv_states import ConvStates
 from engram.engine.runners.graphs import GraphRunner
-from engram.engine.runners.verify_conv import VerifyConv
+from engram.engine.runners.verify_conv import ConvAroundSteps, VerifyConv
 from engram.engine.runners.verify_inputs import VerifyInputs
-from engram.engine.step import StepDescription
 
 
-class VerifyGraphRunner(GraphRunner):
+class VerifyGraphRunner(ConvAroundSteps, GraphRunner):
     """A GraphRunner over ``VerifyInputs`` ("verify-graph"); ``conv_states``: the paper variant's (None: v41 or no
     Engram), loaded and kept around each replay by ``VerifyConv``. ``capture=False`` (tests, the CPU) runs what a
     graph holds eagerly on the same static inputs."""
@@ -31,17 +28,6 @@ class VerifyGraphRunner(GraphRunner):
         self.conv = VerifyConv(io, conv_states)
         super().__init__(model, kv, ecfg, tables, io, device, name="verify-graph", progress=progress,
                          lookup_stream=lookup_stream, pool=pool, capture=capture)
-
-    @torch.inference_mode()
-    def launch(self, step: StepDescription, patch: PendingPatch | None) -> Forward:
-        self.conv.load(step)
-        forward = super().launch(step, patch)
-        self.conv.launched(step)
-        return forward
-
-    @torch.inference_mode()
-    def keep(self, step: StepDescription, accepted: torch.Tensor) -> None:
-        self.conv.keep(step, accepted)
 
     def stats(self) -> dict:
         return {**super().stats(), **self.io.stats()}

@@ -13,17 +13,14 @@ from __future__ import annotations
 import torch
 
 from engram.engine.lookup import LookupExecutor
-from engram.engine.pending import PendingPatch
-from engram.engine.runners.base import Forward
 from engram.engine.runners.conv_states import ConvStates
 from engram.engine.runners.piecewise import PiecewiseRunner
 from engram.engine.runners.pieces import DecodePieces
-from engram.engine.runners.verify_conv import VerifyConv
+from engram.engine.runners.verify_conv import ConvAroundSteps, VerifyConv
 from engram.engine.runners.verify_inputs import VerifyInputs
-from engram.engine.step import StepDescription
 
 
-class VerifyPiecesRunner(PiecewiseRunner):
+class VerifyPiecesRunner(ConvAroundSteps, PiecewiseRunner):
     """A PiecewiseRunner over pieces of ``VerifyInputs`` ("verify-piecewise"); ``conv_states``: the paper variant's
     (None: v41)."""
 
@@ -35,17 +32,6 @@ class VerifyPiecesRunner(PiecewiseRunner):
             raise ValueError(f"VerifyPiecesRunner: pieces over {type(pieces.io).__name__}, not VerifyInputs")
         super().__init__(pieces, lookup, device)
         self.conv = VerifyConv(pieces.io, conv_states)
-
-    @torch.inference_mode()
-    def launch(self, step: StepDescription, patch: PendingPatch | None) -> Forward:
-        self.conv.load(step)
-        forward = super().launch(step, patch)
-        self.conv.launched(step)
-        return forward
-
-    @torch.inference_mode()
-    def keep(self, step: StepDescription, accepted: torch.Tensor) -> None:
-        self.conv.keep(step, accepted)
 
     def stats(self) -> dict:
         return {"verify_graph_replays": self.pieces.replays, "verify_graph_pool_bytes": self.pieces.pool_bytes,
