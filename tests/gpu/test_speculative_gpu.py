@@ -73,7 +73,9 @@ def _check_replayed(engine, method, route="verify-graph"):
     assert stats["speculative"]["spec_steps"] >= 8, stats
     assert method != "ngram" or stats["speculative"]["acceptance_rate"] > 0.5, stats
     vg = stats["verify_graph"]
-    assert vg["replays"] >= 4 and vg["pool_bytes"] > 0 and vg["rows"] >= stats["speculative"]["draft_tokens"], vg
+    assert vg["replays"] >= 4 and vg["rows"] >= stats["speculative"]["draft_tokens"], vg
+    # the pieces share the decode pieces' pool, whose free blocks may already hold them
+    assert route != "verify-graph" or vg["pool_bytes"] > 0, vg
     routes = stats["steps_by_route"]
     assert routes.get(route, 0) == vg["replays"], (routes, vg)
     if route == "verify-graph":  # every step on a graph

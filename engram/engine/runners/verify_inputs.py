@@ -163,7 +163,7 @@ class VerifyInputs:
         rows of bucket ``size`` (``static`` [>= size, n_cols, D]) at their bucket rows; the padding rows become zero
         rows, so the static rows are a function of the step alone (no earlier step's rows stay behind)."""
         static[:size].zero_()
-        static.index_copy_(0, self.bucket_rows[:rows.shape[0]], rows)
+        static.index_copy_(0, self.bucket_rows[:rows.shape[0]], rows.to(static.dtype))  # a no-op cast as a rule
 
     def stats(self) -> dict:
         """The bucket counters both verify runners report (engine.stats()["verify_graph"])."""
