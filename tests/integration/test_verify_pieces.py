@@ -164,3 +164,4 @@ def test_padding_left_as_an_earlier_step_left_it_is_caught(models, prose, monkey
     problems = row_problems(pieces, graph)
     assert problems and all("padding" in p for p in problems), problems
     assert_same(got, want)  # padding never reaches a real row: only the rows check sees it
+

@@ -1,5 +1,6 @@
 """Piecewise decode graphs for host-read tables: one graph per range of layers, cut before each Engram layer, so the
-host reads a layer's rows while the layers before it replay.
+host reads a layer's rows while the layers before it replay. Speculative verify steps take the same pieces over the
+verify buckets' inputs (verify_pieces.py), every layer's rows copied in.
 
 A layer's rows reach its piece copied in (staged rows, hot-row caches over the host tier) or from a pinned slab (disk
 tables: the lookup reads pages into it, the piece decodes it with its captured UVA gather). Over a hot-row cache the
