@@ -3,7 +3,7 @@ and returns each request's (token ids, [(logprob, top-k)] per token). ``engine_w
 engine whose Worker wraps its lookup executor (the Worker's ``wrap_lookup`` hook: one that records or fails
 steps). ``preset_variant`` builds a preset's float64 CPU decoder with its Engram config changed. ``mixed_graphs_eager``
 makes an engine's Worker run its mixed-step graphs' callables eagerly on the same static inputs (``capture=False``),
-``verify_graphs_eager`` its verify graphs'."""
+``verify_graphs_eager`` its verify graphs', ``verify_pieces_eager`` its host-read verify pieces'."""
 from __future__ import annotations
 
 from typing import Callable
@@ -82,12 +82,26 @@ def verify_graphs_eager(engine):
     return engine
 
 
-def assert_verified_in_buckets(engine) -> dict:
-    """Every verify step of ``engine`` ran through the verify runner (none eager) -> its ``verify_graph`` counters."""
+def verify_pieces_eager(engine):
+    """Give ``engine``'s Worker the host-read verify runner (verify pieces, rows copied in) run uncaptured
+    (``capture=False``), first among its runners, in place of a verify runner it has; returns the engine."""
+    from engram.engine.runners.verify_pieces import verify_pieces_runner
+
+    w = engine.executor.worker
+    runner = verify_pieces_runner(w.model, w.kv, w.ecfg, w.tables, w.lookup, w.config, engine.max_model_len,
+                                  w.memory.num_blocks, w.device, w.dtype, w.eager.conv_states, capture=False)
+    w.runners = [runner] + [r for r in w.runners if not r.name.startswith("verify-")]
+    return engine
+
+
+def assert_verified_in_buckets(engine, route: str = "verify-graph") -> dict:
+    """Every verify step of ``engine`` ran through the verify runner of ``route`` (none eager) -> its
+    ``verify_graph`` counters."""
     stats = engine.stats()
     s, vg = stats["speculative"], stats["verify_graph"]
     assert vg["replays"] >= 3 and vg["rows"] >= s["draft_tokens"], vg
-    assert set(stats["steps_by_route"]) <= {"verify-graph", "eager"}, stats["steps_by_route"]
+    assert stats["steps_by_route"].get(route, 0) == vg["replays"], (stats["steps_by_route"], vg)
+    assert set(stats["steps_by_route"]) <= {route, "eager"}, stats["steps_by_route"]
     eager_verify = [r for r in engine.step_trace() if r.route == "eager" and r.sampled > r.num_seqs]
     assert not eager_verify, eager_verify  # a step with more LM-head rows than sequences verified drafts
     return vg

@@ -17,7 +17,8 @@ class StepRecord:
     over its sequences (n new tokens, c KV entries after the step); ``kv_read`` is Σ c."""
 
     step_id: int
-    route: str  # the step runner that ran it: "graph", "mixed-graph", "verify-graph", "piecewise", "eager"
+    # the step runner that ran it: "graph", "mixed-graph", "verify-graph", "verify-piecewise", "piecewise", "eager"
+    route: str
     num_tokens: int
     num_seqs: int
     num_decode: int  # sequences computing exactly one token

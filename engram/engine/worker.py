@@ -2,7 +2,8 @@
 through ``execute(step) -> StepResult`` or its halves ``launch`` and ``collect`` (the step's one host synchronisation),
 reporting through ``stats()``; it never sees a Sequence or the scheduler. At start it opens its tables, sizes the KV
 cache (memory.py) and chooses its runners once (engine/runners/): unless ``enforce_eager``, with speculative decoding
-the verify graphs (``VerifyGraphRunner``, both Engram variants) when every table gathers on the device; two
+the verify graphs (both Engram variants: ``VerifyGraphRunner`` when every table gathers on the device, else
+``VerifyPiecesRunner``, the host-read rows copied in between pieces); two
 ``GraphRunner``s (decode steps, then mixed steps) when every table gathers on the device (or, with ``graph_capture``
 False, uncaptured on any device), else ``PiecewiseRunner`` (decode steps); then the eager runner for every other
 step."""
@@ -33,6 +34,7 @@ from engram.engine.runners.pieces import DecodePieces
 from engram.engine.runners.piecewise import PiecewiseRunner
 from engram.engine.runners.sequence_cache import SequenceCacheRunner
 from engram.engine.runners.verify_graphs import verify_runner
+from engram.engine.runners.verify_pieces import verify_pieces_runner
 from engram.engine.sampler import SampledTokens, Sampler
 from engram.engine.spec.config import logit_rows
 from engram.engine.spec.drafter import Drafter, load_draft
@@ -129,12 +131,12 @@ class Worker:
         staging = staging_bytes(self.ecfg, config.max_num_batched_tokens, dtype, engram_ids) if self.ecfg else 0
         use_graphs = (not config.enforce_eager and not self.sequence_caches
                       and (_graphs_supported(dtype, self.ecfg, self.device) or not graph_capture))
-        # verify steps as decode-style graphs (runners/verify_graphs.py), both Engram variants, where every table
-        # gathers on the device (over host-read tables they run eager; over column shards too: their all-gather
-        # must not run on the lookup branch)
+        # verify steps as decode-style graphs, both Engram variants: one graph a bucket with the gathers inside where
+        # every table gathers on the device (runners/verify_graphs.py), else pieces cut at the Engram layers with the
+        # host-read rows copied in (runners/verify_pieces.py); over column shards eager (their all-gather must not
+        # run on the lookup branch)
         use_verify_graphs = (spec is not None and not config.enforce_eager and not self.sequence_caches
-                             and _graphs_supported(dtype, None, self.device) and self._gathers_on_device()
-                             and not columns)
+                             and _graphs_supported(dtype, None, self.device) and not columns)
         peak = profile_peak_bytes(self, bytes_per_block) if self._profiles_memory() else None
         if wrap_lookup is not None:  # after the warm-up, which no statistic or wrapper sees (memory.py)
             self.lookup = wrap_lookup(self.lookup)
@@ -175,10 +177,14 @@ class Worker:
         # never two replays at once; uncaptured runners need none
         pool = torch.cuda.graph_pool_handle() if (use_graphs and graph_capture) or use_verify_graphs else None
         graphs = self._graph_runners(max_model_len, progress, pool) if use_graphs else []
-        if use_verify_graphs:
+        if use_verify_graphs and self._gathers_on_device():
             graphs.insert(0, verify_runner(self.model, self.kv, self.ecfg, self.tables, config, max_model_len,
                                            self.memory.num_blocks, self.device, dtype, self.eager.conv_states,
                                            progress=progress, lookup_stream=self.lookup_stream, pool=pool))
+        elif use_verify_graphs:
+            graphs.insert(0, verify_pieces_runner(self.model, self.kv, self.ecfg, self.tables, self.lookup, config,
+                                                  max_model_len, self.memory.num_blocks, self.device, dtype,
+                                                  self.eager.conv_states, progress=progress, pool=pool))
         self.runners: list[StepRunner] = [*graphs, self.eager]
         self._last_ready: torch.cuda.Event | None = None  # the last launched step's ``sampled.ready``
 
@@ -210,7 +216,7 @@ class Worker:
         batch = min(c.max_num_seqs, c.max_graph_batch)
         if not self._graph_gathers():
             return [PiecewiseRunner(DecodePieces(self.model, self.kv, self.ecfg, self.tables, max_batch=batch,
-                                                 device=self.device, progress=progress, **shape),
+                                                 device=self.device, progress=progress, pool=pool, **shape),
                                     self.lookup, self.device)]
         n_cols, layers = (self.ecfg.n_cols, list(self.tables)) if self.ecfg else (0, [])
         common = dict(model=self.model, kv=self.kv, ecfg=self.ecfg, tables=self.tables, device=self.device,

@@ -101,6 +101,11 @@ class DecodeInputs:
                           block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size],
                           engram_rows=engram_rows, logits_indices=idx, attention=meta)
 
+    def place(self, static: torch.Tensor, rows: torch.Tensor, size: int) -> None:
+        """Copy a layer's staged rows (``rows`` [S, n_cols, D], one a sequence) into its static rows (``static``
+        [>= size, n_cols, D]): sequence s is bucket row s; the padding rows' outputs are dropped, left as they are."""
+        static[:rows.shape[0]].copy_(rows)
+
     def fill(self, step: StepDescription, patch: PendingPatch | None) -> int:
         """Write the step into its bucket's static inputs (padded, pending tokens patched on device) -> bucket size."""
         s = step.num_seqs

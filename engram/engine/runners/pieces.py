@@ -1,5 +1,6 @@
 """Piecewise decode graphs for host-read tables: one graph per range of layers, cut before each Engram layer, so the
-host reads a layer's rows while the layers before it replay.
+host reads a layer's rows while the layers before it replay. Speculative verify steps take the same pieces over the
+verify buckets' inputs (verify_pieces.py), every layer's rows copied in.
 
 A layer's rows reach its piece copied in (staged rows, hot-row caches over the host tier) or from a pinned slab (disk
 tables: the lookup reads pages into it, the piece decodes it with its captured UVA gather). Over a hot-row cache the
@@ -31,23 +32,30 @@ def piece_ranges(engram_layer_ids, num_layers: int) -> list[tuple[int, int, int 
 
 
 class DecodePieces:
+    """Decode steps' pieces over ``tables``; ``io`` (VerifyInputs: speculative verify steps, verify_pieces.py) replaces
+    the decode steps' inputs, every layer's rows then copied in (no slabs). ``pool``: a graph pool shared with runners
+    never replayed at once (None: one of its own). ``capture=False`` (tests, the CPU) runs what each piece holds
+    eagerly, in the same order, on the same static inputs."""
+
     def __init__(self, model, kv, ecfg, tables: dict, max_batch: int, max_model_len: int, block_size: int,
-                 null_block: int, device: torch.device, progress: bool | None = None):
+                 null_block: int, device: torch.device, progress: bool | None = None, io=None, pool=None,
+                 capture: bool = True):
         self.model, self.kv, self.device = model, kv, device
         self.n_cols = ecfg.n_cols
         self.ranges = piece_ranges(ecfg.layer_ids, len(model.model.layers))
         # {layer: its disk table} and a slab each, read by the executor, decoded in the piece
-        self.slab_tables = {lid: t for lid, t in tables.items() if getattr(t, "slab_reads", False)}
+        self.slab_tables = ({lid: t for lid, t in tables.items() if getattr(t, "slab_reads", False)}
+                            if io is None else {})
         self.slabs = {lid: t.new_slab(max_batch * self.n_cols, probe=True) for lid, t in self.slab_tables.items()}
         # slabs over a hot-row cache find their rows on the device: their row ids are inputs too
         self.probed = [lid for lid, slab in self.slabs.items() if slab.probe is not None]
-        self.io = DecodeInputs(max_batch, max_model_len, block_size, null_block, self.n_cols, self.probed, -1,
-                               device)
-        b = self.io.buckets[-1]
+        self.io = io if io is not None else DecodeInputs(max_batch, max_model_len, block_size, null_block,
+                                                         self.n_cols, self.probed, -1, device)
+        b = self.io.max_rows
         dtype = next(model.parameters()).dtype
         self.rows = {lid: torch.zeros(b, ecfg.n_cols, ecfg.head_dim, dtype=dtype, device=device)
                      for lid in ecfg.layer_ids}
-        self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.pieces: dict[int, list] = {}  # bucket -> its pieces (CUDA graphs; uncaptured: piece indices)
         self.logits: dict[int, torch.Tensor] = {}
         self._begun: tuple[int, int, int] | None = None  # (step id, bucket, next piece) after begin()
         # an event after each replay that decoded a slab, two a slab taking turns: a probed step's lookup waits
@@ -59,15 +67,24 @@ class DecodePieces:
         self.probe_status = torch.zeros(len(self.probed), dtype=torch.int32, device=device) if self.probed else None
         self.probe_counts = {"found": 0, "waited": 0}  # probed layers of collected steps, by status
         self.replays = 0
-        self.pool = torch.cuda.graph_pool_handle()
+        self.captured = capture
+        self._state = None  # uncaptured: the forward state the pieces of the step being run hand on
+        self.pool_bytes, self.capture_s = 0, 0.0
+        if not capture:
+            if self.slabs:
+                raise ValueError(f"DecodePieces(capture=False): layers {sorted(self.slabs)} read into slabs, which "
+                                 "only captured pieces decode; uncaptured pieces copy every layer's rows in (io=...)")
+            self.pieces = {size: list(range(len(self.ranges))) for size in self.io.buckets}
+            return
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         before, t0 = torch.cuda.memory_reserved(device), time.perf_counter()
         for size in capture_progress(self.io.buckets, progress):
             self._capture(size)
         self.pool_bytes = torch.cuda.memory_reserved(device) - before
         self.capture_s = time.perf_counter() - t0
-        log.info("captured %d piecewise decode CUDA graphs (batch %d..%d, %d pieces) in %.1f s; pool %.1f MiB",
-                 len(self.io.buckets), self.io.buckets[0], self.io.buckets[-1], len(self.ranges), self.capture_s,
-                 self.pool_bytes / 2**20)
+        log.info("captured %d piecewise CUDA graphs (%s %d..%d, %d pieces) in %.1f s; pool %.1f MiB",
+                 len(self.io.buckets), self.io.unit, self.io.buckets[0], self.io.buckets[-1], len(self.ranges),
+                 self.capture_s, self.pool_bytes / 2**20)
 
     def fits(self, step: StepDescription) -> bool:
         return self.io.fits(step)
@@ -93,10 +110,26 @@ class DecodePieces:
         self.slab_tables[layer_id].decode_slab(self.slabs[layer_id], size * self.n_cols,
                                                out=rows.view(-1, rows.shape[-1]), **probe)
 
+    def _inputs(self, size: int):
+        return self.io.inputs(size, lambda layer_id: self.rows[layer_id][:size])
+
+    def _piece(self, size: int, k: int, inputs, state):
+        """What piece ``k`` of bucket ``size`` holds (``state`` None: the first) -> the forward state it hands on; the
+        last piece leaves the logits [size, vocab] float32 in ``self.logits[size]``."""
+        lo, hi, lid = self.ranges[k]
+        if state is None:
+            state = self.model.forward_begin(inputs, self.kv)
+        if lid in self.slabs:
+            self._decode_slab(lid, size)
+        self.model.forward_layers(state, lo, hi)
+        if k == len(self.ranges) - 1:
+            self.logits[size] = self.model.compute_logits(self.model.forward_end(state))
+        return state
+
     @torch.inference_mode()
     def _capture(self, size: int) -> None:
         """One graph per layer range, in the shared pool; replaying them in order is the whole step."""
-        inputs = self.io.inputs(size, lambda layer_id: self.rows[layer_id][:size])
+        inputs = self._inputs(size)
 
         def whole_step() -> None:
             self.model.compute_logits(self.model.forward(inputs, self.kv))
@@ -104,19 +137,13 @@ class DecodePieces:
                 self._decode_slab(lid, size)
 
         warm_up(self.device, whole_step)
-        pieces, state, logits = [], None, None
-        for k, (lo, hi, lid) in enumerate(self.ranges):
+        pieces, state = [], None
+        for k in range(len(self.ranges)):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=CAPTURE_ERROR_MODE):
-                if state is None:
-                    state = self.model.forward_begin(inputs, self.kv)
-                if lid in self.slabs:
-                    self._decode_slab(lid, size)
-                self.model.forward_layers(state, lo, hi)
-                if k == len(self.ranges) - 1:
-                    logits = self.model.compute_logits(self.model.forward_end(state))  # [size, vocab] float32
+                state = self._piece(size, k, inputs, state)
             pieces.append(graph)
-        self.pieces[size], self.logits[size] = pieces, logits
+        self.pieces[size] = pieces
 
     @torch.inference_mode()
     def begin(self, step: StepDescription, patch: PendingPatch | None = None, whole: bool = False) -> None:
@@ -131,6 +158,11 @@ class DecodePieces:
 
     def _replay_piece(self, size: int, k: int) -> None:
         """Replay piece ``k`` of bucket ``size``; after a piece that decodes a slab, an event (``_settle_slab``)."""
+        if not self.captured:  # no slabs here (refused at construction): nothing to record
+            with torch.inference_mode():
+                state = self._state if k else None
+                self._state = self._piece(size, k, None if k else self._inputs(size), state)
+            return
         self.pieces[size][k].replay()
         lid = self.ranges[k][2]
         if lid in self.slabs:
@@ -138,9 +170,9 @@ class DecodePieces:
 
     @torch.inference_mode()
     def run(self, step: StepDescription, staged: StagedRows | None, patch: PendingPatch | None = None) -> torch.Tensor:
-        """Replay what ``begin(step)`` (called here if need be) left -> logits [S, vocab], a view the next replay
-        overwrites; each piece gets its rows right before it. ``staged`` None after a whole ``begin``."""
-        s = step.num_seqs
+        """Replay what ``begin(step)`` (called here if need be) left -> logits [N, vocab] of the step's N sampled rows,
+        a view the next replay overwrites; each piece gets its rows right before it (``io.place``). ``staged`` None
+        after a whole ``begin``."""
         begun, self._begun = self._begun, None
         if begun is None or begun[0] != step.step_id:
             self.begin(step, patch)
@@ -157,7 +189,7 @@ class DecodePieces:
                     if lid is not None:
                         rows = staged.rows(lid, step.step_id)  # a slab layer: None once its pages are in the slab
                         if lid not in self.slabs:
-                            self.rows[lid][:s].copy_(rows)
+                            self.io.place(self.rows[lid], rows, size)
                     self._replay_piece(size, k)
             except BaseException:
                 self.abort_lookups(step.step_id)
@@ -165,7 +197,8 @@ class DecodePieces:
             finally:
                 self.finish_lookups()
         self.replays += 1
-        return self.logits[size][:s]
+        self._state = None
+        return self.logits[size][:len(step.samples)]
 
     def read_lookups(self, step: StepDescription, staged: StagedRows, first: int | None = None,
                      release: bool = True, after_each: Callable[[], None] | None = None) -> None:

@@ -79,6 +79,17 @@ class VerifyInputs:
         self.short_seqs = 0  # sequences that proposed fewer than K drafts, padded in their bucket
         self.last_rows: np.ndarray | None = None  # [T] bucket row of each packed token of the last step filled
 
+    @classmethod
+    def of_config(cls, config, max_model_len: int, null_block: int, ecfg: EngramConfig | None, row_layers: list[int],
+                  device: torch.device, dtype: torch.dtype, conv_states=None) -> "VerifyInputs":
+        """The verify buckets of an EngineConfig with a speculative config: the decode graphs' batch sizes up to
+        ``min(max_num_seqs, max_graph_batch)`` x (K + 1) rows; ``conv_states``: the paper variant's ``ConvStates``."""
+        c = config
+        return cls(min(c.max_num_seqs, c.max_graph_batch), c.speculative_config.num_speculative_tokens, max_model_len,
+                   c.block_size, null_block, ecfg.n_cols if ecfg else 0, row_layers, device,
+                   conv=(ecfg, conv_states.layers, dtype) if conv_states is not None else None,
+                   conv_tap=conv_states is not None and conv_states.conv_blocks is not None)
+
     def _views(self, buf):
         """Views of one buffer (pinned numpy or the device tensor) in the layout above."""
         v = {name: buf[a:b] for name, (a, b) in self._at.items()}
@@ -146,6 +157,18 @@ class VerifyInputs:
         out = torch.zeros(size // self.rows_per_seq, dtype=torch.long, device=accepted.device)
         out[:accepted.numel()] = self.k - accepted
         return out
+
+    def place(self, static: torch.Tensor, rows: torch.Tensor, size: int) -> None:
+        """Copy a layer's rows staged in packing order (``rows`` [T, n_cols, D], the host-read lookup's) into its static
+        rows of bucket ``size`` (``static`` [>= size, n_cols, D]) at their bucket rows; the padding rows become zero
+        rows, so the static rows are a function of the step alone (no earlier step's rows stay behind)."""
+        static[:size].zero_()
+        static.index_copy_(0, self.bucket_rows[:rows.shape[0]], rows.to(static.dtype))  # a no-op cast as a rule
+
+    def stats(self) -> dict:
+        """The bucket counters both verify runners report (engine.stats()["verify_graph"])."""
+        return {"verify_graph_rows": self.num_rows, "verify_graph_padded_rows": self.padded_rows,
+                "verify_graph_short_seqs": self.short_seqs}
 
     def fill(self, step: StepDescription, patch: PendingPatch | None) -> int:
         """Write the step into its bucket's static inputs (padded, tokens on the device patched in) -> bucket rows."""
