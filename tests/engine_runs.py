@@ -102,9 +102,17 @@ def assert_verified_in_buckets(engine, route: str = "verify-graph") -> dict:
     assert vg["replays"] >= 3 and vg["rows"] >= s["draft_tokens"], vg
     assert stats["steps_by_route"].get(route, 0) == vg["replays"], (stats["steps_by_route"], vg)
     assert set(stats["steps_by_route"]) <= {route, "eager"}, stats["steps_by_route"]
-    eager_verify = [r for r in engine.step_trace() if r.route == "eager" and r.sampled > r.num_seqs]
-    assert not eager_verify, eager_verify  # a step with more LM-head rows than sequences verified drafts
+    # the trace's LM-head rows of the verify steps (the serving roofline's) are the rows the runner verified
+    assert sum(r.sampled for r in engine.step_trace() if r.route == route) == vg["rows"], vg
+    assert not eager_verify_steps(engine), eager_verify_steps(engine)
     return vg
+
+
+def eager_verify_steps(engine) -> list:
+    """The traced steps that ran eager though verify-shaped: drafts verified (more LM-head rows than sequences) and
+    every token sampled (no prefill chunk beside them; a step with one runs as a mixed step)."""
+    return [r for r in engine.step_trace()
+            if r.route == "eager" and r.sampled == r.num_tokens > r.num_seqs]
 
 
 def run_with_failing_decodes(engine, monkeypatch, request_id: str, prompt_len: int) -> tuple[dict, list[str]]:

@@ -265,7 +265,7 @@ class StepPipeline:
         self._read_at = time.monotonic()
         self._commit_blocks(launched)
         record = StepRecord.from_shape(launched.step_id, result.route, launched.batch.num_new_tokens,
-                                       launched.context_lens, len(launched.sampled), result.gpu_s, result.idle_s,
+                                       launched.context_lens, _head_rows(launched), result.gpu_s, result.idle_s,
                                        lookup_exposed_s=result.lookup_exposed_s, gather_s=result.gather_s,
                                        **launched.lookups)
         self.trace.append(record)
@@ -326,6 +326,12 @@ class Launched:
     context_lens: list[int]  # each sequence's KV length after the step (its shape, for the step trace)
     lookups: dict  # for its StepRecord: host_gap_s, and the Engram ids planned / distinct per layer
     rows: StepRows | None = None  # its plan's row ids for the row trace (None: no trace, or no Engram layers)
+
+
+def _head_rows(launched: Launched) -> int:
+    """The step's LM-head rows: one a sampling sequence, plus its drafts (a verify step samples at each of them)."""
+    drafts = launched.batch.num_drafts
+    return len(launched.sampled) + (sum(drafts[i] for i in launched.sampled) if drafts else 0)
 
 
 def pick(batch: ScheduledBatch, indices) -> ScheduledBatch:

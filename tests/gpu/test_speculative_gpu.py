@@ -21,7 +21,7 @@ from engram.engine.engine import LLMEngine
 from engram.engine.sampling_params import SamplingParams
 from engram.model.loader import load_model
 from engram.store.options import StoreOptions
-from tests.engine_runs import drain, mixed_graphs_eager, preset_variant, verify_graphs_eager, verify_pieces_eager
+from tests.engine_runs import drain, eager_verify_steps, mixed_graphs_eager, preset_variant, verify_graphs_eager, verify_pieces_eager
 from tests.integration.test_verify_pieces import RowLog, row_problems
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -83,8 +83,8 @@ def _check_replayed(engine, method, route="verify-graph"):
     assert routes.get(route, 0) == vg["replays"], (routes, vg)
     if route == "verify-graph":  # every step on a graph
         assert routes.get("eager", 0) == 0, routes
-    else:  # over host-read tables prefill steps run eager, but no verify step does (it samples more than a row a seq)
-        assert not [r for r in engine.step_trace() if r.route == "eager" and r.sampled > r.num_seqs], routes
+    else:  # over host-read tables prefill and mixed steps run eager, but no verify step does
+        assert not eager_verify_steps(engine), routes
 
 
 @pytest.mark.parametrize("tier", ["gpu", "host"])
