@@ -156,3 +156,13 @@ def test_lazy_package_imports_only_for_optional_dependencies():
                    and not n.rsplit(".", 2)[-2] in OPTIONAL]
             offenders += [f"{mod}:{node.lineno} imports {n} lazily" for n in bad]
     assert not offenders, offenders
+
+
+def test_sizes_stay_within_the_limits_the_docs_keep():
+    """One concept a file (at most 400 lines in engram/), a README of at most 150 lines and docs/benchmarks.md of at
+    most 250: the latest numbers, nothing older."""
+    long = [f"{p.relative_to(ROOT)}: {n}" for p in sorted((ROOT / "engram").rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 400]
+    assert not long, long
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+    assert len((ROOT / "docs" / "benchmarks.md").read_text().splitlines()) <= 250
