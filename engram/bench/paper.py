@@ -83,11 +83,14 @@ def draw(stream, num: int, input_len, output_len, seed: int) -> list[Seq]:
 
 def generate(engine, seqs: list[Seq], tag: str, logprobs: int | None = None) -> tuple[float, list]:
     """Every sequence through ``engine`` at once (greedy, forced, ignore_eos) -> (output tok/s, outputs in order);
-    OutputMismatch unless each emitted exactly its forced ids."""
+    OutputMismatch unless each emitted exactly its forced ids. Every run starts with the prefix cache empty (the
+    engine keeps its default, caching on): A and A' share one engine, and a block it has just run must not be found
+    again, else the A/A control and B/A measure cache hits, not the tiers."""
     from engram.bench.forced_windows import Windows, check_forced
     from engram.engine.sampling_params import SamplingParams
 
     ids = [f"{tag}-{i}" for i in range(len(seqs))]
+    engine.reset_prefix_cache()
     t0 = time.perf_counter()
     for rid, s in zip(ids, seqs):
         engine.add_request(rid, s.prompt_ids, SamplingParams(temperature=0.0, max_tokens=len(s.forced_ids),

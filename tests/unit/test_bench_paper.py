@@ -78,3 +78,25 @@ def test_tier_check_names_the_first_difference():
 def test_bad_options_stop_before_anything_loads(argv, message):
     with pytest.raises(SystemExit, match=message):
         main(["bench", "paper", *FAST, *argv])
+
+
+def test_every_run_starts_with_an_empty_prefix_cache():
+    """A block run twice on one engine (A then A' of a round) finds none of its prompt blocks the second time."""
+    import torch
+
+    from engram.engine.config import EngineConfig
+    from engram.engine.engine import LLMEngine
+    from engram.model.loader import random_model
+    from engram.model.presets import preset_config
+
+    stream = token_stream(model_tokenizer("tiny"))
+    seqs = paper.draw(stream, 3, LengthRange(40, 60), LengthRange(3, 6), seed=1)
+    loaded = random_model(preset_config("tiny"), "gpu", torch.float32, torch.device("cpu"), 0, progress=False)
+    engine = LLMEngine(loaded, EngineConfig.from_options({"max_num_seqs": 4, "max_num_batched_tokens": 256,
+                                                          "max_model_len": 128, "enforce_eager": True}),
+                       torch.device("cpu"), torch.float32)
+    assert engine.stats()["prefix_cache"]["enabled"]
+    first = paper.generate(engine, seqs, "a")[1]
+    second = paper.generate(engine, seqs, "b")[1]
+    assert engine.stats()["prefix_cache"]["hit_blocks"] == 0
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
