@@ -58,8 +58,11 @@ def command(entry: dict, out_dir: Path, disk: str | None) -> list[str]:
 
 
 def git_commit() -> str:
+    """ENGRAM_COMMIT when set (a copied tree's .git may be stale), else git's HEAD."""
+    if os.environ.get("ENGRAM_COMMIT"):
+        return os.environ["ENGRAM_COMMIT"]
     r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return r.stdout.strip() if r.returncode == 0 else os.environ.get("ENGRAM_COMMIT", "unknown")
+    return r.stdout.strip() if r.returncode == 0 else "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ VARIABLES = {
                       "reader (auto|c|python); default auto",
     "ENGRAM_PP_LAYER_PARTITION": "layers per pipeline stage, 'a,b,...' (the planner chooses when unset; "
                                  "an explicit partition argument wins)",
-    "ENGRAM_COMMIT": "the commit benchmark JSON records when the tree is not a git checkout (a copied tree)",
+    "ENGRAM_COMMIT": "the commit benchmark JSON records, over git's HEAD (a copied tree's .git may be stale)",
 }
 TRITON_KERNELS = ("gather", "attention", "fused", "gate")
 KERNELS = TRITON_KERNELS + ("reader",)

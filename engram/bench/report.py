@@ -21,7 +21,10 @@ _SOURCE_DIR = Path(__file__).resolve().parent
 
 
 def git_commit(cwd: str | os.PathLike | None = None) -> dict[str, Any]:
-    """{"commit", "dirty"} of the source tree; outside a checkout the commit comes from ``ENGRAM_COMMIT``."""
+    """{"commit", "dirty"} of the source tree. ``ENGRAM_COMMIT``, when set, names the commit and wins over git (a
+    copied tree may carry a stale ``.git`` whose HEAD is not the source that ran: "dirty" is then None)."""
+    if envs.commit():
+        return {"commit": envs.commit(), "dirty": None}
     where = str(cwd or _SOURCE_DIR)
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True,

@@ -263,9 +263,12 @@ def test_verdict_words_follow_the_ci_not_the_estimate():
     assert verdict(inside, None)[0].startswith("B faster by 2.00 % (95 % CI 0.50…3.00 %)")
 
 
-def test_git_commit_outside_a_checkout_comes_from_the_environment(tmp_path, monkeypatch):
-    monkeypatch.setenv("ENGRAM_COMMIT", "abc123")
+def test_git_commit_comes_from_the_environment_when_set_even_inside_a_checkout(tmp_path, monkeypatch):
+    monkeypatch.setenv("ENGRAM_COMMIT", "abc123")  # a copied tree's .git may be stale: the named commit wins
     assert report.git_commit(cwd=tmp_path) == {"commit": "abc123", "dirty": None}
+    assert report.git_commit() == {"commit": "abc123", "dirty": None}
+    monkeypatch.delenv("ENGRAM_COMMIT")
+    assert report.git_commit(cwd=tmp_path)["commit"] is None  # not a checkout, nothing named
     if (Path(report.__file__).resolve().parents[2] / ".git").exists():  # run from a checkout: its own HEAD
         inside = report.git_commit()
-        assert inside["commit"] != "abc123" and len(inside["commit"]) == 40
+        assert len(inside["commit"]) == 40 and inside["dirty"] in (True, False)
