@@ -65,7 +65,9 @@ def load_v4_weights(model, files: list[Path], skip_suffixes: tuple[str, ...]) ->
     from safetensors import safe_open
 
     block = block_size(model.config.quantization)
-    targets = dict(model.state_dict(keep_vars=True))  # parameters and persistent buffers (tid2eid, gate.bias)
+    # parameters, persistent buffers (tid2eid, gate.bias) and the routed experts' per-expert views of their stacks
+    # (moe.RoutedExperts): every target shares its model tensor's storage, so copying into it loads the model
+    targets = dict(model.state_dict(keep_vars=True))
     engram_layers = model.engram_layers
     engram: dict[int, dict[str, torch.Tensor]] = {lid: {} for lid in engram_layers}
     scales: dict[str, tuple[str, torch.Tensor]] = {}  # weight name -> (key, scale)

@@ -3,8 +3,9 @@ caches)`` runs one engine step of packed tokens (``StepInputs``: token ids, posi
 engram_rows, dead_mask; its paged-KV fields are not read) with one ``SequenceCache`` per packed sequence, and returns
 the caches after the step without touching the ones passed in; ``compute_logits(hidden) -> [N, vocab]`` float32.
 Layer L: Engram (v41, on the hc streams, at ``engram.layer_ids``) -> mHC collapse -> attn_norm -> attention -> expand
--> collapse -> ffn_norm -> MoE -> expand; then the mHC head, ``norm`` and ``head``. Parameter names are the official
-checkpoint's under ``model.`` (``model.layers.L.attn.wq_a.weight``, ``model.embed.weight``, ...) plus ``head.weight``."""
+-> collapse -> ffn_norm -> MoE -> expand; then the mHC head, ``norm`` and ``head``. State-dict names are the official
+checkpoint's under ``model.`` (``model.layers.L.attn.wq_a.weight``, ``model.embed.weight``, ...) plus ``head.weight``;
+the routed experts' parameters are their stacks (``ffn.experts.w13`` / ``w2``, moe.py) behind the per-expert names."""
 from __future__ import annotations
 
 import torch
