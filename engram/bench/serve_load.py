@@ -2,9 +2,10 @@
 completions (prompts of exactly the drawn ``--input-len`` tokens of natural prose, ``--output-len`` tokens with
 ignore_eos) against ``engram serve`` started on a free port (or ``--url``), at most ``--concurrency`` in flight, sent
 at ``--request-rate`` (Poisson; inf: all at once), after ``--warmup`` requests that are not measured. Reports output
-tok/s, TTFT / TPOT / ITL / e2e percentiles, errors, the engine's counters for the window (``GET /engram/steps``) and
-the serving roofline of the window's steps (serving_roofline.py), as JSON (``--out``) and tables. ``--shared-prefix-len``
-puts one system prompt before every prompt and reports the prefix cache's hits (shared_prefix.py)."""
+tok/s, TTFT / TPOT / ITL / e2e percentiles, errors, the engine's counters for the window (``GET /engram/steps``), the
+node's memory of the server it started (node_memory.py, sampled after the window) and the serving roofline of the
+window's steps (serving_roofline.py), as JSON (``--out``) and tables. ``--shared-prefix-len`` puts one system prompt
+before every prompt and reports the prefix cache's hits (shared_prefix.py)."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,7 @@ import math
 import sys
 from pathlib import Path
 
-from engram.bench import serve_disk_bound, shared_prefix
+from engram.bench import node_memory, serve_disk_bound, shared_prefix
 from engram.bench.serve_workload import DEFAULT_CORPUS, DEFAULT_LENGTHS  # noqa: F401  (DEFAULT_CORPUS: others cite it)
 
 START_TIMEOUT_S = 900.0  # a large preset builds its tables and captures its graphs before /health answers
@@ -205,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
               f"{args.output_len} tokens, concurrency {args.concurrency or 'unlimited'}, request rate "
               f"{args.request_rate}/s", file=sys.stderr, flush=True)
         load = run_bench(args, url, warmup, measured, offsets)
+        load["node_memory"] = node_memory.bench_server_memory(server and server.proc.pid, args.serve_args)
     finally:
         if server is not None:
             server.stop()  # before the ceilings are measured: the device is the bench's alone
@@ -282,6 +284,8 @@ def format_tables(result: dict, format_table) -> str:
         parts.append(f"disk bound: skipped ({bound['skipped']})" if "skipped" in bound
                      else "disk bound (replayed pages ÷ raw 4 KiB reads/s)\n"
                      + format_table(serve_disk_bound.bound_rows(bound)))
+    if result.get("node_memory"):
+        parts.append(node_memory.summary_line(result["node_memory"]))
     if "skipped" in roof:
         parts.append(f"roofline: skipped ({roof['skipped']})")
     else:

@@ -1,39 +1,23 @@
 """Data-parallel replicas on one GPU (skipped without CUDA): LLM(data_parallel_size=2) on the host tier starts the
 replicas in turn, each profiling its KV cache into half of gpu_memory_utilization; both map (and cudaHostRegister)
-one shared copy of every table, so the node's table memory (PSS of the segments' mappings over both replicas) is at
-most 1.1 x one copy while each replica has every page mapped; and a request alone in a replica gets the tokens it gets
-alone in one engine (same batch, same kernels: float32 tokens equal)."""
+one shared copy of every table, so the node's table memory (the Pss of the segments' mappings over the test's process
+tree, engram/bench/node_memory.py) is at most 1.1 x one copy while each replica has every page mapped; and a request
+alone in a replica gets the tokens it gets alone in one engine (same batch, same kernels: float32 tokens equal)."""
 from __future__ import annotations
 
 import gc
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
 import engram
+from engram.bench.node_memory import node_memory, segment_sizes, summary_line
 
 pytestmark = [pytest.mark.whole_gpu, pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 PROMPTS = ["hello world", "the tables are", "a b c d e f", "memory is cheap"]
-
-
-def _segment_memory(pid: int, shm_dir: Path) -> tuple[int, int]:
-    """(Pss, Rss) in bytes of the mappings of files in ``shm_dir`` in process ``pid`` (/proc/<pid>/smaps)."""
-    pss = rss = 0
-    inside = False
-    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        head = line.split()
-        if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):  # a mapping's first line
-            inside = len(head) >= 6 and head[5].startswith(str(shm_dir))
-        elif inside and head[0] in ("Pss:", "Rss:"):
-            if head[0] == "Pss:":
-                pss += int(head[1]) * 1024
-            else:
-                rss += int(head[1]) * 1024
-    return pss, rss
 
 
 def test_two_replicas_on_one_gpu_share_one_registered_copy_and_split_the_kv(shm_dir):
@@ -55,11 +39,13 @@ def test_two_replicas_on_one_gpu_share_one_registered_copy_and_split_the_kv(shm_
         for k in range(0, len(PROMPTS), 2):  # one request alone in each replica
             outs = llm.generate(PROMPTS[k:k + 2], params, use_tqdm=False)
             assert [o.outputs[0].token_ids for o in outs] == alone[k:k + 2]
-        copy = sum(p.stat().st_size for p in shm_dir.iterdir() if not p.name.endswith(".lock"))
-        mem = [_segment_memory(pid, shm_dir) for pid in eng.pids]
-        print(f"one copy {copy / 2**30:.2f} GiB; replicas' Pss {[m[0] / 2**30 for m in mem]} GiB, "
-              f"Rss {[m[1] / 2**30 for m in mem]} GiB")
-        assert sum(m[0] for m in mem) <= 1.1 * copy
-        assert all(m[1] >= 0.9 * copy for m in mem)  # every replica reads every page of the one copy
+        # the test's process tree (itself, the replicas, their helpers): the segments it maps are every one made here
+        mem = node_memory(os.getpid(), shm_dir)
+        copy = mem["one_copy_bytes"]
+        assert copy == sum(segment_sizes(shm_dir).values()) > 0, mem
+        rss = dict(zip(mem["pids"], mem["shared_tables_rss_bytes_per_process"]))
+        print(summary_line(mem))
+        assert mem["shared_tables_pss_bytes"] <= 1.1 * copy
+        assert all(rss[pid] >= 0.9 * copy for pid in eng.pids)  # every replica reads every page of the one copy
     finally:
         llm.engine.close()

@@ -1,7 +1,8 @@
 """The node's one copy of a table across real processes (store/shared_host.py): two processes that open the same
 table on the host tier with ``shared_memory`` grow the node's memory by one table, not two (PSS from
-/proc/<pid>/smaps_rollup; the same two without it grow it by two), and a creator killed while it fills the segment
-leaves nothing another process maps: the process waiting for it builds the table again, rows equal to the files'."""
+/proc/<pid>/smaps_rollup, engram/bench/node_memory.py; the same two without it grow it by two), and a creator killed
+while it fills the segment leaves nothing another process maps: the process waiting for it builds the table again,
+rows equal to the files'."""
 from __future__ import annotations
 
 import os
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engram.bench.node_memory import total_pss
 from engram.quant import quantize_mxfp8
 from engram.store import open_table, read_manifest, write_table
 from engram.store.shared_host import segment_path, shared_target
@@ -85,10 +87,9 @@ class Child:
 
     def pss(self) -> int:
         """Proportional set size in bytes: a page mapped by k processes counts 1/k to each."""
-        for line in Path(f"/proc/{self.proc.pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-        raise AssertionError("no Pss line")
+        pss = total_pss(self.proc.pid)
+        assert pss is not None, f"pid {self.proc.pid} is gone"
+        return pss
 
     def close(self) -> None:
         if self.proc.poll() is None:
