@@ -27,12 +27,15 @@ def default_label(data: dict) -> str:
 
 
 def groups(results: list[dict], labels: list[str]) -> list[tuple[str, dict[str, float]]]:
-    """[(group label, {arm: tok/s})]: each result's headline arms, then the paper's H800 arms of each model seen."""
-    out = [(label, {arm: h["tok_s"] for arm, h in d["result"]["headline"].items()}) for d, label in zip(results, labels)]
+    """[(group label, {arm: tok/s})]: per model in order of appearance, each of its results' headline arms, then the
+    paper's H800 arms for that model."""
+    out = []
     for model in dict.fromkeys(d["result"]["model"]["name"] for d in results):
+        out += [(label, {arm: h["tok_s"] for arm, h in d["result"]["headline"].items()})
+                for d, label in zip(results, labels) if d["result"]["model"]["name"] == model]
         paper = results[0]["result"]["paper_h800"].get(model)
         if paper:
-            out.append((f"paper, H800, {model}", {"none": paper["none"], "host": paper["host"]}))
+            out.append((f"paper {model.split('-')[0].upper()}, H800", {"none": paper["none"], "host": paper["host"]}))
     return out
 
 

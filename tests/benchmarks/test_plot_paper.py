@@ -16,7 +16,7 @@ RESULT = Path(__file__).resolve().parents[2] / "bench/results/2026-12-04-paper-4
 def test_groups_and_pairs_come_from_the_result_and_the_paper():
     data = plot_paper.load(str(RESULT))
     got = plot_paper.groups([data], ["ours"])
-    assert [g[0] for g in got] == ["ours", "paper, H800, 4b-like"]
+    assert [g[0] for g in got] == ["ours", "paper 4B, H800"]
     assert got[0][1] == {arm: h["tok_s"] for arm, h in data["result"]["headline"].items()}
     assert got[1][1] == {"none": 9031.62, "host": 8858.28}
     (label, est, lo, hi, aa_lo, aa_hi), = plot_paper.pairs([data], ["ours"])
