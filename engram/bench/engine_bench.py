@@ -105,20 +105,24 @@ def settings_from(args: argparse.Namespace, seed: int) -> Settings:
 # ----------------------------------------------------------------- points
 def make_point(cfg, arm: str, tier: str | None, phase: str, batch: int, context: int, shapes: list,
                ms_wall: float, ms_gpu: float | None, tokens_per_step: int, itemsize: int, ceilings) -> dict:
-    """One JSON record: timings, throughput and the roofline of the mean cost of ``shapes`` (StepShapes)."""
+    """One JSON record: timings, throughput and the roofline of the mean cost of ``shapes`` (StepShapes); a
+    DeepSeek-V4 model's roofline fields are None (roofline.py counts dense decoders only)."""
     from engram.bench.roofline import StepCost, roofline, step_cost
+    from engram.model.deepseek_v4.config import V4Config
 
+    kv = [c for shape in shapes for c in shape.context_lens]
+    point = {"model": cfg.name, "arm": arm, "tier": tier, "engram": cfg.engram is not None, "phase": phase,
+             "batch": batch, "context": context, "kv_mean": round(statistics.fmean(kv), 1), "steps": len(shapes),
+             "ms_wall": ms_wall, "ms_gpu": ms_gpu, "ms_host_overhead": None if ms_gpu is None else ms_wall - ms_gpu,
+             "tok_s": tokens_per_step / ms_wall * 1e3}
+    if isinstance(cfg, V4Config):
+        return {**point, "roofline_ms": None, "ratio": None, "gpu_ratio": None, "bound": None}
     costs = [step_cost(cfg, shape, itemsize, tier) for shape in shapes]
     mean = StepCost(**{f.name: round(statistics.fmean(getattr(c, f.name) for c in costs))
                        for f in dataclasses.fields(StepCost)})
     roof_s, bound = roofline(mean, ceilings)
     roof_ms = roof_s * 1e3
-    kv = [c for shape in shapes for c in shape.context_lens]
-    return {"model": cfg.name, "arm": arm, "tier": tier, "engram": cfg.engram is not None, "phase": phase,
-            "batch": batch, "context": context, "kv_mean": round(statistics.fmean(kv), 1), "steps": len(shapes),
-            "ms_wall": ms_wall, "ms_gpu": ms_gpu,
-            "ms_host_overhead": None if ms_gpu is None else ms_wall - ms_gpu,
-            "tok_s": tokens_per_step / ms_wall * 1e3, "roofline_ms": roof_ms, "ratio": ms_wall / roof_ms,
+    return {**point, "roofline_ms": roof_ms, "ratio": ms_wall / roof_ms,
             "gpu_ratio": None if ms_gpu is None else ms_gpu / roof_ms, "bound": bound, **mean.to_dict()}
 
 
@@ -228,7 +232,8 @@ def plot_points(points: list[dict], path: str) -> None:
             pts = sorted((p for p in decode if p["arm"] == arm), key=lambda p: p["batch"])
             xs = [p["batch"] for p in pts]
             ax.plot(xs, [p["ms_wall"] for p in pts], "o-", color=f"C{i}", label=arm)
-            ax.plot(xs, [p["roofline_ms"] for p in pts], "--", color=f"C{i}", lw=1, label=f"{arm} roofline")
+            if all(p["roofline_ms"] is not None for p in pts):
+                ax.plot(xs, [p["roofline_ms"] for p in pts], "--", color=f"C{i}", lw=1, label=f"{arm} roofline")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("batch size (sequences decoding)")
@@ -241,8 +246,9 @@ def plot_points(points: list[dict], path: str) -> None:
 
 
 def _progress(p: dict) -> None:
+    roof = "no roofline" if p["roofline_ms"] is None else f"roofline {p['roofline_ms']:.3f} ms, {p['ratio']:.2f}x"
     print(f"{p['model']} {p['arm']} {p['phase']} batch {p['batch']} x {p['context']}: {p['ms_wall']:.3f} ms/step "
-          f"(roofline {p['roofline_ms']:.3f} ms, {p['ratio']:.2f}x)", file=sys.stderr, flush=True)
+          f"({roof})", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------- the command
@@ -317,7 +323,9 @@ def run(args: argparse.Namespace) -> int:
             plain = random_model(cfg.replace(engram=None), "gpu", dtype, device, opts.seed, opts=opts, progress=False)
             points += engine_points(plain, "engram-off", None, s, device, dtype, ceilings, busy_device)
             del plain
-        if peer_reason is None:
+        if peer_reason is None and cfg.architecture == "deepseek_v4":
+            warnings.append(f"{name}: no hf-peer points (the HF peer is a dense Qwen3; none for deepseek_v4)")
+        elif peer_reason is None:
             try:  # the peer is a comparison: its failure (a transformers or Inductor error) must not lose the rest
                 peer, graphs = peer_points(cfg, s, device, dtype, ceilings, compile_mode, busy_device)
             except Exception as e:

@@ -132,12 +132,12 @@ def analyze_layer(trace: LayerTrace, sizes_pct: tuple[float, ...], policies: tup
 
 
 def layout_config(name: str, table_rows: int | None = None):
-    """The EngramConfig of a model preset (``table_rows`` for 4b-like / 8b-like) or of an ``EngramConfig.preset``."""
+    """The EngramConfig of a model preset (``table_rows`` for TABLE_ROWS_PRESETS) or of an ``EngramConfig.preset``."""
     from engram.config import EngramConfig
-    from engram.model.presets import MODEL_PRESETS, preset_config
+    from engram.model.presets import MODEL_PRESETS, TABLE_ROWS_PRESETS, preset_config
 
     if name in MODEL_PRESETS:
-        return preset_config(name, table_rows=table_rows if name in ("4b-like", "8b-like") else None).engram
+        return preset_config(name, table_rows=table_rows if name in TABLE_ROWS_PRESETS else None).engram
     return EngramConfig.preset(name)
 
 

@@ -101,12 +101,16 @@ def _steps(url: str, since: int):
 
 
 def model_config(model: str):
-    """(ModelConfig, None) of a preset or a checkpoint directory's config.json, else (None, why not)."""
+    """(ModelConfig, None) of a preset or a checkpoint directory's config.json, else (None, why not): a DeepSeek-V4
+    preset too (the serving roofline counts dense decoders only)."""
     from engram.model.model_config import ModelConfig
     from engram.model.presets import MODEL_PRESETS, preset_config
 
     if model in MODEL_PRESETS:
-        return preset_config(model), None
+        cfg = preset_config(model)
+        if not isinstance(cfg, ModelConfig):
+            return None, f"no serving roofline for {model!r} ({cfg.architecture}: the roofline counts dense decoders)"
+        return cfg, None
     path = Path(model) / "config.json"
     if not path.is_file():
         return None, f"no model config for {model!r} (a preset or a checkpoint directory)"

@@ -1,13 +1,15 @@
 """`engram inspect`: show an Engram layout, the row ids of a text, or verify a table directory.
 
 --preset takes every config name any command takes (engram/commands/config_names.py: the shipped deepseek-v4.1-flash and
-paper-demo layouts, the model presets tiny, small, 4b-like, 8b-like); --config a config.json, a directory
-holding one, or such a name.
+paper-demo layouts, the model presets tiny, small, 4b-like, 8b-like, v4-small-like); --config a config.json, a
+directory holding one, or such a name. A model preset's report adds its size ("model": parameters and bf16 bytes,
+counted on the meta device).
 
 Examples:
   engram inspect --preset deepseek-v4.1-flash
   engram inspect --preset tiny --text "Hello world"            (built-in tokenizer)
   engram inspect --preset 4b-like --json
+  engram inspect --preset v4-small-like                         (its layout and size)
   engram inspect --config path/to/config.json --tokenizer path/to/tokenizer.json --text "..." --json
   engram convert --random --rows 100000 --dim 256 --out /tmp/t && engram inspect --verify /tmp/t
   engram inspect --verify ~/.cache/engram/tables/random-<key>/layer1
@@ -31,7 +33,8 @@ BUILTIN_TOKENIZER = Path(__file__).resolve().parents[1] / "model" / "assets" / "
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", default=None,
-                     help="config name: deepseek-v4.1-flash (default), paper-demo, tiny, small, 4b-like, 8b-like")
+                     help="config name: deepseek-v4.1-flash (default), paper-demo, tiny, small, 4b-like, 8b-like, "
+                          "v4-small-like")
     src.add_argument("--config", default=None,
                      help="HF config.json with engram_* fields, a directory holding one, or a config name")
     p.add_argument("--text", default=None, help="text whose compressed ids and row ids to print")
@@ -54,6 +57,18 @@ def layout_report(cfg) -> dict:
             "layers": layers, "total_rows": sum(l["rows"] for l in layers),
             "total_bytes": sum(l["bytes"] for l in layers),
             "bytes_per_token": len(layers) * cfg.n_cols * cfg.row_bytes}
+
+
+def model_report(name: str) -> dict:
+    """A model preset's size in bf16 (loader.model_size: parameters, bytes, Engram tables), nothing allocated."""
+    import torch
+
+    from engram.model.presets import preset_config
+    from engram.model.loader import model_size
+
+    cfg = preset_config(name)
+    return {"name": name, "architecture": cfg.architecture, "num_layers": cfg.num_layers, "dtype": "bfloat16",
+            **model_size(cfg, torch.bfloat16)}
 
 
 def text_report(cfg, tokenizer_path: Path, text: str) -> dict:
@@ -88,6 +103,15 @@ def _print_layout(r: dict) -> None:
     print(f"row bytes fetched per token: {r['bytes_per_token']:,}")
 
 
+def _print_model(r: dict) -> None:
+    from engram.store.preflight import fmt_bytes
+
+    print(f"model {r['name']} ({r['architecture']}, {r['num_layers']} layers): {r['parameters'] / 1e9:.2f} B "
+          f"parameters ({r['routed_expert_parameters'] / 1e9:.2f} B routed experts, {r['engram_parameters'] / 1e9:.2f} "
+          f"B Engram), {fmt_bytes(r['parameter_bytes'] + r['buffer_bytes'])} in {r['dtype']}, tables "
+          f"{fmt_bytes(r['table_bytes'])}")
+
+
 def _print_text(r: dict, cfg) -> None:
     print(f"\ncompressed pad id {r['compressed_pad_id']}")
     print(f"{'pos':>4} {'token':<16} {'id':>7} {'cid':>7}")
@@ -102,6 +126,7 @@ def _print_text(r: dict, cfg) -> None:
 def run(args: argparse.Namespace) -> int:
     from engram.config import EngramConfig
     from engram.commands.config_names import named_config, resolve_config
+    from engram.model.presets import MODEL_PRESETS
 
     if args.verify:
         from engram.store.verify import verify_table
@@ -118,6 +143,9 @@ def run(args: argparse.Namespace) -> int:
             raw = named_config(args.preset or ("tiny" if args.text and not args.tokenizer else "deepseek-v4.1-flash"))
         cfg = EngramConfig.from_hf_config(raw)
         out = {"layout": layout_report(cfg)}
+        name = args.config or args.preset
+        if name in MODEL_PRESETS:
+            out["model"] = model_report(name)
         if args.text is not None:
             tokenizer = Path(args.tokenizer) if args.tokenizer else BUILTIN_TOKENIZER
             out["text"] = text_report(cfg, tokenizer, args.text)
@@ -128,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
         return 0
     _print_layout(out["layout"])
+    if "model" in out:
+        _print_model(out["model"])
     if "text" in out:
         _print_text(out["text"], cfg)
     return 0

@@ -10,7 +10,8 @@ from typing import Any
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("model", nargs="?", default="tiny",
-                   help="preset (tiny, small, 4b-like, 8b-like) or checkpoint directory (default: tiny)")
+                   help="preset (tiny, small, 4b-like, 8b-like, v4-small-like) or checkpoint directory "
+                        "(default: tiny)")
     g.add_argument("--tier", choices=("gpu", "host", "disk"), default="gpu",
                    help="where Engram tables live (gpu: device memory, or RAM without CUDA)")
     g.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default=None,

@@ -18,7 +18,7 @@ from engram.model.deepseek_v4.config import ARCHITECTURES as V4_ARCHITECTURES, V
 from engram.model.deepseek_v4.decoder import DeepseekV4Model
 from engram.model.model_config import ModelConfig
 from engram.model.presets import (HOST_INIT_MAX_PARAMS, MODEL_PRESETS, TOKENIZER_FILE, init_random_weights,
-                                  preset_config)
+                                  preset_config, random_v4_model)
 from engram.model.tables import (checkpoint_table_dirs, convert_checkpoint_tables, ensure_preset_tables,
                                  open_random_tables, open_tables)
 from engram.weights import V41_TABLE_KEYS
@@ -112,7 +112,7 @@ def load_model(model: str | os.PathLike = "tiny", tier: str = "gpu", dtype: str 
                device: str | torch.device | None = None, engram_config=None,
                cache_dir: str | os.PathLike | None = None, progress: bool = True,
                layers: range | None = None) -> LoadedModel:
-    """Load a preset ("tiny" | "small" | "4b-like" | "8b-like") or a checkpoint directory; ``engram_config``: a dict or
+    """Load a preset (``MODEL_PRESETS``) or a checkpoint directory; ``engram_config``: a dict or
     RuntimeOptions (model/options.py). ``layers``: only these decoder layers' weights are built and loaded, and only
     their Engram layers' tables opened (a pipeline stage's; None: all)."""
     opts = engram_config if isinstance(engram_config, RuntimeOptions) else RuntimeOptions.from_dict(engram_config)
@@ -150,17 +150,24 @@ def _load_preset(name, tier, dtype, device, opts, cache_dir, progress, layers=No
     return random_model(cfg, tier, dtype, device, seed, cache_dir, opts, progress, layers)
 
 
-def random_model(cfg: ModelConfig, tier: str = "gpu", dtype: torch.dtype = torch.float32,
+def random_model(cfg: ModelConfig | V4Config, tier: str = "gpu", dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", seed: int = 0, cache_dir=None, opts=None,
                  progress: bool = True, layers: range | None = None) -> LoadedModel:
-    """Any ModelConfig with deterministic random weights and tables, built-in tokenizer (``opts``: RuntimeOptions);
-    ``layers``: only these decoder layers (their weights are the whole model's, drawn where the whole model's are)."""
+    """Any ModelConfig or V4Config with deterministic random weights and tables, built-in tokenizer (``opts``:
+    RuntimeOptions); ``layers``: only these decoder layers (their weights are the whole model's, drawn where the whole
+    model's are; a V4 model is built whole). A V4 model is made empty in ``dtype`` on ``device`` and filled there
+    (presets.random_v4_model)."""
     in_memory = opts is not None and opts.tables_in_memory
     if in_memory:
         opts.tier(tier)  # tier "disk" is refused before anything is built
     device = torch.device(device)
-    model = build_model(cfg, dtype, device, layers)
-    init_random_weights(model, seed, on_device=None if layers is None else draws_on_device(cfg))
+    if isinstance(cfg, V4Config):
+        if layers is not None:
+            raise NotImplementedError(f"layers={layers}: a deepseek_v4 model is built whole (no pipeline stages)")
+        model = random_v4_model(cfg, dtype, device, seed)
+    else:
+        model = build_model(cfg, dtype, device, layers)
+        init_random_weights(model, seed, on_device=None if layers is None else draws_on_device(cfg))
     tok, ctok = _tokenizers(TOKENIZER_FILE)
     dirs = {}
     if cfg.engram is not None and not in_memory:
@@ -201,6 +208,32 @@ def draws_on_device(cfg: ModelConfig) -> bool:
     on the meta device: a model of some of its layers draws its weights where the whole model does."""
     with torch.device("meta"):
         return sum(p.numel() for p in EngramDecoder(cfg).parameters()) > HOST_INIT_MAX_PARAMS
+
+
+def model_size(cfg, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
+    """What a model of ``cfg`` (a V4Config or a dense ModelConfig) holds when built in ``dtype``, counted on the meta
+    device (nothing allocated): ``parameters`` and their ``parameter_bytes`` (a tied head counted once; V4's float32
+    pieces at 4 bytes), ``buffer_bytes`` (V4: ``tid2eid`` and router biases), ``routed_expert_parameters`` (V4's
+    stacks), ``engram_parameters`` (the Engram modules, in the parameters) and ``table_bytes`` (every Engram layer's
+    table as stored, outside the model)."""
+    with torch.device("meta"):
+        model = DeepseekV4Model(cfg) if isinstance(cfg, V4Config) else EngramDecoder(cfg)
+        model = model.to(dtype)
+    if isinstance(model, DeepseekV4Model):
+        model.keep_fp32()
+    else:
+        model.tie_weights()
+    params = dict(model.named_parameters())  # one entry per tensor: a tied head is listed once
+    e = cfg.engram
+    return {
+        "parameters": sum(p.numel() for p in params.values()),
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in params.values()),
+        "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
+        "routed_expert_parameters": sum(p.numel() for n, p in params.items() if n.endswith(("experts.w13",
+                                                                                            "experts.w2"))),
+        "engram_parameters": sum(p.numel() for n, p in params.items() if ".engram." in n),
+        "table_bytes": 0 if e is None else sum(e.table_bytes(lid) for lid in e.layer_ids),
+    }
 
 
 def _held(model: EngramDecoder, name: str) -> bool:

@@ -1,7 +1,7 @@
 """``RuntimeOptions``: the ``--engram-config`` JSON (``LLM(engram_config=...)``) validated once into types.
 ``cpu_offload`` (tier "host" unless one was chosen), ``lookup_overlap``, ``wkv_tp`` (tensor parallelism's WKV layout),
-``table_rows`` (4b-like / 8b-like), ``seed`` and ``tables_in_memory`` (tiers gpu and host); every other key is a table
-option (StoreOptions). An unknown key or bad value raises ValueError before anything loads."""
+``table_rows`` (4b-like / 8b-like / v4-small-like), ``seed`` and ``tables_in_memory`` (tiers gpu and host); every other
+key is a table option (StoreOptions). An unknown key or bad value raises ValueError before anything loads."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

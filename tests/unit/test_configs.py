@@ -77,7 +77,7 @@ def test_resolve_name_file_and_directory(tmp_path, monkeypatch):
     assert resolve_config("tiny", "CONFIG") == preset_config("tiny").to_hf_dict()
     with pytest.raises(ValueError, match=r"^--config='nope': no such file or directory, and not a config name "
                                          r"\['4b-like', '8b-like', 'deepseek-v4.1-flash', "
-                                         r"'paper-demo', 'small', 'tiny'\]$"):
+                                         r"'paper-demo', 'small', 'tiny', 'v4-small-like'\]$"):
         resolve_config("nope", "--config")
     with pytest.raises(ValueError, match="config name 'nope' is unknown; known: "):
         named_config("nope")

@@ -98,9 +98,16 @@ def test_fresh_process(config):
 
 @pytest.mark.parametrize("name", config_names())
 def test_every_config_name(name, capsys, monkeypatch):
-    """Every name another command takes (Engram presets, model presets) plans, from its layer count."""
+    """Every name another command takes (Engram presets, model presets) plans, from its layer count; v4-small-like
+    at one stage: two stages of 8 layers hold a bf16 sliding page (block_size 16) smaller than an HCA compressor's
+    state, which a page must hold (cache_layout), and plan-pp says so."""
     monkeypatch.delenv(PARTITION_ENV, raising=False)
-    assert main(["plan-pp", name, "--pp", "2", "--json"]) == 0
+    pp = "2"
+    if name == "v4-small-like":
+        assert main(["plan-pp", name, "--pp", "2", "--json"]) == 2
+        assert "engine.block_size is too small for DeepSeek-V4's compressor state" in capsys.readouterr().out
+        pp = "1"
+    assert main(["plan-pp", name, "--pp", pp, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     raw = named_config(name)
     assert plan["num_hidden_layers"] == raw["num_hidden_layers"] and sum(plan["partition"]) == raw["num_hidden_layers"]

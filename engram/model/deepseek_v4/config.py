@@ -28,8 +28,8 @@ _V41_WHY = ("DeepSeek-V4.1 attention (cross-layer KV / index sharing, candidate 
 
 @dataclass(frozen=True)
 class V4Config:
-    name: str  # checkpoint directory name
-    vocab_size: int  # embedding / head rows (all get logits)
+    name: str  # checkpoint directory name or preset name
+    vocab_size: int  # ids that get logits (compute_logits returns [N, vocab_size])
     hidden_size: int  # H
     num_layers: int  # decoder layers (MTP layers are not built)
     num_heads: int  # query heads; one shared key=value head
@@ -66,10 +66,13 @@ class V4Config:
     chat_template: str | None = None
     architecture: str = "deepseek_v4"
     tie_word_embeddings: bool = False  # never in V4; read by the engine's shared code
+    padded_vocab_size: int | None = None  # embedding / head / tid2eid rows; None = vocab_size
 
     def __post_init__(self) -> None:
         for f in ("layer_types", "mlp_layer_types"):
             object.__setattr__(self, f, tuple(getattr(self, f)))
+        if self.padded_vocab_size is None:
+            object.__setattr__(self, "padded_vocab_size", self.vocab_size)
         self._validate()
 
     def _validate(self) -> None:
@@ -89,6 +92,8 @@ class V4Config:
             wrong = [t for t in types if t not in allowed]
             if wrong:
                 raise bad(f, f"entry {wrong[0]!r} is not one of {allowed}")
+        if self.padded_vocab_size < self.vocab_size:
+            raise bad("padded_vocab_size", f"must be >= vocab_size={self.vocab_size}")
         if self.num_heads % self.o_groups:
             raise bad("o_groups", f"must divide num_attention_heads={self.num_heads}")
         rope = self.main_rope.dim
@@ -155,8 +160,10 @@ class V4Config:
             eos = eos[0] if eos else None
         engram = EngramConfig.from_hf_config(hf) if "engram_layer_ids" in hf else None
         main, compress = _rope_specs(hf, head_dim)
+        rows = int(need("vocab_size"))
         return cls(
-            name=name, vocab_size=int(need("vocab_size")), hidden_size=int(need("hidden_size")), num_layers=n,
+            name=name, vocab_size=int(hf.get("engram_logit_vocab_size", rows)), padded_vocab_size=rows,
+            hidden_size=int(need("hidden_size")), num_layers=n,
             num_heads=int(need("num_attention_heads")), head_dim=head_dim, q_lora_rank=int(need("q_lora_rank")),
             o_groups=int(need("o_groups")), o_lora_rank=int(need("o_lora_rank")),
             layer_types=_layer_types(hf, n), mlp_layer_types=_mlp_layer_types(hf, n),
@@ -174,6 +181,36 @@ class V4Config:
             bos_token_id=hf.get("bos_token_id", 0), eos_token_id=eos, pad_token_id=hf.get("pad_token_id"),
             engram=engram, quantization=hf.get("quantization_config"), architecture=arch,
         )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """config.json fields that ``from_hf_dict`` reads back to an equal config (all but ``name`` and
+        ``chat_template``): transformers' DeepseekV4Config spelling (``layer_types``, ``mlp_layer_types``,
+        ``compress_rates``, ``rope_parameters`` nested main / compress), ``vocab_size`` = the embedding rows and
+        ``engram_logit_vocab_size`` = the ids that get logits, plus the ``engram_*`` fields (the model's own
+        ``hidden_size`` / ``hc_mult`` / ``rms_norm_eps`` win over the Engram config's)."""
+        out: dict[str, Any] = {
+            "architectures": ["DeepseekV4ForCausalLM"], "model_type": self.architecture,
+            "vocab_size": self.padded_vocab_size, "engram_logit_vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": 1, "head_dim": self.head_dim,
+            "q_lora_rank": self.q_lora_rank, "o_groups": self.o_groups, "o_lora_rank": self.o_lora_rank,
+            "layer_types": list(self.layer_types), "mlp_layer_types": list(self.mlp_layer_types),
+            "compress_rates": {CSA: self.csa_ratio, HCA: self.hca_ratio}, "qk_rope_head_dim": self.main_rope.dim,
+            "rope_theta": self.main_rope.theta, "compress_rope_theta": self.compress_rope.theta,
+            "rope_parameters": {"main": _rope_dict(self.main_rope), "compress": _rope_dict(self.compress_rope)},
+            "n_routed_experts": self.n_routed_experts, "n_shared_experts": 1,
+            "num_experts_per_tok": self.num_experts_per_tok, "moe_intermediate_size": self.moe_intermediate_size,
+            "sliding_window": self.sliding_window, "index_n_heads": self.index_n_heads,
+            "index_head_dim": self.index_head_dim, "index_topk": self.index_topk, "scoring_func": self.scoring_func,
+            "routed_scaling_factor": self.routed_scaling_factor, "swiglu_limit": self.swiglu_limit,
+            "hc_mult": self.hc_mult, "hc_sinkhorn_iters": self.hc_sinkhorn_iters, "hc_eps": self.hc_eps,
+            "rms_norm_eps": self.rms_norm_eps, "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": False, "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+        }
+        if self.quantization is not None:
+            out["quantization_config"] = dict(self.quantization)
+        return out if self.engram is None else {**self.engram.to_hf_fields(), **out}
 
 
 def _layer_types(hf: dict[str, Any], n: int) -> tuple[str, ...]:
@@ -245,3 +282,13 @@ def _spec(p: dict[str, Any], dim: int, label: str) -> RopeSpec:
 def _yarn_mscale(factor: float) -> float:
     """YaRN's default attention factor, used where a nested yarn entry names none."""
     return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+
+def _rope_dict(spec: RopeSpec) -> dict[str, Any]:
+    """A RopeSpec as a nested ``rope_parameters`` entry ``_spec`` reads back."""
+    if spec.kind == "default":
+        return {"rope_type": "default", "rope_theta": spec.theta}
+    return {"rope_type": spec.kind, "rope_theta": spec.theta, "factor": spec.factor,
+            "original_max_position_embeddings": spec.original_max_position_embeddings,
+            "beta_fast": spec.beta_fast, "beta_slow": spec.beta_slow, "attention_factor": spec.attention_factor,
+            "truncate": spec.truncate}

@@ -64,7 +64,7 @@ class Block(nn.Module):
 class Body(nn.Module):
     def __init__(self, cfg: V4Config):
         super().__init__()
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head_fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * cfg.hidden_size))
@@ -77,7 +77,7 @@ class DeepseekV4Model(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Body(cfg)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size, bias=False)
 
     @property
     def engram_layers(self) -> dict[int, Engram]:
@@ -124,8 +124,8 @@ class DeepseekV4Model(nn.Module):
         return b.norm(collapsed), new
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> float32 logits [N, vocab_size]."""
-        return self.head(hidden).float()
+        """hidden [N, H] -> float32 logits [N, vocab_size] (rows past vocab_size, ``padded_vocab_size``'s, dropped)."""
+        return self.head(hidden)[:, : self.config.vocab_size].float()
 
 
 def pack_sequences(chunks: list[list[int]], starts: list[int], engram_rows=None, device: torch.device | str = "cpu",

@@ -155,7 +155,7 @@ def routed_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
 
 
 class Gate(nn.Module):
-    """Router: ``weight`` [E, H]; ``bias`` [E] float32 (top-k layers) or ``tid2eid`` [vocab, k] (hash layers)."""
+    """Router: ``weight`` [E, H]; ``bias`` [E] float32 (top-k layers) or ``tid2eid`` [padded vocab, k] (hash layers)."""
 
     def __init__(self, cfg: V4Config, hashed: bool):
         super().__init__()
@@ -163,7 +163,8 @@ class Gate(nn.Module):
         self.scoring, self.scale = cfg.scoring_func, cfg.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
         if hashed:
-            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.long))
+            self.register_buffer("tid2eid", torch.zeros(cfg.padded_vocab_size, cfg.num_experts_per_tok,
+                                                          dtype=torch.long))
         else:
             self.register_buffer("bias", torch.zeros(cfg.n_routed_experts))
 
