@@ -246,7 +246,8 @@ class EngineClient:
         outputs, stopped = self._processor.process(deltas)
         if stopped:
             self._outbox.put(("abort", stopped))
-        self._deliver_step(outputs)
+        # the step's records and counters before its outputs: a client woken by its last token finds its steps in
+        # the trace and the counters that include them
         for rec in records:
             self.trace.append(rec)
         if stats is not None and self._on_stats is not None:
@@ -254,6 +255,7 @@ class EngineClient:
                 self._on_stats(stats)
             except Exception:  # metrics must never stop the engine
                 log.exception("on_stats hook failed")
+        self._deliver_step(outputs)
 
     def _deliver(self, request_id: str, item: Any) -> None:
         stream = self._streams.get(request_id)

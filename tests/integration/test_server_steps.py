@@ -1,6 +1,7 @@
 """``GET /engram/steps`` of a real ``engram serve`` (tiny, CPU): after two completions it returns one record per
 collected step in step order, in the documented columns, with totals that add up to the prompts and outputs, and
-``since`` returns only later steps."""
+``since`` returns only later steps; right after each completion returns, its steps are already in the trace (the
+API process files a step's records before it delivers the step's tokens)."""
 from __future__ import annotations
 
 import httpx
@@ -28,5 +29,11 @@ def test_steps_endpoint_records_every_step(tmp_path):
             assert body["stats"]["steps_by_route"] == {"eager": len(steps)}
             later = StepTrace.from_json(c.get("/engram/steps", params={"since": steps[1].step_id}).json())
             assert [s.step_id for s in later] == [s.step_id for s in steps[2:]]
+            for k in range(1, 13):  # every response's last step is in the trace when the response is read
+                r = c.post("/v1/completions", json={"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 2,
+                                                    "ignore_eos": True, "temperature": 0})
+                assert r.status_code == 200, r.text
+                now = StepTrace.from_json(c.get("/engram/steps").json())
+                assert sum(s.sampled for s in now) == 2 * 4 + 2 * k, k
     finally:
         server.stop()

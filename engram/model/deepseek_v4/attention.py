@@ -7,7 +7,8 @@ back by the query's angle, then the grouped low-rank projection ``wo_a`` (block-
 ``wo_b``. Sliding-window layers use the main RoPE, compressed layers the compress RoPE.
 
 Token-wise projections run over all packed tokens at once; attention, compressor and indexer run one sequence at a
-time on that sequence's ``LayerState``, and return the new state (the caller commits it)."""
+time on that sequence's ``LayerState``, and return the new state (the caller commits it). The batched static-shape
+decode step (batched_decode.py) reuses ``project``, ``sink_probs`` and ``project_out``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -73,13 +74,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, seqs: list[SeqSlice],
                 states: list[LayerState]) -> tuple[torch.Tensor, list[LayerState]]:
         """x [T, H] (normed block input of every packed token) -> (output [T, H], each sequence's new state)."""
-        t = x.shape[0]
-        cos, sin = rope.cos_sin(positions, x.dtype)  # [T, rd/2]
-        q_low = self.q_norm(self.wq_a(x))  # [T, q_lora_rank]
-        q = rms_norm(self.wq_b(q_low).view(t, self.n_heads, self.head_dim), None, self.eps)
-        q = rope.apply(q, cos, sin)  # [T, nh, d]
-        kv = rope.apply(self.norm(self.wkv(x)), cos, sin)  # [T, d]
-        iq = self.indexer.queries(x, q_low, cos, sin, rope) if self.kind == CSA else None
+        cos, sin, q, kv, iq = self.project(x, positions, rope)
         out = torch.empty_like(q)
         new_states = []
         for s, st in zip(seqs, states):
@@ -95,11 +90,27 @@ class Attention(nn.Module):
                             < visible_entries(positions[sl], self.ratio).unsqueeze(-1))
             out[sl] = self._attend(q[sl], st.window, kv[sl], extra, keep)
             new_states.append(state)
+        return self.project_out(out, cos, sin, rope), new_states
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope):
+        """The token-wise projections of x [T, H] at positions [T] -> (cos, sin [T, rd/2], queries [T, nh, d] and
+        keys [T, d] RoPE'd, the indexer's (queries, head weights) in CSA layers else None)."""
+        t = x.shape[0]
+        cos, sin = rope.cos_sin(positions, x.dtype)  # [T, rd/2]
+        q_low = self.q_norm(self.wq_a(x))  # [T, q_lora_rank]
+        q = rms_norm(self.wq_b(q_low).view(t, self.n_heads, self.head_dim), None, self.eps)
+        q = rope.apply(q, cos, sin)  # [T, nh, d]
+        kv = rope.apply(self.norm(self.wkv(x)), cos, sin)  # [T, d]
+        iq = self.indexer.queries(x, q_low, cos, sin, rope) if self.kind == CSA else None
+        return cos, sin, q, kv, iq
+
+    def project_out(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """Attention output [T, nh, d] -> [T, H]: inverse RoPE at the query's angle, grouped ``wo_a``, ``wo_b``."""
         out = rope.apply(out, cos, sin, inverse=True)  # undo the values' rotation at the query's angle
-        grouped = out.reshape(t, self.groups, -1)  # [T, g, nh*d/g]
+        grouped = out.reshape(out.shape[0], self.groups, -1)  # [T, g, nh*d/g]
         w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [g, r, nh*d/g]
         low = torch.einsum("tgi,gri->tgr", grouped, w).flatten(1)  # [T, g*r]
-        return self.wo_b(low), new_states
+        return self.wo_b(low)
 
     def _advance(self, x: torch.Tensor, kv: torch.Tensor, st: LayerState, rope: Rope) -> LayerState:
         """A sequence's state after its new tokens: window, compressed entries, index keys."""
@@ -121,8 +132,12 @@ class Attention(nn.Module):
             keys = torch.cat([keys, extra.to(keys.dtype)])
             allowed = torch.cat([allowed, keep], dim=1)
         logits = torch.einsum("thd,kd->htk", q, keys).to(work_dtype(q.dtype)) * self.head_dim ** -0.5  # [nh, t, K]
+        return torch.einsum("htk,kd->thd", self.sink_probs(logits, allowed).to(keys.dtype), keys)
+
+    def sink_probs(self, logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """Scaled logits [nh, t, K] (work dtype), allowed bool [t, K] -> probabilities [nh, t, K]: masked to -inf where
+        not allowed, softmax with the per-head sink column (which takes weight but adds no value)."""
         logits = logits.masked_fill(~allowed, float("-inf"))
-        sink = self.attn_sink.to(logits.dtype).view(-1, 1, 1).expand(-1, t, 1)  # [nh, t, 1]
+        sink = self.attn_sink.to(logits.dtype).view(-1, 1, 1).expand(-1, logits.shape[1], 1)  # [nh, t, 1]
         full = torch.cat([logits, sink], dim=-1)
-        probs = torch.softmax(full - full.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]  # the sink adds no value
-        return torch.einsum("htk,kd->thd", probs.to(keys.dtype), keys)
+        return torch.softmax(full - full.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]

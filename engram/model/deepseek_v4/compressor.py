@@ -67,23 +67,33 @@ class Compressor(nn.Module):
         ck = kv[:usable].view(n, r, -1)  # [n, r, c*d]
         cg = gate[:usable].view(n, r, -1) + self.ape.to(gate.dtype)
         overlap_kv, overlap_gate = state.overlap_kv, state.overlap_gate
+        prev_kv = prev_gate = None
         if self.overlap:
-            # slots [0, r): the previous window's first halves; [r, 2r): this window's second halves
             prev_kv = ck.new_zeros(n, r, d)
             prev_gate = cg.new_full((n, r, d), float("-inf"))
             prev_kv[1:], prev_gate[1:] = ck[:-1, :, :d], cg[:-1, :, :d]
             if overlap_kv is not None:
                 prev_kv[0], prev_gate[0] = overlap_kv, overlap_gate
             overlap_kv, overlap_gate = ck[-1, :, :d], cg[-1, :, :d]
+        first = torch.arange(n, device=x.device) * r + state.num_entries * r  # each window's first position
+        entries = torch.cat([state.entries, self.pool(ck, cg, prev_kv, prev_gate, first, rope)])
+        return CompressorState(kv[usable:], gate[usable:], entries, overlap_kv, overlap_gate)
+
+    def pool(self, ck: torch.Tensor, cg: torch.Tensor, prev_kv: torch.Tensor | None, prev_gate: torch.Tensor | None,
+             first: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """The entries of n closed windows (shared by ``step`` and the batched decode step). ck [n, r, c*d] the
+        windows' projections, cg [n, r, c*d] their gates + ape (work dtype); with overlap, prev_kv / prev_gate
+        [n, r, d]: the previous windows' first halves (gate -inf where there is none: entry 0), slots [0, r) of the
+        pool, the windows' own second halves slots [r, 2r); first [n] long: each window's first position (RoPE) ->
+        [n, d] in ck's dtype: norm(sum softmax(gate) * kv), RoPE'd."""
+        if self.overlap:
+            d = self.head_dim
             ck = torch.cat([prev_kv, ck[..., d:]], dim=1)  # [n, 2r, d]
             cg = torch.cat([prev_gate, cg[..., d:]], dim=1)
         weights = cg.softmax(dim=1)  # [n, w, d] work dtype, over the window's slots
         pooled = self.norm((ck * weights.to(ck.dtype)).sum(dim=1))  # [n, d]
-        first = state.num_entries * r
-        pos = torch.arange(n, device=x.device) * r + first  # each window's first position
-        cos, sin = rope.cos_sin(pos, pooled.dtype)
-        entries = torch.cat([state.entries, rope.apply(pooled, cos, sin)])
-        return CompressorState(kv[usable:], gate[usable:], entries, overlap_kv, overlap_gate)
+        cos, sin = rope.cos_sin(first, pooled.dtype)
+        return rope.apply(pooled, cos, sin)
 
 
 def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:

@@ -8,6 +8,8 @@ checkpoint's under ``model.`` (``model.layers.L.attn.wq_a.weight``, ``model.embe
 the routed experts' parameters are their stacks (``ffn.experts.w13`` / ``w2``, moe.py) behind the per-expert names."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -48,17 +50,29 @@ class Block(nn.Module):
     def forward(self, h: torch.Tensor, step: StepInputs, rope: Rope, seqs: list[SeqSlice],
                 states: list[LayerState]) -> tuple[torch.Tensor, list[LayerState]]:
         """h [T, hc, H] -> (h after this layer, each sequence's new attention state)."""
+        new: list[LayerState] = []
+
+        def attend(x: torch.Tensor) -> torch.Tensor:
+            y, states_after = self.attn(x, step.positions, rope, seqs, states)
+            new.extend(states_after)
+            return y
+
+        return self.run(h, step, attend), new
+
+    def run(self, h: torch.Tensor, step: StepInputs, attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The layer around its attention: h [T, hc, H] -> Engram -> collapse -> attn_norm -> ``attend`` ([T, H] ->
+        [T, H]) -> expand -> collapse -> ffn_norm -> MoE (step.token_ids) -> expand -> [T, hc, H]. Shared by the
+        eager step (``forward``) and the batched decode step (batched_decode.py)."""
         if self.engram is not None:
             if step.engram_rows is None:
                 raise ValueError(f"layer {self.layer_id} is an Engram layer but the step has no engram_rows provider")
             h = self.engram(h, step.engram_rows(self.layer_id), dead_mask=step.dead_mask)  # [T, hc, H]
         hc = self._hc("attn")
         x, post, comb = hc.collapse(h)
-        y, states = self.attn(self.attn_norm(x), step.positions, rope, seqs, states)
-        h = hc.expand(h, y, post, comb)
+        h = hc.expand(h, attend(self.attn_norm(x)), post, comb)
         hc = self._hc("ffn")
         x, post, comb = hc.collapse(h)
-        return hc.expand(h, self.ffn(self.ffn_norm(x), step.token_ids), post, comb), states
+        return hc.expand(h, self.ffn(self.ffn_norm(x), step.token_ids), post, comb)
 
 
 class Body(nn.Module):
@@ -97,7 +111,6 @@ class DeepseekV4Model(nn.Module):
 
     def forward(self, step: StepInputs, caches: list[SequenceCache]) -> tuple[torch.Tensor, list[SequenceCache]]:
         """One step of packed tokens -> (final-normed hidden of the ``logits_indices`` rows [N, H], new caches)."""
-        cfg = self.config
         cu = step.cu_seqlens.tolist()
         if len(caches) != len(cu) - 1:
             raise ValueError(f"{len(cu) - 1} packed sequences but {len(caches)} caches")
@@ -107,21 +120,33 @@ class DeepseekV4Model(nn.Module):
                 raise ValueError(f"sequence {s}: its cache holds {cache.position} tokens but its chunk starts at "
                                  f"position {start}")
         seqs = [SeqSlice(lo, hi) for lo, hi in zip(cu[:-1], cu[1:])]
-        device = step.token_ids.device
-        ropes = {SLIDING: Rope(cfg.main_rope, device), "compress": Rope(cfg.compress_rope, device)}
-        x = self.model.embed(step.token_ids)  # [T, H]
-        h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, hc, H]: every stream starts at x
+        ropes = self.ropes(step.token_ids.device)
+        h = self.streams(step.token_ids)
         per_layer = []
         for i, block in enumerate(self.model.layers):
-            rope = ropes[SLIDING] if cfg.layer_types[i] == SLIDING else ropes["compress"]
-            h, states = block(h, step, rope, seqs, [c.layers[i] for c in caches])
+            h, states = block(h, step, ropes[i], seqs, [c.layers[i] for c in caches])
             per_layer.append(states)
         new = [SequenceCache(c.position + (s.hi - s.lo), tuple(layer[j] for layer in per_layer))
                for j, (c, s) in enumerate(zip(caches, seqs))]
-        h = h.index_select(0, step.logits_indices)  # [N, hc, H]
-        b = self.model
+        return self.final_norm(h.index_select(0, step.logits_indices)), new
+
+    def ropes(self, device: torch.device | str) -> list[Rope]:
+        """Each layer's RoPE tables on ``device``: main for sliding-window layers, compress for the others (one Rope
+        object per frequency set, shared)."""
+        cfg = self.config
+        main, compress = Rope(cfg.main_rope, device), Rope(cfg.compress_rope, device)
+        return [main if kind == SLIDING else compress for kind in cfg.layer_types]
+
+    def streams(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token ids [T] -> the hc_mult residual streams [T, hc, H], every stream the token's embedding."""
+        x = self.model.embed(token_ids)  # [T, H]
+        return x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """Streams [N, hc, H] -> the mHC head's collapse, then ``norm`` -> [N, H]."""
+        b, cfg = self.model, self.config
         collapsed = hyper_head(h, b.hc_head_fn, b.hc_head_base, b.hc_head_scale, cfg.hc_eps, cfg.rms_norm_eps)
-        return b.norm(collapsed), new
+        return b.norm(collapsed)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, vocab_size] (rows past vocab_size, ``padded_vocab_size``'s, dropped)."""

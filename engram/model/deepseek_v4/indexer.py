@@ -37,20 +37,22 @@ class Indexer(nn.Module):
 
     def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One sequence's queries q [t, nh, di], w [t, nh] against its index keys [E, di] -> bool [t, E]: the entries
-        each query keeps."""
+        each query keeps (at most ``index_topk``, visible ones only). Batched decode: one query per sequence and keys
+        [t, E_max, di] per query, entries past a query's visible count masked before the top-k."""
         scores = self.scores(q, w, keys, positions)  # [t, E]
         keep = torch.zeros_like(scores, dtype=torch.bool)
-        k = min(self.topk, keys.shape[0])
+        k = min(self.topk, keys.shape[-2])
         if k:
             top = scores.topk(k, dim=-1).indices  # [t, k]
             keep.scatter_(1, top, True)
         return keep & torch.isfinite(scores)  # a top-k pick past the visible entries is no pick
 
     def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[t, E] index scores, -inf where the entry is not visible to the query yet."""
-        dots = F.relu(torch.einsum("thd,ed->the", q, keys.to(q.dtype))) * self.head_dim ** -0.5  # [t, nh, E]
+        """[t, E] index scores, -inf where the entry is not visible to the query yet (keys [E, di], or [t, E, di])."""
+        eq = "thd,ted->the" if keys.dim() == 3 else "thd,ed->the"
+        dots = F.relu(torch.einsum(eq, q, keys.to(q.dtype))) * self.head_dim ** -0.5  # [t, nh, E]
         scores = (dots * w.unsqueeze(-1)).sum(dim=1)  # [t, E]
-        seen = torch.arange(keys.shape[0], device=q.device) < visible_entries(positions, self.ratio).unsqueeze(-1)
+        seen = torch.arange(keys.shape[-2], device=q.device) < visible_entries(positions, self.ratio).unsqueeze(-1)
         return scores.masked_fill(~seen, float("-inf"))
 
     def step(self, x: torch.Tensor, state: CompressorState, rope: Rope) -> CompressorState:
