@@ -42,6 +42,15 @@ class GroupPool:
     def nbytes(self) -> int:
         return self.pages.numel()
 
+    def held_position(self, first_state_page: int) -> int | None:
+        """The position the run of state pages starting at ``first_state_page`` holds (None: never written)."""
+        return self._held.get(first_state_page)
+
+    def hold(self, first_state_page: int, position: int) -> None:
+        """Record that a committed step left that run of state pages at ``position`` (what ``write`` does on the host;
+        for writers other than ``write``, e.g. the batched decode's, runners/v4_batched_pages.py)."""
+        self._held[first_state_page] = position
+
     # ----------------------------------------------------------------- reading
     def gather(self, step: StepDescription, empty) -> list[SequenceCache]:
         """Each packed sequence's cache at its start position (``empty()``: a fresh one, for position 0)."""
