@@ -14,7 +14,8 @@ import torch
 from engram.model.deepseek_v4.batched_decode import decode_step
 from engram.model.deepseek_v4.batched_state import BatchedCache
 from engram.model.deepseek_v4.decoder import pack_sequences
-from tests.unit.test_v4_batched_decode import CFG, E_MAX, LENGTHS, STEPS, model  # noqa: F401  (model: the fixture)
+from tests.parity.deepseek_v4_fixtures import random_decoder
+from tests.unit.test_v4_batched_decode import CFG, E_MAX, LENGTHS, STEPS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -39,8 +40,8 @@ def _clone(cache: BatchedCache) -> BatchedCache:
     return copy.deepcopy(cache)
 
 
-def test_captured_batched_step_replays_bitwise_and_keeps_eager_choices(model):  # noqa: F811
-    m = _on_gpu(model)
+def test_captured_batched_step_replays_bitwise_and_keeps_eager_choices():
+    m = _on_gpu(random_decoder(CFG))
     caches, tokens = _prefilled(m)
     ropes = m.ropes("cuda")
     graph_cache = BatchedCache.from_caches(m, caches, E_MAX)

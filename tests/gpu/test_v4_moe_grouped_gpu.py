@@ -1,8 +1,8 @@
 """DeepSeek-V4's routed experts on CUDA (skipped without one): the grouped path (``routed_grouped``,
 torch._grouped_mm) against the per-expert reference loop and a float64 oracle in bf16 at V4-Flash's per-expert widths
 (hidden 4096, expert width 2048, top-6) over odd loads; captured in a CUDA graph it replays bitwise what it computes
-eagerly for new routing (another load each replay, the offsets recomputed inside the graph); and the time of both
-paths at a decode-sized and a prefill-sized step, printed for docs/model.md. Tolerances: tests/unit/test_v4_moe_grouped.py."""
+eagerly for new routing (another load each replay, the offsets recomputed inside the graph); and it is faster than
+the loop at a decode-sized and a prefill-sized step (both times printed for docs/model.md). Tolerances: tests/unit/test_v4_moe_grouped.py."""
 from __future__ import annotations
 
 import pytest
@@ -98,7 +98,7 @@ def _ms(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
-def test_time_of_both_paths_printed():
+def test_the_grouped_path_is_faster_than_the_loop():
     ex = _experts(2)
     for t in (64, 2048):
         g = torch.Generator().manual_seed(t)
@@ -108,4 +108,4 @@ def test_time_of_both_paths_printed():
         reference = _ms(lambda: routed_reference(x, w, ids, ex))
         print(f"routed experts E={E} H={H} I={I} k={K}, {t} tokens: grouped {grouped:.3f} ms, "
               f"reference {reference:.3f} ms ({reference / grouped:.2f}x)")
-        assert grouped > 0 and reference > 0
+        assert grouped < reference, (t, grouped, reference)  # the fast path earns its place at both sizes

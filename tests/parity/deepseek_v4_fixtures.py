@@ -32,6 +32,43 @@ ENGRAM = EngramConfig(layer_ids=(1, 3), max_ngram_size=3, n_heads=4, head_dim=32
                       compressed_vocab_size=2901, pad_token_id=2, hidden_size=64, hc_mult=4)
 
 
+def random_decoder(cfg) -> "DeepseekV4Model":
+    """A float64 DeepseekV4Model of ``cfg`` (a V4Config) with every weight random and clearly nonzero (seed 0): norm
+    weights 1 + N(0, 0.1), matrices N(0, 1/fan_in), sinks / mHC bases and scales / router biases N(0, 0.5), valid random
+    ``tid2eid`` ids, compressor ``ape`` N(0, 1) so a slot's position matters; eval mode, no grads."""
+    from engram.model.deepseek_v4.decoder import DeepseekV4Model
+
+    torch.manual_seed(0)
+    m = DeepseekV4Model(cfg).double()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif p.dim() >= 2:
+                p.normal_(0, p.shape[-1] ** -0.5)
+            else:  # sinks, mHC bases and scales, router biases
+                p.normal_(0, 0.5)
+        for layer in m.model.layers:
+            if layer.ffn.gate.hashed:
+                layer.ffn.gate.tid2eid.copy_(torch.randint(0, cfg.n_routed_experts, layer.ffn.gate.tid2eid.shape))
+            if hasattr(layer.attn, "compressor"):
+                layer.attn.compressor.ape.normal_(0, 1)
+    return m.eval().requires_grad_(False)
+
+
+def pool_step(step_id: int, seqs, starts: list[int], ns: list[int], tables):
+    """The StepDescription of one packed step over ``seqs`` (feeding ``ns[i]`` zero tokens from ``starts[i]``) with
+    the cache-group ``tables``: what the Worker's pool of V4 pages reads (no paged-KV, Engram or sampling fields)."""
+    from engram.engine.step import StepDescription
+
+    packed = pack_sequences([[0] * n for n in ns], starts)
+    return StepDescription(step_id=step_id, seq_ids=[s.seq_id for s in seqs], start_positions=list(starts),
+                           num_new_tokens=list(ns), token_ids=packed.token_ids, positions=packed.positions,
+                           cu_seqlens=packed.cu_seqlens, context_lens=packed.context_lens,
+                           block_tables=torch.zeros(len(ns), 0, dtype=torch.long), slot_mapping=packed.slot_mapping,
+                           dead_mask=None, engram_row_ids={}, sample_rows=[], samples=[], group_tables=tables)
+
+
 def hf_config(**overrides):
     from transformers import DeepseekV4Config
 

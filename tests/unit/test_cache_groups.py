@@ -9,11 +9,10 @@ import torch
 
 from engram.engine.cache_groups import NO_PAGE, GroupBlockManager
 from engram.engine.runners.group_pool import GroupPool
-from engram.engine.step import StepDescription
 from engram.model.deepseek_v4.cache_layout import ALIGN, cache_layout
 from engram.model.deepseek_v4.config import V4Config
 from engram.model.deepseek_v4.decoder import DeepseekV4Model, pack_sequences
-from tests.parity.deepseek_v4_fixtures import SHAPE
+from tests.parity.deepseek_v4_fixtures import SHAPE, pool_step
 from tests.unit.test_scheduler import make_seq
 
 CFG = V4Config.from_hf_dict(dict(SHAPE, model_type="deepseek_v4"))  # W 32, CSA 4 (layers 1, 3), HCA 16 (layer 2)
@@ -77,15 +76,6 @@ def test_pages_taken_when_scheduled_and_given_back():
         tiny.allocate(make_seq(1, 50), 50)
 
 
-def _step(step_id, seqs, starts, ns, tables) -> StepDescription:
-    packed = pack_sequences([[0] * n for n in ns], starts)
-    return StepDescription(step_id=step_id, seq_ids=[s.seq_id for s in seqs], start_positions=list(starts),
-                           num_new_tokens=list(ns), token_ids=packed.token_ids, positions=packed.positions,
-                           cu_seqlens=packed.cu_seqlens, context_lens=packed.context_lens,
-                           block_tables=torch.zeros(len(ns), 0, dtype=torch.long), slot_mapping=packed.slot_mapping,
-                           dead_mask=None, engram_row_ids={}, sample_rows=[], samples=[], group_tables=tables)
-
-
 @torch.no_grad()
 def test_the_pool_gives_the_caches_carried_per_sequence_bitwise():
     torch.manual_seed(0)
@@ -101,7 +91,7 @@ def test_the_pool_gives_the_caches_carried_per_sequence_bitwise():
         starts, ns = [s.num_computed_tokens for s in seqs], [c[k] for c in chunks]
         for seq, n in zip(seqs, ns):
             bm.allocate(seq, n)
-        step = _step(k, seqs, starts, ns, bm.group_tables(seqs))
+        step = pool_step(k, seqs, starts, ns, bm.group_tables(seqs))
         gathered = pool.gather(step, model.empty_cache)
         for got, want in zip(gathered, carried):
             assert got.position == want.position
@@ -135,12 +125,12 @@ def test_a_state_page_holding_another_position_is_refused():
     bm, pool = GroupBlockManager(50, lay), GroupPool(CFG, lay, 50, torch.float64, "cpu")
     seq = make_seq(0, 40)
     bm.allocate(seq, 10)
-    step = _step(0, [seq], [0], [10], bm.group_tables([seq]))
+    step = pool_step(0, [seq], [0], [10], bm.group_tables([seq]))
     with torch.no_grad():
         _, after = model(pack_sequences([list(range(3, 13))], [0]), pool.gather(step, model.empty_cache))
     pool.write(step, after)
     seq.num_computed_tokens = 10
     bm.allocate(seq, 1)
-    assert pool.gather(_step(1, [seq], [10], [1], bm.group_tables([seq])), model.empty_cache)[0].position == 10
+    assert pool.gather(pool_step(1, [seq], [10], [1], bm.group_tables([seq])), model.empty_cache)[0].position == 10
     with pytest.raises(RuntimeError, match="continues it at position 11 but its state pages hold position 10"):
-        pool.gather(_step(2, [seq], [11], [1], bm.group_tables([seq])), model.empty_cache)
+        pool.gather(pool_step(2, [seq], [11], [1], bm.group_tables([seq])), model.empty_cache)

@@ -16,7 +16,7 @@ from engram.model.deepseek_v4.batched_decode import decode_step
 from engram.model.deepseek_v4.batched_state import BatchedCache
 from engram.model.deepseek_v4.config import V4Config
 from engram.model.deepseek_v4.decoder import DeepseekV4Model, pack_sequences
-from tests.parity.deepseek_v4_fixtures import SHAPE
+from tests.parity.deepseek_v4_fixtures import SHAPE, random_decoder
 
 CFG = V4Config.from_hf_dict(dict(SHAPE, model_type="deepseek_v4")).replace(hca_ratio=8)  # S, CSA 4, HCA 8, CSA
 LENGTHS = (5, 14, 28, 48, 3)  # mod 4: 1 2 0 0 3; window 31 keys: 28 fills during the steps, 48 is full
@@ -25,22 +25,7 @@ STEPS, E_MAX, TOL = 6, 16, 1e-10
 
 @pytest.fixture(scope="module")
 def model() -> DeepseekV4Model:
-    torch.manual_seed(0)
-    m = DeepseekV4Model(CFG).double()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif p.dim() >= 2:
-                p.normal_(0, p.shape[-1] ** -0.5)
-            else:  # sinks, mHC bases and scales, router biases
-                p.normal_(0, 0.5)
-        for layer in m.model.layers:
-            if layer.ffn.gate.hashed:
-                layer.ffn.gate.tid2eid.copy_(torch.randint(0, CFG.n_routed_experts, layer.ffn.gate.tid2eid.shape))
-            if hasattr(layer.attn, "compressor"):  # ape: clearly nonzero, so a slot's position matters
-                layer.attn.compressor.ape.normal_(0, 1)
-    return m.eval().requires_grad_(False)
+    return random_decoder(CFG)
 
 
 def _prefill(model):
