@@ -66,3 +66,47 @@ def test_a_stage_starts_the_next_microbatch_lookups_while_it_computes_the_one_be
     counts = [st["early_lookups"] for st in stages]
     assert counts[1]["started_early"] >= len(early), counts
     assert sum(c["started_early"] + c["submitted_at_launch"] for c in counts) == 2 * len(submits), counts
+
+
+class SlowLastStage:
+    """``RankSpec.wrap_lookup`` for PP2 x TP2: on both ranks of the last stage (2 and 3) every layer's rows are
+    consumed SLOW_S late, so the next microbatch is on the stage's pipe before the one in its layers finishes."""
+
+    def __call__(self, rank: int, lookup):
+        return _Delayed(lookup, SLOW_S if rank >= 2 else 0.0)
+
+
+class _Delayed:
+    def __init__(self, inner, delay_s: float):
+        self.inner, self.delay_s = inner, delay_s
+
+    def submit(self, step, patch=None, **kwargs):
+        return _DelayedRows(self.inner.submit(step, patch, **kwargs), self.delay_s)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class _DelayedRows:
+    def __init__(self, staged, delay_s: float):
+        self.staged, self.delay_s = staged, delay_s
+
+    def rows(self, layer_id: int, step_id: int):
+        time.sleep(self.delay_s)
+        return self.staged.rows(layer_id, step_id)
+
+    def release(self) -> None:
+        self.staged.release()
+
+
+def test_both_tp_ranks_of_a_stage_start_the_next_microbatch_lookups_early():
+    """PP2 x TP2: the last stage's two ranks start a step's lookups early at the same point of their message streams
+    (their column shards' row all-gathers match, or the run would hang or mix rows), and the tokens are PP1's."""
+    want = _pp1()
+    got, in_flight, stages = run_pp2(SlowLastStage(), tp=2)
+    assert in_flight == 3
+    _assert_close(want, got)
+    counts = [st["early_lookups"] for st in stages]
+    assert counts[1]["started_early"] >= 1, counts
+    assert counts[0]["started_early"] + counts[0]["submitted_at_launch"] == \
+        counts[1]["started_early"] + counts[1]["submitted_at_launch"], counts

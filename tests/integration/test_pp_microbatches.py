@@ -111,10 +111,11 @@ class OnEveryRank:
         return self.wrapper(lookup, rank, self.slow_rank, Path(self.log))
 
 
-def run_pp2(wrap_lookup) -> tuple[dict, int, list[dict]]:
-    """PROMPTS on tiny in float64 over two spawned stages (layers 0-1 | 2-3), each rank's lookups wrapped by
-    ``wrap_lookup`` -> (outputs as ``_run`` gives them, the most microbatches in flight, each stage's stats)."""
-    cfg = EngineConfig(**ENGINE, pipeline_parallel_size=2)
+def run_pp2(wrap_lookup, tp: int = 1) -> tuple[dict, int, list[dict]]:
+    """PROMPTS on tiny in float64 over two spawned stages (layers 0-1 | 2-3) of ``tp`` ranks each, each rank's lookups
+    wrapped by ``wrap_lookup`` -> (outputs as ``_run`` gives them, the most microbatches in flight, each stage's
+    stats)."""
+    cfg = EngineConfig(**ENGINE, pipeline_parallel_size=2, tensor_parallel_size=tp)
     loaded = load_model("tiny", dtype=torch.float64, device="cpu", progress=False)
     spec = RankSpec("tiny", "gpu", torch.float64, RuntimeOptions(), None, cfg, 256, f"tcp://127.0.0.1:{free_port()}",
                     1, partition=(2, 2), wrap_lookup=wrap_lookup)
