@@ -1,9 +1,10 @@
 """Running an engine's requests to completion in tests: ``drain(engine)`` steps until nothing is unfinished
 and returns each request's (token ids, [(logprob, top-k)] per token). ``engine_wrapping_lookup`` builds an
 engine whose Worker wraps its lookup executor (the Worker's ``wrap_lookup`` hook: one that records or fails
-steps). ``preset_variant`` builds a preset's float64 CPU decoder with its Engram config changed. ``mixed_graphs_eager``
-makes an engine's Worker run its mixed-step graphs' callables eagerly on the same static inputs (``capture=False``),
-``verify_graphs_eager`` its verify graphs', ``verify_pieces_eager`` its host-read verify pieces'."""
+steps), ``engine_with_worker`` one whose Worker takes other options (``graph_capture``). ``preset_variant`` builds
+a preset's float64 CPU decoder with its Engram config changed. ``mixed_graphs_eager`` makes an engine's Worker run
+its mixed-step graphs' callables eagerly on the same static inputs (``capture=False``), ``verify_graphs_eager`` its
+verify graphs', ``verify_pieces_eager`` its host-read verify pieces'."""
 from __future__ import annotations
 
 from typing import Callable
@@ -24,6 +25,13 @@ def engine_wrapping_lookup(loaded, config, wrap_lookup: Callable, device=None, d
     """An LLMEngine over ``loaded`` whose Worker submits every lookup through ``wrap_lookup(executor)``, on the
     model's device and dtype unless given. ``llm.engine = engine_wrapping_lookup(llm.loaded, llm.engine.config,
     ...)`` does it for an ``engram.LLM``."""
+    return engine_with_worker(loaded, config, device, dtype, wrap_lookup=wrap_lookup)
+
+
+def engine_with_worker(loaded, config, device=None, dtype=None, **worker_options):
+    """An LLMEngine over ``loaded`` whose Worker is built with ``worker_options`` (``wrap_lookup``, ``graph_capture``
+    False: the graph runners' callables run uncaptured, the CPU's way through them), on the model's device and dtype
+    unless given."""
     from engram.engine.engine import LLMEngine
     from engram.engine.executor import UniProcExecutor
     from engram.engine.worker import Worker
@@ -31,7 +39,7 @@ def engine_wrapping_lookup(loaded, config, wrap_lookup: Callable, device=None, d
     device = torch.device(loaded.device if device is None else device)
     dtype = loaded.dtype if dtype is None else dtype
     max_model_len = config.max_model_len or loaded.model_config.max_position_embeddings  # as LLMEngine's
-    worker = Worker(loaded, config, max_model_len, device, dtype, wrap_lookup=wrap_lookup)
+    worker = Worker(loaded, config, max_model_len, device, dtype, **worker_options)
     return LLMEngine(loaded, config, device, dtype, executor=UniProcExecutor(worker))
 
 

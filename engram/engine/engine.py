@@ -142,7 +142,9 @@ class LLMEngine:
         """One snapshot for metrics: queues, KV usage, preemptions, steps, ``tables`` (layer id -> counters), the step
         trace's totals (``lookup_exposed_s``: the collected steps' waits for their rows, step_trace.py), and with
         speculative decoding ``speculative`` (drafts, accepted, acceptance length: engine/spec/speculator.py);
-        ``verify_graph``: the verify graphs' replays, pool bytes, verify rows, padding rows and padded sequences."""
+        ``verify_graph``: the verify graphs' replays, pool bytes, verify rows, padding rows and padded sequences;
+        DeepSeek-V4 with decode graphs ``v4_graph``: replays by context span, padding rows, replays where a compressor
+        window closed for some sequences and not others, the batched caches' bytes (runners/v4_graphs.py)."""
         blocks = self.scheduler.blocks
         total = self.executor.num_kv_blocks
         worker = self.executor.stats()
@@ -158,7 +160,8 @@ class LLMEngine:
                 "cache_groups": blocks.group_stats(), "prefetch": worker.get("prefetch", {}),
                 "hot_cache": hot_cache(worker["tables"], worker.get("hot_cache_bytes", 0)),
                 **self.pipeline.trace.totals(),
-                **({"speculative": self.speculator.stats()} if self.speculator is not None else {})}
+                **({"speculative": self.speculator.stats()} if self.speculator is not None else {}),
+                **({"v4_graph": worker["v4_graph"]} if "v4_graph" in worker else {})}
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (benchmarks start cold with it; vLLM's name) -> how many were dropped. Blocks

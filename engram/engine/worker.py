@@ -33,6 +33,7 @@ from engram.engine.runners.mixed_inputs import MixedInputs
 from engram.engine.runners.pieces import DecodePieces
 from engram.engine.runners.piecewise import PiecewiseRunner
 from engram.engine.runners.sequence_cache import SequenceCacheRunner
+from engram.engine.runners.v4_graphs import V4GraphRunner, v4_graphs_wanted
 from engram.engine.runners.verify_graphs import verify_runner
 from engram.engine.runners.verify_pieces import verify_pieces_runner
 from engram.engine.sampler import SampledTokens, Sampler
@@ -82,7 +83,7 @@ class Worker:
         self.config, self.device, self.dtype = config, torch.device(device), dtype  # progress None: bars on a tty
         self.model_config, self.ecfg = loaded.model_config, loaded.engram_config
         self.model = loaded.model
-        # DeepSeek-V4 keeps per-sequence caches (runners/sequence_cache.py): no paged KV, no graphs, no profiling
+        # DeepSeek-V4 keeps cache groups (runners/sequence_cache.py, v4_graphs.py): no paged KV, no memory profiling
         self.sequence_caches = self.model_config.architecture in SEQUENCE_CACHE_ARCHITECTURES
         if self.device.type == "cuda" and dtype in FAST_DTYPES and not self.sequence_caches:
             self.model.pack_projections()  # q/k/v and gate/up as one GEMM each (the CPU keeps the plain path)
@@ -161,10 +162,12 @@ class Worker:
                                               else 0)
         # One more block than the scheduler hands out (``memory.num_blocks``): the padding of a graph's bucket
         # writes there.
-        if self.sequence_caches:
+        v4_graphs = (self.sequence_caches and loaded.layers is None
+                     and v4_graphs_wanted(config, self.ecfg, self.device, dtype, graph_capture, FAST_DTYPES))
+        if self.sequence_caches:  # with V4 graphs one more page than the scheduler hands out: the padding rows'
             self.kv = None
-            self.group_pool = GroupPool(self.model_config, self.cache_layout, self.memory.num_blocks, dtype,
-                                        self.device)
+            self.group_pool = GroupPool(self.model_config, self.cache_layout, self.memory.num_blocks + int(v4_graphs),
+                                        dtype, self.device)
             self.eager = SequenceCacheRunner(self.model, self.group_pool, self.lookup, self.device, dtype, self.ecfg)
         else:
             self.kv = KVCache.for_model(self.model_config, self.memory.num_blocks + 1, config.block_size, dtype,
@@ -177,6 +180,10 @@ class Worker:
         # never two replays at once; uncaptured runners need none
         pool = torch.cuda.graph_pool_handle() if (use_graphs and graph_capture) or use_verify_graphs else None
         graphs = self._graph_runners(max_model_len, progress, pool) if use_graphs else []
+        if v4_graphs:
+            graphs.append(V4GraphRunner(self.model, self.group_pool, self.memory.num_blocks, self.tables, self.lookup,
+                                        self.ecfg, min(config.max_num_seqs, config.max_graph_batch), max_model_len,
+                                        self.device, progress, capture=graph_capture))
         if use_verify_graphs and self._gathers_on_device():
             graphs.insert(0, verify_runner(self.model, self.kv, self.ecfg, self.tables, config, max_model_len,
                                            self.memory.num_blocks, self.device, dtype, self.eager.conv_states,

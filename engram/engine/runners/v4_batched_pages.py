@@ -19,8 +19,7 @@ One step, B sequences each decoding one token at its position p (the tokens it h
 (index gathers, masked ``where``, ``index_put_`` of [B]-row values: no host read, no data-dependent shape) over static
 copies of the ``PageIndex`` tensors; outside it per step run ``index`` (host arithmetic on the block tables and the
 host positions, then one copy of each index tensor into the graph's buffers: ``engram.transfer.to_device`` here) and
-``commit``. Not built here: the capture itself, padding slots of a bucket (a padding row needs pages of its own to
-point at: its state page takes the redirected writes below), the Worker's runner selection.
+``commit``. The capture, a bucket's padding rows and the Worker's runner selection: runners/v4_graphs.py.
 
 Where things live (block_size ``bs`` tokens a sliding page, R = ``rows_per_page`` entries a csa / hca page):
 
@@ -198,9 +197,10 @@ class BatchedPages:
             raise RuntimeError(f"sequence {names[i]}: its {what} reach a cache-group page it does not hold")
         return torch.where(valid, pages, 0)
 
-    def commit(self, idx: PageIndex) -> None:
-        """Host: every sequence's state pages now hold position p + 1 (call after ``write_back``)."""
-        for first, p in zip(idx.first_state, idx.positions):
+    def commit(self, idx: PageIndex, count: int | None = None) -> None:
+        """Host: every sequence's (the first ``count``'s: a graph bucket's real ones) state pages now hold position
+        p + 1 (call after ``write_back``)."""
+        for first, p in list(zip(idx.first_state, idx.positions))[:count]:
             if first is not None:
                 self.pool.hold(first, p + 1)
 

@@ -70,6 +70,15 @@ class BatchedCache:
     def batch(self) -> int:
         return self.positions.shape[0]
 
+    def head(self, b: int) -> "BatchedCache":
+        """The first ``b`` sequences' state as views (in-place updates write through): a smaller bucket of a decode
+        graph over the same buffers."""
+        def cut(st):
+            return None if st is None else BatchedCompressorState(*(None if t is None else t[:b] for t in (
+                st.buffer_kv, st.buffer_gate, st.entries, st.overlap_kv, st.overlap_gate)))
+        return BatchedCache(self.positions[:b], tuple(BatchedLayerState(x.window[:b], cut(x.compressor),
+                                                                        cut(x.indexer)) for x in self.layers))
+
     @classmethod
     def from_caches(cls, model, caches: Sequence[SequenceCache], e_max: int | Sequence[int]) -> "BatchedCache":
         """Dense copies of per-sequence caches (``model``: the DeepseekV4Model they belong to). ``e_max``: entry

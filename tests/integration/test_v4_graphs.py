@@ -1,0 +1,160 @@
+"""DeepSeek-V4 decode steps through ``V4GraphRunner`` (engram/engine/runners/v4_graphs.py) in the engine, CPU float64,
+a transformers save_pretrained checkpoint with Engram, the graphs' callables run uncaptured on their static inputs
+(``graph_capture=False``, the CPU's way through them): 16 concurrent mixed-length requests, synchronous and async,
+give the eager engine's tokens and logprobs, with padding rows, three context spans and compressor windows closing
+for some sequences and not others in the same replay (all counted); the staged-rows path (disk tables) likewise; the
+reference's greedy tokens through preemptions forced by a tiny pool; every page of every group comes back. Mutations:
+padding rows pointed at a page sequences hold, a replay whose state positions are not committed."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tests.parity.deepseek_v4_fixtures import ENGRAM, Pair, prompt  # noqa: E402
+
+import engram  # noqa: E402
+from engram.engine.runners import v4_batched_pages  # noqa: E402
+from engram.engine.runners.v4_graphs import V4GraphRunner, context_spans  # noqa: E402
+from tests.engine_runs import engine_with_worker  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+SPANS = [64, 160, 512]  # max_position_embeddings 512: every span used by the requests below
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return Pair(tmp_path_factory.mktemp("v4graphs"), ENGRAM)
+
+
+@pytest.fixture(scope="module")
+def requests():
+    g = torch.Generator().manual_seed(11)
+    lens = torch.randint(1, 300, (16,), generator=g).tolist()
+    news = [6 + (300 - n) // 8 for n in lens]  # the short prompts decode longest: the late steps' spans are short
+    return [prompt(n, seed=500 + i) for i, n in enumerate(lens)], news
+
+
+def _greedy(n: int) -> engram.SamplingParams:
+    return engram.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2)
+
+
+def _llm(pair, tmp_path, **options):
+    return engram.LLM(model=str(pair.path), dtype="float64", device="cpu", cache_dir=str(tmp_path / "cache"),
+                      **options)
+
+
+def _graph_llm(pair, tmp_path, null_page=None, rows_in_graph=None, tier="gpu", **options):
+    """An LLM whose Worker has decode graphs (uncaptured) over SPANS; ``null_page``: the padding rows' page (None: the
+    Worker's page no sequence holds)."""
+    llm = _llm(pair, tmp_path, tier=tier, **options)
+    llm.engine = engine_with_worker(llm.loaded, llm.engine.config, graph_capture=False)
+    w, cfg = llm.engine.executor.worker, llm.engine.config
+    assert [r.name for r in w.runners] == ["graph", "eager"]  # the Worker built it
+    runner = V4GraphRunner(w.model, w.group_pool, w.memory.num_blocks if null_page is None else null_page, w.tables,
+                           w.lookup, w.ecfg, min(cfg.max_num_seqs, cfg.max_graph_batch), llm.engine.max_model_len,
+                           w.device, capture=False, spans=SPANS, rows_in_graph=rows_in_graph)
+    w.runners = [runner, w.eager]
+    return llm
+
+
+def _generate(llm, requests):
+    prompts, news = requests
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [_greedy(n) for n in news], use_tqdm=False)
+    return [(o.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in o.outputs[0].logprobs]) for o in outs]
+
+
+def _assert_close(want, got) -> None:
+    """Tokens equal; own and top logprobs within 1e-9 (float64 hidden states, float32 logits)."""
+    for (tw, lw), (tg, lg) in zip(want, got, strict=True):
+        assert tg == tw
+        for (a, top_a), (b, top_b) in zip(lw, lg, strict=True):
+            assert abs(a - b) <= 1e-9 and [t for t, _ in top_a] == [t for t, _ in top_b]
+
+
+def _all_back(llm) -> None:
+    stats = llm.engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert all(c["blocks"] == 0 for c in stats["cache_groups"].values())
+
+
+@pytest.fixture(scope="module")
+def eager(pair, tmp_path_factory, requests):
+    llm = _llm(pair, tmp_path_factory.mktemp("eager"), max_num_batched_tokens=128, max_num_seqs=16)
+    assert [r.name for r in llm.engine.executor.worker.runners] == ["eager"]  # the CPU captures nothing
+    return _generate(llm, requests)
+
+
+def _assert_graphs_ran(llm) -> dict:
+    stats = llm.engine.stats()
+    vg = stats["v4_graph"]
+    assert stats["steps_by_route"]["graph"] == stats["graph_replays"] >= 15, stats["steps_by_route"]
+    assert sum(vg["replays_by_span"].values()) == stats["graph_replays"]
+    assert sum(1 for n in vg["replays_by_span"].values() if n) >= 2, vg  # short and long contexts
+    assert vg["padded_rows"] > 0 and vg["partial_closes"] > 0, vg
+    return vg
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_sixteen_concurrent_requests_through_decode_graphs_equal_eager(pair, tmp_path, requests, eager,
+                                                                        async_scheduling):
+    llm = _graph_llm(pair, tmp_path, max_num_batched_tokens=128, max_num_seqs=16, async_scheduling=async_scheduling)
+    _assert_close(eager, _generate(llm, requests))
+    assert _assert_graphs_ran(llm)["rows_in_graph"]
+    _all_back(llm)
+
+
+@pytest.mark.parametrize("tier", ["gpu", "disk"])
+def test_staged_rows_copied_in_equal_eager(pair, tmp_path, requests, eager, tier):
+    """The path of tables that do not gather on the device: rows staged by the lookup executor, copied in."""
+    llm = _graph_llm(pair, tmp_path, rows_in_graph=False, tier=tier, max_num_batched_tokens=128, max_num_seqs=16)
+    _assert_close(eager, _generate(llm, requests))
+    assert not _assert_graphs_ran(llm)["rows_in_graph"]
+
+
+def test_preemptions_through_decode_graphs_give_the_reference_tokens(pair, tmp_path):
+    prompts = [prompt(n, seed=40 + i) for i, n in enumerate((300, 131, 45))]
+    reference = [pair.greedy_logprobs(p, 8) for p in prompts]
+    probe = _llm(pair, tmp_path)
+    least = probe.engine.scheduler.blocks.layout.max_blocks_per_sequence(probe.engine.max_model_len)
+    llm = _graph_llm(pair, tmp_path, num_kv_blocks=least, max_num_batched_tokens=64, max_num_seqs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(8), use_tqdm=False)
+    for out, (tokens, lps) in zip(outs, reference):
+        assert out.outputs[0].token_ids == tokens
+        assert max(abs(lp.logprob - r) for lp, r in zip(out.outputs[0].logprobs, lps)) < 2e-5
+    assert llm.engine.num_preemptions > 0 and llm.engine.stats()["graph_replays"] > 0
+    _all_back(llm)
+
+
+def test_padding_rows_on_a_held_page_change_the_tokens(pair, tmp_path, requests, eager, monkeypatch):
+    """Padding rows given the first sequence's pages (a bucket padded by repeating a row's tables): their writes
+    (position 0's key, buffer slot 0) land in its pages, and its tokens or logprobs move."""
+    real = V4GraphRunner._pad
+
+    def pad_with_row_zero(self, step, size):
+        positions, tables, names = real(self, step, size)
+        s = step.num_seqs
+        for t in tables.values():
+            t[s:, :t.shape[1]] = t[0]
+        return positions, tables, names
+
+    monkeypatch.setattr(V4GraphRunner, "_pad", pad_with_row_zero)
+    llm = _graph_llm(pair, tmp_path, max_num_batched_tokens=128, max_num_seqs=16)
+    got = _generate(llm, requests)
+    gap = max(abs(a - b) for (_, lw), (_, lg) in zip(eager, got) for (a, _), (b, _) in zip(lw, lg))
+    assert [t for t, _ in got] != [t for t, _ in eager] or gap > 1e-6, gap
+
+
+def test_a_replay_without_its_commit_is_refused(pair, tmp_path, requests, monkeypatch):
+    monkeypatch.setattr(v4_batched_pages.BatchedPages, "commit", lambda self, idx, count=None: None)
+    llm = _graph_llm(pair, tmp_path, max_num_batched_tokens=128, max_num_seqs=16)
+    with pytest.raises(Exception, match="state pages hold position"):
+        _generate(llm, requests)
+
+
+def test_context_spans():
+    assert context_spans(512) == [512]
+    assert context_spans(4096) == [1024, 4096]
+    assert context_spans(65536) == [1024, 4096, 16384, 65536]
+    assert context_spans(100_000) == [1024, 4096, 16384, 65536, 100_000]
