@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-rows", type=int, default=200000, help="hot-row cache of the disk-cache arm (rows)")
     p.add_argument("--cache-dir", default=None, metavar="DIR", help="where table files are generated and read")
     p.add_argument("--num-seqs", type=int, default=512, help="sequences of the headline run (default 512)")
+    p.add_argument("--no-headline", action="store_true",
+                   help="only the pairs: no headline run and no tier check (a pair and the headlines in separate "
+                        "commands, each within a time limit; --pairs '' runs only the headlines)")
     p.add_argument("--block-seqs", type=int, default=128, help="sequences per interleaved block (default 128)")
     p.add_argument("--repeats", type=int, default=10, metavar="N", help="blocks (rounds) per pair (default 10)")
     p.add_argument("--warmup", type=int, default=1, metavar="K", help="unrecorded block runs per arm (default 1)")
@@ -128,7 +131,9 @@ def check_tiers(outs_of: dict[str, list]) -> dict:
 
 
 def parse_pairs(text: str | None, arms: list[str]) -> list[tuple[str, str]]:
-    """--pairs as (A, B) arm names, each among --arms; SystemExit naming the pair otherwise."""
+    """--pairs as (A, B) arm names, each among --arms ('' for none); SystemExit naming the pair otherwise."""
+    if text is not None and not text.strip():
+        return []
     if text is None:
         pairs = [("none", a) for a in arms if a != "none"] if "none" in arms else []
         return pairs + ([("gpu", "host")] if {"gpu", "host"} <= set(arms) else [])
@@ -276,13 +281,13 @@ def run(args: argparse.Namespace) -> int:
             rows.append(_row(f"{a}:{b}", result))
         full = seqs(args.num_seqs, args.seed)
         headline = {}
-        for arm in arms:
+        for arm in arms if not args.no_headline else ():
             headline[arm] = {"tok_s": generate(engines[arm], full, f"{arm}-full")[0],
                              "tables": engines[arm].stats().get("tables")}
             say(f"full run {arm}: {headline[arm]['tok_s']:.1f} output tok/s over {len(full)} sequences")
         engram_arms = [x for x in arms if x != "none"]
         check = None
-        if len(engram_arms) >= 2:
+        if len(engram_arms) >= 2 and not args.no_headline:
             check = check_tiers({x: generate(engines[x], blocks[0], f"{x}-check", logprobs=1)[1]
                                  for x in engram_arms})
     ratios = {f"{x}/none": headline[x]["tok_s"] / headline["none"]["tok_s"] - 1
@@ -303,8 +308,9 @@ def run(args: argparse.Namespace) -> int:
     if rows:
         print(format_table(rows, TABLE_COLUMNS))
     paper = PAPER_H800.get(model)
-    print(format_table([{"arm": x, "output tok/s": headline[x]["tok_s"], "vs none": ratios.get(f"{x}/none", ""),
-                         "paper H800": paper.get(x, "") if paper else ""} for x in arms]))
+    if headline:
+        print(format_table([{"arm": x, "output tok/s": headline[x]["tok_s"], "vs none": ratios.get(f"{x}/none", ""),
+                             "paper H800": paper.get(x, "") if paper else ""} for x in arms]))
     if check is not None:
         print(f"tiers {check['arms']}: argmax and logprobs bitwise equal over {check['tokens']} tokens")
     print(f"result: {path}")

@@ -100,3 +100,18 @@ def test_every_run_starts_with_an_empty_prefix_cache():
     second = paper.generate(engine, seqs, "b")[1]
     assert engine.stats()["prefix_cache"]["hit_blocks"] == 0
     assert [o.token_ids for o in first] == [o.token_ids for o in second]
+
+
+def test_a_pair_and_the_headlines_run_in_separate_commands(tmp_path, capsys):
+    """--no-headline runs only the pairs; --pairs '' only the headline runs and the tier check (a long experiment in
+    two commands, each within a time limit)."""
+    base = [*FAST, "--arms", "gpu,host", "--cache-dir", str(tmp_path / "tables")]
+    pair_argv = ["bench", "paper", *base, "--pairs", "gpu:host", "--no-headline", "--out", str(tmp_path / "p.json")]
+    assert main(pair_argv) == 0
+    pair = json.loads((tmp_path / "p.json").read_text())["result"]
+    assert [(c["a"], c["b"]) for c in pair["comparisons"]] == [("gpu", "host")]
+    assert pair["headline"] == {} and pair["tier_check"] is None
+    assert main(["bench", "paper", *base, "--pairs", "", "--out", str(tmp_path / "h.json")]) == 0
+    head = json.loads((tmp_path / "h.json").read_text())["result"]
+    assert head["comparisons"] == [] and set(head["headline"]) == {"gpu", "host"}
+    assert head["tier_check"]["equal"] and "bitwise equal" in capsys.readouterr().out
