@@ -104,9 +104,11 @@ def settings_from(args: argparse.Namespace, seed: int) -> Settings:
 
 # ----------------------------------------------------------------- points
 def make_point(cfg, arm: str, tier: str | None, phase: str, batch: int, context: int, shapes: list,
-               ms_wall: float, ms_gpu: float | None, tokens_per_step: int, itemsize: int, ceilings) -> dict:
-    """One JSON record: timings, throughput and the roofline of the mean cost of ``shapes`` (StepShapes); a
-    DeepSeek-V4 model's roofline fields are None (roofline.py counts dense decoders only)."""
+               ms_wall: float, ms_gpu: float | None, tokens_per_step: int, itemsize: int, ceilings,
+               costs: list | None = None) -> dict:
+    """One JSON record: timings, throughput and the roofline of the mean cost of ``shapes`` (StepShapes), or of
+    ``costs`` (StepCosts) where given: a DeepSeek-V4 decode point's (v4_roofline.py); a V4 point without them has
+    None roofline fields (roofline.py counts dense decoders only)."""
     from engram.bench.roofline import StepCost, roofline, step_cost
     from engram.model.deepseek_v4.config import V4Config
 
@@ -115,9 +117,9 @@ def make_point(cfg, arm: str, tier: str | None, phase: str, batch: int, context:
              "batch": batch, "context": context, "kv_mean": round(statistics.fmean(kv), 1), "steps": len(shapes),
              "ms_wall": ms_wall, "ms_gpu": ms_gpu, "ms_host_overhead": None if ms_gpu is None else ms_wall - ms_gpu,
              "tok_s": tokens_per_step / ms_wall * 1e3}
-    if isinstance(cfg, V4Config):
+    if isinstance(cfg, V4Config) and costs is None:
         return {**point, "roofline_ms": None, "ratio": None, "gpu_ratio": None, "bound": None}
-    costs = [step_cost(cfg, shape, itemsize, tier) for shape in shapes]
+    costs = costs if costs is not None else [step_cost(cfg, shape, itemsize, tier) for shape in shapes]
     mean = StepCost(**{f.name: round(statistics.fmean(getattr(c, f.name) for c in costs))
                        for f in dataclasses.fields(StepCost)})
     roof_s, bound = roofline(mean, ceilings)
@@ -131,8 +133,10 @@ def engine_points(loaded, arm: str, tier: str | None, s: Settings, device, dtype
     """Build an engine over ``loaded``, measure every decode and prefill point, close its tables."""
     from engram.bench.engine_steps import engine_config, free_memory, measure_decode, measure_prefill, prompt_ids
     from engram.bench.roofline import StepShape
+    from engram.bench.v4_roofline import RoutingProbe, decode_cost, v4_weights
     from engram.engine.engine import LLMEngine
     from engram.engine.heap import freeze_startup_heap, thaw_heap
+    from engram.model.deepseek_v4.config import V4Config
 
     cfg = loaded.model_config
     itemsize = dtype.itemsize
@@ -142,12 +146,21 @@ def engine_points(loaded, arm: str, tier: str | None, s: Settings, device, dtype
     try:
         for b in s.batch_sizes:
             prompts = prompt_ids(b, s.context_len, cfg.vocab_size, s.seed + b)
-            t = measure_decode(engine, prompts, s.decode_steps, s.warmup_tokens, s.profile_steps, busy_device)
+            routing = RoutingProbe(engine) if isinstance(cfg, V4Config) else None
+            t = measure_decode(engine, prompts, s.decode_steps, s.warmup_tokens, s.profile_steps, busy_device,
+                               probe=routing)
             shapes = [StepShape.decode(ctx) for ctx in t.context_lens]
             ms_gpu = None if t.busy_s is None else t.busy_s * 1e3
+            costs = None
+            if routing is not None:  # positions = KV lengths after the step - 1
+                weights = v4_weights(loaded.model)
+                costs = [decode_cost(cfg, weights, [c - 1 for c in ctx], routing.experts, itemsize, tier)
+                         for ctx in t.context_lens]
             points.append(make_point(cfg, arm, tier, "decode", b, s.context_len, shapes,
-                                     statistics.fmean(t.wall_s) * 1e3, ms_gpu, b, itemsize, ceilings))
+                                     statistics.fmean(t.wall_s) * 1e3, ms_gpu, b, itemsize, ceilings, costs))
             points[-1]["graph_steps"] = t.graph_steps
+            if routing is not None:
+                points[-1]["routed_experts"] = routing.experts
             walls = sorted(t.wall_s)  # the mean hides whether a few slow steps (GC, a page fault) or all moved
             points[-1]["ms_wall_median"] = statistics.median(walls) * 1e3
             points[-1]["ms_wall_max"] = walls[-1] * 1e3

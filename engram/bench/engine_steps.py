@@ -158,8 +158,10 @@ def _decode_step(engine, ids: list[str], generated: dict[str, int], context_len:
 
 def measure_decode(engine, prompts: list[list[int]], steps: int, warmup_tokens: int = 3,
                    profile_steps: int = 0, busy_device: str | None = None, tag: str = "decode",
-                   forced: list[list[int]] | None = None) -> DecodeTimes:
-    """Time ``steps`` pure decode steps of ``len(prompts)`` sequences; ``forced``: ids each request emits instead."""
+                   forced: list[list[int]] | None = None, probe=None) -> DecodeTimes:
+    """Time ``steps`` pure decode steps of ``len(prompts)`` sequences; ``forced``: ids each request emits instead;
+    ``probe(step)``, after the timed and profiled steps: ``step()`` runs one more (checked) decode step of the batch
+    and returns its KV lengths (what a probe observes, e.g. the router's choices, never timed)."""
     if engine.has_unfinished():
         raise RuntimeError("measure_decode needs an idle engine (it aborts every request it adds)")
     if steps < 1 or warmup_tokens < 1:
@@ -167,7 +169,7 @@ def measure_decode(engine, prompts: list[list[int]], steps: int, warmup_tokens: 
     batch, context_len = len(prompts), len(prompts[0])
     n_profile = profile_steps if busy_device else 0
     max_tokens = decode_max_tokens(batch, context_len, engine.config.max_num_batched_tokens, warmup_tokens,
-                                   steps, n_profile)
+                                   steps, n_profile + (probe is not None))
     if forced is not None:
         if len(forced) != batch:
             raise ValueError(f"forced has {len(forced)} token lists for {batch} prompts")
@@ -217,6 +219,8 @@ def measure_decode(engine, prompts: list[list[int]], steps: int, warmup_tokens: 
         if engine.stats()["preemptions"] != before["preemptions"]:
             raise NotADecodeStep("a sequence was preempted during the timed steps (KV cache too small)")
         times.token_ids = [list(tokens[rid]) for rid in ids]
+        if probe is not None:
+            probe(lambda: _decode_step(engine, ids, generated, context_len, tokens))
         return times
     finally:
         for rid in ids:
