@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from tests.parity.deepseek_v4_fixtures import ENGRAM, Pair, prompt  # noqa: E402
+from tests.parity.deepseek_v4_fixtures import ENGRAM, Pair, decode_heavy_requests  # noqa: E402
 
 import engram  # noqa: E402
 from tests.engine_runs import engine_with_worker  # noqa: E402
@@ -27,9 +27,7 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def requests():
-    g = torch.Generator().manual_seed(11)
-    lens = torch.randint(1, 300, (16,), generator=g).tolist()
-    return [prompt(n, seed=500 + i) for i, n in enumerate(lens)], [6 + (300 - n) // 8 for n in lens]
+    return decode_heavy_requests()
 
 
 def _llm(pair, tmp_path, tier: str = "gpu"):

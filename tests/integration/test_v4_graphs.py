@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.parity.deepseek_v4_fixtures import ENGRAM, Pair, prompt  # noqa: E402
+from tests.parity.deepseek_v4_fixtures import ENGRAM, Pair, decode_heavy_requests, prompt  # noqa: E402
 
 import engram  # noqa: E402
 from engram.engine.runners import v4_batched_pages  # noqa: E402
@@ -30,10 +30,7 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def requests():
-    g = torch.Generator().manual_seed(11)
-    lens = torch.randint(1, 300, (16,), generator=g).tolist()
-    news = [6 + (300 - n) // 8 for n in lens]  # the short prompts decode longest: the late steps' spans are short
-    return [prompt(n, seed=500 + i) for i, n in enumerate(lens)], news
+    return decode_heavy_requests()
 
 
 def _greedy(n: int) -> engram.SamplingParams:

@@ -176,5 +176,13 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (n,), generator=g).tolist()
 
 
+def decode_heavy_requests(n: int = 16, seed: int = 11) -> tuple[list[list[int]], list[int]]:
+    """(prompts of 1..299 tokens, output lengths): the short prompts decode longest, so a run's late decode steps
+    batch only short contexts (the V4 decode graphs' small spans) and its early ones long."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 300, (n,), generator=g).tolist()
+    return [prompt(k, seed=500 + i) for i, k in enumerate(lens)], [6 + (300 - k) // 8 for k in lens]
+
+
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).abs().max() / want.double().abs().max())

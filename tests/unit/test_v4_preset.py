@@ -171,7 +171,13 @@ def test_scaled_bench_engine(scaled_preset, tmp_path, capsys):
     points = result["points"]
     assert {(p["arm"], p["phase"]) for p in points} == {("engram/gpu", "decode"), ("engram/gpu", "prefill"),
                                                       ("engram-off", "decode"), ("engram-off", "prefill")}
-    assert all(p["roofline_ms"] is None and p["ms_wall"] > 0 for p in points)
+    assert all(p["ms_wall"] > 0 for p in points)
+    # decode points against the V4 roofline (bench/v4_roofline.py), the routed experts probed; prefill without one
+    decode = [p for p in points if p["phase"] == "decode"]
+    assert all(p["roofline_ms"] > 0 and len(p["routed_experts"]) == 16 for p in decode)
+    on, off = sorted(decode, key=lambda p: p["arm"] != "engram/gpu")
+    assert on["engram_bytes"] > 0 == off["engram_bytes"] and on["weight_bytes"] > off["weight_bytes"]
+    assert all(p["roofline_ms"] is None for p in points if p["phase"] == "prefill")
     assert any("no hf-peer points" in w for w in result["warnings"])
 
 
