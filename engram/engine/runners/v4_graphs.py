@@ -34,7 +34,7 @@ from engram.engine.runners.group_pool import GroupPool
 from engram.engine.runners.v4_batched_pages import BatchedPages, PageIndex
 from engram.engine.step import StepDescription
 from engram.model.deepseek_v4.batched_decode import decode_step
-from engram.model.deepseek_v4.batched_state import BatchedCache
+from engram.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +117,12 @@ class V4GraphRunner(StepRunner):
         s = step.num_seqs
         positions = list(step.start_positions) + [0] * (size - s)
         tables = {}
-        for name, t in step.group_tables.items():
-            pad = torch.full((size - s, max(1, t.shape[1])), self.null_page, dtype=t.dtype)
-            tables[name] = torch.cat([t, pad[:, :t.shape[1]]]) if t.shape[1] else pad
+        for name, t in step.group_tables.items():  # at least one column: a padding row's writes need its page
+            width = max(1, t.shape[1])
+            table = torch.full((size, width), self.null_page, dtype=t.dtype)
+            table[:s] = -1  # no page (where a group holds none for any sequence yet)
+            table[:s, :t.shape[1]] = t
+            tables[name] = table
         return positions, tables, list(step.seq_ids) + [f"padding {i}" for i in range(size - s)]
 
     def _padding_index(self, span: int, size: int) -> PageIndex:
@@ -138,13 +141,13 @@ class V4GraphRunner(StepRunner):
         pages = self.pages[span]
         idx = pages.index(*self._pad(step, size))  # raises (naming the sequence) before anything is written
         _copy_index(_head(self.index[span], size), idx)
-        self.token_ids[:s].copy_(step.token_ids.to(self.device, non_blocking=True))
+        self.token_ids[:s].copy_(to_device(step.token_ids, self.device))  # pinned: never waits for the device
         self.token_ids[s:size].zero_()
         if patch is not None:
             self.token_ids.index_copy_(0, patch.rows, patch.token_ids)
         if self.in_graph:
             for lid, ids in self.row_ids.items():
-                ids[:s].copy_(step.engram_row_ids[lid].to(self.device, non_blocking=True))
+                ids[:s].copy_(to_device(step.engram_row_ids[lid], self.device))
                 ids[s:size].zero_()
                 if patch is not None:
                     ids.index_copy_(0, patch.rows, patch.row_ids[lid])
