@@ -70,8 +70,12 @@ def run(args: argparse.Namespace) -> int:
     t1 = time.perf_counter()
     try:
         outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+        stats = llm.engine.stats()
     finally:
         thaw_heap()  # the command may run inside another program's process (tests call main())
+        # other ranks stopped and the process group left before exit (torch.distributed torn down at interpreter
+        # exit can abort the process)
+        llm.engine.close()
     gen_s = time.perf_counter() - t1
     for out in outputs:
         c = out.outputs[0]
@@ -82,7 +86,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"--- {out.prompt!r}\n{c.text}")
     prompt_toks = sum(len(o.prompt_token_ids) for o in outputs)
     gen_toks = sum(len(o.outputs[0].token_ids) for o in outputs)
-    stats = llm.engine.stats()
     summary = {"model": args.model, "tier": llm.tier, "dtype": str(llm.dtype).removeprefix("torch."),
                "device": str(llm.device), "requests": len(outputs), "prompt_tokens": prompt_toks,
                "generated_tokens": gen_toks, "load_s": round(load_s, 3), "generate_s": round(gen_s, 3),

@@ -96,9 +96,13 @@ class LLMEngine:
         return self.pipeline.step()
 
     def close(self) -> None:
-        """Finish what outlives the steps: the row trace's file (also closed at interpreter exit)."""
+        """Finish what outlives the steps: the row trace's file, and an executor of other processes (its ranks told
+        to stop, its process group left now rather than at interpreter exit). Both also happen at exit."""
         if self.row_trace is not None:
             self.row_trace.close()
+        close = getattr(self.executor, "close", None)
+        if close is not None:
+            close()
 
     @property
     def num_steps(self) -> int:
