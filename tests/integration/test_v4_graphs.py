@@ -3,7 +3,8 @@ a transformers save_pretrained checkpoint with Engram, the graphs' callables run
 (``graph_capture=False``, the CPU's way through them): 16 concurrent mixed-length requests, synchronous and async,
 give the eager engine's tokens and logprobs, with padding rows, three context spans and compressor windows closing
 for some sequences and not others in the same replay (all counted); the staged-rows path (disk tables) likewise; the
-reference's greedy tokens through preemptions forced by a tiny pool; every page of every group comes back. Mutations:
+reference's greedy tokens through preemptions forced by a tiny pool; a request whose lookups fail before its replay
+fails alone; every page of every group comes back. Mutations:
 padding rows pointed at a page sequences hold, a replay whose state positions are not committed."""
 from __future__ import annotations
 
@@ -155,3 +156,24 @@ def test_context_spans():
     assert context_spans(4096) == [1024, 4096]
     assert context_spans(65536) == [1024, 4096, 16384, 65536]
     assert context_spans(100_000) == [1024, 4096, 16384, 65536, 100_000]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_failing_graph_step_commits_nothing(pair, tmp_path, monkeypatch, async_scheduling):
+    """Staged rows (the disk tier's path): r1's lookups fail whenever it decodes, before the replay; its steps are run
+    again in halves, r1 fails alone, the others give the tokens of a run without it, and every page comes back."""
+    from tests.engine_runs import run_with_failing_decodes
+
+    reqs = [prompt(n, seed=400 + i) for i, n in enumerate((90, 140, 61))]
+    llm = _graph_llm(pair, tmp_path, rows_in_graph=False, max_num_batched_tokens=64, max_num_seqs=3,
+                     async_scheduling=async_scheduling)
+    for i, p in enumerate(reqs):
+        llm.engine.add_request(f"r{i}", p, engram.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    out, failed = run_with_failing_decodes(llm.engine, monkeypatch, "r1", len(reqs[1]))
+    assert failed == ["r1"] and set(out) == {"r0", "r2"}
+    assert llm.engine.stats()["graph_replays"] > 0
+    _all_back(llm)
+    clean = _llm(pair, tmp_path, max_num_batched_tokens=64, max_num_seqs=3)
+    want = clean.generate([{"prompt_token_ids": reqs[i]} for i in (0, 2)],
+                          engram.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [out["r0"], out["r2"]] == [w.outputs[0].token_ids for w in want]
