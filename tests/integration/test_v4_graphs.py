@@ -4,8 +4,8 @@ a transformers save_pretrained checkpoint with Engram, the graphs' callables run
 give the eager engine's tokens and logprobs, with padding rows, three context spans and compressor windows closing
 for some sequences and not others in the same replay (all counted); the staged-rows path (disk tables) likewise; the
 reference's greedy tokens through preemptions forced by a tiny pool; a request whose lookups fail before its replay
-fails alone; every page of every group comes back. Mutations:
-padding rows pointed at a page sequences hold, a replay whose state positions are not committed."""
+fails alone; every page of every group comes back. Mutations: padding rows pointed at a page sequences hold, a
+replay whose state positions are not committed."""
 from __future__ import annotations
 
 import pytest
