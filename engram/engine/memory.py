@@ -34,7 +34,9 @@ class MemoryPlan:
 def plan_memory(cfg: EngineConfig, max_model_len: int, bytes_per_block: int, staging_bytes: int,
                 cache_bytes: int, device: torch.device, step_peak_bytes: int | None = None,
                 graph_bytes: int = 0, blocks_per_sequence: int | None = None, prefetch_bytes: int = 0) -> MemoryPlan:
-    """``step_peak_bytes``: the profiled warm-up step's peak (CUDA, no budget); ``graph_bytes``: the graphs' pool;
+    """``step_peak_bytes``: the profiled warm-up step's peak (CUDA, no budget); ``graph_bytes``: what CUDA graphs hold
+    beside the KV cache (the dense graphs' pool, estimated from the profiled peak, else 0; DeepSeek-V4's batched
+    caches), taken out of the profiled free memory or of a ``kv_cache_memory`` budget;
     ``blocks_per_sequence``: the most blocks one full-length sequence holds (cache groups), else its paged KV's;
     ``prefetch_bytes``: the prompt prefetch staging area (engine.prefetch_staging_bytes), filled after the start."""
     per_seq = blocks_per_sequence or -(-max_model_len // cfg.block_size)  # blocks one full-length sequence needs
@@ -42,12 +44,14 @@ def plan_memory(cfg: EngineConfig, max_model_len: int, bytes_per_block: int, sta
         num_blocks = cfg.num_kv_blocks
         what = f"engine.num_kv_blocks={num_blocks}"
     elif cfg.kv_cache_memory is not None:
-        left = cfg.kv_cache_memory - staging_bytes - prefetch_bytes - cache_bytes
+        left = cfg.kv_cache_memory - staging_bytes - prefetch_bytes - cache_bytes - graph_bytes
         num_blocks = max(0, left // bytes_per_block)
         prefetch = f", prompt prefetch staging {prefetch_bytes} (engine.prefetch_staging_bytes)" if prefetch_bytes \
             else ""
-        what = (f"engine.kv_cache_memory={cfg.kv_cache_memory} bytes minus Engram staging {staging_bytes}{prefetch} "
-                f"and hot-row cache {cache_bytes} leaves {max(left, 0)} bytes = {num_blocks} KV blocks of "
+        graphs = f", CUDA graphs' buffers {graph_bytes} (lower engine.max_model_len or max_num_seqs)" if graph_bytes \
+            else ""
+        what = (f"engine.kv_cache_memory={cfg.kv_cache_memory} bytes minus Engram staging {staging_bytes}{prefetch}"
+                f"{graphs} and hot-row cache {cache_bytes} leaves {max(left, 0)} bytes = {num_blocks} KV blocks of "
                 f"{bytes_per_block} bytes")
     elif step_peak_bytes is not None:
         free, total = torch.cuda.mem_get_info(device)

@@ -33,7 +33,7 @@ from engram.engine.runners.mixed_inputs import MixedInputs
 from engram.engine.runners.pieces import DecodePieces
 from engram.engine.runners.piecewise import PiecewiseRunner
 from engram.engine.runners.sequence_cache import SequenceCacheRunner
-from engram.engine.runners.v4_graphs import V4GraphRunner, v4_graphs_wanted
+from engram.engine.runners.v4_graphs import V4GraphRunner, batched_cache_bytes, v4_graphs_wanted
 from engram.engine.runners.verify_graphs import verify_runner
 from engram.engine.runners.verify_pieces import verify_pieces_runner
 from engram.engine.sampler import SampledTokens, Sampler
@@ -152,18 +152,21 @@ class Worker:
                                             not getattr(t, "column_layout", False) for t in self.tables.values()))
         if hasattr(self.lookup, "staging"):
             self.lookup.staging = self.prefetch
+        v4_graphs = (self.sequence_caches and loaded.layers is None
+                     and v4_graphs_wanted(config, self.ecfg, self.device, dtype, graph_capture, FAST_DTYPES))
+        graph_batch = min(config.max_num_seqs, config.max_graph_batch)
         self.memory: MemoryPlan = plan_memory(config, max_model_len, bytes_per_block, staging,
                                               _hot_cache_bytes(self.tables), self.device, peak,
                                               graph_reserve_bytes(config, peak,
-                                                                  self._graph_rows(use_graphs, use_verify_graphs)),
+                                                                  self._graph_rows(use_graphs, use_verify_graphs))
+                                              + (batched_cache_bytes(self.model, self.cache_layout, dtype,
+                                                                     graph_batch, max_model_len) if v4_graphs else 0),
                                               self.cache_layout.max_blocks_per_sequence(max_model_len)
                                               if self.sequence_caches else None,
                                               self.prefetch.capacity_bytes if self.prefetch.active and self.ecfg
                                               else 0)
         # One more block than the scheduler hands out (``memory.num_blocks``): the padding of a graph's bucket
         # writes there.
-        v4_graphs = (self.sequence_caches and loaded.layers is None
-                     and v4_graphs_wanted(config, self.ecfg, self.device, dtype, graph_capture, FAST_DTYPES))
         if self.sequence_caches:  # with V4 graphs one more page than the scheduler hands out: the padding rows'
             self.kv = None
             self.group_pool = GroupPool(self.model_config, self.cache_layout, self.memory.num_blocks + int(v4_graphs),
@@ -182,7 +185,7 @@ class Worker:
         graphs = self._graph_runners(max_model_len, progress, pool) if use_graphs else []
         if v4_graphs:
             graphs.append(V4GraphRunner(self.model, self.group_pool, self.memory.num_blocks, self.tables, self.lookup,
-                                        self.ecfg, min(config.max_num_seqs, config.max_graph_batch), max_model_len,
+                                        self.ecfg, graph_batch, max_model_len,
                                         self.device, progress, capture=graph_capture))
         if use_verify_graphs and self._gathers_on_device():
             graphs.insert(0, verify_runner(self.model, self.kv, self.ecfg, self.tables, config, max_model_len,

@@ -8,6 +8,8 @@ fails alone; every page of every group comes back. Mutations: padding rows point
 replay whose state positions are not committed."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -177,3 +179,28 @@ def test_a_failing_graph_step_commits_nothing(pair, tmp_path, monkeypatch, async
     want = clean.generate([{"prompt_token_ids": reqs[i]} for i in (0, 2)],
                           engram.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert [out["r0"], out["r2"]] == [w.outputs[0].token_ids for w in want]
+
+
+def test_the_batched_caches_come_out_of_a_kv_budget(pair, tmp_path):
+    """With engine.kv_cache_memory, the graphs' batched caches (counted on the meta device before anything is
+    allocated, equal to what the runner allocates) are taken out of it: the pool gets that many fewer pages; a budget
+    they leave too small for one sequence names them."""
+    from engram.engine.runners.v4_graphs import batched_cache_bytes
+
+    eager = _llm(pair, tmp_path, max_num_seqs=8)
+    layout = eager.engine.scheduler.blocks.layout
+    need = layout.max_blocks_per_sequence(eager.engine.max_model_len) * layout.page_bytes
+    cache = batched_cache_bytes(eager.loaded.model, layout, torch.float64, 8, eager.engine.max_model_len)
+    w0 = eager.engine.executor.worker
+    fixed = w0.memory.staging_bytes + (w0.prefetch.capacity_bytes if w0.prefetch.active else 0)  # Engram staging
+    budget = fixed + 3 * need + cache
+    llm = _llm(pair, tmp_path, max_num_seqs=8, kv_cache_memory=budget)
+    graphs = engine_with_worker(llm.loaded, llm.engine.config, graph_capture=False)
+    w = graphs.executor.worker
+    assert w.runners[0].cache_bytes == cache > 0
+    page = layout.page_bytes
+    assert llm.engine.executor.worker.memory.num_blocks == (budget - fixed) // page  # the eager Worker: all of it
+    assert w.memory.num_blocks == (budget - fixed - cache) // page
+    short = dataclasses.replace(llm.engine.config, kv_cache_memory=fixed + need + cache // 2)
+    with pytest.raises(ValueError, match="CUDA graphs' buffers"):
+        engine_with_worker(llm.loaded, short, graph_capture=False)

@@ -205,10 +205,11 @@ class BatchedPages:
                 self.pool.hold(first, p + 1)
 
     # ----------------------------------------------------------------- device: static shapes
-    def empty(self, batch: int) -> BatchedCache:
-        """A zero ``BatchedCache`` of ``batch`` sequences (the buffers a graph would keep at fixed addresses)."""
+    def empty(self, batch: int, device: torch.device | str | None = None) -> BatchedCache:
+        """A zero ``BatchedCache`` of ``batch`` sequences (the buffers a graph would keep at fixed addresses), on the
+        model's device unless given ("meta": sizes without memory)."""
         w = self.model.model.embed.weight
-        dt, wd, dev = self.pool.dtype, work_dtype(self.pool.dtype), w.device
+        dt, wd, dev = self.pool.dtype, work_dtype(self.pool.dtype), w.device if device is None else device
         layers = []
         for i, block in enumerate(self.model.model.layers):
             attn = block.attn

@@ -38,7 +38,7 @@ from engram.transfer import to_device
 
 log = logging.getLogger(__name__)
 
-__all__ = ["V4GraphRunner", "context_spans", "covers_decode", "v4_graphs_wanted"]
+__all__ = ["V4GraphRunner", "batched_cache_bytes", "context_spans", "covers_decode", "v4_graphs_wanted"]
 
 
 def v4_graphs_wanted(config, ecfg, device: torch.device, dtype: torch.dtype, graph_capture: bool,
@@ -57,6 +57,26 @@ def context_spans(max_model_len: int) -> list[int]:
         spans.append(s)
         s *= 4
     return spans + [max_model_len]
+
+
+def entry_caps(cfg, span: int) -> list[int]:
+    """Per decoder layer the entry capacity of a span's graphs: span // ratio (at least 1; sliding layers 1)."""
+    return [max(1, span // cfg.ratio(i)) if cfg.ratio(i) else 1 for i in range(cfg.num_layers)]
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes of a ``BatchedCache``'s state tensors."""
+    return sum(t.numel() * t.element_size() for st in cache.layers for t in st.tensors())
+
+
+def batched_cache_bytes(model, layout, dtype: torch.dtype, max_batch: int, max_model_len: int,
+                        spans: list[int] | None = None) -> int:
+    """Bytes of the batched caches a ``V4GraphRunner`` of these arguments allocates (one of the largest bucket per
+    span), counted on the meta device before anything is allocated: what the memory plan sets aside for them."""
+    pool = GroupPool(model.config, layout, 1, dtype, "meta")
+    b = graph_buckets(max_batch)[-1]
+    return sum(cache_nbytes(BatchedPages(model, pool, entry_caps(model.config, s)).empty(b, "meta"))
+               for s in (spans if spans is not None else context_spans(max_model_len)))
 
 
 def covers_decode(step: StepDescription) -> bool:
@@ -87,8 +107,7 @@ class V4GraphRunner(StepRunner):
         b = self.buckets[-1]
         self.ratios = sorted({cfg.ratio(i) for i in range(cfg.num_layers)} - {0})
         self.n_cols = ecfg.n_cols if ecfg else 0
-        self.pages = {s: BatchedPages(model, pool, [max(1, s // cfg.ratio(i)) if cfg.ratio(i) else 1
-                                                    for i in range(cfg.num_layers)]) for s in self.spans}
+        self.pages = {s: BatchedPages(model, pool, entry_caps(cfg, s)) for s in self.spans}
         self.caches = {s: p.empty(b) for s, p in self.pages.items()}
         self.index = {s: self._padding_index(s, b) for s in self.spans}  # static: what the graphs read
         self.token_ids = torch.zeros(b, dtype=torch.long, device=self.device)
@@ -102,8 +121,7 @@ class V4GraphRunner(StepRunner):
         self.replays = self.padded_rows = self.partial_closes = 0
         self.replays_by_span = {s: 0 for s in self.spans}
         self.pool_bytes, self.capture_s = 0, 0.0
-        self.cache_bytes = sum(t.numel() * t.element_size() for c in self.caches.values()
-                               for st in c.layers for t in st.tensors())
+        self.cache_bytes = sum(cache_nbytes(c) for c in self.caches.values())
         if capture:
             self._capture_all(graph_pool, progress)
 
