@@ -93,8 +93,8 @@ class RoutingProbe:
     """``measure_decode``'s probe over an in-process engine of a DeepSeek-V4 model: runs one more decode step of the
     batch on the Worker's eager runner alone (graph replays run no Python hooks), with a forward hook on every layer's
     router (``ffn.gate``: (weights, expert ids [T, k])), and keeps ``experts``: the distinct experts chosen per layer
-    in that step. The timed steps' roofline uses them: the batch and positions are those of the timed steps, one
-    token on."""
+    in that step. Every timed step's roofline uses them: the same sequences, a few tokens on (after the timed and
+    profiled steps)."""
 
     def __init__(self, engine):
         self.engine, self.experts = engine, None
