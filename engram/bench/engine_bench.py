@@ -143,6 +143,7 @@ def engine_points(loaded, arm: str, tier: str | None, s: Settings, device, dtype
     engine = LLMEngine(loaded, engine_config(s, cfg.max_position_embeddings), device, dtype)
     freeze_startup_heap()  # as engram serve does (engine/heap.py); thawed before the arm's model is dropped
     points = []
+    weights = v4_weights(loaded.model) if isinstance(cfg, V4Config) else None  # the roofline's weight split, once
     try:
         for b in s.batch_sizes:
             prompts = prompt_ids(b, s.context_len, cfg.vocab_size, s.seed + b)
@@ -153,7 +154,6 @@ def engine_points(loaded, arm: str, tier: str | None, s: Settings, device, dtype
             ms_gpu = None if t.busy_s is None else t.busy_s * 1e3
             costs = None
             if routing is not None:  # positions = KV lengths after the step - 1
-                weights = v4_weights(loaded.model)
                 costs = [decode_cost(cfg, weights, [c - 1 for c in ctx], routing.experts, itemsize, tier)
                          for ctx in t.context_lens]
             points.append(make_point(cfg, arm, tier, "decode", b, s.context_len, shapes,

@@ -210,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
               f"{args.output_len} tokens, concurrency {args.concurrency or 'unlimited'}, request rate "
               f"{args.request_rate}/s", file=sys.stderr, flush=True)
         load = run_bench(args, url, warmup, measured, offsets)
-        load["node_memory"] = node_memory.bench_server_memory(server.proc.pid if server is not None else None, args.serve_args)
+        pid = server.proc.pid if server is not None else None  # None: a server the bench did not start
+        load["node_memory"] = node_memory.bench_server_memory(pid, args.serve_args)
     finally:
         if server is not None:
             server.stop()  # before the ceilings are measured: the device is the bench's alone

@@ -159,8 +159,8 @@ class Worker:
                                               _hot_cache_bytes(self.tables), self.device, peak,
                                               graph_reserve_bytes(config, peak,
                                                                   self._graph_rows(use_graphs, use_verify_graphs))
-                                              + (batched_cache_bytes(self.model, self.cache_layout, dtype,
-                                                                     graph_batch, max_model_len) if v4_graphs else 0),
+                                              + (batched_cache_bytes(self.model, dtype, graph_batch, max_model_len)
+                                                 if v4_graphs else 0),
                                               self.cache_layout.max_blocks_per_sequence(max_model_len)
                                               if self.sequence_caches else None,
                                               self.prefetch.capacity_bytes if self.prefetch.active and self.ecfg

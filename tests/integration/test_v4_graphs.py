@@ -190,7 +190,7 @@ def test_the_batched_caches_come_out_of_a_kv_budget(pair, tmp_path):
     eager = _llm(pair, tmp_path, max_num_seqs=8)
     layout = eager.engine.scheduler.blocks.layout
     need = layout.max_blocks_per_sequence(eager.engine.max_model_len) * layout.page_bytes
-    cache = batched_cache_bytes(eager.loaded.model, layout, torch.float64, 8, eager.engine.max_model_len)
+    cache = batched_cache_bytes(eager.loaded.model, torch.float64, 8, eager.engine.max_model_len)
     w0 = eager.engine.executor.worker
     fixed = w0.memory.staging_bytes + (w0.prefetch.capacity_bytes if w0.prefetch.active else 0)  # Engram staging
     budget = fixed + 3 * need + cache

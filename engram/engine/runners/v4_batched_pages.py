@@ -54,10 +54,8 @@ import torch
 
 from engram.engine.runners.group_pool import GroupPool
 from engram.model.deepseek_v4.batched_decode import decode_step, window_valid
-from engram.model.deepseek_v4.batched_state import BatchedCache, BatchedCompressorState, BatchedLayerState
+from engram.model.deepseek_v4.batched_state import BatchedCache, layer_caps, layer_compressors
 from engram.model.deepseek_v4.cache_layout import CSA_GROUP, HCA_GROUP, SLIDING_GROUP, STATE_GROUP
-from engram.model.deepseek_v4.config import CSA, HCA
-from engram.model.deepseek_v4.mhc import work_dtype
 from engram.transfer import to_device
 
 
@@ -110,9 +108,7 @@ class BatchedPages:
     def __init__(self, model, pool: GroupPool, e_max: int | Sequence[int]):
         cfg = model.config
         self.model, self.pool, self.layout = model, pool, pool.layout
-        self.caps = [e_max] * cfg.num_layers if isinstance(e_max, int) else list(e_max)
-        if len(self.caps) != cfg.num_layers:
-            raise ValueError(f"e_max lists {len(self.caps)} layers, the model has {cfg.num_layers}")
+        self.caps = layer_caps(model, e_max)
         sliding = self.layout.group(SLIDING_GROUP)
         if sliding is None or sliding.layers != tuple(range(cfg.num_layers)):
             raise ValueError("BatchedPages needs a pool whose layout covers every decoder layer")
@@ -123,11 +119,12 @@ class BatchedPages:
 
     # ----------------------------------------------------------------- host: per step
     def index(self, positions: Sequence[int], tables: dict[str, torch.Tensor],
-              seq_ids: Sequence | None = None) -> PageIndex:
-        """The step's index tensors from the host positions and group tables (module docstring). Raises
-        RuntimeError where a sequence's state pages hold another position or a row it reads or writes has no page,
-        ValueError where its entries after the step exceed a layer's E_max."""
-        lay, dev = self.layout, self.pool.device
+              seq_ids: Sequence | None = None, device: torch.device | str | None = None) -> PageIndex:
+        """The step's index tensors from the host positions and group tables (module docstring), on ``device`` (None:
+        the pool's; "cpu": host tensors a graph runner copies into its static index once). Raises RuntimeError where a
+        sequence's state pages hold another position or a row it reads or writes has no page, ValueError where its
+        entries after the step exceed a layer's E_max."""
+        lay, dev = self.layout, torch.device(self.pool.device if device is None else device)
         names = list(seq_ids) if seq_ids is not None else list(range(len(positions)))
         b, bs, ring = len(positions), lay.block_size, lay.kept
         pos = torch.tensor(list(positions), dtype=torch.long)
@@ -208,36 +205,14 @@ class BatchedPages:
     def empty(self, batch: int, device: torch.device | str | None = None) -> BatchedCache:
         """A zero ``BatchedCache`` of ``batch`` sequences (the buffers a graph would keep at fixed addresses), on the
         model's device unless given ("meta": sizes without memory)."""
-        w = self.model.model.embed.weight
-        dt, wd, dev = self.pool.dtype, work_dtype(self.pool.dtype), w.device if device is None else device
-        layers = []
-        for i, block in enumerate(self.model.model.layers):
-            attn = block.attn
-            window = torch.zeros(batch, attn.window - 1, attn.head_dim, dtype=dt, device=dev)
-            comps = []
-            for comp in self._compressors(attn):
-                width, r, d = comp.wkv.out_features, comp.ratio, comp.head_dim
-                comps.append(BatchedCompressorState(
-                    torch.zeros(batch, r, width, dtype=dt, device=dev),
-                    torch.zeros(batch, r, width, dtype=wd, device=dev),
-                    torch.zeros(batch, self.caps[i], d, dtype=dt, device=dev),
-                    torch.zeros(batch, r, d, dtype=dt, device=dev) if comp.overlap else None,
-                    torch.zeros(batch, r, d, dtype=wd, device=dev) if comp.overlap else None))
-            comps += [None] * (2 - len(comps))
-            layers.append(BatchedLayerState(window, comps[0], comps[1]))
-        return BatchedCache(torch.zeros(batch, dtype=torch.long, device=dev), tuple(layers))
-
-    @staticmethod
-    def _compressors(attn) -> list:
-        if attn.kind == CSA:
-            return [attn.compressor, attn.indexer.compressor]
-        return [attn.compressor] if attn.kind == HCA else []
+        dev = self.model.model.embed.weight.device if device is None else device
+        return BatchedCache.zeros(self.model, batch, self.caps, self.pool.dtype, dev)
 
     def _parts(self, layer: int):
         """(compressor module, its name: the BatchedLayerState attribute and state field prefix, its entry field) of
         each compressor of a layer."""
         attn = self.model.model.layers[layer].attn
-        return zip(self._compressors(attn), ("compressor", "indexer"), ("entries", "index"))
+        return zip(layer_compressors(attn), ("compressor", "indexer"), ("entries", "index"))
 
     def fill(self, cache: BatchedCache, idx: PageIndex) -> None:
         """``cache`` (an ``empty(B)``) = the pages' state of the batch at ``idx.pos`` (device only, in place)."""

@@ -34,6 +34,7 @@ from engram.engine.runners.group_pool import GroupPool
 from engram.engine.runners.v4_batched_pages import BatchedPages, PageIndex
 from engram.engine.step import StepDescription
 from engram.model.deepseek_v4.batched_decode import decode_step
+from engram.model.deepseek_v4.batched_state import BatchedCache
 from engram.transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -69,13 +70,12 @@ def cache_nbytes(cache) -> int:
     return sum(t.numel() * t.element_size() for st in cache.layers for t in st.tensors())
 
 
-def batched_cache_bytes(model, layout, dtype: torch.dtype, max_batch: int, max_model_len: int,
+def batched_cache_bytes(model, dtype: torch.dtype, max_batch: int, max_model_len: int,
                         spans: list[int] | None = None) -> int:
     """Bytes of the batched caches a ``V4GraphRunner`` of these arguments allocates (one of the largest bucket per
     span), counted on the meta device before anything is allocated: what the memory plan sets aside for them."""
-    pool = GroupPool(model.config, layout, 1, dtype, "meta")
     b = graph_buckets(max_batch)[-1]
-    return sum(cache_nbytes(BatchedPages(model, pool, entry_caps(model.config, s)).empty(b, "meta"))
+    return sum(cache_nbytes(BatchedCache.zeros(model, b, entry_caps(model.config, s), dtype, "meta"))
                for s in (spans if spans is not None else context_spans(max_model_len)))
 
 
@@ -157,7 +157,8 @@ class V4GraphRunner(StepRunner):
         size = next(b for b in self.buckets if b >= s)
         span = next(x for x in self.spans if x >= max(step.start_positions) + 1)
         pages = self.pages[span]
-        idx = pages.index(*self._pad(step, size))  # raises (naming the sequence) before anything is written
+        # on the host (raises, naming the sequence, before anything is written), then one copy a field up
+        idx = pages.index(*self._pad(step, size), device="cpu")
         _copy_index(_head(self.index[span], size), idx)
         self.token_ids[:s].copy_(to_device(step.token_ids, self.device))  # pinned: never waits for the device
         self.token_ids[s:size].zero_()
@@ -250,11 +251,13 @@ def _head(idx, b: int):
 
 
 def _copy_index(static, idx) -> None:
-    """Copy every tensor of ``idx`` into the same field of ``static`` (equal shapes), recursively."""
+    """Copy every (host) tensor of ``idx`` into the same field of ``static`` (equal shapes), recursively: from pinned
+    memory without waiting, where ``static`` is on CUDA."""
     for f in dataclasses.fields(idx):
         v = getattr(idx, f.name)
         if isinstance(v, torch.Tensor):
-            getattr(static, f.name).copy_(v)
+            dst = getattr(static, f.name)
+            dst.copy_(v.pin_memory() if dst.is_cuda else v, non_blocking=dst.is_cuda)
         elif isinstance(v, dict):
             for k, g in v.items():
                 _copy_index(getattr(static, f.name)[k], g)

@@ -27,6 +27,22 @@ from engram.model.deepseek_v4.config import CSA, HCA
 from engram.model.deepseek_v4.mhc import work_dtype
 
 
+def layer_caps(model, e_max: int | Sequence[int]) -> list[int]:
+    """Entry capacity per decoder layer from one int for all or one per layer (sliding layers ignore theirs)."""
+    n = model.config.num_layers
+    caps = [e_max] * n if isinstance(e_max, int) else list(e_max)
+    if len(caps) != n:
+        raise ValueError(f"e_max lists {len(caps)} layers, the model has {n}")
+    return caps
+
+
+def layer_compressors(attn) -> list[Compressor]:
+    """A layer's compressors: CSA the attention's and its indexer's, HCA the attention's, sliding none."""
+    if attn.kind == CSA:
+        return [attn.compressor, attn.indexer.compressor]
+    return [attn.compressor] if attn.kind == HCA else []
+
+
 @dataclass
 class BatchedCompressorState:
     """One compressor's state over the batch (c = 2 with overlap, else 1; d the compressor's head dim)."""
@@ -36,6 +52,17 @@ class BatchedCompressorState:
     entries: torch.Tensor  # [B, E_max, d] model dtype, RoPE'd; rows [0, position // ratio) valid
     overlap_kv: torch.Tensor | None  # [B, ratio, d] overlap only: first halves of the last closed window
     overlap_gate: torch.Tensor | None  # [B, ratio, d] work dtype, ape included
+
+    @classmethod
+    def zeros(cls, comp: Compressor, batch: int, e_max: int, dtype: torch.dtype,
+              device: torch.device | str) -> "BatchedCompressorState":
+        """The zero state of ``comp`` for ``batch`` sequences (kv and entries in ``dtype``, gates in its work dtype)."""
+        r, d, width, wd = comp.ratio, comp.head_dim, comp.wkv.out_features, work_dtype(dtype)
+        return cls(torch.zeros(batch, r, width, dtype=dtype, device=device),
+                   torch.zeros(batch, r, width, dtype=wd, device=device),
+                   torch.zeros(batch, e_max, d, dtype=dtype, device=device),
+                   torch.zeros(batch, r, d, dtype=dtype, device=device) if comp.overlap else None,
+                   torch.zeros(batch, r, d, dtype=wd, device=device) if comp.overlap else None)
 
     @property
     def e_max(self) -> int:
@@ -66,6 +93,20 @@ class BatchedCache:
     positions: torch.Tensor
     layers: tuple[BatchedLayerState, ...]
 
+    @classmethod
+    def zeros(cls, model, batch: int, e_max: int | Sequence[int], dtype: torch.dtype,
+              device: torch.device | str) -> "BatchedCache":
+        """The zero state of ``batch`` sequences of a DeepseekV4Model (``e_max`` as ``layer_caps`` takes it): the
+        buffers a decode graph keeps at fixed addresses ("meta": their sizes without memory)."""
+        caps, layers = layer_caps(model, e_max), []
+        for i, block in enumerate(model.model.layers):
+            attn = block.attn
+            window = torch.zeros(batch, attn.window - 1, attn.head_dim, dtype=dtype, device=device)
+            comps = [BatchedCompressorState.zeros(c, batch, caps[i], dtype, device) for c in layer_compressors(attn)]
+            comps += [None] * (2 - len(comps))
+            layers.append(BatchedLayerState(window, comps[0], comps[1]))
+        return cls(torch.zeros(batch, dtype=torch.long, device=device), tuple(layers))
+
     @property
     def batch(self) -> int:
         return self.positions.shape[0]
@@ -87,9 +128,7 @@ class BatchedCache:
         cache breaks the state's invariants. Host-side: reads every cache's shapes."""
         w = model.model.embed.weight
         dtype, device, n = w.dtype, w.device, len(caches)
-        caps = [e_max] * model.config.num_layers if isinstance(e_max, int) else list(e_max)
-        if len(caps) != model.config.num_layers:
-            raise ValueError(f"e_max lists {len(caps)} layers, the model has {model.config.num_layers}")
+        caps = layer_caps(model, e_max)
         positions = [c.position for c in caches]
         layers = []
         for i, block in enumerate(model.model.layers):
@@ -136,13 +175,8 @@ class BatchedCache:
 
 def _compressor_from(comp: Compressor, states: list[CompressorState], positions: list[int], e_max: int,
                      layer: int, what: str, dtype: torch.dtype, device: torch.device) -> BatchedCompressorState:
-    r, d, width, n = comp.ratio, comp.head_dim, comp.wkv.out_features, len(states)
-    wd = work_dtype(dtype)
-    out = BatchedCompressorState(
-        torch.zeros(n, r, width, dtype=dtype, device=device), torch.zeros(n, r, width, dtype=wd, device=device),
-        torch.zeros(n, e_max, d, dtype=dtype, device=device),
-        torch.zeros(n, r, d, dtype=dtype, device=device) if comp.overlap else None,
-        torch.zeros(n, r, d, dtype=wd, device=device) if comp.overlap else None)
+    r, wd = comp.ratio, work_dtype(dtype)
+    out = BatchedCompressorState.zeros(comp, len(states), e_max, dtype, device)
     for b, (st, pos) in enumerate(zip(states, positions)):
         count, fill = st.num_entries, st.buffer_kv.shape[0]
         if count > e_max:
