@@ -6,6 +6,7 @@ CUDA, main stream only), ``pipe`` the point-to-point streams between stages (par
 stage is the world, as tensor parallelism alone always had it."""
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -94,3 +95,14 @@ def init_group(device: str, init_method: str, place: RankPlace, timeout_s: float
     control = [dist.new_group(place.stage_ranks(s), backend="gloo", timeout=timeout) for s in range(place.pp)]
     devices = [dist.new_group(place.stage_ranks(s), timeout=timeout) for s in range(place.pp)]
     return RankGroups(control[place.stage], devices[place.stage], dev, place, dist.group.WORLD)
+
+
+def leave_groups() -> None:
+    """Leave torch.distributed for good: destroy every process group, then collect what is left of them while the
+    interpreter is fully alive. The caller drops its own references to its groups, and to everything holding one (a
+    Worker: its model, tables and sampler), first. A gloo group's run-loop threads stop only when its last reference
+    goes; one still running at interpreter exit may then free its last collective's tensors, which takes the GIL, and
+    the process aborts ("terminate called without an active exception")."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()

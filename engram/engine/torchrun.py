@@ -16,6 +16,7 @@ import torch.distributed as dist
 from engram import envs
 
 from engram.engine.executor import Executor, ExecutorFailed
+from engram.engine.rank_groups import leave_groups
 from engram.engine.step import StepDescription, StepResult
 from engram.engine.tp_rank import RankSpec, build_rank_worker, init_group, run_message, serve_steps
 
@@ -62,12 +63,14 @@ def serve_rank(spec: RankSpec, rank: int) -> None:
     """A rank other than 0: build its Worker, then run what rank 0 broadcasts until it says "stop"."""
     check_world(spec)
     groups = init_group(spec, rank, START_TIMEOUT_S, _local_rank())
+    worker = None
     try:
         worker = build_rank_worker(rank, spec, groups)
         _agree_on_blocks(worker, groups.control)
         serve_steps(rank, worker, groups, None, None)
     finally:
-        dist.destroy_process_group()
+        worker = groups = None  # the last references to this rank's groups, before they are left
+        leave_groups()
 
 
 class TorchrunExecutor(Executor):
@@ -105,8 +108,12 @@ class TorchrunExecutor(Executor):
         return self._run(("sampled", None))
 
     def close(self) -> None:
-        """Tell the other ranks to stop, then leave the group (also at exit, if never called)."""
+        """Tell the other ranks to stop and leave the groups (also at exit, if never called); then drop this
+        executor's Worker and groups so that the groups' threads finish before the interpreter does
+        (rank_groups.leave_groups)."""
         self._finalizer()
+        self.worker = self.groups = None
+        leave_groups()
 
 
 def _stop_ranks(worker, groups, open_: list) -> None:

@@ -27,7 +27,8 @@ from engram import envs
 from engram.engine.config import EngineConfig
 from engram.engine.early_lookups import EarlyLookups
 from engram.engine.lookup import LookupExecutor
-from engram.engine.rank_groups import GLOO_TIMEOUT_S, NCCL_ENV, RankGroups, RankPlace, init_group as join_groups
+from engram.engine.rank_groups import (GLOO_TIMEOUT_S, NCCL_ENV, RankGroups, RankPlace, init_group as join_groups,
+                                      leave_groups)
 from engram.engine.sampler import SampledTokens, Sampler
 from engram.engine.stage_inbox import StageInbox
 from engram.engine.step import SampleSpec
@@ -231,6 +232,7 @@ def _arrived(msg: tuple) -> tuple:
 
 def rank_main(rank: int, spec: RankSpec, conn) -> None:
     """A spawned rank's process: build its Worker, report, then run what its stage leader receives until "stop"."""
+    groups = worker = None
     try:
         groups = init_group(spec, rank)
         worker = build_rank_worker(rank, spec, groups)
@@ -248,8 +250,8 @@ def rank_main(rank: int, spec: RankSpec, conn) -> None:
         finally:
             raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        worker = groups = None  # the last references to this rank's groups, before they are left
+        leave_groups()
 
 
 def serve_steps(rank: int, worker: Worker, groups: RankGroups, receive: Callable[[], tuple] | None,

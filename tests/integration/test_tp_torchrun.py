@@ -1,6 +1,7 @@
 """``engram generate --tensor-parallel-size 2`` launched by a real ``torchrun --standalone --nproc-per-node 2`` (c10d
 rendezvous, env:// group): rank 0 runs the engine with the TorchrunExecutor, rank 1 serves its steps; the tokens equal
-a TP1 run's, and a WORLD_SIZE other than the TP size is refused."""
+a TP1 run's; neither rank has a gloo thread left when the command returns (one that outlives the interpreter can abort
+the process at exit); a WORLD_SIZE other than the TP size is refused."""
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ from engram.engine.torchrun import torchrun_rank
 
 pytestmark = pytest.mark.timeout(600)
 TORCHRUN = Path(sys.executable).parent / "torchrun"
+ENTRY = Path(__file__).resolve().parents[1] / "torchrun_entry.py"  # engram, then its rank's gloo threads
 ARGS = ["tiny", "--device", "cpu", "--dtype", "float64", "--prompt", "hello world", "--prompt", "the cat sat",
         "--max-tokens", "6", "--no-progress", "--json", "--threads", "1"]
 
@@ -35,10 +37,13 @@ def test_torchrun_two_ranks_match_tp1(tmp_path_factory):
     cache = tmp_path_factory.getbasetemp() / "engram-cache"
     tp1 = _run([sys.executable, "-m", "engram", "generate", *ARGS], cache)
     assert tp1.returncode == 0, tp1.stderr[-2000:]
-    run = _run([str(TORCHRUN), "--standalone", "--nnodes", "1", "--nproc-per-node", "2", "-m", "engram", "generate",
+    run = _run([str(TORCHRUN), "--standalone", "--nnodes", "1", "--nproc-per-node", "2", str(ENTRY), "generate",
                 *ARGS, "--tensor-parallel-size", "2"], cache)
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(_tokens(tp1.stdout)) == 2 and _tokens(run.stdout) == _tokens(tp1.stdout)  # rank 0 prints alone
+    # both ranks left their groups before the command returned: no gloo thread is left to outlive the interpreter
+    left = [json.loads(line) for line in run.stdout.splitlines() if line.startswith('{"rank"')]
+    assert sorted(left, key=lambda r: r["rank"]) == [{"rank": 0, "gloo_threads": 0}, {"rank": 1, "gloo_threads": 0}]
 
     bad = _run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "-m", "engram", "generate", *ARGS,
                 "--tensor-parallel-size", "4"], cache)
