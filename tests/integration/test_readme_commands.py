@@ -2,9 +2,9 @@
 script (set -euo pipefail) run from the repository root in a fresh shell (no venv on PATH), so a command
 with a default that does not fit the tiny model, a typo or a missing file fails here. Blocks fenced
 ```console (commands that need a GPU or a real checkpoint) are documentation and are not run. `make run` and
-`make test` themselves are skipped (they start a server / this suite); curl commands go to a real
-`engram serve` of the tiny model on a free port instead of :8000; paths under /tmp/ are moved into this
-test's temporary directory; tables are built in the session's cache."""
+`make test` themselves are skipped (they start a server / this suite), and so are curl commands (they run against a
+real `engram serve` in tests/integration/test_server_readme.py, their answers checked); paths under /tmp/ are moved
+into this test's temporary directory; tables are built in the session's cache."""
 from __future__ import annotations
 
 import os
@@ -14,13 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from engram.server.launcher import ServerProcess
 
 pytestmark = pytest.mark.timeout(1200)
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-SKIPPED = ("make run", "make test")
+SKIPPED = ("make run", "make test", "curl ")
 
 
 def sh_blocks(text: str) -> list[str]:
@@ -60,19 +59,9 @@ def test_the_readme_marks_its_commands():
 def test_every_sh_command_of_the_readme_runs_as_written(fresh_shell_env, tmp_path_factory):
     blocks = [b for b in sh_blocks(README.read_text()) if _runnable(b)]
     scratch = tmp_path_factory.mktemp("readme")
-    server = None
-    try:
-        for i, block in enumerate(blocks):
-            script = _runnable(block).replace("/tmp/", f"{scratch}/")
-            if re.search(r"^\s*curl\b", script, re.M):
-                if server is None:
-                    server = ServerProcess(["tiny", "--threads", "1"], Path(fresh_shell_env["ENGRAM_CACHE_DIR"]),
-                                           scratch / "server.log").wait_ready()
-                script = re.sub(r"(127\.0\.0\.1|localhost):8000", server.url.removeprefix("http://"), script)
-            r = subprocess.run(["bash", "-c", "set -euo pipefail\n" + script], cwd=ROOT, env=fresh_shell_env,
-                               capture_output=True, text=True, timeout=900)
-            assert r.returncode == 0, (f"README ```sh block {i} failed (exit {r.returncode}):\n{script}",
-                                       r.stdout[-3000:], r.stderr[-3000:])
-    finally:
-        if server is not None:
-            server.stop()
+    for i, block in enumerate(blocks):
+        script = _runnable(block).replace("/tmp/", f"{scratch}/")
+        r = subprocess.run(["bash", "-c", "set -euo pipefail\n" + script], cwd=ROOT, env=fresh_shell_env,
+                           capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, (f"README ```sh block {i} failed (exit {r.returncode}):\n{script}",
+                                   r.stdout[-3000:], r.stderr[-3000:])
