@@ -10,13 +10,13 @@ VARIABLES = {
     "ENGRAM_CACHE_DIR": "root of engram's caches: preset tables, the compressed-tokenizer maps "
                         "(default ~/.cache/engram)",
     "ENGRAM_KERNELS": "fast path or reference per kernel: 'auto' | 'torch' | 'triton' for every Triton kernel, or "
-                      "a comma list of kernel=choice over gather, attention, fused, gate (auto|torch|triton) and "
+                      "a comma list of kernel=choice over gather, attention, fused, gate, mhc (auto|torch|triton) and "
                       "reader (auto|c|python); default auto",
     "ENGRAM_PP_LAYER_PARTITION": "layers per pipeline stage, 'a,b,...' (the planner chooses when unset; "
                                  "an explicit partition argument wins)",
     "ENGRAM_COMMIT": "the commit benchmark JSON records, over git's HEAD (a copied tree's .git may be stale)",
 }
-TRITON_KERNELS = ("gather", "attention", "fused", "gate")
+TRITON_KERNELS = ("gather", "attention", "fused", "gate", "mhc")
 KERNELS = TRITON_KERNELS + ("reader",)
 
 

@@ -3,12 +3,30 @@ h [T, hc, H]. Around each block an ``HyperConnection`` computes, from the rms-no
 weight ``pre`` [T, hc], an expand weight ``post`` [T, hc] and a mix ``comb`` [T, hc, hc] projected towards
 doubly-stochastic by Sinkhorn-Knopp; the block reads ``sum_k pre_k h_k`` and the streams become
 ``post_k * y + sum_j comb[j, k] h_j``. ``HyperHead`` collapses the streams before the final norm. Parameters and
-mixes are float32 (float64 for float64 models); the streams keep the model dtype."""
+mixes are float32 (float64 for float64 models); the streams keep the model dtype.
+
+Fast paths on CUDA (bf16 / fp16 / fp32): ``HyperConnection.collapse`` in one Triton launch after its GEMM
+(mhc_triton.py; switch "mhc" of ENGRAM_KERNELS), and the weighted ``rms_norm`` in the dense presets' one-launch kernel
+(fused_triton.rms_norm, which rounds ``w * x * rsqrt(...)`` once as this reference does; switch "fused"). The torch code
+here is the reference (any device and dtype)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engram.fast_path import FastPathSwitch, importable
+from engram.model.layers import fused
+
+SWITCH = FastPathSwitch("mHC collapse backend", "mhc")
+FAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def collapse_fast(h: torch.Tensor, hc: int) -> bool:
+    """Whether ``HyperConnection.collapse`` takes the Triton kernel for streams ``h`` of ``hc`` streams."""
+    can_run = (h.is_cuda and h.dtype in FAST_DTYPES and h.stride(-1) == 1 and hc & (hc - 1) == 0
+               and importable("engram.model.deepseek_v4.mhc_triton"))
+    return SWITCH.fast(can_run, f"{h.dtype} streams on {h.device} (hc={hc})")
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -18,6 +36,10 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim in the work dtype, returned in x's dtype."""
+    if weight is not None and weight.dtype == torch.float32 and fused.fast_rms_norm(x):
+        from engram.model.layers import fused_triton
+
+        return fused_triton.rms_norm(x, weight, eps)
     xf = x.to(work_dtype(x.dtype))
     y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     if weight is not None:
@@ -58,6 +80,10 @@ class HyperConnection:
     def collapse(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [T, hc, H] -> (block input [T, H] in h's dtype, post [T, hc], comb [T, hc, hc]) in the work dtype."""
         hc, wd = self.hc, work_dtype(h.dtype)
+        if all(p.dtype == torch.float32 for p in (self.fn, self.base, self.scale)) and collapse_fast(h, hc):
+            from engram.model.deepseek_v4 import mhc_triton
+
+            return mhc_triton.collapse(h, self.fn, self.base, self.scale, self.iters, self.eps, self.norm_eps)
         flat = rms_norm(h.flatten(1).to(wd), None, self.norm_eps)  # [T, hc*H]
         mix = F.linear(flat, self.fn.to(wd))  # [T, (2+hc)*hc]
         pre_w, post_w, comb_w = mix.split([hc, hc, hc * hc], dim=-1)

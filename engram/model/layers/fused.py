@@ -37,6 +37,13 @@ def _fast(x: torch.Tensor) -> bool:
     return SWITCH.fast(can_run, f"{x.dtype} on {x.device}")
 
 
+def fast_rms_norm(x: torch.Tensor) -> bool:
+    """Whether ``fused_triton.rms_norm`` (x * rsqrt(mean(x^2) + eps) * w in float32, rounded once) takes ``x`` under
+    this switch: DeepSeek-V4's norms (model/deepseek_v4/mhc.py), whose reference rounds as that kernel does, call it
+    directly."""
+    return _fast(x) and x.stride(-1) == 1
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama/Qwen RMSNorm over the last dim: statistics in float32 (float64 stays float64), weight last."""
     if _fast(x) and x.stride(-1) == 1:
