@@ -136,7 +136,8 @@ def test_no_import_cycle():
 # Function-level imports of package modules: only of the Triton modules (triton has no CPU backend, so they
 # import only where a GPU path runs), and in the command layer, which defers each subcommand's imports until
 # it runs (``engram --help`` loads no model code).
-OPTIONAL = ("triton_gather", "fused_triton", "paged_attention_triton", "_pread_pool")  # _pread_pool: the C reader
+# _pread_pool: the C reader
+OPTIONAL = ("triton_gather", "fused_triton", "paged_attention_triton", "mhc_triton", "_pread_pool")
 DEFERRING = ("engram.commands", "engram.bench", "engram.cli")
 
 
