@@ -20,6 +20,7 @@ import sys
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from engram.bench.report import git_commit
 from engram.model.deepseek_v4 import attention, batched_decode, indexer, mhc, moe
 from engram.model.deepseek_v4.batched_state import BatchedCache
 from engram.model.deepseek_v4.config import CSA, HCA
@@ -29,9 +30,11 @@ V4_COUNT_SHAPE = dict(hidden_size=64, num_attention_heads=4, head_dim=32, q_lora
                       index_n_heads=4, index_head_dim=16, index_topk=8, qk_rope_head_dim=16, n_routed_experts=8,
                       moe_intermediate_size=32, vocab_size=4608, max_position_embeddings=2048, sliding_window=32,
                       compress_rates={CSA: 4, HCA: 16})
-# (owner, attribute, part): the calls a step's ops are charged to (innermost wins)
+# (owner, attribute, part): the calls a step's ops are charged to (innermost wins); a part given as a function names
+# itself from the call's arguments
 PARTS = [(mhc.HyperConnection, "collapse", "mhc collapse"), (mhc.HyperConnection, "expand", "mhc expand"),
-         (mhc, "rms_norm", "rms norm"), (batched_decode, "compressor_step", "compressor"),
+         (mhc, "rms_norm", lambda x, weight, eps: "rms norm" if weight is not None else "rms norm (no weight)"),
+         (batched_decode, "compressor_step", "compressor"),
          (indexer.Indexer, "select", "indexer"), (attention.Attention, "project", "attention projections"),
          (attention.Attention, "project_out", "output projections"), (attention.Attention, "sink_probs", "sinks"),
          (moe.MoE, "forward", "moe")]
@@ -45,7 +48,8 @@ class _Charged:
     """The part running now (a stack over the instrumented calls) and ops counted per part."""
 
     def __init__(self):
-        self.stack, self.counts = ["other"], collections.Counter()
+        self.stack, self.counts, self.calls = ["other"], collections.Counter(), collections.Counter()
+        self.counting = False  # calls are counted in the measured step only
 
     @contextlib.contextmanager
     def instrumented(self):
@@ -55,7 +59,9 @@ class _Charged:
             fn = real.__func__ if isinstance(real, staticmethod) else real
 
             def wrapped(*a, _fn=fn, _part=part, **k):
-                self.stack.append(_part)
+                name = _part(*a, **k) if callable(_part) else _part
+                self.calls[name] += self.counting
+                self.stack.append(name)
                 try:
                     return _fn(*a, **k)
                 finally:
@@ -94,6 +100,7 @@ def count(device: str = "cpu", batch: int = 1, position: int = 200) -> dict:
     charged = _Charged()
     with torch.no_grad(), charged.instrumented():
         batched_decode.decode_step(*args, **kw)  # warm-up (Triton compiles, lazy buffers)
+        charged.counting = True
         if device == "cpu":
             with _AtenKernels(charged):
                 batched_decode.decode_step(*args, **kw)
@@ -107,7 +114,9 @@ def count(device: str = "cpu", batch: int = 1, position: int = 200) -> dict:
     parts = dict(charged.counts.most_common())
     return {"device": device, "batch": batch, "position": position, "layers": cfg.num_layers,
             "sinkhorn_iters": cfg.hc_sinkhorn_iters, "kernels": sum(parts.values()), "parts": parts,
-            "counted": "aten ops that launch a kernel (reference path)" if device == "cpu" else "CUDA kernels"}
+            "calls": dict(charged.calls.most_common()),
+            "counted": "aten ops that launch a kernel (reference path)" if device == "cpu" else "CUDA kernels",
+            **git_commit()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{res['kernels']} kernels in one decode step ({res['counted']}), batch {res['batch']}, "
           f"{res['layers']} layers:")
     for part, n in res["parts"].items():
-        print(f"  {part:24s} {n:6d}")
+        calls = res["calls"].get(part)
+        print(f"  {part:24s} {n:6d}" + (f"  ({calls} calls)" if calls else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import engram
+from benchmarks.v4_kernel_count import V4_COUNT_SHAPE
 from engram.model.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
 from engram.model.loader import model_size
 from engram.model.presets import (DEFAULT_LARGE_TABLE_ROWS, FLASH, MODEL_PRESETS, SMALL, TOKENIZER_VOCAB,
@@ -21,10 +22,7 @@ from engram.model.presets import (DEFAULT_LARGE_TABLE_ROWS, FLASH, MODEL_PRESETS
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "model.md"
 # the scaled-down shape: every width small, the depth, pattern and Engram layers of the full preset
-SCALED = dict(hidden_size=64, num_attention_heads=4, head_dim=32, q_lora_rank=32, o_groups=2, o_lora_rank=16,
-              index_n_heads=4, index_head_dim=16, index_topk=8, qk_rope_head_dim=16, n_routed_experts=8,
-              moe_intermediate_size=32, vocab_size=4608, max_position_embeddings=2048, sliding_window=32,
-              compress_rates={CSA: 4, HCA: 16})
+SCALED = V4_COUNT_SHAPE  # the kernel count (benchmarks/v4_kernel_count.py) runs the same shape
 SCALED_ROWS = 24 * 60
 PROMPTS = ["def add(a, b):", "Engram tables are " * 6]
 
